@@ -1,0 +1,37 @@
+# Quick start: `make demo` (set up, then run the demo on this machine) and `make test`
+# (set up, then lint, type-check and run the whole test suite). Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# This machine's CPU build of PyTorch. On a GPU machine install your own torch into the venv
+# first (or set TORCH_SPEC, e.g. TORCH_SPEC=torch): autoplan itself needs only torch>=2.6.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lint typecheck pytest clean
+
+setup: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+pytest: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,53 @@
+"""Human-readable numbers for tables: bytes, FLOP/s, bandwidth, time."""
+
+from __future__ import annotations
+
+
+def _scaled(value: float, units: tuple[tuple[float, str], ...], digits: int = 3) -> str:
+    for scale, suffix in units:
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g} {suffix}"
+    scale, suffix = units[-1]
+    return f"{value / scale:.{digits}g} {suffix}"
+
+
+def fmt_bytes(value: float) -> str:
+    """Binary units, as memory is sold and reported (80 GiB)."""
+    return _scaled(
+        value,
+        (
+            (2.0**50, "PiB"),
+            (2.0**40, "TiB"),
+            (2.0**30, "GiB"),
+            (2.0**20, "MiB"),
+            (2.0**10, "KiB"),
+            (1.0, "B"),
+        ),
+    )
+
+
+def fmt_flops(value: float) -> str:
+    return _scaled(value, ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1.0, "FLOP/s")))
+
+
+def fmt_bandwidth(value: float) -> str:
+    return _scaled(value, ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1.0, "B/s")))
+
+
+def fmt_time(seconds: float) -> str:
+    return _scaled(
+        seconds,
+        (
+            (86400.0, "days"),
+            (3600.0, "h"),
+            (60.0, "min"),
+            (1.0, "s"),
+            (1e-3, "ms"),
+            (1e-6, "us"),
+            (1e-9, "ns"),
+        ),
+    )
+
+
+def fmt_count(value: float) -> str:
+    return _scaled(value, ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1.0, "")))

@@ -1,0 +1,49 @@
+"""The ``autoplan`` command line.
+
+Every command takes ``--json`` for machine-readable output on stdout. A user mistake (bad flag,
+file, model or cluster spec, impossible plan) prints one line ``autoplan: error: ...`` on
+stderr and exits 2, never a traceback. One module per command; each is registered below.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import click
+
+from autoplan import __version__
+from autoplan.cli.cluster_cmd import cluster
+from autoplan.cli.validate_cmd import validate
+from autoplan.errors import InputError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autoplan")
+def cli() -> None:
+    """autoplan: search and compile parallel training plans for Transformers."""
+
+
+cli.add_command(cluster)
+cli.add_command(validate)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point: user mistakes become one line on stderr and exit code 2."""
+    try:
+        cli.main(
+            args=list(argv) if argv is not None else None,
+            prog_name="autoplan",
+            standalone_mode=False,
+        )
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        click.echo("autoplan: aborted", err=True)
+        sys.exit(130)
+    except InputError as error:
+        click.echo(f"autoplan: error: {error}", err=True)
+        sys.exit(2)

@@ -1,0 +1,30 @@
+"""`autoplan validate`: check a plan file against a cluster (and a model)."""
+
+from __future__ import annotations
+
+import click
+
+from autoplan.cli.common import emit_json, json_option
+from autoplan.plan import Plan
+from cost_model.hardware import load_cluster
+
+
+@click.command()
+@click.argument("plan_path", metavar="PLAN.yaml")
+@click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
+@click.option(
+    "--allow-cross-node-tp", is_flag=True, help="Accept tensor-parallel groups that span nodes."
+)
+@json_option
+def validate(plan_path: str, cluster_spec: str, allow_cross_node_tp: bool, as_json: bool) -> None:
+    """Check a plan file against a cluster."""
+    plan = Plan.from_yaml(plan_path)
+    target = load_cluster(cluster_spec)
+    plan.validate(None, target, allow_cross_node_tp=allow_cross_node_tp)
+    if as_json:
+        emit_json({"valid": True, "plan": plan_path, "cluster": target.name})
+    else:
+        click.echo(
+            f"{plan_path}: valid for {target.name} ({target.num_devices} devices): "
+            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}"
+        )

@@ -1,0 +1,32 @@
+"""autoplan's error types. Every user mistake is an `InputError`: the CLI prints its message
+as one line and exits 2; library callers can catch the specific subclass."""
+
+from __future__ import annotations
+
+from cost_model.errors import ClusterError, InputError, SchemaError
+
+__all__ = [
+    "ClusterError",
+    "InputError",
+    "ModelSpecError",
+    "NoFeasiblePlanError",
+    "PlanError",
+    "SchemaError",
+    "TraceError",
+]
+
+
+class PlanError(InputError):
+    """A plan is inconsistent, or does not fit the model or the cluster it is used with."""
+
+
+class ModelSpecError(InputError):
+    """A model name, preset or builder override is invalid."""
+
+
+class TraceError(InputError):
+    """A model could not be traced or profiled."""
+
+
+class NoFeasiblePlanError(InputError):
+    """No plan in the searched space fits the cluster."""

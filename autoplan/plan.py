@@ -1,0 +1,363 @@
+"""The plan: how one model is split over one cluster, as plain frozen data.
+
+`Plan` is the only contract between the search and the passes, and the format users read and
+edit (YAML, `schema_version` 1, every field documented in docs/plan-format.md). Construction
+checks that the plan is consistent with itself; `Plan.validate` checks it against a model and a
+cluster. Both raise `PlanError` naming the field, the value, the rule and the fix.
+
+Rank layout: ``rank_layout`` orders the mesh axes from outermost to innermost. With the default
+``("pp", "dp", "tp")`` the ranks of one TP group are consecutive (inside one node) and pipeline
+stages are furthest apart, as in Megatron-LM. Stage ``i`` of ``pp_degree * virtual_stages``
+stages runs on pipeline rank ``i % pp_degree`` (torch's interleaved "loop" placement).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from autoplan.errors import PlanError, SchemaError
+from cost_model.hardware import Cluster
+from cost_model.schema import (
+    check_schema_version,
+    from_data,
+    read_yaml,
+    to_data,
+    unit_field,
+    write_yaml,
+)
+from cost_model.workload import ModelProfile
+
+PLAN_SCHEMA_VERSION = 1
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Recompute = Literal["none", "selective", "full"]
+MeshAxis = Literal["pp", "dp", "tp"]
+DTypeName = Literal["fp32", "bf16", "fp16"]
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One pipeline stage (model chunk): pipeline units ``first_unit..last_unit`` inclusive."""
+
+    first_unit: int
+    last_unit: int
+    recompute: Recompute = "none"
+
+    def __post_init__(self) -> None:
+        if self.first_unit < 0:
+            raise PlanError(f"first_unit = {self.first_unit} must be >= 0")
+        if self.last_unit < self.first_unit:
+            raise PlanError(
+                f"last_unit = {self.last_unit} is before first_unit = {self.first_unit}; "
+                "a stage holds units first_unit..last_unit inclusive"
+            )
+
+    @property
+    def num_units(self) -> int:
+        return self.last_unit - self.first_unit + 1
+
+    @property
+    def unit_range(self) -> range:
+        return range(self.first_unit, self.last_unit + 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelRef:
+    """Which model a plan was made for (checked when the plan is used)."""
+
+    name: str
+    num_units: int
+    seq_len: int
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEstimate:
+    """The cost model's prediction for a plan on a named cluster (informational)."""
+
+    cluster: str
+    num_devices: int
+    step_time_s: float = unit_field("time")
+    tokens_per_s: float
+    model_tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: int = unit_field("bytes")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Degrees, stages, batching, schedule, sharding and recompute for one training job."""
+
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: ModelRef | None = None
+    dp_degree: int
+    tp_degree: int
+    pp_degree: int
+    virtual_stages: int = 1
+    stages: tuple[StagePlan, ...]
+    micro_batch_size: int
+    num_micro_batches: int
+    global_batch_size: int
+    schedule: Schedule = "1f1b"
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    dtype: DTypeName = "bf16"
+    rank_layout: tuple[MeshAxis, MeshAxis, MeshAxis] = ("pp", "dp", "tp")
+    estimate: PlanEstimate | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.schema_version != PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"schema_version = {self.schema_version!r}; this autoplan reads version "
+                f"{PLAN_SCHEMA_VERSION}"
+            )
+        for name in (
+            "dp_degree",
+            "tp_degree",
+            "pp_degree",
+            "virtual_stages",
+            "micro_batch_size",
+            "num_micro_batches",
+            "global_batch_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage = {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if sorted(self.rank_layout) != sorted(MESH_AXES):
+            raise PlanError(
+                f"rank_layout = {list(self.rank_layout)} must order each of pp, dp, tp once "
+                "(outermost first), e.g. [pp, dp, tp]"
+            )
+        self._check_batching()
+        self._check_schedule()
+        self._check_stages()
+
+    def _check_batching(self) -> None:
+        expected = self.micro_batch_size * self.num_micro_batches * self.dp_degree
+        if self.global_batch_size != expected:
+            raise PlanError(
+                f"global_batch_size = {self.global_batch_size} must equal micro_batch_size x "
+                f"num_micro_batches x dp_degree = {self.micro_batch_size} x "
+                f"{self.num_micro_batches} x {self.dp_degree} = {expected}; "
+                "change one of them so the batch divides evenly"
+            )
+
+    def _check_schedule(self) -> None:
+        pp, m, v = self.pp_degree, self.num_micro_batches, self.virtual_stages
+        if v > 1 and self.schedule != "interleaved-1f1b":
+            raise PlanError(
+                f"virtual_stages = {v} needs schedule 'interleaved-1f1b', got {self.schedule!r}; "
+                "set virtual_stages: 1 or change the schedule"
+            )
+        if self.schedule == "interleaved-1f1b":
+            if pp == 1:
+                raise PlanError(
+                    "schedule 'interleaved-1f1b' needs pp_degree >= 2; use '1f1b' with pp_degree 1"
+                )
+            if m % pp != 0:
+                raise PlanError(
+                    f"num_micro_batches = {m} must be a multiple of pp_degree = {pp} for "
+                    "'interleaved-1f1b' (Narayanan et al. 2021, section 2.2.2); "
+                    f"use {math.ceil(m / pp) * pp} micro-batches or the '1f1b' schedule"
+                )
+        elif self.schedule == "1f1b" and m < pp:
+            raise PlanError(
+                f"num_micro_batches = {m} must be >= pp_degree = {pp} for '1f1b' "
+                "(torch's Schedule1F1B requires it); raise num_micro_batches or use 'gpipe'"
+            )
+
+    def _check_stages(self) -> None:
+        expected = self.pp_degree * self.virtual_stages
+        if len(self.stages) != expected:
+            raise PlanError(
+                f"stages has {len(self.stages)} entries; pp_degree x virtual_stages = "
+                f"{self.pp_degree} x {self.virtual_stages} = {expected} are needed"
+            )
+        next_unit = 0
+        for idx, stage in enumerate(self.stages):
+            if stage.first_unit != next_unit:
+                raise PlanError(
+                    f"stages[{idx}].first_unit = {stage.first_unit}; stages must cover the units "
+                    f"once each in order, so it must be {next_unit}"
+                )
+            next_unit = stage.last_unit + 1
+        if self.model is not None and next_unit != self.model.num_units:
+            raise PlanError(
+                f"stages end at unit {next_unit - 1} but model {self.model.name!r} has "
+                f"{self.model.num_units} units (0..{self.model.num_units - 1}); "
+                "extend the last stage's last_unit"
+            )
+
+    # ----------------------------------------------------------------------------- derived
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp_degree * self.tp_degree * self.pp_degree
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_units(self) -> int:
+        return self.stages[-1].last_unit + 1
+
+    def degree(self, axis: MeshAxis) -> int:
+        return {"pp": self.pp_degree, "dp": self.dp_degree, "tp": self.tp_degree}[axis]
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Device-mesh shape in ``rank_layout`` order (outermost first)."""
+        return tuple(self.degree(axis) for axis in self.rank_layout)
+
+    def axis_stride(self, axis: MeshAxis) -> int:
+        """Distance in global rank between neighbours along ``axis``."""
+        idx = self.rank_layout.index(axis)
+        return math.prod(self.degree(a) for a in self.rank_layout[idx + 1 :])
+
+    def group_ranks(self, axis: MeshAxis, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks of the ``axis`` group that contains ``rank``."""
+        stride = self.axis_stride(axis)
+        degree = self.degree(axis)
+        base = rank - ((rank // stride) % degree) * stride
+        return tuple(base + i * stride for i in range(degree))
+
+    def pipeline_rank_of_stage(self, stage_idx: int) -> int:
+        return stage_idx % self.pp_degree
+
+    def stages_of_pipeline_rank(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(range(pp_rank, self.num_stages, self.pp_degree))
+
+    # ----------------------------------------------------------------------------- checks
+
+    def validate(
+        self,
+        graph: HasProfile | ModelProfile | None,
+        cluster: Cluster,
+        *,
+        allow_cross_node_tp: bool = False,
+    ) -> None:
+        """Check the plan against a model (optional) and a cluster; raises PlanError."""
+        if self.num_devices != cluster.num_devices:
+            raise PlanError(
+                f"dp_degree x tp_degree x pp_degree = {self.dp_degree} x {self.tp_degree} x "
+                f"{self.pp_degree} = {self.num_devices} devices, but cluster {cluster.name!r} has "
+                f"{cluster.num_devices} ({cluster.num_nodes} node(s) x "
+                f"{cluster.devices_per_node}); change the degrees so they multiply to "
+                f"{cluster.num_devices}"
+            )
+        if not allow_cross_node_tp and self.tp_degree > 1:
+            nodes = {cluster.node_of(r) for r in self.group_ranks("tp", 0)}
+            if len(nodes) > 1 or cluster.devices_per_node % self.tp_degree != 0:
+                raise PlanError(
+                    f"tp_degree = {self.tp_degree} with rank_layout {list(self.rank_layout)} "
+                    f"puts a tensor-parallel group across nodes of {cluster.devices_per_node} "
+                    "devices; TP needs the fast intra-node link: use a tp_degree that divides "
+                    "devices_per_node with 'tp' innermost in rank_layout, or allow cross-node TP"
+                )
+        if graph is not None:
+            self._validate_model(graph if isinstance(graph, ModelProfile) else graph.profile)
+
+    def _validate_model(self, profile: ModelProfile) -> None:
+        model = self.model
+        if model and model.fingerprint and profile.fingerprint != model.fingerprint:
+            raise PlanError(
+                f"plan was made for model {model.name!r} (fingerprint {model.fingerprint}), "
+                f"not {profile.name!r} (fingerprint {profile.fingerprint}); "
+                "search a new plan for this model"
+            )
+        if self.num_units != profile.num_units:
+            raise PlanError(
+                f"stages cover {self.num_units} units but model {profile.name!r} has "
+                f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
+            )
+        for name, count in profile.tp_divisible_counts().items():
+            if count % self.tp_degree != 0:
+                raise PlanError(
+                    f"tp_degree = {self.tp_degree} does not divide {name} = {count} of model "
+                    f"{profile.name!r}; use a tp_degree that divides {count}"
+                )
+        if self.sequence_parallel:
+            if self.tp_degree == 1:
+                raise PlanError(
+                    "sequence_parallel: true needs tp_degree > 1 (it splits the TP-replicated "
+                    "work along the sequence); set it to false"
+                )
+            if profile.seq_len % self.tp_degree != 0:
+                raise PlanError(
+                    f"sequence_parallel needs tp_degree = {self.tp_degree} to divide seq_len = "
+                    f"{profile.seq_len}; change tp_degree or turn sequence_parallel off"
+                )
+
+    # ----------------------------------------------------------------------------- files
+
+    @classmethod
+    def from_data(cls, data: object, *, source: str = "plan") -> Plan:
+        try:
+            body = check_schema_version(data, PLAN_SCHEMA_VERSION, f"plan {source!r}")
+            return from_data(cls, body)
+        except SchemaError as error:
+            raise PlanError(f"plan {source!r}: {error}") from None
+        except PlanError as error:
+            raise PlanError(f"plan {source!r}: {error}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Plan:
+        """Load and check a plan file; raises PlanError naming the bad field."""
+        try:
+            data = read_yaml(path, "plan")
+        except SchemaError as error:
+            raise PlanError(str(error)) from None
+        return cls.from_data(data, source=str(path))
+
+    def to_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_data(self)
+        if data["estimate"] is None:
+            del data["estimate"]
+        if data["model"] is None:
+            del data["model"]
+        return data
+
+    def to_yaml(self, path: str | Path) -> None:
+        header = (
+            "# autoplan plan: every field is described in docs/plan-format.md.\n"
+            "# Edit freely; `autoplan validate` checks the result.\n"
+        )
+        write_yaml(path, self.to_data(), header=header)
+
+    def with_estimate(self, estimate: PlanEstimate | None) -> Plan:
+        return replace(self, estimate=estimate)
+
+
+class HasProfile(Protocol):
+    """Anything carrying a traced `ModelProfile` (an `autoplan.ModelGraph`)."""
+
+    @property
+    def profile(self) -> ModelProfile: ...
+
+
+def even_stages(
+    num_units: int, num_stages: int, recompute: Recompute = "none"
+) -> tuple[StagePlan, ...]:
+    """Split ``num_units`` into ``num_stages`` contiguous stages differing by at most one unit."""
+    if num_stages > num_units:
+        raise PlanError(
+            f"{num_stages} pipeline stages need at least {num_stages} units, the model has "
+            f"{num_units}; lower pp_degree x virtual_stages"
+        )
+    base, extra = divmod(num_units, num_stages)
+    stages = []
+    first = 0
+    for idx in range(num_stages):
+        size = base + (1 if idx < extra else 0)
+        stages.append(StagePlan(first_unit=first, last_unit=first + size - 1, recompute=recompute))
+        first += size
+    return tuple(stages)

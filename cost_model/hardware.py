@@ -1,0 +1,297 @@
+"""Cluster description: devices, nodes and the links between them.
+
+A `Cluster` is plain data: `num_nodes` nodes of `devices_per_node` identical devices, an
+intra-node link (NVLink/NVSwitch, or shared memory for CPU processes) and an inter-node link
+(InfiniBand/Ethernet). Link bandwidths are per device, per direction, in bytes/s. Presets are
+YAML files shipped in ``cost_model/presets``; each constant there cites its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from cost_model.calibration import Calibration
+from cost_model.errors import ClusterError, SchemaError
+from cost_model.schema import (
+    check_schema_version,
+    from_data,
+    read_yaml,
+    to_data,
+    unit_field,
+    write_yaml,
+)
+from cost_model.units import Dimension, parse_quantity
+
+logger = logging.getLogger(__name__)
+
+CLUSTER_SCHEMA_VERSION = 1
+DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or one CPU worker process): memory and datasheet peaks."""
+
+    name: str
+    kind: Literal["gpu", "cpu"] = "gpu"
+    memory_bytes: int = unit_field("bytes")
+    # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted.
+    peak_flops: dict[str, float] = unit_field("flops")
+    memory_bandwidth_bytes_per_s: float = unit_field("bandwidth")
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ValueError(f"device.memory_bytes = {self.memory_bytes!r} must be positive")
+        if self.memory_bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"device.memory_bandwidth_bytes_per_s = {self.memory_bandwidth_bytes_per_s!r} "
+                "must be positive"
+            )
+        if not self.peak_flops:
+            raise ValueError("device.peak_flops is empty; give at least 'fp32: <FLOP/s>'")
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise ValueError(
+                    f"device.peak_flops has unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+                )
+            if flops <= 0:
+                raise ValueError(f"device.peak_flops.{dtype} = {flops!r} must be positive")
+
+    def peak_flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``, falling back to a same-width dtype the device has."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        fallback = {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32", "fp8": "bf16"}.get(dtype)
+        if fallback is not None and fallback in self.peak_flops:
+            return self.peak_flops[fallback]
+        if "fp32" in self.peak_flops:
+            return self.peak_flops["fp32"]
+        raise ClusterError(
+            f"device {self.name!r} has no peak FLOP/s for {dtype!r}; add it under device.peak_flops"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """A link class: bandwidth per device per direction and one-message latency."""
+
+    bandwidth_bytes_per_s: float = unit_field("bandwidth")
+    latency_s: float = unit_field("time")
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"bandwidth_bytes_per_s = {self.bandwidth_bytes_per_s!r} must be positive"
+            )
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s = {self.latency_s!r} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Homogeneous cluster: ``num_nodes`` x ``devices_per_node`` devices and two link classes."""
+
+    name: str
+    num_nodes: int = 1
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    calibration: Calibration = field(default_factory=Calibration)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes = {self.num_nodes!r} must be at least 1")
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node = {self.devices_per_node!r} must be at least 1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        """Node index of global device ``rank`` (ranks fill one node before the next)."""
+        return rank // self.devices_per_node
+
+    # ----------------------------------------------------------------------------- files
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        """Load a cluster file; raises ClusterError naming the bad field."""
+        try:
+            data = read_yaml(path, "cluster")
+        except SchemaError as error:
+            raise ClusterError(str(error)) from None
+        return cls.from_data(data, source=str(path))
+
+    @classmethod
+    def from_data(cls, data: object, *, source: str = "cluster") -> Cluster:
+        try:
+            body = check_schema_version(data, CLUSTER_SCHEMA_VERSION, f"cluster {source!r}")
+            return from_data(cls, body)
+        except SchemaError as error:
+            raise ClusterError(f"cluster {source!r}: {error}") from None
+
+    def to_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"schema_version": CLUSTER_SCHEMA_VERSION}
+        data.update(to_data(self))
+        return data
+
+    def to_yaml(self, path: str | Path) -> None:
+        write_yaml(path, self.to_data(), header=f"# autoplan cluster: {self.name}\n")
+
+    # ----------------------------------------------------------------------------- presets
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, **overrides: object) -> Cluster:
+        """A shipped preset (one node as described by its vendor) scaled to ``nodes`` nodes.
+
+        ``overrides`` use the flat keys of `OVERRIDE_KEYS`, e.g. ``inter_node_bandwidth="50GB/s"``.
+        """
+        if name == "local":
+            base = cls.local()
+        else:
+            if name not in preset_names():
+                raise ClusterError(
+                    f"unknown cluster preset {name!r}; valid presets: {', '.join(preset_names())} "
+                    "(or give a path to a cluster YAML file)"
+                )
+            base = cls.preset_file(name)
+        return base.with_overrides(nodes=nodes, **overrides)
+
+    @classmethod
+    def preset_file(cls, name: str) -> Cluster:
+        """The shipped preset file ``name`` exactly as written (one node, no detection)."""
+        resource = resources.files("cost_model") / "presets" / f"{name}.yaml"
+        with resources.as_file(resource) as path:
+            return cls.from_yaml(path)
+
+    @classmethod
+    def local(cls, num_devices: int | None = None) -> Cluster:
+        """This machine: its visible CUDA GPUs, else one device per CPU core.
+
+        ``num_devices`` sets the number of worker processes (e.g. a torchrun world on CPU
+        that oversubscribes the cores); CPU memory is divided among them.
+        """
+        from cost_model import local_machine  # deferred: imports torch
+
+        return local_machine.detect(num_devices)
+
+    def with_overrides(self, nodes: int | None = None, **overrides: object) -> Cluster:
+        """A copy with flat-key overrides applied (values may carry units, e.g. '80GiB')."""
+        changes: dict[str, Any] = {}
+        device: dict[str, Any] = {}
+        intra: dict[str, Any] = {}
+        inter: dict[str, Any] = {}
+        calibration: dict[str, Any] = {}
+        if nodes is not None:
+            overrides = {"num_nodes": nodes, **overrides}
+        for key, raw in overrides.items():
+            if key not in OVERRIDE_KEYS and not key.startswith("peak_flops_"):
+                raise ClusterError(
+                    f"unknown cluster override {key!r}; valid keys: {', '.join(OVERRIDE_KEYS)}, "
+                    f"peak_flops_<dtype> ({', '.join(DTYPES)})"
+                )
+            if key.startswith("peak_flops_"):
+                dtype = key.removeprefix("peak_flops_")
+                if dtype not in DTYPES:
+                    raise ClusterError(
+                        f"unknown dtype in override {key!r}; use peak_flops_<{'|'.join(DTYPES)}>"
+                    )
+                flops = dict(device.get("peak_flops", self.device.peak_flops))
+                flops[dtype] = _override_value(key, raw, "flops", float)
+                device["peak_flops"] = flops
+                continue
+            target, attr, dimension, kind = OVERRIDE_KEYS[key]
+            value = _override_value(key, raw, dimension, kind)
+            {
+                "cluster": changes,
+                "device": device,
+                "intra": intra,
+                "inter": inter,
+                "calibration": calibration,
+            }[target][attr] = value
+        try:
+            if device:
+                changes["device"] = dataclasses.replace(self.device, **device)
+            if intra:
+                changes["intra_node"] = dataclasses.replace(self.intra_node, **intra)
+            if inter:
+                changes["inter_node"] = dataclasses.replace(self.inter_node, **inter)
+            if calibration:
+                changes["calibration"] = dataclasses.replace(self.calibration, **calibration)
+            return dataclasses.replace(self, **changes)
+        except ValueError as error:
+            raise ClusterError(f"cluster {self.name!r} override: {error}") from None
+
+
+# flat override key -> (part, attribute, unit dimension, python type)
+OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
+    "name": ("cluster", "name", "number", str),
+    "num_nodes": ("cluster", "num_nodes", "number", int),
+    "nodes": ("cluster", "num_nodes", "number", int),
+    "devices_per_node": ("cluster", "devices_per_node", "number", int),
+    "memory": ("device", "memory_bytes", "bytes", int),
+    "memory_bytes": ("device", "memory_bytes", "bytes", int),
+    "memory_bandwidth": ("device", "memory_bandwidth_bytes_per_s", "bandwidth", float),
+    "intra_node_bandwidth": ("intra", "bandwidth_bytes_per_s", "bandwidth", float),
+    "intra_node_latency": ("intra", "latency_s", "time", float),
+    "inter_node_bandwidth": ("inter", "bandwidth_bytes_per_s", "bandwidth", float),
+    "inter_node_latency": ("inter", "latency_s", "time", float),
+    **{
+        f.name: ("calibration", f.name, f.metadata.get("unit", "number"), float)
+        for f in dataclasses.fields(Calibration)
+    },
+}
+
+
+def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> Any:
+    if kind is str:
+        return str(raw)
+    try:
+        number = parse_quantity(raw, dimension)
+    except ValueError as error:
+        raise ClusterError(f"cluster override {key}={raw!r}: {error}") from None
+    if kind is int:
+        if number != int(number):
+            raise ClusterError(f"cluster override {key}={raw!r} must be a whole number")
+        return int(number)
+    return number
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped cluster presets."""
+    folder = resources.files("cost_model") / "presets"
+    names = sorted(
+        entry.name.removesuffix(".yaml")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    )
+    return names
+
+
+def load_cluster(spec: str) -> Cluster:
+    """Resolve a CLI cluster spec: ``NAME[:key=value,...]`` or a path to a cluster YAML file."""
+    if spec.endswith((".yaml", ".yml")) or Path(spec).is_file():
+        return Cluster.from_yaml(spec)
+    name, _, rest = spec.partition(":")
+    overrides: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ClusterError(
+                f"cannot read cluster override {item!r} in {spec!r}; write key=value, "
+                "e.g. 'dgx-a100-80g:nodes=4,inter_node_bandwidth=50GB/s'"
+            )
+        overrides[key.strip()] = value.strip()
+    nodes = overrides.pop("nodes", None)
+    return Cluster.preset(
+        name, nodes=_override_value("nodes", nodes, "number", int) if nodes else 1, **overrides
+    )

@@ -1,0 +1,186 @@
+"""Strict conversion between frozen dataclasses and plain YAML data.
+
+Used by every file format autoplan reads (Cluster, Plan, calibration profiles). Guarantees:
+unknown keys, missing keys, wrong types and bad values raise `SchemaError` naming the field
+path (``stages[2].first_unit``), the value and the expected form; ``load(dump(x)) == x``.
+A field may accept numbers with units (``80GiB``) by declaring ``metadata={"unit": ...}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar, get_args, get_origin
+
+import yaml
+
+from cost_model.errors import SchemaError
+from cost_model.units import Dimension, parse_quantity
+
+T = TypeVar("T")
+
+
+def unit_field(dimension: Dimension, **kwargs: Any) -> Any:
+    """A dataclass field that accepts quantities with units of ``dimension`` in YAML."""
+    return dataclasses.field(metadata={"unit": dimension}, **kwargs)
+
+
+def from_data(cls: type[T], data: object, where: str = "") -> T:
+    """Build dataclass ``cls`` from plain data, checking every key and type."""
+    if not isinstance(data, Mapping):
+        raise SchemaError(
+            f"{_at(where)}expected a mapping of keys for {cls.__name__}, got {data!r}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise SchemaError(
+            f"{_at(where)}unknown key {unknown[0]!r} for {cls.__name__}; "
+            f"valid keys: {', '.join(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name not in data:
+            required = (
+                field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING
+            )
+            if required:
+                raise SchemaError(f"missing required key {path!r} for {cls.__name__}")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], path, field.metadata.get("unit"))
+    try:
+        return cls(**kwargs)
+    except SchemaError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise SchemaError(f"{_at(where)}{error}") from None
+
+
+def to_data(obj: object) -> Any:
+    """Plain data (dicts, lists, scalars) for a dataclass tree, keys in field order."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_data(item) for item in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def read_yaml(path: str | Path, what: str) -> object:
+    """Parse a YAML file; a missing file or bad syntax raises SchemaError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SchemaError(f"{what} file {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise SchemaError(f"cannot read {what} file {str(path)!r}: {error.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or "syntax error"
+        raise SchemaError(f"{what} file {str(path)!r} is not valid YAML{line}: {problem}") from None
+
+
+def write_yaml(path: str | Path, data: object, header: str = "") -> None:
+    """Write plain data as block-style YAML, keys in the given order."""
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    Path(path).write_text(header + text)
+
+
+def check_schema_version(data: object, supported: int, what: str) -> dict[str, Any]:
+    """Check and strip ``schema_version``; returns the remaining mapping."""
+    if not isinstance(data, Mapping):
+        raise SchemaError(f"{what} must be a mapping of keys, got {type(data).__name__}")
+    body = dict(data)
+    version = body.pop("schema_version", None)
+    if version is None:
+        raise SchemaError(f"{what} has no 'schema_version'; add 'schema_version: {supported}'")
+    if version != supported:
+        raise SchemaError(
+            f"{what} has schema_version {version!r}; this autoplan reads version {supported}"
+        )
+    return body
+
+
+def _at(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _convert(hint: Any, value: object, path: str, unit: Dimension | None) -> Any:
+    origin = get_origin(hint)
+    args = get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(inner[0], value, path, unit)
+        raise AssertionError(f"unsupported union {hint} at {path}")
+    if origin is typing.Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise SchemaError(f"{path}: {value!r} is not one of {choices}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise SchemaError(f"{path}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{path}[{i}]", unit) for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise SchemaError(f"{path}: expected a list of {len(args)} items, got {value!r}")
+        return tuple(
+            _convert(a, v, f"{path}[{i}]", unit)
+            for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    if origin in (dict, Mapping) or origin is typing.Mapping:
+        if not isinstance(value, Mapping):
+            raise SchemaError(f"{path}: expected a mapping, got {value!r}")
+        key_type, value_type = args
+        return {
+            _convert(key_type, k, f"{path}.{k}", None): _convert(value_type, v, f"{path}.{k}", unit)
+            for k, v in value.items()
+        }
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return from_data(hint, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise SchemaError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise SchemaError(f"{path}: expected a string, got {value!r}")
+        return value
+    if hint in (int, float):
+        return _number(hint, value, path, unit)
+    if hint is Any or hint is object:
+        return value
+    raise AssertionError(f"unsupported type {hint} at {path}")
+
+
+def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int | float:
+    if isinstance(value, bool):
+        raise SchemaError(f"{path}: expected a number, got {value!r}")
+    if isinstance(value, str):
+        try:
+            number = parse_quantity(value, unit or "number")
+        except ValueError as error:
+            raise SchemaError(f"{path}: {error}") from None
+    elif isinstance(value, (int, float)):
+        number = value
+    else:
+        raise SchemaError(f"{path}: expected a number, got {value!r}")
+    if hint is int:
+        if float(number) != int(number):
+            raise SchemaError(f"{path}: expected a whole number, got {value!r}")
+        return int(number)
+    return float(number)

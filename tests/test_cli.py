@@ -1,0 +1,129 @@
+"""The real console script in a subprocess: exit codes, tables, JSON, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autoplan import __version__
+from autoplan.plan import Plan, even_stages
+from tests.conftest import run_cli
+
+
+def _assert_user_error(result: object, fragment: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)  # type: ignore[attr-defined]
+    stderr: str = result.stderr  # type: ignore[attr-defined]
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("autoplan: error: ")
+    assert fragment in lines[0], lines[0]
+
+
+def test_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert __version__ in result.stdout
+
+
+def test_help_lists_only_working_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    section = result.stdout.split("Commands:")[1]
+    commands = [line.split()[0] for line in section.splitlines() if line.strip()]
+    assert {"cluster", "validate"} <= set(commands)
+    for command in commands:
+        sub = run_cli(command, "--help")
+        assert sub.returncode == 0, (command, sub.stderr)
+        assert "Usage:" in sub.stdout
+
+
+def test_cluster_show_table_and_json() -> None:
+    table = run_cli("cluster", "show", "dgx-a100-80g:nodes=4")
+    assert table.returncode == 0, table.stderr
+    assert "4 node(s) x 8 = 32 A100-SXM4-80GB" in table.stdout
+    assert "80 GiB" in table.stdout and "312 TFLOP/s" in table.stdout
+    data = json.loads(run_cli("cluster", "show", "dgx-a100-80g:nodes=4", "--json").stdout)
+    assert data["num_devices"] == 32 and data["num_nodes"] == 4
+    assert data["device"]["memory_bytes"] == 80 * 2**30
+
+
+def test_cluster_show_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    assert run_cli("cluster", "show", "dgx-h100-80g:nodes=2", "--json").returncode == 0
+    data = json.loads(run_cli("cluster", "show", "dgx-h100-80g:nodes=2", "--json").stdout)
+    del data["num_devices"]
+    path.write_text(yaml.safe_dump(data))
+    result = run_cli("cluster", "show", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["num_devices"] == 16
+
+
+def _write_plan(tmp_path: Path, **changes: object) -> Path:
+    plan = Plan(
+        dp_degree=2,
+        tp_degree=2,
+        pp_degree=2,
+        stages=even_stages(6, 2),
+        micro_batch_size=1,
+        num_micro_batches=4,
+        global_batch_size=8,
+    )
+    data = plan.to_data()
+    data.update(changes)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_validate_accepts_and_reports(tmp_path: Path) -> None:
+    path = _write_plan(tmp_path)
+    result = run_cli("validate", str(path), "--cluster", "dgx-a100-80g")
+    assert result.returncode == 0, result.stderr
+    assert "valid for dgx-a100-80g (8 devices)" in result.stdout
+    data = json.loads(run_cli("validate", str(path), "--cluster", "dgx-a100-80g", "--json").stdout)
+    assert data["valid"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("cluster", "show", "nosuch"), "unknown cluster preset 'nosuch'"),
+        (("cluster", "show", "dgx-a100-80g:nodes=-2"), "num_nodes = -2 must be at least 1"),
+        (("cluster", "show", "/no/such/file.yaml"), "does not exist"),
+        (
+            ("validate", "/no/such/plan.yaml", "--cluster", "local"),
+            "plan file '/no/such/plan.yaml' does not exist",
+        ),
+    ],
+)
+def test_user_errors_are_one_line(args: tuple[str, ...], fragment: str) -> None:
+    _assert_user_error(run_cli(*args), fragment)
+
+
+def test_plan_errors_are_one_line(tmp_path: Path) -> None:
+    _assert_user_error(
+        run_cli("validate", str(_write_plan(tmp_path)), "--cluster", "dgx-a100-80g:nodes=2"),
+        "devices, but cluster 'dgx-a100-80g' has 16",
+    )
+    _assert_user_error(
+        run_cli(
+            "validate", str(_write_plan(tmp_path, global_batch_size=7)), "--cluster", "dgx-a100-80g"
+        ),
+        "global_batch_size = 7 must equal",
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dp_degree: [\n")
+    _assert_user_error(run_cli("validate", str(bad), "--cluster", "local"), "not valid YAML")
+
+
+def test_usage_errors_exit_2_without_traceback() -> None:
+    result = run_cli("validate")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "Missing argument" in result.stderr
+    result = run_cli("nosuchcommand")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
