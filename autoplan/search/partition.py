@@ -1,0 +1,399 @@
+"""Optimal pipeline-stage cuts and per-stage recompute, as a CP-SAT model.
+
+Given fixed outer choices (degrees, micro-batching, schedule, ZeRO level), the cost model gives
+every pipeline unit a per-micro-batch time, activation bytes per in-flight micro-batch, static
+bytes (parameters, gradients, optimizer state) and tail coefficients, each per recompute mode.
+This module chooses where to cut the units into ``num_stages`` contiguous stages (stage ``s``
+runs on pipeline rank ``s % pp_degree``) and which recompute mode each stage uses, minimising
+
+    step = (m - 1/v) * max_r T_r + (sum_r T_r) / v + max_r tail_r
+
+subject to every rank's memory, where ``T_r`` sums the per-micro-batch times of the stages on
+rank ``r`` (plus the send at each stage's end) and ``tail_r = max(0, max_j tail_rj)`` covers
+work after the pipeline flush (exposed gradient sync, optimizer step). This is the cost model's
+own pipeline formula (cost_model.schedules), so the solver's optimum is the cost model's.
+
+Formulation: one integer variable per cut (the first unit of each stage), and CP-SAT element
+constraints that read prefix sums of per-unit tables at the cuts, so any stage quantity is a
+difference of two table entries. The model size grows with the number of stages, not with
+units x stages, so 96-stage plans of a 100-unit model solve in milliseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from autoplan.plan import Recompute
+
+# Integer resolution of the CP-SAT model: times and bytes are scaled so that the largest
+# possible per-rank total is about this many units (relative rounding error ~1e-9).
+_RESOLUTION = 10**9
+_INFLIGHT_SCALE = 1000  # in-flight micro-batch counts may be fractional (interleaving)
+
+# A CP-SAT linear expression. OR-tools' stubs type these as unions with numpy integers that
+# mypy cannot add or subtract, so expressions are untyped here.
+Expr = Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModeCosts:
+    """Per-unit costs under one recompute mode (one entry per unit)."""
+
+    time_s: tuple[float, ...]  # forward + backward time of one micro-batch
+    activation_bytes: tuple[float, ...]  # held per in-flight micro-batch
+    tail_s: tuple[tuple[float, ...], ...] = ()  # per tail term j, each unit's contribution
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionProblem:
+    """One stage-partition problem: the cost tables of a fixed outer configuration."""
+
+    num_stages: int
+    pp_degree: int
+    virtual_stages: int
+    num_micro_batches: int
+    modes: Mapping[Recompute, ModeCosts]
+    static_bytes: tuple[float, ...]
+    # boundary_time_s[u]: per-micro-batch send cost charged to a stage whose last unit is u.
+    boundary_time_s: tuple[float, ...]
+    # inflight[s]: micro-batches whose activations stage s holds at its peak.
+    inflight: tuple[float, ...]
+    memory_capacity_bytes: float
+    tail_constants_s: tuple[float, ...] = ()
+    unit_names: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.num_units
+        assert self.num_stages == self.pp_degree * self.virtual_stages
+        assert 1 <= self.num_stages <= n, (self.num_stages, n)
+        assert len(self.boundary_time_s) == n and len(self.inflight) == self.num_stages
+        assert self.modes, "at least one recompute mode"
+        for costs in self.modes.values():
+            assert len(costs.time_s) == n and len(costs.activation_bytes) == n
+            assert len(costs.tail_s) == len(self.tail_constants_s)
+            assert all(len(t) == n for t in costs.tail_s)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.static_bytes)
+
+    @property
+    def num_tail_terms(self) -> int:
+        return len(self.tail_constants_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Partition:
+    """Stage cuts and modes with their exact (floating-point) cost."""
+
+    stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
+    modes: tuple[Recompute, ...]
+    step_time_s: float
+    rank_times_s: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.rank_memory_bytes)
+
+    def stage_units(self, num_units: int) -> list[range]:
+        ends = (*self.stage_starts[1:], num_units)
+        return [range(a, b) for a, b in zip(self.stage_starts, ends, strict=True)]
+
+
+def evaluate(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> Partition:
+    """Exact cost of a partition: the reference that the CP-SAT model reproduces."""
+    n, p, v, m = (
+        problem.num_units,
+        problem.pp_degree,
+        problem.virtual_stages,
+        problem.num_micro_batches,
+    )
+    ends = (*stage_starts[1:], n)
+    rank_time = [0.0] * p
+    rank_memory = [0.0] * p
+    rank_tail = [list(problem.tail_constants_s) for _ in range(p)]
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        costs = problem.modes[modes[s]]
+        r = s % p
+        units = range(start, end)
+        rank_time[r] += sum(costs.time_s[u] for u in units)
+        if s < problem.num_stages - 1:
+            rank_time[r] += problem.boundary_time_s[end - 1]
+        rank_memory[r] += sum(problem.static_bytes[u] for u in units)
+        rank_memory[r] += problem.inflight[s] * sum(costs.activation_bytes[u] for u in units)
+        for j, coefficients in enumerate(costs.tail_s):
+            rank_tail[r][j] += sum(coefficients[u] for u in units)
+    tail = max(max([0.0, *terms]) for terms in rank_tail)
+    step = (m - 1 / v) * max(rank_time) + sum(rank_time) / v + tail
+    return Partition(
+        stage_starts=tuple(stage_starts),
+        modes=tuple(modes),
+        step_time_s=step,
+        rank_times_s=tuple(rank_time),
+        rank_memory_bytes=tuple(rank_memory),
+    )
+
+
+def brute_force(problem: PartitionProblem) -> Partition | None:
+    """The optimum by enumerating every cut set and mode assignment (small problems only)."""
+    best: Partition | None = None
+    n, num_stages = problem.num_units, problem.num_stages
+    mode_names = tuple(problem.modes)
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        starts = (0, *cuts)
+        for modes in itertools.product(mode_names, repeat=num_stages):
+            candidate = evaluate(problem, starts, modes)
+            if candidate.peak_memory_bytes > problem.memory_capacity_bytes:
+                continue
+            if best is None or candidate.step_time_s < best.step_time_s:
+                best = candidate
+    return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveStats:
+    """What one CP-SAT call did."""
+
+    status: str
+    wall_time_s: float
+    num_variables: int
+
+
+class _Model:
+    """The CP-SAT model of one problem (built once, solved for time or for memory)."""
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.problem = problem
+        self.model = cp_model.CpModel()
+        n, S, p = problem.num_units, problem.num_stages, problem.pp_degree
+        self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
+        self._scale(problem)
+
+        # --- variables
+        # cut[j]: first unit of stage j (cut[0] = 0 and cut[S] = n are constants). Each stage
+        # needs at least one unit, so cut j lies in [j, n - (S - j)].
+        self.cut: list[Expr] = [0]
+        for j in range(1, S):
+            self.cut.append(self.model.new_int_var(j, n - (S - j), f"cut[{j}]"))
+        self.cut.append(n)
+        # use[s, k]: stage s runs recompute mode k (exactly one per stage).
+        self.use: list[list[Expr]] = []
+        for s in range(S):
+            if len(self.mode_names) == 1:
+                self.use.append([1])
+                continue
+            row = [self.model.new_bool_var(f"use[{s},{k}]") for k in self.mode_names]
+            self.model.add_exactly_one(row)
+            self.use.append(list(row))
+
+        # --- constraints
+        # stages are contiguous, in order, and non-empty
+        for j in range(1, S - 1):
+            self.model.add(self.cut[j] + 1 <= self.cut[j + 1])
+
+        # stage quantities: a prefix-sum table read at the stage's two cuts
+        time_s = [self._stage_value(self.time_prefix, s, f"time[{s}]") for s in range(S)]
+        act_s = [self._stage_value(self.act_prefix, s, f"act[{s}]") for s in range(S)]
+        static_s = [
+            self._read(self.static_prefix, s + 1) - self._read(self.static_prefix, s)
+            for s in range(S)
+        ]
+        tail_s = [
+            [self._stage_value(table, s, f"tail{j}[{s}]") for s in range(S)]
+            for j, table in enumerate(self.tail_prefix)
+        ]
+        # send[s]: the boundary cost of stage s, read at the unit before the next cut
+        send_s = [self._read(self.boundary_table, s + 1) if s < S - 1 else 0 for s in range(S)]
+
+        # rank_time[r]: per-micro-batch time of pipeline rank r (its stages s = r, r + p, ...)
+        self.rank_time = [sum(time_s[s] + send_s[s] for s in range(r, S, p)) for r in range(p)]
+        self.longest = self.model.new_int_var(0, self.time_bound, "longest_rank_time")
+        for r in range(p):
+            self.model.add(self.longest >= self.rank_time[r])
+        # tail: max over ranks and terms of the rank's tail (never below zero)
+        self.tail = self.model.new_int_var(0, self.time_bound, "tail")
+        for r in range(p):
+            for j, constant in enumerate(self.tail_constants):
+                self.model.add(self.tail >= sum(tail_s[j][s] for s in range(r, S, p)) + constant)
+        # memory: static bytes plus activations of the micro-batches in flight, per rank
+        self.rank_memory = [
+            sum(static_s[s] * _INFLIGHT_SCALE + self.inflight[s] * act_s[s] for s in range(r, S, p))
+            for r in range(p)
+        ]
+        for r in range(p):
+            self.model.add(self.rank_memory[r] <= self.memory_capacity)
+
+    # ----------------------------------------------------------------- scaling to integers
+
+    def _scale(self, problem: PartitionProblem) -> None:
+        n = problem.num_units
+        worst_time = sum(max(c.time_s[u] for c in problem.modes.values()) for u in range(n))
+        worst_time += sum(problem.boundary_time_s)
+        worst_tail = sum(
+            sum(max(abs(c.tail_s[j][u]) for c in problem.modes.values()) for u in range(n))
+            + abs(problem.tail_constants_s[j])
+            for j in range(problem.num_tail_terms)
+        )
+        self.time_unit_s = max(worst_time, worst_tail, 1e-30) / _RESOLUTION
+        self.time_bound = 4 * _RESOLUTION
+        worst_bytes = sum(problem.static_bytes) + max(problem.inflight) * sum(
+            max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
+        )
+        self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
+
+        def prefix(values: Sequence[float], unit: float) -> list[int]:
+            out = [0]
+            for value in values:
+                out.append(out[-1] + round(value / unit))
+            return out
+
+        self.time_prefix = {k: prefix(c.time_s, self.time_unit_s) for k, c in problem.modes.items()}
+        self.act_prefix = {
+            k: prefix(c.activation_bytes, self.byte_unit) for k, c in problem.modes.items()
+        }
+        self.static_prefix = prefix(problem.static_bytes, self.byte_unit)
+        self.tail_prefix = [
+            {k: prefix(c.tail_s[j], self.time_unit_s) for k, c in problem.modes.items()}
+            for j in range(problem.num_tail_terms)
+        ]
+        self.tail_constants = [round(c / self.time_unit_s) for c in problem.tail_constants_s]
+        # boundary_table[c]: cost of a cut before unit c, i.e. of a stage ending at unit c - 1
+        self.boundary_table = [0] + [round(t / self.time_unit_s) for t in problem.boundary_time_s]
+        self.inflight = [round(x * _INFLIGHT_SCALE) for x in problem.inflight]
+        self.memory_capacity = math.floor(
+            problem.memory_capacity_bytes / self.byte_unit * _INFLIGHT_SCALE
+        )
+
+    # ----------------------------------------------------------------- helpers
+
+    def _read(self, table: Sequence[int], j: int) -> Expr:
+        """table[cut[j]] as a model expression (a constant at the fixed ends)."""
+        cut = self.cut[j]
+        if isinstance(cut, int):
+            return table[cut]
+        value = self.model.new_int_var(min(table), max(table), "")
+        self.model.add_element(cut, list(table), value)
+        return value
+
+    def _stage_value(self, tables: Mapping[Recompute, Sequence[int]], s: int, name: str) -> Expr:
+        """Stage s's sum of a per-unit quantity under the stage's chosen mode."""
+        per_mode = [
+            self._read(tables[k], s + 1) - self._read(tables[k], s) for k in self.mode_names
+        ]
+        if len(per_mode) == 1:
+            return per_mode[0]
+        low = min(min(t) for t in tables.values()) - max(max(t) for t in tables.values())
+        high = -low
+        value = self.model.new_int_var(low, high, name)
+        for k_idx, expr in enumerate(per_mode):
+            flag = self.use[s][k_idx]
+            assert not isinstance(flag, int)
+            self.model.add(value == expr).only_enforce_if(flag)
+        return value
+
+    # ----------------------------------------------------------------- hints and read-back
+
+    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+        for j in range(1, self.problem.num_stages):
+            cut = self.cut[j]
+            assert not isinstance(cut, int)
+            self.model.add_hint(cut, stage_starts[j])
+        if len(self.mode_names) > 1:
+            for s, mode in enumerate(modes):
+                for k_idx, k in enumerate(self.mode_names):
+                    flag = self.use[s][k_idx]
+                    assert not isinstance(flag, int)
+                    self.model.add_hint(flag, k == mode)
+
+    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+        starts = tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
+        modes: list[Recompute] = []
+        for s in range(self.problem.num_stages):
+            if len(self.mode_names) == 1:
+                modes.append(self.mode_names[0])
+                continue
+            chosen = [
+                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
+            ]
+            modes.append(chosen[0])
+        return starts, tuple(modes)
+
+
+def balanced_hint(
+    problem: PartitionProblem, mode: Recompute | None = None
+) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+    """Greedy cuts that split the per-rank time evenly under one mode (the solver's hint)."""
+    k: Recompute = mode if mode is not None else next(iter(problem.modes))
+    times = problem.modes[k].time_s
+    n, S = problem.num_units, problem.num_stages
+    total = sum(times)
+    starts = [0]
+    running = 0.0
+    for u in range(n):
+        if len(starts) < S and running >= total * len(starts) / S and u > starts[-1]:
+            starts.append(u)
+        running += times[u]
+    while len(starts) < S:  # too few cuts: split the tail one unit per stage
+        starts.append(max(starts[-1] + 1, n - (S - len(starts))))
+    # keep every stage non-empty
+    for j in range(S - 1, 0, -1):
+        starts[j] = min(starts[j], n - (S - j))
+        starts[j - 1] = min(starts[j - 1], starts[j] - 1)
+    return tuple(starts), tuple(k for _ in range(S))
+
+
+def solve(
+    problem: PartitionProblem, *, time_limit_s: float = 10.0, num_workers: int = 1
+) -> tuple[Partition | None, SolveStats]:
+    """The minimum-step-time partition that fits in memory, or None if none fits."""
+    built = _Model(problem)
+    built.model.minimize(
+        (problem.virtual_stages * problem.num_micro_batches - 1) * built.longest
+        + sum(built.rank_time)
+        + problem.virtual_stages * built.tail
+    )
+    hint_starts, hint_modes = balanced_hint(problem)
+    built.add_hint(hint_starts, hint_modes)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = num_workers
+    status = solver.solve(built.model)
+    stats = SolveStats(
+        status=solver.status_name(status),
+        wall_time_s=solver.wall_time,
+        num_variables=len(built.model.proto.variables),
+    )
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        assert status == cp_model.INFEASIBLE, f"CP-SAT returned {solver.status_name(status)}"
+        return None, stats
+    starts, modes = built.read(solver)
+    return evaluate(problem, starts, modes), stats
+
+
+def min_peak_memory(problem: PartitionProblem, *, time_limit_s: float = 10.0) -> float:
+    """The least per-device peak memory any partition of this problem needs (bytes)."""
+    n = problem.num_units
+    bound = sum(problem.static_bytes) + max(problem.inflight) * sum(
+        max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
+    )
+    built = _Model(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0))
+    peak = built.model.new_int_var(0, 2**60, "peak")
+    for r in range(problem.pp_degree):
+        built.model.add(peak >= built.rank_memory[r])
+    built.model.minimize(peak)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    status = solver.solve(built.model)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+    starts, modes = built.read(solver)
+    return evaluate(problem, starts, modes).peak_memory_bytes
