@@ -14,6 +14,7 @@ from autoplan.errors import (
     SchemaError,
     TraceError,
 )
+from autoplan import models
 from autoplan.plan import ModelRef, Plan, PlanEstimate, StagePlan
 from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 
@@ -35,4 +36,5 @@ __all__ = [
     "StagePlan",
     "TraceError",
     "__version__",
+    "models",
 ]

@@ -1,0 +1,311 @@
+"""Llama 2 / Llama 3 decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no biases.
+
+Expects `input_ids` of shape (B, T) with T <= config.seq_len; returns logits (B, T, V), no loss.
+Guarantees, relied on by the tracer, the cost model and the tensor-parallel passes:
+- module names `tok_emb`, `blocks[i].{attn_norm, attn, mlp_norm, mlp}`, `attn.{q,k,v,o}_proj`,
+  `mlp.{gate_proj, up_proj, down_proj}`, `norm`, `lm_head`;
+- reshapes use `-1` heads and the GQA repeat factor comes from the local shapes
+  (q heads / kv heads), so column-sharded q/k/v work unchanged as long as each rank keeps whole
+  kv heads;
+- no Python control flow on tensor values: `torch.fx.symbolic_trace` and `torch.export` work;
+- RoPE in the "rotate half" layout of Hugging Face's LlamaForCausalLM (Meta's checkpoints
+  interleave pairs instead; HF's conversion permutes q/k rows), so logits match
+  LlamaForCausalLM with the same weights. Llama 3.1's long-context RoPE scaling is not modelled:
+  it changes no shape, parameter or FLOP count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoplan.models._common import (
+    INIT_STD,
+    ModelSpecError,
+    ZooModel,
+    build,
+    check_divisible,
+    check_positive_float,
+    check_positive_ints,
+    init_linear,
+    make_generator,
+    normal_,
+    residual_init_std,
+)
+
+__all__ = ["Llama", "LlamaConfig", "default_ffn_hidden_size", "llama", "num_params_closed_form"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LlamaConfig:
+    """Architecture of a Llama model; every size fully resolved (see `llama()` for defaults)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int  # = num_heads for multi-head attention, fewer for GQA
+    seq_len: int  # longest sequence; length of the RoPE tables
+    vocab_size: int
+    ffn_hidden_size: int  # SwiGLU inner size
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_ints(
+            "LlamaConfig",
+            [
+                ("num_layers", self.num_layers),
+                ("hidden_size", self.hidden_size),
+                ("num_heads", self.num_heads),
+                ("num_kv_heads", self.num_kv_heads),
+                ("seq_len", self.seq_len),
+                ("vocab_size", self.vocab_size),
+                ("ffn_hidden_size", self.ffn_hidden_size),
+            ],
+        )
+        check_divisible(
+            "LlamaConfig",
+            "hidden_size",
+            self.hidden_size,
+            "num_heads",
+            self.num_heads,
+            "so that every head has the same head_dim",
+        )
+        check_divisible(
+            "LlamaConfig",
+            "num_heads",
+            self.num_heads,
+            "num_kv_heads",
+            self.num_kv_heads,
+            "so that each kv head serves the same number of query heads (GQA)",
+        )
+        if self.head_dim % 2:
+            raise ModelSpecError(
+                f"LlamaConfig: head_dim = hidden_size / num_heads = {self.head_dim} must be even "
+                f"for RoPE (it rotates pairs of dims); change hidden_size or num_heads"
+            )
+        check_positive_float("LlamaConfig", "rope_theta", self.rope_theta)
+        check_positive_float("LlamaConfig", "norm_eps", self.norm_eps)
+        if not isinstance(self.tie_embeddings, bool):
+            raise ModelSpecError(
+                f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """SwiGLU size of Meta's reference code: 2/3 of 4h (same FLOPs as a GeLU MLP of 4h),
+    rounded up to a multiple of 256. Gives 11008 for h = 4096 (Llama 2 7B)."""
+    ffn = int(2 * 4 * hidden_size / 3)
+    return multiple_of * -(-ffn // multiple_of)
+
+
+def num_params_closed_form(config: LlamaConfig) -> int:
+    """Parameter count in closed form, which the model matches exactly.
+
+    Per block: q and o 2h^2, k and v 2 h (kv_heads * head_dim), SwiGLU 3 h f, two RMSNorms 2h.
+    Embedding V h, untied head V h, final RMSNorm h. No biases anywhere.
+    """
+    h, f = config.hidden_size, config.ffn_hidden_size
+    kv_dim = config.num_kv_heads * config.head_dim
+    per_block = 2 * h * h + 2 * h * kv_dim + 3 * h * f + 2 * h
+    head = 0 if config.tie_embeddings else config.vocab_size * h
+    return config.num_layers * per_block + config.vocab_size * h + head + h
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dim, split in halves (HF's RoPE layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, nh, T, hd) by position: x * cos + rotate_half(x) * sin, cos/sin (T, hd)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE; separate q/k/v/o projections, no biases."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd  # invariant under head sharding; the head counts are not
+        self.q_proj = nn.Linear(h, config.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * hd, h, bias=False)
+
+    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+        B, T = x.size(0), x.size(1)
+        # narrow, not [:T]: under fx, T is a Proxy, which a slice cannot take.
+        cos = rope_cos.narrow(0, 0, T)  # (T, hd)
+        sin = rope_sin.narrow(0, 0, T)  # (T, hd)
+        # `-1` is the local head count: all heads, or a 1/tp_degree share under column sharding.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # GQA: query head i uses kv head i // n_rep; n_rep from the local shapes, not the config.
+        n_rep = q.size(1) // k.size(1)
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        out: Tensor = self.o_proj(y)  # (B, T, H)
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), H -> F -> H, no biases."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, H)
+        return y
+
+
+class Block(nn.Module):
+    """Pre-RMSNorm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin)  # (B, T, H)
+        x = x + self.mlp(self.mlp_norm(x))  # (B, T, H)
+        return x
+
+
+class Llama(ZooModel):
+    """Llama language model; see the module docstring for the guarantees.
+
+    Build it with `llama()` or `preset()`: they construct on the meta device and materialise
+    once. Constructing `Llama(config)` directly builds on the current default device.
+    """
+
+    rope_cos: Tensor
+    rope_sin: Tensor
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Non-persistent: derived from the config, never checkpointed; rebuilt by init_weights.
+        cos, sin = self.rope_tables(self.tok_emb.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (seq_len, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (seq_len, hd)
+        self.init_weights()
+
+    def rope_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin tables (seq_len, head_dim) in float32, as HF's LlamaRotaryEmbedding."""
+        hd = self.config.head_dim
+        exponents = torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd
+        inv_freq = 1.0 / (self.config.rope_theta**exponents)  # (hd / 2,)
+        positions = torch.arange(self.config.seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)  # (seq_len, hd / 2)
+        angles = torch.cat((angles, angles), dim=-1)  # (seq_len, hd)
+        return angles.cos(), angles.sin()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.tok_emb(input_ids)  # (B, T, H)
+        for block in self.blocks:
+            # The whole tables go to every block, which narrows them to T itself: a graph cut
+            # between blocks (pipeline stage, checkpoint unit) then carries only x.
+            x = block(x, self.rope_cos, self.rope_sin)  # (B, T, H)
+        logits: Tensor = self.lm_head(self.norm(x))  # (B, T, V)
+        return logits
+
+    def tie_weights(self) -> None:
+        """Share tok_emb.weight with lm_head if configured (`to_empty` unties them)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialise every parameter and buffer in place, deterministically for a `seed`.
+
+        N(0, 0.02) for the embedding and linears, N(0, 0.02 / sqrt(2 num_layers)) for o_proj and
+        down_proj (GPT-2's scaled init), RMSNorm weights 1, RoPE tables recomputed. `seed=None`
+        draws from the global RNG. Works after `to_empty()` and re-ties tied embeddings.
+        """
+        self.tie_weights()
+        if self.tok_emb.weight.is_meta:
+            return  # nothing to fill; meta fills also cost ~1 ms each in Python decompositions
+        gen = make_generator(seed, self.tok_emb.weight.device)
+        out_std = residual_init_std(self.config.num_layers)
+        normal_(self.tok_emb.weight, INIT_STD, gen)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            block.attn_norm.reset_parameters()
+            block.mlp_norm.reset_parameters()
+            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                init_linear(proj, INIT_STD, gen)
+            init_linear(block.attn.o_proj, out_std, gen)
+            init_linear(block.mlp.gate_proj, INIT_STD, gen)
+            init_linear(block.mlp.up_proj, INIT_STD, gen)
+            init_linear(block.mlp.down_proj, out_std, gen)
+        self.norm.reset_parameters()
+        if not self.config.tie_embeddings:
+            normal_(self.lm_head.weight, INIT_STD, gen)
+        cos, sin = self.rope_tables(self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+
+def llama(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    seq_len: int,
+    vocab_size: int,
+    *,
+    num_kv_heads: int | None = None,
+    ffn_hidden_size: int | None = None,
+    rope_theta: float = 10000.0,
+    norm_eps: float = 1e-5,
+    tie_embeddings: bool = False,
+    device: torch.device | str = "meta",
+    dtype: torch.dtype = torch.float32,
+) -> Llama:
+    """Build a Llama on `device` (meta by default: no memory); on a real device it is initialised.
+
+    `num_kv_heads` defaults to `num_heads` (no GQA); `ffn_hidden_size` to
+    `default_ffn_hidden_size(hidden_size)` (Meta's 2/3 * 4h rounded up to a multiple of 256).
+    """
+    config = LlamaConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        ffn_hidden_size=(
+            default_ffn_hidden_size(hidden_size) if ffn_hidden_size is None else ffn_hidden_size
+        ),
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+        tie_embeddings=tie_embeddings,
+    )
+    return build(lambda: Llama(config), device, dtype)
