@@ -2,8 +2,8 @@
 
 A `Calibration` belongs to a Cluster: presets ship defaults fitted to published measurements
 (each constant cites its source in the preset file), and `autoplan calibrate` measures them
-on the machine at hand. All values are dimensionless fractions of the datasheet peak unless
-the name carries a unit.
+on the machine at hand. Values are dimensionless fractions in (0, 1] unless the name carries a
+unit. Every field is also a flat cluster override key (``dgx-a100-80g:gemm_efficiency=0.8``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ from dataclasses import dataclass
 
 from cost_model.schema import unit_field
 
+_FRACTIONS = (
+    "gemm_efficiency",
+    "attention_efficiency",
+    "memory_efficiency",
+    "intra_node_comm_efficiency",
+    "inter_node_comm_efficiency",
+)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Calibration:
@@ -19,36 +27,45 @@ class Calibration:
 
     # Fraction of the dtype's peak FLOP/s that a large, well-shaped GEMM sustains.
     gemm_efficiency: float = 0.75
-    # GEMM work (FLOPs) at which efficiency reaches half of `gemm_efficiency`: small GEMMs
-    # cannot fill the device (wave quantisation, launch cost).
+    # FLOPs of one GEMM (or attention kernel) at which its efficiency is half the maximum:
+    # small kernels cannot fill the device (too few tiles for the SMs, launch cost).
     gemm_half_efficiency_flops: float = unit_field("flops", default=2e9)
-    # Fraction of peak memory bandwidth that element-wise and reduction kernels sustain.
+    # Fraction of the dtype's peak that a large fused attention kernel (SDPA) sustains.
+    attention_efficiency: float = 0.5
+    # Fraction of peak memory bandwidth that element-wise, reduction and optimizer kernels get.
     memory_efficiency: float = 0.7
     # Fraction of the link bandwidth that collectives reach (NCCL bus bandwidth / link peak).
     intra_node_comm_efficiency: float = 0.8
     inter_node_comm_efficiency: float = 0.8
     # Fixed cost of one kernel launch or framework dispatch.
     kernel_overhead_s: float = unit_field("time", default=5e-6)
+    # Fraction of the last micro-batch's backward during which data-parallel gradient
+    # communication runs concurrently (1: bucketed DDP/FSDP overlap; 0: sync after backward).
+    dp_overlap_fraction: float = 1.0
+    # Device memory the job cannot use for tensors: runtime context, communication buffers of
+    # the library, workspaces.
+    reserved_memory_bytes: float = unit_field("bytes", default=0.0)
+    # Caching-allocator fragmentation, as a fraction of the tensor bytes.
+    allocator_overhead_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "gemm_efficiency",
-            "memory_efficiency",
-            "intra_node_comm_efficiency",
-            "inter_node_comm_efficiency",
-        ):
+        for name in _FRACTIONS:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(
                     f"calibration.{name} = {value!r} must be a fraction in (0, 1]; "
                     "it is the achievable share of the datasheet peak"
                 )
-        if self.gemm_half_efficiency_flops < 0:
+        if not 0.0 <= self.dp_overlap_fraction <= 1.0:
             raise ValueError(
-                f"calibration.gemm_half_efficiency_flops = {self.gemm_half_efficiency_flops!r} "
-                "must be >= 0"
+                f"calibration.dp_overlap_fraction = {self.dp_overlap_fraction!r} must be in [0, 1]"
             )
-        if self.kernel_overhead_s < 0:
-            raise ValueError(
-                f"calibration.kernel_overhead_s = {self.kernel_overhead_s!r} must be >= 0"
-            )
+        for name in (
+            "gemm_half_efficiency_flops",
+            "kernel_overhead_s",
+            "reserved_memory_bytes",
+            "allocator_overhead_fraction",
+        ):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"calibration.{name} = {value!r} must be >= 0")

@@ -14,6 +14,7 @@ import click
 
 from autoplan import __version__
 from autoplan.cli.cluster_cmd import cluster
+from autoplan.cli.estimate_cmd import estimate_cmd
 from autoplan.cli.validate_cmd import validate
 from autoplan.errors import InputError
 
@@ -26,6 +27,7 @@ def cli() -> None:
 
 cli.add_command(cluster)
 cli.add_command(validate)
+cli.add_command(estimate_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
