@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autoplan.search.partition import (
+from autoplan.planner.partition import (
     ModeCosts,
     PartitionProblem,
     brute_force,
