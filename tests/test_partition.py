@@ -54,7 +54,7 @@ def random_problem(seed: int) -> PartitionProblem:
         num_micro_batches=m,
         modes=modes,  # type: ignore[arg-type]
         static_bytes=static,
-        boundary_time_s=tuple(rng.uniform(0.0, 0.3) for _ in range(n)),
+        boundary_time_s=tuple(tuple(rng.uniform(0.0, 0.3) for _ in range(n)) for _ in range(S)),
         inflight=inflight,
         memory_capacity_bytes=1e18,
         tail_constants_s=(0.05, rng.uniform(-0.2, 0.2)),
@@ -127,7 +127,7 @@ def test_evaluate_by_hand() -> None:
             )
         },
         static_bytes=(1, 1, 2, 2),
-        boundary_time_s=(0.5, 0.5, 0.5, 0.5),
+        boundary_time_s=((0.5, 0.5, 0.5, 0.5), (9.0, 9.0, 9.0, 9.0)),
         inflight=(2, 1),
         memory_capacity_bytes=100,
         tail_constants_s=(1.0,),

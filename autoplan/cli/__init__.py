@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import click
 
 from autoplan import __version__
+from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
 from autoplan.cli.validate_cmd import validate
@@ -28,6 +29,7 @@ def cli() -> None:
 cli.add_command(cluster)
 cli.add_command(validate)
 cli.add_command(estimate_cmd)
+cli.add_command(calibrate_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

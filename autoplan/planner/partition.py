@@ -60,8 +60,10 @@ class PartitionProblem:
     num_micro_batches: int
     modes: Mapping[Recompute, ModeCosts]
     static_bytes: tuple[float, ...]
-    # boundary_time_s[u]: per-micro-batch send cost charged to a stage whose last unit is u.
-    boundary_time_s: tuple[float, ...]
+    # boundary_time_s[s][u]: per-micro-batch send cost charged to stage s when its last unit
+    # is u (it depends on the stage through the link to the next pipeline rank). The last
+    # stage sends nothing; its row is ignored.
+    boundary_time_s: tuple[tuple[float, ...], ...]
     # inflight[s]: micro-batches whose activations stage s holds at its peak.
     inflight: tuple[float, ...]
     memory_capacity_bytes: float
@@ -72,7 +74,9 @@ class PartitionProblem:
         n = self.num_units
         assert self.num_stages == self.pp_degree * self.virtual_stages
         assert 1 <= self.num_stages <= n, (self.num_stages, n)
-        assert len(self.boundary_time_s) == n and len(self.inflight) == self.num_stages
+        assert len(self.boundary_time_s) == self.num_stages
+        assert all(len(row) == n for row in self.boundary_time_s)
+        assert len(self.inflight) == self.num_stages
         assert self.modes, "at least one recompute mode"
         for costs in self.modes.values():
             assert len(costs.time_s) == n and len(costs.activation_bytes) == n
@@ -127,7 +131,7 @@ def evaluate(
         units = range(start, end)
         rank_time[r] += sum(costs.time_s[u] for u in units)
         if s < problem.num_stages - 1:
-            rank_time[r] += problem.boundary_time_s[end - 1]
+            rank_time[r] += problem.boundary_time_s[s][end - 1]
         rank_memory[r] += sum(problem.static_bytes[u] for u in units)
         rank_memory[r] += problem.inflight[s] * sum(costs.activation_bytes[u] for u in units)
         for j, coefficients in enumerate(costs.tail_s):
@@ -212,7 +216,7 @@ class _Model:
             for j, table in enumerate(self.tail_prefix)
         ]
         # send[s]: the boundary cost of stage s, read at the unit before the next cut
-        send_s = [self._read(self.boundary_table, s + 1) if s < S - 1 else 0 for s in range(S)]
+        send_s = [self._read(self.boundary_table[s], s + 1) if s < S - 1 else 0 for s in range(S)]
 
         # rank_time[r]: per-micro-batch time of pipeline rank r (its stages s = r, r + p, ...)
         self.rank_time = [sum(time_s[s] + send_s[s] for s in range(r, S, p)) for r in range(p)]
@@ -237,7 +241,7 @@ class _Model:
     def _scale(self, problem: PartitionProblem) -> None:
         n = problem.num_units
         worst_time = sum(max(c.time_s[u] for c in problem.modes.values()) for u in range(n))
-        worst_time += sum(problem.boundary_time_s)
+        worst_time += sum(max(row) for row in problem.boundary_time_s[:-1])
         worst_tail = sum(
             sum(max(abs(c.tail_s[j][u]) for c in problem.modes.values()) for u in range(n))
             + abs(problem.tail_constants_s[j])
@@ -266,8 +270,10 @@ class _Model:
             for j in range(problem.num_tail_terms)
         ]
         self.tail_constants = [round(c / self.time_unit_s) for c in problem.tail_constants_s]
-        # boundary_table[c]: cost of a cut before unit c, i.e. of a stage ending at unit c - 1
-        self.boundary_table = [0] + [round(t / self.time_unit_s) for t in problem.boundary_time_s]
+        # boundary_table[s][c]: cost of stage s ending just before unit c (at unit c - 1)
+        self.boundary_table = [
+            [0] + [round(t / self.time_unit_s) for t in row] for row in problem.boundary_time_s
+        ]
         self.inflight = [round(x * _INFLIGHT_SCALE) for x in problem.inflight]
         self.memory_capacity = math.floor(
             problem.memory_capacity_bytes / self.byte_unit * _INFLIGHT_SCALE
