@@ -85,8 +85,8 @@ def test_solver_matches_brute_force(seed: int) -> None:
     assert found is not None, stats
     assert stats.status == "OPTIMAL"
     assert found.peak_memory_bytes <= problem.memory_capacity_bytes
-    # ties allowed; the integer model's rounding is ~1e-9 relative
-    assert found.step_time_s == pytest.approx(expected.step_time_s, rel=1e-6)
+    # ties allowed; the integer model's rounding error is at most n / (2 * 1e6) <= 6e-6 here
+    assert found.step_time_s == pytest.approx(expected.step_time_s, rel=1e-5)
 
 
 def test_infeasible_memory_returns_none() -> None:

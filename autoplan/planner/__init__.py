@@ -1,4 +1,4 @@
-"""The planner behind `autoplan.search`: outer enumeration of degrees and batching, CP-SAT for stage cuts."""
+"""The planner behind `autoplan.search`: outer enumeration, then CP-SAT for the stage cuts."""
 
 from __future__ import annotations
 

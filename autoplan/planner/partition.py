@@ -31,9 +31,11 @@ from ortools.sat.python import cp_model
 
 from autoplan.plan import Recompute
 
-# Integer resolution of the CP-SAT model: times and bytes are scaled so that the largest
-# possible per-rank total is about this many units (relative rounding error ~1e-9).
-_RESOLUTION = 10**9
+# Integer resolution of the CP-SAT model: times and bytes are scaled so that the total over all
+# units is this many integer units. A rank's time sums at most n rounded unit times, so its
+# relative rounding error is at most n / (2 * resolution): 5e-5 for a 100-unit model. Finer
+# scales make CP-SAT much slower (larger coefficients weaken its propagation).
+_RESOLUTION = 10**6
 _INFLIGHT_SCALE = 1000  # in-flight micro-batch counts may be fractional (interleaving)
 
 # A CP-SAT linear expression. OR-tools' stubs type these as unions with numpy integers that

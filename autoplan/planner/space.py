@@ -1,0 +1,269 @@
+"""The search space: which outer choices (degrees, batching, schedule, sharding) to consider.
+
+`SearchSpace.from_constraints` turns the keyword constraints of `autoplan.search` into a space
+and rejects constraints that contradict each other or the cluster, naming them. `strategies`
+enumerates the outer choices (`cost_model.Strategy`) that are valid for the model, the cluster
+and the global batch: degrees multiply to the device count, TP divides every count the trace
+reports and stays inside a node (unless allowed), batches divide, the schedule's micro-batch
+rules hold. Dominated choices are skipped: GPipe when 1F1B is valid (same time, more memory),
+ZeRO levels and layouts that cannot differ when dp = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.errors import InputError
+from autoplan.plan import MESH_AXES, RECOMPUTE_MODES, SCHEDULES, MeshAxis, Recompute, Schedule
+from cost_model.hardware import Cluster
+from cost_model.strategy import Strategy
+from cost_model.workload import ModelProfile
+
+Layout = tuple[MeshAxis, MeshAxis, MeshAxis]
+DEFAULT_LAYOUTS: tuple[Layout, ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+MAX_VIRTUAL_STAGES = 8
+
+
+class ConstraintError(InputError):
+    """Search constraints contradict each other or the cluster."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpace:
+    """Allowed values per dimension; ``None`` means "any valid value"."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+    max_tp: int | None = None
+    max_pp: int | None = None
+    max_micro_batch: int = 64
+    virtual_stages: tuple[int, ...] | None = None
+    schedules: tuple[Schedule, ...] = ("1f1b", "interleaved-1f1b", "gpipe")
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    rank_layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
+    dtype: str = "bf16"
+    allow_cross_node_tp: bool = False
+
+    @classmethod
+    def from_constraints(cls, **constraints: Any) -> SearchSpace:
+        """Build a space from `autoplan.search` keywords; unknown or contradictory ones raise."""
+        fields = {}
+        for key, value in constraints.items():
+            if key not in _CONSTRAINT_KEYS:
+                valid = ", ".join(sorted(_CONSTRAINT_KEYS))
+                raise ConstraintError(f"unknown search constraint {key!r}; valid: {valid}")
+            fields[key] = _normalise(key, value)
+        space = cls(**fields)
+        space._check()
+        return space
+
+    def _check(self) -> None:
+        for name, allowed, limit in (("tp", self.tp, self.max_tp), ("pp", self.pp, self.max_pp)):
+            if allowed is not None and limit is not None and min(allowed) > limit:
+                raise ConstraintError(
+                    f"{name}={_show(allowed)} contradicts max_{name}={limit}; drop one of them"
+                )
+        if self.micro_batch is not None and min(self.micro_batch) > self.max_micro_batch:
+            raise ConstraintError(
+                f"micro_batch={_show(self.micro_batch)} contradicts "
+                f"max_micro_batch={self.max_micro_batch}"
+            )
+        virtual = self.virtual_stages or (1,)
+        if max(virtual) > 1 and "interleaved-1f1b" not in self.schedules:
+            raise ConstraintError(
+                f"virtual_stages={_show(virtual)} needs the 'interleaved-1f1b' "
+                f"schedule, but schedules={list(self.schedules)}"
+            )
+        if self.pp is not None and max(self.pp) == 1 and self.schedules == ("interleaved-1f1b",):
+            raise ConstraintError("schedules=('interleaved-1f1b',) needs pp >= 2, but pp=1")
+        if self.tp is not None and max(self.tp) == 1 and self.sequence_parallel == (True,):
+            raise ConstraintError("sequence_parallel=True needs tp > 1, but tp=1")
+
+    def check_cluster(self, cluster: Cluster, profile: ModelProfile, global_batch: int) -> None:
+        """Reject fixed choices that cannot work on this cluster or model, naming them."""
+        n = cluster.num_devices
+        for name, allowed in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp)):
+            if allowed is not None and all(n % d for d in allowed):
+                raise ConstraintError(
+                    f"{name}={_show(allowed)} does not divide the {n} devices of {cluster.name!r}"
+                )
+        per_node = cluster.devices_per_node
+        if (
+            self.tp is not None
+            and not self.allow_cross_node_tp
+            and all(per_node % t for t in self.tp)
+        ):
+            raise ConstraintError(
+                f"tp={_show(self.tp)} does not fit inside a node of {per_node} devices; "
+                "pass allow_cross_node_tp=True to allow it"
+            )
+        if self.pp is not None and min(self.pp) > profile.num_units:
+            raise ConstraintError(
+                f"pp={_show(self.pp)} exceeds the {profile.num_units} pipeline units of "
+                f"{profile.name!r}"
+            )
+        if self.dp is not None and all(global_batch % d for d in self.dp):
+            raise ConstraintError(
+                f"dp={_show(self.dp)} does not divide global_batch={global_batch}"
+            )
+        counts = profile.tp_divisible_counts()
+        if self.tp is not None and all(any(c % t for c in counts.values()) for t in self.tp):
+            raise ConstraintError(
+                f"tp={_show(self.tp)} does not divide the model's "
+                f"{', '.join(f'{k}={v}' for k, v in counts.items())}"
+            )
+
+
+_CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__}
+
+
+def _show(values: Sequence[object]) -> str:
+    return str(values[0]) if len(values) == 1 else str(list(values))
+
+
+def _normalise(key: str, value: Any) -> Any:
+    """Accept a scalar or a collection for set-valued constraints, check the values."""
+    if key in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "zero"):
+        values = _as_tuple(key, value)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero" else 1):
+                raise ConstraintError(f"{key}={value!r}: values must be whole numbers >= 1")
+        if key == "zero" and any(v > 3 for v in values):
+            raise ConstraintError(f"zero={value!r}: ZeRO levels are 0, 1, 2, 3")
+        return values
+    if key in ("max_tp", "max_pp", "max_micro_batch"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConstraintError(f"{key}={value!r} must be a whole number >= 1")
+        return value
+    if key == "schedules":
+        values = _as_tuple(key, value)
+        bad = [v for v in values if v not in SCHEDULES]
+        if bad:
+            raise ConstraintError(f"schedules: unknown {bad[0]!r}; use {', '.join(SCHEDULES)}")
+        return values
+    if key == "recompute":
+        values = _as_tuple(key, value)
+        bad = [v for v in values if v not in RECOMPUTE_MODES]
+        if bad:
+            raise ConstraintError(
+                f"recompute: unknown {bad[0]!r}; use {', '.join(RECOMPUTE_MODES)}"
+            )
+        return values
+    if key == "sequence_parallel":
+        values = _as_tuple(key, value)
+        if any(not isinstance(v, bool) for v in values):
+            raise ConstraintError(f"sequence_parallel={value!r} must be True, False or both")
+        return values
+    if key == "rank_layouts":
+        layouts = tuple(tuple(layout) for layout in value)
+        for layout in layouts:
+            if sorted(layout) != sorted(MESH_AXES):
+                raise ConstraintError(f"rank_layouts: {list(layout)} must order pp, dp, tp once")
+        return layouts
+    if key == "allow_cross_node_tp":
+        return bool(value)
+    if key == "dtype":
+        if value not in ("fp32", "bf16", "fp16"):
+            raise ConstraintError(f"dtype={value!r}; use fp32, bf16 or fp16")
+        return value
+    raise AssertionError(key)
+
+
+def _as_tuple(key: str, value: Any) -> tuple[Any, ...]:
+    if isinstance(value, (str, int, bool)):
+        return (value,)
+    values = tuple(value)
+    if not values:
+        raise ConstraintError(f"{key}=() allows nothing; give at least one value")
+    return values
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strategies(
+    space: SearchSpace, profile: ModelProfile, cluster: Cluster, global_batch: int
+) -> Iterator[Strategy]:
+    """Every valid, non-dominated outer choice in ``space``."""
+    n = cluster.num_devices
+    counts = profile.tp_divisible_counts()
+    tp_choices = [
+        t
+        for t in _divisors(n)
+        if (space.tp is None or t in space.tp)
+        and (space.max_tp is None or t <= space.max_tp)
+        and (space.allow_cross_node_tp or cluster.devices_per_node % t == 0)
+        and all(c % t == 0 for c in counts.values())
+    ]
+    for tp in tp_choices:
+        for pp in _divisors(n // tp):
+            if (space.pp is not None and pp not in space.pp) or pp > profile.num_units:
+                continue
+            if space.max_pp is not None and pp > space.max_pp:
+                continue
+            dp = n // (tp * pp)
+            if (space.dp is not None and dp not in space.dp) or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for b in _divisors(per_replica):
+                if b > space.max_micro_batch:
+                    break
+                if space.micro_batch is not None and b not in space.micro_batch:
+                    continue
+                m = per_replica // b
+                yield from _schedules(space, profile, cluster, tp, pp, dp, b, m)
+
+
+def _schedules(
+    space: SearchSpace,
+    profile: ModelProfile,
+    cluster: Cluster,
+    tp: int,
+    pp: int,
+    dp: int,
+    b: int,
+    m: int,
+) -> Iterator[Strategy]:
+    options: list[tuple[Schedule, int]] = []
+    if "1f1b" in space.schedules and m >= pp:
+        options.append(("1f1b", 1))
+    # GPipe has 1F1B's time with more activation memory: only when 1F1B is invalid or excluded.
+    if "gpipe" in space.schedules and not options:
+        options.append(("gpipe", 1))
+    if "interleaved-1f1b" in space.schedules and pp > 1 and m % pp == 0:
+        for v in range(2, MAX_VIRTUAL_STAGES + 1):
+            if pp * v > profile.num_units:
+                break
+            if space.virtual_stages is None or v in space.virtual_stages:
+                options.append(("interleaved-1f1b", v))
+    if space.virtual_stages is not None and 1 not in space.virtual_stages:
+        options = [o for o in options if o[1] > 1]
+    sp_choices = [
+        sp for sp in space.sequence_parallel if not sp or (tp > 1 and profile.seq_len % tp == 0)
+    ]
+    zero_choices = [z for z in space.zero if dp > 1 or z == min(space.zero)]
+    layouts = space.rank_layouts if dp > 1 and pp > 1 else space.rank_layouts[:1]
+    for schedule, v in options:
+        for sp in sp_choices:
+            for zero in zero_choices:
+                for layout in layouts:
+                    yield Strategy(
+                        tp_degree=tp,
+                        dp_degree=dp,
+                        pp_degree=pp,
+                        virtual_stages=v,
+                        micro_batch_size=b,
+                        num_micro_batches=m,
+                        schedule=schedule,
+                        zero_stage=zero,
+                        sequence_parallel=sp,
+                        dtype=space.dtype,
+                        rank_layout=layout,
+                    )

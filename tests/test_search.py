@@ -1,0 +1,203 @@
+"""`autoplan.search` against brute-force enumeration of the same space under the same cost model.
+
+Brute force visits every outer choice the space allows (no bounds, no pruning), every set of
+stage cuts and every per-stage recompute assignment, scoring each with `partition.evaluate` on
+the cost model's unit costs; a sample of those scores is checked against `cost_model.estimate`
+itself, so the reference is the cost model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autoplan.errors import NoFeasiblePlanError
+from autoplan.plan import Plan, StagePlan
+from autoplan.planner.partition import evaluate
+from autoplan.planner.search import _candidate, _CostCache, _problem, search_plans
+from autoplan.planner.space import ConstraintError, SearchSpace, strategies
+from cost_model.estimate import estimate
+from cost_model.hardware import Cluster
+from tests.cost_profiles import gpt_profile, round_cluster
+
+
+def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
+    rng = random.Random(seed)
+    num_layers = rng.randint(2, 14)  # 4-16 units with embedding and head
+    h = rng.choice([256, 512, 1024])
+    profile = gpt_profile(
+        num_layers=num_layers, s=rng.choice([256, 512]), h=h, a=8, vocab=rng.choice([4096, 32768])
+    )
+    devices_per_node = rng.choice([4, 8])
+    nodes = rng.choice([2, 4, 8]) if devices_per_node == 8 else rng.choice([2, 4, 8, 16])
+    nodes = min(nodes, 64 // devices_per_node)
+    base = round_cluster(num_nodes=nodes, devices_per_node=devices_per_node)
+    cluster = base.with_overrides(
+        memory_bytes=int(rng.uniform(0.05, 2.0) * 2**30),
+        inter_node_bandwidth=rng.choice([1e9, 10e9, 50e9]),
+        intra_node_bandwidth=rng.choice([50e9, 300e9]),
+    )
+    global_batch = rng.choice([16, 32, 64])
+    n = profile.num_units
+    # Keep brute force affordable: at most ~600 (cuts x modes) per outer choice.
+    modes = tuple(rng.sample(["none", "selective", "full"], rng.randint(1, 2)))
+    max_stages = n
+
+    def work(stages: int) -> int:
+        return max(math.comb(n - 1, s - 1) * len(modes) ** s for s in range(1, stages + 1))
+
+    while work(max_stages) > 600 and len(modes) > 1:
+        modes = modes[:1]
+    while work(max_stages) > 600:
+        max_stages -= 1
+    virtual = (1, 2) if max_stages >= 4 else (1,)
+    constraints: dict[str, object] = {
+        "recompute": modes,
+        "zero": tuple(sorted(rng.sample([0, 1, 2, 3], rng.randint(1, 2)))),
+        "max_micro_batch": rng.choice([2, 4]),
+        "max_pp": max_stages // virtual[-1],
+        "virtual_stages": virtual,
+        "schedules": ("1f1b", "interleaved-1f1b", "gpipe"),
+        "dtype": "bf16",
+    }
+    return profile, cluster, global_batch, constraints
+
+
+def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[no-untyped-def]
+    space = SearchSpace.from_constraints(**constraints)
+    cache = _CostCache(profile, cluster)
+    best = math.inf
+    checked = 0
+    for strategy in strategies(space, profile, cluster, global_batch):
+        candidate = _candidate(strategy, space.recompute, cache, cluster)
+        problem = _problem(candidate, cluster)
+        n, num_stages = problem.num_units, problem.num_stages
+        for cuts in itertools.combinations(range(1, n), num_stages - 1):
+            for modes in itertools.product(space.recompute, repeat=num_stages):
+                result = evaluate(problem, (0, *cuts), modes)
+                fits = result.peak_memory_bytes <= problem.memory_capacity_bytes
+                if checked < 3 or (fits and result.step_time_s < best):
+                    checked += 1
+                    _check_against_estimate(profile, cluster, strategy, (0, *cuts), modes, result)
+                if fits:
+                    best = min(best, result.step_time_s)
+    return best
+
+
+def _check_against_estimate(profile, cluster, strategy, starts, modes, result):  # type: ignore[no-untyped-def]
+    ends = (*starts[1:], profile.num_units)
+    plan = Plan(
+        dp_degree=strategy.dp_degree,
+        tp_degree=strategy.tp_degree,
+        pp_degree=strategy.pp_degree,
+        virtual_stages=strategy.virtual_stages,
+        stages=tuple(
+            StagePlan(first_unit=a, last_unit=b - 1, recompute=k)
+            for a, b, k in zip(starts, ends, modes, strict=True)
+        ),
+        micro_batch_size=strategy.micro_batch_size,
+        num_micro_batches=strategy.num_micro_batches,
+        global_batch_size=strategy.global_batch_size,
+        schedule=strategy.schedule,
+        zero_stage=strategy.zero_stage,
+        sequence_parallel=strategy.sequence_parallel,
+        dtype=strategy.dtype,
+        rank_layout=strategy.rank_layout,
+    )
+    reference = estimate(profile, cluster, plan)
+    assert reference.step_time_s == pytest.approx(result.step_time_s, rel=1e-9)
+    assert reference.fits == (reference.peak_memory_bytes <= cluster.device.memory_bytes)
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_search_finds_the_brute_force_optimum(seed: int) -> None:
+    profile, cluster, global_batch, constraints = _random_case(seed)
+    expected = _brute_force(profile, cluster, global_batch, constraints)
+    if math.isinf(expected):
+        with pytest.raises(NoFeasiblePlanError):
+            search_plans(profile, cluster, global_batch=global_batch, **constraints)
+        return
+    result = search_plans(profile, cluster, global_batch=global_batch, **constraints)
+    best = result.plans[0]
+    assert best.estimate is not None
+    # ties allowed; the CP-SAT model works in integers at ~1e-9 relative resolution
+    assert best.estimate.step_time_s <= expected * (1 + 1e-3)
+    assert best.estimate.step_time_s >= expected * (1 - 1e-9)
+    best.validate(profile, cluster)
+
+
+@pytest.mark.parametrize(
+    ("constraints", "fragment"),
+    [
+        ({"tp": 16, "max_tp": 8}, "tp=16 contradicts max_tp=8"),
+        (
+            {"virtual_stages": 2, "schedules": ("1f1b",)},
+            "virtual_stages=2 needs the 'interleaved-1f1b'",
+        ),
+        ({"tp": 1, "sequence_parallel": True}, "sequence_parallel=True needs tp > 1"),
+        ({"zero": 5}, "ZeRO levels are 0, 1, 2, 3"),
+        ({"recompute": "most"}, "recompute: unknown 'most'"),
+        ({"schedules": ("zb",)}, "schedules: unknown 'zb'"),
+        ({"tensor_parallel": 2}, "unknown search constraint 'tensor_parallel'"),
+        ({"micro_batch": 8, "max_micro_batch": 4}, "micro_batch=8 contradicts max_micro_batch=4"),
+        ({"tp": ()}, "tp=() allows nothing"),
+    ],
+)
+def test_contradictory_constraints_are_named(constraints: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConstraintError) as info:
+        search_plans(gpt_profile(num_layers=2), round_cluster(), global_batch=8, **constraints)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("constraints", "fragment"),
+    [
+        ({"tp": 16}, "tp=16 does not divide the 8 devices"),
+        ({"tp": 3}, "tp=3 does not divide the 8 devices"),
+        ({"pp": 8}, "pp=8 exceeds the 4 pipeline units"),
+        ({"dp": 8}, "dp=8 does not divide global_batch=4"),
+    ],
+)
+def test_constraints_that_contradict_the_cluster(
+    constraints: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ConstraintError) as info:
+        search_plans(gpt_profile(num_layers=2), round_cluster(), global_batch=4, **constraints)
+    assert fragment in str(info.value)
+
+
+def test_cross_node_tp_needs_permission() -> None:
+    with pytest.raises(ConstraintError, match="tp=16 does not fit inside a node of 8 devices"):
+        search_plans(
+            gpt_profile(num_layers=2, a=16), round_cluster(num_nodes=2), global_batch=4, tp=16
+        )
+
+
+def test_no_feasible_plan_names_the_least_memory() -> None:
+    profile = gpt_profile(num_layers=4, h=1024, s=512)
+    tiny = round_cluster(memory_bytes=8 * 2**20)  # 8 MiB per device
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search_plans(profile, tiny, global_batch=8)
+    message = str(info.value)
+    assert "the least memory per device any of the" in message
+    assert "the device has 0.0 GiB" in message or "the device has 0.01 GiB" in message
+    assert "more devices" in message and "recompute" in message
+
+
+def test_top_k_is_ranked_and_constraints_are_obeyed() -> None:
+    profile = gpt_profile(num_layers=6, h=512, s=256)
+    cluster = round_cluster(num_nodes=2)
+    result = search_plans(
+        profile, cluster, global_batch=32, top_k=4, tp=(2, 4), zero=(0, 1), recompute="none"
+    )
+    times = [p.estimate.step_time_s for p in result.plans if p.estimate]
+    assert len(times) == 4 and times == sorted(times)
+    for plan in result.plans:
+        assert plan.tp_degree in (2, 4) and plan.zero_stage in (0, 1)
+        assert all(s.recompute == "none" for s in plan.stages)
+        plan.validate(profile, cluster)
+    assert result.stats.solver_calls >= 4
+    assert result.stats.candidates >= result.stats.solver_calls
