@@ -24,21 +24,32 @@ from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 
 if TYPE_CHECKING:
     from autoplan import models
+    from autoplan.api import estimate, manual_plan
+    from autoplan.graph import ModelGraph
+    from autoplan.planner.search import search
+    from autoplan.tracing import trace
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it (imported on first access)
-_LAZY: dict[str, str] = {
-    "models": "autoplan.models",
+# public name -> (module that defines it, attribute; None for the module itself), imported on
+# first access. A public function never shares its name with a submodule: importing the
+# submodule would replace the function on this package.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "models": ("autoplan.models", None),
+    "trace": ("autoplan.tracing", "trace"),
+    "ModelGraph": ("autoplan.graph", "ModelGraph"),
+    "manual_plan": ("autoplan.api", "manual_plan"),
+    "estimate": ("autoplan.api", "estimate"),
+    "search": ("autoplan.planner.search", "search"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)
-    value = module if module_name.endswith(f".{name}") else getattr(module, name)
+    value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value
 
@@ -49,6 +60,7 @@ __all__ = [
     "DeviceSpec",
     "InputError",
     "LinkSpec",
+    "ModelGraph",
     "ModelRef",
     "ModelSpecError",
     "NoFeasiblePlanError",
@@ -59,5 +71,9 @@ __all__ = [
     "StagePlan",
     "TraceError",
     "__version__",
+    "estimate",
+    "manual_plan",
     "models",
+    "search",
+    "trace",
 ]

@@ -42,6 +42,10 @@ class Calibration:
     # Fraction of the last micro-batch's backward during which data-parallel gradient
     # communication runs concurrently (1: bucketed DDP/FSDP overlap; 0: sync after backward).
     dp_overlap_fraction: float = 1.0
+    # Fraction of a block's forward GEMM work that selective recompute re-runs in the backward
+    # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
+    # checkpointing, which recomputes every second mm). A property of the training stack.
+    selective_gemm_recompute_fraction: float = 0.0
     # Device memory the job cannot use for tensors: runtime context, communication buffers of
     # the library, workspaces.
     reserved_memory_bytes: float = unit_field("bytes", default=0.0)
@@ -56,10 +60,10 @@ class Calibration:
                     f"calibration.{name} = {value!r} must be a fraction in (0, 1]; "
                     "it is the achievable share of the datasheet peak"
                 )
-        if not 0.0 <= self.dp_overlap_fraction <= 1.0:
-            raise ValueError(
-                f"calibration.dp_overlap_fraction = {self.dp_overlap_fraction!r} must be in [0, 1]"
-            )
+        for name in ("dp_overlap_fraction", "selective_gemm_recompute_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"calibration.{name} = {value!r} must be in [0, 1]")
         for name in (
             "gemm_half_efficiency_flops",
             "kernel_overhead_s",

@@ -62,6 +62,9 @@ class TpLinear:
 
     path: str  # relative to the unit's module, e.g. "attn.q_proj"
     style: Literal["column", "row", "vocab_embedding", "vocab_head"]
+    # Outputs packed along a column linear's output features (3 for a fused q/k/v projection
+    # such as GPT-2's c_attn, 2 for a fused gate/up): TP must split each part, not the whole.
+    fused: int = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

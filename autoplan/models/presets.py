@@ -28,7 +28,11 @@ _GPT2_SEQ_LEN = 1024
 # sizes (section 2.1), GPT-2's architecture and BPE vocabulary of 50257 (section 2.1: "We use the
 # same model and architecture as GPT-2"). Not modelled: GPT-3 alternates dense and locally banded
 # sparse attention layers; we use dense causal attention in every layer (same parameters).
-_GPT3_VOCAB = 50257
+# The vocabulary is padded to 51200 as Megatron-LM trains GPT-3-style models (Narayanan et al.
+# 2021, section 5.1: "vocabulary size ... 51,200 (multiple of 1024)"; Megatron's
+# --make-vocab-size-divisible-by pads the embedding so tensor parallelism splits it evenly).
+# It adds (51200 - 50257) * d_model parameters, under 0.15% for every size.
+_GPT3_VOCAB = 51200
 _GPT3_SEQ_LEN = 2048
 # Llama 2: Touvron et al. 2023, Table 1 (context 4096; GQA for 34B/70B) and Meta's released
 # params.json / HF configs (dim, n_layers, n_heads, n_kv_heads, vocab 32000, norm_eps 1e-5,

@@ -175,23 +175,19 @@ class SolveStats:
 
 
 class _Model:
-    """The CP-SAT model of one problem (built once, solved for time or for memory)."""
+    """The CP-SAT model of one problem (built once, solved for time or for memory).
+
+    Subclasses describe the stages (`_stage_terms`) and read the cuts back; this base adds the
+    recompute-mode choice, the integer scaling, and assembles rank times, the tail and memory.
+    """
 
     def __init__(self, problem: PartitionProblem) -> None:
         self.problem = problem
         self.model = cp_model.CpModel()
-        n, S, p = problem.num_units, problem.num_stages, problem.pp_degree
+        S, p = problem.num_stages, problem.pp_degree
         self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
         self._scale(problem)
-
-        # --- variables
-        # cut[j]: first unit of stage j (cut[0] = 0 and cut[S] = n are constants). Each stage
-        # needs at least one unit, so cut j lies in [j, n - (S - j)].
-        self.cut: list[Expr] = [0]
-        for j in range(1, S):
-            self.cut.append(self.model.new_int_var(j, n - (S - j), f"cut[{j}]"))
-        self.cut.append(n)
-        # use[s, k]: stage s runs recompute mode k (exactly one per stage).
+        # use[s][k]: stage s runs recompute mode k (exactly one per stage).
         self.use: list[list[Expr]] = []
         for s in range(S):
             if len(self.mode_names) == 1:
@@ -201,27 +197,11 @@ class _Model:
             self.model.add_exactly_one(row)
             self.use.append(list(row))
 
-        # --- constraints
-        # stages are contiguous, in order, and non-empty
-        for j in range(1, S - 1):
-            self.model.add(self.cut[j] + 1 <= self.cut[j + 1])
-
-        # stage quantities: a prefix-sum table read at the stage's two cuts
-        time_s = [self._stage_value(self.time_prefix, s, f"time[{s}]") for s in range(S)]
-        act_s = [self._stage_value(self.act_prefix, s, f"act[{s}]") for s in range(S)]
-        static_s = [
-            self._read(self.static_prefix, s + 1) - self._read(self.static_prefix, s)
-            for s in range(S)
-        ]
-        tail_s = [
-            [self._stage_value(table, s, f"tail{j}[{s}]") for s in range(S)]
-            for j, table in enumerate(self.tail_prefix)
-        ]
-        # send[s]: the boundary cost of stage s, read at the unit before the next cut
-        send_s = [self._read(self.boundary_table[s], s + 1) if s < S - 1 else 0 for s in range(S)]
-
+        terms = self._stage_terms()
         # rank_time[r]: per-micro-batch time of pipeline rank r (its stages s = r, r + p, ...)
-        self.rank_time = [sum(time_s[s] + send_s[s] for s in range(r, S, p)) for r in range(p)]
+        self.rank_time = [
+            sum(terms.time[s] + terms.send[s] for s in range(r, S, p)) for r in range(p)
+        ]
         self.longest = self.model.new_int_var(0, self.time_bound, "longest_rank_time")
         for r in range(p):
             self.model.add(self.longest >= self.rank_time[r])
@@ -229,14 +209,47 @@ class _Model:
         self.tail = self.model.new_int_var(0, self.time_bound, "tail")
         for r in range(p):
             for j, constant in enumerate(self.tail_constants):
-                self.model.add(self.tail >= sum(tail_s[j][s] for s in range(r, S, p)) + constant)
+                self.model.add(
+                    self.tail >= sum(terms.tail[j][s] for s in range(r, S, p)) + constant
+                )
         # memory: static bytes plus activations of the micro-batches in flight, per rank
         self.rank_memory = [
-            sum(static_s[s] * _INFLIGHT_SCALE + self.inflight[s] * act_s[s] for s in range(r, S, p))
+            sum(
+                terms.static[s] * _INFLIGHT_SCALE + self.inflight[s] * terms.act[s]
+                for s in range(r, S, p)
+            )
             for r in range(p)
         ]
         for r in range(p):
             self.model.add(self.rank_memory[r] <= self.memory_capacity)
+
+    def _stage_terms(self) -> _StageTerms:
+        raise NotImplementedError
+
+    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+        self._hint_cuts(stage_starts)
+        if len(self.mode_names) > 1:
+            for s, mode in enumerate(modes):
+                for k_idx, k in enumerate(self.mode_names):
+                    self.model.add_hint(self.use[s][k_idx], k == mode)
+
+    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+        modes: list[Recompute] = []
+        for s in range(self.problem.num_stages):
+            if len(self.mode_names) == 1:
+                modes.append(self.mode_names[0])
+                continue
+            chosen = [
+                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
+            ]
+            modes.append(chosen[0])
+        return self._read_starts(solver), tuple(modes)
+
+    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- scaling to integers
 
@@ -256,32 +269,77 @@ class _Model:
         )
         self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
 
-        def prefix(values: Sequence[float], unit: float) -> list[int]:
-            out = [0]
-            for value in values:
-                out.append(out[-1] + round(value / unit))
-            return out
+        def ints(values: Sequence[float], unit: float) -> list[int]:
+            return [round(value / unit) for value in values]
 
-        self.time_prefix = {k: prefix(c.time_s, self.time_unit_s) for k, c in problem.modes.items()}
-        self.act_prefix = {
-            k: prefix(c.activation_bytes, self.byte_unit) for k, c in problem.modes.items()
+        # per-unit integer tables (per mode where the quantity depends on the mode)
+        self.time_int = {k: ints(c.time_s, self.time_unit_s) for k, c in problem.modes.items()}
+        self.act_int = {
+            k: ints(c.activation_bytes, self.byte_unit) for k, c in problem.modes.items()
         }
-        self.static_prefix = prefix(problem.static_bytes, self.byte_unit)
-        self.tail_prefix = [
-            {k: prefix(c.tail_s[j], self.time_unit_s) for k, c in problem.modes.items()}
+        self.static_int = ints(problem.static_bytes, self.byte_unit)
+        self.tail_int = [
+            {k: ints(c.tail_s[j], self.time_unit_s) for k, c in problem.modes.items()}
             for j in range(problem.num_tail_terms)
         ]
         self.tail_constants = [round(c / self.time_unit_s) for c in problem.tail_constants_s]
-        # boundary_table[s][c]: cost of stage s ending just before unit c (at unit c - 1)
-        self.boundary_table = [
-            [0] + [round(t / self.time_unit_s) for t in row] for row in problem.boundary_time_s
-        ]
+        self.boundary_int = [ints(row, self.time_unit_s) for row in problem.boundary_time_s]
         self.inflight = [round(x * _INFLIGHT_SCALE) for x in problem.inflight]
         self.memory_capacity = math.floor(
             problem.memory_capacity_bytes / self.byte_unit * _INFLIGHT_SCALE
         )
 
-    # ----------------------------------------------------------------- helpers
+
+@dataclass(frozen=True, slots=True)
+class _StageTerms:
+    """Per-stage model expressions (integer-scaled)."""
+
+    time: list[Expr]
+    send: list[Expr]
+    act: list[Expr]
+    static: list[Expr]
+    tail: list[list[Expr]]  # [term j][stage s]
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    out = [0]
+    for value in values:
+        out.append(out[-1] + value)
+    return out
+
+
+class _CutModel(_Model):
+    """Any units: one integer variable per cut, element constraints on prefix-sum tables."""
+
+    def _stage_terms(self) -> _StageTerms:
+        n, S = self.problem.num_units, self.problem.num_stages
+        # cut[j]: first unit of stage j (cut[0] = 0 and cut[S] = n are constants). Each stage
+        # needs at least one unit, so cut j lies in [j, n - (S - j)].
+        self.cut: list[Expr] = [0]
+        for j in range(1, S):
+            self.cut.append(self.model.new_int_var(j, n - (S - j), f"cut[{j}]"))
+        self.cut.append(n)
+        # stages are contiguous, in order, and non-empty
+        for j in range(1, S - 1):
+            self.model.add(self.cut[j] + 1 <= self.cut[j + 1])
+        time_prefix = {k: _prefix(v) for k, v in self.time_int.items()}
+        act_prefix = {k: _prefix(v) for k, v in self.act_int.items()}
+        static_prefix = _prefix(self.static_int)
+        tail_prefix = [{k: _prefix(v) for k, v in table.items()} for table in self.tail_int]
+        # boundary_table[s][c]: cost of stage s ending just before unit c (at unit c - 1)
+        boundary_table = [[0, *row] for row in self.boundary_int]
+        return _StageTerms(
+            time=[self._stage_value(time_prefix, s, f"time[{s}]") for s in range(S)],
+            send=[self._read(boundary_table[s], s + 1) if s < S - 1 else 0 for s in range(S)],
+            act=[self._stage_value(act_prefix, s, f"act[{s}]") for s in range(S)],
+            static=[
+                self._read(static_prefix, s + 1) - self._read(static_prefix, s) for s in range(S)
+            ],
+            tail=[
+                [self._stage_value(table, s, f"tail{j}[{s}]") for s in range(S)]
+                for j, table in enumerate(tail_prefix)
+            ],
+        )
 
     def _read(self, table: Sequence[int], j: int) -> Expr:
         """table[cut[j]] as a model expression (a constant at the fixed ends)."""
@@ -300,40 +358,114 @@ class _Model:
         if len(per_mode) == 1:
             return per_mode[0]
         low = min(min(t) for t in tables.values()) - max(max(t) for t in tables.values())
-        high = -low
-        value = self.model.new_int_var(low, high, name)
+        value = self.model.new_int_var(low, -low, name)
         for k_idx, expr in enumerate(per_mode):
-            flag = self.use[s][k_idx]
-            assert not isinstance(flag, int)
-            self.model.add(value == expr).only_enforce_if(flag)
+            self.model.add(value == expr).only_enforce_if(self.use[s][k_idx])
         return value
 
-    # ----------------------------------------------------------------- hints and read-back
-
-    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
         for j in range(1, self.problem.num_stages):
-            cut = self.cut[j]
-            assert not isinstance(cut, int)
-            self.model.add_hint(cut, stage_starts[j])
-        if len(self.mode_names) > 1:
-            for s, mode in enumerate(modes):
-                for k_idx, k in enumerate(self.mode_names):
-                    flag = self.use[s][k_idx]
-                    assert not isinstance(flag, int)
-                    self.model.add_hint(flag, k == mode)
+            self.model.add_hint(self.cut[j], stage_starts[j])
 
-    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-        starts = tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
-        modes: list[Recompute] = []
-        for s in range(self.problem.num_stages):
+    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        return tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
+
+
+class _CountModel(_Model):
+    """First unit, a run of identical units, last unit (embedding, blocks, head): a partition
+    is just the number of blocks per stage, so the model is linear in small integers and its
+    size does not grow with the number of units."""
+
+    def _stage_terms(self) -> _StageTerms:
+        n, S = self.problem.num_units, self.problem.num_stages
+        blocks = n - 2
+        last = S - 1
+        # count[s]: blocks in stage s. Stage 0 also holds unit 0 and stage S-1 unit n-1, so
+        # they may hold no block; every other stage needs at least one.
+        self.count: list[Expr] = [
+            self.model.new_int_var(0 if s in (0, last) else 1, blocks, f"count[{s}]")
+            for s in range(S)
+        ]
+        self.model.add(sum(self.count) == blocks)
+        # split[s][k]: blocks of stage s under mode k (all of them under its chosen mode)
+        split: list[list[Expr]] = []
+        for s in range(S):
             if len(self.mode_names) == 1:
-                modes.append(self.mode_names[0])
+                split.append([self.count[s]])
                 continue
-            chosen = [
-                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
-            ]
-            modes.append(chosen[0])
-        return starts, tuple(modes)
+            row = [self.model.new_int_var(0, blocks, f"split[{s},{k}]") for k in self.mode_names]
+            self.model.add(sum(row) == self.count[s])
+            for k_idx, var in enumerate(row):
+                self.model.add(var == 0).only_enforce_if(self.use[s][k_idx].Not())
+            split.append(row)
+
+        def per_mode(table: Mapping[Recompute, Sequence[int]], s: int) -> Expr:
+            expr: Expr = sum(
+                split[s][k_idx] * table[k][1] for k_idx, k in enumerate(self.mode_names)
+            )
+            for unit, stage in ((0, 0), (n - 1, last)):
+                if s == stage:
+                    expr += sum(
+                        self.use[s][k_idx] * table[k][unit]
+                        for k_idx, k in enumerate(self.mode_names)
+                    )
+            return expr
+
+        send: list[Expr] = []
+        for s in range(S):
+            if s == last:
+                send.append(0)
+            elif s > 0:
+                send.append(self.boundary_int[s][1])  # a middle stage ends with a block
+            else:
+                # stage 0 ends with a block if it holds any, else with unit 0
+                has_block: Expr = self.model.new_bool_var("stage0_has_block")
+                self.model.add(self.count[0] >= 1).only_enforce_if(has_block)
+                self.model.add(self.count[0] == 0).only_enforce_if(has_block.Not())
+                first, block = self.boundary_int[0][0], self.boundary_int[0][1]
+                send.append(first + has_block * (block - first))
+        static = []
+        for s in range(S):
+            expr = self.count[s] * self.static_int[1]
+            if s == 0:
+                expr += self.static_int[0]
+            if s == last:
+                expr += self.static_int[n - 1]
+            static.append(expr)
+        return _StageTerms(
+            time=[per_mode(self.time_int, s) for s in range(S)],
+            send=send,
+            act=[per_mode(self.act_int, s) for s in range(S)],
+            static=static,
+            tail=[[per_mode(table, s) for s in range(S)] for table in self.tail_int],
+        )
+
+    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
+        ends = (*stage_starts[1:], self.problem.num_units)
+        last = self.problem.num_stages - 1
+        for s, (a, b) in enumerate(zip(stage_starts, ends, strict=True)):
+            self.model.add_hint(self.count[s], b - a - (s == 0) - (s == last))
+
+    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        starts = [0]
+        for s in range(self.problem.num_stages - 1):
+            starts.append(starts[-1] + solver.value(self.count[s]) + (s == 0))
+        return tuple(starts)
+
+
+def _uniform_middle(problem: PartitionProblem) -> bool:
+    """Whether units 1..n-2 are interchangeable (same value in every table)."""
+    n = problem.num_units
+    if n < 3 or problem.num_stages == 1:
+        return False
+    rows: list[Sequence[float]] = [problem.static_bytes, *problem.boundary_time_s]
+    for costs in problem.modes.values():
+        rows += [costs.time_s, costs.activation_bytes, *costs.tail_s]
+    return all(len(set(row[1 : n - 1])) == 1 for row in rows)
+
+
+def _build(problem: PartitionProblem) -> _Model:
+    return _CountModel(problem) if _uniform_middle(problem) else _CutModel(problem)
 
 
 def balanced_hint(
@@ -363,7 +495,7 @@ def solve(
     problem: PartitionProblem, *, time_limit_s: float = 10.0, num_workers: int = 1
 ) -> tuple[Partition | None, SolveStats]:
     """The minimum-step-time partition that fits in memory, or None if none fits."""
-    built = _Model(problem)
+    built = _build(problem)
     built.model.minimize(
         (problem.virtual_stages * problem.num_micro_batches - 1) * built.longest
         + sum(built.rank_time)
@@ -393,7 +525,7 @@ def min_peak_memory(problem: PartitionProblem, *, time_limit_s: float = 10.0) ->
     bound = sum(problem.static_bytes) + max(problem.inflight) * sum(
         max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
     )
-    built = _Model(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0))
+    built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0))
     peak = built.model.new_int_var(0, 2**60, "peak")
     for r in range(problem.pp_degree):
         built.model.add(peak >= built.rank_memory[r])

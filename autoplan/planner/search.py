@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import ModelRef, Plan, PlanEstimate, Recompute, StagePlan
@@ -202,10 +202,12 @@ def _candidate(
     # least its cheapest send; the busiest rank's tail is at least the average tail.
     num_stages = p * v
     least_time = [min(costs[u].time_s for costs in by_mode.values()) for u in range(n)]
-    sends = sum(
-        min(stage_p2p_time_s(c, cluster, strategy, s) for c in first[:-1])
-        for s in range(num_stages - 1)
-    )
+    if num_stages > 1:
+        # a send's time grows with its bytes: the smallest boundary output is the cheapest
+        smallest = min(first[:-1], key=lambda c: c.output_bytes)
+        sends = sum(stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1))
+    else:
+        sends = 0.0
     total = sum(least_time) + sends
     longest = max(total / p, max(least_time))
     overlap = cluster.calibration.dp_overlap_fraction
@@ -359,3 +361,65 @@ def _no_feasible_plan(
         "GiB; use more devices, allow recompute='full', a higher ZeRO level, a smaller "
         "micro-batch, or devices with more memory"
     )
+
+
+# ------------------------------------------------------------------------------ public API
+
+
+@overload
+def search(
+    model_or_graph: Any,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    top_k: None = None,
+    time_limit_s: float = ...,
+    progress: Callable[[SearchProgress], None] | None = ...,
+    **constraints: Any,
+) -> Plan: ...
+
+
+@overload
+def search(
+    model_or_graph: Any,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    top_k: int,
+    time_limit_s: float = ...,
+    progress: Callable[[SearchProgress], None] | None = ...,
+    **constraints: Any,
+) -> list[Plan]: ...
+
+
+def search(
+    model_or_graph: Any,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    top_k: int | None = None,
+    time_limit_s: float = 10.0,
+    progress: Callable[[SearchProgress], None] | None = None,
+    **constraints: Any,
+) -> Plan | list[Plan]:
+    """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
+
+    ``model_or_graph``: an ``nn.Module`` (traced on the fly), a ``ModelGraph`` or a
+    ``ModelProfile``. Keyword constraints fix or bound any dimension: ``tp``, ``pp``, ``dp``,
+    ``micro_batch`` (an int or a collection of allowed values), ``max_tp``, ``max_pp``,
+    ``max_micro_batch``, ``virtual_stages``, ``schedules``, ``zero``, ``recompute``,
+    ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
+    ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
+    """
+    from autoplan.api import profile_of
+
+    result = search_plans(
+        profile_of(model_or_graph),
+        cluster,
+        global_batch=global_batch,
+        top_k=top_k or 1,
+        time_limit_s=time_limit_s,
+        progress=progress,
+        **constraints,
+    )
+    return list(result.plans) if top_k is not None else result.plans[0]

@@ -1,0 +1,163 @@
+"""`manual_plan` and `estimate`: a hand-chosen plan and the cost model's verdict on it.
+
+Expects a model as an ``nn.Module`` (traced with `autoplan.trace`), a ``ModelGraph`` (anything
+with a ``.profile``) or a cost-model ``ModelProfile``, and a `Cluster`. Guarantees: impossible
+plans raise `PlanError` naming the numbers (degrees that do not multiply to the cluster's
+devices, a TP degree that does not divide the heads, a batch that does not divide evenly);
+`estimate` is the pure `cost_model.estimate` of the validated plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from autoplan.errors import PlanError
+from autoplan.plan import (
+    MESH_AXES,
+    DTypeName,
+    MeshAxis,
+    ModelRef,
+    Plan,
+    PlanEstimate,
+    Recompute,
+    Schedule,
+    even_stages,
+)
+from cost_model.estimate import Estimate
+from cost_model.estimate import estimate as _estimate
+from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+
+__all__ = ["default_dp", "estimate", "manual_plan", "plan_estimate", "profile_of"]
+
+
+def profile_of(model_or_graph: Any) -> ModelProfile:
+    """The cost model's view of a model: a ModelProfile as is, a graph's ``.profile``, or the
+    profile of an ``nn.Module`` traced with `autoplan.trace` (on meta: no memory needed)."""
+    if isinstance(model_or_graph, ModelProfile):
+        return model_or_graph
+    profile = getattr(model_or_graph, "profile", None)
+    if isinstance(profile, ModelProfile):
+        return profile
+    import torch
+
+    if isinstance(model_or_graph, torch.nn.Module):
+        trace = importlib.import_module("autoplan.tracing").trace
+        graph = trace(model_or_graph)
+        traced: ModelProfile = graph.profile
+        return traced
+    raise TypeError(
+        f"expected an nn.Module, a ModelGraph or a ModelProfile, got "
+        f"{type(model_or_graph).__name__}"
+    )
+
+
+def manual_plan(
+    model_or_graph: Any,
+    cluster: Cluster,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    micro_batch: int = 1,
+    global_batch: int,
+    recompute: Recompute = "none",
+    zero: int = 0,
+    schedule: Schedule = "1f1b",
+    virtual_stages: int = 1,
+    sequence_parallel: bool = False,
+    dtype: DTypeName = "bf16",
+    rank_layout: Sequence[MeshAxis] = MESH_AXES,
+    allow_cross_node_tp: bool = False,
+) -> Plan:
+    """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
+
+    ``dp`` defaults to ``cluster.num_devices / (tp * pp)``. The plan is validated against the
+    model and the cluster and carries the cost model's estimate.
+    """
+    profile = profile_of(model_or_graph)
+    for name, value in (
+        ("tp", tp),
+        ("pp", pp),
+        ("micro_batch", micro_batch),
+        ("global_batch", global_batch),
+        ("virtual_stages", virtual_stages),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+    if dp is None:
+        dp = default_dp(cluster, tp, pp)
+    per_step = micro_batch * dp
+    if global_batch % per_step != 0:
+        raise PlanError(
+            f"global_batch = {global_batch} is not a multiple of micro_batch x dp = "
+            f"{micro_batch} x {dp} = {per_step}; use a global batch of "
+            f"{max(1, global_batch // per_step) * per_step} or change micro_batch"
+        )
+    plan = Plan(
+        model=ModelRef(
+            name=profile.name,
+            num_units=profile.num_units,
+            seq_len=profile.seq_len,
+            fingerprint=profile.fingerprint,
+        ),
+        dp_degree=dp,
+        tp_degree=tp,
+        pp_degree=pp,
+        virtual_stages=virtual_stages,
+        stages=even_stages(profile.num_units, pp * virtual_stages, recompute),
+        micro_batch_size=micro_batch,
+        num_micro_batches=global_batch // per_step,
+        global_batch_size=global_batch,
+        schedule=schedule,
+        zero_stage=zero,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        rank_layout=tuple(rank_layout),  # type: ignore[arg-type]
+    )
+    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
+    return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
+
+
+def default_dp(cluster: Cluster, tp: int, pp: int) -> int:
+    """``cluster.num_devices / (tp * pp)``; raises `PlanError` when it does not divide."""
+    if tp < 1 or pp < 1 or cluster.num_devices % (tp * pp) != 0:
+        raise PlanError(
+            f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {cluster.num_devices} "
+            f"devices of cluster {cluster.name!r}; choose tp and pp whose product divides "
+            f"{cluster.num_devices}, or give dp"
+        )
+    return cluster.num_devices // (tp * pp)
+
+
+def estimate(
+    model_or_graph: Any,
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    allow_cross_node_tp: bool = False,
+) -> Estimate:
+    """The cost model's prediction for ``plan``: step time, throughput, MFU, memory per stage.
+
+    Validates the plan against the model and the cluster first (raises `PlanError`). A plan
+    that does not fit in memory still gets an estimate with ``fits=False``; call
+    ``Estimate.require_fits()`` to turn that into an error listing the numbers.
+    """
+    profile = profile_of(model_or_graph)
+    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
+    return _estimate(profile, cluster, plan)
+
+
+def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
+    """The summary a `Plan` file records (informational)."""
+    return PlanEstimate(
+        cluster=cluster.name,
+        num_devices=result.num_devices,
+        step_time_s=result.step_time_s,
+        tokens_per_s=result.tokens_per_s,
+        model_tflops_per_device=result.model_tflops_per_device,
+        mfu=result.mfu,
+        peak_memory_bytes=int(result.peak_memory_bytes),
+    )

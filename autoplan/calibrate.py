@@ -1,0 +1,353 @@
+"""Measure this machine and write a calibrated cluster file that `Cluster.local()` loads.
+
+Measures (each a few tenths of a second): matmul FLOP/s over square shapes per dtype, memory
+bandwidth (a large copy), the cost of a tiny kernel, and, over 2-4 local processes (gloo on
+CPU, NCCL on CUDA; file:// rendezvous in a temporary directory), all-reduce, all-gather and
+send/recv time for small and large messages. From them it fits the cluster's constants:
+
+- ``peak_flops[dtype]``: the best matmul rate seen (so ``gemm_efficiency`` is 1.0 on CPU; on a
+  GPU the datasheet peak is kept and the efficiency is measured against it);
+- ``gemm_half_efficiency_flops``: the median over the smaller shapes of ``W (1/e - 1)``, which
+  inverts ``e(W) = W / (W + W_half)`` (`cost_model.compute.saturating_efficiency`);
+- memory bandwidth and ``kernel_overhead_s`` directly;
+- intra-node link latency and bandwidth from the ring all-reduce model
+  ``t(N) = 2 (G-1) alpha + 2 (G-1)/G N / B`` at a small and a large N
+  (`cost_model.communication.all_reduce_time_s`).
+
+Guarantees: the written YAML loads with `Cluster.from_yaml`; values are positive; the whole run
+takes well under a minute on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cost_model.hardware import Cluster, LinkSpec
+from cost_model.local_machine import calibrated_path
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CommMeasurement",
+    "Measurements",
+    "calibrate",
+    "fit_alpha_beta",
+    "fit_half_efficiency_flops",
+    "measure_comm",
+]
+
+Progress = Callable[[str, float], None]  # (what is being measured, fraction done)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MatmulMeasurement:
+    dtype: str
+    size: int  # square n x n x n
+    flops_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommMeasurement:
+    """Mean time of one collective of ``size_bytes`` (per rank) over ``world_size`` ranks."""
+
+    op: str  # all_reduce | all_gather | send_recv
+    world_size: int
+    size_bytes: int
+    time_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurements:
+    matmul: tuple[MatmulMeasurement, ...]
+    memory_bandwidth_bytes_per_s: float
+    kernel_overhead_s: float
+    comm: tuple[CommMeasurement, ...]
+    backend: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlphaBeta:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+def fit_half_efficiency_flops(points: Sequence[tuple[float, float]]) -> float:
+    """``W_half`` from (work_flops, efficiency) points: median of ``W (1/e - 1)``.
+
+    Points at efficiency >= 0.999 carry no information and are skipped.
+    """
+    estimates = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e < 0.999]
+    return statistics.median(estimates) if estimates else 0.0
+
+
+def fit_alpha_beta(world_size: int, small: CommMeasurement, large: CommMeasurement) -> AlphaBeta:
+    """Latency and bandwidth of the ring all-reduce model from a small and a large message.
+
+    ``t(N) = 2 (G-1) alpha + 2 (G-1)/G N / B``: two equations, two unknowns.
+    """
+    g = world_size
+    steps = 2 * (g - 1)
+    volume = 2 * (g - 1) / g
+    slope = (large.time_s - small.time_s) / max(large.size_bytes - small.size_bytes, 1)
+    bandwidth = volume / slope if slope > 0 else float("inf")
+    latency = max(small.time_s - volume * small.size_bytes / bandwidth, 0.0) / steps
+    return AlphaBeta(latency_s=max(latency, 1e-7), bandwidth_bytes_per_s=min(bandwidth, 1e13))
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def _timeit(fn: Callable[[], object], budget_s: float, sync: Callable[[], None]) -> float:
+    """Mean seconds per call of ``fn`` over about ``budget_s`` (after one warm-up call)."""
+    fn()
+    sync()
+    calls = 0
+    start = time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s and calls >= 2:
+            return elapsed / calls
+
+
+def measure_compute(
+    *, quick: bool = False, progress: Progress | None = None
+) -> tuple[tuple[MatmulMeasurement, ...], float, float]:
+    """Matmul rates per dtype and size, memory bandwidth and tiny-kernel overhead."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    budget = 0.05 if quick else 0.25
+    sizes = (128, 512, 1024) if quick else (128, 256, 512, 1024, 2048)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    results: list[MatmulMeasurement] = []
+    total = len(sizes) * len(dtypes) + 2
+    done = 0
+    for name, dtype in dtypes.items():
+        for n in sizes:
+            if progress:
+                progress(f"matmul {name} {n}^3", done / total)
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            seconds = _timeit(functools.partial(torch.matmul, a, b), budget, sync)
+            results.append(MatmulMeasurement(dtype=name, size=n, flops_per_s=2.0 * n**3 / seconds))
+            done += 1
+    if progress:
+        progress("memory bandwidth", done / total)
+    numel = (16 if quick else 64) * 2**20 // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = _timeit(lambda: dst.copy_(src), budget, sync)
+    bandwidth = 2.0 * numel * 4 / copy_s  # read + write
+    done += 1
+    if progress:
+        progress("kernel overhead", done / total)
+    tiny = torch.ones(1, device=device)
+    overhead = _timeit(lambda: tiny.add_(1.0), budget / 2, sync)
+    return tuple(results), bandwidth, overhead
+
+
+def _comm_worker(
+    rank: int, world_size: int, init_file: str, out_file: str, sizes: Sequence[int], repeats: int
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    records = []
+    for size in sizes:
+        numel = max(size // 4, 1)
+        x = torch.ones(numel, device=device)
+        out = [torch.empty_like(x) for _ in range(world_size)]
+
+        def all_reduce(x: torch.Tensor = x) -> None:
+            dist.all_reduce(x)
+
+        def all_gather(x: torch.Tensor = x, out: list[torch.Tensor] = out) -> None:
+            dist.all_gather(out, x)
+
+        def send_recv(x: torch.Tensor = x) -> None:
+            if rank == 0:
+                dist.send(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+
+        for name, fn in (
+            ("all_reduce", all_reduce),
+            ("all_gather", all_gather),
+            ("send_recv", send_recv),
+        ):
+            fn()
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            sync()
+            elapsed = (time.perf_counter() - start) / repeats
+            records.append(
+                {"op": name, "world_size": world_size, "size_bytes": numel * 4, "time_s": elapsed}
+            )
+            dist.barrier()
+    if rank == 0:
+        Path(out_file).write_text(json.dumps({"backend": backend, "records": records}))
+    dist.destroy_process_group()
+
+
+def measure_comm(
+    world_size: int = 2, *, quick: bool = False, timeout_s: float = 60.0
+) -> tuple[tuple[CommMeasurement, ...], str]:
+    """Collective timings over ``world_size`` local processes (spawned; file:// rendezvous)."""
+    # torch.multiprocessing re-exports a *function* named spawn over the submodule.
+    start_processes: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
+
+    sizes = (4096, 4 * 2**20) if quick else (4096, 256 * 2**10, 4 * 2**20, 16 * 2**20)
+    repeats = 5 if quick else 10
+    with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        out_file = os.path.join(tmp, "result.json")
+        context = start_processes(
+            _comm_worker,
+            args=(world_size, init_file, out_file, sizes, repeats),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"collective measurement did not finish in {timeout_s:.0f} s")
+        data = json.loads(Path(out_file).read_text())
+    records = tuple(CommMeasurement(**r) for r in data["records"])
+    return records, str(data["backend"])
+
+
+def measure(
+    *, world_size: int = 2, quick: bool = False, progress: Progress | None = None
+) -> Measurements:
+    """Run every measurement (collectives first, in fresh processes)."""
+    if progress:
+        progress(f"collectives over {world_size} processes", 0.0)
+    comm, backend = measure_comm(world_size, quick=quick)
+    matmul, bandwidth, overhead = measure_compute(quick=quick, progress=progress)
+    return Measurements(
+        matmul=matmul,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        kernel_overhead_s=overhead,
+        comm=comm,
+        backend=backend,
+    )
+
+
+# ------------------------------------------------------------------------------- fitting
+
+
+def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
+    """``base`` with the measured rates and the fitted calibration constants."""
+    is_gpu = base.device.kind == "gpu"
+    peak_flops = dict(base.device.peak_flops)
+    points: list[tuple[float, float]] = []
+    gemm_efficiency = 1.0
+    for dtype in sorted({m.dtype for m in measured.matmul}):
+        rows = [m for m in measured.matmul if m.dtype == dtype]
+        best = max(m.flops_per_s for m in rows)
+        if not is_gpu:
+            peak_flops[dtype] = best  # no datasheet for a CPU core: the best rate is the peak
+        elif dtype == "bf16" and "bf16" in peak_flops:
+            gemm_efficiency = min(1.0, best / peak_flops["bf16"])
+        points.extend((2.0 * m.size**3, m.flops_per_s / best) for m in rows)
+    device = dataclasses.replace(
+        base.device,
+        peak_flops=peak_flops,
+        memory_bandwidth_bytes_per_s=(
+            base.device.memory_bandwidth_bytes_per_s
+            if is_gpu
+            else measured.memory_bandwidth_bytes_per_s
+        ),
+    )
+    memory_efficiency = (
+        min(1.0, measured.memory_bandwidth_bytes_per_s / base.device.memory_bandwidth_bytes_per_s)
+        if is_gpu
+        else 1.0
+    )
+    intra = base.intra_node
+    all_reduce = sorted(
+        (c for c in measured.comm if c.op == "all_reduce"), key=lambda c: c.size_bytes
+    )
+    if len(all_reduce) >= 2:
+        fit = fit_alpha_beta(all_reduce[0].world_size, all_reduce[0], all_reduce[-1])
+        intra = LinkSpec(bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.latency_s)
+    calibration = dataclasses.replace(
+        base.calibration,
+        gemm_efficiency=gemm_efficiency,
+        gemm_half_efficiency_flops=fit_half_efficiency_flops(points),
+        memory_efficiency=memory_efficiency,
+        intra_node_comm_efficiency=1.0,
+        kernel_overhead_s=measured.kernel_overhead_s,
+    )
+    description = (
+        f"{base.description}; calibrated {time.strftime('%Y-%m-%d %H:%M')} "
+        f"({measured.backend}, {len(measured.matmul)} matmul shapes)"
+    )
+    return dataclasses.replace(
+        base,
+        name="local",
+        device=device,
+        intra_node=intra,
+        calibration=calibration,
+        description=description,
+    )
+
+
+def calibrate(
+    output: str | Path | None = None,
+    *,
+    world_size: int | None = None,
+    quick: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Cluster, Path, Measurements]:
+    """Measure this machine, write the calibrated cluster YAML and return it with its path.
+
+    ``output`` defaults to `cost_model.local_machine.calibrated_path()`, which `Cluster.local()`
+    reads. ``world_size`` (2-4) defaults to the number of cores, at least 2 and at most 4.
+    """
+    from cost_model import local_machine
+
+    if world_size is None:
+        world_size = min(4, max(2, len(os.sched_getaffinity(0))))
+    base = local_machine.detect()
+    measured = measure(world_size=world_size, quick=quick, progress=progress)
+    cluster = calibrated_cluster(base, measured)
+    path = Path(output) if output is not None else calibrated_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Store the one-node template; Cluster.local() sets the device count and memory again.
+    cluster.to_yaml(path)
+    logger.info("wrote calibrated cluster to %s", path)
+    return cluster, path, measured

@@ -1,0 +1,91 @@
+"""`autoplan calibrate`: measure this machine and save a cluster file `Cluster.local()` loads."""
+
+from __future__ import annotations
+
+import click
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autoplan._format import fmt_bandwidth, fmt_flops, fmt_time
+from autoplan.calibrate import calibrate
+from autoplan.cli.common import console, emit_json, json_option
+
+
+@click.command("calibrate")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write the cluster YAML [the local calibration cache].",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(2, 4),
+    default=None,
+    help="Local processes for the collective measurements (2-4) [cores, 2-4].",
+)
+@click.option("--quick", is_flag=True, help="Fewer shapes and repetitions (a few seconds).")
+@json_option
+def calibrate_cmd(output: str | None, processes: int | None, quick: bool, as_json: bool) -> None:
+    """Measure matmul FLOP/s, memory bandwidth and collectives; write a cluster YAML."""
+    out = console()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("calibrating", total=1.0)
+
+        def report(what: str, fraction: float) -> None:
+            bar.update(task, description=what, completed=fraction)
+
+        cluster, path, measured = calibrate(
+            output, world_size=processes, quick=quick, progress=report
+        )
+        bar.update(task, completed=1.0)
+    if as_json:
+        data = cluster.to_data()
+        data["path"] = str(path)
+        data["measurements"] = {
+            "matmul": [
+                {"dtype": m.dtype, "size": m.size, "flops_per_s": m.flops_per_s}
+                for m in measured.matmul
+            ],
+            "comm": [
+                {
+                    "op": c.op,
+                    "world_size": c.world_size,
+                    "size_bytes": c.size_bytes,
+                    "time_s": c.time_s,
+                }
+                for c in measured.comm
+            ],
+            "backend": measured.backend,
+        }
+        emit_json(data)
+        return
+    table = Table(title=f"calibrated {cluster.name}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for m in measured.matmul:
+        table.add_row(f"matmul {m.dtype} {m.size}^3", fmt_flops(m.flops_per_s))
+    table.add_row("memory bandwidth", fmt_bandwidth(cluster.device.memory_bandwidth_bytes_per_s))
+    table.add_row("kernel overhead", fmt_time(cluster.calibration.kernel_overhead_s))
+    for c in measured.comm:
+        table.add_row(
+            f"{c.op} {c.size_bytes} B x {c.world_size} ({measured.backend})", fmt_time(c.time_s)
+        )
+    table.add_row(
+        "link (fitted)",
+        f"{fmt_bandwidth(cluster.intra_node.bandwidth_bytes_per_s)}, latency "
+        f"{fmt_time(cluster.intra_node.latency_s)}",
+    )
+    table.add_row(
+        "GEMM half-efficiency size", f"{cluster.calibration.gemm_half_efficiency_flops:.3g} FLOP"
+    )
+    out.print(table)
+    out.print(f"wrote {path}")

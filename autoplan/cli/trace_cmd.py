@@ -1,0 +1,164 @@
+"""`autoplan trace`: the pipeline units of a model, their sizes and costs, as a table or JSON.
+
+Figures are for the whole batch (``--batch-size`` sequences of ``--seq-len`` tokens) at the
+model's dtype; parameters are counted per unit (a head tied to the embedding shows the shared
+matrix) and once in the total. ``--json`` gives the same figures in base units (FLOP, bytes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.table import Table
+
+from autoplan._format import fmt_count
+from autoplan.cli.common import console, emit_json, json_option
+
+if TYPE_CHECKING:
+    from autoplan.graph import ModelGraph
+
+_MIB = 2.0**20
+
+
+@click.command("trace")
+@click.option(
+    "--model",
+    "model_spec",
+    required=True,
+    metavar="NAME[:k=v,...]",
+    help="Preset (gpt3-175b, llama3-8b, ...) or builder with overrides "
+    "(gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Sequences per batch.",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per sequence (default: the model's seq_len).",
+)
+@json_option
+def trace(model_spec: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
+    """Trace a model on the meta device and show its pipeline units."""
+    # Imported here: torch takes seconds to import, and other commands do not need it.
+    from autoplan.model_spec import build_model
+    from autoplan.tracing import trace as trace_model
+
+    model = build_model(model_spec)
+    graph = trace_model(model, batch_size=batch_size, seq_len=seq_len, name=model_spec)
+    data = trace_data(graph)
+    if as_json:
+        emit_json(data)
+        return
+    click.echo(
+        f"{data['model']}: {data['num_units']} pipeline units, batch {data['batch_size']} x "
+        f"seq {data['seq_len']}, traced with torch.{data['front_end']}, "
+        f"fingerprint {data['fingerprint']}"
+    )
+    console().print(trace_table(data))
+    shared = [u for u in data["units"] if u["num_params_shared"]]
+    for unit in shared:
+        click.echo(
+            f"{unit['name']} shares {fmt_count(unit['num_params_shared'])} parameters with an "
+            "earlier unit (tied weights; counted once in the total)"
+        )
+
+
+def trace_data(graph: ModelGraph) -> dict[str, Any]:
+    """The ``--json`` output: per-unit figures for the traced batch, and totals."""
+    profile = graph.profile
+    batch = graph.batch_size
+    units = []
+    for idx, unit in enumerate(profile.units):
+        units.append(
+            {
+                "index": idx,
+                "name": unit.name,
+                "kind": unit.kind,
+                "num_params": unit.num_params,
+                "num_params_shared": unit.num_params_shared,
+                "num_params_tp_sharded": unit.num_params_tp_sharded,
+                "param_bytes": unit.param_bytes,
+                "forward_flops": unit.forward_flops * batch,
+                "backward_flops": unit.backward_flops * batch,
+                "saved_activation_bytes": unit.saved_bytes * batch,
+                "input_bytes": unit.input_bytes * batch,
+                "cut_bytes": unit.output_bytes * batch,
+                "tp": {
+                    "linears": [
+                        {"path": t.path, "style": t.style, "fused": t.fused}
+                        for t in unit.tp.linears
+                    ],
+                    **unit.tp.divisible_counts(),
+                },
+            }
+        )
+    return {
+        "model": profile.name,
+        "front_end": graph.front_end,
+        "fingerprint": profile.fingerprint,
+        "batch_size": batch,
+        "seq_len": profile.seq_len,
+        "hidden_size": profile.hidden_size,
+        "vocab_size": profile.vocab_size,
+        "num_heads": profile.num_heads,
+        "num_kv_heads": profile.num_kv_heads,
+        "dtype_bytes": profile.traced_dtype_bytes,
+        "num_units": profile.num_units,
+        "units": units,
+        "totals": {
+            "num_params": profile.num_params,
+            "forward_flops": profile.forward_flops_per_sample * batch,
+            "backward_flops": sum(u.backward_flops for u in profile.units) * batch,
+            "saved_activation_bytes": sum(u.saved_bytes for u in profile.units) * batch,
+        },
+    }
+
+
+def trace_table(data: dict[str, Any]) -> Table:
+    table = Table()
+    table.add_column("#", justify="right")
+    table.add_column("unit")
+    table.add_column("kind")
+    table.add_column("params", justify="right")
+    table.add_column("fwd GFLOP", justify="right")
+    table.add_column("saved act MiB", justify="right")
+    table.add_column("cut MiB", justify="right")
+    for unit in data["units"]:
+        table.add_row(
+            str(unit["index"]),
+            unit["name"],
+            unit["kind"],
+            fmt_count(unit["num_params"]),
+            _number(unit["forward_flops"] / 1e9),
+            _number(unit["saved_activation_bytes"] / _MIB),
+            _number(unit["cut_bytes"] / _MIB),
+        )
+    totals = data["totals"]
+    table.add_section()
+    table.add_row(
+        "",
+        "total",
+        "",
+        fmt_count(totals["num_params"]),
+        _number(totals["forward_flops"] / 1e9),
+        _number(totals["saved_activation_bytes"] / _MIB),
+        "",
+        style="bold",
+    )
+    return table
+
+
+def _number(value: float) -> str:
+    """Thousands separators for large figures, three significant digits for small ones."""
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value == 0:
+        return "0"
+    return f"{value:.3g}"

@@ -1,0 +1,126 @@
+"""`ModelGraph`: a traced model, as `autoplan.trace` returns it.
+
+It carries the `ModelProfile` (all the cost model and the search read, per sample), the fx
+`GraphModule` it was measured on, which pipeline unit every fx node belongs to (so the passes can
+`torch.fx.passes.split_module` by unit or stage: node names are kept as traced), a profile of
+every node, and `unit_graph()`, a networkx view of the units and the bytes that cross each cut.
+
+Per-sample means one sequence of ``profile.seq_len`` tokens; tensor shapes in ``node.meta`` and
+`NodeProfile.shape` are at the traced batch size (``batch_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import networkx as nx
+from torch import fx
+
+from cost_model.workload import GemmShape, ModelProfile, OpKind, TpRole
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+__all__ = ["FrontEnd", "ModelGraph", "NodeProfile"]
+
+FrontEnd = Literal["fx", "export"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeProfile:
+    """One fx node, measured on the meta device; FLOPs and activation bytes are per sample.
+
+    ``saved_bytes`` counts storages this node produced that autograd keeps for backward (within
+    its unit, deduplicated by storage); what a unit saves of its inputs belongs to no node of it.
+    ``num_params``/``param_bytes`` count the parameters the node uses (tied ones included).
+    Parameter and buffer nodes (``get_attr``, lifted placeholders) report ``output_bytes == 0``:
+    they are model state, not activations, and never cross a pipeline cut.
+    """
+
+    name: str
+    op: str  # fx opcode: placeholder, get_attr, call_module, call_function, call_method, output
+    target: str
+    module_path: str  # innermost owning module ("" for the root module)
+    unit: int
+    kind: OpKind
+    tp: TpRole
+    forward_flops: float
+    backward_flops: float
+    activation_read_bytes: float
+    activation_write_bytes: float
+    param_bytes_read: float
+    num_params: int
+    param_bytes: int
+    output_bytes: float
+    saved_bytes: float
+    shape: tuple[int, ...] | None  # first tensor output, at the traced batch size
+    dtype: str | None
+    gemm: GemmShape | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class ModelGraph:
+    """A traced model: profile, fx graph, node -> unit map and per-node profiles.
+
+    With ``front_end == "export"`` the graph module is the `torch.export` graph (ATen ops,
+    parameters lifted to placeholders), also available as ``exported_program``.
+    """
+
+    profile: ModelProfile
+    graph_module: fx.GraphModule
+    front_end: FrontEnd
+    node_units: Mapping[str, int]  # every node name -> index into profile.units
+    node_profiles: Mapping[str, NodeProfile]  # every node except the output
+    unit_modules: tuple[tuple[str, ...], ...]  # module paths each unit runs, in first-use order
+    batch_size: int  # batch size the graph was traced and propagated at
+    exported_program: ExportedProgram | None = None
+
+    def unit_of(self, node: fx.Node | str) -> int:
+        """Index of the unit a node belongs to (a `split_module` callback)."""
+        return self.node_units[node if isinstance(node, str) else node.name]
+
+    def unit_nodes(self, unit: int) -> list[str]:
+        """Names of the nodes of ``unit``, in graph order."""
+        return [name for name, idx in self.node_units.items() if idx == unit]
+
+    def cut_bytes(self, after_unit: int) -> float:
+        """Activation bytes per sample crossing a pipeline cut placed after ``after_unit``."""
+        return self.profile.units[after_unit].output_bytes
+
+    def unit_graph(self) -> nx.DiGraph:
+        """Units as nodes (with their costs), data flow between units as edges.
+
+        Node ``i`` has ``name``, ``kind``, ``forward_flops``, ``backward_flops``, ``num_params``,
+        ``param_bytes``, ``saved_bytes`` and ``output_bytes`` (all per sample). Edge ``(u, v)``
+        has ``bytes``: activations produced in ``u`` and read in ``v``, per sample, and
+        ``tensors``: the producing node names. A tensor read by several later units appears on
+        several edges; a cut's traffic is ``cut_bytes`` (each tensor counted once).
+        """
+        graph = nx.DiGraph()
+        for idx, unit in enumerate(self.profile.units):
+            graph.add_node(
+                idx,
+                name=unit.name,
+                kind=unit.kind,
+                forward_flops=unit.forward_flops,
+                backward_flops=unit.backward_flops,
+                num_params=unit.num_params,
+                param_bytes=unit.param_bytes,
+                saved_bytes=unit.saved_bytes,
+                output_bytes=unit.output_bytes,
+            )
+        edges: dict[tuple[int, int], list[str]] = {}
+        for node in self.graph_module.graph.nodes:
+            prof = self.node_profiles.get(node.name)
+            if prof is None or prof.output_bytes == 0:  # parameters and buffers report 0
+                continue
+            src = self.node_units[node.name]
+            for dst in sorted({self.node_units[user.name] for user in node.users}):
+                if dst > src:
+                    edges.setdefault((src, dst), []).append(node.name)
+        for (src, dst), names in edges.items():
+            total = sum(self.node_profiles[name].output_bytes for name in names)
+            graph.add_edge(src, dst, bytes=total, tensors=tuple(names))
+        return graph

@@ -1,0 +1,168 @@
+"""Model specs of the command line: ``NAME[:key=value,...]`` to a zoo model on the meta device.
+
+``NAME`` is a preset (``gpt3-175b``, ``llama3-8b``, ...; see `autoplan.models.list_presets`)
+or a builder (``gpt``, ``llama``) that needs its sizes as keys. Keys are the fields of the
+model's config (``num_layers``, ``hidden_size``, ``seq_len``, ...) plus ``dtype`` (fp32, bf16,
+fp16); values are parsed to the field's type. Examples::
+
+    gpt3-175b
+    llama3-8b:seq_len=4096
+    gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200
+
+Every mistake raises `ModelSpecError` (an `InputError`: one line, exit code 2 in the CLI) that
+names the bad part and lists what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.errors import ModelSpecError
+from autoplan.models import GPTConfig, LlamaConfig, gpt, list_presets, llama, preset, preset_config
+
+__all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "valid_keys"]
+
+BUILDERS: dict[str, tuple[Callable[..., nn.Module], type[Any]]] = {
+    "gpt": (gpt, GPTConfig),
+    "llama": (llama, LlamaConfig),
+}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_EXAMPLE = "gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A parsed ``NAME[:key=value,...]``: a preset or builder name and typed overrides."""
+
+    name: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_builder(self) -> bool:
+        return self.name in BUILDERS
+
+
+def _config_class(name: str) -> type[Any]:
+    if name in BUILDERS:
+        return BUILDERS[name][1]
+    return type(preset_config(name))
+
+
+def valid_keys(name: str) -> list[str]:
+    """Keys a spec for preset or builder ``name`` accepts."""
+    return [f.name for f in dataclasses.fields(_config_class(name))] + ["dtype"]
+
+
+def _required_keys(name: str) -> list[str]:
+    builder = BUILDERS[name][0]
+    return [
+        p.name
+        for p in inspect.signature(builder).parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)
+    ]
+
+
+def _parse_value(spec: str, key: str, text: str, kind: str) -> Any:
+    def fail(expected: str) -> ModelSpecError:
+        return ModelSpecError(f"{key}={text} in model spec {spec!r}: expected {expected}")
+
+    if key == "dtype":
+        if text.lower() not in _DTYPES:
+            raise fail(f"a dtype ({', '.join(_DTYPES)})")
+        return _DTYPES[text.lower()]
+    if kind == "bool":
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise fail("true or false")
+        return text.lower() in ("true", "1", "yes")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise fail("a whole number") from None
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise fail("a number") from None
+    return text
+
+
+def parse_model_spec(spec: str) -> ModelSpec:
+    """Parse ``NAME[:key=value,...]``; raises `ModelSpecError` naming the bad part."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    presets = list_presets()
+    if not name:
+        raise ModelSpecError(
+            f"empty model spec {spec!r}; give a preset ({', '.join(presets)}) or a builder with "
+            f"its sizes, e.g. {_EXAMPLE}"
+        )
+    if name not in BUILDERS and name not in presets:
+        raise ModelSpecError(
+            f"unknown model {name!r}; valid presets: {', '.join(presets)}; builders: "
+            f"{', '.join(BUILDERS)} (e.g. {_EXAMPLE})"
+        )
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(_config_class(name))}
+    keys = valid_keys(name)
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or not key or not text:
+            raise ModelSpecError(
+                f"cannot read {item!r} in model spec {spec!r}; write key=value pairs separated "
+                f"by commas, e.g. {_EXAMPLE}"
+            )
+        if key not in keys:
+            raise ModelSpecError(
+                f"unknown key {key!r} for model {name!r} in {spec!r}; valid keys: {', '.join(keys)}"
+            )
+        if key in overrides:
+            raise ModelSpecError(f"key {key!r} appears twice in model spec {spec!r}")
+        overrides[key] = _parse_value(spec, key, text, kinds.get(key, "str"))
+    if name in BUILDERS:
+        missing = [k for k in _required_keys(name) if k not in overrides]
+        if missing:
+            raise ModelSpecError(
+                f"model builder {name!r} needs {', '.join(_required_keys(name))}; missing: "
+                f"{', '.join(missing)} (e.g. {_EXAMPLE}); optional keys: "
+                f"{', '.join(k for k in keys if k not in _required_keys(name))}"
+            )
+    return ModelSpec(name=name, overrides=overrides)
+
+
+def build_model(spec: str | ModelSpec, **overrides: Any) -> nn.Module:
+    """Build the model a spec names, on the meta device; ``overrides`` add config fields.
+
+    An override that contradicts a value in the spec raises `ModelSpecError`.
+    """
+    parsed = parse_model_spec(spec) if isinstance(spec, str) else spec
+    merged = dict(parsed.overrides)
+    for key, value in overrides.items():
+        if key in merged and merged[key] != value:
+            raise ModelSpecError(
+                f"{key} = {value!r} contradicts {key}={merged[key]!r} in model spec "
+                f"{parsed.name!r}; give it once"
+            )
+        merged[key] = value
+    if parsed.is_builder:
+        builder = BUILDERS[parsed.name][0]
+        return builder(**merged)
+    return preset(parsed.name, **merged)

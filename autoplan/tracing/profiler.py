@@ -1,0 +1,693 @@
+"""Run fx nodes on the meta device and measure them: FLOPs, bytes, saved activations.
+
+Expects the nodes of one pipeline unit of an fx graph (from `torch.fx` or `torch.export`), in
+graph order, whose operators have meta kernels, plus a `MetaState` that resolves parameters and
+buffers. Guarantees: nothing is allocated (every tensor is a meta tensor; a model on a real
+device is called through `torch.func.functional_call` with meta stand-ins, never moved), the
+model's parameters get no ``.grad``, and figures are at the batch size of the inputs given.
+
+- FLOPs are those of `torch.utils.flop_counter` (GEMMs, convolutions, attention); element-wise
+  and normalisation ops count 0 FLOPs, their traffic shows in the bytes.
+- Bytes read and written are summed over the ATen ops a node dispatches, skipping views;
+  reads of parameters and buffers are kept apart (``param_bytes_read``).
+- Backward FLOPs are measured, not assumed: every node is re-run on fresh leaf tensors and
+  differentiated under the same counter (a matmul comes out at 2x its forward, flash attention at
+  2.5x, because its backward recomputes the scores).
+- Saved activations are what ``torch.autograd.graph.saved_tensors_hooks`` sees during the
+  forward, deduplicated by storage, parameters and buffers excluded, each storage attributed to
+  the node that produced it (or to the unit's input).
+- Scaled-dot-product attention runs as the fused flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``, which has a meta kernel), so it saves q,
+  k, v, output and logsumexp as fused kernels do on CPU and GPU; on the meta device
+  ``F.scaled_dot_product_attention`` would pick the math path and save the whole attention matrix.
+  This holds for graph nodes and for calls inside leaf modules alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from autoplan.errors import TraceError
+
+__all__ = [
+    "Gemm",
+    "MetaState",
+    "NodeMeasure",
+    "NodeRunner",
+    "TensorSpec",
+    "UnitMeasure",
+    "profile_unit",
+    "spec_of",
+    "tensor_leaves",
+]
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+META = torch.device("meta")
+INPUT = "<input>"  # producer of storages that enter the unit from outside
+
+_FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# Attention ops of exported graphs, run through `_fused_sdpa` (calls of the Python function
+# `F.scaled_dot_product_attention`, in fx graphs or inside leaf modules, go through
+# `_MetaCalls`).
+SDPA_TARGETS: frozenset[object] = frozenset({aten.scaled_dot_product_attention.default})
+
+_GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "matmul"})
+_EMBEDDING_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
+_REDUCTION_OPS = frozenset(
+    {
+        "native_layer_norm",
+        "layer_norm",
+        "rms_norm",
+        "_fused_rms_norm",
+        "native_group_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training",
+        "_softmax",
+        "softmax",
+        "_safe_softmax",
+        "_log_softmax",
+        "log_softmax",
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "var",
+        "var_mean",
+        "std",
+        "norm",
+        "linalg_vector_norm",
+        "cumsum",
+        "logsumexp",
+        "prod",
+        "argmax",
+        "argmin",
+        "any",
+        "all",
+    }
+)
+# Nonlinearities that make a linear -> op -> linear chain a Megatron column/row pair.
+_ACTIVATION_OPS = frozenset(
+    {
+        "gelu",
+        "silu",
+        "relu",
+        "tanh",
+        "sigmoid",
+        "elu",
+        "leaky_relu",
+        "hardswish",
+        "hardsigmoid",
+        "mish",
+        "softplus",
+        "glu",
+        "erf",
+        "relu6",
+        "gelu_",
+        "silu_",
+        "relu_",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape, strides, dtype and autograd flag of a tensor: enough to recreate it on meta.
+
+    A dataclass, not a NamedTuple, so that pytree utilities treat it as a leaf.
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def materialize(self) -> Tensor:
+        """A fresh meta tensor; one that requires grad is a clone of a leaf (in-place safe)."""
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=META)
+        if self.requires_grad:
+            return tensor.requires_grad_(True).clone()
+        return tensor
+
+
+class Gemm(NamedTuple):
+    """``batch`` GEMMs of ``(m, k) @ (k, n)``, at the traced batch size."""
+
+    batch: int
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.k * self.n
+
+
+@dataclass(slots=True)
+class NodeMeasure:
+    """What running one node measured, at the traced batch size (mutable while measuring)."""
+
+    forward_flops: float = 0.0
+    backward_flops: float = 0.0
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    param_bytes_read: float = 0.0
+    categories: set[str] = field(default_factory=set)
+    activation_fn: bool = False  # ran a nonlinearity (gelu, silu, tanh, ...)
+    weight_gemm: Gemm | None = None  # largest GEMM with a parameter operand
+    activation_gemm: Gemm | None = None  # largest GEMM between two activations
+    attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # fused attention q, k
+    embedding_rows: int | None = None  # rows of the table an embedding lookup reads
+    output: Any = None  # pytree of TensorSpec and constants
+    output_bytes: float = 0.0
+    num_tensor_outputs: int = 0
+    saved_bytes: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SavedStorage:
+    """One storage autograd keeps for backward: its size and the node that produced it."""
+
+    nbytes: int
+    producer: str  # node name, or INPUT for a storage that entered the unit
+
+
+@dataclass(frozen=True, slots=True)
+class UnitMeasure:
+    """Measurements of one unit's nodes (by name, graph order) and what the unit saves."""
+
+    nodes: dict[str, NodeMeasure]
+    saved: tuple[SavedStorage, ...]
+
+
+def tensor_leaves(value: Any) -> Iterator[Tensor]:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, Tensor):
+            yield leaf
+
+
+def spec_of(value: Any) -> Any:
+    """``value`` with every tensor replaced by its `TensorSpec`."""
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor):
+            return TensorSpec(
+                tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.requires_grad
+            )
+        return leaf
+
+    return tree_map(one, value)
+
+
+def materialize(spec: Any) -> Any:
+    return tree_map(lambda leaf: leaf.materialize() if isinstance(leaf, TensorSpec) else leaf, spec)
+
+
+def storage_key(tensor: Tensor) -> int:
+    """Identity of a tensor's storage (views share it)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Operator classification and FLOP formulas
+# --------------------------------------------------------------------------------------------
+
+
+class _OpInfo(NamedTuple):
+    name: str
+    category: str  # matmul, attention, embedding, reduction, elementwise, view, other
+    is_view: bool
+    activation: bool
+    flops: Callable[[tuple[Any, ...], dict[str, Any], Any], int] | None
+
+
+@functools.cache
+def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
+    name = func.overloadpacket.__name__
+    returns = func._schema.returns
+    is_view = bool(returns) and all(
+        ret.alias_info is not None and not ret.alias_info.is_write for ret in returns
+    )
+    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
+        category = "attention"
+    elif name in _GEMM_OPS:
+        category = "matmul"
+    elif name in _EMBEDDING_OPS:
+        category = "embedding"
+    elif name in _REDUCTION_OPS:
+        category = "reduction"
+    elif is_view:
+        category = "view"
+    elif torch.Tag.pointwise in func.tags:
+        category = "elementwise"
+    else:
+        category = "other"
+    return _OpInfo(name, category, is_view, name in _ACTIVATION_OPS, _flop_formula(func))
+
+
+def _flop_formula(
+    func: torch._ops.OpOverload,
+) -> Callable[[tuple[Any, ...], dict[str, Any], Any], int] | None:
+    if func is _FLASH_CPU:
+        return lambda args, kwargs, out: int(
+            sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)  # type: ignore[no-untyped-call]
+        )
+    if func is _FLASH_CPU_BACKWARD:
+        return lambda args, kwargs, out: int(
+            sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
+                args[0].shape, args[1].shape, args[2].shape, args[3].shape
+            )
+        )
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is None:
+        return None
+    return lambda args, kwargs, out: int(formula(*args, **kwargs, out_val=out))
+
+
+def _gemm_operands(name: str, args: tuple[Any, ...]) -> tuple[Tensor, Tensor] | None:
+    if name in ("mm", "bmm"):
+        return args[0], args[1]
+    if name in ("addmm", "baddbmm"):
+        return args[1], args[2]
+    return None
+
+
+class _Meter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Adds every dispatched ATen op's FLOPs and bytes to ``current`` (when set)."""
+
+    def __init__(self, state_keys: set[int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.state_keys = state_keys
+        self.current: NodeMeasure | None = None
+        self.backward = False
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        info = _op_info(func)
+        if info.flops is None and func is not torch.ops.prim.device.default:
+            # As FlopCounterMode: count a composite op through its decomposition.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        measure = self.current
+        if measure is None:
+            return out
+        flops = info.flops(args, kwargs, out) if info.flops is not None else 0
+        if self.backward:
+            measure.backward_flops += flops
+            return out
+        measure.forward_flops += flops
+        measure.categories.add(info.category)
+        measure.activation_fn |= info.activation
+        if not info.is_view:
+            outputs = list(tensor_leaves(out))
+            if outputs:
+                for tensor in tensor_leaves((args, kwargs)):
+                    if storage_key(tensor) in self.state_keys:
+                        measure.param_bytes_read += nbytes(tensor)
+                    else:
+                        measure.read_bytes += nbytes(tensor)
+                measure.write_bytes += sum(nbytes(t) for t in outputs)
+                if info.category == "embedding" and storage_key(args[0]) in self.state_keys:
+                    # A lookup reads the rows it gathers, not the whole table.
+                    measure.param_bytes_read -= nbytes(args[0]) - min(
+                        nbytes(args[0]), nbytes(outputs[0])
+                    )
+        if info.category == "matmul":
+            self._record_gemm(measure, info.name, args)
+        elif info.category == "embedding":
+            measure.embedding_rows = int(args[0].shape[0])
+        elif func is _FLASH_CPU or info.name.startswith("_scaled_dot_product"):
+            measure.attention = (tuple(args[0].shape), tuple(args[1].shape))
+        return out
+
+    def _record_gemm(self, measure: NodeMeasure, name: str, args: tuple[Any, ...]) -> None:
+        operands = _gemm_operands(name, args)
+        if operands is None:
+            return
+        a, b = operands
+        if a.dim() == 2:
+            gemm = Gemm(1, a.shape[0], a.shape[1], b.shape[1])
+        else:
+            gemm = Gemm(a.shape[0], a.shape[1], a.shape[2], b.shape[2])
+        if storage_key(a) in self.state_keys or storage_key(b) in self.state_keys:
+            if measure.weight_gemm is None or gemm.flops > measure.weight_gemm.flops:
+                measure.weight_gemm = gemm
+        elif measure.activation_gemm is None or gemm.flops > measure.activation_gemm.flops:
+            measure.activation_gemm = gemm
+
+
+# --------------------------------------------------------------------------------------------
+# Model state on meta and running single nodes
+# --------------------------------------------------------------------------------------------
+
+
+class MetaState:
+    """The model's parameters and buffers as meta tensors, created on first use.
+
+    ``get_attr`` targets resolve on ``root``, the traced graph module (it also holds the
+    submodules of higher-order ops of exported graphs, ``submod_1``); the parameters lifted to
+    placeholders by `torch.export` resolve on ``model`` by their fully qualified names.
+
+    A tensor already on meta is used as is; any other gets a meta stand-in of the same shape,
+    dtype and ``requires_grad`` (tied tensors keep one stand-in). ``keys`` holds the storages of
+    all of them, so measurements can tell model state from activations.
+    """
+
+    def __init__(
+        self, root: nn.Module, model: nn.Module, fqn_of_placeholder: Mapping[str, str]
+    ) -> None:
+        self.root = root
+        self.model = model
+        self.fqn_of_placeholder = dict(fqn_of_placeholder)
+        self.keys: set[int] = set()
+        self._stand_ins: dict[int, Tensor] = {}
+
+    def meta(self, tensor: Tensor) -> Tensor:
+        stand_in = self._stand_ins.get(id(tensor))
+        if stand_in is None:
+            if tensor.is_meta:
+                stand_in = tensor
+            else:
+                stand_in = torch.empty_strided(
+                    tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=META
+                )
+                stand_in.requires_grad_(tensor.requires_grad)
+            self._stand_ins[id(tensor)] = stand_in
+            self.keys.add(storage_key(stand_in))
+        return stand_in
+
+    def attribute(self, fqn: str, *, of_model: bool = False) -> Any:
+        """``root.<fqn>`` (``model.<fqn>`` with ``of_model``), as a meta tensor if a tensor."""
+        value: Any = self.model if of_model else self.root
+        for part in fqn.split("."):
+            value = getattr(value, part)
+        return self.meta(value) if isinstance(value, Tensor) else value
+
+    def module_tensors(self, module: nn.Module) -> dict[str, Tensor]:
+        tensors: dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        tensors.update(module.named_buffers(remove_duplicate=False))
+        return {name: self.meta(tensor) for name, tensor in tensors.items()}
+
+    def call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensors = self.module_tensors(module)
+        if all(stand_in is original for stand_in, original in _pairs(module, tensors)):
+            return module(*args, **kwargs)
+        return functional_call(module, tensors, args, kwargs, strict=False)
+
+
+def _pairs(module: nn.Module, stand_ins: dict[str, Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+    for name, param in module.named_parameters(remove_duplicate=False):
+        yield stand_ins[name], param
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        yield stand_ins[name], buffer
+
+
+def _fused_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """`F.scaled_dot_product_attention` through the fused flash kernel (see the module doc)."""
+    if query.dim() != 4 or key.dim() != 4:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    # Grouped-query attention (fewer kv heads) goes to the kernel as is: it shares kv heads
+    # natively and saves the un-repeated k and v, as CPU and flash-attention GPU kernels do.
+    out, _logsumexp = _FLASH_CPU(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out  # type: ignore[no-any-return]
+
+
+class _MetaCalls(TorchFunctionMode):
+    """Keeps every call on the meta device and attention fused, however deeply nested (inside
+    leaf modules and the submodules of exported higher-order ops too).
+
+    ``F.scaled_dot_product_attention`` runs through `_fused_sdpa`; explicit devices
+    (``device=...``, a ``torch.device`` argument, ``.to("cuda")``) become meta, and
+    ``.cuda()``/``.cpu()`` return the tensor itself: nothing is allocated or copied.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        if func in _DEVICE_MOVES:
+            return args[0]
+        if kwargs.get("device") is not None:
+            kwargs["device"] = META
+        if func is Tensor.to:
+            args = [META if isinstance(a, str) else a for a in args]
+        args = [META if isinstance(a, torch.device) else a for a in args]
+        return func(*args, **kwargs)
+
+
+_DEVICE_MOVES: frozenset[object] = frozenset({Tensor.cuda, Tensor.cpu})
+
+
+class NodeRunner:
+    """Executes single fx nodes on meta tensors.
+
+    ``state_value`` resolves a node that holds model state (a ``get_attr``, or a lifted
+    parameter/buffer placeholder of an exported graph); ``input_value`` a user-input placeholder.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        state: MetaState,
+        *,
+        input_value: Callable[[fx.Node], Any],
+        is_state: Callable[[fx.Node], bool],
+    ) -> None:
+        self.gm = gm
+        self.state = state
+        self.input_value = input_value
+        self.is_state = is_state
+        self._state_cache: dict[str, Any] = {}
+
+    def state_value(self, node: fx.Node) -> Any:
+        if node.name not in self._state_cache:
+            if node.op == "get_attr":
+                assert isinstance(node.target, str)
+                value = self.state.attribute(node.target)
+            elif node.name in self.state.fqn_of_placeholder:
+                fqn = self.state.fqn_of_placeholder[node.name]
+                value = self.state.attribute(fqn, of_model=True)
+            else:  # a lifted constant of an exported graph
+                value = materialize(spec_of(node.meta.get("val")))
+                for tensor in tensor_leaves(value):
+                    self.state.keys.add(storage_key(tensor))
+            self._state_cache[node.name] = value
+        return self._state_cache[node.name]
+
+    def run(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if node.op == "placeholder":
+            return self.input_value(node)
+        if node.op == "get_attr":
+            return self.state_value(node)
+        if node.op == "call_module":
+            assert isinstance(node.target, str)
+            return self.state.call_module(self.gm.get_submodule(node.target), args, kwargs)
+        if node.op == "call_function":
+            if node.target in SDPA_TARGETS:
+                return _fused_sdpa(*args, **kwargs)
+            assert callable(node.target)
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            assert isinstance(node.target, str)
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        raise AssertionError(f"cannot run fx node {node.name} with op {node.op!r}")
+
+    def node_params(self, node: fx.Node, args: tuple[Any, ...]) -> list[Tensor]:
+        """Meta tensors requiring grad that ``node`` reads as model state."""
+        found = [t for t in tensor_leaves(args) if t.requires_grad and t.is_leaf]
+        if node.op == "call_module":
+            assert isinstance(node.target, str)
+            module = self.gm.get_submodule(node.target)
+            found += [t for t in self.state.module_tensors(module).values() if t.requires_grad]
+        return found
+
+
+# --------------------------------------------------------------------------------------------
+# One unit
+# --------------------------------------------------------------------------------------------
+
+
+def _describe(node: fx.Node, module_path: str) -> str:
+    where = f" in module {module_path!r}" if module_path else ""
+    return f"fx node {node.name!r} ({node.op} {node.target}){where}"
+
+
+def profile_unit(
+    nodes: Sequence[fx.Node],
+    external: Mapping[fx.Node, Any],
+    runner: NodeRunner,
+    module_path: Callable[[fx.Node], str],
+) -> UnitMeasure:
+    """Run ``nodes`` (one unit, graph order) on meta tensors and measure each of them.
+
+    ``external`` maps every activation node of an earlier unit that these nodes read to its
+    value as a `TensorSpec` pytree; each becomes a fresh meta tensor (a leaf, if it requires
+    grad). Model state comes from ``runner``. Raises `TraceError` naming the node that failed.
+    """
+    meter = _Meter(runner.state.keys)
+    env: dict[fx.Node, Any] = {}
+    producers: dict[int, str] = {}
+    saved: dict[int, SavedStorage] = {}
+    measures: dict[str, NodeMeasure] = {}
+    current = [""]
+
+    for node, spec in external.items():
+        env[node] = materialize(spec)
+        for tensor in tensor_leaves(env[node]):
+            producers.setdefault(storage_key(tensor), INPUT)
+
+    def load(arg: fx.Node) -> Any:
+        if arg in env:
+            return env[arg]
+        if runner.is_state(arg):
+            return runner.state_value(arg)
+        raise AssertionError(f"node {arg.name} is neither computed nor an input of the unit")
+
+    def pack(tensor: Tensor) -> Tensor:
+        key = storage_key(tensor)
+        if key not in saved and key not in runner.state.keys:
+            size = int(tensor.untyped_storage().nbytes())
+            saved[key] = SavedStorage(size, producers.get(key, current[0]))
+        return tensor
+
+    with torch.enable_grad(), torch.device(META), _MetaCalls(), meter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            for node in nodes:
+                args = fx.node.map_arg(node.args, load)
+                kwargs = fx.node.map_arg(node.kwargs, load)
+                measure = NodeMeasure()
+                current[0] = node.name
+                # A placeholder's value is made here, not computed by the model: not metered.
+                meter.current = measure if node.op != "placeholder" else None
+                try:
+                    value = runner.run(node, args, kwargs)
+                except Exception as error:
+                    reason = str(error).splitlines()[0] if str(error) else ""
+                    raise TraceError(
+                        f"cannot run {_describe(node, module_path(node))} on the meta device: "
+                        f"{type(error).__name__}: {reason}; mark the module a leaf "
+                        "(trace(..., leaf_modules=[...])) or make the operation shape-static"
+                    ) from error
+                finally:
+                    meter.current = None
+                outputs = list(tensor_leaves(value))
+                for tensor in outputs:
+                    producers.setdefault(storage_key(tensor), node.name)
+                measure.output = spec_of(value)
+                measure.output_bytes = float(sum(nbytes(t) for t in outputs))
+                measure.num_tensor_outputs = len(outputs)
+                measures[node.name] = measure
+                env[node] = value
+        for node in nodes:
+            _measure_backward(node, env, load, runner, meter, measures[node.name])
+
+    for storage in saved.values():
+        if storage.producer != INPUT:
+            measures[storage.producer].saved_bytes += storage.nbytes
+    return UnitMeasure(nodes=measures, saved=tuple(saved.values()))
+
+
+def _fresh(value: Any, leaves: list[Tensor], state_keys: set[int]) -> Any:
+    """Copy of ``value`` with new meta tensors (model state kept), recording new leaves."""
+
+    def one(leaf: Any) -> Any:
+        if not isinstance(leaf, Tensor) or storage_key(leaf) in state_keys:
+            return leaf
+        fresh = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=META)
+        if leaf.requires_grad:
+            fresh.requires_grad_(True)
+            leaves.append(fresh)
+            return fresh.clone()
+        return fresh
+
+    return tree_map(one, value)
+
+
+def _measure_backward(
+    node: fx.Node,
+    env: dict[fx.Node, Any],
+    load: Callable[[fx.Node], Any],
+    runner: NodeRunner,
+    meter: _Meter,
+    measure: NodeMeasure,
+) -> None:
+    """Re-run ``node`` on fresh leaves and count the FLOPs of differentiating it."""
+    outputs = [t for t in tensor_leaves(env[node]) if t.requires_grad]
+    if not outputs or node.op in ("placeholder", "get_attr"):
+        return
+    leaves: list[Tensor] = []
+    args = _fresh(fx.node.map_arg(node.args, load), leaves, runner.state.keys)
+    kwargs = _fresh(fx.node.map_arg(node.kwargs, load), leaves, runner.state.keys)
+    try:
+        value = runner.run(node, args, kwargs)
+        outputs = [t for t in tensor_leaves(value) if t.requires_grad]
+        inputs = leaves + runner.node_params(node, (args, kwargs))
+        if not outputs or not inputs:
+            return
+        meter.current, meter.backward = measure, True
+        torch.autograd.grad(
+            outputs,
+            inputs,
+            grad_outputs=[torch.empty_like(t) for t in outputs],
+            allow_unused=True,
+        )
+    except Exception as error:  # an op without a meta backward: fall back to the GEMM rule
+        logger.debug("backward of %s not measurable on meta (%s); using 2x forward", node, error)
+        measure.backward_flops = 2.0 * measure.forward_flops
+    finally:
+        meter.current, meter.backward = None, False

@@ -1,0 +1,412 @@
+"""Predicted vs published training throughput for every published run autoplan can express.
+
+Reads bench/data/published_runs.yaml (measured runs with citations) and
+bench/data/validation_assumptions.yaml (how each run maps to a plan, what its row leaves out,
+and whether the presets' constants were fitted to it). For each run it builds the model from the
+zoo on the meta device, traces it (`autoplan.trace`), makes the plan (`autoplan.manual_plan`, with
+Megatron-style stages: transformer layers split evenly, embedding on the first stage, head on
+the last) and compares the cost model's step time with the published one.
+
+    python bench/validate_published.py            # every row, then median / max |error|
+    python bench/validate_published.py --json     # machine-readable
+    python bench/validate_published.py --fit      # re-fit the GEMM efficiency per GPU
+
+Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoplan.api import manual_plan
+from autoplan.plan import Plan, StagePlan
+from cost_model.estimate import Estimate, estimate
+from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+
+DATA = Path(__file__).resolve().parent / "data"
+A100_PEAK_FLOPS = 312e12  # the peak the papers divide by (Korthikanti et al. 2022, Sec. 6)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelDims:
+    family: str  # gpt | llama
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int | None
+    ffn_hidden_size: int | None
+    seq_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One published run, ready to predict."""
+
+    run_id: str
+    status: str  # fit | held_out | unscored
+    note: str
+    gpu: str
+    num_gpus: int
+    dims: ModelDims
+    plan_args: dict[str, Any]
+    cluster: Cluster
+    published_step_s: float
+    unfused_attention: bool  # the framework materialised the attention scores (pre-flash)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Result:
+    case: Case
+    estimate: Estimate
+
+    @property
+    def error(self) -> float:
+        """Predicted / published throughput - 1."""
+        return self.case.published_step_s / self.estimate.step_time_s - 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Skipped:
+    run_id: str
+    reason: str
+
+
+# ------------------------------------------------------------------------------- inputs
+
+
+def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows = yaml.safe_load((DATA / "published_runs.yaml").read_text())
+    assumptions = yaml.safe_load((DATA / "validation_assumptions.yaml").read_text())
+    return rows, assumptions
+
+
+def _family(run_id: str, families: dict[str, Any]) -> str | None:
+    return next((f for f in sorted(families, key=len, reverse=True) if run_id.startswith(f)), None)
+
+
+def eq3_flops(dims: ModelDims, batch: int) -> float:
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (with recompute)."""
+    b, s, l, h, v = batch, dims.seq_len, dims.num_layers, dims.hidden_size, dims.vocab_size  # noqa: E741
+    return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def eq7_flops(dims: ModelDims, batch: int) -> float:
+    """Korthikanti et al. 2022, eq. 7: 72 B l s h^2 (1 + s/(6h) + V/(12 h l)) (model FLOPs)."""
+    b, s, l, h, v = batch, dims.seq_len, dims.num_layers, dims.hidden_size, dims.vocab_size  # noqa: E741
+    return 72.0 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+
+
+def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int) -> float:
+    measured = row["measured"]
+    gpus = int(row["num_gpus"])
+    if how == "step":
+        return float(measured["step_time_s"])
+    if how == "eq3":
+        tflops = measured.get("tflops_per_gpu") or measured.get("derived_tflops_per_gpu")
+        return eq3_flops(dims, batch) / (float(tflops) * 1e12 * gpus)
+    if how == "eq7_mfu":
+        return eq7_flops(dims, batch) / (float(measured["mfu"]) * A100_PEAK_FLOPS * gpus)
+    if how == "tokens_per_gpu":
+        return batch * dims.seq_len / (float(measured["tokens_per_s"]) * gpus)
+    raise ValueError(f"unknown throughput kind {how!r}")
+
+
+def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipped:
+    run_id = row["id"]
+    extra = dict(assumptions["rows"].get(run_id) or {})
+    status = extra.pop("status", None)
+    if status is None:
+        return Skipped(run_id=run_id, reason=_default_skip_reason(row))
+    if status == "skip":
+        return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"))
+    family = _family(run_id, assumptions["families"])
+    assert family is not None, run_id
+    fam = assumptions["families"][family]
+    model, config = row["model"], dict(row["config"])
+    dims = ModelDims(
+        family=model["family"],
+        num_layers=model["num_layers"],
+        hidden_size=model["hidden_size"],
+        num_heads=model["num_heads"],
+        num_kv_heads=model.get("num_kv_heads"),
+        ffn_hidden_size=extra.pop("ffn_hidden_size", model.get("ffn_hidden_size")),
+        seq_len=model["seq_len"],
+        vocab_size=extra.pop("vocab_size", model.get("vocab_size")),
+    )
+    gpu = assumptions["gpu_presets"][row["gpu"]]
+    overrides = dict(gpu.get("overrides", {}))
+    overrides.update(fam.get("cluster", {}))
+    overrides.update(extra.pop("cluster", {}))
+    overlap = extra.pop("dp_overlap_fraction", None)
+    if overlap is not None:
+        overrides["dp_overlap_fraction"] = overlap
+    base = Cluster.preset(gpu["preset"])
+    per_node = min(base.devices_per_node, row["num_gpus"])
+    cluster = Cluster.preset(
+        gpu["preset"],
+        nodes=row["num_gpus"] // per_node,
+        devices_per_node=per_node,
+        **overrides,
+    )
+    how = extra.pop("throughput", fam["throughput"])
+    reason = extra.pop("reason", "")
+    merged = {**{k: v for k, v in config.items() if v is not None}, **extra}
+    tp, pp = merged.get("tp", 1), merged.get("pp", 1)
+    dp = row["num_gpus"] // (tp * pp)
+    micro_batch = merged.get("micro_batch", 1)
+    v = merged.get("virtual_stages") or 1
+    schedule = merged.get("schedule") or ("interleaved-1f1b" if v > 1 else "1f1b")
+    plan_args = dict(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        global_batch=merged["global_batch"],
+        recompute=merged.get("recompute") or "none",
+        zero=merged.get("zero") or 0,
+        schedule=schedule,
+        virtual_stages=v,
+        sequence_parallel=bool(merged.get("sequence_parallel")),
+        dtype=merged.get("dtype") or fam["dtype"],
+    )
+    return Case(
+        run_id=run_id,
+        status=status,
+        note=reason,
+        gpu=row["gpu"],
+        num_gpus=row["num_gpus"],
+        dims=dims,
+        plan_args=plan_args,
+        cluster=cluster,
+        published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
+        unfused_attention=fam.get("attention") == "unfused",
+    )
+
+
+def _default_skip_reason(row: dict[str, Any]) -> str:
+    config, model = row["config"], row["model"]
+    if config.get("dtype") == "fp8":
+        return "fp8 training (plans are fp32/bf16/fp16)"
+    if (config.get("cp") or 1) > 1:
+        return "context parallelism"
+    if row["gpu"] == "other":
+        return "GPU model not stated"
+    if not model.get("num_layers") or not model.get("vocab_size"):
+        return "model dimensions not stated"
+    return "parallel config incomplete (micro-batch / virtual stages / degrees not stated)"
+
+
+# ------------------------------------------------------------------------------- predicting
+
+
+@cache
+def profile_for(dims: ModelDims) -> ModelProfile:
+    """Trace the zoo model with these dimensions (built on meta: no memory)."""
+    from autoplan import models
+    from autoplan.tracing import trace
+
+    if dims.family == "llama":
+        model: Any = models.llama(
+            dims.num_layers,
+            dims.hidden_size,
+            dims.num_heads,
+            dims.seq_len,
+            dims.vocab_size,
+            num_kv_heads=dims.num_kv_heads,
+            ffn_hidden_size=dims.ffn_hidden_size,
+        )
+    else:
+        model = models.gpt(
+            dims.num_layers,
+            dims.hidden_size,
+            dims.num_heads,
+            dims.seq_len,
+            dims.vocab_size,
+            ffn_hidden_size=dims.ffn_hidden_size,
+        )
+    profile: ModelProfile = trace(model).profile
+    return profile
+
+
+def layer_balanced_stages(
+    profile: ModelProfile, num_stages: int, recompute: str
+) -> tuple[StagePlan, ...] | None:
+    """Megatron-LM's split: blocks evenly, the embedding with the first stage and the head with
+    the last (None when the blocks do not divide evenly)."""
+    blocks = [i for i, u in enumerate(profile.units) if u.kind == "block"]
+    if not blocks or len(blocks) % num_stages:
+        return None
+    per = len(blocks) // num_stages
+    stages = []
+    for s in range(num_stages):
+        first = 0 if s == 0 else blocks[s * per]
+        last = profile.num_units - 1 if s == num_stages - 1 else blocks[(s + 1) * per - 1]
+        stages.append(StagePlan(first_unit=first, last_unit=last, recompute=recompute))  # type: ignore[arg-type]
+    return tuple(stages)
+
+
+def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:
+    """Effective efficiency of Megatron-LM's unfused attention core (2019-2022: baddbmm for
+    Q K^T, FusedScaleMaskSoftmax, dropout, bmm with V; megatron/model/transformer.py
+    CoreAttention), in the terms of the flash-attention op the trace records.
+
+    Per head and sample (forward): 4 s^2 d GEMM FLOPs at the GEMM efficiency, and the s^2
+    score matrix written by Q K^T, read and written by the softmax, read and written by dropout
+    with its 1-byte mask, read by the second bmm: ~7 s^2 16-bit elements = 14 s^2 bytes at the
+    memory efficiency. The backward has the same FLOP-to-byte ratio. So
+    ``eff = 1 / (1 / e_gemm + 14 peak / (4 d bandwidth))``. Not fitted: datasheet and preset
+    calibration only.
+    """
+    cal = cluster.calibration
+    peak = cluster.device.peak_flops_for("bf16")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
+    return 1.0 / (1.0 / cal.gemm_efficiency + 14.0 * peak / (4.0 * head_dim * bandwidth))
+
+
+def predict(case: Case, cluster: Cluster | None = None) -> Result:
+    cluster = cluster or case.cluster
+    if case.unfused_attention:
+        head_dim = case.dims.hidden_size // case.dims.num_heads
+        cluster = cluster.with_overrides(
+            attention_efficiency=unfused_attention_efficiency(cluster, head_dim)
+        )
+    profile = profile_for(case.dims)
+    plan: Plan = manual_plan(profile, cluster, **case.plan_args)
+    balanced = layer_balanced_stages(profile, plan.num_stages, case.plan_args["recompute"])
+    if balanced is not None:
+        plan = dataclasses.replace(plan, stages=balanced, estimate=None)
+    return Result(case=case, estimate=estimate(profile, cluster, plan))
+
+
+# ------------------------------------------------------------------------------- reporting
+
+
+def summarize(results: Iterable[Result], status: Iterable[str]) -> tuple[int, float, float]:
+    errors = [abs(r.error) for r in results if r.case.status in set(status)]
+    if not errors:
+        return 0, math.nan, math.nan
+    return len(errors), statistics.median(errors), max(errors)
+
+
+def _config(case: Case) -> str:
+    a = case.plan_args
+    return (
+        f"t{a['tp']} p{a['pp']} d{a['dp']} mb{a['micro_batch']} v{a['virtual_stages']} "
+        f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''} z{a['zero']}"
+    )
+
+
+def report(results: list[Result], skipped: list[Skipped]) -> str:
+    lines = [
+        f"{'run':44s} {'status':9s} {'gpu':9s} {'gpus':>5s}  {'config':32s} "
+        f"{'published':>10s} {'predicted':>10s} {'error':>7s}  mem",
+    ]
+    for r in results:
+        c = r.case
+        lines.append(
+            f"{c.run_id:44s} {c.status:9s} {c.gpu:9s} {c.num_gpus:5d}  {_config(c):32s} "
+            f"{c.published_step_s:9.3f}s {r.estimate.step_time_s:9.3f}s {r.error:+7.1%}  "
+            f"{r.estimate.peak_memory_bytes / 2**30:.0f}GiB{'' if r.estimate.fits else ' (!)'}"
+            + (f"  [{c.note}]" if c.note else "")
+        )
+    lines.append("")
+    for label, statuses in (
+        ("fitted", ("fit",)),
+        ("held-out", ("held_out",)),
+        ("all scored", ("fit", "held_out")),
+        ("unscored", ("unscored",)),
+    ):
+        n, median, worst = summarize(results, statuses)
+        lines.append(
+            f"{label:11s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
+        )
+    for gpu in sorted({r.case.gpu for r in results}):
+        subset = [r for r in results if r.case.gpu == gpu]
+        n, median, worst = summarize(subset, ("fit", "held_out"))
+        lines.append(
+            f"  {gpu:9s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
+        )
+    lines.append("")
+    lines.append(f"not predicted ({len(skipped)} rows):")
+    for s in skipped:
+        lines.append(f"  {s.run_id:44s} {s.reason}")
+    return "\n".join(lines)
+
+
+def fit_gemm_efficiency(cases: list[Case]) -> dict[str, float]:
+    """Per GPU: the GEMM efficiency that minimises the largest |error| over its fitted rows."""
+    best: dict[str, float] = {}
+    for gpu in sorted({c.gpu for c in cases if c.status == "fit"}):
+        fit_rows = [c for c in cases if c.status == "fit" and c.gpu == gpu]
+        candidates = [x / 200 for x in range(40, 201)]
+        scores = []
+        for eff in candidates:
+            errs = []
+            for case in fit_rows:
+                cluster = case.cluster.with_overrides(gemm_efficiency=eff)
+                errs.append(abs(predict(case, cluster).error))
+            scores.append((max(errs), eff))
+        best[gpu] = min(scores)[1]
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--fit", action="store_true", help="re-fit gemm_efficiency per GPU")
+    parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
+    args = parser.parse_args(argv)
+    rows, assumptions = load()
+    prefixes = tuple(p for p in args.only.split(",") if p)
+    cases: list[Case] = []
+    skipped: list[Skipped] = []
+    for row in rows:
+        if prefixes and not row["id"].startswith(prefixes):
+            continue
+        built = build_case(row, assumptions)
+        (skipped if isinstance(built, Skipped) else cases).append(built)  # type: ignore[arg-type]
+    if args.fit:
+        print(json.dumps(fit_gemm_efficiency(cases), indent=2))
+        return 0
+    results = [predict(c) for c in cases]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "rows": [
+                        {
+                            "id": r.case.run_id,
+                            "status": r.case.status,
+                            "published_step_s": r.case.published_step_s,
+                            "predicted_step_s": r.estimate.step_time_s,
+                            "error": r.error,
+                            "fits": r.estimate.fits,
+                        }
+                        for r in results
+                    ],
+                    "skipped": [dataclasses.asdict(s) for s in skipped],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(report(results, skipped))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

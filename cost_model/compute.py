@@ -1,0 +1,111 @@
+"""Time of one operator on one device: a roofline with shape-dependent efficiency.
+
+Expects an `OpProfile` (per-sample FLOPs and bytes at the traced dtype) and returns its forward
+and backward time for one micro-batch on one device, after tensor parallelism (and sequence
+parallelism) split it. Guarantees: times are positive, grow with the micro-batch, and never
+shrink when the device gets slower.
+
+Model (Williams et al. 2009, "Roofline"): ``time = max(flops / (peak * eff), bytes / (bw *
+mem_eff)) + kernel_overhead``. For GEMMs and attention the compute efficiency saturates with the
+kernel's size, ``eff(W) = eff_max * W / (W + W_half)``: a large GEMM runs near its maximum
+achievable rate, a small one cannot fill the device's SMs (wave quantisation and launch latency;
+cf. NVIDIA "Matrix Multiplication Background User's Guide", sections on tile and wave
+quantization). Skinny GEMMs (small k or n) are caught by the roofline's byte term. Element-wise,
+reduction and embedding ops are memory-bound and use the memory-bandwidth efficiency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model.calibration import Calibration
+from cost_model.hardware import DeviceSpec
+from cost_model.strategy import DTYPE_BYTES
+from cost_model.workload import OpProfile
+
+# Backward of an op reads the saved inputs and the output gradient and writes the input (and
+# weight) gradients: about twice the forward's traffic (dgrad + wgrad GEMMs for a linear).
+BACKWARD_BYTES_FACTOR = 2.0
+
+_TP_SPLIT_ROLES = ("column", "row", "sharded", "vocab")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpTime:
+    """Forward and backward time of one op for one micro-batch on one device."""
+
+    forward_s: float
+    backward_s: float
+    forward_flops: float  # per device, per micro-batch
+    backward_flops: float
+
+
+def tp_divisor(op: OpProfile, tp_degree: int, sequence_parallel: bool) -> int:
+    """How many ways tensor (and sequence) parallelism split the op's work.
+
+    Megatron-LM (Shoeybi et al. 2019, section 3): column/row linears, the attention core between
+    them and the vocab-parallel embedding/head are split over the TP group; the rest (norms,
+    residual adds, dropout) is replicated, unless sequence parallelism splits it along the
+    sequence (Korthikanti et al. 2022, section 4.2.2).
+    """
+    if op.tp in _TP_SPLIT_ROLES:
+        return tp_degree
+    return tp_degree if sequence_parallel else 1
+
+
+def saturating_efficiency(work_flops: float, max_efficiency: float, half_flops: float) -> float:
+    """``max_efficiency * W / (W + W_half)``: efficiency of a kernel doing ``W`` FLOPs."""
+    if work_flops <= 0:
+        return max_efficiency
+    return max_efficiency * work_flops / (work_flops + half_flops)
+
+
+def op_time(
+    op: OpProfile,
+    *,
+    device: DeviceSpec,
+    calibration: Calibration,
+    dtype: str,
+    micro_batch_size: int,
+    tp_degree: int = 1,
+    sequence_parallel: bool = False,
+    traced_dtype_bytes: int = 4,
+) -> OpTime:
+    """Forward and backward time of ``op`` for one micro-batch on one device (roofline)."""
+    div = tp_divisor(op, tp_degree, sequence_parallel)
+    scale = DTYPE_BYTES[dtype] / traced_dtype_bytes
+    fwd_flops = op.forward_flops * micro_batch_size / div
+    bwd_flops = op.backward_flops * micro_batch_size / div
+    # Weights are split only by the TP-split linears; replicated weights (norms) are read whole.
+    weight_div = tp_degree if op.tp in _TP_SPLIT_ROLES else 1
+    fwd_bytes = (
+        op.activation_bytes * micro_batch_size * scale / div
+        + op.param_bytes_read * scale / weight_div
+    )
+    bwd_bytes = BACKWARD_BYTES_FACTOR * fwd_bytes
+    bandwidth = device.memory_bandwidth_bytes_per_s * calibration.memory_efficiency
+    if op.kind in ("matmul", "attention"):
+        peak = device.peak_flops_for(dtype)
+        max_eff = (
+            calibration.gemm_efficiency if op.kind == "matmul" else calibration.attention_efficiency
+        )
+        # One backward GEMM (dgrad or wgrad) has the forward's size: same efficiency.
+        eff = saturating_efficiency(fwd_flops, max_eff, calibration.gemm_half_efficiency_flops)
+        rate = peak * eff
+    else:
+        # Vector (non tensor-core) work: the fp32 peak bounds it; it is almost always the byte
+        # term that decides.
+        rate = device.peak_flops_for("fp32")
+    overhead = calibration.kernel_overhead_s
+    forward_s = max(fwd_flops / rate, fwd_bytes / bandwidth) + overhead
+    backward_s = (
+        max(bwd_flops / rate, bwd_bytes / bandwidth) + overhead
+        if (bwd_flops > 0 or bwd_bytes > 0)
+        else 0.0
+    )
+    return OpTime(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        forward_flops=fwd_flops,
+        backward_flops=bwd_flops,
+    )

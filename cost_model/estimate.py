@@ -1,0 +1,742 @@
+"""Step time and memory of a plan: per-unit costs, assembled through the pipeline formulas.
+
+Expects a `ModelProfile`, a `Cluster` and a plan (`PlanLike`: ``autoplan.Plan`` or anything with
+its fields). Guarantees: `estimate` is a pure function built only from the public blocks below,
+in this exact structure, so the planner (issue 5) can reproduce it as a linear model with max()
+terms:
+
+- `unit_costs(profile, cluster, strategy, recompute)`: for fixed outer choices, every unit's
+  per-micro-batch forward and backward time (compute, recompute, TP collectives, exposed ZeRO-3
+  gathers), per-step data-parallel and optimizer time, and bytes (static, activations per
+  in-flight micro-batch).
+- stage time per micro-batch = sum over its units of (forward + backward) +
+  `stage_p2p_time_s` of its boundary (the last unit's output, over the link between the two
+  pipeline ranks).
+- pipeline rank time ``T_r`` = sum over the stages it holds; `pipeline_time_s(T, m, v)`.
+- tail after the flush, per rank: ``max(0, dp_sync - overlap * backward_window) + post_sync +
+  optimizer`` (`rank_tail_s`); step time = pipeline time + max over ranks of the tail.
+- memory of rank r = (1 + allocator overhead) * (sum of static bytes + inflight_r * sum of
+  activation bytes + constant buffers) + reserved bytes (`rank_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cost_model.communication import collective_time_s, p2p_time_s
+from cost_model.compute import OpTime, op_time
+from cost_model.errors import InputError
+from cost_model.hardware import Cluster
+from cost_model.memory import (
+    RECOMPUTABLE_KINDS,
+    activation_bytes,
+    activation_scale,
+    local_num_params,
+    param_state_bytes,
+    static_bytes,
+    working_bytes,
+)
+from cost_model.schedules import bubble_time_s, inflight_microbatches, pipeline_time_s
+from cost_model.strategy import (
+    DTYPE_BYTES,
+    GroupPlacement,
+    PlanLike,
+    Strategy,
+    group_placements,
+    pipeline_link_crosses_nodes,
+)
+from cost_model.workload import ModelProfile, OpProfile, UnitProfile
+
+# Ops that selective recompute re-runs: the cheap ones whose outputs it drops (the trace's
+# ``saved_bytes_selective_*``: everything but GEMM and attention outputs). Korthikanti et al.
+# 2022, section 5, recompute the cheap attention core and keep the GEMM outputs; with a fused
+# (flash) attention kernel the s^2 scores are never saved, so what is left to drop is the
+# element-wise and normalisation work, as torchtitan's op-level selective checkpointing does.
+SELECTIVE_RECOMPUTE_KINDS = ("elementwise", "reduction", "other")
+
+# Adam step memory traffic per locally-updated parameter (read grad, master weight, momentum,
+# variance; write master, momentum, variance and the low-precision copy), plus one read of the
+# gradients for the global-norm clip: 2+4+4+4 + 4+4+4+2 + 2 = 30 bytes in mixed precision,
+# 4+4+4+4 + 4+4+4 + 4 = 32 bytes in fp32.
+ADAM_TRAFFIC_BYTES_PER_PARAM = {"mixed": 30.0, "fp32": 32.0}
+
+# Bucketed gradient communication keeps about two buckets in flight (torch DDP bucket_cap_mb=25).
+DP_BUCKET_BYTES = 2 * 25 * 2**20
+
+
+class MemoryCapacityError(InputError):
+    """A plan needs more device memory than the cluster has (the message lists the numbers)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitCost:
+    """Costs of one pipeline unit on one device under fixed outer choices and recompute mode.
+
+    Times are per micro-batch unless they say per step; bytes are per device. `unit_costs`
+    returns one per unit, in unit order; identical units share one object.
+    """
+
+    kind: str
+    recompute: str
+    # --- per micro-batch
+    forward_compute_s: float
+    backward_compute_s: float
+    recompute_s: float  # forward compute re-run in the backward
+    tp_forward_s: float  # TP collectives of the forward
+    tp_backward_s: float  # TP collectives of the backward (incl. re-run forward ones)
+    zero3_forward_s: float  # ZeRO-3 parameter all-gather before the forward
+    zero3_backward_s: float  # ZeRO-3 all-gather + gradient reduce-scatter of the backward
+    zero3_exposed_s: float  # the part of both not hidden behind this unit's compute
+    forward_s: float  # critical path of the forward
+    backward_s: float  # critical path of the backward (incl. recompute)
+    # --- per step
+    dp_sync_s: float  # gradient sync that may overlap the last backward (ZeRO 0-2)
+    post_sync_s: float  # communication that cannot overlap (ZeRO 1/2 param all-gather, tied grads)
+    optimizer_s: float
+    # --- bytes
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # held per in-flight micro-batch
+    working_bytes: float  # transient bytes while its backward runs (one micro-batch)
+    extra_bytes: float  # the working set counted with this unit (embedding and head only)
+    output_bytes: float  # the tensor sent to the next stage per micro-batch, per device
+    forward_flops: float  # per micro-batch on this device (model work, no recompute)
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward per micro-batch: the unit's share of its stage's time."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def static_bytes(self) -> float:
+        """Bytes held for the whole step (weights, grads, optimizer state, fixed transients)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.extra_bytes
+
+    @property
+    def tp_comm_s(self) -> float:
+        return self.tp_forward_s + self.tp_backward_s
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward + recompute compute per micro-batch."""
+        return self.forward_compute_s + self.backward_compute_s + self.recompute_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryConstants:
+    """Per-device memory terms that do not depend on the stage cuts."""
+
+    buffer_bytes: float  # working set of one block's backward, p2p and DP/ZeRO-3 buffers
+    reserved_bytes: float  # runtime context, library buffers (calibration)
+    allocator_overhead_fraction: float
+
+    def total_bytes(self, tensor_bytes: float) -> float:
+        """Device bytes for ``tensor_bytes`` of static + activation bytes of one rank."""
+        inner = tensor_bytes + self.buffer_bytes
+        return (1.0 + self.allocator_overhead_fraction) * inner + self.reserved_bytes
+
+    def usable_bytes(self, capacity_bytes: float) -> float:
+        """The largest static + activation total that still fits ``capacity_bytes``."""
+        inner = (capacity_bytes - self.reserved_bytes) / (1.0 + self.allocator_overhead_fraction)
+        return inner - self.buffer_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes one device of a pipeline rank holds at its peak."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # held activations: in-flight micro-batches x bytes per micro-batch
+    other_bytes: float  # working set, buffers, reserved, allocator overhead
+    total_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageEstimate:
+    """One pipeline stage (model chunk). Times are seconds within one step on one device."""
+
+    stage_idx: int
+    pp_rank: int
+    first_unit: int
+    last_unit: int
+    recompute: str
+    forward_s: float  # one micro-batch
+    backward_s: float  # one micro-batch (incl. recompute)
+    compute_s: float  # m x (forward + backward compute, incl. recompute)
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float  # gradient sync + ZeRO gathers (all of it, overlapped or not)
+    bubble_s: float  # the rank's idle time in the pipeline, split over its stages
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # held at the peak (in-flight micro-batches included)
+    inflight_microbatches: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankEstimate:
+    """One pipeline rank (all devices of that rank behave alike)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    time_per_microbatch_s: float
+    busy_s: float
+    bubble_s: float
+    tail_s: float  # exposed DP sync + post-sync communication + optimizer after the flush
+    memory: MemoryBreakdown
+    fits: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """The cost model's prediction for one plan on one cluster."""
+
+    cluster: str
+    num_devices: int
+    global_batch_size: int
+    seq_len: int
+    step_time_s: float
+    pipeline_time_s: float
+    tail_s: float
+    bubble_fraction: float
+    tokens_per_s: float
+    model_flops_per_step: float
+    model_tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: float
+    memory_capacity_bytes: float
+    fits: bool
+    stages: tuple[StageEstimate, ...]
+    ranks: tuple[RankEstimate, ...]
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for JSON output."""
+        return dataclasses.asdict(self)
+
+    def memory_report(self) -> str:
+        """One line per pipeline rank: its memory against the device capacity."""
+        gib = 2.0**30
+        return "; ".join(
+            f"pp rank {r.pp_rank} (stages {', '.join(map(str, r.stages))}): "
+            f"{r.memory.total_bytes / gib:.1f} GiB = weights {r.memory.param_bytes / gib:.1f} "
+            f"+ grads {r.memory.grad_bytes / gib:.1f} "
+            f"+ optimizer {r.memory.optimizer_bytes / gib:.1f} "
+            f"+ activations {r.memory.activation_bytes / gib:.1f} "
+            f"+ other {r.memory.other_bytes / gib:.1f}"
+            for r in self.ranks
+        )
+
+    def require_fits(self) -> None:
+        """Raise `MemoryCapacityError` with the per-rank numbers if any device overflows."""
+        if self.fits:
+            return
+        gib = 2.0**30
+        raise MemoryCapacityError(
+            f"plan does not fit: peak {self.peak_memory_bytes / gib:.1f} GiB per device > "
+            f"capacity {self.memory_capacity_bytes / gib:.1f} GiB on {self.cluster}; "
+            f"{self.memory_report()}; raise tp/pp or the ZeRO level, recompute more, or lower "
+            "the micro-batch size"
+        )
+
+
+# ------------------------------------------------------------------------------- unit costs
+
+
+def _tp_collective_counts(unit: UnitProfile) -> tuple[int, int]:
+    """(forward, backward) all-reduces a unit needs under Megatron tensor parallelism.
+
+    Shoeybi et al. 2019, section 3 (f and g operators): every column...row region ends with an
+    all-reduce in the forward (g) and starts with one in the backward (f): 2 + 2 per transformer
+    layer. The vocab-parallel embedding all-reduces its output (forward); the vocab-parallel
+    head's input needs the backward all-reduce.
+    """
+    linears = unit.tp.linears
+    if linears:
+        rows = sum(1 for lin in linears if lin.style == "row")
+        embeds = sum(1 for lin in linears if lin.style == "vocab_embedding")
+        heads = sum(1 for lin in linears if lin.style == "vocab_head")
+        return rows + embeds, rows + heads
+    rows = sum(1 for op in unit.ops if op.tp == "row" and op.kind == "matmul")
+    vocab = sum(1 for op in unit.ops if op.tp == "vocab")
+    if unit.kind == "head":
+        return 0, max(rows, 1) if unit.num_params_tp_sharded else 0
+    return rows + min(vocab, 1), rows
+
+
+def _hidden_bytes_per_sample(unit: UnitProfile) -> float:
+    """The activation a TP collective of this unit moves: the hidden state (b, s, h)."""
+    return unit.input_bytes if unit.kind == "head" else unit.output_bytes
+
+
+def _tp_times(
+    unit: UnitProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    traced_dtype_bytes: int,
+    tp_groups: Sequence[GroupPlacement],
+) -> tuple[float, float]:
+    if strategy.tp_degree == 1:
+        return 0.0, 0.0
+    n_fwd, n_bwd = _tp_collective_counts(unit)
+    size = _hidden_bytes_per_sample(unit) * activation_scale(strategy, traced_dtype_bytes)
+    if strategy.sequence_parallel:
+        # Korthikanti et al. 2022, section 4.2.2: each all-reduce becomes a reduce-scatter and
+        # an all-gather of the same buffer (same bytes, twice the latency).
+        one = collective_time_s("reduce_scatter", size, tp_groups, cluster) + collective_time_s(
+            "all_gather", size, tp_groups, cluster
+        )
+    else:
+        one = collective_time_s("all_reduce", size, tp_groups, cluster)
+    return n_fwd * one, n_bwd * one
+
+
+def unit_costs(
+    profile: ModelProfile, cluster: Cluster, strategy: Strategy, recompute: str
+) -> tuple[UnitCost, ...]:
+    """Every unit's costs on one device, with ``recompute`` applied to the units it covers."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"unknown recompute mode {recompute!r}; use none, selective or full")
+    traced = profile.traced_dtype_bytes
+    cal = cluster.calibration
+    device = cluster.device
+    dtype = strategy.dtype
+    t, dp = strategy.tp_degree, strategy.dp_degree
+    tp_groups = group_placements(strategy, cluster, "tp")
+    dp_groups = group_placements(strategy, cluster, "dp")
+    width = DTYPE_BYTES[dtype]
+    mixed = "fp32" if width >= 4 else "mixed"
+    mem_bw = device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
+    pp_shared_pair = _tied_pair_placement(strategy, cluster)
+    classes = _unit_classes(profile)
+    costs: list[UnitCost] = []
+    for index, unit in enumerate(profile.units):
+        if classes[index] != index:
+            # Identical to an earlier unit (repeated blocks): the same costs object.
+            costs.append(costs[classes[index]])
+            continue
+        mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
+        fwd_c, bwd_c, flops, selective_fwd, gemm_fwd = _compute_times(
+            profile, cluster, strategy, index
+        )
+        tp_fwd, tp_bwd = _tp_times(unit, strategy, cluster, traced, tp_groups)
+        if mode == "full":
+            # Re-run the whole forward, its TP all-reduces included (Megatron recomputes
+            # through the f/g operators).
+            recompute_s = fwd_c
+            tp_bwd += tp_fwd
+        elif mode == "selective":
+            recompute_s = (
+                selective_fwd + cal.selective_gemm_recompute_fraction * gemm_fwd
+                if _has_selective_bytes(unit)
+                else 0.0
+            )
+        else:
+            recompute_s = 0.0
+
+        # Parameters this device stores: TP-local; tied weights once per device (pp = 1).
+        n_local = local_num_params(unit, t, count_shared=strategy.pp_degree > 1)
+        state = static_bytes(n_local, dtype, strategy.zero_stage, dp)
+        param_full_bytes = n_local * width  # unsharded (ZeRO-3 gathers this)
+        grad_full_bytes = n_local * param_state_bytes(dtype).grad_bytes
+
+        zero3_fwd = zero3_bwd = zero3_exposed = 0.0
+        dp_sync = post_sync = 0.0
+        if dp > 1 and n_local > 0:
+            if strategy.zero_stage >= 3:
+                # FSDP / ZeRO-3 (Rajbhandari et al. 2020, section 7.2.2): all-gather weights
+                # before the forward and again before the backward, reduce-scatter gradients
+                # after it, every micro-batch; prefetching hides them behind this unit's compute.
+                gather = collective_time_s("all_gather", param_full_bytes, dp_groups, cluster)
+                scatter = collective_time_s("reduce_scatter", grad_full_bytes, dp_groups, cluster)
+                zero3_fwd = gather
+                zero3_bwd = gather + scatter
+                zero3_exposed = max(0.0, zero3_fwd - fwd_c) + max(
+                    0.0, zero3_bwd - (bwd_c + recompute_s)
+                )
+            elif strategy.zero_stage >= 1:
+                # ZeRO-1/2: reduce-scatter gradients (overlappable), all-gather the updated
+                # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
+                dp_sync = collective_time_s("reduce_scatter", grad_full_bytes, dp_groups, cluster)
+                post_sync = collective_time_s("all_gather", param_full_bytes, dp_groups, cluster)
+            else:
+                dp_sync = collective_time_s("all_reduce", grad_full_bytes, dp_groups, cluster)
+        if unit.num_params_shared and strategy.pp_degree > 1 and pp_shared_pair is not None:
+            # Tied embedding and head on the first and last pipeline ranks all-reduce the
+            # shared gradient (Megatron-LM's embedding group; Narayanan et al. 2021, sec. 2.2).
+            shared = unit.num_params_shared / t * param_state_bytes(dtype).grad_bytes
+            post_sync += collective_time_s("all_reduce", shared, (pp_shared_pair,), cluster)
+        if index == 0 and strategy.pp_degree > 1 and pp_shared_pair is not None:
+            tied = sum(u.num_params_shared for u in profile.units)
+            if tied:
+                shared = tied / t * param_state_bytes(dtype).grad_bytes
+                post_sync += collective_time_s("all_reduce", shared, (pp_shared_pair,), cluster)
+
+        # Optimizer step: memory-bound Adam over the parameters this device updates.
+        updated = n_local / dp if strategy.zero_stage >= 1 else n_local
+        optimizer_s = updated * ADAM_TRAFFIC_BYTES_PER_PARAM[mixed] / mem_bw
+        if updated > 0:
+            optimizer_s += cal.kernel_overhead_s
+
+        scale = activation_scale(strategy, traced)
+        boundary_div = t if strategy.sequence_parallel else 1
+        forward_s = fwd_c + tp_fwd + max(0.0, zero3_fwd - fwd_c)
+        backward_s = bwd_c + recompute_s + tp_bwd + max(0.0, zero3_bwd - (bwd_c + recompute_s))
+        loss_saved = loss_cost(unit, strategy, cluster, traced).saved_bytes
+        held = activation_bytes(unit, strategy, mode, traced) + loss_saved
+        working = working_bytes(unit, strategy, traced) + loss_saved
+        costs.append(
+            UnitCost(
+                kind=unit.kind,
+                recompute=mode,
+                forward_compute_s=fwd_c,
+                backward_compute_s=bwd_c,
+                recompute_s=recompute_s,
+                tp_forward_s=tp_fwd,
+                tp_backward_s=tp_bwd,
+                zero3_forward_s=zero3_fwd,
+                zero3_backward_s=zero3_bwd,
+                zero3_exposed_s=zero3_exposed,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                dp_sync_s=dp_sync,
+                post_sync_s=post_sync,
+                optimizer_s=optimizer_s,
+                param_bytes=state.param_bytes,
+                grad_bytes=state.grad_bytes,
+                optimizer_bytes=state.optimizer_bytes,
+                activation_bytes=held,
+                working_bytes=working,
+                extra_bytes=0.0 if unit.kind in RECOMPUTABLE_KINDS else working,
+                output_bytes=unit.output_bytes * scale / boundary_div,
+                forward_flops=flops,
+            )
+        )
+    return tuple(costs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossCost:
+    """The cross-entropy after the head (not part of the traced forward), one micro-batch."""
+
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+
+
+def loss_cost(
+    unit: UnitProfile, strategy: Strategy, cluster: Cluster, traced_dtype_bytes: int
+) -> LossCost:
+    """Cross-entropy on the head's logits: log-softmax reads the logits and writes fp32
+    log-probabilities, which it keeps for the backward (torch's ``log_softmax`` saves its
+    output; mixed-precision recipes compute the loss in fp32); the backward reads them and
+    writes the logits' gradient. Vocab-parallel (Megatron) it divides by the TP degree.
+    Memory-bound. Zero for units that are not the head."""
+    if unit.kind != "head":
+        return LossCost(forward_s=0.0, backward_s=0.0, saved_bytes=0.0)
+    logits = unit.output_bytes / traced_dtype_bytes * strategy.micro_batch_size
+    logits /= strategy.tp_degree
+    fp32_bytes = 4.0 * logits
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.calibration.memory_efficiency
+    moved = logits * strategy.dtype_bytes + fp32_bytes
+    overhead = cluster.calibration.kernel_overhead_s
+    return LossCost(
+        forward_s=moved / bandwidth + overhead,
+        backward_s=moved / bandwidth + overhead,
+        saved_bytes=fp32_bytes,
+    )
+
+
+def _unit_classes(profile: ModelProfile) -> tuple[int, ...]:
+    """For each unit, the index of the first unit with the same content (its own if unique).
+
+    Unit 0 is kept apart: `unit_costs` charges the tied-gradient sync to it.
+    """
+    cached = _CLASSES.get(id(profile))
+    if cached is not None and cached[0] is profile:
+        return cached[1]
+    first: dict[UnitProfile, int] = {}
+    classes = []
+    for index, unit in enumerate(profile.units):
+        key = dataclasses.replace(unit, name="")
+        classes.append(index if index == 0 else first.setdefault(key, index))
+    result = tuple(classes)
+    if len(_CLASSES) > 64:
+        _CLASSES.clear()
+    _CLASSES[id(profile)] = (profile, result)
+    return result
+
+
+_ComputeTimes = tuple[float, float, float, float, float]
+
+
+def _compute_times(
+    profile: ModelProfile, cluster: Cluster, strategy: Strategy, index: int
+) -> _ComputeTimes:
+    """(forward, backward, forward FLOPs, selective-recompute forward, GEMM forward) of one
+    unit's ops and loss, per micro-batch.
+
+    Depends only on the unit, the device and the strategy's TP degree, sequence parallelism,
+    micro-batch and dtype, so the planner's many strategies share one computation.
+    """
+    key = (
+        id(profile),
+        id(cluster),
+        index,
+        strategy.tp_degree,
+        strategy.sequence_parallel,
+        strategy.micro_batch_size,
+        strategy.dtype,
+    )
+    cached = _COMPUTE.get(key)
+    if cached is not None and cached[0] is profile and cached[1] is cluster:
+        return cached[2]
+    unit = profile.units[index]
+    fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = 0.0
+    for op in unit.ops:
+        ot = _op(op, cluster, strategy, profile.traced_dtype_bytes)
+        fwd_c += ot.forward_s
+        bwd_c += ot.backward_s
+        flops += ot.forward_flops
+        if op.kind in SELECTIVE_RECOMPUTE_KINDS:
+            selective_fwd += ot.forward_s
+        elif op.kind == "matmul":
+            gemm_fwd += ot.forward_s
+    loss = loss_cost(unit, strategy, cluster, profile.traced_dtype_bytes)
+    result = (fwd_c + loss.forward_s, bwd_c + loss.backward_s, flops, selective_fwd, gemm_fwd)
+    if len(_COMPUTE) > 65536:
+        _COMPUTE.clear()
+    _COMPUTE[key] = (profile, cluster, result)
+    return result
+
+
+# Memo tables keyed by object identity; each entry keeps its objects alive so ids stay unique.
+_CLASSES: dict[int, tuple[ModelProfile, tuple[int, ...]]] = {}
+_COMPUTE: dict[
+    tuple[int, int, int, int, bool, int, str], tuple[ModelProfile, Cluster, _ComputeTimes]
+] = {}
+
+
+def _op(op: OpProfile, cluster: Cluster, strategy: Strategy, traced: int) -> OpTime:
+    return op_time(
+        op,
+        device=cluster.device,
+        calibration=cluster.calibration,
+        dtype=strategy.dtype,
+        micro_batch_size=strategy.micro_batch_size,
+        tp_degree=strategy.tp_degree,
+        sequence_parallel=strategy.sequence_parallel,
+        traced_dtype_bytes=traced,
+    )
+
+
+def _has_selective_bytes(unit: UnitProfile) -> bool:
+    return (unit.saved_bytes_selective_sharded + unit.saved_bytes_selective_replicated) > 0
+
+
+def _tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement | None:
+    """The two devices (first and last pipeline rank) that share tied embedding weights."""
+    if strategy.pp_degree == 1:
+        return None
+    first = strategy.global_rank(pp=0, dp=0, tp=0)
+    last = strategy.global_rank(pp=strategy.pp_degree - 1, dp=0, tp=0)
+    same = cluster.node_of(first) == cluster.node_of(last)
+    return GroupPlacement(size=2, num_nodes=1 if same else 2, ranks_per_node=2 if same else 1)
+
+
+# ------------------------------------------------------------------------------- stages and ranks
+
+
+def stage_p2p_time_s(
+    last_unit: UnitCost, cluster: Cluster, strategy: Strategy, stage_idx: int
+) -> float:
+    """Per-micro-batch boundary cost charged to stage ``stage_idx``: the forward send of its
+    output and the backward send of that output's gradient, over the link to the next pipeline
+    rank. Zero for the last stage."""
+    if stage_idx >= strategy.num_stages - 1:
+        return 0.0
+    cross = pipeline_link_crosses_nodes(
+        strategy, cluster, strategy.pipeline_rank_of_stage(stage_idx)
+    )
+    return 2.0 * p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross)
+
+
+def rank_tail_s(rank_units: Sequence[UnitCost], dp_overlap_fraction: float) -> float:
+    """Work of one pipeline rank after its last backward: gradient sync not hidden behind that
+    backward, then non-overlappable communication and the optimizer step.
+
+    ``max(0, sum dp_sync - overlap * sum backward) + sum post_sync + sum optimizer``: the
+    gradient buckets of the last micro-batch's backward start as soon as they are ready (torch
+    DDP, Li et al. 2020, section 3.2.3), so only what outlasts that backward is exposed.
+    """
+    sync = sum(u.dp_sync_s for u in rank_units)
+    window = dp_overlap_fraction * sum(u.backward_s for u in rank_units)
+    return (
+        max(0.0, sync - window)
+        + sum(u.post_sync_s for u in rank_units)
+        + sum(u.optimizer_s for u in rank_units)
+    )
+
+
+def memory_constants(
+    costs: Sequence[UnitCost], cluster: Cluster, strategy: Strategy
+) -> MemoryConstants:
+    """Memory terms that do not depend on the cuts: the backward working set of the largest
+    recomputable unit, p2p receive/send buffers, DP buckets or ZeRO-3 gathered weights."""
+    # The embedding's and head's working sets travel with those units (extra_bytes).
+    buffers = max((c.working_bytes for c in costs if c.kind in RECOMPUTABLE_KINDS), default=0.0)
+    if strategy.pp_degree > 1:
+        buffers += 2 * max((c.output_bytes for c in costs), default=0.0)
+    if strategy.dp_degree > 1:
+        if strategy.zero_stage >= 3:
+            # The unit being computed and the prefetched next one, gathered; plus its grads.
+            biggest = max((c.param_bytes * strategy.dp_degree for c in costs), default=0.0)
+            buffers += 3 * biggest
+        else:
+            buffers += DP_BUCKET_BYTES
+    cal = cluster.calibration
+    return MemoryConstants(
+        buffer_bytes=buffers,
+        reserved_bytes=cal.reserved_memory_bytes,
+        allocator_overhead_fraction=cal.allocator_overhead_fraction,
+    )
+
+
+def rank_memory(
+    rank_units: Sequence[UnitCost], inflight: float, constants: MemoryConstants
+) -> MemoryBreakdown:
+    """Bytes of one pipeline rank: static + in-flight activations + constants."""
+    params = sum(u.param_bytes for u in rank_units)
+    grads = sum(u.grad_bytes for u in rank_units)
+    optimizer = sum(u.optimizer_bytes for u in rank_units)
+    extra = sum(u.extra_bytes for u in rank_units)
+    activations = inflight * sum(u.activation_bytes for u in rank_units)
+    tensor_bytes = params + grads + optimizer + extra + activations
+    total = constants.total_bytes(tensor_bytes)
+    return MemoryBreakdown(
+        param_bytes=params,
+        grad_bytes=grads,
+        optimizer_bytes=optimizer,
+        activation_bytes=activations,
+        other_bytes=total - (params + grads + optimizer + activations),
+        total_bytes=total,
+    )
+
+
+# ------------------------------------------------------------------------------- estimate
+
+
+def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimate:
+    """Step time, throughput, MFU and per-device memory of ``plan`` (see the module docstring)."""
+    strategy = Strategy.of(plan)
+    stages = tuple(plan.stages)
+    if len(stages) != strategy.num_stages:
+        raise InputError(
+            f"plan has {len(stages)} stages; pp_degree x virtual_stages = {strategy.num_stages}"
+        )
+    if stages[-1].last_unit != profile.num_units - 1:
+        raise InputError(
+            f"plan stages cover units 0..{stages[-1].last_unit} but model {profile.name!r} has "
+            f"{profile.num_units} units"
+        )
+    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+    by_mode: dict[str, tuple[UnitCost, ...]] = {}
+    for stage in stages:
+        if stage.recompute not in by_mode:
+            by_mode[stage.recompute] = unit_costs(profile, cluster, strategy, stage.recompute)
+    stage_units: list[tuple[UnitCost, ...]] = [
+        by_mode[s.recompute][s.first_unit : s.last_unit + 1] for s in stages
+    ]
+    stage_p2p = [
+        stage_p2p_time_s(units[-1], cluster, strategy, idx) for idx, units in enumerate(stage_units)
+    ]
+    stage_time = [
+        sum(u.time_s for u in units) + stage_p2p[idx] for idx, units in enumerate(stage_units)
+    ]
+    rank_stages = [tuple(range(r, len(stages), p)) for r in range(p)]
+    rank_time = [sum(stage_time[s] for s in rank_stages[r]) for r in range(p)]
+    t_pipe = pipeline_time_s(rank_time, m, v)
+    cal = cluster.calibration
+    rank_units = [tuple(u for s in rank_stages[r] for u in stage_units[s]) for r in range(p)]
+    rank_tail = [rank_tail_s(rank_units[r], cal.dp_overlap_fraction) for r in range(p)]
+    step = t_pipe + max(rank_tail)
+
+    constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
+    capacity = float(cluster.device.memory_bytes)
+    ranks = []
+    stage_estimates: list[StageEstimate | None] = [None] * len(stages)
+    for r in range(p):
+        inflight = inflight_microbatches(strategy.schedule, p, m, v, r)
+        memory = rank_memory(rank_units[r], inflight, constants)
+        idle = t_pipe - m * rank_time[r]
+        ranks.append(
+            RankEstimate(
+                pp_rank=r,
+                stages=rank_stages[r],
+                time_per_microbatch_s=rank_time[r],
+                busy_s=m * rank_time[r],
+                bubble_s=idle,
+                tail_s=rank_tail[r],
+                memory=memory,
+                fits=memory.total_bytes <= capacity,
+            )
+        )
+        for s in rank_stages[r]:
+            units = stage_units[s]
+            stage_estimates[s] = StageEstimate(
+                stage_idx=s,
+                pp_rank=r,
+                first_unit=stages[s].first_unit,
+                last_unit=stages[s].last_unit,
+                recompute=stages[s].recompute,
+                forward_s=sum(u.forward_s for u in units),
+                backward_s=sum(u.backward_s for u in units),
+                compute_s=m * sum(u.compute_s for u in units),
+                recompute_s=m * sum(u.recompute_s for u in units),
+                tp_comm_s=m * sum(u.tp_comm_s for u in units),
+                pp_comm_s=m * stage_p2p[s],
+                dp_comm_s=sum(
+                    u.dp_sync_s + u.post_sync_s + m * (u.zero3_forward_s + u.zero3_backward_s)
+                    for u in units
+                ),
+                bubble_s=idle / len(rank_stages[r]),
+                param_bytes=sum(u.param_bytes for u in units),
+                grad_bytes=sum(u.grad_bytes for u in units),
+                optimizer_bytes=sum(u.optimizer_bytes for u in units),
+                activation_bytes=inflight * sum(u.activation_bytes for u in units),
+                inflight_microbatches=inflight,
+            )
+
+    tokens = strategy.global_batch_size * profile.seq_len
+    # Model FLOPs: 3x the forward (forward + backward, no recompute), Chowdhery et al. 2022
+    # (PaLM), appendix B; Korthikanti et al. 2022, section 6.3 (MFU).
+    model_flops = 3.0 * profile.forward_flops_per_sample * strategy.global_batch_size
+    num_devices = strategy.num_devices
+    flops_per_device_per_s = model_flops / step / num_devices
+    peak_memory = max(r.memory.total_bytes for r in ranks)
+    return Estimate(
+        cluster=cluster.name,
+        num_devices=num_devices,
+        global_batch_size=strategy.global_batch_size,
+        seq_len=profile.seq_len,
+        step_time_s=step,
+        pipeline_time_s=t_pipe,
+        tail_s=max(rank_tail),
+        bubble_fraction=bubble_time_s(rank_time, m, v) / t_pipe if t_pipe > 0 else 0.0,
+        tokens_per_s=tokens / step,
+        model_flops_per_step=model_flops,
+        model_tflops_per_device=flops_per_device_per_s / 1e12,
+        mfu=flops_per_device_per_s / cluster.device.peak_flops_for(strategy.dtype),
+        peak_memory_bytes=peak_memory,
+        memory_capacity_bytes=capacity,
+        fits=peak_memory <= capacity,
+        stages=tuple(s for s in stage_estimates if s is not None),
+        ranks=tuple(ranks),
+    )

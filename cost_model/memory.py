@@ -1,0 +1,118 @@
+"""Bytes one device holds for one pipeline unit: weights, gradients, optimizer states, activations.
+
+Expects a `UnitProfile` (per-sample activation figures at the traced dtype) and a `Strategy`.
+Guarantees: parameter, gradient and optimizer bytes are exact for mixed-precision Adam under the
+given ZeRO level; activation bytes never grow with more recompute, a higher ZeRO level never
+holds more, and tensor/sequence parallelism only divide.
+
+Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, section 3.1): with fp16/bf16 training each
+parameter costs 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32 master
+weights, momentum, variance); fp32 training keeps 4 + 4 + 8 (momentum and variance). ZeRO
+(section 5, Figure 1): stage 1 shards the optimizer state over the data-parallel group, stage 2
+also the gradients, stage 3 also the weights.
+
+Activations (Korthikanti et al. 2022, section 4.2): bytes saved inside the tensor-parallel
+region divide by the TP degree (4.2.1); those outside it (norm inputs, dropout masks, residuals)
+divide only with sequence parallelism (4.2.2). Selective recompute (section 5) drops the
+cheap-to-recompute attention-core bytes; full recompute keeps only each unit's input (section 5:
+2sbh per layer, divided by t when sequence parallelism shards it). Recompute applies to
+transformer blocks only: Megatron-LM checkpoints its layers, not the embedding or the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model.strategy import DTYPE_BYTES, Strategy
+from cost_model.workload import UnitProfile
+
+# Units that activation recomputation applies to.
+RECOMPUTABLE_KINDS = ("block", "other")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamStateBytes:
+    """Bytes per parameter for weights, gradients and optimizer state (unsharded)."""
+
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+
+def param_state_bytes(dtype: str) -> ParamStateBytes:
+    """Adam in mixed precision (2 + 2 + 12) or in fp32 (4 + 4 + 8), Rajbhandari et al. 2020."""
+    if DTYPE_BYTES[dtype] >= 4:
+        return ParamStateBytes(weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    # 16-bit (or narrower) weights and grads; fp32 master weights + momentum + variance.
+    width = DTYPE_BYTES[dtype]
+    return ParamStateBytes(weight_bytes=width, grad_bytes=width, optimizer_bytes=12)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticBytes:
+    """Bytes that live for the whole step on one device."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def local_num_params(unit: UnitProfile, tp_degree: int, *, count_shared: bool = True) -> float:
+    """Parameters of ``unit`` one TP rank stores: TP-sharded ones divide, the rest replicate.
+
+    ``count_shared=False`` leaves out parameters tied to an earlier unit (a head that shares the
+    embedding matrix) when that unit lives on the same device, so they are stored once.
+    """
+    sharded = unit.num_params_tp_sharded
+    replicated = unit.num_params - sharded
+    local = replicated + sharded / tp_degree
+    if not count_shared and unit.num_params_shared:
+        # Tied weights are vocab-sharded like the embedding they share.
+        local -= unit.num_params_shared / tp_degree
+    return local
+
+
+def static_bytes(num_params: float, dtype: str, zero_stage: int, dp_degree: int) -> StaticBytes:
+    """Weights, gradients and optimizer state of ``num_params`` under ZeRO ``zero_stage``."""
+    per = param_state_bytes(dtype)
+    return StaticBytes(
+        param_bytes=num_params * per.weight_bytes / (dp_degree if zero_stage >= 3 else 1),
+        grad_bytes=num_params * per.grad_bytes / (dp_degree if zero_stage >= 2 else 1),
+        optimizer_bytes=num_params * per.optimizer_bytes / (dp_degree if zero_stage >= 1 else 1),
+    )
+
+
+def activation_scale(strategy: Strategy, traced_dtype_bytes: int) -> float:
+    """Factor from the profile's per-sample bytes to one micro-batch at the plan's dtype."""
+    return strategy.micro_batch_size * strategy.dtype_bytes / traced_dtype_bytes
+
+
+def activation_bytes(
+    unit: UnitProfile, strategy: Strategy, recompute: str, traced_dtype_bytes: int
+) -> float:
+    """Bytes ``unit`` keeps for backward, per in-flight micro-batch, on one device."""
+    t = strategy.tp_degree
+    replicated_div = t if strategy.sequence_parallel else 1
+    scale = activation_scale(strategy, traced_dtype_bytes)
+    mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
+    if mode == "full":
+        # Only the unit's input survives (Korthikanti et al. 2022, section 4.3).
+        return unit.input_bytes * scale / replicated_div
+    sharded = unit.saved_bytes_sharded
+    replicated = unit.saved_bytes_replicated
+    if mode == "selective":
+        sharded -= unit.saved_bytes_selective_sharded
+        replicated -= unit.saved_bytes_selective_replicated
+    elif mode != "none":
+        raise ValueError(f"unknown recompute mode {recompute!r}; use none, selective or full")
+    return (sharded / t + replicated / replicated_div) * scale
+
+
+def working_bytes(unit: UnitProfile, strategy: Strategy, traced_dtype_bytes: int) -> float:
+    """Transient bytes while ``unit`` runs its backward: the gradients of its intermediates (or
+    its recomputed activations), about one micro-batch of its un-recomputed activations."""
+    return activation_bytes(unit, strategy, "none", traced_dtype_bytes)

@@ -1,0 +1,242 @@
+"""What the cost model reads from a plan, and where each parallel group sits on the cluster.
+
+`PlanLike` is a read-only protocol that `autoplan.Plan` satisfies structurally (cost_model never
+imports autoplan). `Strategy` holds a plan's "outer" choices: everything except the stage cuts
+and per-stage recompute, which is what the planner fixes before it solves for the cuts. The
+placement helpers map mesh axes to global ranks the way `autoplan.Plan` does: ``rank_layout``
+orders the axes outermost first, and stage ``i`` runs on pipeline rank ``i % pp_degree``.
+
+Guarantees: pure functions of plain data; placements are deterministic and depend only on the
+degrees, the layout and the cluster's node shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, Protocol
+
+from cost_model.hardware import Cluster
+
+Axis = Literal["pp", "dp", "tp"]
+AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+RecomputeMode = Literal["none", "selective", "full"]
+RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+
+# Bytes per element of the training dtype (activations, parameters and gradients in this dtype).
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+class StageLike(Protocol):
+    """One pipeline stage (model chunk) of a plan: units first_unit..last_unit inclusive."""
+
+    @property
+    def first_unit(self) -> int: ...
+    @property
+    def last_unit(self) -> int: ...
+    @property
+    def recompute(self) -> str: ...
+
+
+class PlanLike(Protocol):
+    """The plan fields the cost model reads (``autoplan.Plan`` satisfies it)."""
+
+    @property
+    def dp_degree(self) -> int: ...
+    @property
+    def tp_degree(self) -> int: ...
+    @property
+    def pp_degree(self) -> int: ...
+    @property
+    def virtual_stages(self) -> int: ...
+    @property
+    def stages(self) -> Sequence[StageLike]: ...
+    @property
+    def micro_batch_size(self) -> int: ...
+    @property
+    def num_micro_batches(self) -> int: ...
+    @property
+    def global_batch_size(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def rank_layout(self) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """A plan's outer choices: degrees, batching, schedule, sharding, dtype and rank layout."""
+
+    tp_degree: int = 1
+    dp_degree: int = 1
+    pp_degree: int = 1
+    virtual_stages: int = 1
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    schedule: ScheduleName = "1f1b"
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    dtype: str = "bf16"
+    rank_layout: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tp_degree",
+            "dp_degree",
+            "pp_degree",
+            "virtual_stages",
+            "micro_batch_size",
+            "num_micro_batches",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"strategy.{name} = {getattr(self, name)} must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"strategy.zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
+        if sorted(self.rank_layout) != sorted(AXES):
+            raise ValueError(f"strategy.rank_layout = {self.rank_layout} must order pp, dp, tp")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+
+    @classmethod
+    def of(cls, plan: PlanLike) -> Strategy:
+        """The outer choices of ``plan``."""
+        layout = tuple(plan.rank_layout)
+        assert len(layout) == 3 and all(a in AXES for a in layout), layout
+        schedule = plan.schedule
+        assert schedule in ("gpipe", "1f1b", "interleaved-1f1b"), schedule
+        return cls(
+            tp_degree=plan.tp_degree,
+            dp_degree=plan.dp_degree,
+            pp_degree=plan.pp_degree,
+            virtual_stages=plan.virtual_stages,
+            micro_batch_size=plan.micro_batch_size,
+            num_micro_batches=plan.num_micro_batches,
+            schedule=schedule,  # type: ignore[arg-type]
+            zero_stage=plan.zero_stage,
+            sequence_parallel=plan.sequence_parallel,
+            dtype=plan.dtype,
+            rank_layout=layout,  # type: ignore[arg-type]
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp_degree * self.dp_degree * self.pp_degree
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_degree * self.virtual_stages
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.dp_degree
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def degree(self, axis: Axis) -> int:
+        return {"pp": self.pp_degree, "dp": self.dp_degree, "tp": self.tp_degree}[axis]
+
+    def axis_stride(self, axis: Axis) -> int:
+        """Distance in global rank between neighbours along ``axis`` (as `autoplan.Plan`)."""
+        idx = self.rank_layout.index(axis)
+        return math.prod(self.degree(a) for a in self.rank_layout[idx + 1 :])
+
+    def global_rank(self, *, pp: int, dp: int, tp: int) -> int:
+        """Global rank of the device at mesh coordinates (pp, dp, tp)."""
+        coords = {"pp": pp, "dp": dp, "tp": tp}
+        return sum(coords[a] * self.axis_stride(a) for a in AXES)
+
+    def pipeline_rank_of_stage(self, stage_idx: int) -> int:
+        """Torch's interleaved "loop" placement: stage i runs on pipeline rank i % pp."""
+        return stage_idx % self.pp_degree
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPlacement:
+    """How one communication group sits on the nodes: ``ranks_per_node`` devices of it on each
+    of ``num_nodes`` nodes (``size = num_nodes * ranks_per_node`` for regular layouts)."""
+
+    size: int
+    num_nodes: int
+    ranks_per_node: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+
+def group_placements(
+    strategy: Strategy, cluster: Cluster, axis: Axis
+) -> tuple[GroupPlacement, ...]:
+    """Every distinct placement among the ``axis`` groups of the mesh (usually one)."""
+    return _group_placements(
+        strategy.degree("pp"),
+        strategy.degree("dp"),
+        strategy.degree("tp"),
+        strategy.rank_layout,
+        axis,
+        cluster.devices_per_node,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _group_placements(
+    pp: int, dp: int, tp: int, layout: tuple[Axis, Axis, Axis], axis: Axis, devices_per_node: int
+) -> tuple[GroupPlacement, ...]:
+    strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, rank_layout=layout)
+    stride = strategy.axis_stride(axis)
+    size = strategy.degree(axis)
+    found: set[GroupPlacement] = set()
+    for base in range(strategy.num_devices):
+        if (base // stride) % size != 0:
+            continue  # not the first rank of its group
+        counts: dict[int, int] = {}
+        for i in range(size):
+            node = (base + i * stride) // devices_per_node
+            counts[node] = counts.get(node, 0) + 1
+        found.add(
+            GroupPlacement(size=size, num_nodes=len(counts), ranks_per_node=max(counts.values()))
+        )
+    return tuple(sorted(found, key=lambda g: (g.num_nodes, g.ranks_per_node)))
+
+
+def pipeline_link_crosses_nodes(strategy: Strategy, cluster: Cluster, from_pp_rank: int) -> bool:
+    """Whether any device of pipeline rank ``from_pp_rank`` sends to a peer of pipeline rank
+    ``from_pp_rank + 1`` (mod pp) on another node. Stages are synchronous, so the slowest pair
+    of the dp x tp peers sets the boundary's time."""
+    return _pipeline_links(
+        strategy.pp_degree,
+        strategy.dp_degree,
+        strategy.tp_degree,
+        strategy.rank_layout,
+        cluster.devices_per_node,
+    )[from_pp_rank]
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_links(
+    pp: int, dp: int, tp: int, layout: tuple[Axis, Axis, Axis], devices_per_node: int
+) -> tuple[bool, ...]:
+    strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, rank_layout=layout)
+    crosses = []
+    for r in range(pp):
+        nxt = (r + 1) % pp
+        crosses.append(
+            any(
+                strategy.global_rank(pp=r, dp=d, tp=t) // devices_per_node
+                != strategy.global_rank(pp=nxt, dp=d, tp=t) // devices_per_node
+                for d in range(dp)
+                for t in range(tp)
+            )
+        )
+    return tuple(crosses)

@@ -1,0 +1,98 @@
+"""`autoplan calibrate`: the fits (hand-worked), the cluster file it writes, and a short real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoplan.calibrate import (
+    CommMeasurement,
+    MatmulMeasurement,
+    Measurements,
+    calibrated_cluster,
+    fit_alpha_beta,
+    fit_half_efficiency_flops,
+)
+from cost_model.hardware import Cluster
+from tests.conftest import run_cli
+
+
+def test_fit_alpha_beta_recovers_the_ring_model() -> None:
+    # 2 ranks, alpha = 100 us, B = 1 GB/s: t(N) = 2 (G-1) alpha + 2 (G-1)/G N / B
+    # = 2e-4 + N / 1e9. At 4096 B: 2.04096e-4 s; at 4 MiB: 2e-4 + 4.194304e-3 s.
+    small = CommMeasurement(op="all_reduce", world_size=2, size_bytes=4096, time_s=2.04096e-4)
+    large = CommMeasurement(
+        op="all_reduce", world_size=2, size_bytes=4 * 2**20, time_s=2e-4 + 4.194304e-3
+    )
+    fit = fit_alpha_beta(2, small, large)
+    assert fit.latency_s == pytest.approx(1e-4, rel=1e-9)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-9)
+
+
+def test_fit_half_efficiency_inverts_the_saturation_curve() -> None:
+    # e(W) = W / (W + 1e9): W = 1e9 -> 0.5, W = 3e9 -> 0.75, W = 1e11 -> 0.990...
+    points = [(w, w / (w + 1e9)) for w in (1e9, 3e9, 1e11)]
+    assert fit_half_efficiency_flops(points) == pytest.approx(1e9, rel=1e-9)
+    assert fit_half_efficiency_flops([(1e12, 1.0)]) == 0.0
+
+
+def _measurements() -> Measurements:
+    return Measurements(
+        matmul=(
+            MatmulMeasurement(dtype="fp32", size=256, flops_per_s=20e9),
+            MatmulMeasurement(dtype="fp32", size=1024, flops_per_s=80e9),
+            MatmulMeasurement(dtype="bf16", size=1024, flops_per_s=200e9),
+        ),
+        memory_bandwidth_bytes_per_s=12e9,
+        kernel_overhead_s=7e-6,
+        comm=(
+            CommMeasurement(op="all_reduce", world_size=2, size_bytes=4096, time_s=2.04096e-4),
+            CommMeasurement(
+                op="all_reduce", world_size=2, size_bytes=4 * 2**20, time_s=2e-4 + 4.194304e-3
+            ),
+        ),
+        backend="gloo",
+    )
+
+
+def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = Cluster.preset_file("local")
+    cluster = calibrated_cluster(base, _measurements())
+    # CPU: the best measured rate is the peak; 256^3 ran at 1/4 of it: W = 2 * 256^3 = 3.36e7
+    # FLOPs, e = 0.25 -> W_half = W (1/e - 1) = 3 * 3.36e7 (1024^3 at e = 1 carries no info).
+    assert cluster.device.peak_flops["fp32"] == 80e9
+    assert cluster.device.peak_flops["bf16"] == 200e9
+    assert cluster.calibration.gemm_half_efficiency_flops == pytest.approx(3 * 2 * 256**3)
+    assert cluster.device.memory_bandwidth_bytes_per_s == 12e9
+    assert cluster.calibration.kernel_overhead_s == 7e-6
+    assert cluster.intra_node.latency_s == pytest.approx(1e-4)
+    assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(1e9)
+    path = tmp_path / "local.yaml"  # type: ignore[operator]
+    cluster.to_yaml(path)
+    assert Cluster.from_yaml(path) == cluster
+    monkeypatch.setenv("AUTOPLAN_LOCAL_CLUSTER", str(path))
+    local = Cluster.local(num_devices=3)
+    assert local.devices_per_node == 3
+    assert local.device.peak_flops == cluster.device.peak_flops
+    assert local.calibration == cluster.calibration
+
+
+@pytest.mark.slow
+def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> None:
+    """A short real run through the CLI: 2 spawned gloo processes, a few matmul shapes (~10 s)."""
+    path = tmp_path / "cli.yaml"  # type: ignore[operator]
+    done = run_cli("calibrate", "--quick", "--processes", "2", "-o", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["path"] == str(path)
+    measured = data["measurements"]
+    assert measured["backend"] == "gloo"
+    assert {c["op"] for c in measured["comm"]} == {"all_reduce", "all_gather", "send_recv"}
+    assert all(c["time_s"] > 0 for c in measured["comm"])
+    assert all(m["flops_per_s"] > 0 for m in measured["matmul"])
+    loaded = Cluster.from_yaml(path)
+    assert loaded.name == "local"
+    assert loaded.intra_node.bandwidth_bytes_per_s > 0

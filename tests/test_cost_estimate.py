@@ -1,0 +1,338 @@
+"""`estimate` end to end: a hand-worked plan, its structure (what the planner reproduces), and
+the properties the issue asks for (hypothesis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoplan import Plan, PlanError, StagePlan
+from autoplan.api import estimate as api_estimate
+from autoplan.api import manual_plan
+from autoplan.plan import even_stages
+from cost_model.estimate import (
+    MemoryCapacityError,
+    estimate,
+    memory_constants,
+    rank_memory,
+    rank_tail_s,
+    stage_p2p_time_s,
+    unit_costs,
+)
+from cost_model.hardware import Cluster, LinkSpec
+from cost_model.schedules import bubble_fraction, inflight_microbatches, pipeline_time_s
+from cost_model.strategy import Strategy
+from cost_model.workload import ModelProfile, OpProfile, UnitProfile
+from tests.cost_profiles import gpt_profile, round_cluster
+
+REL = 1e-9
+
+
+def _two_unit_profile() -> ModelProfile:
+    """Two blocks, one GEMM each: 5e10 FLOPs forward, 1e11 backward per sample, no bytes moved;
+    1e6 replicated parameters; 1e6 B saved, in and out per sample at 2 bytes (traced bf16)."""
+
+    def unit(i: int) -> UnitProfile:
+        return UnitProfile(
+            name=f"blocks.{i}",
+            kind="block",
+            ops=(
+                OpProfile(
+                    name="mm",
+                    kind="matmul",
+                    tp="replicated",
+                    forward_flops=5e10,
+                    backward_flops=1e11,
+                    activation_bytes=0.0,
+                ),
+            ),
+            num_params=1_000_000,
+            num_params_tp_sharded=0,
+            param_bytes=2_000_000,
+            saved_bytes_sharded=1e6,
+            saved_bytes_replicated=0.0,
+            input_bytes=1e6,
+            output_bytes=1e6,
+        )
+
+    return ModelProfile(
+        name="two", units=(unit(0), unit(1)), seq_len=100, hidden_size=8, traced_dtype_bytes=2
+    )
+
+
+def _two_unit_plan() -> Plan:
+    return Plan(
+        dp_degree=2,
+        tp_degree=1,
+        pp_degree=2,
+        stages=(StagePlan(first_unit=0, last_unit=0), StagePlan(first_unit=1, last_unit=1)),
+        micro_batch_size=1,
+        num_micro_batches=4,
+        global_batch_size=8,
+        schedule="1f1b",
+    )
+
+
+def test_hand_worked_step_time_and_memory() -> None:
+    # 1 node x 4 devices, layout (pp, dp, tp): pp rank 0 = devices {0, 1}, rank 1 = {2, 3}.
+    # Each unit: forward 5e10 / (0.5 * 100e12) = 1e-3 s, backward 2e-3 s.
+    # Stage 0 sends 1e6 B forward and receives its gradient: 2 * (10 us + 1e6 / 50e9) = 6e-5 s.
+    # T_0 = 3.06e-3, T_1 = 3e-3; m = 4: pipeline = 3 * 3.06e-3 + 6.06e-3 = 1.524e-2 s.
+    # DP all-reduce of 1e6 bf16 grads (2e6 B) over 2 ranks of one node:
+    #   2 * 1/2 * 2e6 / 50e9 + 2 * 10 us = 6e-5 s, hidden behind the 2e-3 s last backward.
+    # Adam: 1e6 params * 30 B / (0.5 * 1 TB/s) = 6e-5 s. Step = 1.524e-2 + 6e-5 = 1.530e-2 s.
+    cluster = dataclasses.replace(round_cluster(), devices_per_node=4)
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert result.pipeline_time_s == pytest.approx(1.524e-2, rel=REL)
+    assert result.tail_s == pytest.approx(6e-5, rel=REL)
+    assert result.step_time_s == pytest.approx(1.530e-2, rel=REL)
+    # 8 sequences x 100 tokens per step.
+    assert result.tokens_per_s == pytest.approx(800 / 1.530e-2, rel=REL)
+    # Model FLOPs 3 * (2 * 5e10) * 8 = 2.4e12 per step over 4 devices.
+    assert result.model_tflops_per_device == pytest.approx(2.4e12 / 1.530e-2 / 4 / 1e12, rel=REL)
+    assert result.mfu == pytest.approx(2.4e12 / 1.530e-2 / 4 / 100e12, rel=REL)
+    # Memory, rank 0: 1e6 params * 16 B = 1.6e7; activations 1e6 B x min(m, p - 0) = 2 in
+    # flight = 2e6; buffers: one block's backward working set 1e6 + p2p 2 x 1e6 + DP buckets
+    # 2 x 25 MiB = 52428800. Total 73428800. Rank 1 holds 1 micro-batch: 72428800.
+    assert [r.memory.total_bytes for r in result.ranks] == pytest.approx([73428800, 72428800])
+    assert result.peak_memory_bytes == pytest.approx(73428800)
+    assert result.fits
+    stage0 = result.stages[0]
+    assert stage0.compute_s == pytest.approx(4 * 3e-3, rel=REL)
+    assert stage0.pp_comm_s == pytest.approx(4 * 6e-5, rel=REL)
+    assert stage0.bubble_s == pytest.approx(1.524e-2 - 4 * 3.06e-3, rel=REL)
+
+
+def test_dp_sync_exposed_without_overlap() -> None:
+    # dp_overlap_fraction = 0 (sync after backward, Megatron-LM 2021): the 6e-5 s all-reduce
+    # is added to the tail: 6e-5 + 6e-5.
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    cluster = dataclasses.replace(
+        base, calibration=dataclasses.replace(base.calibration, dp_overlap_fraction=0.0)
+    )
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert result.tail_s == pytest.approx(1.2e-4, rel=REL)
+
+
+def test_memory_overflow_is_reported_with_numbers() -> None:
+    cluster = dataclasses.replace(round_cluster(memory_bytes=50 * 2**20), devices_per_node=4)
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert not result.fits
+    assert not result.ranks[0].fits
+    with pytest.raises(MemoryCapacityError, match=r"plan does not fit: peak 0\.1 GiB.*pp rank 0"):
+        result.require_fits()
+
+
+# ------------------------------------------------------------------------------- structure
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> tuple[ModelProfile, Cluster, Plan]:
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.sampled_from([1, 2, 4]))
+    dp = draw(st.sampled_from([1, 2]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"] if pp > 1 else ["1f1b"]))
+    v = draw(st.integers(1, 2)) if schedule == "interleaved-1f1b" else 1
+    num_stages = pp * v
+    num_layers = draw(st.integers(max(2, num_stages), num_stages + 6))
+    profile = gpt_profile(num_layers=num_layers, s=64, h=64, a=4, vocab=256)
+    n = profile.num_units
+    cuts = sorted(
+        draw(st.sets(st.integers(1, n - 1), min_size=num_stages - 1, max_size=num_stages - 1))
+    )
+    bounds = [0, *cuts, n]
+    modes = ("none", "selective", "full")
+    stages = tuple(
+        StagePlan(
+            first_unit=bounds[i],
+            last_unit=bounds[i + 1] - 1,
+            recompute=draw(st.sampled_from(modes)),
+        )
+        for i in range(num_stages)
+    )
+    m = pp * draw(st.integers(1, 3))
+    mb = draw(st.integers(1, 2))
+    plan = Plan(
+        dp_degree=dp,
+        tp_degree=tp,
+        pp_degree=pp,
+        virtual_stages=v,
+        stages=stages,
+        micro_batch_size=mb,
+        num_micro_batches=m,
+        global_batch_size=mb * m * dp,
+        schedule=schedule,  # type: ignore[arg-type]
+        zero_stage=draw(st.integers(0, 3)),
+        sequence_parallel=tp > 1 and draw(st.booleans()),
+        rank_layout=draw(
+            st.sampled_from([("pp", "dp", "tp"), ("dp", "pp", "tp"), ("tp", "dp", "pp")])
+        ),
+    )
+    devices = tp * pp * dp
+    per_node = draw(st.sampled_from([d for d in (1, 2, 4, 8) if devices % d == 0]))
+    cluster = round_cluster(num_nodes=devices // per_node, devices_per_node=per_node)
+    return profile, cluster, plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plans())
+def test_estimate_is_the_documented_assembly_of_public_blocks(
+    case: tuple[ModelProfile, Cluster, Plan],
+) -> None:
+    """The planner rebuilds the step time from these blocks; they must agree exactly."""
+    profile, cluster, plan = case
+    result = estimate(profile, cluster, plan)
+    strategy = Strategy.of(plan)
+    p, v, m = plan.pp_degree, plan.virtual_stages, plan.num_micro_batches
+    rank_time = [0.0] * p
+    rank_units: list[list] = [[] for _ in range(p)]  # type: ignore[type-arg]
+    for idx, stage in enumerate(plan.stages):
+        costs = unit_costs(profile, cluster, strategy, stage.recompute)
+        units = costs[stage.first_unit : stage.last_unit + 1]
+        rank = idx % p
+        rank_time[rank] += sum(u.forward_s + u.backward_s for u in units)
+        rank_time[rank] += stage_p2p_time_s(units[-1], cluster, strategy, idx)
+        rank_units[rank].extend(units)
+    tail = max(rank_tail_s(units, cluster.calibration.dp_overlap_fraction) for units in rank_units)
+    assert result.step_time_s == pytest.approx(pipeline_time_s(rank_time, m, v) + tail, rel=1e-12)
+    constants = memory_constants(unit_costs(profile, cluster, strategy, "none"), cluster, strategy)
+    memory = [
+        rank_memory(
+            rank_units[r], inflight_microbatches(plan.schedule, p, m, v, r), constants
+        ).total_bytes
+        for r in range(p)
+    ]
+    assert result.peak_memory_bytes == pytest.approx(max(memory), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plans(), st.floats(1.0, 100.0), st.floats(1.0, 100.0), st.floats(1.0, 10.0))
+def test_more_bandwidth_is_never_slower(
+    case: tuple[ModelProfile, Cluster, Plan], intra: float, inter: float, memory: float
+) -> None:
+    profile, cluster, plan = case
+    faster = dataclasses.replace(
+        cluster,
+        intra_node=LinkSpec(
+            bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s * intra,
+            latency_s=cluster.intra_node.latency_s,
+        ),
+        inter_node=LinkSpec(
+            bandwidth_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s * inter,
+            latency_s=cluster.inter_node.latency_s,
+        ),
+        device=dataclasses.replace(
+            cluster.device,
+            memory_bandwidth_bytes_per_s=cluster.device.memory_bandwidth_bytes_per_s * memory,
+        ),
+    )
+    slow = estimate(profile, cluster, plan).step_time_s
+    fast = estimate(profile, faster, plan).step_time_s
+    assert fast <= slow * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plans())
+def test_more_recompute_never_holds_more_activations(
+    case: tuple[ModelProfile, Cluster, Plan],
+) -> None:
+    profile, cluster, plan = case
+    held = []
+    for mode in ("none", "selective", "full"):
+        stages = tuple(dataclasses.replace(s, recompute=mode) for s in plan.stages)
+        result = estimate(profile, cluster, dataclasses.replace(plan, stages=stages))
+        held.append([s.activation_bytes for s in result.stages])
+        strategy = Strategy.of(plan)
+        assert all(
+            a >= b
+            for a, b in zip(
+                (u.activation_bytes for u in unit_costs(profile, cluster, strategy, "none")),
+                (u.activation_bytes for u in unit_costs(profile, cluster, strategy, mode)),
+                strict=True,
+            )
+        )
+    for none, selective, full in zip(*held, strict=True):
+        assert none >= selective >= full
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plans())
+def test_higher_zero_level_never_holds_more(case: tuple[ModelProfile, Cluster, Plan]) -> None:
+    """Weights + gradients + optimizer state + activations per device (the state a ZeRO level
+    shards; ZeRO-3's transient gather buffers are the documented exception for tiny models)."""
+    profile, cluster, plan = case
+    held = []
+    for zero in range(4):
+        result = estimate(profile, cluster, dataclasses.replace(plan, zero_stage=zero))
+        held.append(
+            [
+                r.memory.param_bytes
+                + r.memory.grad_bytes
+                + r.memory.optimizer_bytes
+                + r.memory.activation_bytes
+                for r in result.ranks
+            ]
+        )
+    for lower, higher in itertools.pairwise(held):
+        assert all(h <= lo * (1 + 1e-12) for lo, h in zip(lower, higher, strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(1e-3, 10.0), min_size=1, max_size=16),
+    st.integers(1, 200),
+    st.integers(1, 200),
+    st.integers(1, 4),
+)
+def test_more_microbatches_never_enlarge_the_bubble_fraction(
+    rank_times: list[float], m1: int, m2: int, v: int
+) -> None:
+    low, high = sorted((m1, m2))
+    assert bubble_fraction(rank_times, high, v) <= bubble_fraction(rank_times, low, v) + 1e-12
+
+
+# ------------------------------------------------------------------------------- API
+
+
+def test_manual_plan_even_split_and_estimate() -> None:
+    profile = gpt_profile(num_layers=6)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    plan = manual_plan(
+        profile, cluster, tp=4, pp=2, micro_batch=2, global_batch=64, recompute="selective", zero=1
+    )
+    assert (plan.dp_degree, plan.num_micro_batches) == (2, 16)
+    assert plan.stages == even_stages(profile.num_units, 2, "selective")
+    assert plan.estimate is not None
+    result = api_estimate(profile, cluster, plan)
+    assert plan.estimate.step_time_s == pytest.approx(result.step_time_s)
+    assert result.num_devices == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tp=3, pp=1, global_batch=8), r"tp x pp = 3 x 1 = 3 does not divide the 8 devices"),
+        (dict(tp=2, pp=1, dp=2, global_batch=8), r"= 4 devices, but cluster .* has 8"),
+        (
+            dict(tp=2, pp=2, global_batch=5),
+            r"global_batch = 5 is not a multiple of micro_batch x dp = 1 x 2 = 2",
+        ),
+        (
+            dict(tp=8, pp=1, global_batch=8, num_heads=12),
+            r"tp_degree = 8 does not divide num_heads = 12",
+        ),
+    ],
+)
+def test_impossible_plans_raise_plan_error(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+    heads = kwargs.pop("num_heads", 8)
+    profile = gpt_profile(num_layers=4, h=96 if heads == 12 else 64, a=heads)
+    cluster = Cluster.preset("dgx-a100-80g")
+    with pytest.raises(PlanError, match=message):
+        manual_plan(profile, cluster, **kwargs)

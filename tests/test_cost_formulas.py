@@ -1,0 +1,254 @@
+"""Every cost-model formula against a number worked by hand (arithmetic in the comments).
+
+Cluster `round_cluster()`: 100 TFLOP/s bf16, 10 TFLOP/s fp32, 1 TB/s memory; links 100 GB/s /
+10 us intra-node and 10 GB/s / 20 us inter-node; every efficiency 0.5, no GEMM size penalty
+(W_half = 0) unless a test says otherwise, no kernel overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cost_model.communication import (
+    all_gather_time_s,
+    all_reduce_time_s,
+    p2p_time_s,
+    reduce_scatter_time_s,
+)
+from cost_model.compute import op_time, saturating_efficiency
+from cost_model.memory import activation_bytes, local_num_params, static_bytes
+from cost_model.schedules import (
+    bubble_fraction,
+    inflight_microbatches,
+    pipeline_time_s,
+)
+from cost_model.strategy import GroupPlacement, Strategy, group_placements
+from cost_model.workload import GemmShape, OpProfile, UnitProfile
+from tests.cost_profiles import round_cluster
+
+REL = 1e-9
+
+
+def _matmul(flops: float = 1e9) -> OpProfile:
+    return OpProfile(
+        name="mm",
+        kind="matmul",
+        tp="column",
+        forward_flops=flops,
+        backward_flops=2 * flops,
+        activation_bytes=1e6,
+        param_bytes_read=4e6,
+        gemm=GemmShape(m_per_sample=128, n=1024, k=1024),
+    )
+
+
+# ------------------------------------------------------------------------------- compute
+
+
+def test_gemm_roofline_compute_bound() -> None:
+    # W_half = 1e9: micro-batch 2 -> forward W = 2e9 FLOPs; eff = 0.5 * 2e9 / (2e9 + 1e9) = 1/3;
+    # rate = 100e12 / 3; time = 2e9 / (100e12 / 3) = 6e-5 s. Bytes (traced fp32 -> bf16 halves
+    # them): 1e6 * 2 * 0.5 + 4e6 * 0.5 = 3e6 B at 0.5 TB/s = 6e-6 s < 6e-5: compute-bound.
+    # Backward: 4e9 FLOPs at the same efficiency = 1.2e-4 s (bytes 6e6 -> 1.2e-5 s).
+    cluster = round_cluster()
+    cal = dataclasses.replace(cluster.calibration, gemm_half_efficiency_flops=1e9)
+    t = op_time(_matmul(), device=cluster.device, calibration=cal, dtype="bf16", micro_batch_size=2)
+    assert t.forward_s == pytest.approx(6e-5, rel=REL)
+    assert t.backward_s == pytest.approx(1.2e-4, rel=REL)
+    # TP 2 (column): W = 1e9 per device; eff = 0.5 * 1e9 / 2e9 = 0.25; time = 1e9 / 25e12 = 4e-5 s:
+    # half the work but a smaller, less efficient GEMM.
+    t2 = op_time(
+        _matmul(),
+        device=cluster.device,
+        calibration=cal,
+        dtype="bf16",
+        micro_batch_size=2,
+        tp_degree=2,
+    )
+    assert t2.forward_s == pytest.approx(4e-5, rel=REL)
+
+
+def test_small_gemm_is_memory_bound() -> None:
+    # 1e5 FLOPs at 50 TFLOP/s = 2e-9 s; bytes 1e6 * 0.5 + 4e6 * 0.5 = 2.5e6 B at 0.5 TB/s
+    # = 5e-6 s: the byte term decides. Plus 5 us of kernel overhead: 1e-5 s.
+    cluster = round_cluster()
+    cal = dataclasses.replace(cluster.calibration, kernel_overhead_s=5e-6)
+    t = op_time(
+        _matmul(1e5), device=cluster.device, calibration=cal, dtype="bf16", micro_batch_size=1
+    )
+    assert t.forward_s == pytest.approx(1e-5, rel=REL)
+
+
+def test_elementwise_is_memory_bound_and_replicated_without_sp() -> None:
+    # 1e7 B per sample, micro-batch 2, traced fp32 -> bf16: 1e7 B at 0.5 TB/s = 2e-5 s
+    # (2e6 FLOPs at 10 TFLOP/s fp32 = 2e-7 s). Backward moves twice the bytes: 4e-5 s.
+    # Replicated: TP 4 without sequence parallelism does not divide it; with SP it is / 4.
+    op = OpProfile(
+        name="ln",
+        kind="elementwise",
+        tp="replicated",
+        forward_flops=1e6,
+        backward_flops=1e6,
+        activation_bytes=1e7,
+    )
+    cluster = round_cluster()
+    kwargs = dict(device=cluster.device, calibration=cluster.calibration, dtype="bf16")
+    t = op_time(op, micro_batch_size=2, tp_degree=4, **kwargs)  # type: ignore[arg-type]
+    assert t.forward_s == pytest.approx(2e-5, rel=REL)
+    assert t.backward_s == pytest.approx(4e-5, rel=REL)
+    t_sp = op_time(
+        op,
+        micro_batch_size=2,
+        tp_degree=4,
+        sequence_parallel=True,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    assert t_sp.forward_s == pytest.approx(5e-6, rel=REL)
+
+
+def test_saturating_efficiency() -> None:
+    # e(W) = 0.8 W / (W + W_half): half of 0.8 at W = W_half, 0.8 * 99/100 at W = 99 W_half.
+    assert saturating_efficiency(2e9, 0.8, 2e9) == pytest.approx(0.4)
+    assert saturating_efficiency(198e9, 0.8, 2e9) == pytest.approx(0.792)
+    assert saturating_efficiency(1e9, 0.8, 0.0) == pytest.approx(0.8)
+
+
+# ------------------------------------------------------------------------------- communication
+
+
+def test_all_reduce_inside_one_node() -> None:
+    # Ring over 8: 2 * 7/8 * 1e9 B / (0.5 * 100 GB/s) = 0.035 s, plus 2 * 7 steps * 10 us.
+    cluster = round_cluster()
+    placement = GroupPlacement(size=8, num_nodes=1, ranks_per_node=8)
+    assert all_reduce_time_s(1e9, placement, cluster) == pytest.approx(0.035 + 14e-5, rel=REL)
+    # Reduce-scatter and all-gather: half the volume and steps: 0.0175 s + 7 * 10 us.
+    assert all_gather_time_s(1e9, placement, cluster) == pytest.approx(0.0175 + 7e-5, rel=REL)
+    assert reduce_scatter_time_s(1e9, placement, cluster) == pytest.approx(0.0175 + 7e-5, rel=REL)
+
+
+def test_hierarchical_all_reduce_across_nodes() -> None:
+    # 2 nodes x 8: intra phases 2 * 7/8 * 1e9 / 50e9 = 0.035 s; inter-node all-reduce of a 1/8
+    # shard per rail: 2 * 1/2 * (1e9 / 8) / (0.5 * 10e9) = 0.025 s; pipelined -> max = 0.035 s.
+    # Latency: 14 intra steps * 10 us + min(2 * 1, 2 * log2 2) = 2 inter steps * 20 us.
+    cluster = round_cluster(num_nodes=2)
+    placement = GroupPlacement(size=16, num_nodes=2, ranks_per_node=8)
+    assert all_reduce_time_s(1e9, placement, cluster) == pytest.approx(
+        0.035 + 14e-5 + 4e-5, rel=REL
+    )
+    # 4 nodes x 1 rank (a DP group strided across nodes): 2 * 3/4 * 1e9 / 5e9 = 0.3 s; tree
+    # latency 2 * log2(4) = 4 steps < ring 6 steps: 4 * 20 us.
+    placement = GroupPlacement(size=4, num_nodes=4, ranks_per_node=1)
+    assert all_reduce_time_s(1e9, placement, round_cluster(num_nodes=4)) == pytest.approx(
+        0.3 + 8e-5, rel=REL
+    )
+
+
+def test_p2p() -> None:
+    # 1e8 B over IB: 20 us + 1e8 / 5e9 = 0.02002 s; over NVLink: 10 us + 1e8 / 5e10.
+    cluster = round_cluster()
+    assert p2p_time_s(1e8, cluster, cross_node=True) == pytest.approx(0.02002, rel=REL)
+    assert p2p_time_s(1e8, cluster, cross_node=False) == pytest.approx(0.00201, rel=REL)
+
+
+def test_group_placement_follows_rank_layout() -> None:
+    # 2 nodes x 8, tp 2, dp 4, pp 2. Layout (pp, dp, tp): tp stride 1 -> ranks {0,1} on one
+    # node; dp stride 2 -> {0,2,4,6} on one node; pp stride 8 -> {0,8} on two nodes.
+    cluster = round_cluster(num_nodes=2)
+    s = Strategy(tp_degree=2, dp_degree=4, pp_degree=2)
+    assert group_placements(s, cluster, "tp") == (
+        GroupPlacement(size=2, num_nodes=1, ranks_per_node=2),
+    )
+    assert group_placements(s, cluster, "dp") == (
+        GroupPlacement(size=4, num_nodes=1, ranks_per_node=4),
+    )
+    assert group_placements(s, cluster, "pp") == (
+        GroupPlacement(size=2, num_nodes=2, ranks_per_node=1),
+    )
+    # Layout (tp, dp, pp): pp innermost (stride 1), tp outermost (stride 8): TP crosses nodes.
+    s2 = dataclasses.replace(s, rank_layout=("tp", "dp", "pp"))
+    assert group_placements(s2, cluster, "tp") == (
+        GroupPlacement(size=2, num_nodes=2, ranks_per_node=1),
+    )
+    assert group_placements(s2, cluster, "pp") == (
+        GroupPlacement(size=2, num_nodes=1, ranks_per_node=2),
+    )
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def _unit() -> UnitProfile:
+    return UnitProfile(
+        name="blocks.0",
+        kind="block",
+        ops=(),
+        num_params=1000,
+        num_params_tp_sharded=600,
+        param_bytes=4000,
+        saved_bytes_sharded=1000.0,
+        saved_bytes_replicated=400.0,
+        saved_bytes_selective_sharded=300.0,
+        saved_bytes_selective_replicated=100.0,
+        input_bytes=200.0,
+        output_bytes=200.0,
+    )
+
+
+def test_static_bytes_by_zero_level() -> None:
+    # TP 2: 400 replicated + 600 / 2 sharded = 700 local params. Mixed-precision Adam
+    # (Rajbhandari et al. 2020): 2 + 2 + 12 bytes each = 1400 + 1400 + 8400.
+    n = local_num_params(_unit(), 2)
+    assert n == 700
+    z0 = static_bytes(n, "bf16", 0, 4)
+    assert (z0.param_bytes, z0.grad_bytes, z0.optimizer_bytes) == (1400, 1400, 8400)
+    # ZeRO-1 over dp 4 shards the optimizer: 2100; ZeRO-2 also grads: 350; ZeRO-3 weights: 350.
+    assert static_bytes(n, "bf16", 1, 4).optimizer_bytes == 2100
+    z2 = static_bytes(n, "bf16", 2, 4)
+    assert (z2.param_bytes, z2.grad_bytes) == (1400, 350)
+    z3 = static_bytes(n, "bf16", 3, 4)
+    assert (z3.param_bytes, z3.grad_bytes, z3.optimizer_bytes) == (350, 350, 2100)
+    # fp32 training: 4 + 4 + 8.
+    f = static_bytes(n, "fp32", 0, 1)
+    assert (f.param_bytes, f.grad_bytes, f.optimizer_bytes) == (2800, 2800, 5600)
+
+
+def test_activation_bytes_by_recompute_and_sp() -> None:
+    # Micro-batch 2, traced fp32 -> bf16: scale 2 * 2/4 = 1. TP 2 without SP:
+    # none 1000/2 + 400 = 900; selective (1000-300)/2 + (400-100) = 650; full: input 200.
+    s = Strategy(tp_degree=2, micro_batch_size=2)
+    unit = _unit()
+    assert activation_bytes(unit, s, "none", 4) == 900
+    assert activation_bytes(unit, s, "selective", 4) == 650
+    assert activation_bytes(unit, s, "full", 4) == 200
+    # With SP the replicated part and the kept input divide by 2 as well: 700, 500, 100.
+    sp = dataclasses.replace(s, sequence_parallel=True)
+    assert activation_bytes(unit, sp, "none", 4) == 700
+    assert activation_bytes(unit, sp, "selective", 4) == 500
+    assert activation_bytes(unit, sp, "full", 4) == 100
+
+
+# ------------------------------------------------------------------------------- schedules
+
+
+def test_pipeline_time() -> None:
+    # T = [1, 2, 1, 1], m = 8: v = 1 -> (8-1)*2 + 5 = 19; v = 2 -> (8 - 1/2)*2 + 5/2 = 17.5.
+    assert pipeline_time_s([1, 2, 1, 1], 8, 1) == pytest.approx(19.0)
+    assert pipeline_time_s([1, 2, 1, 1], 8, 2) == pytest.approx(17.5)
+    # Uniform stages: (m + (p-1)/v) T (Narayanan et al. 2021, section 2.2.2): 8 + 3/2 = 9.5.
+    assert pipeline_time_s([1, 1, 1, 1], 8, 2) == pytest.approx(9.5)
+    # Bubble fraction: (p-1)/(m+p-1) for uniform 1F1B: 3/11.
+    assert bubble_fraction([1, 1, 1, 1], 8, 1) == pytest.approx(3 / 11)
+
+
+def test_inflight_microbatches() -> None:
+    # 1F1B: rank r holds min(m, p - r); GPipe holds m.
+    assert [inflight_microbatches("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert inflight_microbatches("1f1b", 4, 2, 1, 0) == 2
+    assert inflight_microbatches("gpipe", 4, 8, 1, 3) == 8
+    # Interleaved, p = 4, v = 2, rank 0: warm-up (v-1) p + 2 (p-1) = 4 + 6 = 10 chunk-forwards,
+    # 11 in flight = 5.5 micro-batches of the rank's activations = p (1 + (p-1)/(p v))
+    # (Korthikanti et al. 2022, section 4.2.3). Rank 3: warm-up 4, 5 in flight -> 2.5.
+    assert inflight_microbatches("interleaved-1f1b", 4, 8, 2, 0) == pytest.approx(5.5)
+    assert inflight_microbatches("interleaved-1f1b", 4, 8, 2, 3) == pytest.approx(2.5)

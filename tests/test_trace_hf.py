@@ -1,0 +1,103 @@
+"""`autoplan.trace` on Hugging Face models (torch.export front end): tiny GPT2LMHeadModel and
+LlamaForCausalLM built from configs on meta (no downloads) give the same units, FLOPs and TP
+structure as the zoo's equivalents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoplan.models import gpt, llama
+from autoplan.tracing import ModelGraph, trace
+
+transformers = pytest.importorskip("transformers")
+
+S, H, HEADS, V = 32, 64, 4, 128
+
+
+def _hf_gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=H, n_head=HEADS, vocab_size=V, n_positions=S,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _hf_llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
+        intermediate_size=256, vocab_size=V, max_position_embeddings=S,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def _same_costs(hf: ModelGraph, zoo: ModelGraph) -> None:
+    assert hf.front_end == "export" and zoo.front_end == "fx"
+    assert [u.kind for u in hf.profile.units] == [u.kind for u in zoo.profile.units]
+    for ours, theirs in zip(hf.profile.units, zoo.profile.units, strict=True):
+        assert ours.forward_flops == pytest.approx(theirs.forward_flops, rel=0.02)
+        assert ours.backward_flops == pytest.approx(theirs.backward_flops, rel=0.02)
+        assert ours.num_params == theirs.num_params
+        assert ours.num_params_tp_sharded == theirs.num_params_tp_sharded
+        assert ours.tp.divisible_counts() == theirs.tp.divisible_counts()
+    assert hf.profile.num_params == zoo.profile.num_params
+    assert hf.profile.fingerprint != ""
+
+
+def test_hf_gpt2_matches_zoo_gpt() -> None:
+    hf = trace(_hf_gpt2(), seq_len=S)
+    zoo = trace(gpt(num_layers=2, hidden_size=H, num_heads=HEADS, seq_len=S, vocab_size=V))
+    _same_costs(hf, zoo)
+    assert [u.name for u in hf.profile.units] == [
+        "embedding",
+        "transformer.h.0",
+        "transformer.h.1",
+        "head",
+    ]
+    block = hf.profile.units[1]
+    # GPT-2's fused Conv1D projections: c_attn packs q, k and v along its output features.
+    assert [(t.path, t.style, t.fused) for t in block.tp.linears] == [
+        ("attn.c_attn", "column", 3),
+        ("attn.c_proj", "row", 1),
+        ("mlp.c_fc", "column", 1),
+        ("mlp.c_proj", "row", 1),
+    ]
+    assert (block.tp.num_heads, block.tp.num_kv_heads, block.tp.ffn_hidden_size) == (4, 4, 256)
+    head = hf.profile.units[-1]
+    assert head.num_params_shared == V * H  # lm_head is tied to wte
+    assert hf.unit_modules[0] == ("transformer.wte", "transformer.wpe")
+    # Every node of the exported graph has a unit, and units run in order.
+    for node in hf.graph_module.graph.nodes:
+        for arg in node.all_input_nodes:
+            assert hf.unit_of(arg) <= hf.unit_of(node) or node.op == "output"
+
+
+def test_hf_llama_matches_zoo_llama() -> None:
+    hf = trace(_hf_llama(), seq_len=S)
+    zoo = trace(
+        llama(num_layers=2, hidden_size=H, num_heads=HEADS, num_kv_heads=2, seq_len=S,
+              vocab_size=V, ffn_hidden_size=256)
+    )  # fmt: skip
+    _same_costs(hf, zoo)
+    block = hf.profile.units[1]
+    assert [(t.path, t.style) for t in block.tp.linears] == [
+        ("self_attn.q_proj", "column"),
+        ("self_attn.k_proj", "column"),
+        ("self_attn.v_proj", "column"),
+        ("self_attn.o_proj", "row"),
+        ("mlp.gate_proj", "column"),
+        ("mlp.up_proj", "column"),
+        ("mlp.down_proj", "row"),
+    ]
+    assert (hf.profile.num_heads, hf.profile.num_kv_heads) == (4, 2)
+    # Hugging Face computes RoPE cos/sin once, before the blocks: they cross every cut between
+    # blocks, on top of the hidden states (the zoo reads its tables as buffers in each block).
+    hidden = S * H * 4
+    assert zoo.profile.units[1].output_bytes == hidden
+    assert hf.profile.units[1].output_bytes > hidden
+    # Saved activations agree within 10% (the cos/sin tables are saved by every block).
+    for ours, theirs in zip(hf.profile.units, zoo.profile.units, strict=True):
+        assert ours.saved_bytes == pytest.approx(theirs.saved_bytes, rel=0.10)
