@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cost_model.calibration import Calibration
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.compute import OpTime, op_time
 from cost_model.errors import InputError
@@ -327,19 +328,11 @@ def unit_costs(
             profile, cluster, strategy, index
         )
         tp_fwd, tp_bwd = _tp_times(unit, strategy, cluster, traced, tp_groups)
+        recompute_s = _recompute_s(unit, mode, cal, fwd_c, selective_fwd, gemm_fwd)
         if mode == "full":
             # Re-run the whole forward, its TP all-reduces included (Megatron recomputes
             # through the f/g operators).
-            recompute_s = fwd_c
             tp_bwd += tp_fwd
-        elif mode == "selective":
-            recompute_s = (
-                selective_fwd + cal.selective_gemm_recompute_fraction * gemm_fwd
-                if _has_selective_bytes(unit)
-                else 0.0
-            )
-        else:
-            recompute_s = 0.0
 
         # Parameters this device stores: TP-local; tied weights once per device (pp = 1).
         n_local = local_num_params(unit, t, count_shared=strategy.pp_degree > 1)
@@ -454,6 +447,56 @@ def loss_cost(
     )
 
 
+def _recompute_s(
+    unit: UnitProfile,
+    mode: str,
+    cal: Calibration,
+    forward_s: float,
+    selective_forward_s: float,
+    gemm_forward_s: float,
+) -> float:
+    """Forward compute that ``mode`` re-runs in the backward of ``unit`` (per micro-batch)."""
+    if mode == "full":
+        return forward_s
+    if mode == "selective" and _has_selective_bytes(unit):
+        return selective_forward_s + cal.selective_gemm_recompute_fraction * gemm_forward_s
+    return 0.0
+
+
+def unit_compute_s(
+    profile: ModelProfile, cluster: Cluster, strategy: Strategy, recompute: str
+) -> tuple[float, ...]:
+    """Per-unit compute time of one micro-batch (forward, backward and recompute, without any
+    communication): a lower bound on `UnitCost.time_s` that depends only on the strategy's TP
+    degree, sequence parallelism, micro-batch and dtype, so it is cheap to get for many
+    strategies (the planner bounds candidates with it before costing their communication)."""
+    classes = _unit_classes(profile)
+    cal = cluster.calibration
+    out: list[float] = []
+    for index, unit in enumerate(profile.units):
+        if classes[index] != index:
+            out.append(out[classes[index]])
+            continue
+        mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
+        fwd, bwd, _, selective, gemm = _compute_times(profile, cluster, strategy, index)
+        out.append(fwd + bwd + _recompute_s(unit, mode, cal, fwd, selective, gemm))
+    return tuple(out)
+
+
+def _unit_key(unit: UnitProfile) -> UnitProfile:
+    """A unit's content without its names (op names carry the block index)."""
+    ops = tuple(dataclasses.replace(op, name="") for op in unit.ops)
+    return dataclasses.replace(unit, name="", ops=ops)
+
+
+def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
+    """For each unit, the index of the first unit with the same content (its own if unique).
+
+    `unit_costs` returns the same object for units of one class, so callers can work per class.
+    """
+    return _unit_classes(profile)
+
+
 def _unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     """For each unit, the index of the first unit with the same content (its own if unique).
 
@@ -465,8 +508,7 @@ def _unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     first: dict[UnitProfile, int] = {}
     classes = []
     for index, unit in enumerate(profile.units):
-        key = dataclasses.replace(unit, name="")
-        classes.append(index if index == 0 else first.setdefault(key, index))
+        classes.append(index if index == 0 else first.setdefault(_unit_key(unit), index))
     result = tuple(classes)
     if len(_CLASSES) > 64:
         _CLASSES.clear()

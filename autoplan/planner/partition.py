@@ -25,7 +25,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from ortools.sat.python import cp_model
 
@@ -169,39 +169,37 @@ def brute_force(problem: PartitionProblem) -> Partition | None:
 class SolveStats:
     """What one CP-SAT call did."""
 
-    status: str
+    status: str  # OPTIMAL, FEASIBLE (time limit), INFEASIBLE, CUTOFF, UNKNOWN (time limit)
     wall_time_s: float
     num_variables: int
+    lower_bound_s: float = 0.0  # proven lower bound on the step time (inf if infeasible)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankTerms:
+    """Per pipeline rank model expressions (integer-scaled)."""
+
+    time: list[Expr]  # per-micro-batch time, sends included
+    tail: list[list[Expr]]  # [term j][rank r]
+    memory: list[Expr]  # static * _INFLIGHT_SCALE + inflight * activations
 
 
 class _Model:
     """The CP-SAT model of one problem (built once, solved for time or for memory).
 
-    Subclasses describe the stages (`_stage_terms`) and read the cuts back; this base adds the
-    recompute-mode choice, the integer scaling, and assembles rank times, the tail and memory.
+    Subclasses describe the pipeline ranks (`_rank_terms`), hint and read back the partition;
+    this base scales the tables to integers and adds the objective's terms: the longest rank,
+    the tail, and the memory limit of every rank.
     """
 
     def __init__(self, problem: PartitionProblem) -> None:
         self.problem = problem
         self.model = cp_model.CpModel()
-        S, p = problem.num_stages, problem.pp_degree
+        p = problem.pp_degree
         self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
         self._scale(problem)
-        # use[s][k]: stage s runs recompute mode k (exactly one per stage).
-        self.use: list[list[Expr]] = []
-        for s in range(S):
-            if len(self.mode_names) == 1:
-                self.use.append([1])
-                continue
-            row = [self.model.new_bool_var(f"use[{s},{k}]") for k in self.mode_names]
-            self.model.add_exactly_one(row)
-            self.use.append(list(row))
-
-        terms = self._stage_terms()
-        # rank_time[r]: per-micro-batch time of pipeline rank r (its stages s = r, r + p, ...)
-        self.rank_time = [
-            sum(terms.time[s] + terms.send[s] for s in range(r, S, p)) for r in range(p)
-        ]
+        terms = self._rank_terms()
+        self.rank_time = terms.time
         self.longest = self.model.new_int_var(0, self.time_bound, "longest_rank_time")
         for r in range(p):
             self.model.add(self.longest >= self.rank_time[r])
@@ -209,46 +207,18 @@ class _Model:
         self.tail = self.model.new_int_var(0, self.time_bound, "tail")
         for r in range(p):
             for j, constant in enumerate(self.tail_constants):
-                self.model.add(
-                    self.tail >= sum(terms.tail[j][s] for s in range(r, S, p)) + constant
-                )
-        # memory: static bytes plus activations of the micro-batches in flight, per rank
-        self.rank_memory = [
-            sum(
-                terms.static[s] * _INFLIGHT_SCALE + self.inflight[s] * terms.act[s]
-                for s in range(r, S, p)
-            )
-            for r in range(p)
-        ]
+                self.model.add(self.tail >= terms.tail[j][r] + constant)
+        self.rank_memory = terms.memory
         for r in range(p):
             self.model.add(self.rank_memory[r] <= self.memory_capacity)
 
-    def _stage_terms(self) -> _StageTerms:
+    def _rank_terms(self) -> _RankTerms:
         raise NotImplementedError
 
     def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
-        self._hint_cuts(stage_starts)
-        if len(self.mode_names) > 1:
-            for s, mode in enumerate(modes):
-                for k_idx, k in enumerate(self.mode_names):
-                    self.model.add_hint(self.use[s][k_idx], k == mode)
-
-    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
         raise NotImplementedError
 
     def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-        modes: list[Recompute] = []
-        for s in range(self.problem.num_stages):
-            if len(self.mode_names) == 1:
-                modes.append(self.mode_names[0])
-                continue
-            chosen = [
-                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
-            ]
-            modes.append(chosen[0])
-        return self._read_starts(solver), tuple(modes)
-
-    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- scaling to integers
@@ -301,6 +271,63 @@ class _StageTerms:
     tail: list[list[Expr]]  # [term j][stage s]
 
 
+class _StageModel(_Model):
+    """Models with a recompute-mode choice per stage; ranks sum their stages."""
+
+    def _rank_terms(self) -> _RankTerms:
+        S, p = self.problem.num_stages, self.problem.pp_degree
+        # use[s][k]: stage s runs recompute mode k (exactly one per stage).
+        self.use: list[list[Expr]] = []
+        for s in range(S):
+            if len(self.mode_names) == 1:
+                self.use.append([1])
+                continue
+            row = [self.model.new_bool_var(f"use[{s},{k}]") for k in self.mode_names]
+            self.model.add_exactly_one(row)
+            self.use.append(list(row))
+        terms = self._stage_terms()
+        ranks = [range(r, S, p) for r in range(p)]
+        return _RankTerms(
+            time=[sum(terms.time[s] + terms.send[s] for s in stages) for stages in ranks],
+            tail=[[sum(table[s] for s in stages) for stages in ranks] for table in terms.tail],
+            memory=[
+                sum(
+                    terms.static[s] * _INFLIGHT_SCALE + self.inflight[s] * terms.act[s]
+                    for s in stages
+                )
+                for stages in ranks
+            ],
+        )
+
+    def _stage_terms(self) -> _StageTerms:
+        raise NotImplementedError
+
+    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+        self._hint_cuts(stage_starts)
+        if len(self.mode_names) > 1:
+            for s, mode in enumerate(modes):
+                for k_idx, k in enumerate(self.mode_names):
+                    self.model.add_hint(self.use[s][k_idx], k == mode)
+
+    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+        modes: list[Recompute] = []
+        for s in range(self.problem.num_stages):
+            if len(self.mode_names) == 1:
+                modes.append(self.mode_names[0])
+                continue
+            chosen = [
+                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
+            ]
+            modes.append(chosen[0])
+        return self._read_starts(solver), tuple(modes)
+
+    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        raise NotImplementedError
+
+
 def _prefix(values: Sequence[int]) -> list[int]:
     out = [0]
     for value in values:
@@ -308,7 +335,7 @@ def _prefix(values: Sequence[int]) -> list[int]:
     return out
 
 
-class _CutModel(_Model):
+class _CutModel(_StageModel):
     """Any units: one integer variable per cut, element constraints on prefix-sum tables."""
 
     def _stage_terms(self) -> _StageTerms:
@@ -371,7 +398,7 @@ class _CutModel(_Model):
         return tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
 
 
-class _CountModel(_Model):
+class _CountModel(_StageModel):
     """First unit, a run of identical units, last unit (embedding, blocks, head): a partition
     is just the number of blocks per stage, so the model is linear in small integers and its
     size does not grow with the number of units."""
@@ -441,16 +468,132 @@ class _CountModel(_Model):
         )
 
     def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
-        ends = (*stage_starts[1:], self.problem.num_units)
-        last = self.problem.num_stages - 1
-        for s, (a, b) in enumerate(zip(stage_starts, ends, strict=True)):
-            self.model.add_hint(self.count[s], b - a - (s == 0) - (s == last))
+        for s, count in enumerate(_block_counts(stage_starts, self.problem)):
+            self.model.add_hint(self.count[s], count)
 
     def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        starts = [0]
-        for s in range(self.problem.num_stages - 1):
-            starts.append(starts[-1] + solver.value(self.count[s]) + (s == 0))
-        return tuple(starts)
+        return _starts_from_counts([solver.value(c) for c in self.count])
+
+
+def _block_counts(stage_starts: Sequence[int], problem: PartitionProblem) -> list[int]:
+    """Blocks per stage of a partition of [first unit, blocks..., last unit]."""
+    ends = (*stage_starts[1:], problem.num_units)
+    last = problem.num_stages - 1
+    return [
+        b - a - (s == 0) - (s == last)
+        for s, (a, b) in enumerate(zip(stage_starts, ends, strict=True))
+    ]
+
+
+def _starts_from_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    starts = [0]
+    for s, count in enumerate(counts[:-1]):
+        starts.append(starts[-1] + count + (s == 0))
+    return tuple(starts)
+
+
+class _RankModel(_Model):
+    """Identical blocks whose cost depends only on how many each pipeline rank runs in each
+    recompute mode (not on which of its interleaved chunks holds them): the variables are
+    blocks per (rank, mode). Exact when the first and last units cost the same in every mode,
+    and a rank's chunks share their in-flight count and their blocks' send cost (all true for
+    the cost model's tables); the chunks are filled in when the solution is read back. Without
+    this, CP-SAT searches every permutation of an interleaved rank's chunks."""
+
+    def _rank_terms(self) -> _RankTerms:
+        problem = self.problem
+        n, S, p = problem.num_units, problem.num_stages, problem.pp_degree
+        blocks = n - 2
+        K = len(self.mode_names)
+        m = self.model
+        # blocks[r][k]: blocks that rank r runs under mode k; used[r][k]: any at all
+        self.blocks: list[list[Expr]] = [
+            [m.new_int_var(0, blocks, f"blocks[{r},{k}]") for k in self.mode_names]
+            for r in range(p)
+        ]
+        used = [[m.new_bool_var(f"used[{r},{k}]") for k in self.mode_names] for r in range(p)]
+        m.add(sum(sum(row) for row in self.blocks) == blocks)
+        # first_holds / last_holds: stage 0 / stage S-1 hold blocks besides their own unit
+        self.first_holds: Expr = m.new_bool_var("first_holds")
+        self.last_holds: Expr = m.new_bool_var("last_holds")
+        self.middle = [[s for s in range(r, S, p) if 0 < s < S - 1] for r in range(p)]
+        for r in range(p):
+            holding: Expr = len(self.middle[r])
+            holding += self.first_holds if r == 0 else 0
+            holding += self.last_holds if r == p - 1 else 0
+            for k in range(K):
+                m.add(self.blocks[r][k] >= used[r][k])
+                m.add(self.blocks[r][k] <= blocks * used[r][k])
+            # every holding chunk needs a block, and runs one mode
+            m.add(sum(self.blocks[r]) >= holding)
+            m.add(sum(used[r]) <= holding)
+        first_send, block_send = self.boundary_int[0][0], self.boundary_int[0][1]
+
+        def rank_sum(table: Mapping[Recompute, Sequence[int]], r: int) -> Expr:
+            expr: Expr = sum(
+                self.blocks[r][k] * table[name][1] for k, name in enumerate(self.mode_names)
+            )
+            mode = self.mode_names[0]  # the end units cost the same in every mode
+            if r == 0:
+                expr += table[mode][0]
+            if r == p - 1:
+                expr += table[mode][n - 1]
+            return expr
+
+        times = []
+        memory = []
+        for r in range(p):
+            time = rank_sum(self.time_int, r)
+            time += sum(self.boundary_int[s][1] for s in self.middle[r])
+            if r == 0 and S > 1:
+                time += first_send + self.first_holds * (block_send - first_send)
+            times.append(time)
+            static: Expr = sum(self.blocks[r]) * self.static_int[1]
+            static += self.static_int[0] if r == 0 else 0
+            static += self.static_int[n - 1] if r == p - 1 else 0
+            memory.append(static * _INFLIGHT_SCALE + self.inflight[r] * rank_sum(self.act_int, r))
+        return _RankTerms(
+            time=times,
+            tail=[[rank_sum(table, r) for r in range(p)] for table in self.tail_int],
+            memory=memory,
+        )
+
+    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+        counts = _block_counts(stage_starts, self.problem)
+        p = self.problem.pp_degree
+        for r in range(p):
+            for k, name in enumerate(self.mode_names):
+                total = sum(c for s, c in enumerate(counts) if s % p == r and modes[s] == name)
+                self.model.add_hint(self.blocks[r][k], total)
+
+    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+        S, p = self.problem.num_stages, self.problem.pp_degree
+        counts = [0] * S
+        modes: list[Recompute] = [self.mode_names[0]] * S
+        for r in range(p):
+            holding = list(self.middle[r])
+            if r == 0 and solver.value(self.first_holds):
+                holding.insert(0, 0)
+            if r == p - 1 and solver.value(self.last_holds):
+                holding.append(S - 1)
+            left = {k: solver.value(self.blocks[r][i]) for i, k in enumerate(self.mode_names)}
+            used = [k for k in self.mode_names if left[k] > 0]
+            # one chunk per used mode, then the rest to modes with blocks to spare
+            assigned: list[Recompute] = list(used)
+            spare = {k: left[k] - 1 for k in used}
+            while len(assigned) < len(holding):
+                k = max(spare, key=lambda name: spare[name])
+                assigned.append(k)
+                spare[k] -= 1
+            per_mode_chunks = {
+                k: [s for s, a in zip(holding, assigned, strict=True) if a == k] for k in used
+            }
+            for k, chunks in per_mode_chunks.items():
+                for s in chunks:
+                    counts[s] = 1
+                    modes[s] = k
+                counts[chunks[0]] += left[k] - len(chunks)
+        return _starts_from_counts(counts), tuple(modes)
 
 
 def _uniform_middle(problem: PartitionProblem) -> bool:
@@ -464,8 +607,31 @@ def _uniform_middle(problem: PartitionProblem) -> bool:
     return all(len(set(row[1 : n - 1])) == 1 for row in rows)
 
 
-def _build(problem: PartitionProblem) -> _Model:
-    return _CountModel(problem) if _uniform_middle(problem) else _CutModel(problem)
+def _rank_separable(problem: PartitionProblem) -> bool:
+    """Whether `_RankModel` is exact for this (uniform-middle) problem: the end units cost the
+    same under every mode and the chunks of a rank share their in-flight count. (Sends need no
+    condition: every middle stage ends with a block, whatever the distribution.)"""
+    n, p = problem.num_units, problem.pp_degree
+    tables = list(problem.modes.values())
+
+    def end_costs(costs: ModeCosts, u: int) -> tuple[float, ...]:
+        return (costs.time_s[u], costs.activation_bytes[u], *(t[u] for t in costs.tail_s))
+
+    if any(end_costs(c, u) != end_costs(tables[0], u) for c in tables for u in (0, n - 1)):
+        return False
+    return all(problem.inflight[s] == problem.inflight[s % p] for s in range(problem.num_stages))
+
+
+ModelKind = Literal["cut", "count", "rank"]
+
+
+def _build(problem: PartitionProblem, kind: ModelKind | None = None) -> _Model:
+    if kind is None:
+        if _uniform_middle(problem):
+            kind = "rank" if _rank_separable(problem) else "count"
+        else:
+            kind = "cut"
+    return {"cut": _CutModel, "count": _CountModel, "rank": _RankModel}[kind](problem)
 
 
 def balanced_hint(
@@ -492,40 +658,66 @@ def balanced_hint(
 
 
 def solve(
-    problem: PartitionProblem, *, time_limit_s: float = 10.0, num_workers: int = 1
+    problem: PartitionProblem,
+    *,
+    time_limit_s: float = 10.0,
+    num_workers: int = 1,
+    model: ModelKind | None = None,
+    cutoff_s: float | None = None,
 ) -> tuple[Partition | None, SolveStats]:
-    """The minimum-step-time partition that fits in memory, or None if none fits."""
-    built = _build(problem)
-    built.model.minimize(
-        (problem.virtual_stages * problem.num_micro_batches - 1) * built.longest
-        + sum(built.rank_time)
-        + problem.virtual_stages * built.tail
-    )
+    """The minimum-step-time partition that fits in memory, or None if none fits.
+
+    ``cutoff_s``: only partitions faster than this are of interest (the search passes its
+    incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``). ``model``
+    forces a formulation (tests compare each with brute force); by default the smallest exact
+    one for the problem is used.
+    """
+    built = _build(problem, model)
+    v = problem.virtual_stages
+    objective = (v * problem.num_micro_batches - 1) * built.longest + sum(built.rank_time)
+    objective += v * built.tail
+    built.model.minimize(objective)
+    if cutoff_s is not None:
+        # The integer objective is v * step / time_unit up to rounding: at most half a unit per
+        # unit table entry in each of its (v m - 1) + 1 + v weighted terms.
+        slack = (v * problem.num_micro_batches + v + 1) * problem.num_units // 2 + 1
+        built.model.add(objective <= math.floor(cutoff_s * v / built.time_unit_s) + slack)
     hint_starts, hint_modes = balanced_hint(problem)
     built.add_hint(hint_starts, hint_modes)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = num_workers
     status = solver.solve(built.model)
+    name = solver.status_name(status)
+    if status == cp_model.INFEASIBLE and cutoff_s is not None:
+        name = "CUTOFF"
+    bound = (
+        solver.best_objective_bound * built.time_unit_s / v
+        if status != cp_model.INFEASIBLE
+        else math.inf
+    )
     stats = SolveStats(
-        status=solver.status_name(status),
+        status=name,
         wall_time_s=solver.wall_time,
         num_variables=len(built.model.proto.variables),
+        lower_bound_s=bound,
     )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        assert status == cp_model.INFEASIBLE, f"CP-SAT returned {solver.status_name(status)}"
+        assert status in (cp_model.INFEASIBLE, cp_model.UNKNOWN), name
         return None, stats
     starts, modes = built.read(solver)
     return evaluate(problem, starts, modes), stats
 
 
-def min_peak_memory(problem: PartitionProblem, *, time_limit_s: float = 10.0) -> float:
+def min_peak_memory(
+    problem: PartitionProblem, *, time_limit_s: float = 10.0, model: ModelKind | None = None
+) -> float:
     """The least per-device peak memory any partition of this problem needs (bytes)."""
     n = problem.num_units
     bound = sum(problem.static_bytes) + max(problem.inflight) * sum(
         max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
     )
-    built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0))
+    built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0), model)
     peak = built.model.new_int_var(0, 2**60, "peak")
     for r in range(problem.pp_degree):
         built.model.add(peak >= built.rank_memory[r])

@@ -22,6 +22,7 @@ import heapq
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -42,9 +43,12 @@ from cost_model.estimate import (
     estimate,
     memory_constants,
     stage_p2p_time_s,
+    unit_classes,
+    unit_compute_s,
     unit_costs,
 )
 from cost_model.hardware import Cluster
+from cost_model.memory import local_num_params, static_bytes
 from cost_model.schedules import inflight_microbatches
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
@@ -73,6 +77,11 @@ class SearchStats:
     pruned_bound: int = 0
     solver_calls: int = 0
     solver_infeasible: int = 0
+    solver_cutoff: int = 0  # proven unable to beat the k-th best plan
+    solver_timeouts: int = 0  # stopped at the time limit without a proof
+    # How much faster than the returned best an unfinished candidate might still be, as a
+    # fraction of the best step time (0: the result is proven optimal in the space).
+    optimality_gap: float = 0.0
     enumerate_s: float = 0.0
     costs_s: float = 0.0
     solver_s: float = 0.0
@@ -117,36 +126,57 @@ def search_plans(
     start = time.perf_counter()
 
     cache = _CostCache(profile, cluster)
-    candidates: list[Candidate] = []
-    memory_infeasible: list[Candidate] = []
+    # Phase 1: a cheap bound for every outer choice, from compute times alone (shared by all
+    # choices with the same TP degree, sequence parallelism, micro-batch and dtype).
+    bounded: list[tuple[float, int, Strategy]] = []
     for strategy in strategies(space, profile, cluster, global_batch):
+        bounded.append((cache.compute_bound(strategy, space.recompute), stats.candidates, strategy))
         stats.candidates += 1
+    bounded.sort(key=lambda entry: (entry[0], entry[1]))
+    stats.enumerate_s = time.perf_counter() - start
+
+    # Phase 2: visit in order of that bound; cost the communication and memory, bound again,
+    # and solve the stage cuts. Stop once no remaining bound can beat the k-th best.
+    best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
+    memory_infeasible: list[Strategy] = []
+    unproven: list[float] = []  # lower bounds of candidates the solver did not finish
+    capacity = float(cluster.device.memory_bytes)
+    for visited, (compute_bound, order, strategy) in enumerate(bounded):
+        if len(best) == top_k and compute_bound >= -best[0][0]:
+            stats.pruned_bound += len(bounded) - visited
+            break
+        if cache.memory_bound(strategy) > capacity:
+            stats.pruned_memory += 1
+            memory_infeasible.append(strategy)
+            continue
+        t0 = time.perf_counter()
         candidate = _candidate(strategy, space.recompute, cache, cluster)
+        stats.costs_s += time.perf_counter() - t0
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             stats.pruned_memory += 1
-            memory_infeasible.append(candidate)
+            memory_infeasible.append(strategy)
             continue
-        candidates.append(candidate)
-    stats.costs_s = time.perf_counter() - start
-    candidates.sort(key=lambda c: c.time_lower_bound_s)
-
-    # best: max-heap (by negated time) of the top_k partitions found so far
-    best: list[tuple[float, int, Candidate, Partition]] = []
-    for visited, candidate in enumerate(candidates):
         if len(best) == top_k and candidate.time_lower_bound_s >= -best[0][0]:
-            stats.pruned_bound += len(candidates) - visited
-            break
+            stats.pruned_bound += 1
+            continue
+        cutoff = -best[0][0] if len(best) == top_k else None
         t0 = time.perf_counter()
-        found, solve_stats = solve(_problem(candidate, cluster), time_limit_s=time_limit_s)
+        found, solve_stats = solve(
+            _problem(candidate, cluster), time_limit_s=time_limit_s, cutoff_s=cutoff
+        )
         stats.solver_s += time.perf_counter() - t0
         stats.solver_calls += 1
-        if solve_stats.status not in ("OPTIMAL", "INFEASIBLE"):
-            logger.warning("CP-SAT stopped with %s for %s", solve_stats.status, candidate.strategy)
-        if found is None:
+        if solve_stats.status == "CUTOFF":
+            stats.solver_cutoff += 1  # proven unable to beat the k-th best
+        elif solve_stats.status == "INFEASIBLE":
             stats.solver_infeasible += 1
-            memory_infeasible.append(candidate)
-        else:
-            entry = (-found.step_time_s, visited, candidate, found)
+            memory_infeasible.append(strategy)
+        elif solve_stats.status in ("UNKNOWN", "FEASIBLE"):
+            stats.solver_timeouts += 1
+            unproven.append(solve_stats.lower_bound_s)
+            logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, strategy)
+        if found is not None:
+            entry = (-found.step_time_s, order, candidate, found)
             if len(best) < top_k:
                 heapq.heappush(best, entry)
             elif found.step_time_s < -best[0][0]:
@@ -155,13 +185,18 @@ def search_plans(
             progress(
                 SearchProgress(
                     visited=visited + 1,
-                    total=len(candidates),
+                    total=len(bounded),
                     best_step_time_s=-max(best)[0] if best else None,
                 )
             )
     if not best:
         stats.total_s = time.perf_counter() - start
-        raise _no_feasible_plan(profile, cluster, global_batch, memory_infeasible, stats)
+        raise _no_feasible_plan(
+            profile, cluster, global_batch, memory_infeasible, space.recompute, cache, stats
+        )
+    if unproven:
+        kth = -best[0][0]
+        stats.optimality_gap = max(0.0, max((kth - bound) / kth for bound in unproven))
     ranked = sorted(best, key=lambda e: (-e[0], e[1]))
     plans = tuple(_to_plan(profile, cluster, c, p, global_batch) for _, _, c, p in ranked)
     stats.total_s = time.perf_counter() - start
@@ -178,6 +213,49 @@ class _CostCache:
         self.profile = profile
         self.cluster = cluster
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
+        self._compute: dict[tuple[int, bool, int, str, tuple[str, ...]], tuple[float, float]] = {}
+        self._params: dict[tuple[int, bool], float] = {}
+        # representative unit -> how many units share its content
+        self.class_counts = Counter(unit_classes(profile))
+
+    def memory_bound(self, strategy: Strategy) -> float:
+        """A lower bound on the device memory of any plan with these outer choices: the
+        weights, gradients and optimizer state alone, spread evenly over the pipeline ranks,
+        plus the reserved bytes and the allocator overhead."""
+        key = (strategy.tp_degree, strategy.pp_degree > 1)
+        params = self._params.get(key)
+        if params is None:
+            params = sum(
+                local_num_params(unit, strategy.tp_degree, count_shared=key[1])
+                for unit in self.profile.units
+            )
+            self._params[key] = params
+        state = static_bytes(params, strategy.dtype, strategy.zero_stage, strategy.dp_degree)
+        cal = self.cluster.calibration
+        per_rank = state.total_bytes / strategy.pp_degree
+        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+
+    def compute_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """A lower bound on the step time from compute alone (no communication, perfect
+        balance): ``(m - 1/v) * max(sum / p, largest unit) + sum / v``."""
+        key = (
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.dtype,
+            tuple(modes),
+        )
+        least = self._compute.get(key)
+        if least is None:
+            per_mode = [unit_compute_s(self.profile, self.cluster, strategy, m) for m in modes]
+            least = (
+                sum(min(times) for times in zip(*per_mode, strict=True)),
+                max(min(times) for times in zip(*per_mode, strict=True)),
+            )
+            self._compute[key] = least
+        total, largest = least
+        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+        return (m - 1 / v) * max(total / p, largest) + total / v
 
     def costs(self, strategy: Strategy, mode: str) -> tuple[UnitCost, ...]:
         key = (strategy, mode)
@@ -198,31 +276,37 @@ def _candidate(
     p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
     constants = memory_constants(first, cluster, strategy)
     usable = constants.usable_bytes(float(cluster.device.memory_bytes))
+    # Identical units share their cost objects: bound over distinct units with multiplicity.
+    groups = Counter(tuple(id(costs[u]) for costs in by_mode.values()) for u in range(n))
+    rep = {
+        key: u for u, key in enumerate(tuple(id(c[u]) for c in by_mode.values()) for u in range(n))
+    }
+    overlap = cluster.calibration.dp_overlap_fraction
+    total = largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
+    for key, count in groups.items():
+        per_mode = [costs[rep[key]] for costs in by_mode.values()]
+        least = min(c.time_s for c in per_mode)
+        total += count * least
+        largest = max(largest, least)
+        tail_a += count * min(c.post_sync_s + c.optimizer_s for c in per_mode)
+        tail_b += count * min(
+            c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s for c in per_mode
+        )
+        least_act += count * min(c.activation_bytes for c in per_mode)
+        static_sum += count * per_mode[0].static_bytes
+        static_max = max(static_max, per_mode[0].static_bytes)
     # The per-rank work can at best be spread evenly; each of the S - 1 boundaries costs at
     # least its cheapest send; the busiest rank's tail is at least the average tail.
     num_stages = p * v
-    least_time = [min(costs[u].time_s for costs in by_mode.values()) for u in range(n)]
     if num_stages > 1:
         # a send's time grows with its bytes: the smallest boundary output is the cheapest
         smallest = min(first[:-1], key=lambda c: c.output_bytes)
-        sends = sum(stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1))
-    else:
-        sends = 0.0
-    total = sum(least_time) + sends
-    longest = max(total / p, max(least_time))
-    overlap = cluster.calibration.dp_overlap_fraction
-    tail_terms = [0.0, 0.0]
-    for u in range(n):
-        tail_terms[0] += min(c[u].post_sync_s + c[u].optimizer_s for c in by_mode.values())
-        tail_terms[1] += min(
-            c[u].post_sync_s + c[u].optimizer_s + c[u].dp_sync_s - overlap * c[u].backward_s
-            for c in by_mode.values()
+        total += sum(
+            stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1)
         )
-    time_bound = (m - 1 / v) * longest + total / v + max(0.0, *tail_terms) / p
+    time_bound = (m - 1 / v) * max(total / p, largest) + total / v + max(0.0, tail_a, tail_b) / p
     least_inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
-    least_act = sum(min(c[u].activation_bytes for c in by_mode.values()) for u in range(n))
-    static = [c.static_bytes for c in first]
-    memory_bound = max((sum(static) + least_inflight * least_act) / p, max(static))
+    memory_bound = max((static_sum + least_inflight * least_act) / p, static_max)
     return Candidate(
         strategy=strategy,
         by_mode=by_mode,
@@ -336,7 +420,9 @@ def _no_feasible_plan(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch: int,
-    infeasible: list[Candidate],
+    infeasible: list[Strategy],
+    modes: Sequence[Recompute],
+    cache: _CostCache,
     stats: SearchStats,
 ) -> NoFeasiblePlanError:
     gib = 2.0**30
@@ -347,12 +433,16 @@ def _no_feasible_plan(
             f"devices) with global_batch={global_batch}: no degrees/batching combination "
             "satisfies the constraints; relax them or change the batch or device count"
         )
-    # The least memory any plan needs: solve exactly for the candidates with the lowest bounds.
-    infeasible.sort(key=lambda c: c.memory_lower_bound_bytes)
-    least = min(
-        c.constants.total_bytes(min_peak_memory(_problem(c, cluster))) for c in infeasible[:5]
-    )
-    best = infeasible[0].strategy
+    # The least memory any plan needs: solve exactly for the outer choices whose bounds are
+    # lowest (weights and optimizer state first, then the full per-unit bound).
+    infeasible.sort(key=cache.memory_bound)
+    candidates = [_candidate(s, modes, cache, cluster) for s in infeasible[:20]]
+    candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
+    needs = [
+        (c.constants.total_bytes(min_peak_memory(_problem(c, cluster))), c.strategy)
+        for c in candidates[:5]
+    ]
+    least, best = min(needs, key=lambda item: item[0])
     return NoFeasiblePlanError(
         f"no plan for {profile.name!r} fits {cluster.name!r}: the least memory per device any of "
         f"the {stats.candidates} candidate plans needs is {least / gib:.1f} GiB (e.g. tp="
