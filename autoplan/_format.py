@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 def _scaled(value: float, units: tuple[tuple[float, str], ...], digits: int = 3) -> str:
+    if value == 0:
+        return "0"
     for scale, suffix in units:
         if abs(value) >= scale:
             return f"{value / scale:.{digits}g} {suffix}"

@@ -16,6 +16,7 @@ from autoplan import __version__
 from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
+from autoplan.cli.plan_cmd import plan_cmd
 from autoplan.cli.trace_cmd import trace
 from autoplan.cli.validate_cmd import validate
 from autoplan.errors import InputError
@@ -31,6 +32,7 @@ cli.add_command(cluster)
 cli.add_command(validate)
 cli.add_command(trace)
 cli.add_command(estimate_cmd)
+cli.add_command(plan_cmd)
 cli.add_command(calibrate_cmd)
 
 

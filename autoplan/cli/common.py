@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from typing import Any
 
 import click
 from rich.console import Console
@@ -16,5 +19,45 @@ def emit_json(data: object) -> None:
 
 
 def console() -> Console:
-    """A rich console for tables and progress bars on stdout."""
-    return Console(highlight=False, soft_wrap=False)
+    """A rich console for tables and progress bars on stdout (160 columns when not a terminal,
+    so piped and captured output keeps whole table cells)."""
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def load_model(spec: str) -> Any:
+    """A model from a CLI ``--model`` spec (zoo preset or builder with overrides), on meta.
+
+    Imported on use: torch takes seconds to import and the file commands do not need it.
+    """
+    build_model = importlib.import_module("autoplan.model_spec").build_model
+    return build_model(spec)
+
+
+def int_list(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[int, ...] | None:
+    """Parse ``"2,4,8"`` into (2, 4, 8) for options that allow several values."""
+    if value is None:
+        return None
+    try:
+        values = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise click.BadParameter("give at least one value")
+    return values
+
+
+def str_list(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[str, ...] | None:
+    """Parse ``"none,selective"`` into ("none", "selective")."""
+    if value is None:
+        return None
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def trace_spec(spec: str) -> Any:
+    """Build and trace the model of a ``--model`` spec; the profile is named after the spec."""
+    trace = importlib.import_module("autoplan.tracing").trace
+    return trace(load_model(spec), name=spec)

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 import click
 from rich.table import Table
 
 from autoplan._format import fmt_bytes, fmt_time
-from autoplan.api import default_dp, estimate, manual_plan, profile_of
-from autoplan.cli.common import console, emit_json, json_option
+from autoplan.api import default_dp, estimate, manual_plan
+from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.plan import DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.hardware import load_cluster
-
-
-def _load_model(spec: str) -> Any:
-    """A model from a CLI ``--model`` spec (zoo preset or builder with overrides)."""
-    build_model = importlib.import_module("autoplan.model_spec").build_model
-    return build_model(spec)
 
 
 @click.command("estimate")
@@ -69,7 +60,7 @@ def estimate_cmd(
     target = load_cluster(cluster_spec)
     if dp is None:
         dp = default_dp(target, tp, pp)  # fail before the (slower) model trace
-    profile = profile_of(_load_model(model_spec))
+    profile = trace_spec(model_spec).profile
     if schedule is None:
         schedule = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
     plan = manual_plan(

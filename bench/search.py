@@ -1,0 +1,68 @@
+"""Search speed on large problems: gpt3-175b on 128 DGX A100 nodes (1024 GPUs, batch 1536) and
+llama3-405b on 2048 DGX H100 nodes (16384 GPUs, batch 2048), full search space.
+
+Targets (issue 5): gpt3-175b <= 5 s (aim < 1 s), llama3-405b <= 30 s. Prints the candidates
+considered, how they were pruned, solver calls, the time split and the chosen plan. The trace
+of each model (a few seconds, see bench/trace.py) is not part of the search time.
+
+Run: .venv/bin/python bench/search.py
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+import autoplan
+from autoplan.planner.search import search_plans
+from cost_model.hardware import Cluster
+
+CASES = (
+    ("gpt3-175b", "dgx-a100-80g", 128, 1536, 5.0),
+    ("llama3-405b", "dgx-h100-80g", 2048, 2048, 30.0),
+)
+
+
+def main() -> int:
+    console = Console(width=160)
+    table = Table(title="autoplan.search on large problems (full space)")
+    for column in ("model", "cluster", "candidates", "pruned mem", "pruned bound",
+                   "solver calls", "cutoff", "timeouts", "gap", "bounds s", "costs s",
+                   "solver s", "total s", "target s"):
+        table.add_column(column, justify="left" if column in ("model", "cluster") else "right")
+    plans = []
+    ok = True
+    for model_name, preset, nodes, batch, target in CASES:
+        profile = autoplan.trace(autoplan.models.preset(model_name)).profile
+        cluster = Cluster.preset(preset, nodes=nodes)
+        start = time.perf_counter()
+        result = search_plans(profile, cluster, global_batch=batch)
+        total = time.perf_counter() - start
+        s = result.stats
+        ok &= total <= target
+        table.add_row(
+            model_name, f"{preset} x{nodes}", f"{s.candidates:,}", f"{s.pruned_memory:,}",
+            f"{s.pruned_bound:,}", str(s.solver_calls), str(s.solver_cutoff),
+            str(s.solver_timeouts), f"{s.optimality_gap:.2%}", f"{s.enumerate_s:.2f}",
+            f"{s.costs_s:.2f}", f"{s.solver_s:.2f}", f"{total:.2f}", f"{target:.0f}",
+        )
+        plans.append((model_name, result.plans[0]))
+    console.print(table)
+    for model_name, plan in plans:
+        e = plan.estimate
+        assert e is not None
+        recompute = "+".join(sorted({st.recompute for st in plan.stages}))
+        console.print(
+            f"{model_name}: tp={plan.tp_degree} pp={plan.pp_degree} dp={plan.dp_degree} "
+            f"micro_batch={plan.micro_batch_size} x {plan.num_micro_batches} {plan.schedule}"
+            f" v={plan.virtual_stages} zero={plan.zero_stage} sp={plan.sequence_parallel} "
+            f"recompute={recompute}: step {e.step_time_s:.2f} s, MFU {e.mfu:.1%}, "
+            f"peak {e.peak_memory_bytes / 2**30:.1f} GiB"
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Searched plans vs the published Megatron-LM configurations of Narayanan et al. 2021, Table 1.
+
+For every row (model, GPU count, global batch) this predicts, under the same cost model, the
+throughput of the published (t, p) configuration (micro-batch and interleaving from the authors'
+scripts, as bench/validate_published.py sets them up) and of the plan `autoplan.search` finds for
+the same model, cluster and batch. Prints both plans and the ratio searched / published; exits
+non-zero if any ratio is below 1 (the published plan is in the searched space, so a ratio below 1
+would mean the search missed it).
+
+Run: .venv/bin/python bench/vs_megatron.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from validate_published import (  # noqa: E402
+    Case,
+    build_case,
+    load,
+    predict,
+    profile_for,
+    unfused_attention_efficiency,
+)
+
+from autoplan.plan import Plan  # noqa: E402
+from autoplan.planner.search import search_plans  # noqa: E402
+
+
+def describe(plan: Plan) -> str:
+    recompute = sorted({s.recompute for s in plan.stages})
+    sizes = sorted({s.num_units for s in plan.stages})
+    layout = "".join(axis[0] for axis in plan.rank_layout)
+    return (
+        f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree} mb{plan.micro_batch_size} "
+        f"m{plan.num_micro_batches} {plan.schedule}{'/v' + str(plan.virtual_stages) if plan.virtual_stages > 1 else ''} "
+        f"z{plan.zero_stage}{' sp' if plan.sequence_parallel else ''} rc={'+'.join(recompute)} "
+        f"units/stage {sizes[0]}-{sizes[-1]} layout {layout}"
+    )
+
+
+def main() -> int:
+    rows, assumptions = load()
+    table = Table(title="autoplan vs Megatron-LM (Narayanan et al. 2021, Table 1), same cost model")
+    for column in ("model", "GPUs", "batch", "published plan", "tok/s", "searched plan", "tok/s",
+                   "ratio", "search s"):
+        table.add_column(column, justify="right" if column in ("GPUs", "batch", "tok/s", "ratio", "search s") else "left")
+    ratios = []
+    for row in rows:
+        if not row["id"].startswith("megatron-sc21-t1-"):
+            continue
+        case = build_case(row, assumptions)
+        assert isinstance(case, Case), case
+        published = predict(case)
+        cluster = case.cluster
+        if case.unfused_attention:
+            head_dim = case.dims.hidden_size // case.dims.num_heads
+            cluster = cluster.with_overrides(
+                attention_efficiency=unfused_attention_efficiency(cluster, head_dim)
+            )
+        profile = profile_for(case.dims)
+        start = time.perf_counter()
+        result = search_plans(
+            profile, cluster, global_batch=case.plan_args["global_batch"],
+            dtype=case.plan_args["dtype"],
+        )
+        elapsed = time.perf_counter() - start
+        best = result.plans[0]
+        assert best.estimate is not None
+        ratio = best.estimate.tokens_per_s / published.estimate.tokens_per_s
+        ratios.append(ratio)
+        args = case.plan_args
+        published_desc = (
+            f"t{args['tp']} p{args['pp']} d{args['dp']} mb{args['micro_batch']} {args['schedule']}"
+            f"{'/v' + str(args['virtual_stages']) if args['virtual_stages'] > 1 else ''} "
+            f"z{args['zero']} rc={args['recompute']}"
+        )
+        table.add_row(
+            f"{row['model']['num_layers']}x{row['model']['hidden_size']}",
+            str(case.num_gpus), str(args["global_batch"]), published_desc,
+            f"{published.estimate.tokens_per_s:,.0f}", describe(best),
+            f"{best.estimate.tokens_per_s:,.0f}", f"{ratio:.3f}", f"{elapsed:.1f}",
+        )
+    console = Console(width=220)
+    console.print(table)
+    worst = min(ratios)
+    console.print(f"rows {len(ratios)}: ratio min {worst:.3f}, max {max(ratios):.3f} "
+                  f"(target: >= 1.0 on every row)")
+    return 0 if worst >= 1.0 - 1e-9 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

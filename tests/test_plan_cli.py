@@ -1,0 +1,141 @@
+"""`autoplan plan` through the real console script: table, JSON, the YAML it writes (which
+`autoplan validate` accepts), and one-line errors for impossible requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from autoplan.plan import Plan
+from tests.conftest import run_cli
+
+MODEL = "gpt:num_layers=4,hidden_size=256,num_heads=8,seq_len=128,vocab_size=4096"
+
+
+def test_plan_writes_a_valid_yaml_with_its_estimate(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    result = run_cli(
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100-80g:nodes=2",
+        "--global-batch",
+        "32",
+        "-o",
+        str(out),
+        "--top",
+        "3",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "best plans (rank 1 is chosen)" in result.stdout
+    assert "per stage" in result.stdout and f"wrote {out}" in result.stdout
+    plan = Plan.from_yaml(out)
+    assert plan.num_devices == 16 and plan.global_batch_size == 32
+    assert plan.estimate is not None and plan.estimate.step_time_s > 0
+    assert plan.model is not None and plan.model.fingerprint
+    check = run_cli("validate", str(out), "--cluster", "dgx-a100-80g:nodes=2", "--model", MODEL)
+    assert check.returncode == 0, check.stderr
+    assert "valid for dgx-a100-80g (16 devices) and model" in check.stdout
+
+
+def test_plan_json_ranks_plans_and_obeys_constraints() -> None:
+    result = run_cli(
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100-80g",
+        "--global-batch",
+        "16",
+        "--top",
+        "2",
+        "--tp",
+        "2,4",
+        "--zero",
+        "0",
+        "--recompute",
+        "none",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    plans = [Plan.from_data(p) for p in data["plans"]]
+    assert len(plans) == 2
+    times = [p.estimate.step_time_s for p in plans if p.estimate]
+    assert times == sorted(times)
+    for plan in plans:
+        assert plan.tp_degree in (2, 4) and plan.zero_stage == 0
+        assert {s.recompute for s in plan.stages} == {"none"}
+    assert data["stats"]["candidates"] >= data["stats"]["solver_calls"] >= 1
+
+
+def _one_line_error(result: object, fragment: str) -> None:
+    assert result.returncode == 2, result.stdout  # type: ignore[attr-defined]
+    lines = result.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and "Traceback" not in result.stderr  # type: ignore[attr-defined]
+    assert fragment in lines[0], lines[0]
+
+
+def test_no_feasible_plan_is_one_line_with_the_numbers() -> None:
+    result = run_cli(
+        "plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--global-batch", "8"
+    )
+    _one_line_error(
+        result, "no plan for 'gpt3-175b' fits 'dgx-a100-80g': the least memory per device"
+    )
+    assert "the device has 80.0 GiB" in result.stderr and "more devices" in result.stderr
+
+
+def test_contradictory_constraints_are_one_line() -> None:
+    _one_line_error(
+        run_cli(
+            "plan",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g",
+            "--global-batch",
+            "8",
+            "--tp",
+            "16",
+        ),
+        "tp=16 does not divide the 8 devices",
+    )
+    _one_line_error(
+        run_cli(
+            "plan",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g",
+            "--global-batch",
+            "8",
+            "--recompute",
+            "most",
+        ),
+        "recompute: unknown 'most'",
+    )
+
+
+def test_validate_rejects_a_plan_for_another_model(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    assert (
+        run_cli(
+            "plan",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g",
+            "--global-batch",
+            "8",
+            "-o",
+            str(out),
+        ).returncode
+        == 0
+    )
+    other = MODEL.replace("hidden_size=256", "hidden_size=512")
+    _one_line_error(
+        run_cli("validate", str(out), "--cluster", "dgx-a100-80g", "--model", other),
+        "plan was made for model",
+    )
