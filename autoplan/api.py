@@ -97,12 +97,7 @@ def manual_plan(
             f"{max(1, global_batch // per_step) * per_step} or change micro_batch"
         )
     plan = Plan(
-        model=ModelRef(
-            name=profile.name,
-            num_units=profile.num_units,
-            seq_len=profile.seq_len,
-            fingerprint=profile.fingerprint,
-        ),
+        model=ModelRef.of(profile),
         dp_degree=dp,
         tp_degree=tp,
         pp_degree=pp,

@@ -76,6 +76,16 @@ class ModelRef:
     seq_len: int
     fingerprint: str = ""
 
+    @classmethod
+    def of(cls, profile: ModelProfile) -> ModelRef:
+        """The reference to a traced model."""
+        return cls(
+            name=profile.name,
+            num_units=profile.num_units,
+            seq_len=profile.seq_len,
+            fingerprint=profile.fingerprint,
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanEstimate:

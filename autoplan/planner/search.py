@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from autoplan.api import plan_estimate, profile_of
 from autoplan.errors import NoFeasiblePlanError
-from autoplan.plan import ModelRef, Plan, PlanEstimate, Recompute, StagePlan
+from autoplan.plan import ModelRef, Plan, Recompute, StagePlan
 from autoplan.planner.partition import (
     ModeCosts,
     Partition,
@@ -376,12 +377,7 @@ def _to_plan(
         for a, b, mode in zip(partition.stage_starts, ends, partition.modes, strict=True)
     )
     plan = Plan(
-        model=ModelRef(
-            name=profile.name,
-            num_units=profile.num_units,
-            seq_len=profile.seq_len,
-            fingerprint=profile.fingerprint,
-        ),
+        model=ModelRef.of(profile),
         dp_degree=s.dp_degree,
         tp_degree=s.tp_degree,
         pp_degree=s.pp_degree,
@@ -403,17 +399,7 @@ def _to_plan(
         partition.step_time_s,
         s,
     )
-    return plan.with_estimate(
-        PlanEstimate(
-            cluster=cluster.name,
-            num_devices=cluster.num_devices,
-            step_time_s=result.step_time_s,
-            tokens_per_s=result.tokens_per_s,
-            model_tflops_per_device=result.model_tflops_per_device,
-            mfu=result.mfu,
-            peak_memory_bytes=int(result.peak_memory_bytes),
-        )
-    )
+    return plan.with_estimate(plan_estimate(result, cluster))
 
 
 def _no_feasible_plan(
@@ -501,8 +487,6 @@ def search(
     ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
     ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
     """
-    from autoplan.api import profile_of
-
     result = search_plans(
         profile_of(model_or_graph),
         cluster,
