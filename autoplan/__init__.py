@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from autoplan import models
     from autoplan.api import estimate, manual_plan
     from autoplan.graph import ModelGraph
+    from autoplan.parallelizer import parallelize
     from autoplan.planner.search import search
     from autoplan.tracing import trace
 
@@ -41,6 +42,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "manual_plan": ("autoplan.api", "manual_plan"),
     "estimate": ("autoplan.api", "estimate"),
     "search": ("autoplan.planner.search", "search"),
+    "parallelize": ("autoplan.parallelizer", "parallelize"),
 }
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "estimate",
     "manual_plan",
     "models",
+    "parallelize",
     "search",
     "trace",
 ]

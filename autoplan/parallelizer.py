@@ -1,0 +1,267 @@
+"""`autoplan.parallelize`: compile a model and a `Plan` into this rank's `DistributedModel`.
+
+Call it on every rank of a torchrun job (or of any job whose default process group is set up).
+Expects an ``nn.Module`` built on the meta device (the zoo's default) or on a real device with
+the same weights on every rank, a ``loss_fn(logits, targets)`` with mean reduction and an
+optimizer factory such as ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
+
+Guarantees:
+
+- the plan is checked against the job before any collective: a plan for another world size,
+  for another model (fingerprint), or with a TP degree that does not divide the heads raises
+  `PlanError` on every rank, so nothing hangs;
+- without a plan, global rank 0 searches one for the running job (``Cluster.local`` with the
+  torchrun world: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) and broadcasts it: every rank runs the
+  same plan;
+- the passes run in order, each checking its own result: split into stages and units ->
+  tensor parallel -> activation recompute -> data parallel -> materialise -> pipeline;
+- a meta model is materialised shard by shard (`passes.materialize`): no rank ever holds it
+  whole; a real model's weights are used as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import HashStore  # type: ignore[attr-defined]
+
+from autoplan.errors import PlanError
+from autoplan.graph import ModelGraph
+from autoplan.plan import Plan
+from cost_model.hardware import Cluster
+from passes import (
+    DistributedModel,
+    apply_data_parallel,
+    apply_recompute,
+    apply_tensor_parallel,
+    build_mesh,
+    build_pipeline,
+    has_meta_tensors,
+    log_rank0,
+    materialize,
+    meta_buffer_values,
+    split_stages,
+    uses_ddp,
+)
+
+__all__ = ["parallelize"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+_DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster | None = None,
+    plan: Plan | None = None,
+    *,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory = _DEFAULT_OPTIMIZER,
+    global_batch_size: int | None = None,
+    search_constraints: Mapping[str, Any] | None = None,
+    graph: ModelGraph | None = None,
+    seed: int = 0,
+    timeout_s: float | None = None,
+) -> DistributedModel:
+    """Build this rank's part of ``model`` for ``plan`` (searched when None); see the module doc.
+
+    ``global_batch_size`` is needed only to search a plan, and ``search_constraints`` (keywords
+    of ``autoplan.search``, e.g. ``{"pp": 1}``) narrow that search; on CPU it defaults to fp32
+    plans. ``graph`` is ``autoplan.trace(model)``
+    if you already have it. ``seed`` seeds the initialisation of a meta model. ``timeout_s``
+    sets the process-group timeout when this call creates the process group.
+    """
+    world_size, local_world = _job_shape()
+    device = _device()
+    if graph is None:
+        graph = _trace(model, plan)
+    if cluster is None:
+        cluster = _job_cluster(world_size, local_world)
+    if plan is not None:
+        _check_plan(plan, graph, cluster, world_size)
+    _init_process_group(device, timeout_s)
+    if plan is None:
+        constraints = dict(search_constraints or {})
+        if device.type == "cpu":
+            constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
+        plan = _searched_plan(graph, cluster, global_batch_size, constraints)
+        if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
+            graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
+        _check_plan(plan, graph, cluster, world_size)  # same plan, same verdict on every rank
+    log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
+
+    mesh = build_mesh(plan, device.type)
+    meta = has_meta_tensors([model])
+    buffers = meta_buffer_values(model) if meta else {}
+    local = plan.stages_of_pipeline_rank(mesh.pp_rank)
+    split = split_stages(graph, plan, stage_indices=local)
+    if not meta:
+        for stage in split.stages:
+            stage.module.to(device)
+    wrapped: dict[int, nn.Module] = {}
+    for stage in split.stages:
+        apply_tensor_parallel(
+            stage,
+            mesh.sub("tp"),
+            sequence_parallel=plan.sequence_parallel,
+            shared=split.shared_in_stage.get(stage.stage_idx, ()),
+        )
+        apply_recompute(stage, plan.stages[stage.stage_idx].recompute)
+    num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
+    if meta and uses_ddp(plan):
+        # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers)
+    for stage in split.stages:
+        wrapped[stage.stage_idx] = apply_data_parallel(stage, mesh, plan).module
+    if meta and not uses_ddp(plan):
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers)
+    pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
+    return DistributedModel(
+        plan=plan,
+        mesh=mesh,
+        split=split,
+        wrapped=wrapped,
+        pipeline=pipeline,
+        optimizer=optimizer,
+        device=device,
+    )
+
+
+# ----------------------------------------------------------------------------- job
+
+
+def _job_shape() -> tuple[int, int]:
+    """World size and processes per node, before any collective."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _init_process_group(device: torch.device, timeout_s: float | None) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    if "MASTER_ADDR" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # A single process outside torchrun: a private in-memory store.
+        dist.init_process_group(
+            backend,
+            store=HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def _job_cluster(world_size: int, local_world: int) -> Cluster:
+    """The running job as a cluster: this machine's devices, one node per torchrun agent."""
+    if world_size % local_world != 0:
+        raise PlanError(
+            f"WORLD_SIZE = {world_size} is not a multiple of LOCAL_WORLD_SIZE = {local_world}; "
+            "autoplan needs the same number of processes on every node"
+        )
+    cluster = Cluster.local(num_devices=local_world)
+    nodes = world_size // local_world
+    return dataclasses.replace(cluster, num_nodes=nodes) if nodes > 1 else cluster
+
+
+def _trace(model: nn.Module, plan: Plan | None) -> ModelGraph:
+    from autoplan.tracing import trace
+
+    # The micro-batch size: a graph from torch.export (Hugging Face models) has its shapes fixed.
+    batch = plan.micro_batch_size if plan is not None else 1
+    return trace(model, batch_size=batch)
+
+
+def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int) -> None:
+    """Every check that needs no communication: raised identically on every rank."""
+    if plan.num_devices != world_size:
+        raise PlanError(
+            f"the plan needs dp x tp x pp = {plan.dp_degree} x {plan.tp_degree} x "
+            f"{plan.pp_degree} = {plan.num_devices} processes but the job has {world_size}; "
+            f"launch {plan.num_devices} processes or make a plan for {world_size}"
+        )
+    plan.validate(graph, cluster)
+    if plan.tp_degree > 1 and graph.front_end == "export":
+        raise PlanError(
+            f"tp_degree = {plan.tp_degree}, but {graph.profile.name!r} was traced with "
+            "torch.export, which inlines its linears (no nn.Linear modules left for tensor "
+            "parallelism); use tp_degree 1 for this model"
+        )
+
+
+def _searched_plan(
+    graph: ModelGraph,
+    cluster: Cluster,
+    global_batch_size: int | None,
+    constraints: Mapping[str, Any],
+) -> Plan:
+    """Rank 0 searches; every rank gets its plan (or its error) by broadcast."""
+    if global_batch_size is None:
+        raise PlanError(
+            "parallelize() got no plan and no global_batch_size to search one for; pass "
+            "plan=... or global_batch_size=..."
+        )
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = _search(graph, cluster, global_batch_size, constraints)
+            payload[0] = ("plan", found.to_data())
+        except Exception as error:
+            payload[0] = ("error", f"{type(error).__name__}: {error}")
+    dist.broadcast_object_list(payload, src=0)
+    kind, body = payload[0]
+    if kind == "error":
+        raise PlanError(f"plan search on rank 0 failed: {body}")
+    return Plan.from_data(body, source="searched plan")
+
+
+def _search(
+    graph: ModelGraph,
+    cluster: Cluster,
+    global_batch_size: int,
+    constraints: Mapping[str, Any],
+) -> Plan:
+    from autoplan.planner.search import search
+
+    plan: Plan = search(graph, cluster, global_batch=global_batch_size, **constraints)
+    return plan
+
+
+def _describe(plan: Plan) -> str:
+    stages = ", ".join(
+        f"[{s.first_unit}..{s.last_unit}{'' if s.recompute == 'none' else ' ' + s.recompute}]"
+        for s in plan.stages
+    )
+    return (
+        f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
+        f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
+        f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
+        f"ZeRO-{plan.zero_stage}, SP {'on' if plan.sequence_parallel else 'off'}, "
+        f"{plan.dtype}, stages {stages}"
+    )

@@ -1,0 +1,174 @@
+"""Data-parallel pass: replicate or shard a stage over the ``dp`` mesh axis, per the ZeRO stage.
+
+Expects a `StageModule` after the tensor-parallel and recompute passes, the job's mesh, and the
+plan's ``zero_stage``, ``dp_degree``, ``tp_degree`` and ``dtype``.
+
+Guarantees (Rajbhandari et al. 2020 for the ZeRO stages), always with PyTorch's own wrappers:
+
+- ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)`` on every unit, then on the stage:
+  parameters, gradients and optimizer state sharded; parameters re-gathered for backward;
+- ZeRO-2: ``fully_shard(reshard_after_forward=False)``: the same sharding at rest, but gathered
+  parameters stay until backward (no second all-gather);
+- ZeRO-1: ``DistributedDataParallel`` plus ``ZeroRedundancyOptimizer`` (optimizer state sharded,
+  gradients all-reduced) when `uses_ddp` (fp32, no TP, no PP); otherwise its nearest FSDP2
+  equivalent, ZeRO-2, said so in the log;
+- ZeRO-0: ``DistributedDataParallel`` (bucketed all-reduce overlapping backward: 15-20% faster
+  than FSDP2's ``replicate`` on CPU/gloo, bench/runtime.py) when `uses_ddp`; otherwise
+  ``replicate`` (FSDP2's replicated data parallelism: composes with DTensor and the pipeline
+  schedules, and has a mixed-precision policy);
+- nothing when ``dp_degree == 1`` and the plan trains in fp32; for bf16/fp16 plans FSDP2's
+  ``MixedPrecisionPolicy`` (parameters in the plan's dtype, gradient reduction in fp32) is used,
+  on a 1-rank mesh if need be.
+Each block unit is its own FSDP/replicate group; the embedding, the head and any unit holding a
+parameter shared with another unit (a tied embedding and head) belong to the stage-level group,
+since FSDP2 manages a shared parameter in exactly one group. After the pass
+every parameter of the stage is managed (checked).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from autoplan.plan import Plan
+from passes._log import log_rank0
+from passes.mesh import ParallelMesh
+from passes.split import StageModule
+
+__all__ = [
+    "DataParallelKind",
+    "DataParallelResult",
+    "apply_data_parallel",
+    "torch_dtype",
+    "uses_ddp",
+]
+
+logger = logging.getLogger(__name__)
+
+DataParallelKind = Literal["none", "fsdp", "replicate", "ddp"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class DataParallelResult:
+    """The stage's data-parallel wrapper: what the pipeline stage and optimizer must use."""
+
+    stage_idx: int
+    kind: DataParallelKind
+    module: nn.Module  # the stage module, or its DDP wrapper
+    zero_stage: int  # the ZeRO stage actually run (ZeRO-1 with TP runs as 2)
+    num_groups: int  # FSDP/replicate parameter groups (units wrapped + the stage)
+
+
+def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> DataParallelResult:
+    """Wrap ``stage`` for data parallelism in place (DDP returns a new wrapper module)."""
+    zero = plan.zero_stage
+    mixed = plan.dtype != "fp32"
+    if plan.dp_degree == 1 and not mixed:
+        return DataParallelResult(
+            stage_idx=stage.stage_idx, kind="none", module=stage.module, zero_stage=0, num_groups=0
+        )
+    if zero == 1 and not uses_ddp(plan):
+        log_rank0(
+            logger,
+            logging.INFO,
+            "zero_stage 1 runs as DDP + ZeroRedundancyOptimizer only in fp32 without tensor or "
+            "pipeline parallelism (here dtype %s, tp_degree %d, pp_degree %d): running FSDP2 "
+            "without resharding after forward (ZeRO-2), its nearest equivalent",
+            plan.dtype,
+            plan.tp_degree,
+            plan.pp_degree,
+        )
+        zero = 2
+    if uses_ddp(plan):
+        ddp = DistributedDataParallel(
+            stage.module,
+            process_group=mesh.sub("dp").get_group(),
+            forward_sync_buffers=False,  # buffers are equal on every rank (seeded init)
+        )
+        return DataParallelResult(
+            stage_idx=stage.stage_idx, kind="ddp", module=ddp, zero_stage=zero, num_groups=1
+        )
+
+    dp_mesh = mesh.sub("dp")
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch_dtype(plan.dtype), reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
+    shared_ids = _shared_param_ids(stage.module)
+    groups = 0
+    for unit in stage.units:
+        module = stage.unit_module(unit)
+        # One group per block (torchtitan's grouping): its parameters are gathered just before
+        # it runs and freed after. The embedding and head join the stage-level group, as do
+        # parameters shared between units (FSDP2 manages a shared parameter in one group).
+        if unit.profile.kind != "block" or not any(True for _ in module.parameters()):
+            continue
+        if any(id(p) in shared_ids for p in module.parameters()):
+            continue
+        _wrap(module, dp_mesh, zero, mp)
+        groups += 1
+    _wrap(stage.module, dp_mesh, zero, mp)
+    groups += 1
+    _check(stage)
+    return DataParallelResult(
+        stage_idx=stage.stage_idx,
+        kind="fsdp" if zero >= 2 else "replicate",
+        module=stage.module,
+        zero_stage=zero,
+        num_groups=groups,
+    )
+
+
+def uses_ddp(plan: Plan) -> bool:
+    """Whether the plan's data parallelism is DDP: ZeRO-0/1 in fp32 without TP or PP.
+
+    DDP is unsafe with tensor parallelism (wrong gradients after the first step with TP and
+    PP), has no mixed-precision policy, and under torch's pipeline schedules its bucket rebuild
+    sees every gradient once per micro-batch (an internal assert in the reducer): those plans
+    use FSDP2's ``replicate`` instead. DDP needs real parameters (it broadcasts them when it is
+    built): a meta model is materialised before this pass, at no cost in memory, since DDP
+    shards no parameters.
+    """
+    return (
+        plan.dp_degree > 1
+        and plan.zero_stage in (0, 1)
+        and plan.tp_degree == 1
+        and plan.pp_degree == 1
+        and plan.dtype == "fp32"
+    )
+
+
+def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy) -> None:
+    if zero >= 2:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+    else:
+        replicate(module, mesh=dp_mesh, mp_policy=mp)
+
+
+def _shared_param_ids(module: nn.Module) -> set[int]:
+    counts: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    return {key for key, count in counts.items() if count > 1}
+
+
+def _check(stage: StageModule) -> None:
+    assert isinstance(stage.module, FSDPModule), "the stage module was not wrapped"
+    unmanaged = [name for name, p in stage.module.named_parameters() if not isinstance(p, DTensor)]
+    assert not unmanaged, f"parameters outside any data-parallel group: {unmanaged[:5]}"

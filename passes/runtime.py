@@ -1,0 +1,392 @@
+"""`DistributedModel`: one rank's share of a model compiled from a `Plan`, ready to train.
+
+Expects the outputs of the passes (split, tensor parallel, recompute, data parallel,
+materialise, pipeline) and an optimizer factory. Guarantees:
+
+- `DistributedModel.train_step(inputs, targets)` runs one optimizer step over the plan's
+  *global* batch (every rank is given the same batch and keeps its data-parallel slice) and
+  returns the mean loss over the global batch, the same value on every rank (from the last
+  pipeline stage, averaged over data-parallel replicas);
+- gradients of tied parameter copies on different stages are summed between the stages holding
+  them after every backward (Megatron-LM's embedding group), so the copies stay identical;
+- `state_dict()` / `load_state_dict()` carry the model and the optimizer under the model's own
+  parameter names (a tied parameter under the name of its first use), as DTensors where
+  sharded: ``torch.distributed.checkpoint`` saves and loads them, and a checkpoint saved under
+  one plan loads under another (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from autoplan.errors import PlanError
+from autoplan.plan import Plan
+from passes.mesh import ParallelMesh
+from passes.pipeline import Pipeline
+from passes.split import SplitModel, TiedParameter, original_fqn
+
+__all__ = ["DistributedModel", "OptimizerFactory", "TiedGradientSync"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class _TiedGroup:
+    tied: TiedParameter
+    params: tuple[nn.Parameter, ...]  # this rank's copies
+    group: dist.ProcessGroup | None  # ranks holding copies (None: all copies are local)
+
+
+class TiedGradientSync:
+    """Sum the gradients of a tied parameter's copies across the pipeline ranks holding them.
+
+    Process groups are created at construction, on every rank, in the same order (a collective).
+    """
+
+    def __init__(
+        self,
+        split: SplitModel,
+        modules: dict[int, nn.Module],
+        plan: Plan,
+        mesh: ParallelMesh,
+    ) -> None:
+        self._groups: list[_TiedGroup] = []
+        pp_group_cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for tied in split.tied:
+            pp_ranks = tuple(sorted({plan.pipeline_rank_of_stage(s) for s in tied.stage_indices}))
+            if pp_ranks not in pp_group_cache:
+                pp_group_cache[pp_ranks] = self._group_for(pp_ranks, plan, mesh)
+            params = []
+            for copy in tied.copies:
+                if copy.stage_idx in modules:
+                    params.append(modules[copy.stage_idx].get_parameter(copy.stage_fqn))
+            if not params:
+                continue
+            shapes = {tuple(_local(p).shape) for p in params}
+            assert len(shapes) == 1, f"local copies of {tied.name} differ in shape: {shapes}"
+            self._groups.append(
+                _TiedGroup(tied=tied, params=tuple(params), group=pp_group_cache[pp_ranks])
+            )
+        self._check_layouts(plan, mesh)
+
+    @staticmethod
+    def _group_for(
+        pp_ranks: tuple[int, ...], plan: Plan, mesh: ParallelMesh
+    ) -> dist.ProcessGroup | None:
+        if len(pp_ranks) == 1:
+            return None
+        if len(pp_ranks) == plan.pp_degree:
+            return mesh.sub("pp").get_group()
+        # One group per (dp, tp) coordinate; dist.new_group is collective over the world.
+        stride = plan.axis_stride("pp")
+        mine: dist.ProcessGroup | None = None
+        for base in range(plan.num_devices):
+            if (base // stride) % plan.pp_degree != pp_ranks[0]:
+                continue
+            ranks = [base + (p - pp_ranks[0]) * stride for p in pp_ranks]
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mine = group
+        return mine
+
+    def _check_layouts(self, plan: Plan, mesh: ParallelMesh) -> None:
+        for entry in self._groups:
+            placements = {p.placements if isinstance(p, DTensor) else None for p in entry.params}
+            assert len(placements) == 1, f"copies of {entry.tied.name} are sharded differently"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(entry.tied.name for entry in self._groups)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for entry in self._groups:
+            grads = [p.grad for p in entry.params]
+            template = _local(entry.params[0])
+            total = torch.zeros_like(template)
+            for grad in grads:
+                if grad is not None:
+                    total += _local(grad)
+            if entry.group is not None:
+                dist.all_reduce(total, group=entry.group)
+            for param in entry.params:
+                if param.grad is None:
+                    param.grad = (
+                        DTensor.from_local(
+                            total.clone(),
+                            param.device_mesh,
+                            param.placements,
+                            shape=param.shape,
+                            stride=param.stride(),
+                        )
+                        if isinstance(param, DTensor)
+                        else total.clone()
+                    )
+                else:
+                    _local(param.grad).copy_(total)
+
+
+def _checkpoint_aliases(split: SplitModel) -> tuple[tuple[str, str], ...]:
+    """(name, canonical name) for every other name of a shared or tied parameter."""
+    aliases: dict[str, str] = {}
+    for tied in split.tied:
+        for copy in tied.copies:
+            aliases[original_fqn(copy.stage_fqn)] = tied.name
+    for groups in split.shared_in_stage.values():
+        for names in groups:
+            first = original_fqn(names[0])
+            canonical = aliases.get(first, first)
+            for name in names:
+                aliases[original_fqn(name)] = canonical
+    # Longest first, so a name that is a prefix of another never shadows it.
+    ordered = sorted(aliases.items(), key=lambda item: -len(item[0]))
+    return tuple((alias, canonical) for alias, canonical in ordered if alias != canonical)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class _LocalStage:
+    stage_idx: int
+    module: nn.Module  # the stage module (named like the model, after `original_fqn`)
+    wrapped: nn.Module  # what runs: the module itself, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+
+
+class DistributedModel:
+    """This rank's stages of a model, its optimizers and the pipeline schedule; see the module
+    docstring. Build it with `autoplan.parallelize`."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        mesh: ParallelMesh,
+        split: SplitModel,
+        wrapped: dict[int, nn.Module],
+        pipeline: Pipeline,
+        optimizer: OptimizerFactory,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.device = device
+        self.pipeline = pipeline
+        modules: dict[int, nn.Module] = {stage.stage_idx: stage.module for stage in split.stages}
+        self._stages = tuple(
+            _LocalStage(
+                stage_idx=stage.stage_idx,
+                module=stage.module,
+                wrapped=wrapped[stage.stage_idx],
+                optimizer=self._make_optimizer(optimizer, wrapped[stage.stage_idx]),
+            )
+            for stage in split.stages
+        )
+        self.tied_sync = TiedGradientSync(split, modules, plan, mesh)
+        self._local_batch = plan.micro_batch_size * plan.num_micro_batches
+        self._aliases = _checkpoint_aliases(split)
+
+    def _make_optimizer(
+        self, factory: OptimizerFactory, wrapped: nn.Module
+    ) -> torch.optim.Optimizer:
+        params = [p for p in wrapped.parameters() if p.requires_grad]
+        if self.plan.zero_stage == 1 and isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            # ZeRO-1: each data-parallel rank keeps the optimizer state of its share of params.
+            return ZeroRedundancyOptimizer(
+                params,
+                optimizer_class=lambda ps, **_: factory(ps),  # type: ignore[arg-type]
+                process_group=self.mesh.sub("dp").get_group(),
+            )
+        return factory(params)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        return tuple(stage.stage_idx for stage in self._stages)
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """This rank's stage modules (parameter names: `original_fqn` maps them to the model's)."""
+        return tuple(stage.module for stage in self._stages)
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        return tuple(stage.optimizer for stage in self._stages)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's own names (tied copies under their own)."""
+        seen: set[int] = set()
+        for stage in self._stages:
+            for fqn, param in stage.module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield original_fqn(fqn), param
+
+    # ------------------------------------------------------------------ training
+
+    def _data_parallel_slice(self, batch: torch.Tensor, what: str) -> torch.Tensor:
+        if batch.size(0) != self.plan.global_batch_size:
+            raise ValueError(
+                f"train_step got {what} with {batch.size(0)} sequences; the plan's global batch "
+                f"is {self.plan.global_batch_size} (micro_batch_size {self.plan.micro_batch_size}"
+                f" x num_micro_batches {self.plan.num_micro_batches} x dp_degree "
+                f"{self.plan.dp_degree}); pass the whole global batch on every rank"
+            )
+        start = self.mesh.dp_rank * self._local_batch
+        return batch[start : start + self._local_batch].to(self.device)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch; returns its mean loss (same on all ranks).
+
+        If this rank fails mid-step, the process groups are torn down before the error
+        propagates: the other ranks, blocked in a collective with it, fail at once ("connection
+        closed by peer") instead of waiting for the process-group timeout. The job cannot
+        continue anyway: the ranks no longer agree on the sequence of collectives.
+        """
+        # Checked before the first collective: a bad batch raises on every rank, harmlessly.
+        local_inputs = self._data_parallel_slice(inputs, "inputs")
+        local_targets = self._data_parallel_slice(targets, "targets")
+        try:
+            return self._train_step(local_inputs, local_targets)
+        except BaseException:
+            logger.error(
+                "rank %d failed during train_step; tearing down the process groups so the "
+                "other ranks stop too",
+                self.mesh.rank,
+            )
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+    def _train_step(self, local_inputs: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
+        for stage in self._stages:
+            stage.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        schedule = self.pipeline.schedule
+        first, last = self.pipeline.is_first, self.pipeline.is_last
+        if first and last:
+            schedule.step(local_inputs, target=local_targets, losses=losses, return_outputs=False)
+        elif first:
+            schedule.step(local_inputs, return_outputs=False)
+        elif last:
+            schedule.step(target=local_targets, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        self._align_gradients()
+        self.tied_sync()
+        for stage in self._stages:
+            stage.optimizer.step()
+        return self._reduce_loss(losses)
+
+    @torch.no_grad()
+    def _align_gradients(self) -> None:
+        """Give every DTensor gradient its parameter's layout.
+
+        DTensor's sharding propagation may leave a gradient ``Partial`` (norm weights under
+        sequence parallelism: each rank saw part of the sequence) or ``Replicate`` (a
+        vocab-parallel embedding fed a sequence-split gradient); redistributing reduces the
+        partial sums once, here, and lets the optimizer and the tied-copy sum work shard-wise.
+        """
+        for stage in self._stages:
+            for param in stage.module.parameters():
+                grad = param.grad
+                if (
+                    isinstance(param, DTensor)
+                    and isinstance(grad, DTensor)
+                    and grad.placements != param.placements
+                ):
+                    param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    def _reduce_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean over micro-batches on the last stage, over data-parallel replicas, to all ranks."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.pipeline.is_last:
+            local = torch.stack([_local(loss).detach().float() for loss in losses]).mean()
+            # Every TP rank of a replica holds the same loss: weight each of the dp x tp
+            # last-stage ranks so that the world sum is the mean over replicas.
+            value = local / (self.plan.dp_degree * self.plan.tp_degree)
+        dist.all_reduce(value)
+        return value
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{"model": ..., "optimizer": ...}`` under the model's names, for DCP save/load."""
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        for stage in self._stages:
+            self._check_checkpointable(stage)
+            for key, value in get_model_state_dict(stage.wrapped, options=_OPTIONS).items():
+                model_sd.setdefault(self._checkpoint_key(key), value)
+            optim = get_optimizer_state_dict(stage.wrapped, stage.optimizer, options=_OPTIONS)
+            for key, entry in optim.items():
+                optim_sd.setdefault(self._checkpoint_key(key), entry)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def _checkpoint_key(self, stage_key: str) -> str:
+        """The plan-independent name of a stage state-dict entry.
+
+        The model's own name (`original_fqn`); for a parameter several units or stages share
+        (a head tied to the embedding, or its copy on a later stage), the name of its first
+        use, so that one plan's checkpoint loads under another (one stage or several).
+        """
+        key = original_fqn(stage_key)
+        for alias, canonical in self._aliases:
+            for prefix in ("", "state.", "param_groups."):
+                name = prefix + alias
+                if key == name or key.startswith(name + "."):
+                    return prefix + canonical + key[len(name) :]
+        return key
+
+    def load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
+        """Load what `state_dict` returned (e.g. after ``dcp.load`` filled it in place)."""
+        for part in ("model", "optimizer"):
+            if part not in state_dict:
+                raise ValueError(
+                    f"state dict has keys {sorted(state_dict)}; expected 'model' and 'optimizer'"
+                )
+        for stage in self._stages:
+            self._check_checkpointable(stage)
+            own_model = get_model_state_dict(stage.wrapped, options=_OPTIONS)
+            own_optim = get_optimizer_state_dict(stage.wrapped, stage.optimizer, options=_OPTIONS)
+            set_model_state_dict(
+                stage.wrapped,
+                {k: state_dict["model"][self._checkpoint_key(k)] for k in own_model},
+                options=_OPTIONS,
+            )
+            set_optimizer_state_dict(
+                stage.wrapped,
+                stage.optimizer,
+                {k: state_dict["optimizer"][self._checkpoint_key(k)] for k in own_optim},
+                options=_OPTIONS,
+            )
+
+    def _check_checkpointable(self, stage: _LocalStage) -> None:
+        if isinstance(stage.optimizer, ZeroRedundancyOptimizer):
+            raise PlanError(
+                "state_dict() is not supported with zero_stage 1 (ZeroRedundancyOptimizer keeps "
+                "optimizer state in a layout torch.distributed.checkpoint cannot save); use "
+                "zero_stage 2, which shards the optimizer state the same way"
+            )

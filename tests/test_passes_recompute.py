@@ -1,0 +1,90 @@
+"""The recompute pass: which units it wraps, and what full and selective recompute re-run."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoplan.plan import Recompute
+from autoplan.tracing import trace
+from passes import apply_recompute, split_stages
+from tests.numerics import VOCAB, build_model, loss_fn, make_plan
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen ops that actually execute (cached ones never reach this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run(mode: Recompute) -> tuple[Counter[str], dict[str, torch.Tensor], int]:
+    model = build_model("gpt")
+    split = split_stages(trace(model), make_plan(recompute=mode))
+    (stage,) = split.stages
+    wrapped = apply_recompute(stage, mode)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    targets = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    with _CountOps() as counter:
+        loss_fn(stage.module(inputs), targets).backward()
+    grads = {name: p.grad.clone() for name, p in stage.module.named_parameters()}  # type: ignore[union-attr]
+    return counter.counts, grads, wrapped
+
+
+def test_only_blocks_are_wrapped() -> None:
+    split = split_stages(trace(build_model("gpt")), make_plan(pp=2, recompute="full"))
+    for stage in split.stages:
+        assert apply_recompute(stage, "full") == 1
+        kinds = {
+            unit.profile.kind: isinstance(stage.unit_module(unit), CheckpointWrapper)
+            for unit in stage.units
+        }
+        assert kinds["block"] is True
+        assert not any(wrapped for kind, wrapped in kinds.items() if kind != "block")
+
+
+def test_full_and_selective_recompute_rerun_what_they_should() -> None:
+    none, grads_none, wrapped_none = _run("none")
+    full, grads_full, wrapped_full = _run("full")
+    selective, grads_selective, wrapped_selective = _run("selective")
+    assert (wrapped_none, wrapped_full, wrapped_selective) == (0, 2, 2)
+    # Full recompute re-runs each block's forward in backward, GEMMs and norms included: q, k,
+    # v, o and up per block (torch stops recomputing once backward has what it needs: the last
+    # GEMM, down_proj, feeds only an add, which saves nothing).
+    assert full["addmm"] == none["addmm"] + 2 * 5
+    assert full["native_layer_norm"] == none["native_layer_norm"] + 4
+    # Selective keeps GEMM and attention outputs (no extra GEMM, no extra attention) and
+    # re-runs the cheap ops in between (the four block norms, the GeLUs).
+    assert selective["addmm"] == none["addmm"]
+    attention = next(k for k in none if "scaled_dot_product" in k and "backward" not in k)
+    assert selective[attention] == none[attention]
+    assert full[attention] == none[attention] + 2
+    assert selective["native_layer_norm"] == none["native_layer_norm"] + 4
+    assert selective["gelu"] == none["gelu"] + 2
+    # Recompute never changes the gradients.
+    for name, grad in grads_none.items():
+        key = name.replace("unit_1.", "unit_1._checkpoint_wrapped_module.").replace(
+            "unit_2.", "unit_2._checkpoint_wrapped_module."
+        )
+        torch.testing.assert_close(grads_full[key], grad, rtol=0, atol=0)
+        torch.testing.assert_close(grads_selective[key], grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["none"])
+def test_no_recompute_changes_nothing(mode: Recompute) -> None:
+    split = split_stages(trace(build_model("gpt")), make_plan())
+    (stage,) = split.stages
+    before = [type(stage.unit_module(u)) for u in stage.units]
+    assert apply_recompute(stage, mode) == 0
+    assert [type(stage.unit_module(u)) for u in stage.units] == before

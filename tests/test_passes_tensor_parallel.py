@@ -1,0 +1,114 @@
+"""The tensor-parallel pass on a 2-rank mesh (torch's fake process group: one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autoplan.errors import PlanError
+from autoplan.graph import ModelGraph
+from autoplan.tracing import trace
+from cost_model.workload import TpLinear
+from passes import apply_tensor_parallel, build_mesh, split_stages
+from tests.dist_utils import fake_process_group
+from tests.numerics import build_model, make_plan
+
+
+@pytest.fixture
+def tp2() -> Iterator[None]:
+    with fake_process_group(2):
+        yield
+
+
+def _tp(model_name: str, *, sequence_parallel: bool = False, graph: ModelGraph | None = None):  # type: ignore[no-untyped-def]
+    plan = make_plan(tp=2, sequence_parallel=sequence_parallel)
+    graph = graph or trace(build_model(model_name))
+    split = split_stages(graph, plan)
+    mesh = build_mesh(plan, "cpu")
+    (stage,) = split.stages
+    result = apply_tensor_parallel(
+        stage, mesh.sub("tp"), sequence_parallel=sequence_parallel, shared=split.shared_in_stage[0]
+    )
+    return stage, result
+
+
+def _placements(stage, path: str) -> tuple[object, ...]:  # type: ignore[no-untyped-def]
+    weight = stage.module.get_parameter(path)
+    assert isinstance(weight, DTensor), path
+    return tuple(weight.placements)
+
+
+@pytest.mark.usefixtures("tp2")
+def test_every_traced_linear_gets_its_megatron_style() -> None:
+    stage, result = _tp("gpt")
+    expected = ["tok_emb", "lm_head"] + [
+        f"blocks.{i}.{name}"
+        for i in range(2)
+        for name in (
+            "attn.q_proj",
+            "attn.k_proj",
+            "attn.v_proj",
+            "attn.o_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    assert sorted(result.linears) == sorted(expected)
+    assert _placements(stage, "unit_1.blocks.0.attn.q_proj.weight") == (Shard(0),)  # column
+    assert _placements(stage, "unit_1.blocks.0.attn.o_proj.weight") == (Shard(1),)  # row
+    assert _placements(stage, "unit_2.blocks.1.mlp.down_proj.weight") == (Shard(1),)
+    assert _placements(stage, "unit_0.tok_emb.weight") == (Shard(0),)  # vocab-parallel
+    # The head tied to the embedding is still the same (sharded) parameter.
+    assert stage.module.get_parameter("unit_3.lm_head.weight") is stage.module.get_parameter(
+        "unit_0.tok_emb.weight"
+    )
+    # Norms and position embeddings stay plain, replicated tensors without sequence parallelism.
+    assert not isinstance(stage.module.get_parameter("unit_1.blocks.0.ln_1.weight"), DTensor)
+    assert result.sequence_parallel_norms == ()
+
+
+@pytest.mark.usefixtures("tp2")
+def test_swiglu_and_grouped_query_attention() -> None:
+    stage, result = _tp("llama")
+    assert "blocks.0.mlp.gate_proj" in result.linears
+    assert _placements(stage, "unit_1.blocks.0.mlp.gate_proj.weight") == (Shard(0),)
+    assert _placements(stage, "unit_1.blocks.0.attn.k_proj.weight") == (Shard(0),)  # 2 kv heads / 2
+
+
+@pytest.mark.usefixtures("tp2")
+def test_sequence_parallel_covers_every_norm() -> None:
+    stage, result = _tp("llama", sequence_parallel=True)
+    assert sorted(result.sequence_parallel_norms) == [
+        "blocks.0.attn_norm",
+        "blocks.0.mlp_norm",
+        "blocks.1.attn_norm",
+        "blocks.1.mlp_norm",
+        "norm",
+    ]
+    assert _placements(stage, "unit_1.blocks.0.attn_norm.weight") == (Replicate(),)
+
+
+@pytest.mark.usefixtures("tp2")
+def test_a_rule_that_matches_nothing_is_an_error() -> None:
+    graph = trace(build_model("gpt"))
+    block = graph.profile.units[1]
+    wrong = dataclasses.replace(
+        block.tp, linears=(*block.tp.linears[:-1], TpLinear(path="mlp.missing_proj", style="row"))
+    )
+    units = list(graph.profile.units)
+    units[1] = dataclasses.replace(block, tp=wrong)
+    bad = dataclasses.replace(graph, profile=dataclasses.replace(graph.profile, units=tuple(units)))
+    with pytest.raises(
+        PlanError, match=r"'mlp.missing_proj' of unit 1 \('blocks.0'\) matches none"
+    ):
+        _tp("gpt", graph=bad)
+
+
+@pytest.mark.usefixtures("tp2")
+def test_a_layer_that_is_not_a_linear_is_refused() -> None:
+    # Hugging Face GPT-2: fused Conv1D (and an exported graph with no Linear modules at all).
+    with pytest.raises(PlanError, match=r"traced with torch\.export"):
+        _tp("hf-gpt2")
