@@ -1,11 +1,11 @@
 """Train a small GPT on Python's own documentation with a plan autoplan picks for the job.
 
-    torchrun --nproc-per-node 4 examples/train_gpt.py [--steps 400]
+    torchrun --nproc-per-node 4 examples/train_gpt.py [--steps 400] [--plan plan.yaml]
 
 Every rank builds the model on the meta device (no memory), `autoplan.parallelize` finds a plan
-for the running job (rank 0 searches and broadcasts it), materialises each rank's shard and
-trains. The corpus is CPython's bundled language reference (``pydoc_data``): no downloads.
-Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
+for the running job (rank 0 searches and broadcasts it; or uses ``--plan``), materialises each
+rank's shard and trains. The corpus is CPython's bundled language reference (``pydoc_data``):
+no downloads. Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-import autoplan.parallelizer
+import autoplan
 from autoplan.data import load_corpus
 from autoplan.models import gpt
 
@@ -30,25 +30,31 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def small_gpt(seq_len: int = 64) -> torch.nn.Module:
+    """The example's model, on the meta device: no rank ever holds the whole model;
+    `parallelize` materialises each rank's shards. The vocabulary (the corpus has 97 symbols)
+    is padded to 128 so that any tensor-parallel degree up to 128 divides it."""
+    return gpt(num_layers=4, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=128)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--plan", default=None, help="A plan YAML to run instead of searching.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
     corpus = load_corpus()
-    # Vocabulary padded to 128 so that any tensor-parallel degree up to 128 divides it.
-    model = gpt(
-        num_layers=4, hidden_size=64, num_heads=4, seq_len=args.seq_len, vocab_size=128
-    )  # on meta: no rank ever holds the whole model; parallelize materialises the shards
+    model = small_gpt(args.seq_len)
     # No plan given: rank 0 runs autoplan.search for this job (Cluster.local, the torchrun world)
     # and broadcasts the plan; on CPU the search is limited to fp32 plans.
-    trainer = autoplan.parallelizer.parallelize(
+    trainer = autoplan.parallelize(
         model,
+        plan=autoplan.Plan.from_yaml(args.plan) if args.plan else None,
         loss_fn=loss_fn,
         optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0),
         global_batch_size=args.global_batch,
