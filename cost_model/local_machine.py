@@ -3,7 +3,8 @@
 With CUDA: the visible GPUs, matched by name to a shipped preset's device (A100, H100, V100),
 else the device's own memory with the generic GPU figures. Without: one worker per CPU core
 (or ``num_devices`` workers sharing them), RAM divided among them, and the `local` preset's
-rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`).
+rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`); with more
+workers than cores, each worker's compute and bandwidth are its share of the cores.
 """
 
 from __future__ import annotations
@@ -45,11 +46,25 @@ def detect(num_devices: int | None = None) -> Cluster:
 
     if torch.cuda.is_available():
         return _detect_cuda(torch.cuda.device_count() if num_devices is None else num_devices)
-    workers = num_devices if num_devices is not None else len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
+    workers = num_devices if num_devices is not None else cores
     base = _cpu_base()
     memory = psutil.virtual_memory().total // max(workers, 1)
-    device = dataclasses.replace(base.device, memory_bytes=memory)
-    return dataclasses.replace(base, name="local", devices_per_node=workers, device=device)
+    # More busy workers than cores share them: each gets cores / workers of a core's compute,
+    # memory bandwidth and copy bandwidth (gloo moves bytes with the CPU).
+    share = min(1.0, cores / max(workers, 1))
+    device = dataclasses.replace(
+        base.device,
+        memory_bytes=memory,
+        peak_flops={dtype: flops * share for dtype, flops in base.device.peak_flops.items()},
+        memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s * share,
+    )
+    intra = dataclasses.replace(
+        base.intra_node, bandwidth_bytes_per_s=base.intra_node.bandwidth_bytes_per_s * share
+    )
+    return dataclasses.replace(
+        base, name="local", devices_per_node=workers, device=device, intra_node=intra
+    )
 
 
 def _cpu_base() -> Cluster:

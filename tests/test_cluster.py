@@ -94,6 +94,14 @@ def test_local_cluster_describes_this_machine() -> None:
     assert local.device.kind in ("cpu", "gpu")
     four = Cluster.local(num_devices=4)
     assert four.num_devices == 4
+    if local.device.kind == "cpu":
+        # twice as many busy workers as cores: each gets half a core's compute and bandwidth
+        cores = local.devices_per_node
+        crowded = Cluster.local(num_devices=2 * cores)
+        assert crowded.device.peak_flops_for("fp32") == local.device.peak_flops_for("fp32") / 2
+        assert crowded.device.memory_bandwidth_bytes_per_s == (
+            local.device.memory_bandwidth_bytes_per_s / 2
+        )
     assert Cluster.preset("local", nodes=1).device.name == local.device.name
 
 
