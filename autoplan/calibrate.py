@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cost_model.communication import ring_half_collective_time_s
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
+from cost_model.strategy import GroupPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class MatmulMeasurement:
 class CommMeasurement:
     """Mean time of one collective of ``size_bytes`` (per rank) over ``world_size`` ranks."""
 
-    op: str  # all_reduce | all_gather | send_recv
+    op: str  # all_reduce | all_gather | reduce_scatter | send_recv
     world_size: int
     size_bytes: int
     time_s: float
@@ -179,17 +181,23 @@ def _comm_worker(
     )
     device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    # torch 2.13 renamed reduce_scatter_tensor (still there, deprecated); older torch lacks the new
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     records = []
     for size in sizes:
         numel = max(size // 4, 1)
         x = torch.ones(numel, device=device)
         out = [torch.empty_like(x) for _ in range(world_size)]
+        full = torch.ones(numel * world_size, device=device)
 
         def all_reduce(x: torch.Tensor = x) -> None:
             dist.all_reduce(x)
 
         def all_gather(x: torch.Tensor = x, out: list[torch.Tensor] = out) -> None:
             dist.all_gather(out, x)
+
+        def reduce_scatter(x: torch.Tensor = x, full: torch.Tensor = full) -> None:
+            scatter(x, full)
 
         def send_recv(x: torch.Tensor = x) -> None:
             if rank == 0:
@@ -200,6 +208,7 @@ def _comm_worker(
         for name, fn in (
             ("all_reduce", all_reduce),
             ("all_gather", all_gather),
+            ("reduce_scatter", reduce_scatter),
             ("send_recv", send_recv),
         ):
             fn()
@@ -304,8 +313,15 @@ def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
     if len(all_reduce) >= 2:
         fit = fit_alpha_beta(all_reduce[0].world_size, all_reduce[0], all_reduce[-1])
         intra = LinkSpec(bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.latency_s)
+    probe = dataclasses.replace(
+        base,
+        intra_node=intra,
+        calibration=dataclasses.replace(base.calibration, intra_node_comm_efficiency=1.0),
+    )
     calibration = dataclasses.replace(
         base.calibration,
+        all_gather_efficiency=_half_collective_efficiency(measured, probe, "all_gather"),
+        reduce_scatter_efficiency=_half_collective_efficiency(measured, probe, "reduce_scatter"),
         gemm_efficiency=gemm_efficiency,
         gemm_half_efficiency_flops=fit_half_efficiency_flops(points),
         memory_efficiency=memory_efficiency,
@@ -324,6 +340,25 @@ def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
         calibration=calibration,
         description=description,
     )
+
+
+def _half_collective_efficiency(measured: Measurements, probe: Cluster, op: str) -> float:
+    """How much of the ring model's bandwidth ``op`` reached at the largest measured size,
+    given the link fitted from the all-reduce (1.0 when it is as fast or no data)."""
+    rows = [c for c in measured.comm if c.op == op]
+    if not rows:
+        return 1.0
+    largest = max(rows, key=lambda c: c.size_bytes)
+    g = largest.world_size
+    # all_gather: each rank sends its size_bytes and receives the g-fold result;
+    # reduce_scatter: the input buffer is g x size_bytes. Either way the full buffer is g x.
+    full = largest.size_bytes * g
+    placement = GroupPlacement(size=g, num_nodes=1, ranks_per_node=g)
+    ideal = ring_half_collective_time_s(full, placement, probe, 1.0)
+    latency = (g - 1) * probe.intra_node.latency_s
+    if largest.time_s <= latency:
+        return 1.0
+    return max(0.01, min(1.0, (ideal - latency) / (largest.time_s - latency)))
 
 
 def calibrate(

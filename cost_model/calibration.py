@@ -18,6 +18,8 @@ _FRACTIONS = (
     "memory_efficiency",
     "intra_node_comm_efficiency",
     "inter_node_comm_efficiency",
+    "all_gather_efficiency",
+    "reduce_scatter_efficiency",
 )
 
 
@@ -37,6 +39,11 @@ class Calibration:
     # Fraction of the link bandwidth that collectives reach (NCCL bus bandwidth / link peak).
     intra_node_comm_efficiency: float = 0.8
     inter_node_comm_efficiency: float = 0.8
+    # Fraction of that rate the library's all-gather and reduce-scatter reach relative to its
+    # all-reduce (the ring model prices each at half an all-reduce). NCCL: 1 (same bus
+    # bandwidth for all three); gloo on CPU is much slower at both (measured by calibrate).
+    all_gather_efficiency: float = 1.0
+    reduce_scatter_efficiency: float = 1.0
     # Fixed cost of one kernel launch or framework dispatch.
     kernel_overhead_s: float = unit_field("time", default=5e-6)
     # Fraction of the last micro-batch's backward during which data-parallel gradient

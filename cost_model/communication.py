@@ -60,8 +60,11 @@ def link_rate(cluster: Cluster, *, cross_node: bool) -> LinkRate:
     )
 
 
-def _half_collective_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:
-    """Ring reduce-scatter or all-gather of ``size_bytes`` (the full, unsharded buffer)."""
+def ring_half_collective_time_s(
+    size_bytes: float, placement: GroupPlacement, cluster: Cluster, efficiency: float
+) -> float:
+    """Ring reduce-scatter or all-gather of ``size_bytes`` (the full, unsharded buffer), at
+    ``efficiency`` of the ring's bandwidth (the library's own shortfall, see Calibration)."""
     if placement.size <= 1 or size_bytes <= 0:
         return 0.0
     k, n = placement.ranks_per_node, placement.num_nodes
@@ -72,17 +75,19 @@ def _half_collective_s(size_bytes: float, placement: GroupPlacement, cluster: Cl
     # Inter-node phase: each of the k rails carries a 1/k shard; (n-1)/n of it crosses.
     inter_bw_s = (n - 1) / n * (size_bytes / k) / inter.bandwidth_bytes_per_s
     inter_lat_s = (n - 1) * inter.latency_s
-    return max(intra_bw_s, inter_bw_s) + intra_lat_s + inter_lat_s
+    return max(intra_bw_s, inter_bw_s) / efficiency + intra_lat_s + inter_lat_s
 
 
 def all_gather_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:
     """All-gather producing ``size_bytes`` on every rank (each contributes 1/size of it)."""
-    return _half_collective_s(size_bytes, placement, cluster)
+    efficiency = cluster.calibration.all_gather_efficiency
+    return ring_half_collective_time_s(size_bytes, placement, cluster, efficiency)
 
 
 def reduce_scatter_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:
     """Reduce-scatter of a ``size_bytes`` buffer (each rank keeps 1/size of the sum)."""
-    return _half_collective_s(size_bytes, placement, cluster)
+    efficiency = cluster.calibration.reduce_scatter_efficiency
+    return ring_half_collective_time_s(size_bytes, placement, cluster, efficiency)
 
 
 def all_reduce_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -51,6 +52,18 @@ def _measurements() -> Measurements:
             CommMeasurement(
                 op="all_reduce", world_size=2, size_bytes=4 * 2**20, time_s=2e-4 + 4.194304e-3
             ),
+            # Against the fitted link (1e-4 s, 1e9 B/s), the ring all-gather of the 8 MiB result
+            # takes 1e-4 + 1/2 * 8 MiB / 1e9 = 1e-4 + 4.194304e-3 s: measured at twice the
+            # bandwidth time it is 50% efficient; the reduce-scatter at four times, 25%.
+            CommMeasurement(
+                op="all_gather", world_size=2, size_bytes=4 * 2**20, time_s=1e-4 + 2 * 4.194304e-3
+            ),
+            CommMeasurement(
+                op="reduce_scatter",
+                world_size=2,
+                size_bytes=4 * 2**20,
+                time_s=1e-4 + 4 * 4.194304e-3,
+            ),
         ),
         backend="gloo",
     )
@@ -70,13 +83,16 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
     assert cluster.calibration.kernel_overhead_s == 7e-6
     assert cluster.intra_node.latency_s == pytest.approx(1e-4)
     assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert cluster.calibration.all_gather_efficiency == pytest.approx(0.5)
+    assert cluster.calibration.reduce_scatter_efficiency == pytest.approx(0.25)
     path = tmp_path / "local.yaml"  # type: ignore[operator]
     cluster.to_yaml(path)
     assert Cluster.from_yaml(path) == cluster
     monkeypatch.setenv("AUTOPLAN_LOCAL_CLUSTER", str(path))
     local = Cluster.local(num_devices=3)
     assert local.devices_per_node == 3
-    assert local.device.peak_flops == cluster.device.peak_flops
+    share = min(1.0, len(os.sched_getaffinity(0)) / 3)  # workers beyond the cores share them
+    assert local.device.peak_flops == {k: v * share for k, v in cluster.device.peak_flops.items()}
     assert local.calibration == cluster.calibration
 
 
@@ -90,7 +106,12 @@ def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> No
     assert data["path"] == str(path)
     measured = data["measurements"]
     assert measured["backend"] == "gloo"
-    assert {c["op"] for c in measured["comm"]} == {"all_reduce", "all_gather", "send_recv"}
+    assert {c["op"] for c in measured["comm"]} == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "send_recv",
+    }
     assert all(c["time_s"] > 0 for c in measured["comm"])
     assert all(m["flops_per_s"] > 0 for m in measured["matmul"])
     loaded = Cluster.from_yaml(path)
