@@ -28,9 +28,22 @@ CASES = (
 def main() -> int:
     console = Console(width=160)
     table = Table(title="autoplan.search on large problems (full space)")
-    for column in ("model", "cluster", "candidates", "pruned mem", "pruned bound",
-                   "solver calls", "cutoff", "timeouts", "gap", "bounds s", "costs s",
-                   "solver s", "total s", "target s"):
+    for column in (
+        "model",
+        "cluster",
+        "candidates",
+        "pruned mem",
+        "pruned bound",
+        "solver calls",
+        "cutoff",
+        "timeouts",
+        "gap",
+        "bounds s",
+        "costs s",
+        "solver s",
+        "total s",
+        "target s",
+    ):
         table.add_column(column, justify="left" if column in ("model", "cluster") else "right")
     plans = []
     ok = True
@@ -43,10 +56,20 @@ def main() -> int:
         s = result.stats
         ok &= total <= target
         table.add_row(
-            model_name, f"{preset} x{nodes}", f"{s.candidates:,}", f"{s.pruned_memory:,}",
-            f"{s.pruned_bound:,}", str(s.solver_calls), str(s.solver_cutoff),
-            str(s.solver_timeouts), f"{s.optimality_gap:.2%}", f"{s.enumerate_s:.2f}",
-            f"{s.costs_s:.2f}", f"{s.solver_s:.2f}", f"{total:.2f}", f"{target:.0f}",
+            model_name,
+            f"{preset} x{nodes}",
+            f"{s.candidates:,}",
+            f"{s.pruned_memory:,}",
+            f"{s.pruned_bound:,}",
+            str(s.solver_calls),
+            str(s.solver_cutoff),
+            str(s.solver_timeouts),
+            f"{s.optimality_gap:.2%}",
+            f"{s.enumerate_s:.2f}",
+            f"{s.costs_s:.2f}",
+            f"{s.solver_s:.2f}",
+            f"{total:.2f}",
+            f"{target:.0f}",
         )
         plans.append((model_name, result.plans[0]))
     console.print(table)

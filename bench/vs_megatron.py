@@ -21,7 +21,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from validate_published import (  # noqa: E402
+from validate_published import (
     Case,
     build_case,
     load,
@@ -30,17 +30,18 @@ from validate_published import (  # noqa: E402
     unfused_attention_efficiency,
 )
 
-from autoplan.plan import Plan  # noqa: E402
-from autoplan.planner.search import search_plans  # noqa: E402
+from autoplan.plan import Plan
+from autoplan.planner.search import search_plans
 
 
 def describe(plan: Plan) -> str:
     recompute = sorted({s.recompute for s in plan.stages})
     sizes = sorted({s.num_units for s in plan.stages})
     layout = "".join(axis[0] for axis in plan.rank_layout)
+    virtual = f"/v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     return (
         f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree} mb{plan.micro_batch_size} "
-        f"m{plan.num_micro_batches} {plan.schedule}{'/v' + str(plan.virtual_stages) if plan.virtual_stages > 1 else ''} "
+        f"m{plan.num_micro_batches} {plan.schedule}{virtual} "
         f"z{plan.zero_stage}{' sp' if plan.sequence_parallel else ''} rc={'+'.join(recompute)} "
         f"units/stage {sizes[0]}-{sizes[-1]} layout {layout}"
     )
@@ -49,9 +50,23 @@ def describe(plan: Plan) -> str:
 def main() -> int:
     rows, assumptions = load()
     table = Table(title="autoplan vs Megatron-LM (Narayanan et al. 2021, Table 1), same cost model")
-    for column in ("model", "GPUs", "batch", "published plan", "tok/s", "searched plan", "tok/s",
-                   "ratio", "search s"):
-        table.add_column(column, justify="right" if column in ("GPUs", "batch", "tok/s", "ratio", "search s") else "left")
+    for column in (
+        "model",
+        "GPUs",
+        "batch",
+        "published plan",
+        "tok/s",
+        "searched plan",
+        "tok/s",
+        "ratio",
+        "search s",
+    ):
+        table.add_column(
+            column,
+            justify="right"
+            if column in ("GPUs", "batch", "tok/s", "ratio", "search s")
+            else "left",
+        )
     ratios = []
     for row in rows:
         if not row["id"].startswith("megatron-sc21-t1-"):
@@ -68,7 +83,9 @@ def main() -> int:
         profile = profile_for(case.dims)
         start = time.perf_counter()
         result = search_plans(
-            profile, cluster, global_batch=case.plan_args["global_batch"],
+            profile,
+            cluster,
+            global_batch=case.plan_args["global_batch"],
             dtype=case.plan_args["dtype"],
         )
         elapsed = time.perf_counter() - start
@@ -84,15 +101,22 @@ def main() -> int:
         )
         table.add_row(
             f"{row['model']['num_layers']}x{row['model']['hidden_size']}",
-            str(case.num_gpus), str(args["global_batch"]), published_desc,
-            f"{published.estimate.tokens_per_s:,.0f}", describe(best),
-            f"{best.estimate.tokens_per_s:,.0f}", f"{ratio:.3f}", f"{elapsed:.1f}",
+            str(case.num_gpus),
+            str(args["global_batch"]),
+            published_desc,
+            f"{published.estimate.tokens_per_s:,.0f}",
+            describe(best),
+            f"{best.estimate.tokens_per_s:,.0f}",
+            f"{ratio:.3f}",
+            f"{elapsed:.1f}",
         )
     console = Console(width=220)
     console.print(table)
     worst = min(ratios)
-    console.print(f"rows {len(ratios)}: ratio min {worst:.3f}, max {max(ratios):.3f} "
-                  f"(target: >= 1.0 on every row)")
+    console.print(
+        f"rows {len(ratios)}: ratio min {worst:.3f}, max {max(ratios):.3f} "
+        f"(target: >= 1.0 on every row)"
+    )
     return 0 if worst >= 1.0 - 1e-9 else 1
 
 
