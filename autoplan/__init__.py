@@ -25,9 +25,11 @@ from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 if TYPE_CHECKING:
     from autoplan import models
     from autoplan.api import estimate, manual_plan
+    from autoplan.explanation import explain
     from autoplan.graph import ModelGraph
     from autoplan.parallelizer import parallelize
     from autoplan.planner.search import search
+    from autoplan.sweep import whatif
     from autoplan.tracing import trace
 
 __version__ = "0.1.0"
@@ -43,6 +45,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "estimate": ("autoplan.api", "estimate"),
     "search": ("autoplan.planner.search", "search"),
     "parallelize": ("autoplan.parallelizer", "parallelize"),
+    "whatif": ("autoplan.sweep", "whatif"),
+    "explain": ("autoplan.explanation", "explain"),
 }
 
 
@@ -74,9 +78,11 @@ __all__ = [
     "TraceError",
     "__version__",
     "estimate",
+    "explain",
     "manual_plan",
     "models",
     "parallelize",
     "search",
     "trace",
+    "whatif",
 ]

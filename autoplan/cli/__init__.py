@@ -16,9 +16,11 @@ from autoplan import __version__
 from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
+from autoplan.cli.explain_cmd import explain_cmd
 from autoplan.cli.plan_cmd import plan_cmd
 from autoplan.cli.trace_cmd import trace
 from autoplan.cli.validate_cmd import validate
+from autoplan.cli.whatif_cmd import whatif_cmd
 from autoplan.errors import InputError
 
 
@@ -34,6 +36,8 @@ cli.add_command(trace)
 cli.add_command(estimate_cmd)
 cli.add_command(plan_cmd)
 cli.add_command(calibrate_cmd)
+cli.add_command(whatif_cmd)
+cli.add_command(explain_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

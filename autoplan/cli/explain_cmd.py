@@ -1,0 +1,184 @@
+"""`autoplan explain`: a plan's per-stage breakdown, critical path and "why not" alternatives.
+
+Without ``--model``/``--cluster`` the model and cluster the plan file records are used
+(``model.name``, ``estimate.cluster`` with the plan's device count) and the output says so;
+when they cannot be resolved the command says what to pass (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from autoplan._format import fmt_bytes, fmt_time
+from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.cli.estimate_cmd import stage_table, summary_line
+from autoplan.cli.whatif_cmd import check_picture_path
+from autoplan.explanation import Explanation, describe_plan, explain, plan_cluster, plan_model_spec
+from autoplan.plan import Plan
+from cost_model.hardware import load_cluster
+
+
+@click.command("explain")
+@click.argument("plan_path", metavar="PLAN.yaml")
+@click.option(
+    "--cluster",
+    "cluster_spec",
+    default=None,
+    help="Cluster NAME[:k=v,...] or YAML [the plan's estimate.cluster, its device count].",
+)
+@click.option(
+    "--model", "model_spec", default=None, help="Model NAME[:key=value,...] [the plan's model]."
+)
+@click.option(
+    "--timeline",
+    "timeline_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw one step of the pipeline schedule (.png, .pdf or .svg).",
+)
+@click.option(
+    "--top",
+    "top_k",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="How many of the search's best plans to compare with.",
+)
+@click.option(
+    "--no-alternatives", is_flag=True, help="Skip the searches (breakdown and critical path only)."
+)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0.01),
+    default=10.0,
+    show_default=True,
+    help="Seconds per solver call.",
+)
+@json_option
+def explain_cmd(
+    plan_path: str,
+    cluster_spec: str | None,
+    model_spec: str | None,
+    timeline_path: str | None,
+    top_k: int,
+    no_alternatives: bool,
+    time_limit: float,
+    as_json: bool,
+) -> None:
+    """Explain a plan: where its step time goes and what the alternatives would cost."""
+    plan = Plan.from_yaml(plan_path)
+    notes: list[str] = []
+    if cluster_spec is not None:
+        target = load_cluster(cluster_spec)
+    else:
+        target, note = plan_cluster(plan, plan_path)
+        notes.append(note)
+    if model_spec is None:
+        model_spec, note = plan_model_spec(plan, plan_path)
+        notes.append(note)
+    plan.validate(None, target)  # fail before the (slower) model trace
+    if timeline_path is not None:
+        check_picture_path(timeline_path, "--timeline")
+    profile = trace_spec(model_spec).profile
+
+    out = console()
+    if as_json:
+        result = explain(
+            plan,
+            profile,
+            target,
+            top_k=top_k,
+            alternatives=not no_alternatives,
+            time_limit_s=time_limit,
+        )
+    else:
+        with out.status("explaining the plan") as status:
+            result = explain(
+                plan,
+                profile,
+                target,
+                top_k=top_k,
+                alternatives=not no_alternatives,
+                time_limit_s=time_limit,
+                progress=lambda message: status.update(message),
+            )
+    timeline: dict[str, Any] | None = None
+    if timeline_path is not None:
+        from autoplan.plots import save_figure, timeline_figure
+        from autoplan.timeline import timeline_of
+
+        simulated = timeline_of(result.estimate, plan)
+        save_figure(timeline_figure(simulated), timeline_path)
+        timeline = {
+            "path": timeline_path,
+            "schedule": simulated.schedule,
+            "pp_degree": simulated.pp_degree,
+            "simulated_pipeline_time_s": simulated.pipeline_time_s,
+            "formula_pipeline_time_s": simulated.formula_pipeline_time_s,
+            "simulated_step_time_s": simulated.step_time_s,
+        }
+    if as_json:
+        data = result.to_data()
+        data["resolved"] = notes
+        data["timeline"] = timeline
+        emit_json(data)
+        return
+    _print(out, result, notes, plan)
+    if timeline is not None:
+        out.print(
+            f"wrote {timeline_path}: simulated pipeline "
+            f"{fmt_time(timeline['simulated_pipeline_time_s'])} vs the cost model's formula "
+            f"{fmt_time(timeline['formula_pipeline_time_s'])}"
+        )
+
+
+def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
+    for note in notes:
+        out.print(f"[dim]using {note}[/]")
+    out.print(
+        f"[bold]{result.model}[/] on {result.cluster} ({result.num_devices} devices): "
+        f"{describe_plan(plan)}, {plan.dtype}"
+    )
+    out.print(stage_table(result.estimate))
+    out.print(memory_table(result))
+    out.print(summary_line(result.estimate))
+    out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
+    for note in result.notes:
+        out.print(f"note: {note}")
+    if result.alternatives:
+        out.print("[bold]why not ...[/]")
+        for alternative in result.alternatives:
+            out.print(f"  {alternative.line}")
+
+
+def memory_table(result: Explanation) -> Table:
+    """Each pipeline rank's peak memory per device against the capacity."""
+    table = Table(title="memory per device at the peak", title_justify="left")
+    for name in (
+        "rank",
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "other",
+        "total",
+        "of capacity",
+        "fits",
+    ):
+        table.add_column(name, justify="right")
+    for m in result.memory:
+        table.add_row(
+            str(m.pp_rank),
+            fmt_bytes(m.param_bytes),
+            fmt_bytes(m.grad_bytes),
+            fmt_bytes(m.optimizer_bytes),
+            fmt_bytes(m.activation_bytes),
+            fmt_bytes(m.other_bytes),
+            fmt_bytes(m.total_bytes),
+            f"{m.fraction:.0%} of {fmt_bytes(m.capacity_bytes)}",
+            "yes" if m.fits else "[bold red]NO[/]",
+        )
+    return table

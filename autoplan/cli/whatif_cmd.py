@@ -1,0 +1,307 @@
+"""`autoplan whatif`: the best plan, speed and cost of a model across cluster sizes and types.
+
+Every input mistake (device counts that are not whole nodes, an unknown cluster type or
+override, a token count or price that is not a positive number, an unwritable plot path) is
+found before the model is traced and printed as one line; sizes without a feasible plan are rows
+that say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autoplan._format import fmt_bytes, fmt_time
+from autoplan.cli.common import console, emit_json, int_list, json_option, str_list, trace_spec
+from autoplan.sweep import (
+    WhatIfInputError,
+    WhatIfProgress,
+    WhatIfResult,
+    WhatIfRow,
+    cluster_type,
+    parse_positive,
+    split_cluster_specs,
+    whatif,
+)
+
+PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+@click.command("whatif")
+@click.option("--model", "model_spec", required=True, help="Model NAME[:key=value,...].")
+@click.option(
+    "--cluster",
+    "cluster_specs",
+    required=True,
+    multiple=True,
+    help="Cluster type(s): NAME[:k=v,...] or YAML, comma-separated or repeated, e.g. "
+    "dgx-a100-80g,dgx-h100-80g.",
+)
+@click.option(
+    "--num-devices",
+    "num_devices_text",
+    required=True,
+    help="Device counts, e.g. 64,128,256 (whole nodes, or fewer than one node).",
+)
+@click.option(
+    "--global-batch", type=click.IntRange(min=1), required=True, help="Sequences per step."
+)
+@click.option("--tokens", "tokens_text", default=None, help="Tokens to train on, e.g. 300e9.")
+@click.option(
+    "--price-per-device-hour",
+    "price_text",
+    default=None,
+    help="Price of one device for one hour (with --tokens: the cost to train).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw throughput and scaling efficiency against devices (.png, .pdf or .svg).",
+)
+@click.option(
+    "--set",
+    "set_items",
+    multiple=True,
+    help="Cluster override for every type, key=value, e.g. inter_node_bandwidth=100GB/s.",
+)
+@click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8.")
+@click.option("--pp", callback=int_list, help="Allowed pipeline degrees.")
+@click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes.")
+@click.option("--max-tp", type=click.IntRange(min=1), default=None)
+@click.option("--max-pp", type=click.IntRange(min=1), default=None)
+@click.option("--zero", callback=int_list, help="Allowed ZeRO levels, e.g. 0,1.")
+@click.option("--recompute", callback=str_list, help="Allowed recompute modes.")
+@click.option("--schedules", callback=str_list, help="Allowed schedules.")
+@click.option(
+    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
+)
+@click.option("--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes.")
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0.01),
+    default=10.0,
+    show_default=True,
+    help="Seconds per solver call.",
+)
+@json_option
+def whatif_cmd(
+    model_spec: str,
+    cluster_specs: tuple[str, ...],
+    num_devices_text: str,
+    global_batch: int,
+    tokens_text: str | None,
+    price_text: str | None,
+    plot_path: str | None,
+    set_items: tuple[str, ...],
+    time_limit: float,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """For each device count and cluster type: the best plan, its speed, scaling and cost."""
+    # Everything the user typed is checked before the (slower) model trace.
+    sizes = parse_device_counts(num_devices_text)
+    tokens = (
+        None if tokens_text is None else parse_positive(tokens_text, "--tokens", example="300e9")
+    )
+    price = (
+        None
+        if price_text is None
+        else parse_positive(price_text, "--price-per-device-hour", example="2.5")
+    )
+    if price is not None and tokens is None:
+        raise WhatIfInputError(
+            "--price-per-device-hour needs --tokens: the cost is for training on that many tokens"
+        )
+    overrides = parse_overrides(set_items)
+    specs = [spec for text in cluster_specs for spec in split_cluster_specs(text)]
+    for spec in specs:
+        cluster_type(spec, overrides).check_devices(sizes)
+    if plot_path is not None:
+        check_picture_path(plot_path, "--plot")
+    constraints = {key: value for key, value in options.items() if value not in (None, False)}
+
+    profile = trace_spec(model_spec).profile
+    out = console()
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+        disable=as_json,
+    ) as progress:
+        task = progress.add_task("what-if", total=len(specs) * len(sizes))
+
+        def report(step: WhatIfProgress) -> None:
+            progress.update(
+                task,
+                completed=step.completed,
+                total=step.total,
+                description=f"planning {step.cluster} x {step.num_devices} devices",
+            )
+
+        result = whatif(
+            profile,
+            specs,
+            num_devices=sizes,
+            global_batch=global_batch,
+            tokens=tokens,
+            price_per_device_hour=price,
+            cluster_overrides=overrides,
+            time_limit_s=time_limit,
+            progress=report,
+            **constraints,
+        )
+    if not result.feasible_rows:
+        reasons = "; ".join(f"{r.cluster} x {r.num_devices}: {r.reason}" for r in result.rows)
+        raise WhatIfInputError(
+            f"no plan for {result.model} fits any of the sizes: {reasons}; try more devices, "
+            "devices with more memory or a smaller global batch"
+        )
+    if plot_path is not None:
+        from autoplan.plots import save_figure, whatif_figure
+
+        save_figure(whatif_figure(result), plot_path)
+    if as_json:
+        data = result.to_data()
+        data["plot"] = plot_path
+        emit_json(data)
+        return
+    header = f"[bold]{result.model}[/], global batch {global_batch}"
+    if tokens is not None:
+        header += f", {tokens:.3g} tokens"
+    if price is not None:
+        header += f", {price:g} per device-hour"
+    if overrides:
+        header += ", with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+    out.print(header)
+    out.print(whatif_table(result))
+    out.print(
+        f"{len(result.rows)} searches in {result.total_time_s:.1f} s; scaling efficiency = "
+        "tokens/s per device relative to the smallest size with a plan"
+    )
+    if plot_path is not None:
+        out.print(f"wrote {plot_path}")
+
+
+def parse_device_counts(text: str) -> list[int]:
+    """``"64,128,256"`` to [64, 128, 256]; one-line `WhatIfInputError` otherwise."""
+    counts: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise WhatIfInputError(
+                f"--num-devices {text!r}: {part!r} is not a whole number; write e.g. 64,128,256"
+            ) from None
+        if value < 1:
+            raise WhatIfInputError(f"--num-devices {text!r}: {value} must be >= 1")
+        counts.append(value)
+    if not counts:
+        raise WhatIfInputError("--num-devices is empty; write e.g. 64,128,256")
+    return counts
+
+
+def parse_overrides(items: tuple[str, ...]) -> dict[str, str]:
+    """``--set key=value`` (repeated, or comma-separated) to a dict of cluster overrides."""
+    overrides: dict[str, str] = {}
+    for item in (p.strip() for text in items for p in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise WhatIfInputError(
+                f"--set {item!r}: write key=value, e.g. --set inter_node_bandwidth=100GB/s"
+            )
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def check_picture_path(path: str, option: str) -> None:
+    """A picture can be written there: a known suffix and an existing folder."""
+    target = Path(path)
+    if target.suffix.lower() not in PICTURE_SUFFIXES:
+        raise WhatIfInputError(
+            f"{option} {path!r}: use a file ending in {', '.join(PICTURE_SUFFIXES)}"
+        )
+    if not target.parent.is_dir():
+        raise WhatIfInputError(f"{option} {path!r}: folder {str(target.parent)!r} does not exist")
+
+
+def _plan_cell(row: WhatIfRow) -> str:
+    plan = row.plan
+    if plan is None:
+        return f"no plan: {row.reason}"
+    schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    modes = "+".join(sorted({s.recompute for s in plan.stages}))
+    text = (
+        f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree} mb{plan.micro_batch_size}x"
+        f"{plan.num_micro_batches} {schedule} Z{plan.zero_stage} {modes}"
+        + (" SP" if plan.sequence_parallel else "")
+    )
+    if row.optimality_gap > 0:
+        text += f" (not proven best: up to {row.optimality_gap:.1%} faster may exist)"
+    return text
+
+
+def _amount(value: float) -> str:
+    """Whole numbers with separators from 100 up, three significant digits below."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def whatif_table(result: WhatIfResult) -> Table:
+    """One row per cluster type and device count."""
+    table = Table(title="best plan per size", title_justify="left")
+    columns = [
+        "cluster",
+        "devices",
+        "nodes",
+        "plan",
+        "step",
+        "tokens/s",
+        "MFU",
+        "peak memory (of capacity)",
+        "scaling",
+    ]
+    if result.tokens is not None:
+        columns += ["days", "device-hours"]
+    if result.price_per_device_hour is not None:
+        columns.append("cost")
+    for name in columns:
+        if name in ("cluster", "plan"):
+            table.add_column(name, justify="left", overflow="fold")
+        else:
+            table.add_column(name, justify="right", no_wrap=True)
+    for row in result.rows:
+        cells = [row.cluster, f"{row.num_devices:,}", f"{row.num_nodes}x{row.devices_per_node}"]
+        cells.append(_plan_cell(row))
+        if row.plan is None:
+            cells += ["-"] * (len(columns) - len(cells))
+            table.add_row(*cells, style="dim")
+            continue
+        assert row.step_time_s is not None and row.tokens_per_s is not None
+        assert row.mfu is not None and row.peak_memory_bytes is not None
+        cells += [
+            fmt_time(row.step_time_s),
+            f"{row.tokens_per_s:,.0f}",
+            f"{row.mfu:.1%}",
+            f"{fmt_bytes(row.peak_memory_bytes)} "
+            f"({row.peak_memory_bytes / row.memory_capacity_bytes:.0%})",
+            f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
+        ]
+        if result.tokens is not None:
+            assert row.training is not None
+            cells += [_amount(row.training.days), _amount(row.training.device_hours)]
+            if result.price_per_device_hour is not None and row.training.cost is not None:
+                cells.append(_amount(row.training.cost))
+        table.add_row(*cells)
+    return table

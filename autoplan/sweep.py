@@ -1,0 +1,540 @@
+"""`autoplan.whatif`: the best plan, speed and cost of one model across cluster sizes and types.
+
+(The module is `autoplan.sweep`, not ``autoplan.whatif``: a submodule named like the public
+function would replace it on the package once imported; see docs/design.md.)
+
+Expects a model (an ``nn.Module``, a ``ModelGraph`` or a ``ModelProfile``), one or more cluster
+types (a preset or spec ``NAME[:key=value,...]``, a cluster YAML path, or a `Cluster` used as a
+template for its node), device counts, a global batch and optionally a token count and a price
+per device-hour. For every cluster type and device count it builds the cluster, runs the planner
+(`autoplan.planner.search.search_plans`) and reports the best plan's step time, tokens/s, MFU
+and peak memory; the scaling efficiency, i.e. throughput per device relative to that of the
+smallest size of the same type that has a plan; and the days, device-hours and cost to train on
+the given tokens.
+
+Device counts map to nodes: a multiple of the type's ``devices_per_node`` is that many whole
+nodes; a count below one node is one node with that many devices. ``cluster_overrides`` (the
+flat keys of `cost_model.hardware.OVERRIDE_KEYS`, e.g. ``inter_node_bandwidth="100GB/s"``)
+change every cluster type; to compare a changed cluster with the original, list both types, e.g.
+``["dgx-a100-80g", "dgx-a100-80g:inter_node_bandwidth=100GB/s"]``.
+
+Guarantees: every input mistake (a device count that is not whole nodes, an unknown cluster type
+or override, a token count or price that is not a positive number, an unknown search constraint)
+raises a `WhatIfInputError` (or the `ClusterError`/`ConstraintError` of the part that checks
+it, all `InputError`s) before any search runs; a size the planner
+finds no plan for becomes a row that says why (the planner's reason, shortened), never an
+exception. Rows come per cluster type, in the given order, then by ascending device count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.errors import InputError, NoFeasiblePlanError
+from autoplan.plan import Plan
+from cost_model.hardware import Cluster, load_cluster
+from cost_model.workload import ModelProfile
+
+__all__ = [
+    "ClusterType",
+    "TrainingCost",
+    "WhatIfInputError",
+    "WhatIfProgress",
+    "WhatIfResult",
+    "WhatIfRow",
+    "cluster_type",
+    "infeasible_reason",
+    "parse_positive",
+    "split_cluster_specs",
+    "whatif",
+]
+
+SECONDS_PER_DAY = 86400.0
+SECONDS_PER_HOUR = 3600.0
+_NODE_KEYS = ("nodes", "num_nodes")
+
+
+class WhatIfInputError(InputError):
+    """A what-if request that cannot be answered as given (the message names the value)."""
+
+
+# ------------------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingCost:
+    """Time and money to train on ``tokens`` at a row's throughput.
+
+    ``seconds = tokens / tokens_per_s``: the step-time form of Narayanan et al. 2021, eq. 4
+    (training time ~ 8 T P / (n X)), without its FLOP-count approximation.
+    """
+
+    tokens: float
+    days: float
+    device_hours: float
+    cost: float | None  # device_hours x price per device-hour; None without a price
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfRow:
+    """One cluster type at one device count: the best plan and what it achieves, or why not."""
+
+    cluster: str  # the cluster type's label
+    num_devices: int
+    num_nodes: int
+    devices_per_node: int
+    memory_capacity_bytes: float
+    plan: Plan | None  # None: no plan fits (see ``reason``)
+    reason: str | None  # why no plan fits, shortened
+    step_time_s: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    peak_memory_bytes: float | None
+    scaling_efficiency: float | None  # per-device throughput / that of the baseline size
+    scaling_baseline_devices: int | None  # the smallest size of this type with a plan
+    training: TrainingCost | None
+    search_time_s: float
+    # How much faster than this plan an unfinished solver call might still be, as a fraction of
+    # its step time (`SearchStats.optimality_gap`); 0 when the plan is proven best in the space.
+    optimality_gap: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "num_devices": self.num_devices,
+            "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "scaling_efficiency": self.scaling_efficiency,
+            "scaling_baseline_devices": self.scaling_baseline_devices,
+            "training": None
+            if self.training is None
+            else {
+                "tokens": self.training.tokens,
+                "days": self.training.days,
+                "device_hours": self.training.device_hours,
+                "cost": self.training.cost,
+            },
+            "search_time_s": self.search_time_s,
+            "optimality_gap": self.optimality_gap,
+            "plan": None if self.plan is None else self.plan.to_data(),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfResult:
+    """Every (cluster type, device count) row of one what-if."""
+
+    model: str
+    global_batch: int
+    tokens: float | None
+    price_per_device_hour: float | None
+    clusters: tuple[str, ...]  # cluster-type labels, in the order given
+    cluster_overrides: tuple[tuple[str, str], ...]  # applied to every type
+    constraints: tuple[tuple[str, str], ...]  # search constraints, as text
+    rows: tuple[WhatIfRow, ...]
+    total_time_s: float
+
+    def rows_of(self, cluster: str) -> tuple[WhatIfRow, ...]:
+        """The rows of one cluster type, by ascending device count."""
+        if cluster not in self.clusters:
+            raise KeyError(f"no cluster type {cluster!r}; have {', '.join(self.clusters)}")
+        return tuple(row for row in self.rows if row.cluster == cluster)
+
+    @property
+    def feasible_rows(self) -> tuple[WhatIfRow, ...]:
+        return tuple(row for row in self.rows if row.fits)
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "tokens": self.tokens,
+            "price_per_device_hour": self.price_per_device_hour,
+            "clusters": list(self.clusters),
+            "cluster_overrides": dict(self.cluster_overrides),
+            "constraints": dict(self.constraints),
+            "rows": [row.to_data() for row in self.rows],
+            "total_time_s": self.total_time_s,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfProgress:
+    """Reported before each search (``completed`` searches done so far) and once at the end."""
+
+    completed: int
+    total: int
+    cluster: str  # the type searched next (the last one at the end)
+    num_devices: int
+
+
+# ------------------------------------------------------------------------------ cluster types
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterType:
+    """A kind of node (device, links, devices per node) that clusters of any size are made of."""
+
+    label: str
+    template: Cluster  # one node; overrides applied
+    local: bool = False  # `Cluster.local`: this machine, as many worker processes as asked
+    overrides: tuple[tuple[str, object], ...] = ()  # re-applied to `Cluster.local(n)`
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.template.devices_per_node
+
+    def check_devices(self, num_devices: Sequence[int]) -> None:
+        """Raise `WhatIfInputError` naming every count that is not whole nodes of this type."""
+        if self.local:
+            return
+        per_node = self.devices_per_node
+        bad = [n for n in num_devices if n > per_node and n % per_node]
+        if bad:
+            examples = ", ".join(str(per_node * k) for k in (1, 2, 4))
+            raise WhatIfInputError(
+                f"num_devices {', '.join(map(str, bad))} {'is' if len(bad) == 1 else 'are'} not "
+                f"whole nodes of {self.label!r} ({per_node} devices per node): use multiples of "
+                f"{per_node} (e.g. {examples}) or fewer than {per_node} devices for one partial "
+                "node"
+            )
+
+    def cluster(self, num_devices: int) -> Cluster:
+        """The cluster of ``num_devices`` devices of this type (see the module docstring)."""
+        if self.local:
+            return Cluster.local(num_devices).with_overrides(None, **dict(self.overrides))
+        per_node = self.devices_per_node
+        if num_devices < per_node:
+            return self.template.with_overrides(nodes=1, devices_per_node=num_devices)
+        assert num_devices % per_node == 0, (num_devices, per_node)  # check_devices ran
+        return self.template.with_overrides(nodes=num_devices // per_node)
+
+
+def cluster_type(spec: str | Cluster, overrides: Mapping[str, object] | None = None) -> ClusterType:
+    """A cluster type from a spec (``NAME[:key=value,...]`` or a YAML path) or a `Cluster`.
+
+    A spec may not set the node count (the what-if sets it); ``overrides`` apply on top.
+    """
+    extra = dict(overrides or {})
+    for key in _NODE_KEYS:
+        if key in extra:
+            raise WhatIfInputError(
+                f"cluster override {key}={extra[key]!r}: the node count comes from num_devices; "
+                "drop it"
+            )
+    if isinstance(spec, Cluster):
+        return ClusterType(label=spec.name, template=spec.with_overrides(nodes=1, **extra))
+    name, _, rest = spec.partition(":")
+    keys = {item.partition("=")[0].strip() for item in rest.split(",") if item.strip()}
+    if not spec.endswith((".yaml", ".yml")) and keys & set(_NODE_KEYS):
+        raise WhatIfInputError(
+            f"cluster {spec!r} sets the node count; a what-if takes it from num_devices: "
+            f"write {name!r} and list the device counts instead"
+        )
+    base = load_cluster(spec)
+    template = base.with_overrides(nodes=1, **extra)
+    if name.strip() == "local" and not spec.endswith((".yaml", ".yml")):
+        spec_overrides = dict(_spec_overrides(rest))
+        spec_overrides.pop("devices_per_node", None)
+        return ClusterType(
+            label=spec,
+            template=template,
+            local=True,
+            overrides=tuple({**spec_overrides, **extra}.items()),
+        )
+    return ClusterType(label=spec, template=template)
+
+
+def _spec_overrides(rest: str) -> list[tuple[str, object]]:
+    pairs: list[tuple[str, object]] = []
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, _, value = item.partition("=")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def split_cluster_specs(text: str) -> list[str]:
+    """Split ``"a,b:k=v,k2=v2,c"`` into cluster specs: a comma starts a new spec unless the part
+    is ``key=value`` without a ``:`` (it then continues the previous spec's overrides)."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_positive(text: str | float | int, what: str, *, example: str) -> float:
+    """A positive finite number from ``text`` (``300e9``, ``300B``, ``1.4T``, ``$2.5``).
+
+    Raises `WhatIfInputError` naming ``what``, the value and an ``example``.
+    """
+    if isinstance(text, bool):
+        raise WhatIfInputError(f"{what} = {text!r} is not a positive number; e.g. {example}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        raw = text.strip().replace("_", "").lstrip("$")
+        scale = 1.0
+        if raw and raw[-1].lower() in _SUFFIXES:
+            scale = _SUFFIXES[raw[-1].lower()]
+            raw = raw[:-1]
+        try:
+            value = float(raw) * scale
+        except ValueError:
+            raise WhatIfInputError(
+                f"{what} = {text!r} is not a number; write e.g. {example}"
+            ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise WhatIfInputError(f"{what} = {text!r} must be a positive number, e.g. {example}")
+    return value
+
+
+def _check_device_counts(num_devices: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(num_devices, (str, bytes)) or not isinstance(num_devices, Sequence):
+        raise WhatIfInputError(
+            f"num_devices = {num_devices!r} must be a list of device counts, e.g. [64, 128, 256]"
+        )
+    if not num_devices:
+        raise WhatIfInputError("num_devices is empty; give at least one device count")
+    bad = [n for n in num_devices if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise WhatIfInputError(
+            f"num_devices {', '.join(map(repr, bad))}: device counts must be whole numbers >= 1"
+        )
+    return tuple(sorted(set(num_devices)))
+
+
+# The planner's NoFeasiblePlanError (autoplan.planner.search._no_feasible_plan) states the least
+# memory any plan needs and the device's capacity; rows show just those numbers.
+_LEAST_MEMORY = re.compile(r"needs is ([\d.]+ GiB).*?the device has ([\d.]+ GiB)")
+
+
+def infeasible_reason(error: InputError) -> str:
+    """A short reason for a planner error: ``needs 97.3 GiB per device of 80.0 GiB``."""
+    message = str(error)
+    found = _LEAST_MEMORY.search(message)
+    if found:
+        return f"does not fit: needs {found[1]} per device of {found[2]}"
+    if "no degrees/batching combination" in message:
+        return "no degrees/batching combination satisfies the constraints"
+    return message.split(";")[0]
+
+
+# ------------------------------------------------------------------------------ the what-if
+
+
+def whatif(
+    model_or_graph: Any,
+    cluster_name_or_template: str | Cluster | Sequence[str | Cluster],
+    *,
+    num_devices: Sequence[int],
+    global_batch: int,
+    tokens: float | None = None,
+    price_per_device_hour: float | None = None,
+    cluster_overrides: Mapping[str, object] | None = None,
+    time_limit_s: float = 10.0,
+    progress: Callable[[WhatIfProgress], None] | None = None,
+    **constraints: Any,
+) -> WhatIfResult:
+    """The best plan and its speed and cost for every cluster type and device count.
+
+    ``cluster_name_or_template``: one cluster type or a list of them (module docstring).
+    ``tokens``: train this many tokens (days, device-hours); ``price_per_device_hour``: with
+    ``tokens``, the cost in the price's currency. ``constraints`` are `autoplan.search`'s.
+    """
+    from autoplan.api import profile_of
+
+    start = time.perf_counter()
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
+    sizes = _check_device_counts(num_devices)
+    token_count = None if tokens is None else parse_positive(tokens, "tokens", example="300e9")
+    price = (
+        None
+        if price_per_device_hour is None
+        else parse_positive(price_per_device_hour, "price_per_device_hour", example="2.5")
+    )
+    if price is not None and token_count is None:
+        raise WhatIfInputError(
+            "price_per_device_hour needs tokens: the cost is for training on a number of tokens"
+        )
+    specs: Sequence[str | Cluster] = (
+        [cluster_name_or_template]
+        if isinstance(cluster_name_or_template, (str, Cluster))
+        else list(cluster_name_or_template)
+    )
+    if not specs:
+        raise WhatIfInputError("no cluster type given; name at least one, e.g. dgx-a100-80g")
+    types = [cluster_type(spec, cluster_overrides) for spec in specs]
+    labels = [t.label for t in types]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise WhatIfInputError(f"cluster type {label!r} is given twice")
+    for kind in types:
+        kind.check_devices(sizes)
+    # Unknown or contradictory constraints fail before any search. (The planner imports OR-tools:
+    # imported here so that importing this module and the CLI stay fast.)
+    from autoplan.planner.space import SearchSpace
+
+    SearchSpace.from_constraints(**constraints)
+    profile = profile_of(model_or_graph)
+
+    total = len(types) * len(sizes)
+    rows: list[WhatIfRow] = []
+    for kind in types:
+        found: list[_Found] = []
+        for n in sizes:
+            if progress is not None:
+                progress(
+                    WhatIfProgress(
+                        completed=len(rows) + len(found),
+                        total=total,
+                        cluster=kind.label,
+                        num_devices=n,
+                    )
+                )
+            cluster = kind.cluster(n)
+            found.append(_best_plan(n, profile, cluster, global_batch, time_limit_s, constraints))
+        rows += _rows(kind.label, found, token_count, price)
+    if progress is not None and types:
+        progress(
+            WhatIfProgress(
+                completed=total, total=total, cluster=types[-1].label, num_devices=sizes[-1]
+            )
+        )
+    return WhatIfResult(
+        model=profile.name,
+        global_batch=global_batch,
+        tokens=token_count,
+        price_per_device_hour=price,
+        clusters=tuple(labels),
+        cluster_overrides=tuple((k, str(v)) for k, v in (cluster_overrides or {}).items()),
+        constraints=tuple((k, str(v)) for k, v in constraints.items()),
+        rows=tuple(rows),
+        total_time_s=time.perf_counter() - start,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Found:
+    """One search's outcome."""
+
+    num_devices: int
+    cluster: Cluster
+    plan: Plan | None
+    reason: str | None
+    search_time_s: float
+    optimality_gap: float
+
+
+def _best_plan(
+    num_devices: int,
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    time_limit_s: float,
+    constraints: Mapping[str, Any],
+) -> _Found:
+    from autoplan.planner.search import search_plans
+    from autoplan.planner.space import ConstraintError
+
+    t0 = time.perf_counter()
+    try:
+        result = search_plans(
+            profile, cluster, global_batch=global_batch, time_limit_s=time_limit_s, **constraints
+        )
+    except (NoFeasiblePlanError, ConstraintError) as error:
+        return _Found(
+            num_devices=num_devices,
+            cluster=cluster,
+            plan=None,
+            reason=infeasible_reason(error),
+            search_time_s=time.perf_counter() - t0,
+            optimality_gap=0.0,
+        )
+    return _Found(
+        num_devices=num_devices,
+        cluster=cluster,
+        plan=result.plans[0],
+        reason=None,
+        search_time_s=time.perf_counter() - t0,
+        optimality_gap=result.stats.optimality_gap,
+    )
+
+
+def _rows(
+    label: str,
+    found: Sequence[_Found],
+    tokens: float | None,
+    price: float | None,
+) -> list[WhatIfRow]:
+    # Scaling efficiency: (tokens/s per device at n) / (tokens/s per device at the smallest size
+    # with a plan); 1 is linear scaling.
+    baseline: tuple[int, float] | None = None
+    for f in found:
+        if f.plan is not None and f.plan.estimate is not None:
+            baseline = (f.num_devices, f.plan.estimate.tokens_per_s / f.num_devices)
+            break
+    rows = []
+    for f in found:
+        n, cluster, plan = f.num_devices, f.cluster, f.plan
+        e = plan.estimate if plan is not None else None
+        training = None
+        if e is not None and tokens is not None:
+            seconds = tokens / e.tokens_per_s
+            device_hours = n * seconds / SECONDS_PER_HOUR
+            training = TrainingCost(
+                tokens=tokens,
+                days=seconds / SECONDS_PER_DAY,
+                device_hours=device_hours,
+                cost=None if price is None else device_hours * price,
+            )
+        rows.append(
+            WhatIfRow(
+                cluster=label,
+                num_devices=n,
+                num_nodes=cluster.num_nodes,
+                devices_per_node=cluster.devices_per_node,
+                memory_capacity_bytes=float(cluster.device.memory_bytes),
+                plan=plan,
+                reason=f.reason,
+                step_time_s=e.step_time_s if e else None,
+                tokens_per_s=e.tokens_per_s if e else None,
+                mfu=e.mfu if e else None,
+                peak_memory_bytes=float(e.peak_memory_bytes) if e else None,
+                scaling_efficiency=(
+                    e.tokens_per_s / n / baseline[1] if e is not None and baseline else None
+                ),
+                scaling_baseline_devices=baseline[0] if baseline else None,
+                training=training,
+                search_time_s=f.search_time_s,
+                optimality_gap=f.optimality_gap,
+            )
+        )
+    return rows

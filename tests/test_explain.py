@@ -1,0 +1,374 @@
+"""`autoplan.explain`, the pipeline-schedule simulation behind `--timeline`, its picture, and
+`autoplan explain` through the real console script."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoplan.api import manual_plan
+from autoplan.cli.common import trace_spec
+from autoplan.explanation import explain
+from autoplan.plan import Plan, PlanEstimate
+from autoplan.planner.search import search_plans
+from autoplan.plots import KIND_COLOURS, KIND_LABELS, save_figure, timeline_figure
+from autoplan.timeline import StageTimes, Timeline, schedule_actions, simulate, timeline_of
+from cost_model.hardware import Cluster, load_cluster
+from cost_model.schedules import pipeline_time_s
+from cost_model.workload import ModelProfile
+from tests.conftest import run_cli
+
+MODEL = "gpt:num_layers=8,hidden_size=1024,num_heads=16,seq_len=256,vocab_size=8192"
+# 2300 MiB (2 GiB reserved by the preset's calibration): the ~110M-parameter model does not fit
+# pure data parallelism on 8 devices, but fits with tensor parallelism.
+TIGHT = "dgx-a100-80g:memory=2300MiB"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    result: ModelProfile = trace_spec(MODEL).profile
+    return result
+
+
+# ------------------------------------------------------------------------------ schedule orders
+
+
+def _leading_forwards(actions: tuple[object, ...]) -> int:
+    return next((i for i, a in enumerate(actions) if "B" in str(a)), len(actions))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1), ("interleaved-1f1b", 4, 8, 3)],
+)
+def test_orders_run_every_action_once_with_the_warmup_counts(
+    schedule: str, p: int, m: int, v: int
+) -> None:
+    orders = schedule_actions(schedule, p, m, v)
+    everything = sorted(str(a) for actions in orders.values() for a in actions)
+    expected = sorted(f"{s}{k}{i}" for s in range(p * v) for k in "FB" for i in range(m))
+    assert everything == expected
+    for r, actions in orders.items():
+        assert {a.stage_idx % p for a in actions} == {r}  # stage s runs on rank s % p
+        if schedule == "gpipe":
+            warmup = m - 1  # all forwards first
+        elif schedule == "1f1b":
+            warmup = min(p - r - 1, m)  # Narayanan et al. 2021, section 2.2.1
+        else:
+            warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)  # Megatron-LM interleaving
+        # warm-up forwards, then the first steady forward, before the first backward
+        assert _leading_forwards(actions) == min(warmup + 1, m * v)
+    assert str(orders[0][0]) == "0F0"
+
+
+# Uniform stages without sends: the simulation must reproduce the closed form
+# (m - 1/v) T + p T / v exactly; the only difference is float summation order (1e-9).
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_uniform_stages_match_the_pipeline_formula(schedule: str) -> None:
+    checked = 0
+    for p, m, v, backward_s in itertools.product((1, 2, 4, 8), (8, 16, 32), (1, 2, 3), (1.0, 2.0)):
+        if (v == 1) != (schedule != "interleaved-1f1b") or (schedule != "gpipe" and p > m):
+            continue
+        if schedule == "interleaved-1f1b" and p == 1:
+            continue
+        stages = [StageTimes(forward_s=1.0, backward_s=backward_s) for _ in range(p * v)]
+        timeline = simulate(schedule, stages, pp_degree=p, num_micro_batches=m, virtual_stages=v)
+        rank_time = v * (1.0 + backward_s)
+        expected = pipeline_time_s([rank_time] * p, m, v)
+        assert expected == pytest.approx((m + (p - 1) / v) * rank_time, rel=1e-12)
+        assert timeline.pipeline_time_s == pytest.approx(expected, rel=1e-9), (p, m, v)
+        assert timeline.formula_pipeline_time_s == pytest.approx(expected, rel=1e-9)
+        checked += 1
+    assert checked >= 24
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved-1f1b", 4, 16, 2)],
+)
+def test_with_sends_simulation_and_formula_share_tight_bounds(
+    schedule: str, p: int, m: int, v: int
+) -> None:
+    # Every stage but the last sends (cost_model.estimate.stage_p2p_time_s), so stages are not
+    # uniform and the formula is an approximation. Start times under fixed per-rank orders are
+    # max-plus expressions of the durations, hence monotone in them: the simulation lies between
+    # the same schedule without sends (x0) and with the send time added to every stage (x1),
+    # both uniform and so equal to the formula; the formula lies there too. The band is
+    # (m v + p - 1) c wide: the sends' share of the stage time.
+    f, b, c = 1.0, 2.0, 0.25
+    sends = [StageTimes(forward_s=f, backward_s=b, send_s=c) for _ in range(p * v - 1)]
+    stages = [*sends, StageTimes(forward_s=f, backward_s=b)]
+    timeline = simulate(schedule, stages, pp_degree=p, num_micro_batches=m, virtual_stages=v)
+    x0 = pipeline_time_s([v * (f + b)] * p, m, v)
+    x1 = pipeline_time_s([v * (f + b + c)] * p, m, v)
+    assert x1 - x0 == pytest.approx((m * v + p - 1) * c)
+    assert x0 <= timeline.pipeline_time_s <= x1
+    assert x0 <= timeline.formula_pipeline_time_s <= x1
+
+
+def _check_invariants(timeline: Timeline, stages: list[StageTimes]) -> None:
+    p, m = timeline.pp_degree, timeline.num_micro_batches
+    ends: dict[tuple[int, str, int], float] = {}
+    starts: dict[tuple[int, str, int], float] = {}
+    for r in range(p):
+        events = timeline.rank_events(r)
+        # the rank's spans tile [0, step end] without overlap
+        assert events[0].start_s == 0.0
+        assert events[-1].end_s == pytest.approx(timeline.step_time_s)
+        for a, b in itertools.pairwise(events):
+            assert b.start_s == pytest.approx(a.end_s, abs=1e-9)
+        busy = sum(e.duration_s for e in events if e.kind in ("forward", "backward", "send"))
+        assert busy == pytest.approx(m * timeline.rank_times_s[r], rel=1e-9)
+        for e in events:
+            if e.kind in ("forward", "backward"):
+                assert e.stage_idx is not None and e.microbatch_idx is not None
+                key = (e.stage_idx, e.kind, e.microbatch_idx)
+                starts[key] = e.start_s
+                ends[key] = e.end_s
+    num_stages = len(stages)
+    for (s, kind, i), start in starts.items():
+        # dependencies: forwards flow down the stages, backwards up (sends add to the producer)
+        if kind == "forward" and s > 0:
+            assert start >= ends[(s - 1, "forward", i)] - 1e-9
+        if kind == "backward":
+            after = (s + 1, "backward", i) if s < num_stages - 1 else (s, "forward", i)
+            assert start >= ends[after] - 1e-9
+    chain = sum(t.forward_s + t.backward_s + t.send_s for t in stages)
+    assert timeline.pipeline_time_s >= max(chain, max(m * t for t in timeline.rank_times_s)) - 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
+    p=st.integers(1, 4),
+    rounds=st.integers(1, 3),
+    v=st.integers(2, 3),
+    times=st.lists(
+        st.tuples(st.floats(0.1, 3.0), st.floats(0.1, 3.0), st.floats(0, 0.5)),
+        min_size=12,
+        max_size=12,
+    ),
+)
+def test_any_stage_times_respect_dependencies_and_ranks(
+    schedule: str, p: int, rounds: int, v: int, times: list[tuple[float, float, float]]
+) -> None:
+    if schedule != "interleaved-1f1b" or p == 1:
+        v = 1
+    m = p * rounds
+    stages = [
+        StageTimes(forward_s=f, backward_s=b, send_s=c if s < p * v - 1 else 0.0)
+        for s, (f, b, c) in enumerate(times[: p * v])
+    ]
+    tails = [0.1 * r for r in range(p)]
+    timeline = simulate(
+        schedule, stages, pp_degree=p, num_micro_batches=m, virtual_stages=v, tail_s=tails
+    )
+    _check_invariants(timeline, stages)
+    assert timeline.step_time_s == pytest.approx(timeline.pipeline_time_s + max(tails))
+
+
+def test_timeline_of_an_estimate_and_its_picture(profile: ModelProfile, tmp_path: Path) -> None:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    plan = manual_plan(
+        profile,
+        cluster,
+        tp=2,
+        pp=4,
+        micro_batch=1,
+        global_batch=16,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+    )
+    result = explain(plan, profile, cluster, alternatives=False).estimate
+    timeline = timeline_of(result, plan)
+    assert timeline.formula_pipeline_time_s == pytest.approx(result.pipeline_time_s, rel=1e-9)
+    for rank in result.ranks:
+        assert m_busy(timeline, rank.pp_rank) == pytest.approx(rank.busy_s, rel=1e-9)
+        assert timeline.time_of(rank.pp_rank, "tail") == pytest.approx(rank.tail_s, rel=1e-9)
+    assert timeline.step_time_s == pytest.approx(timeline.pipeline_time_s + result.tail_s)
+
+    figure = timeline_figure(timeline)
+    (ax,) = figure.axes
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == plan.pp_degree  # one row per pipeline rank
+    assert sorted(labels) == [f"pp rank {r}" for r in range(plan.pp_degree)]
+    assert ax.get_xlabel() == "time within one training step (ms)"
+    legend = ax.get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()] == [
+        KIND_LABELS[k] for k in ("forward", "backward", "send", "tail", "idle")
+    ]
+    assert len(set(KIND_COLOURS.values())) == len(KIND_COLOURS)  # distinct colours
+    # one bar collection per rank and kind present
+    kinds_per_rank = [len({e.kind for e in timeline.rank_events(r)}) for r in range(4)]
+    assert len(ax.collections) == sum(kinds_per_rank)
+    out = save_figure(figure, tmp_path / "timeline.png")
+    assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
+
+
+def m_busy(timeline: Timeline, rank: int) -> float:
+    return sum(timeline.time_of(rank, kind) for kind in ("forward", "backward", "send"))
+
+
+# ------------------------------------------------------------------------------ explanation
+
+
+def test_explain_the_searched_plan_on_a_tight_cluster(profile: ModelProfile) -> None:
+    cluster = load_cluster(TIGHT)
+    best = search_plans(profile, cluster, global_batch=16).plans[0]
+    result = explain(best, profile, cluster, top_k=2)
+    path = result.critical_path
+    assert path.busy_s + path.bubble_s + path.tail_s == pytest.approx(path.step_time_s, rel=1e-9)
+    assert path.step_time_s == pytest.approx(result.estimate.step_time_s)
+    slowest = max(result.estimate.ranks, key=lambda r: r.time_per_microbatch_s)
+    assert path.bottleneck_rank == slowest.pp_rank
+    assert path.compute_s + path.tp_comm_s + path.pp_comm_s + path.zero3_exposed_s == (
+        pytest.approx(path.busy_s, rel=1e-9)
+    )
+    assert "this plan is the search's rank 1" in " ".join(result.notes)
+    assert all(m.fits and m.total_bytes <= m.capacity_bytes for m in result.memory)
+
+    by_name = {a.name.split(",")[0]: a for a in result.alternatives}
+    assert set(by_name) == {
+        "search rank 2",
+        "search rank 3",
+        "pure DP",
+        "pure TP within a node",
+        "Megatron-style t=8",
+    }
+    pure_dp = by_name["pure DP"]
+    assert pure_dp.plan is None and pure_dp.reason is not None
+    assert pure_dp.line == (
+        "why not pure DP (tp=1 pp=1 dp=8)? does not fit: needs 2.3 GiB per device of 2.2 GiB"
+    )
+    for alternative in result.alternatives:
+        if alternative.plan is None:
+            continue
+        assert alternative.plan.estimate is not None
+        expected = alternative.plan.estimate.step_time_s / result.estimate.step_time_s - 1
+        assert alternative.relative is not None
+        assert alternative.relative == pytest.approx(expected)
+        assert alternative.relative >= -1e-9  # nothing beats the search's best
+        if alternative.name.startswith("search rank"):
+            assert alternative.line.startswith(f"why not {alternative.name} (tp=")
+    megatron = by_name["Megatron-style t=8"]
+    assert megatron.plan is not None and megatron.plan.tp_degree == 8
+    assert megatron.name == "Megatron-style t=8, smallest pp that fits"
+
+
+def test_explain_a_plan_that_does_not_fit(profile: ModelProfile) -> None:
+    cluster = load_cluster(TIGHT)
+    plan = manual_plan(profile, cluster, tp=1, pp=1, micro_batch=2, global_batch=16)
+    result = explain(plan, profile, cluster, top_k=1)
+    assert not result.estimate.fits and not result.memory[0].fits
+    assert result.notes[0].startswith("this plan does not fit: pp rank 0 (stages 0): ")
+    found = [a for a in result.alternatives if a.plan is not None]
+    assert found and all(not a.plan_fits for a in found)
+    assert all(a.line.endswith("but it fits in memory and this plan does not") for a in found)
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def _write_plan(profile: ModelProfile, path: Path, **changes: object) -> Plan:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    plan = manual_plan(
+        profile,
+        cluster,
+        tp=2,
+        pp=4,
+        micro_batch=1,
+        global_batch=16,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+    )
+    plan = dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+    plan.to_yaml(path)
+    return plan
+
+
+def test_cli_json_resolves_the_plan_files_model_and_cluster(
+    profile: ModelProfile, tmp_path: Path
+) -> None:
+    plan_path = tmp_path / "plan.yaml"
+    plan = _write_plan(profile, plan_path)
+    picture = tmp_path / "timeline.png"
+    result = run_cli("explain", str(plan_path), "--timeline", str(picture), "--top", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["model"] == MODEL and data["cluster"] == "dgx-a100-80g"
+    assert data["num_devices"] == 16
+    resolved = " ".join(data["resolved"])
+    assert "dgx-a100-80g with 16 devices (2 node(s) x 8)" in resolved
+    assert "(estimate.cluster)" in resolved and "(model.name)" in resolved
+    assert Plan.from_data(data["plan"]) == plan
+    assert len(data["estimate"]["stages"]) == 8  # pp 4 x 2 chunks
+    path = data["critical_path"]
+    assert path["busy_s"] + path["bubble_s"] + path["tail_s"] == pytest.approx(path["step_time_s"])
+    assert path["summary"].startswith(f"pipeline rank {path['bottleneck_rank']} bounds the step")
+    assert [m["pp_rank"] for m in data["memory"]] == [0, 1, 2, 3]
+    names = [a["name"].split(",")[0] for a in data["alternatives"]]
+    assert names[:2] == ["search rank 1", "search rank 2"]
+    assert names[2:] == ["pure DP", "pure TP within a node", "Megatron-style t=8"]
+    for alternative in data["alternatives"]:
+        assert alternative["line"].startswith("why not") or alternative["same_as_plan"]
+        if alternative["step_time_s"] is not None:
+            assert alternative["relative"] == pytest.approx(
+                alternative["step_time_s"] / data["estimate"]["step_time_s"] - 1
+            )
+    timeline = data["timeline"]
+    assert timeline["path"] == str(picture) and timeline["pp_degree"] == 4
+    assert timeline["formula_pipeline_time_s"] == pytest.approx(data["estimate"]["pipeline_time_s"])
+    assert timeline["simulated_step_time_s"] >= timeline["simulated_pipeline_time_s"] > 0
+    assert picture.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def _one_line_error(result: object, fragment: str) -> None:
+    assert result.returncode == 2, result.stdout  # type: ignore[attr-defined]
+    lines = result.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert fragment in lines[0], lines[0]
+
+
+def test_cli_says_what_to_pass_when_the_plan_file_lacks_it(
+    profile: ModelProfile, tmp_path: Path
+) -> None:
+    no_model = tmp_path / "no_model.yaml"
+    _write_plan(profile, no_model, model=None)
+    _one_line_error(run_cli("explain", str(no_model)), "has no model section; pass --model")
+
+    no_estimate = tmp_path / "no_estimate.yaml"
+    _write_plan(profile, no_estimate, estimate=None)
+    _one_line_error(
+        run_cli("explain", str(no_estimate)), "records no estimate.cluster; pass --cluster"
+    )
+
+    class_name = tmp_path / "class_name.yaml"
+    plan = _write_plan(profile, class_name)
+    assert plan.model is not None
+    _write_plan(profile, class_name, model=dataclasses.replace(plan.model, name="GPT"))
+    _one_line_error(run_cli("explain", str(class_name)), "model.name 'GPT' is not a --model spec")
+
+    unknown = tmp_path / "unknown_cluster.yaml"
+    assert plan.estimate is not None
+    _write_plan(profile, unknown, estimate=dataclasses.replace(plan.estimate, cluster="my-cluster"))
+    _one_line_error(
+        run_cli("explain", str(unknown)), "cannot rebuild estimate.cluster 'my-cluster'"
+    )
+
+    _one_line_error(
+        run_cli("explain", str(class_name), "--cluster", "dgx-a100-80g", "--model", MODEL),
+        "devices, but cluster 'dgx-a100-80g' has 8",
+    )
+
+
+def test_plan_estimate_records_what_explain_reads() -> None:
+    # explain rebuilds the cluster from these two fields of the plan file
+    assert {f.name for f in dataclasses.fields(PlanEstimate)} >= {"cluster", "num_devices"}

@@ -1,0 +1,350 @@
+"""`autoplan.whatif` and `autoplan whatif`: rows against the planner and hand-worked formulas,
+sizes without a plan, cluster types and overrides, the picture, and one-line input errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from autoplan.cli import cli
+from autoplan.cli.common import trace_spec
+from autoplan.errors import InputError
+from autoplan.planner.search import search_plans
+from autoplan.plots import save_figure, whatif_figure
+from autoplan.sweep import (
+    WhatIfInputError,
+    WhatIfProgress,
+    WhatIfResult,
+    cluster_type,
+    infeasible_reason,
+    parse_positive,
+    split_cluster_specs,
+    whatif,
+)
+from cost_model.errors import ClusterError
+from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+from tests.conftest import run_cli
+
+# ~110M parameters: 16 bytes each of weights, grads and Adam state do not fit one device with
+# 3 GiB (2 GiB of it reserved by the preset's calibration), but fit 2 or more.
+MODEL = "gpt:num_layers=8,hidden_size=1024,num_heads=16,seq_len=256,vocab_size=8192"
+SMALL_MEMORY = {"memory": "3GiB"}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    result: ModelProfile = trace_spec(MODEL).profile
+    return result
+
+
+@pytest.fixture(scope="module")
+def sweep(profile: ModelProfile) -> WhatIfResult:
+    return whatif(
+        profile,
+        ["dgx-a100-80g", "dgx-h100-80g"],
+        num_devices=[8, 1, 2, 16],  # unsorted on purpose
+        global_batch=16,
+        tokens=2e9,
+        price_per_device_hour=2.5,
+        cluster_overrides=SMALL_MEMORY,
+    )
+
+
+def test_rows_are_the_planners_best_plans_in_order(
+    sweep: WhatIfResult, profile: ModelProfile
+) -> None:
+    assert sweep.clusters == ("dgx-a100-80g", "dgx-h100-80g")
+    assert [(r.cluster, r.num_devices) for r in sweep.rows] == [
+        (c, n) for c in sweep.clusters for n in (1, 2, 8, 16)
+    ]
+    row = next(r for r in sweep.rows if r.cluster == "dgx-h100-80g" and r.num_devices == 16)
+    assert (row.num_nodes, row.devices_per_node) == (2, 8)
+    assert row.memory_capacity_bytes == 3 * 2**30  # the override reached every type
+    cluster = Cluster.preset("dgx-h100-80g", nodes=2, **SMALL_MEMORY)
+    best = search_plans(profile, cluster, global_batch=16).plans[0]
+    assert row.plan == best
+    assert best.estimate is not None
+    assert row.step_time_s == pytest.approx(best.estimate.step_time_s, rel=1e-12)
+    assert row.tokens_per_s == pytest.approx(best.estimate.tokens_per_s, rel=1e-12)
+    assert row.mfu == pytest.approx(best.estimate.mfu, rel=1e-12)
+
+
+def test_partial_node_and_no_plan_rows(sweep: WhatIfResult) -> None:
+    for label in sweep.clusters:
+        one, two = sweep.rows_of(label)[:2]
+        # Fewer devices than a node: one node with that many devices.
+        assert (one.num_nodes, one.devices_per_node) == (1, 1)
+        assert (two.num_nodes, two.devices_per_node) == (1, 2)
+        # One device: the planner's NoFeasiblePlanError, shortened, and no numbers.
+        assert not one.fits and one.plan is None and one.step_time_s is None
+        assert one.reason is not None
+        assert one.reason.startswith("does not fit: needs ")
+        assert one.reason.endswith(" per device of 3.0 GiB")
+        assert one.training is None and one.scaling_efficiency is None
+        assert two.fits
+
+
+def test_scaling_and_training_cost_against_hand_worked_numbers(sweep: WhatIfResult) -> None:
+    for label in sweep.clusters:
+        rows = [r for r in sweep.rows_of(label) if r.fits]
+        base = rows[0]  # 2 devices: the smallest size with a plan is the baseline
+        assert base.num_devices == 2 and base.scaling_efficiency == pytest.approx(1.0)
+        assert base.tokens_per_s is not None
+        for row in rows:
+            assert row.scaling_baseline_devices == 2
+            assert row.tokens_per_s is not None and row.training is not None
+            per_device = row.tokens_per_s / row.num_devices
+            assert row.scaling_efficiency == pytest.approx(per_device / (base.tokens_per_s / 2))
+            seconds = 2e9 / row.tokens_per_s
+            assert row.training.days == pytest.approx(seconds / 86400)
+            assert row.training.device_hours == pytest.approx(row.num_devices * seconds / 3600)
+            assert row.training.cost == pytest.approx(row.training.device_hours * 2.5)
+
+
+def test_progress_reports_every_search(profile: ModelProfile) -> None:
+    seen: list[WhatIfProgress] = []
+    whatif(profile, "dgx-a100-80g", num_devices=[2, 4], global_batch=16, progress=seen.append)
+    assert [(p.completed, p.total, p.num_devices) for p in seen] == [
+        (0, 2, 2),
+        (1, 2, 4),
+        (2, 2, 4),
+    ]
+
+
+def test_a_changed_link_is_its_own_cluster_type(profile: ModelProfile) -> None:
+    slow = "dgx-a100-80g:inter_node_bandwidth=1GB/s"
+    result = whatif(profile, ["dgx-a100-80g", slow], num_devices=[16], global_batch=16)
+    fast_row, slow_row = result.rows
+    assert slow_row.cluster == slow
+    assert fast_row.tokens_per_s is not None and slow_row.tokens_per_s is not None
+    # 1 GB/s between nodes can only slow a 2-node plan down.
+    assert slow_row.tokens_per_s < fast_row.tokens_per_s
+
+
+def test_a_cluster_object_is_a_template_for_its_node(profile: ModelProfile) -> None:
+    template = Cluster.preset("dgx-h100-80g", nodes=4)  # the node count is replaced
+    (row,) = whatif(profile, template, num_devices=[2], global_batch=16).rows
+    assert row.cluster == "dgx-h100-80g"
+    assert (row.num_nodes, row.devices_per_node) == (1, 2)
+    assert row.plan is not None and row.plan.num_devices == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        (dict(num_devices=[12]), WhatIfInputError, "num_devices 12 is not whole nodes of"),
+        (dict(num_devices=[0]), WhatIfInputError, "must be whole numbers >= 1"),
+        (dict(num_devices=[]), WhatIfInputError, "num_devices is empty"),
+        (dict(tokens=-1.0), WhatIfInputError, "tokens = -1.0 must be a positive number"),
+        (dict(tokens=math.nan), WhatIfInputError, "must be a positive number"),
+        (dict(tokens="lots"), WhatIfInputError, "is not a number"),
+        (dict(tokens=1e9, price_per_device_hour=0), WhatIfInputError, "price_per_device_hour"),
+        (dict(price_per_device_hour=2.0), WhatIfInputError, "needs tokens"),
+        (dict(cluster_overrides={"nodes": 4}), WhatIfInputError, "node count comes from"),
+        (dict(cluster_overrides={"bandwidth": 1}), ClusterError, "unknown cluster override"),
+        (dict(tpp=2), InputError, "unknown search constraint 'tpp'"),
+        (dict(global_batch=0), WhatIfInputError, "global_batch = 0"),
+    ],
+)
+def test_bad_requests_fail_before_any_search(
+    profile: ModelProfile, kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    args: dict[str, Any] = dict(num_devices=[8], global_batch=16) | kwargs
+    with pytest.raises(error, match=None) as raised:
+        whatif(profile, "dgx-a100-80g", **args)
+    assert fragment in str(raised.value)
+
+
+def test_cluster_types_are_checked() -> None:
+    with pytest.raises(ClusterError, match="unknown cluster preset 'dgx-z100'"):
+        cluster_type("dgx-z100")
+    with pytest.raises(WhatIfInputError, match="sets the node count"):
+        cluster_type("dgx-a100-80g:nodes=4")
+    with pytest.raises(WhatIfInputError, match="is given twice"):
+        whatif(object(), ["dgx-a100-80g", "dgx-a100-80g"], num_devices=[8], global_batch=8)
+    assert split_cluster_specs("dgx-a100-80g,dgx-h100-80g:memory=40GiB,inter_node_latency=5us") == [
+        "dgx-a100-80g",
+        "dgx-h100-80g:memory=40GiB,inter_node_latency=5us",
+    ]
+
+
+def test_parse_positive_reads_suffixes() -> None:
+    assert parse_positive("300e9", "tokens", example="300e9") == 300e9
+    assert parse_positive("300B", "tokens", example="300e9") == 300e9
+    assert parse_positive("1.4T", "tokens", example="300e9") == pytest.approx(1.4e12)
+    assert parse_positive("$2.5", "price", example="2.5") == 2.5
+    with pytest.raises(WhatIfInputError):
+        parse_positive(True, "tokens", example="300e9")
+
+
+def test_infeasible_reason_keeps_the_numbers() -> None:
+    message = (
+        "no plan for 'm' fits 'c': the least memory per device any of the 12 candidate plans "
+        "needs is 97.3 GiB (e.g. tp=1 pp=1 dp=8 micro_batch=1 zero=3), the device has 80.0 GiB; "
+        "use more devices"
+    )
+    assert (
+        infeasible_reason(InputError(message))
+        == "does not fit: needs 97.3 GiB per device of 80.0 GiB"
+    )
+
+
+def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path) -> None:
+    figure = whatif_figure(sweep)
+    throughput, efficiency = figure.axes
+    assert throughput.get_xlabel() == "number of devices"
+    assert throughput.get_ylabel() == "throughput (tokens/s)"
+    assert efficiency.get_ylabel() == "scaling efficiency (%)"
+    for ax in (throughput, efficiency):
+        assert len(ax.get_lines()) == len(sweep.clusters)
+        legend = ax.get_legend()
+        assert legend is not None
+        assert [t.get_text() for t in legend.get_texts()] == list(sweep.clusters)
+        for line, label in zip(ax.get_lines(), sweep.clusters, strict=True):
+            # sizes without a plan are left out of the line
+            assert np.asarray(line.get_xdata()).tolist() == [
+                r.num_devices for r in sweep.rows_of(label) if r.fits
+            ]
+    a100 = sweep.rows_of("dgx-a100-80g")
+    assert np.asarray(throughput.get_lines()[0].get_ydata()).tolist() == [
+        r.tokens_per_s for r in a100 if r.fits
+    ]
+    assert np.asarray(efficiency.get_lines()[0].get_ydata()).tolist() == pytest.approx(
+        [100 * (r.scaling_efficiency or 0) for r in a100 if r.fits]
+    )
+    out = save_figure(figure, tmp_path / "whatif.png")
+    assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def test_cli_json_table_and_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "whatif.png"
+    result = run_cli(
+        "whatif",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100-80g,dgx-h100-80g",
+        "--num-devices",
+        "1,2,8",
+        "--global-batch",
+        "16",
+        "--tokens",
+        "2e9",
+        "--price-per-device-hour",
+        "2.5",
+        "--set",
+        "memory=3GiB",
+        "--plot",
+        str(plot),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["clusters"] == ["dgx-a100-80g", "dgx-h100-80g"]
+    assert data["cluster_overrides"] == {"memory": "3GiB"}
+    assert data["tokens"] == 2e9 and data["price_per_device_hour"] == 2.5
+    assert data["plot"] == str(plot)
+    assert plot.read_bytes()[:8] == PNG_SIGNATURE
+    rows = data["rows"]
+    assert [(r["cluster"], r["num_devices"]) for r in rows] == [
+        (c, n) for c in data["clusters"] for n in (1, 2, 8)
+    ]
+    for row in rows:
+        if row["num_devices"] == 1:  # the size without a plan says why and has no numbers
+            assert not row["fits"] and row["plan"] is None and row["step_time_s"] is None
+            assert row["reason"].startswith("does not fit: needs ")
+            continue
+        assert row["fits"] and row["reason"] is None
+        assert row["optimality_gap"] == 0.0  # small problems: the solver proves its plans
+        assert (
+            row["plan"]["dp_degree"] * row["plan"]["tp_degree"] * row["plan"]["pp_degree"]
+            == (row["num_devices"])
+        )
+        seconds = 2e9 / row["tokens_per_s"]
+        assert row["training"]["days"] == pytest.approx(seconds / 86400)
+        assert row["training"]["cost"] == pytest.approx(row["num_devices"] * seconds / 3600 * 2.5)
+        assert row["peak_memory_bytes"] <= row["memory_capacity_bytes"] == 3 * 2**30
+    assert [r["scaling_efficiency"] for r in rows if r["num_devices"] == 2] == [1.0, 1.0]
+
+
+def test_cli_table_shows_rows_for_sizes_without_a_plan() -> None:
+    # In-process (the console-script runs above and below cover the entry point): the table.
+    result = CliRunner().invoke(
+        cli,
+        [
+            "whatif",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g:memory=3GiB",
+            "--num-devices",
+            "1,2",
+            "--global-batch",
+            "16",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "best plan per size" in result.output
+    assert "no plan: does not fit: needs" in result.output
+    assert "2 searches in" in result.output
+
+
+def test_cli_no_plan_at_any_size_is_an_input_error() -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            "whatif",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g:memory=2GiB",
+            "--num-devices",
+            "1,2",
+            "--global-batch",
+            "16",
+        ],
+    )
+    assert isinstance(result.exception, WhatIfInputError)
+    assert "fits any of the sizes: dgx-a100-80g:memory=2GiB x 1: does not fit: needs" in str(
+        result.exception
+    )
+
+
+def _one_line_error(result: Any, fragment: str) -> None:
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("autoplan: error: ") and fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--num-devices", "12,20"], "num_devices 12, 20 are not whole nodes of 'dgx-a100-80g'"),
+        (["--num-devices", "8,x"], "'x' is not a whole number"),
+        (["--num-devices", "8", "--tokens", "-3"], "--tokens = '-3' must be a positive number"),
+        (
+            ["--num-devices", "8", "--tokens", "1e9", "--price-per-device-hour", "free"],
+            "not a number",
+        ),
+        (["--num-devices", "8", "--cluster", "dgx-z100"], "unknown cluster preset 'dgx-z100'"),
+        (["--num-devices", "8", "--set", "nodes=2"], "the node count comes from num_devices"),
+        (["--num-devices", "8", "--plot", "whatif.txt"], "use a file ending in .png"),
+    ],
+)
+def test_cli_bad_input_is_one_line(extra: list[str], fragment: str) -> None:
+    args = ["whatif", "--model", MODEL, "--global-batch", "16", *extra]
+    if "--cluster" not in extra:
+        args += ["--cluster", "dgx-a100-80g"]
+    _one_line_error(run_cli(*args), fragment)
