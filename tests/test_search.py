@@ -71,7 +71,9 @@ def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[n
     cache = _CostCache(profile, cluster)
     best = math.inf
     checked = 0
-    for strategy in strategies(space, profile, cluster, global_batch):
+    # every outer choice, the dominated ones (GPipe beside 1F1B, ZeRO-1 beside ZeRO-2, layouts
+    # that cannot differ) included: skipping them must lose nothing
+    for strategy in strategies(space, profile, cluster, global_batch, skip_dominated=False):
         candidate = _candidate(strategy, space.recompute, cache, cluster)
         problem = _problem(candidate, cluster)
         n, num_stages = problem.num_units, problem.num_stages

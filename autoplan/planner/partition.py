@@ -89,6 +89,21 @@ class PartitionProblem:
     def num_units(self) -> int:
         return len(self.static_bytes)
 
+    def content_key(self) -> tuple[object, ...]:
+        """Equal for problems with the same tables (outer choices that cost the same)."""
+        return (
+            self.num_stages,
+            self.pp_degree,
+            self.virtual_stages,
+            self.num_micro_batches,
+            tuple(self.modes.items()),
+            self.static_bytes,
+            self.boundary_time_s,
+            self.inflight,
+            self.memory_capacity_bytes,
+            self.tail_constants_s,
+        )
+
     @property
     def num_tail_terms(self) -> int:
         return len(self.tail_constants_s)

@@ -34,6 +34,7 @@ from autoplan.planner.partition import (
     ModeCosts,
     Partition,
     PartitionProblem,
+    SolveStats,
     min_peak_memory,
     solve,
 )
@@ -79,6 +80,7 @@ class SearchStats:
     solver_calls: int = 0
     solver_infeasible: int = 0
     solver_cutoff: int = 0  # proven unable to beat the k-th best plan
+    solver_reused: int = 0  # identical problems answered from an earlier solve
     solver_timeouts: int = 0  # stopped at the time limit without a proof
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
@@ -141,6 +143,7 @@ def search_plans(
     best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
     memory_infeasible: list[Strategy] = []
     unproven: list[float] = []  # lower bounds of candidates the solver did not finish
+    solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = {}
     capacity = float(cluster.device.memory_bytes)
     for visited, (compute_bound, order, strategy) in enumerate(bounded):
         if len(best) == top_k and compute_bound >= -best[0][0]:
@@ -161,12 +164,20 @@ def search_plans(
             stats.pruned_bound += 1
             continue
         cutoff = -best[0][0] if len(best) == top_k else None
+        problem = _problem(candidate, cluster)
+        key = problem.content_key()
         t0 = time.perf_counter()
-        found, solve_stats = solve(
-            _problem(candidate, cluster), time_limit_s=time_limit_s, cutoff_s=cutoff
-        )
+        if key in solved:
+            # Another outer choice with identical tables (e.g. a rank layout that places every
+            # group alike) was solved already; the cutoff only ever falls, so a cutoff verdict
+            # still holds.
+            found, solve_stats = solved[key]
+            stats.solver_reused += 1
+        else:
+            found, solve_stats = solve(problem, time_limit_s=time_limit_s, cutoff_s=cutoff)
+            solved[key] = (found, solve_stats)
+            stats.solver_calls += 1
         stats.solver_s += time.perf_counter() - t0
-        stats.solver_calls += 1
         if solve_stats.status == "CUTOFF":
             stats.solver_cutoff += 1  # proven unable to beat the k-th best
         elif solve_stats.status == "INFEASIBLE":

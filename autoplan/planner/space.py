@@ -6,7 +6,8 @@ enumerates the outer choices (`cost_model.Strategy`) that are valid for the mode
 and the global batch: degrees multiply to the device count, TP divides every count the trace
 reports and stays inside a node (unless allowed), batches divide, the schedule's micro-batch
 rules hold. Dominated choices are skipped: GPipe when 1F1B is valid (same time, more memory),
-ZeRO levels and layouts that cannot differ when dp = 1.
+ZeRO-1 when ZeRO-2 is allowed (likewise), ZeRO levels and layouts that cannot differ when
+dp = 1.
 """
 
 from __future__ import annotations
@@ -189,9 +190,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def strategies(
-    space: SearchSpace, profile: ModelProfile, cluster: Cluster, global_batch: int
+    space: SearchSpace,
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    skip_dominated: bool = True,
 ) -> Iterator[Strategy]:
-    """Every valid, non-dominated outer choice in ``space``."""
+    """Every valid outer choice in ``space``; dominated ones only if ``skip_dominated`` is off
+    (the tests' brute force enumerates them to show skipping them loses nothing)."""
     n = cluster.num_devices
     counts = profile.tp_divisible_counts()
     tp_choices = [
@@ -218,24 +225,24 @@ def strategies(
                 if space.micro_batch is not None and b not in space.micro_batch:
                     continue
                 m = per_replica // b
-                yield from _schedules(space, profile, cluster, tp, pp, dp, b, m)
+                yield from _schedules(space, profile, tp, pp, dp, b, m, skip_dominated)
 
 
 def _schedules(
     space: SearchSpace,
     profile: ModelProfile,
-    cluster: Cluster,
     tp: int,
     pp: int,
     dp: int,
     b: int,
     m: int,
+    skip_dominated: bool,
 ) -> Iterator[Strategy]:
     options: list[tuple[Schedule, int]] = []
     if "1f1b" in space.schedules and m >= pp:
         options.append(("1f1b", 1))
     # GPipe has 1F1B's time with more activation memory: only when 1F1B is invalid or excluded.
-    if "gpipe" in space.schedules and not options:
+    if "gpipe" in space.schedules and not (options and skip_dominated):
         options.append(("gpipe", 1))
     if "interleaved-1f1b" in space.schedules and pp > 1 and m % pp == 0:
         for v in range(2, MAX_VIRTUAL_STAGES + 1):
@@ -248,8 +255,14 @@ def _schedules(
     sp_choices = [
         sp for sp in space.sequence_parallel if not sp or (tp > 1 and profile.seq_len % tp == 0)
     ]
-    zero_choices = [z for z in space.zero if dp > 1 or z == min(space.zero)]
-    layouts = space.rank_layouts if dp > 1 and pp > 1 else space.rank_layouts[:1]
+    zero_choices = [z for z in space.zero if dp > 1 or z == min(space.zero) or not skip_dominated]
+    if skip_dominated and 1 in zero_choices and 2 in zero_choices:
+        # ZeRO-1 and ZeRO-2 communicate alike (gradients reduce-scattered, weights all-gathered
+        # after the step) and ZeRO-2 also shards the gradients: same time, less memory.
+        zero_choices.remove(1)
+    layouts = space.rank_layouts
+    if skip_dominated and not (dp > 1 and pp > 1):
+        layouts = layouts[:1]
     for schedule, v in options:
         for sp in sp_choices:
             for zero in zero_choices:
