@@ -203,3 +203,19 @@ def test_top_k_is_ranked_and_constraints_are_obeyed() -> None:
         plan.validate(profile, cluster)
     assert result.stats.solver_calls >= 4
     assert result.stats.candidates >= result.stats.solver_calls
+
+
+def test_memory_aware_time_bound_by_hand() -> None:
+    from autoplan.planner.search import _least_time_within
+
+    # Two identical units, modes (bytes, seconds): none (10, 1.0), selective (6, 1.2),
+    # full (1, 2.0). From "none" the hull goes to selective (0.2 s / 4 B = 0.05 s/B), then to
+    # full (0.8 s / 5 B = 0.16 s/B); each segment saves that many bytes per unit.
+    classes = [(2, [(10.0, 1.0), (6.0, 1.2), (1.0, 2.0)])]
+    assert _least_time_within(classes, 25.0) == pytest.approx(2.0)  # fits as is
+    # 20 B held, budget 12: save 8 B at 0.05 s/B -> 2.0 + 0.4 = 2.4 (both selective)
+    assert _least_time_within(classes, 12.0) == pytest.approx(2.4)
+    # budget 7: 8 B at 0.05 + 5 B at 0.16 -> 2.0 + 0.4 + 0.8 = 3.2 (selective + full)
+    assert _least_time_within(classes, 7.0) == pytest.approx(3.2)
+    # even full recompute holds 2 B
+    assert _least_time_within(classes, 1.0) == math.inf

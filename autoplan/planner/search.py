@@ -284,22 +284,16 @@ def _candidate(
     """Per-unit costs of one outer choice and lower bounds on its step time and memory."""
     by_mode = {mode: cache.costs(strategy, mode) for mode in modes}
     first = next(iter(by_mode.values()))
-    n = len(first)
     p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
     constants = memory_constants(first, cluster, strategy)
     usable = constants.usable_bytes(float(cluster.device.memory_bytes))
     # Identical units share their cost objects: bound over distinct units with multiplicity.
-    groups = Counter(tuple(id(costs[u]) for costs in by_mode.values()) for u in range(n))
-    rep = {
-        key: u for u, key in enumerate(tuple(id(c[u]) for c in by_mode.values()) for u in range(n))
-    }
     overlap = cluster.calibration.dp_overlap_fraction
-    total = largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
-    for key, count in groups.items():
-        per_mode = [costs[rep[key]] for costs in by_mode.values()]
-        least = min(c.time_s for c in per_mode)
-        total += count * least
-        largest = max(largest, least)
+    largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
+    classes: list[tuple[int, list[tuple[float, float]]]] = []  # (count, [(bytes, time)])
+    for rep, count in cache.class_counts.items():
+        per_mode = [costs[rep] for costs in by_mode.values()]
+        largest = max(largest, min(c.time_s for c in per_mode))
         tail_a += count * min(c.post_sync_s + c.optimizer_s for c in per_mode)
         tail_b += count * min(
             c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s for c in per_mode
@@ -307,6 +301,14 @@ def _candidate(
         least_act += count * min(c.activation_bytes for c in per_mode)
         static_sum += count * per_mode[0].static_bytes
         static_max = max(static_max, per_mode[0].static_bytes)
+        classes.append((count, [(c.activation_bytes, c.time_s) for c in per_mode]))
+    least_inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
+    memory_bound = max((static_sum + least_inflight * least_act) / p, static_max)
+    # Rank r needs static_r + inflight_r * act_r <= usable, so summed over the ranks the
+    # activations held per micro-batch cannot exceed (p * usable - static) / least inflight:
+    # the recompute modes must at least buy that much memory back.
+    budget = (p * usable - static_sum) / least_inflight
+    total = _least_time_within(classes, budget)
     # The per-rank work can at best be spread evenly; each of the S - 1 boundaries costs at
     # least its cheapest send; the busiest rank's tail is at least the average tail.
     num_stages = p * v
@@ -317,8 +319,6 @@ def _candidate(
             stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1)
         )
     time_bound = (m - 1 / v) * max(total / p, largest) + total / v + max(0.0, tail_a, tail_b) / p
-    least_inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
-    memory_bound = max((static_sum + least_inflight * least_act) / p, static_max)
     return Candidate(
         strategy=strategy,
         by_mode=by_mode,
@@ -327,6 +327,41 @@ def _candidate(
         memory_lower_bound_bytes=memory_bound,
         usable_bytes=usable,
     )
+
+
+def _least_time_within(
+    classes: list[tuple[int, list[tuple[float, float]]]], budget: float
+) -> float:
+    """A lower bound on the summed unit time when the units' activation bytes must fit
+    ``budget``: the LP relaxation of choosing a recompute mode per unit (a multiple-choice
+    knapsack). Each class of ``count`` identical units offers (bytes, time) per mode; units
+    start at their fastest mode and buy bytes back along the lower convex hull of their modes,
+    cheapest seconds-per-byte first, fractionally. Returns inf if even full recompute cannot
+    fit (the memory bound rejects such candidates anyway)."""
+    time = 0.0
+    held = 0.0
+    segments: list[tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
+    for count, points in classes:
+        start = min(points, key=lambda point: (point[1], point[0]))  # fastest, then smallest
+        time += count * start[1]
+        held += count * start[0]
+        current = start
+        while True:
+            cheaper = [q for q in points if q[0] < current[0]]
+            if not cheaper:
+                break
+            nxt = min(cheaper, key=lambda q: ((q[1] - current[1]) / (current[0] - q[0]), q[0]))
+            slope = max(0.0, (nxt[1] - current[1]) / (current[0] - nxt[0]))
+            segments.append((slope, count * (current[0] - nxt[0])))
+            current = nxt
+    excess = held - budget
+    for slope, saves in sorted(segments):
+        if excess <= 0:
+            break
+        used = min(saves, excess)
+        time += slope * used
+        excess -= used
+    return time if excess <= 1e-9 * max(held, 1.0) else math.inf
 
 
 def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
