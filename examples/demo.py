@@ -4,7 +4,8 @@
 2. search a plan for a 4-process job on this machine (`Cluster.local`), save it as YAML;
 3. train the GPT with that plan under `torchrun --nproc-per-node 4` (the loss falls);
 4. ask a what-if question about a large model on a cluster you do not own: GPT-3 175B on
-   64 to 1024 A100s, as a table and a plot (whatif.png).
+   64 to 1024 A100s, as a table and a plot (whatif.png), and draw one step of a Megatron-style
+   pipeline plan's schedule (timeline.png). Files go to ``demo-output/`` (or $AUTOPLAN_DEMO_DIR).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from rich.console import Console
 import autoplan
 from autoplan.cli.plan_cmd import ranked_table
 from autoplan.cli.trace_cmd import trace_data, trace_table
+from autoplan.cli.whatif_cmd import whatif_table
+from autoplan.plots import save_figure, timeline_figure, whatif_figure
+from autoplan.timeline import timeline_of
 
 HERE = Path(__file__).resolve().parent
 OUT = Path(os.environ.get("AUTOPLAN_DEMO_DIR", "demo-output"))
@@ -31,7 +35,7 @@ GLOBAL_BATCH = 16
 
 
 def main() -> None:
-    console = Console(highlight=False, width=140)
+    console = Console(highlight=False, width=200)
     OUT.mkdir(exist_ok=True)
 
     console.rule("1. Trace a small GPT on the meta device")
@@ -69,6 +73,42 @@ def main() -> None:
     ]
     console.print(" ".join(command[1:]))
     subprocess.run(command, check=True)
+
+    console.rule("4. What if: GPT-3 175B on 64 to 1024 A100s (DGX A100 nodes), 300B tokens")
+    # on the meta device: a few seconds, no memory
+    gpt3 = autoplan.trace(autoplan.models.preset("gpt3-175b"), name="gpt3-175b")
+    result = autoplan.whatif(
+        gpt3,
+        "dgx-a100-80g",
+        num_devices=[64, 128, 256, 512, 1024],
+        global_batch=1536,
+        tokens=300e9,
+        price_per_device_hour=2.0,
+    )
+    console.print(whatif_table(result))
+    plot = save_figure(whatif_figure(result), OUT / "whatif.png")
+    console.print(f"throughput and scaling plot: {plot}")
+    # A Megatron-style layout for comparison, and a picture of one step of its pipeline.
+    nodes = autoplan.Cluster.preset("dgx-a100-80g", nodes=128)
+    megatron = autoplan.manual_plan(
+        gpt3,
+        nodes,
+        tp=8,
+        pp=8,
+        micro_batch=1,
+        global_batch=1536,
+        recompute="full",
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+    )
+    estimate = autoplan.estimate(gpt3, nodes, megatron)
+    console.print(
+        f"Megatron-style t8 p8 d16 interleaved (v=2), full recompute on 1024 GPUs: step "
+        f"{estimate.step_time_s:.1f} s, MFU {estimate.mfu:.1%}, "
+        f"bubble {estimate.bubble_fraction:.1%}"
+    )
+    picture = save_figure(timeline_figure(timeline_of(estimate, megatron)), OUT / "timeline.png")
+    console.print(f"one step of its pipeline schedule: {picture}")
 
 
 if __name__ == "__main__":
