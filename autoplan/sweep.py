@@ -29,9 +29,12 @@ exception. Rows come per cluster type, in the given order, then by ascending dev
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,6 +363,7 @@ def whatif(
     cluster_overrides: Mapping[str, object] | None = None,
     time_limit_s: float = 10.0,
     progress: Callable[[WhatIfProgress], None] | None = None,
+    workers: int | None = None,
     **constraints: Any,
 ) -> WhatIfResult:
     """The best plan and its speed and cost for every cluster type and device count.
@@ -367,6 +371,8 @@ def whatif(
     ``cluster_name_or_template``: one cluster type or a list of them (module docstring).
     ``tokens``: train this many tokens (days, device-hours); ``price_per_device_hour``: with
     ``tokens``, the cost in the price's currency. ``constraints`` are `autoplan.search`'s.
+    ``workers``: searches run in this many processes at once (default: one per CPU core, at
+    most one per search; 1 runs them here, one after another).
     """
     from autoplan.api import profile_of
 
@@ -405,23 +411,42 @@ def whatif(
     SearchSpace.from_constraints(**constraints)
     profile = profile_of(model_or_graph)
 
-    total = len(types) * len(sizes)
+    jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]
+    total = len(jobs)
+    found: dict[tuple[str, int], _Found] = {}
+
+    def report(kind: ClusterType, n: int) -> None:
+        if progress is not None:
+            progress(
+                WhatIfProgress(completed=len(found), total=total, cluster=kind.label, num_devices=n)
+            )
+
+    count = min(workers or os.cpu_count() or 1, total)
+    if count <= 1:
+        for kind, n, cluster in jobs:
+            report(kind, n)
+            found[kind.label, n] = _best_plan(
+                n, profile, cluster, global_batch, time_limit_s, constraints
+            )
+    else:
+        # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
+        # separate processes, started fresh ("spawn": OR-tools threads and fork do not mix).
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
+            futures = {
+                pool.submit(
+                    _best_plan, n, profile, cluster, global_batch, time_limit_s, dict(constraints)
+                ): (kind, n)
+                for kind, n, cluster in jobs
+            }
+            report(*futures[next(iter(futures))])
+            for future in as_completed(futures):
+                kind, n = futures[future]
+                found[kind.label, n] = future.result()
+                report(kind, n)
     rows: list[WhatIfRow] = []
     for kind in types:
-        found: list[_Found] = []
-        for n in sizes:
-            if progress is not None:
-                progress(
-                    WhatIfProgress(
-                        completed=len(rows) + len(found),
-                        total=total,
-                        cluster=kind.label,
-                        num_devices=n,
-                    )
-                )
-            cluster = kind.cluster(n)
-            found.append(_best_plan(n, profile, cluster, global_batch, time_limit_s, constraints))
-        rows += _rows(kind.label, found, token_count, price)
+        rows += _rows(kind.label, [found[kind.label, n] for n in sizes], token_count, price)
     if progress is not None and types:
         progress(
             WhatIfProgress(

@@ -25,6 +25,7 @@ MPICH", ring algorithms; Patarasuk & Yuan 2009 for the bandwidth-optimal ring al
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,10 +66,20 @@ def ring_half_collective_time_s(
 ) -> float:
     """Ring reduce-scatter or all-gather of ``size_bytes`` (the full, unsharded buffer), at
     ``efficiency`` of the ring's bandwidth (the library's own shortfall, see Calibration)."""
+    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
+    return _ring_half_s(size_bytes, placement, intra, inter, efficiency)
+
+
+def _ring_half_s(
+    size_bytes: float,
+    placement: GroupPlacement,
+    intra: LinkRate,
+    inter: LinkRate,
+    efficiency: float,
+) -> float:
     if placement.size <= 1 or size_bytes <= 0:
         return 0.0
     k, n = placement.ranks_per_node, placement.num_nodes
-    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
     # Intra-node phase: each device moves (k-1)/k of the buffer over NVLink in k-1 steps.
     intra_bw_s = (k - 1) / k * size_bytes / intra.bandwidth_bytes_per_s
     intra_lat_s = (k - 1) * intra.latency_s
@@ -93,10 +104,16 @@ def reduce_scatter_time_s(size_bytes: float, placement: GroupPlacement, cluster:
 def all_reduce_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:
     """All-reduce of ``size_bytes`` on every rank: reduce-scatter + all-gather, hierarchical
     across nodes (see the module docstring)."""
+    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
+    return _all_reduce_s(size_bytes, placement, intra, inter)
+
+
+def _all_reduce_s(
+    size_bytes: float, placement: GroupPlacement, intra: LinkRate, inter: LinkRate
+) -> float:
     if placement.size <= 1 or size_bytes <= 0:
         return 0.0
     k, n = placement.ranks_per_node, placement.num_nodes
-    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
     intra_bw_s = 2 * (k - 1) / k * size_bytes / intra.bandwidth_bytes_per_s
     intra_lat_s = 2 * (k - 1) * intra.latency_s
     inter_bw_s = 2 * (n - 1) / n * (size_bytes / k) / inter.bandwidth_bytes_per_s
@@ -120,9 +137,37 @@ def collective_time_s(
     cluster: Cluster,
 ) -> float:
     """Time of a collective that every group of an axis runs at once: the slowest placement."""
-    fn = {
-        "all_reduce": all_reduce_time_s,
-        "all_gather": all_gather_time_s,
-        "reduce_scatter": reduce_scatter_time_s,
-    }[kind]
-    return max((fn(size_bytes, p, cluster) for p in placements), default=0.0)
+    cal = cluster.calibration
+    return _collective_time_s(
+        kind,
+        size_bytes,
+        tuple(placements),
+        link_rate(cluster, cross_node=False),
+        link_rate(cluster, cross_node=True),
+        cal.all_gather_efficiency,
+        cal.reduce_scatter_efficiency,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _collective_time_s(
+    kind: CollectiveKind,
+    size_bytes: float,
+    placements: tuple[GroupPlacement, ...],
+    intra: LinkRate,
+    inter: LinkRate,
+    all_gather_efficiency: float,
+    reduce_scatter_efficiency: float,
+) -> float:
+    # Memoised on the link rates (not the Cluster, which is unhashable): the planner asks for
+    # the same few collectives across thousands of strategies.
+    times = []
+    for p in placements:
+        if kind == "all_reduce":
+            times.append(_all_reduce_s(size_bytes, p, intra, inter))
+        else:
+            efficiency = (
+                all_gather_efficiency if kind == "all_gather" else reduce_scatter_efficiency
+            )
+            times.append(_ring_half_s(size_bytes, p, intra, inter, efficiency))
+    return max(times, default=0.0)

@@ -111,12 +111,38 @@ def test_scaling_and_training_cost_against_hand_worked_numbers(sweep: WhatIfResu
 
 def test_progress_reports_every_search(profile: ModelProfile) -> None:
     seen: list[WhatIfProgress] = []
-    whatif(profile, "dgx-a100-80g", num_devices=[2, 4], global_batch=16, progress=seen.append)
+    whatif(
+        profile,
+        "dgx-a100-80g",
+        num_devices=[2, 4],
+        global_batch=16,
+        progress=seen.append,
+        workers=1,
+    )
     assert [(p.completed, p.total, p.num_devices) for p in seen] == [
         (0, 2, 2),
         (1, 2, 4),
         (2, 2, 4),
     ]
+
+
+def test_parallel_searches_match_serial_ones(profile: ModelProfile) -> None:
+    seen: list[WhatIfProgress] = []
+    sizes = [2, 4, 8]
+    parallel = whatif(
+        profile,
+        "dgx-a100-80g",
+        num_devices=sizes,
+        global_batch=16,
+        progress=seen.append,
+        workers=2,
+    )
+    serial = whatif(profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, workers=1)
+    assert [r.plan for r in parallel.rows] == [r.plan for r in serial.rows]
+    assert [r.step_time_s for r in parallel.rows] == [r.step_time_s for r in serial.rows]
+    done = [p.completed for p in seen]
+    assert done[0] == 0 and done[-1] == len(sizes) and done == sorted(done)
+    assert {p.num_devices for p in seen} == set(sizes)
 
 
 def test_a_changed_link_is_its_own_cluster_type(profile: ModelProfile) -> None:

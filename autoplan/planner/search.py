@@ -50,7 +50,7 @@ from cost_model.estimate import (
     unit_costs,
 )
 from cost_model.hardware import Cluster
-from cost_model.memory import local_num_params, static_bytes
+from cost_model.memory import activation_bytes, local_num_params, static_bytes
 from cost_model.schedules import inflight_microbatches
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
@@ -149,7 +149,7 @@ def search_plans(
         if len(best) == top_k and compute_bound >= -best[0][0]:
             stats.pruned_bound += len(bounded) - visited
             break
-        if cache.memory_bound(strategy) > capacity:
+        if cache.memory_bound(strategy, space.recompute) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
@@ -230,10 +230,11 @@ class _CostCache:
         # representative unit -> how many units share its content
         self.class_counts = Counter(unit_classes(profile))
 
-    def memory_bound(self, strategy: Strategy) -> float:
-        """A lower bound on the device memory of any plan with these outer choices: the
-        weights, gradients and optimizer state alone, spread evenly over the pipeline ranks,
-        plus the reserved bytes and the allocator overhead."""
+    def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """A lower bound on the device memory of any plan with these outer choices: weights,
+        gradients, optimizer state and the activations of the fewest micro-batches any rank
+        holds (under the leanest recompute mode), spread evenly over the pipeline ranks, plus
+        the reserved bytes and the allocator overhead."""
         key = (strategy.tp_degree, strategy.pp_degree > 1)
         params = self._params.get(key)
         if params is None:
@@ -243,8 +244,18 @@ class _CostCache:
             )
             self._params[key] = params
         state = static_bytes(params, strategy.dtype, strategy.zero_stage, strategy.dp_degree)
+        traced = self.profile.traced_dtype_bytes
+        least_act = sum(
+            count
+            * min(
+                activation_bytes(self.profile.units[rep], strategy, mode, traced) for mode in modes
+            )
+            for rep, count in self.class_counts.items()
+        )
+        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+        inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
         cal = self.cluster.calibration
-        per_rank = state.total_bytes / strategy.pp_degree
+        per_rank = (state.total_bytes + inflight * least_act) / p
         return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
 
     def compute_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
@@ -467,7 +478,7 @@ def _no_feasible_plan(
         )
     # The least memory any plan needs: solve exactly for the outer choices whose bounds are
     # lowest (weights and optimizer state first, then the full per-unit bound).
-    infeasible.sort(key=cache.memory_bound)
+    infeasible.sort(key=lambda strategy: cache.memory_bound(strategy, modes))
     candidates = [_candidate(s, modes, cache, cluster) for s in infeasible[:20]]
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
     needs = [
