@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -61,3 +62,63 @@ def trace_spec(spec: str) -> Any:
     """Build and trace the model of a ``--model`` spec; the profile is named after the spec."""
     trace = importlib.import_module("autoplan.tracing").trace
     return trace(load_model(spec), name=spec)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
+    """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
+    ``--time-limit``; a command receives them as keyword arguments named like
+    `autoplan.search`'s constraints (collect them with `search_constraints`)."""
+    options = [
+        click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8."),
+        click.option("--pp", callback=int_list, help="Allowed pipeline degrees."),
+        *(
+            [click.option("--dp", callback=int_list, help="Allowed data-parallel degrees.")]
+            if with_dp
+            else []
+        ),
+        click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes."),
+        click.option("--max-tp", type=click.IntRange(min=1), default=None),
+        click.option("--max-pp", type=click.IntRange(min=1), default=None),
+        click.option("--zero", callback=int_list, help="Allowed ZeRO levels, e.g. 0,1."),
+        click.option(
+            "--recompute", callback=str_list, help="Allowed recompute modes, e.g. none,selective."
+        ),
+        click.option(
+            "--schedules", callback=str_list, help="Allowed schedules, e.g. 1f1b,interleaved-1f1b."
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["bf16", "fp16", "fp32"]),
+            default="bf16",
+            show_default=True,
+        ),
+        click.option(
+            "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
+        ),
+        click.option(
+            "--time-limit",
+            type=click.FloatRange(min=0.01),
+            default=10.0,
+            show_default=True,
+            help="Seconds per solver call.",
+        ),
+    ]
+
+    def decorate(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
+    """The constraints the user set among a command's `search_options` (not time_limit)."""
+    return {
+        key: value
+        for key, value in options.items()
+        if key != "time_limit" and value not in (None, False)
+    }

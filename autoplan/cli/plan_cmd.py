@@ -12,7 +12,14 @@ from rich.table import Table
 
 from autoplan._format import fmt_bytes, fmt_time
 from autoplan.api import estimate
-from autoplan.cli.common import console, emit_json, int_list, json_option, str_list, trace_spec
+from autoplan.cli.common import (
+    console,
+    emit_json,
+    json_option,
+    search_constraints,
+    search_options,
+    trace_spec,
+)
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.plan import Plan
 from cost_model.hardware import load_cluster
@@ -42,30 +49,7 @@ from cost_model.hardware import load_cluster
     show_default=True,
     help="How many ranked plans to show.",
 )
-@click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8.")
-@click.option("--pp", callback=int_list, help="Allowed pipeline degrees.")
-@click.option("--dp", callback=int_list, help="Allowed data-parallel degrees.")
-@click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes.")
-@click.option("--max-tp", type=click.IntRange(min=1), default=None)
-@click.option("--max-pp", type=click.IntRange(min=1), default=None)
-@click.option("--zero", callback=int_list, help="Allowed ZeRO levels, e.g. 0,1.")
-@click.option(
-    "--recompute", callback=str_list, help="Allowed recompute modes, e.g. none,selective."
-)
-@click.option(
-    "--schedules", callback=str_list, help="Allowed schedules, e.g. 1f1b,interleaved-1f1b."
-)
-@click.option(
-    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
-)
-@click.option("--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes.")
-@click.option(
-    "--time-limit",
-    type=click.FloatRange(min=0.01),
-    default=10.0,
-    show_default=True,
-    help="Seconds per solver call.",
-)
+@search_options()
 @json_option
 def plan_cmd(
     model_spec: str,
@@ -80,7 +64,7 @@ def plan_cmd(
     """Search the fastest plan that fits and show it with its ranked alternatives."""
     from autoplan.planner.search import SearchProgress, search_plans
 
-    constraints = {key: value for key, value in options.items() if value not in (None, False)}
+    constraints = search_constraints(options)
     target = load_cluster(cluster_spec)
     out = console()
     profile = trace_spec(model_spec).profile

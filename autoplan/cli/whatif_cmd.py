@@ -16,7 +16,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from autoplan._format import fmt_bytes, fmt_time
-from autoplan.cli.common import console, emit_json, int_list, json_option, str_list, trace_spec
+from autoplan.cli.common import (
+    console,
+    emit_json,
+    json_option,
+    search_constraints,
+    search_options,
+    trace_spec,
+)
 from autoplan.sweep import (
     WhatIfInputError,
     WhatIfProgress,
@@ -70,25 +77,7 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     multiple=True,
     help="Cluster override for every type, key=value, e.g. inter_node_bandwidth=100GB/s.",
 )
-@click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8.")
-@click.option("--pp", callback=int_list, help="Allowed pipeline degrees.")
-@click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes.")
-@click.option("--max-tp", type=click.IntRange(min=1), default=None)
-@click.option("--max-pp", type=click.IntRange(min=1), default=None)
-@click.option("--zero", callback=int_list, help="Allowed ZeRO levels, e.g. 0,1.")
-@click.option("--recompute", callback=str_list, help="Allowed recompute modes.")
-@click.option("--schedules", callback=str_list, help="Allowed schedules.")
-@click.option(
-    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
-)
-@click.option("--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes.")
-@click.option(
-    "--time-limit",
-    type=click.FloatRange(min=0.01),
-    default=10.0,
-    show_default=True,
-    help="Seconds per solver call.",
-)
+@search_options(with_dp=False)
 @json_option
 def whatif_cmd(
     model_spec: str,
@@ -124,7 +113,7 @@ def whatif_cmd(
         cluster_type(spec, overrides).check_devices(sizes)
     if plot_path is not None:
         check_picture_path(plot_path, "--plot")
-    constraints = {key: value for key, value in options.items() if value not in (None, False)}
+    constraints = search_constraints(options)
 
     profile = trace_spec(model_spec).profile
     out = console()
