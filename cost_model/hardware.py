@@ -260,6 +260,8 @@ def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> 
     except ValueError as error:
         raise ClusterError(f"cluster override {key}={raw!r}: {error}") from None
     if kind is int:
+        if dimension == "bytes":
+            return round(number)  # 2.2GiB is not a whole number of bytes: the nearest one
         if number != int(number):
             raise ClusterError(f"cluster override {key}={raw!r} must be a whole number")
         return int(number)

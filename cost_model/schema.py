@@ -179,6 +179,8 @@ def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int
         number = value
     else:
         raise SchemaError(f"{path}: expected a number, got {value!r}")
+    if hint is int and unit == "bytes" and isinstance(value, str):
+        return round(number)  # "2.2GiB" is not a whole number of bytes: the nearest one
     if hint is int:
         if float(number) != int(number):
             raise SchemaError(f"{path}: expected a whole number, got {value!r}")

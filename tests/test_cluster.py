@@ -84,6 +84,7 @@ def test_overrides_with_units() -> None:
     assert c.inter_node.bandwidth_bytes_per_s == 50e9
     assert c.device.memory_bytes == 40 * 2**30
     assert c.calibration.gemm_efficiency == 0.6
+    assert load_cluster("dgx-a100-80g:memory=2.2GiB").device.memory_bytes == round(2.2 * 2**30)
     c2 = Cluster.preset("dgx-h100-80g", nodes=2, peak_flops_fp8="2PFLOPS")
     assert c2.device.peak_flops["fp8"] == 2e15
 
