@@ -29,4 +29,19 @@ class TraceError(InputError):
 
 
 class NoFeasiblePlanError(InputError):
-    """No plan in the searched space fits the cluster."""
+    """No plan in the searched space fits the cluster.
+
+    When memory is the reason, ``least_memory_bytes`` is the least any candidate needs per
+    device and ``capacity_bytes`` the device's memory (None otherwise).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        least_memory_bytes: float | None = None,
+        capacity_bytes: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.least_memory_bytes = least_memory_bytes
+        self.capacity_bytes = capacity_bytes

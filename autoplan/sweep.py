@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -333,17 +332,14 @@ def _check_device_counts(num_devices: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(num_devices)))
 
 
-# The planner's NoFeasiblePlanError (autoplan.planner.search._no_feasible_plan) states the least
-# memory any plan needs and the device's capacity; rows show just those numbers.
-_LEAST_MEMORY = re.compile(r"needs is ([\d.]+ GiB).*?the device has ([\d.]+ GiB)")
-
-
 def infeasible_reason(error: InputError) -> str:
     """A short reason for a planner error: ``needs 97.3 GiB per device of 80.0 GiB``."""
     message = str(error)
-    found = _LEAST_MEMORY.search(message)
-    if found:
-        return f"does not fit: needs {found[1]} per device of {found[2]}"
+    least = getattr(error, "least_memory_bytes", None)
+    capacity = getattr(error, "capacity_bytes", None)
+    if least is not None and capacity is not None:
+        gib = 2.0**30
+        return f"does not fit: needs {least / gib:.1f} GiB per device of {capacity / gib:.1f} GiB"
     if "no degrees/batching combination" in message:
         return "no degrees/batching combination satisfies the constraints"
     return message.split(";")[0]

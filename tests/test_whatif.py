@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from autoplan.cli import cli
 from autoplan.cli.common import trace_spec
-from autoplan.errors import InputError
+from autoplan.errors import InputError, NoFeasiblePlanError
 from autoplan.planner.search import search_plans
 from autoplan.plots import save_figure, whatif_figure
 from autoplan.sweep import (
@@ -212,15 +212,14 @@ def test_parse_positive_reads_suffixes() -> None:
 
 
 def test_infeasible_reason_keeps_the_numbers() -> None:
-    message = (
-        "no plan for 'm' fits 'c': the least memory per device any of the 12 candidate plans "
-        "needs is 97.3 GiB (e.g. tp=1 pp=1 dp=8 micro_batch=1 zero=3), the device has 80.0 GiB; "
-        "use more devices"
+    error = NoFeasiblePlanError(
+        "no plan for 'm' fits 'c': ...; use more devices",
+        least_memory_bytes=97.3 * 2**30,
+        capacity_bytes=80.0 * 2**30,
     )
-    assert (
-        infeasible_reason(InputError(message))
-        == "does not fit: needs 97.3 GiB per device of 80.0 GiB"
-    )
+    assert infeasible_reason(error) == "does not fit: needs 97.3 GiB per device of 80.0 GiB"
+    # other planner errors: their first clause
+    assert infeasible_reason(InputError("tp=16 does not divide; fix it")) == "tp=16 does not divide"
 
 
 def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path) -> None:

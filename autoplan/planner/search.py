@@ -492,7 +492,9 @@ def _no_feasible_plan(
         f"{best.tp_degree} pp={best.pp_degree} dp={best.dp_degree} micro_batch="
         f"{best.micro_batch_size} zero={best.zero_stage}), the device has {capacity / gib:.1f} "
         "GiB; use more devices, allow recompute='full', a higher ZeRO level, a smaller "
-        "micro-batch, or devices with more memory"
+        "micro-batch, or devices with more memory",
+        least_memory_bytes=least,
+        capacity_bytes=float(capacity),
     )
 
 
