@@ -702,6 +702,9 @@ def solve(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = num_workers
+    # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove that a
+    # candidate cannot beat the cutoff (about 2x faster searches on large interleaved problems).
+    solver.parameters.linearization_level = 2
     status = solver.solve(built.model)
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE and cutoff_s is not None:
