@@ -207,11 +207,11 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             f"launch {plan.num_devices} processes or make a plan for {world_size}"
         )
     plan.validate(graph, cluster)
-    if plan.tp_degree > 1 and graph.front_end == "export":
+    if plan.sequence_parallel and plan.tp_degree > 1 and graph.front_end == "export":
         raise PlanError(
-            f"tp_degree = {plan.tp_degree}, but {graph.profile.name!r} was traced with "
-            "torch.export, which inlines its linears (no nn.Linear modules left for tensor "
-            "parallelism); use tp_degree 1 for this model"
+            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {graph.profile.name!r} "
+            "was traced with torch.export, which inlines its norms (sequence parallelism shards "
+            "norm modules); turn sequence_parallel off (tensor parallelism itself works)"
         )
 
 

@@ -23,13 +23,19 @@ Each block unit is its own FSDP/replicate group; the embedding, the head and any
 parameter shared with another unit (a tied embedding and head) belong to the stage-level group,
 since FSDP2 manages a shared parameter in exactly one group. After the pass
 every parameter of the stage is managed (checked).
+
+A wrapped module never returns a view that requires grad: FSDP2 hooks its outputs for the
+backward all-gather, and an in-place op on a view would drop that hook (FSDP2 warns). Views
+come from DTensor's ``to_local`` (the vocab head's replicated logits under tensor parallelism);
+such an output is cloned by a forward hook that runs before FSDP2's own (one copy of the
+logits; every other output passes through untouched).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -38,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map_only
 
 from autoplan.plan import Plan
 from passes._log import log_rank0
@@ -155,10 +162,21 @@ def uses_ddp(plan: Plan) -> bool:
 
 
 def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy) -> None:
+    # Registered first, so it runs before the wrapper's post-forward hook sees the outputs.
+    module.register_forward_hook(_own_outputs)
     if zero >= 2:
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
     else:
         replicate(module, mesh=dp_mesh, mp_policy=mp)
+
+
+def _own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """``output`` with every view that requires grad replaced by a copy (see the module doc)."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t._base is not None and t.requires_grad else t
+
+    return tree_map_only(torch.Tensor, own, output)
 
 
 def _shared_param_ids(module: nn.Module) -> set[int]:

@@ -41,6 +41,7 @@ from autoplan.errors import PlanError
 from autoplan.graph import ModelGraph
 from autoplan.plan import Plan
 from cost_model.workload import UnitProfile
+from passes.module_calls import restore_module_calls
 
 __all__ = [
     "SplitModel",
@@ -219,7 +220,9 @@ def _splittable_module(graph: ModelGraph) -> fx.GraphModule:
     fx traces are that already. A ``torch.export`` graph lifts parameters to inputs; its
     ``module()`` puts them back as ``get_attr`` of the same ``Parameter`` objects, keeping the
     node names the unit labels refer to. Its input-guard call is dropped: a split module's
-    stages see micro-batches, and the guard belongs to the whole model's signature.
+    stages see micro-batches, and the guard belongs to the whole model's signature. Its inlined
+    ``nn.Linear``/``nn.Embedding`` calls become module calls again (`restore_module_calls`), so
+    the later passes (tensor parallelism) find the model's layers by path, as on an fx trace.
     """
     if graph.front_end != "export":
         return graph.graph_module
@@ -233,8 +236,7 @@ def _splittable_module(graph: ModelGraph) -> fx.GraphModule:
             if node.users:
                 raise PlanError(f"exported graph uses the result of guard {node.name!r}")
             module.graph.erase_node(node)
-    module.graph.lint()
-    module.recompile()
+    restore_module_calls(module)  # lints and recompiles
     return module
 
 

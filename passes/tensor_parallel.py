@@ -16,9 +16,14 @@ Guarantees (Megatron-LM layout, Shoeybi et al. 2019, section 3):
   ``SequenceParallel`` and hand a replicated DTensor to the column linears (one all-gather per
   norm); row linears reduce-scatter (``output_layouts=Shard(1)``); the embedding unit's output
   is split along the sequence (a local slice);
+- graphs from ``torch.export`` (Hugging Face models) work the same way: the split pass has
+  restored their ``nn.Linear``/``nn.Embedding`` calls (`passes.module_calls`), and the sizes
+  they bake in (head counts in reshapes) are made local first (`passes.local_shapes`); sequence
+  parallelism needs norm modules, which such graphs inline (refused);
 - every rule matches exactly one module of the right type, counted: a rule that matches nothing
   (or a module that is not an ``nn.Linear``/``nn.Embedding``, e.g. Hugging Face GPT-2's fused
-  ``Conv1D``) raises `PlanError`, never a silent no-op;
+  ``Conv1D``, which would need an interleaved q/k/v column split) raises `PlanError`, never a
+  silent no-op;
 - parameters that several units of the stage share (a tied embedding and head) stay shared.
 """
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -40,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autoplan.errors import PlanError
+from passes.local_shapes import localize_shapes
 from passes.split import StageModule, UnitModule
 
 __all__ = ["TensorParallelResult", "apply_tensor_parallel", "is_norm"]
@@ -125,19 +131,25 @@ def apply_tensor_parallel(
         module = stage.unit_module(unit)
         if unit.profile.tp.linears and not unit.module_paths:
             raise PlanError(
-                f"unit {unit.profile.name!r} calls no modules in the traced graph: it was traced "
-                "with torch.export (as Hugging Face models are), which inlines every nn.Linear "
-                "into ATen ops, so tensor-parallel styles have nothing to apply to; use "
-                "tp_degree 1 for this model (data, pipeline parallelism, ZeRO and recompute work)"
+                f"unit {unit.profile.name!r} calls no nn.Linear or nn.Embedding module, but "
+                f"its TP structure lists {[t.path for t in unit.profile.tp.linears]}: its layers "
+                "are of another type (Hugging Face GPT-2 fuses q/k/v into one transposed "
+                "Conv1D, c_attn, which needs an interleaved column sharding DTensor's "
+                "ColwiseParallel does not do); use tp_degree 1 for this model"
             )
         plan: dict[str, ParallelStyle] = {}
+        styles: dict[str, str] = {}
         for linear in unit.profile.tp.linears:
             expected += 1
             path = _resolve(unit, module, linear.path)
+            styles[path] = linear.style
             plan[path] = _style_for(
                 linear.style, module.get_submodule(path), path, sequence_parallel
             )
         if plan:
+            if isinstance(module, fx.GraphModule):
+                # An exported graph bakes in global head counts: make them local first.
+                localize_shapes(module, styles, tp_mesh.size(), unit_name=unit.profile.name)
             parallelize_module(module, tp_mesh, plan)
             sharded.extend(plan)
         if sequence_parallel:
@@ -183,8 +195,9 @@ def _sequence_parallel(unit: UnitModule, module: nn.Module, tp_mesh: DeviceMesh)
     if kind == "block" and not norms:
         raise PlanError(
             f"sequence_parallel: unit {unit.profile.name!r} calls no norm module "
-            f"({', '.join(unit.module_paths)}); sequence parallelism splits the norms' work: "
-            "turn sequence_parallel off for this model"
+            f"({', '.join(unit.module_paths)}); sequence parallelism splits the norms' work and "
+            "needs them as modules (a graph from torch.export, as of a Hugging Face model, "
+            "inlines them): turn sequence_parallel off for this model"
         )
     return norms
 

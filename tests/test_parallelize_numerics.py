@@ -37,12 +37,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # Hugging Face models: traced with torch.export on every rank (several seconds each), so slow.
-# Tensor parallelism does not apply to them (test_passes_tensor_parallel.py says why).
+# Tensor parallelism runs on the exported graph's restored nn.Linear calls, with the baked-in
+# head counts made local (grouped-query attention: 4 heads, 2 key/value heads); GPT-2's fused
+# Conv1D q/k/v is refused (test_passes_tensor_parallel.py).
 CASES_HF = {
     "hf-gpt2-pp2": ("hf-gpt2", {"pp": 2}),
     "hf-gpt2-dp2-zero3-recompute": ("hf-gpt2", {"dp": 2, "zero": 3, "recompute": "full"}),
     "hf-llama-pp2-selective": ("hf-llama", {"pp": 2, "recompute": "selective"}),
     "hf-llama-dp2": ("hf-llama", {"dp": 2}),
+    "hf-llama-tp2": ("hf-llama", {"tp": 2}),
 }
 
 # Four processes: the compositions.
@@ -61,6 +64,7 @@ CASES_4 = {
         },
     ),
     "pp2xtp2": ("gpt", {"pp": 2, "tp": 2}),
+    "hf-llama-dp2xtp2": ("hf-llama", {"dp": 2, "tp": 2}),
     "pp2xtp2-interleaved-sp": (
         "gpt",
         {

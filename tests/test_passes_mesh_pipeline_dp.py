@@ -4,6 +4,7 @@ groups: one process, no data moves)."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from passes import (
     split_stages,
 )
 from tests.dist_utils import fake_process_group
-from tests.numerics import build_model, loss_fn, make_plan
+from tests.numerics import batch, build_model, loss_fn, make_plan
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,20 @@ def test_fsdp2_and_replicate_manage_every_parameter(zero: int, tp: int) -> None:
             assert state._fsdp_param_group.post_forward_mesh_info is not None
         if zero == 2:  # kept until backward
             assert state._fsdp_param_group.post_forward_mesh_info is None
+
+
+def test_wrapped_stages_return_no_views() -> None:
+    # The head's replicated logits come from DTensor's to_local, a view; FSDP2 warns that an
+    # in-place op on a view would drop its pre-backward hook. The pass hands out a copy.
+    with fake_process_group(4):
+        plan, mesh, split = _stage({"dp": 2, "tp": 2, "zero": 3}, 4)
+        (stage,) = split.stages
+        apply_data_parallel(stage, mesh, plan)
+        inputs, _ = batch(plan.micro_batch_size)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*returned a view tensor")
+            logits = stage.module(inputs)
+        assert logits._base is None
 
 
 def test_zero0_without_tp_is_ddp() -> None:

@@ -108,7 +108,40 @@ def test_a_rule_that_matches_nothing_is_an_error() -> None:
 
 
 @pytest.mark.usefixtures("tp2")
+def test_hugging_face_llama_is_sharded_on_its_own_module_paths() -> None:
+    # torch.export inlines every nn.Linear; the split pass restores them as module calls.
+    stage, result = _tp("hf-llama")
+    assert sorted(result.linears) == sorted(
+        ["model.embed_tokens", "lm_head"]
+        + [
+            f"model.layers.{i}.{name}"
+            for i in range(2)
+            for name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        ]
+    )
+    assert _placements(stage, "unit_1.model.layers.0.self_attn.k_proj.weight") == (Shard(0),)
+    assert _placements(stage, "unit_1.model.layers.0.self_attn.o_proj.weight") == (Shard(1),)
+    assert _placements(stage, "unit_0.model.embed_tokens.weight") == (Shard(0),)
+    # repeat_kv's baked-in sizes are local: 2 kv heads -> 1, 4 heads -> 2 (the -1s stay).
+    block = stage.module.get_submodule("unit_1")
+    sizes = [
+        list(n.args[1])
+        for n in block.graph.nodes
+        if str(n.target) in ("aten.expand.default", "aten.reshape.default")
+    ]
+    assert [1, 1, 2, 16, 8] in sizes and [1, 2, 16, 8] in sizes and [1, 4, 16, 8] not in sizes
+
+
+@pytest.mark.usefixtures("tp2")
 def test_a_layer_that_is_not_a_linear_is_refused() -> None:
-    # Hugging Face GPT-2: fused Conv1D (and an exported graph with no Linear modules at all).
-    with pytest.raises(PlanError, match=r"traced with torch\.export"):
+    # Hugging Face GPT-2: q/k/v fused in one transposed Conv1D, left inlined by the export.
+    with pytest.raises(PlanError, match=r"'transformer.h.0' calls no nn.Linear.*Conv1D"):
         _tp("hf-gpt2")
