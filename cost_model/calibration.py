@@ -46,8 +46,22 @@ class Calibration:
     reduce_scatter_efficiency: float = 1.0
     # Fixed cost of one kernel launch or framework dispatch.
     kernel_overhead_s: float = unit_field("time", default=5e-6)
-    # Fraction of the last micro-batch's backward during which data-parallel gradient
-    # communication runs concurrently (1: bucketed DDP/FSDP overlap; 0: sync after backward).
+    # Host time of the training stack's wrappers, in seconds of the worker's own CPU (they
+    # add to the step where the host is the bottleneck: always on CPU workers; on GPUs only
+    # when kernels are too small to hide them, so the GPU presets leave them 0).
+    # Per tensor-parallel module (linear, embedding, head) per micro-batch, forward+backward:
+    # wrapping and unwrapping sharded tensors (DTensor dispatch), beyond the collectives.
+    tp_module_overhead_s: float = unit_field("time", default=0.0)
+    # Per unit per micro-batch when the unit is its own data-parallel group (FSDP2's per-unit
+    # pre/post forward and backward hooks, copy-in/copy-out of the flat buffers).
+    dp_unit_overhead_s: float = unit_field("time", default=0.0)
+    # Per unit per optimizer step when its parameters are distributed tensors (sharded by TP or
+    # FSDP2): the optimizer dispatches through the tensor subclass.
+    sharded_optimizer_unit_overhead_s: float = unit_field("time", default=0.0)
+    # Fraction of the compute during which data-parallel communication runs concurrently: the
+    # last micro-batch's backward for gradient sync, each unit's own compute for ZeRO-3
+    # prefetched gathers (1: bucketed DDP/FSDP overlap on a GPU's separate streams; 0: sync
+    # after backward, or CPU workers whose one core also moves the bytes).
     dp_overlap_fraction: float = 1.0
     # Fraction of a block's forward GEMM work that selective recompute re-runs in the backward
     # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
@@ -74,6 +88,9 @@ class Calibration:
         for name in (
             "gemm_half_efficiency_flops",
             "kernel_overhead_s",
+            "tp_module_overhead_s",
+            "dp_unit_overhead_s",
+            "sharded_optimizer_unit_overhead_s",
             "reserved_memory_bytes",
             "allocator_overhead_fraction",
         ):

@@ -272,6 +272,41 @@ def _tp_collective_counts(unit: UnitProfile) -> tuple[int, int]:
     return rows + min(vocab, 1), rows
 
 
+def _tp_module_count(unit: UnitProfile) -> int:
+    """Modules tensor parallelism shards in this unit (linears, embedding, head)."""
+    if unit.tp.linears:
+        return len(unit.tp.linears)
+    return sum(1 for op in unit.ops if op.tp in ("column", "row", "vocab") and op.param_bytes_read)
+
+
+def _per_unit_dp_groups(strategy: Strategy) -> bool:
+    """Whether every unit is its own data-parallel group with per-unit hooks.
+
+    autoplan's runtime (passes/data_parallel.py) wraps each unit with FSDP2 (``fully_shard``
+    for ZeRO-2/3, ``replicate`` otherwise) except for fp32 ZeRO-0/1 without TP or PP, which
+    runs under bucketed DDP, and fp32 plans with one data-parallel rank, which need no wrapper.
+    """
+    if strategy.dtype == "fp32" and strategy.dp_degree == 1:
+        return False
+    ddp = (
+        strategy.zero_stage <= 1
+        and strategy.tp_degree == 1
+        and strategy.pp_degree == 1
+        and strategy.dtype == "fp32"
+    )
+    return not ddp
+
+
+def _host_overhead_s(unit: UnitProfile, strategy: Strategy, cal: Calibration) -> float:
+    """Wrapper host time of one unit per micro-batch (forward + backward)."""
+    host = 0.0
+    if strategy.tp_degree > 1:
+        host += _tp_module_count(unit) * cal.tp_module_overhead_s
+    if unit.num_params > 0 and _per_unit_dp_groups(strategy):
+        host += cal.dp_unit_overhead_s
+    return host
+
+
 def _hidden_bytes_per_sample(unit: UnitProfile) -> float:
     """The activation a TP collective of this unit moves: the hidden state (b, s, h)."""
     return unit.input_bytes if unit.kind == "head" else unit.output_bytes
@@ -340,7 +375,7 @@ def unit_costs(
         param_full_bytes = n_local * width  # unsharded (ZeRO-3 gathers this)
         grad_full_bytes = n_local * param_state_bytes(dtype).grad_bytes
 
-        zero3_fwd = zero3_bwd = zero3_exposed = 0.0
+        zero3_fwd = zero3_bwd = 0.0
         dp_sync = post_sync = 0.0
         if dp > 1 and n_local > 0:
             if strategy.zero_stage >= 3:
@@ -351,9 +386,6 @@ def unit_costs(
                 scatter = collective_time_s("reduce_scatter", grad_full_bytes, dp_groups, cluster)
                 zero3_fwd = gather
                 zero3_bwd = gather + scatter
-                zero3_exposed = max(0.0, zero3_fwd - fwd_c) + max(
-                    0.0, zero3_bwd - (bwd_c + recompute_s)
-                )
             elif strategy.zero_stage >= 1:
                 # ZeRO-1/2: reduce-scatter gradients (overlappable), all-gather the updated
                 # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
@@ -378,10 +410,18 @@ def unit_costs(
         if updated > 0:
             optimizer_s += cal.kernel_overhead_s
 
+        # Host time of the wrappers (split evenly between forward and backward).
+        host = _host_overhead_s(unit, strategy, cal)
+        if n_local > 0 and (t > 1 or _per_unit_dp_groups(strategy)):
+            optimizer_s += cal.sharded_optimizer_unit_overhead_s
+        overlap = cal.dp_overlap_fraction
+        zero3_fwd_exposed = max(0.0, zero3_fwd - overlap * fwd_c)
+        zero3_bwd_exposed = max(0.0, zero3_bwd - overlap * (bwd_c + recompute_s))
+        zero3_exposed = zero3_fwd_exposed + zero3_bwd_exposed
         scale = activation_scale(strategy, traced)
         boundary_div = t if strategy.sequence_parallel else 1
-        forward_s = fwd_c + tp_fwd + max(0.0, zero3_fwd - fwd_c)
-        backward_s = bwd_c + recompute_s + tp_bwd + max(0.0, zero3_bwd - (bwd_c + recompute_s))
+        forward_s = fwd_c + tp_fwd + zero3_fwd_exposed + host / 2
+        backward_s = bwd_c + recompute_s + tp_bwd + zero3_bwd_exposed + host / 2
         loss_saved = loss_cost(unit, strategy, cluster, traced).saved_bytes
         held = activation_bytes(unit, strategy, mode, traced) + loss_saved
         working = working_bytes(unit, strategy, traced) + loss_saved

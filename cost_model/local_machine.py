@@ -4,7 +4,7 @@ With CUDA: the visible GPUs, matched by name to a shipped preset's device (A100,
 else the device's own memory with the generic GPU figures. Without: one worker per CPU core
 (or ``num_devices`` workers sharing them), RAM divided among them, and the `local` preset's
 rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`); with more
-workers than cores, each worker's compute and bandwidth are its share of the cores.
+workers than cores, each worker's compute, bandwidth and host time are its share of the cores.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ import psutil
 from cost_model.hardware import Cluster
 
 logger = logging.getLogger(__name__)
+
+_HOST_TIME_CONSTANTS = (
+    "kernel_overhead_s",
+    "tp_module_overhead_s",
+    "dp_unit_overhead_s",
+    "sharded_optimizer_unit_overhead_s",
+)
 
 # GPU name fragment -> preset whose device describes it.
 _GPU_PRESETS: tuple[tuple[str, str], ...] = (
@@ -62,8 +69,20 @@ def detect(num_devices: int | None = None) -> Cluster:
     intra = dataclasses.replace(
         base.intra_node, bandwidth_bytes_per_s=base.intra_node.bandwidth_bytes_per_s * share
     )
+    # Host work (op dispatch, wrapper hooks) is CPU time of the worker, which gets only its
+    # share of a core as well.
+    cal = base.calibration
+    calibration = dataclasses.replace(
+        cal,
+        **{name: getattr(cal, name) / share for name in _HOST_TIME_CONSTANTS},
+    )
     return dataclasses.replace(
-        base, name="local", devices_per_node=workers, device=device, intra_node=intra
+        base,
+        name="local",
+        devices_per_node=workers,
+        device=device,
+        intra_node=intra,
+        calibration=calibration,
     )
 
 

@@ -93,7 +93,10 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
     assert local.devices_per_node == 3
     share = min(1.0, len(os.sched_getaffinity(0)) / 3)  # workers beyond the cores share them
     assert local.device.peak_flops == {k: v * share for k, v in cluster.device.peak_flops.items()}
-    assert local.calibration == cluster.calibration
+    assert local.calibration.kernel_overhead_s == pytest.approx(7e-6 / share)
+    assert local.calibration.gemm_half_efficiency_flops == (
+        cluster.calibration.gemm_half_efficiency_flops
+    )
 
 
 @pytest.mark.slow
@@ -117,3 +120,47 @@ def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> No
     loaded = Cluster.from_yaml(path)
     assert loaded.name == "local"
     assert loaded.intra_node.bandwidth_bytes_per_s > 0
+
+
+def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
+    """Step times the cost model itself predicts with known host constants: the fit must give
+    those constants back (it inverts `estimate` on the reference plans)."""
+    import dataclasses
+
+    from autoplan.calibrate_runtime import (
+        RuntimeMeasurement,
+        calibration_profile,
+        fit_host_overheads,
+        predicted_step_s,
+        reference_plans,
+    )
+    from tests.cost_profiles import round_cluster
+
+    profile = calibration_profile()
+    cluster = round_cluster(devices_per_node=2)
+    truth = dataclasses.replace(
+        cluster.calibration,
+        tp_module_overhead_s=3e-4,
+        dp_unit_overhead_s=2e-4,
+        sharded_optimizer_unit_overhead_s=5e-3,
+    )
+    plans = reference_plans(profile, cluster)
+    assert {name for name, _, _ in plans} >= {"ddp", "tp2"}
+    runs = [
+        RuntimeMeasurement(
+            name=name,
+            plan=data,
+            step_s=predicted_step_s(profile, cluster, truth, data),
+            fitted=fitted,
+        )
+        for name, data, fitted in plans
+    ]
+    fitted = fit_host_overheads(profile, cluster, runs)
+    for name in ("tp_module_overhead_s", "dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    # Faster than the model can explain without host costs: constants clip at 0, never negative.
+    fast = [dataclasses.replace(r, step_s=r.step_s * 1e-3) for r in runs]
+    clipped = fit_host_overheads(profile, cluster, fast)
+    assert clipped.tp_module_overhead_s == 0.0
+    assert clipped.dp_unit_overhead_s == 0.0
+    assert clipped.sharded_optimizer_unit_overhead_s == 0.0

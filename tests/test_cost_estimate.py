@@ -336,3 +336,96 @@ def test_impossible_plans_raise_plan_error(kwargs: dict, message: str) -> None: 
     cluster = Cluster.preset("dgx-a100-80g")
     with pytest.raises(PlanError, match=message):
         manual_plan(profile, cluster, **kwargs)
+
+
+def _with_calibration(cluster: Cluster, **values: float) -> Cluster:
+    return dataclasses.replace(
+        cluster, calibration=dataclasses.replace(cluster.calibration, **values)
+    )
+
+
+def test_host_overheads_hand_worked() -> None:
+    # bf16 with dp 2: every unit is its own FSDP2 group (passes/data_parallel.py), so each unit
+    # adds dp_unit_overhead_s = 1e-4 s per micro-batch: T_0 = 3.16e-3, T_1 = 3.1e-3 and the
+    # pipeline (m = 4) takes 3 * 3.16e-3 + (3.16e-3 + 3.1e-3) = 1.574e-2 s. Each rank's optimizer
+    # steps one unit of distributed tensors: tail = 6e-5 (Adam) + 2e-5 = 8e-5 s.
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    cluster = _with_calibration(
+        base, dp_unit_overhead_s=1e-4, sharded_optimizer_unit_overhead_s=2e-5
+    )
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert result.pipeline_time_s == pytest.approx(1.574e-2, rel=REL)
+    assert result.tail_s == pytest.approx(8e-5, rel=REL)
+    assert result.step_time_s == pytest.approx(1.582e-2, rel=REL)
+
+
+def test_tp_module_overhead_counts_sharded_modules_and_skips_ddp_plans() -> None:
+    # Two units with a column and a row linear each; tp 2, dp 1, fp32, m = 4: 4 micro-batches x
+    # 2 units x 2 modules x 1e-4 s = 1.6e-3 s more, plus 2 units x 2e-5 s of optimizer over
+    # distributed tensors. dp_unit_overhead_s does not apply: one fp32 data-parallel rank has
+    # no wrapper.
+    def linear(name: str, role: str) -> OpProfile:
+        return OpProfile(
+            name=name,
+            kind="matmul",
+            tp=role,  # type: ignore[arg-type]
+            forward_flops=1e9,
+            backward_flops=2e9,
+            activation_bytes=0.0,
+            param_bytes_read=4e6,
+        )
+
+    profile = _two_unit_profile()
+    units = tuple(
+        dataclasses.replace(u, ops=(linear("up", "column"), linear("down", "row")))
+        for u in profile.units
+    )
+    profile = dataclasses.replace(profile, units=units)
+    plan = Plan(
+        dp_degree=1,
+        tp_degree=2,
+        pp_degree=1,
+        stages=(StagePlan(first_unit=0, last_unit=1),),
+        micro_batch_size=1,
+        num_micro_batches=4,
+        global_batch_size=4,
+        schedule="1f1b",
+        dtype="fp32",
+    )
+    cluster = dataclasses.replace(round_cluster(), devices_per_node=2)
+    plain = estimate(profile, cluster, plan).step_time_s
+    loaded = _with_calibration(
+        cluster,
+        tp_module_overhead_s=1e-4,
+        dp_unit_overhead_s=1.0,
+        sharded_optimizer_unit_overhead_s=2e-5,
+    )
+    assert estimate(profile, loaded, plan).step_time_s - plain == pytest.approx(
+        1.6e-3 + 4e-5, rel=1e-6
+    )
+
+
+def test_zero3_gathers_hide_behind_compute_only_as_far_as_the_overlap_fraction_says() -> None:
+    profile = gpt_profile()
+    strategy = Strategy(dp_degree=8, zero_stage=3, micro_batch_size=1, dtype="bf16")
+    cluster = round_cluster()
+    for overlap in (0.0, 0.5, 1.0):
+        costs = unit_costs(
+            profile, _with_calibration(cluster, dp_overlap_fraction=overlap), strategy, "none"
+        )
+        for u in costs:
+            expected = max(0.0, u.zero3_forward_s - overlap * u.forward_compute_s) + max(
+                0.0, u.zero3_backward_s - overlap * (u.backward_compute_s + u.recompute_s)
+            )
+            assert u.zero3_exposed_s == pytest.approx(expected, rel=REL)
+            assert u.forward_s == pytest.approx(
+                u.forward_compute_s
+                + u.tp_forward_s
+                + max(0.0, u.zero3_forward_s - overlap * u.forward_compute_s),
+                rel=REL,
+            )
+        if overlap == 0.0:
+            assert all(
+                u.zero3_exposed_s == pytest.approx(u.zero3_forward_s + u.zero3_backward_s)
+                for u in costs
+            )

@@ -26,9 +26,18 @@ from autoplan.cli.common import console, emit_json, json_option
     help="Local processes for the collective measurements (2-4) [cores, 2-4].",
 )
 @click.option("--quick", is_flag=True, help="Fewer shapes and repetitions (a few seconds).")
+@click.option(
+    "--training/--no-training",
+    default=True,
+    show_default=True,
+    help="Fit the training stack's host overheads to real training steps (~15 s).",
+)
 @json_option
-def calibrate_cmd(output: str | None, processes: int | None, quick: bool, as_json: bool) -> None:
-    """Measure matmul FLOP/s, memory bandwidth and collectives; write a cluster YAML."""
+def calibrate_cmd(
+    output: str | None, processes: int | None, quick: bool, training: bool, as_json: bool
+) -> None:
+    """Measure matmul FLOP/s, memory bandwidth, collectives and training-step overheads; write
+    a cluster YAML."""
     out = console()
     with Progress(
         TextColumn("{task.description}"),
@@ -44,7 +53,7 @@ def calibrate_cmd(output: str | None, processes: int | None, quick: bool, as_jso
             bar.update(task, description=what, completed=fraction)
 
         cluster, path, measured = calibrate(
-            output, world_size=processes, quick=quick, progress=report
+            output, world_size=processes, quick=quick, training=training, progress=report
         )
         bar.update(task, completed=1.0)
     if as_json:
@@ -65,6 +74,10 @@ def calibrate_cmd(output: str | None, processes: int | None, quick: bool, as_jso
                 for c in measured.comm
             ],
             "backend": measured.backend,
+            "training_steps": [
+                {"name": r.name, "plan": r.plan, "step_s": r.step_s, "fitted": list(r.fitted)}
+                for r in measured.runtime
+            ],
         }
         emit_json(data)
         return
@@ -87,5 +100,15 @@ def calibrate_cmd(output: str | None, processes: int | None, quick: bool, as_jso
     table.add_row(
         "GEMM half-efficiency size", f"{cluster.calibration.gemm_half_efficiency_flops:.3g} FLOP"
     )
+    for r in measured.runtime:
+        table.add_row(f"training step: {r.name}", fmt_time(r.step_s))
+    cal = cluster.calibration
+    if measured.runtime:
+        table.add_row(
+            "host overheads (fitted)",
+            f"TP {fmt_time(cal.tp_module_overhead_s)}/module, FSDP "
+            f"{fmt_time(cal.dp_unit_overhead_s)}/unit, sharded optimizer "
+            f"{fmt_time(cal.sharded_optimizer_unit_overhead_s)}/unit",
+        )
     out.print(table)
     out.print(f"wrote {path}")

@@ -1,0 +1,305 @@
+"""Fit the training stack's host overheads from real training steps on this machine.
+
+Expects a cluster whose device rates and links `autoplan.calibrate` has just measured. Runs a
+few short training jobs of a small zoo GPT through `autoplan.parallelize` on ``world_size``
+local processes (gloo on CPU, NCCL with one GPU per process), one job per reference plan, and
+fits the three host-time constants of `cost_model.calibration.Calibration` that the device
+and link measurements cannot see:
+
+- ``dp_unit_overhead_s`` (per unit per micro-batch) and ``sharded_optimizer_unit_overhead_s``
+  (per unit per step) from two ZeRO-3 plans with 1 and 2 micro-batches per step;
+- ``tp_module_overhead_s`` (per sharded module per micro-batch) from a tensor-parallel plan.
+
+The fit is non-negative least squares on the cost model's own predictions (Gauss-Newton on
+finite differences, exact NNLS for each linearised step): the constants are what makes
+`cost_model.estimate.estimate` reproduce the measured step times of the reference plans. A
+fourth plan (plain DDP) is measured and reported, not fitted: it checks the compute and link
+calibration. The reference model is deliberately not the one ``bench/runtime.py`` scores, so
+the bench tests transfer, not the fit.
+
+Guarantees: fitted values are finite and >= 0; the jobs take about 15 s on a 2-core machine;
+a job that fails raises `RuntimeError` with the ranks' exit status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cost_model.calibration import Calibration
+from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+
+__all__ = [
+    "CALIBRATION_MODEL",
+    "RuntimeMeasurement",
+    "fit_host_overheads",
+    "measure_runtime",
+    "reference_plans",
+]
+
+# Small enough that host costs are a large share of a step (well-determined fit), with heads
+# and vocabulary that TP 2 and 4 divide. bench/runtime.py scores a different, larger GPT.
+CALIBRATION_MODEL: dict[str, int] = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "seq_len": 32,
+    "vocab_size": 128,
+}
+SAMPLES_PER_DEVICE = 2  # global batch = 2 x devices: 1 or 2 micro-batches under pure DP
+_WARMUP_STEPS = 2
+_TIMED_STEPS = 6
+
+HOST_CONSTANTS = (
+    "tp_module_overhead_s",
+    "dp_unit_overhead_s",
+    "sharded_optimizer_unit_overhead_s",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeMeasurement:
+    """Median step time of one reference plan (the slowest rank of each step)."""
+
+    name: str
+    plan: dict[str, Any]  # `Plan.to_data()`
+    step_s: float
+    fitted: tuple[str, ...]  # the constants this run helps determine (empty: a check)
+
+
+def _reference_model() -> Any:
+    """The reference GPT on the meta device (tied embedding and head)."""
+    from autoplan.models import gpt
+
+    spec = CALIBRATION_MODEL
+    return gpt(
+        spec["num_layers"],
+        spec["hidden_size"],
+        spec["num_heads"],
+        spec["seq_len"],
+        spec["vocab_size"],
+        device="meta",
+        tie_embeddings=True,
+    )
+
+
+def calibration_profile() -> ModelProfile:
+    """The traced profile of the reference model (meta device, no real memory)."""
+    from autoplan.tracing import trace
+
+    return trace(_reference_model()).profile
+
+
+def reference_plans(
+    profile: ModelProfile, cluster: Cluster
+) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """(name, plan data, fitted constants) of the reference jobs on ``cluster``'s devices."""
+    from autoplan.api import manual_plan
+
+    batch = SAMPLES_PER_DEVICE * cluster.num_devices
+    zero3 = ("dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s")
+    specs: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+        ("ddp", {"micro_batch": 2}, ()),
+        ("zero3, 1 micro-batch", {"micro_batch": 2, "zero": 3}, zero3),
+        ("zero3, 2 micro-batches", {"micro_batch": 1, "zero": 3}, zero3),
+        ("tp2", {"tp": 2, "micro_batch": 1}, ("tp_module_overhead_s",)),
+    ]
+    plans = []
+    for name, kwargs, fitted in specs:
+        plan = manual_plan(profile, cluster, global_batch=batch, dtype="fp32", **kwargs)
+        plans.append((name, plan.to_data(), fitted))
+    return plans
+
+
+def _loss(logits: Any, targets: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _runtime_worker(
+    rank: int, world_size: int, init_file: str, out_file: str, plans: list[dict[str, Any]]
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.parallelizer import parallelize
+    from autoplan.plan import Plan
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+    )
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    seq, vocab = CALIBRATION_MODEL["seq_len"], CALIBRATION_MODEL["vocab_size"]
+    results = []
+    for data in plans:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(
+            0, vocab, (int(data["global_batch_size"]), seq + 1), generator=generator
+        )
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        torch.manual_seed(0)
+        model = _reference_model()
+        trainer = parallelize(
+            model,
+            plan=Plan.from_data(data),
+            loss_fn=_loss,
+            optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        )
+        times = []
+        for step in range(_WARMUP_STEPS + _TIMED_STEPS):
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step(inputs, targets)
+            sync()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= _WARMUP_STEPS:
+                times.append(float(elapsed))
+        results.append(statistics.median(times))
+        del trainer, model
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure_runtime(
+    profile: ModelProfile, cluster: Cluster, *, timeout_s: float = 300.0
+) -> tuple[RuntimeMeasurement, ...]:
+    """Step times of the reference plans, on ``cluster.num_devices`` local processes."""
+    start_processes: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
+    plans = reference_plans(profile, cluster)
+    world = cluster.num_devices
+    with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-runtime-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        out_file = os.path.join(tmp, "result.json")
+        context = start_processes(
+            _runtime_worker,
+            args=(world, init_file, out_file, [data for _, data, _ in plans]),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the reference training jobs did not finish in {timeout_s:.0f} s"
+                    )
+        except Exception as error:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise RuntimeError(f"measuring training steps failed: {error}") from error
+        step_s = json.loads(Path(out_file).read_text())
+    return tuple(
+        RuntimeMeasurement(name=name, plan=data, step_s=t, fitted=fitted)
+        for (name, data, fitted), t in zip(plans, step_s, strict=True)
+    )
+
+
+def predicted_step_s(
+    profile: ModelProfile, cluster: Cluster, calibration: Calibration, plan: dict[str, Any]
+) -> float:
+    """The cost model's step time for ``plan`` with ``calibration`` in place of the cluster's."""
+    from autoplan.plan import Plan
+    from cost_model.estimate import estimate
+
+    probe = dataclasses.replace(cluster, calibration=calibration)
+    return estimate(profile, probe, Plan.from_data(plan)).step_time_s
+
+
+def _least_squares(
+    profile: ModelProfile,
+    cluster: Cluster,
+    calibration: Calibration,
+    names: Sequence[str],
+    runs: Sequence[RuntimeMeasurement],
+) -> Calibration:
+    """``calibration`` with ``names`` fitted (>= 0) to the runs' step times."""
+    step = 1e-4  # s: finite-difference step; the model is piecewise linear in each constant
+    for _ in range(4):
+        base = np.array([predicted_step_s(profile, cluster, calibration, r.plan) for r in runs])
+        jacobian = np.empty((len(runs), len(names)))
+        for j, name in enumerate(names):
+            moved = dataclasses.replace(calibration, **{name: getattr(calibration, name) + step})
+            for i, run in enumerate(runs):
+                moved_s = predicted_step_s(profile, cluster, moved, run.plan)
+                jacobian[i, j] = (moved_s - base[i]) / step
+        current = np.array([getattr(calibration, name) for name in names])
+        # Linearised: measured ~ base + J (x - current); solve for x >= 0.
+        target = np.array([r.step_s for r in runs]) - base + jacobian @ current
+        solution = _nonnegative_least_squares(jacobian, target)
+        calibration = dataclasses.replace(
+            calibration, **{name: float(v) for name, v in zip(names, solution, strict=True)}
+        )
+        if float(np.max(np.abs(solution - current))) < 1e-9:
+            break
+    return calibration
+
+
+def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a x - b|`` over ``x >= 0``, exactly, by trying every set of free variables
+    (a handful of unknowns here: at most 2^3 small solves)."""
+    n = a.shape[1]
+    best, best_cost = np.zeros(n), float(np.sum(b**2))
+    for free in itertools.chain.from_iterable(
+        itertools.combinations(range(n), k) for k in range(1, n + 1)
+    ):
+        cols = list(free)
+        x_free, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if np.any(x_free < 0):
+            continue
+        x = np.zeros(n)
+        x[cols] = x_free
+        cost = float(np.sum((a @ x - b) ** 2))
+        if cost < best_cost - 1e-30:
+            best, best_cost = x, cost
+    return best
+
+
+def fit_host_overheads(
+    profile: ModelProfile, cluster: Cluster, runs: Sequence[RuntimeMeasurement]
+) -> Calibration:
+    """``cluster.calibration`` with the host constants fitted to ``runs``.
+
+    The data-parallel constants come first (their runs have no TP), then the TP constant
+    given them (a TP plan's optimizer also steps distributed tensors).
+    """
+    calibration = dataclasses.replace(cluster.calibration, **dict.fromkeys(HOST_CONSTANTS, 0.0))
+    for names in (
+        ("dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"),
+        ("tp_module_overhead_s",),
+    ):
+        subset = [r for r in runs if set(r.fitted) & set(names)]
+        if subset:
+            calibration = _least_squares(profile, cluster, calibration, names, subset)
+    return calibration
