@@ -403,6 +403,17 @@ def _describe(plan: Any) -> str:
     )
 
 
+def _technique(described: str) -> str:
+    """The plan's class for the error breakdown (from `_describe`): tp, pp, dp (DDP or FSDP2's
+    replicate) or fsdp (ZeRO-2/3), joined by '+'."""
+    fields = described.split()
+    zero = next(f for f in fields if f[0] == "z" and f[1:].isdigit())
+    parts = [axis for axis in ("tp", "pp") if not any(f == f"{axis}1" for f in fields)]
+    if "dp1" not in fields:
+        parts.append("fsdp" if zero in ("z2", "z3") else "dp")
+    return "+".join(parts) or "single"
+
+
 def part_bc(
     world_sizes: list[int], global_batch: int, steps: int, max_plans: int
 ) -> dict[str, Any]:
@@ -508,6 +519,20 @@ def part_bc(
                     if m[measured_key] > 0
                 ]
                 summary[f"memory_{key}_median_predicted_over_measured"] = statistics.median(ratios)
+            by_kind: dict[str, list[float]] = {}
+            for r in ok:
+                by_kind.setdefault(_technique(r["plan"]), []).append(r["relative_error"])
+            summary["median_relative_error_by_technique"] = {
+                kind: statistics.median(errors) for kind, errors in sorted(by_kind.items())
+            }
+            print(
+                f"(b) {world} procs, median signed error by technique: "
+                + ", ".join(
+                    f"{kind} {statistics.median(errors):+.0%} ({len(errors)})"
+                    for kind, errors in sorted(by_kind.items())
+                ),
+                flush=True,
+            )
             searched_s = summary.get("searched_measured_s", float("nan"))
             print(
                 f"(b) {world} procs: {len(ok)} of {len(plans)} plans measured, median |error| "

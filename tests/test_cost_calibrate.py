@@ -101,7 +101,8 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
 
 @pytest.mark.slow
 def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> None:
-    """A short real run through the CLI: 2 spawned gloo processes, a few matmul shapes (~10 s)."""
+    """A short real run through the CLI: 2 spawned gloo processes, a few matmul shapes, four
+    short training jobs (~30 s)."""
     path = tmp_path / "cli.yaml"  # type: ignore[operator]
     done = run_cli("calibrate", "--quick", "--processes", "2", "-o", str(path), "--json")
     assert done.returncode == 0, done.stderr
@@ -117,9 +118,22 @@ def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> No
     }
     assert all(c["time_s"] > 0 for c in measured["comm"])
     assert all(m["flops_per_s"] > 0 for m in measured["matmul"])
+    # Four real training jobs through autoplan.parallelize; the fitted host constants are >= 0
+    # and written to the file.
+    steps = measured["training_steps"]
+    assert [s["name"] for s in steps] == [
+        "ddp",
+        "zero3, 1 micro-batch",
+        "zero3, 2 micro-batches",
+        "tp2",
+    ]
+    assert all(s["step_s"] > 0 for s in steps)
     loaded = Cluster.from_yaml(path)
     assert loaded.name == "local"
     assert loaded.intra_node.bandwidth_bytes_per_s > 0
+    assert loaded.calibration.dp_overlap_fraction == 0.0  # CPU: gloo shares the worker's core
+    for name in ("tp_module_overhead_s", "dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"):
+        assert getattr(loaded.calibration, name) == data["calibration"][name] >= 0.0
 
 
 def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
