@@ -8,8 +8,9 @@ optimizer factory such as ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
 Guarantees:
 
 - the plan is checked against the job before any collective: a plan for another world size,
-  for another model (fingerprint), or with a TP degree that does not divide the heads raises
-  `PlanError` on every rank, so nothing hangs;
+  for another model (fingerprint), with a TP degree that does not divide the heads, or with TP
+  on layers DTensor cannot shard (GPT-2's fused Conv1D; sequence parallelism on a graph from
+  torch.export) raises `PlanError` on every rank, so nothing hangs; a searched plan avoids them;
 - without a plan, global rank 0 searches one for the running job (``Cluster.local`` with the
   torchrun world: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) and broadcasts it: every rank runs the
   same plan;
@@ -92,15 +93,21 @@ def parallelize(
         cluster = _job_cluster(world_size, local_world)
     if plan is not None:
         _check_plan(plan, graph, cluster, world_size)
+        _check_tensor_parallel(plan, model, graph)
     _init_process_group(device, timeout_s)
     if plan is None:
         constraints = dict(search_constraints or {})
         if device.type == "cpu":
             constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
+        if _layers_tp_cannot_shard(model, graph):
+            constraints.setdefault("tp", 1)
+        if graph.front_end == "export":
+            constraints.setdefault("sequence_parallel", False)
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
         if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
         _check_plan(plan, graph, cluster, world_size)  # same plan, same verdict on every rank
+        _check_tensor_parallel(plan, model, graph)
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
@@ -212,6 +219,41 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             f"sequence_parallel with tp_degree = {plan.tp_degree}, but {graph.profile.name!r} "
             "was traced with torch.export, which inlines its norms (sequence parallelism shards "
             "norm modules); turn sequence_parallel off (tensor parallelism itself works)"
+        )
+
+
+def _layers_tp_cannot_shard(model: nn.Module, graph: ModelGraph) -> list[str]:
+    """Layers of the traced TP structure that DTensor's styles cannot shard, with their types.
+
+    ``ColwiseParallel``/``RowwiseParallel`` shard ``nn.Linear`` and ``nn.Embedding`` only; a
+    Hugging Face GPT-2 fuses q/k/v in one transposed ``Conv1D`` (``c_attn``).
+    """
+    bad = []
+    for unit in graph.profile.units:
+        for linear in unit.tp.linears:
+            for path in (f"{unit.name}.{linear.path}", linear.path):
+                try:
+                    layer = model.get_submodule(path)
+                except AttributeError:
+                    continue
+                if not isinstance(layer, nn.Linear | nn.Embedding):
+                    bad.append(f"{path} ({type(layer).__name__})")
+                break
+    return bad
+
+
+def _check_tensor_parallel(plan: Plan, model: nn.Module, graph: ModelGraph) -> None:
+    """Refuse, before any collective, a TP plan the passes would refuse half-way."""
+    if plan.tp_degree == 1:
+        return
+    bad = _layers_tp_cannot_shard(model, graph)
+    if bad:
+        raise PlanError(
+            f"tp_degree = {plan.tp_degree}, but tensor parallelism shards nn.Linear and "
+            f"nn.Embedding layers only, and {', '.join(bad[:3])}"
+            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''} are not (Hugging Face "
+            "GPT-2 fuses q/k/v in one transposed Conv1D, which needs an interleaved column "
+            "split); use tp_degree 1 for this model"
         )
 
 

@@ -210,6 +210,17 @@ def test_tp_degree_that_does_not_divide_the_heads_fails_on_every_rank(tmp_path: 
         assert "tp_degree = 2 does not divide num_heads = 3" in message, message
 
 
+def test_tp_plan_for_gpt2s_fused_conv1d_is_refused_before_any_collective() -> None:
+    from autoplan.parallelizer import _check_tensor_parallel
+    from autoplan.tracing import trace
+
+    model = build_model("hf-gpt2")
+    graph = trace(model)
+    _check_tensor_parallel(make_plan(pp=2), model, graph)  # no TP: nothing to refuse
+    with pytest.raises(PlanError, match=r"transformer\.h\.0\.attn\.c_attn \(Conv1D\)"):
+        _check_tensor_parallel(make_plan(tp=2), model, graph)
+
+
 # ----------------------------------------------------------------------------- failures
 
 
