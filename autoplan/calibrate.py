@@ -211,6 +211,12 @@ def _comm_worker(
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     # torch 2.13 renamed reduce_scatter_tensor (still there, deprecated); older torch lacks the new
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    # Warm-up: the first collectives of a new group open connections and allocate buffers.
+    warm = torch.ones(1024, device=device)
+    for _ in range(5):
+        dist.all_reduce(warm)
+        dist.all_gather([torch.empty_like(warm) for _ in range(world_size)], warm)
+    sync()
     records = []
     for size in sizes:
         numel = max(size // 4, 1)
@@ -241,12 +247,17 @@ def _comm_worker(
         ):
             fn()
             sync()
-            dist.barrier()
-            start = time.perf_counter()
+            # Each call starts together on every rank (a barrier before it) and is timed alone;
+            # the median resists the multi-millisecond scheduling hiccups of CPU workers that
+            # would dominate a mean of a few calls.
+            times = []
             for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
                 fn()
-            sync()
-            elapsed = (time.perf_counter() - start) / repeats
+                sync()
+                times.append(time.perf_counter() - start)
+            elapsed = statistics.median(times)
             records.append(
                 {"op": name, "world_size": world_size, "size_bytes": numel * 4, "time_s": elapsed}
             )
@@ -277,7 +288,7 @@ def measure_comm(
     start_processes: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
 
     sizes = (4096, 4 * 2**20) if quick else (4096, 256 * 2**10, 4 * 2**20, 16 * 2**20)
-    repeats = 5 if quick else 10
+    repeats = 7 if quick else 21
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         out_file = os.path.join(tmp, "result.json")
