@@ -102,9 +102,12 @@ class AlphaBeta:
 def fit_half_efficiency_flops(points: Sequence[tuple[float, float]]) -> float:
     """``W_half`` from (work_flops, efficiency) points: median of ``W (1/e - 1)``.
 
-    Points at efficiency >= 0.999 carry no information and are skipped.
+    ``e(W) = W / (W + W_half)`` is a fixed cost of ``W_half / peak`` per call. Only points below
+    90% efficiency carry it: above, ``W (1/e - 1)`` multiplies a few percent of noise by a large
+    ``W`` (falls back to every point below 0.999 when none is that slow).
     """
-    estimates = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e < 0.999]
+    informative = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e <= 0.9]
+    estimates = informative or [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e < 0.999]
     return statistics.median(estimates) if estimates else 0.0
 
 
@@ -126,14 +129,13 @@ def fit_alpha_beta(world_size: int, small: CommMeasurement, large: CommMeasureme
 
 
 def _timeit(
-    fn: Callable[[], object], budget_s: float, sync: Callable[[], None], windows: int = 4
+    fn: Callable[[], object], budget_s: float, sync: Callable[[], None], windows: int = 5
 ) -> float:
-    """Seconds per call of ``fn``: the best of ``windows`` windows of about ``budget_s /
-    windows`` each (after one warm-up call). The best window is the least disturbed by other
-    work on the machine (Python's ``timeit`` advice: the minimum, not the mean)."""
+    """Seconds per call of ``fn``: the median of ``windows`` windows of about ``budget_s /
+    windows`` each (after one warm-up call), robust to a disturbed window either way."""
     fn()
     sync()
-    best = float("inf")
+    rates = []
     for _ in range(windows):
         calls = 0
         start = time.perf_counter()
@@ -144,21 +146,29 @@ def _timeit(
             elapsed = time.perf_counter() - start
             if elapsed >= budget_s / windows and calls >= 2:
                 break
-        best = min(best, elapsed / calls)
-    return best
+        rates.append(elapsed / calls)
+    return statistics.median(rates)
 
 
 def measure_compute(
-    *, quick: bool = False, progress: Progress | None = None
+    *,
+    quick: bool = False,
+    progress: Progress | None = None,
+    barrier: Callable[[], None] = lambda: None,
 ) -> tuple[tuple[MatmulMeasurement, ...], float, float]:
-    """Matmul rates per dtype and size, memory bandwidth and tiny-kernel overhead."""
+    """Matmul rates per dtype and size, memory bandwidth and tiny-kernel overhead.
+
+    ``barrier`` runs before each measurement: with several workers measuring at once it keeps
+    them on the same shape, so none runs alone (and faster) while the others still work.
+    """
     import torch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     budget = 0.05 if quick else 0.25
-    sizes = (128, 512, 1024) if quick else (128, 256, 512, 1024, 2048)
+    # Small shapes pin down the fixed cost per call (W_half / peak), large ones the peak.
+    sizes = (64, 128, 512, 1024) if quick else (32, 64, 128, 256, 512, 1024, 2048)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     results: list[MatmulMeasurement] = []
     total = len(sizes) * len(dtypes) + 2
@@ -169,6 +179,7 @@ def measure_compute(
                 progress(f"matmul {name} {n}^3", done / total)
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
+            barrier()
             seconds = _timeit(functools.partial(torch.matmul, a, b), budget, sync)
             results.append(MatmulMeasurement(dtype=name, size=n, flops_per_s=2.0 * n**3 / seconds))
             done += 1
@@ -177,6 +188,7 @@ def measure_compute(
     numel = (16 if quick else 64) * 2**20 // 4
     src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
+    barrier()
     copy_s = _timeit(lambda: dst.copy_(src), budget, sync)
     bandwidth = 2.0 * numel * 4 / copy_s  # read + write
     done += 1
@@ -265,7 +277,7 @@ def _comm_worker(
     # Compute rates with every worker busy at once, as in a training job: workers share
     # caches, memory bandwidth and (on a VM) physical cores, so one worker alone runs faster.
     dist.barrier()
-    matmul, bandwidth, overhead = measure_compute(quick=quick)
+    matmul, bandwidth, overhead = measure_compute(quick=quick, barrier=dist.barrier)
     dist.barrier()
     if rank == 0:
         compute = {

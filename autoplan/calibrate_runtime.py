@@ -3,18 +3,22 @@
 Expects a cluster whose device rates and links `autoplan.calibrate` has just measured. Runs a
 few short training jobs of a small zoo GPT through `autoplan.parallelize` on ``world_size``
 local processes (gloo on CPU, NCCL with one GPU per process), one job per reference plan, and
-fits the three host-time constants of `cost_model.calibration.Calibration` that the device
-and link measurements cannot see:
+fits the host-time constants of `cost_model.calibration.Calibration` that the device and link
+measurements cannot see:
 
+- ``kernel_overhead_s`` (per op, forward or backward) from a plain DDP plan: a training step
+  records autograd and runs the backward engine for every op, which the bare tiny kernel that
+  `autoplan.calibrate` times does not;
 - ``dp_unit_overhead_s`` (per unit per micro-batch) and ``sharded_optimizer_unit_overhead_s``
   (per unit per step) from two ZeRO-3 plans with 1 and 2 micro-batches per step;
-- ``tp_module_overhead_s`` (per sharded module per micro-batch) from a tensor-parallel plan.
+- ``tp_module_overhead_s`` (per sharded module per micro-batch) from a tensor-parallel plan;
+- ``pp_message_overhead_s`` (per pipeline send of an activation or a gradient) from a
+  two-stage pipeline plan.
 
 The fit is non-negative least squares on the cost model's own predictions (Gauss-Newton on
 finite differences, exact NNLS for each linearised step): the constants are what makes
-`cost_model.estimate.estimate` reproduce the measured step times of the reference plans. A
-fourth plan (plain DDP) is measured and reported, not fitted: it checks the compute and link
-calibration. The reference model is deliberately not the one ``bench/runtime.py`` scores, so
+`cost_model.estimate.estimate` reproduce the measured step times of the reference plans. The
+reference model is deliberately not the one ``bench/runtime.py`` scores, so
 the bench tests transfer, not the fit.
 
 Guarantees: fitted values are finite and >= 0; the jobs take about 15 s on a 2-core machine;
@@ -64,10 +68,14 @@ SAMPLES_PER_DEVICE = 2  # global batch = 2 x devices: 1 or 2 micro-batches under
 _WARMUP_STEPS = 2
 _TIMED_STEPS = 6
 
+# Fitted from the training steps (kernel_overhead_s starts from the tiny-kernel measurement,
+# the wrappers' from 0).
 HOST_CONSTANTS = (
+    "kernel_overhead_s",
     "tp_module_overhead_s",
     "dp_unit_overhead_s",
     "sharded_optimizer_unit_overhead_s",
+    "pp_message_overhead_s",
 )
 
 
@@ -113,10 +121,11 @@ def reference_plans(
     batch = SAMPLES_PER_DEVICE * cluster.num_devices
     zero3 = ("dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s")
     specs: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
-        ("ddp", {"micro_batch": 2}, ()),
+        ("ddp", {"micro_batch": 2}, ("kernel_overhead_s",)),
         ("zero3, 1 micro-batch", {"micro_batch": 2, "zero": 3}, zero3),
         ("zero3, 2 micro-batches", {"micro_batch": 1, "zero": 3}, zero3),
         ("tp2", {"tp": 2, "micro_batch": 1}, ("tp_module_overhead_s",)),
+        ("pp2", {"pp": 2, "micro_batch": 1}, ("pp_message_overhead_s",)),
     ]
     plans = []
     for name, kwargs, fitted in specs:
@@ -291,13 +300,19 @@ def fit_host_overheads(
 ) -> Calibration:
     """``cluster.calibration`` with the host constants fitted to ``runs``.
 
-    The data-parallel constants come first (their runs have no TP), then the TP constant
-    given them (a TP plan's optimizer also steps distributed tensors).
+    First the per-op dispatch cost (``kernel_overhead_s``) from the DDP run, which has no
+    wrapper of autoplan's own: in a training step each op also records autograd and runs
+    through the backward engine, which a bare tiny kernel does not. Then the data-parallel
+    constants (their runs have no TP), then the TP constant given them (a TP plan's
+    optimizer also steps distributed tensors), then the pipeline's.
     """
-    calibration = dataclasses.replace(cluster.calibration, **dict.fromkeys(HOST_CONSTANTS, 0.0))
+    wrappers = [name for name in HOST_CONSTANTS if name != "kernel_overhead_s"]
+    calibration = dataclasses.replace(cluster.calibration, **dict.fromkeys(wrappers, 0.0))
     for names in (
+        ("kernel_overhead_s",),
         ("dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"),
         ("tp_module_overhead_s",),
+        ("pp_message_overhead_s",),
     ):
         subset = [r for r in runs if set(r.fitted) & set(names)]
         if subset:

@@ -58,6 +58,10 @@ class Calibration:
     # Per unit per optimizer step when its parameters are distributed tensors (sharded by TP or
     # FSDP2): the optimizer dispatches through the tensor subclass.
     sharded_optimizer_unit_overhead_s: float = unit_field("time", default=0.0)
+    # Per pipeline message (an activation sent forward or a gradient sent back, per
+    # micro-batch and stage boundary): the schedule's bookkeeping around the send/recv
+    # (buffers, shape checks, waits), beyond the link's latency.
+    pp_message_overhead_s: float = unit_field("time", default=0.0)
     # Fraction of the compute during which data-parallel communication runs concurrently: the
     # last micro-batch's backward for gradient sync, each unit's own compute for ZeRO-3
     # prefetched gathers (1: bucketed DDP/FSDP overlap on a GPU's separate streams; 0: sync
@@ -91,6 +95,7 @@ class Calibration:
             "tp_module_overhead_s",
             "dp_unit_overhead_s",
             "sharded_optimizer_unit_overhead_s",
+            "pp_message_overhead_s",
             "reserved_memory_bytes",
             "allocator_overhead_fraction",
         ):

@@ -272,11 +272,18 @@ def _tp_collective_counts(unit: UnitProfile) -> tuple[int, int]:
     return rows + min(vocab, 1), rows
 
 
-def _tp_module_count(unit: UnitProfile) -> int:
-    """Modules tensor parallelism shards in this unit (linears, embedding, head)."""
+def _tp_module_count(unit: UnitProfile, sequence_parallel: bool) -> int:
+    """Modules tensor parallelism wraps in this unit: linears, embedding and head, and with
+    sequence parallelism the norms too (they run on sequence-sharded distributed tensors)."""
     if unit.tp.linears:
-        return len(unit.tp.linears)
-    return sum(1 for op in unit.ops if op.tp in ("column", "row", "vocab") and op.param_bytes_read)
+        count = len(unit.tp.linears)
+    else:
+        count = sum(
+            1 for op in unit.ops if op.tp in ("column", "row", "vocab") and op.param_bytes_read
+        )
+    if sequence_parallel:
+        count += sum(1 for op in unit.ops if op.kind == "reduction" and op.param_bytes_read)
+    return count
 
 
 def _per_unit_dp_groups(strategy: Strategy) -> bool:
@@ -301,7 +308,7 @@ def _host_overhead_s(unit: UnitProfile, strategy: Strategy, cal: Calibration) ->
     """Wrapper host time of one unit per micro-batch (forward + backward)."""
     host = 0.0
     if strategy.tp_degree > 1:
-        host += _tp_module_count(unit) * cal.tp_module_overhead_s
+        host += _tp_module_count(unit, strategy.sequence_parallel) * cal.tp_module_overhead_s
     if unit.num_params > 0 and _per_unit_dp_groups(strategy):
         host += cal.dp_unit_overhead_s
     return host
@@ -641,13 +648,14 @@ def stage_p2p_time_s(
 ) -> float:
     """Per-micro-batch boundary cost charged to stage ``stage_idx``: the forward send of its
     output and the backward send of that output's gradient, over the link to the next pipeline
-    rank. Zero for the last stage."""
+    rank, each with the schedule's host overhead per message. Zero for the last stage."""
     if stage_idx >= strategy.num_stages - 1:
         return 0.0
     cross = pipeline_link_crosses_nodes(
         strategy, cluster, strategy.pipeline_rank_of_stage(stage_idx)
     )
-    return 2.0 * p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross)
+    one = p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross)
+    return 2.0 * (one + cluster.calibration.pp_message_overhead_s)
 
 
 def rank_tail_s(rank_units: Sequence[UnitCost], dp_overlap_fraction: float) -> float:

@@ -25,6 +25,7 @@ _HOST_TIME_CONSTANTS = (
     "tp_module_overhead_s",
     "dp_unit_overhead_s",
     "sharded_optimizer_unit_overhead_s",
+    "pp_message_overhead_s",
 )
 
 # GPU name fragment -> preset whose device describes it.

@@ -126,13 +126,20 @@ def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> No
         "zero3, 1 micro-batch",
         "zero3, 2 micro-batches",
         "tp2",
+        "pp2",
     ]
     assert all(s["step_s"] > 0 for s in steps)
     loaded = Cluster.from_yaml(path)
     assert loaded.name == "local"
     assert loaded.intra_node.bandwidth_bytes_per_s > 0
     assert loaded.calibration.dp_overlap_fraction == 0.0  # CPU: gloo shares the worker's core
-    for name in ("tp_module_overhead_s", "dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"):
+    for name in (
+        "kernel_overhead_s",
+        "tp_module_overhead_s",
+        "dp_unit_overhead_s",
+        "sharded_optimizer_unit_overhead_s",
+        "pp_message_overhead_s",
+    ):
         assert getattr(loaded.calibration, name) == data["calibration"][name] >= 0.0
 
 
@@ -142,6 +149,7 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
     import dataclasses
 
     from autoplan.calibrate_runtime import (
+        HOST_CONSTANTS,
         RuntimeMeasurement,
         calibration_profile,
         fit_host_overheads,
@@ -154,12 +162,14 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
     cluster = round_cluster(devices_per_node=2)
     truth = dataclasses.replace(
         cluster.calibration,
+        kernel_overhead_s=2e-5,
         tp_module_overhead_s=3e-4,
         dp_unit_overhead_s=2e-4,
         sharded_optimizer_unit_overhead_s=5e-3,
+        pp_message_overhead_s=4e-4,
     )
     plans = reference_plans(profile, cluster)
-    assert {name for name, _, _ in plans} >= {"ddp", "tp2"}
+    assert {name for name, _, _ in plans} >= {"ddp", "tp2", "pp2"}
     runs = [
         RuntimeMeasurement(
             name=name,
@@ -170,11 +180,13 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
         for name, data, fitted in plans
     ]
     fitted = fit_host_overheads(profile, cluster, runs)
-    for name in ("tp_module_overhead_s", "dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s"):
+    for name in HOST_CONSTANTS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
     # Faster than the model can explain without host costs: constants clip at 0, never negative.
     fast = [dataclasses.replace(r, step_s=r.step_s * 1e-3) for r in runs]
     clipped = fit_host_overheads(profile, cluster, fast)
+    assert clipped.kernel_overhead_s == 0.0
     assert clipped.tp_module_overhead_s == 0.0
     assert clipped.dp_unit_overhead_s == 0.0
     assert clipped.sharded_optimizer_unit_overhead_s == 0.0
+    assert clipped.pp_message_overhead_s == 0.0

@@ -403,6 +403,34 @@ def test_tp_module_overhead_counts_sharded_modules_and_skips_ddp_plans() -> None
     assert estimate(profile, loaded, plan).step_time_s - plain == pytest.approx(
         1.6e-3 + 4e-5, rel=1e-6
     )
+    # With sequence parallelism the norm (a reduction with weights) is wrapped too: 3 modules
+    # per unit, 4 x 2 x 3 x 1e-4 = 2.4e-3 s, plus the same optimizer term.
+    norm = OpProfile(
+        name="ln",
+        kind="reduction",
+        tp="replicated",
+        forward_flops=1e6,
+        backward_flops=2e6,
+        activation_bytes=1e3,
+        param_bytes_read=1e3,
+    )
+    profile = dataclasses.replace(
+        profile, units=tuple(dataclasses.replace(u, ops=(norm, *u.ops)) for u in profile.units)
+    )
+    sp = dataclasses.replace(plan, sequence_parallel=True)
+    assert estimate(profile, loaded, sp).step_time_s - estimate(
+        profile, cluster, sp
+    ).step_time_s == pytest.approx(2.4e-3 + 4e-5, rel=1e-6)
+
+
+def test_pipeline_message_overhead_hand_worked() -> None:
+    # pp_message_overhead_s = 1e-5 per message: stage 0's boundary costs 2 x (3e-5 + 1e-5)
+    # = 8e-5 s per micro-batch, T_0 = 3.08e-3, T_1 = 3e-3: pipeline = 3 x 3.08e-3 + 6.08e-3.
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    cluster = _with_calibration(base, pp_message_overhead_s=1e-5)
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert result.pipeline_time_s == pytest.approx(1.532e-2, rel=REL)
+    assert result.stages[0].pp_comm_s == pytest.approx(4 * 8e-5, rel=REL)
 
 
 def test_zero3_gathers_hide_behind_compute_only_as_far_as_the_overlap_fraction_says() -> None:

@@ -108,7 +108,9 @@ def calibrate_cmd(
             "host overheads (fitted)",
             f"TP {fmt_time(cal.tp_module_overhead_s)}/module, FSDP "
             f"{fmt_time(cal.dp_unit_overhead_s)}/unit, sharded optimizer "
-            f"{fmt_time(cal.sharded_optimizer_unit_overhead_s)}/unit",
+            f"{fmt_time(cal.sharded_optimizer_unit_overhead_s)}/unit, pipeline "
+            f"{fmt_time(cal.pp_message_overhead_s)}/message, op dispatch "
+            f"{fmt_time(cal.kernel_overhead_s)}",
         )
     out.print(table)
     out.print(f"wrote {path}")
