@@ -103,6 +103,7 @@ def parallelize(
             constraints.setdefault("tp", 1)
         if graph.front_end == "export":
             constraints.setdefault("sequence_parallel", False)
+            constraints.setdefault("dtype", "fp32")  # the exported graph pins fp32 (below)
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
         if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
@@ -214,6 +215,13 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             f"launch {plan.num_devices} processes or make a plan for {world_size}"
         )
     plan.validate(graph, cluster)
+    if plan.dtype != "fp32" and graph.front_end == "export":
+        raise PlanError(
+            f"dtype = {plan.dtype!r}, but {graph.profile.name!r} was traced with torch.export "
+            "in fp32, and the exported graph pins that dtype (it drops casts that were no-ops "
+            "in fp32, such as an RMSNorm's cast back to the input dtype), so bf16/fp16 weights "
+            "would meet fp32 activations; use dtype 'fp32' for this model"
+        )
     if plan.sequence_parallel and plan.tp_degree > 1 and graph.front_end == "export":
         raise PlanError(
             f"sequence_parallel with tp_degree = {plan.tp_degree}, but {graph.profile.name!r} "

@@ -221,6 +221,27 @@ def test_tp_plan_for_gpt2s_fused_conv1d_is_refused_before_any_collective() -> No
         _check_tensor_parallel(make_plan(tp=2), model, graph)
 
 
+def _hf_llama_plan(rank: int, world_size: int, plan_data: dict[str, Any]) -> str:
+    from autoplan.parallelizer import parallelize
+
+    try:
+        parallelize(build_model("hf-llama"), plan=Plan.from_data(plan_data), loss_fn=loss_fn)
+    except PlanError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bf16_plan_for_an_exported_model_fails_on_every_rank(tmp_path: Path) -> None:
+    """The exported graph pins fp32 (export drops no-op casts): a bf16 run would mix dtypes
+    mid-step, so it is refused before any collective, on every rank."""
+    plan = make_plan(dp=2, dtype="bf16")
+    messages = run_distributed(
+        _hf_llama_plan, plan.to_data(), world_size=2, tmp_path=tmp_path, timeout_s=120
+    )
+    for message in messages:
+        assert "dtype = 'bf16'" in message and "use dtype 'fp32'" in message, message
+
+
 # ----------------------------------------------------------------------------- failures
 
 
