@@ -102,13 +102,16 @@ class AlphaBeta:
 def fit_half_efficiency_flops(points: Sequence[tuple[float, float]]) -> float:
     """``W_half`` from (work_flops, efficiency) points: median of ``W (1/e - 1)``.
 
-    ``e(W) = W / (W + W_half)`` is a fixed cost of ``W_half / peak`` per call. Only points below
-    90% efficiency carry it: above, ``W (1/e - 1)`` multiplies a few percent of noise by a large
-    ``W`` (falls back to every point below 0.999 when none is that slow).
+    ``e(W) = W / (W + W_half)`` is a fixed cost of ``W_half / peak`` per call. The points where
+    that cost dominates carry it: first those below 75% efficiency, else below 90%, else below
+    99.9%. Near the peak, ``W (1/e - 1)`` multiplies a few percent of noise (or of cache effects
+    the model does not have) by a large ``W``.
     """
-    informative = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e <= 0.9]
-    estimates = informative or [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e < 0.999]
-    return statistics.median(estimates) if estimates else 0.0
+    for ceiling in (0.75, 0.9, 0.999):
+        estimates = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e <= ceiling]
+        if estimates:
+            return statistics.median(estimates)
+    return 0.0
 
 
 def fit_alpha_beta(world_size: int, small: CommMeasurement, large: CommMeasurement) -> AlphaBeta:
@@ -259,17 +262,20 @@ def _comm_worker(
         ):
             fn()
             sync()
-            # Each call starts together on every rank (a barrier before it) and is timed alone;
-            # the median resists the multi-millisecond scheduling hiccups of CPU workers that
-            # would dominate a mean of a few calls.
+            # Each call starts together on every rank (a barrier before it) and is timed alone.
+            # The mean, not the median: on CPU workers small collectives are bimodal (~0.3 ms,
+            # or ~4 ms when a waiting rank sleeps through a scheduler tick), a training step
+            # pays the mix, and a median flips between the modes from run to run. Small
+            # messages get more calls, since their mean converges slowest.
+            calls = repeats * 4 if numel * 4 <= 2**18 else repeats
             times = []
-            for _ in range(repeats):
+            for _ in range(calls):
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
                 sync()
                 times.append(time.perf_counter() - start)
-            elapsed = statistics.median(times)
+            elapsed = statistics.fmean(times)
             records.append(
                 {"op": name, "world_size": world_size, "size_bytes": numel * 4, "time_s": elapsed}
             )
@@ -347,6 +353,12 @@ def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
     peak_flops = dict(base.device.peak_flops)
     points: list[tuple[float, float]] = []
     gemm_efficiency = 1.0
+    # One W_half serves every dtype: take it from the dtype jobs train in on this device
+    # (CPU workers: fp32, as `parallelize` plans them; GPUs: bf16). On CPU the bf16 curve
+    # (AMX tiles) is far steeper and would make fp32 GEMMs look slow.
+    train_dtype = "bf16" if is_gpu else "fp32"
+    if not any(m.dtype == train_dtype for m in measured.matmul):
+        train_dtype = measured.matmul[0].dtype if measured.matmul else train_dtype
     for dtype in sorted({m.dtype for m in measured.matmul}):
         rows = [m for m in measured.matmul if m.dtype == dtype]
         best = max(m.flops_per_s for m in rows)
@@ -354,7 +366,8 @@ def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
             peak_flops[dtype] = best  # no datasheet for a CPU core: the best rate is the peak
         elif dtype == "bf16" and "bf16" in peak_flops:
             gemm_efficiency = min(1.0, best / peak_flops["bf16"])
-        points.extend((2.0 * m.size**3, m.flops_per_s / best) for m in rows)
+        if dtype == train_dtype:
+            points.extend((2.0 * m.size**3, m.flops_per_s / best) for m in rows)
     device = dataclasses.replace(
         base.device,
         peak_flops=peak_flops,

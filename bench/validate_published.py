@@ -33,11 +33,10 @@ import yaml
 from autoplan.api import manual_plan
 from autoplan.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
-from cost_model.estimate import Estimate, estimate, unit_costs
+from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
 from cost_model.hardware import Cluster
 from cost_model.schedules import pipeline_time_s
 from cost_model.strategy import (
-    GroupPlacement,
     Strategy,
     group_placements,
     pipeline_link_crosses_nodes,
@@ -322,14 +321,6 @@ BF16_OPTIMIZER_STEP_BYTES = 24.0
 BF16_OPTIMIZER_SHARD_BYTES = 30.0
 
 
-def _tied_pair(strategy: Strategy, cluster: Cluster) -> GroupPlacement:
-    """First and last pipeline rank's devices that share the tied embedding."""
-    first = strategy.global_rank(pp=0, dp=0, tp=0)
-    last = strategy.global_rank(pp=strategy.pp_degree - 1, dp=0, tp=0)
-    same = cluster.node_of(first) == cluster.node_of(last)
-    return GroupPlacement(size=2, num_nodes=1 if same else 2, ranks_per_node=2 if same else 1)
-
-
 def deepspeed_pipe_bf16_step_s(
     profile: ModelProfile, cluster: Cluster, plan: Plan, est: Estimate
 ) -> float:
@@ -391,9 +382,9 @@ def deepspeed_pipe_bf16_step_s(
 
         tail = collective_time_s("all_reduce", 4.0 * params, dp_groups, cluster)
         tail += collective_time_s("all_gather", width * params, dp_groups, cluster)
-        if p > 1 and tied_params and rank.pp_rank in (0, p - 1):
-            pair = (_tied_pair(strategy, cluster),)
-            tail += collective_time_s("all_reduce", 4.0 * tied_params, pair, cluster)
+        pair = tied_pair_placement(strategy, cluster)
+        if pair is not None and tied_params and rank.pp_rank in (0, p - 1):
+            tail += collective_time_s("all_reduce", 4.0 * tied_params, (pair,), cluster)
         tail += params * (BF16_OPTIMIZER_STEP_BYTES + BF16_OPTIMIZER_SHARD_BYTES / dp) / mem_bw
         rank_tail.append(tail)
     return pipeline_time_s(rank_time, m, v) + max(rank_tail)

@@ -357,7 +357,7 @@ def unit_costs(
     width = DTYPE_BYTES[dtype]
     mixed = "fp32" if width >= 4 else "mixed"
     mem_bw = device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    pp_shared_pair = _tied_pair_placement(strategy, cluster)
+    pp_shared_pair = tied_pair_placement(strategy, cluster)
     classes = _unit_classes(profile)
     costs: list[UnitCost] = []
     for index, unit in enumerate(profile.units):
@@ -630,7 +630,7 @@ def _has_selective_bytes(unit: UnitProfile) -> bool:
     return (unit.saved_bytes_selective_sharded + unit.saved_bytes_selective_replicated) > 0
 
 
-def _tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement | None:
+def tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement | None:
     """The two devices (first and last pipeline rank) that share tied embedding weights."""
     if strategy.pp_degree == 1:
         return None
