@@ -4,7 +4,8 @@ With CUDA: the visible GPUs, matched by name to a shipped preset's device (A100,
 else the device's own memory with the generic GPU figures. Without: one worker per CPU core
 (or ``num_devices`` workers sharing them), RAM divided among them, and the `local` preset's
 rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`); with more
-workers than cores, each worker's compute, bandwidth and host time are its share of the cores.
+workers than cores, each worker's compute, bandwidth and host time (gloo's latency included) are
+its share of the cores.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def detect(num_devices: int | None = None) -> Cluster:
         peak_flops={dtype: flops * share for dtype, flops in base.device.peak_flops.items()},
         memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s * share,
     )
+    # gloo's latency is host time too (syscalls, thread wake-ups: a collective advances only
+    # when every rank in it is scheduled), so it stretches like the other host costs below.
     intra = dataclasses.replace(
-        base.intra_node, bandwidth_bytes_per_s=base.intra_node.bandwidth_bytes_per_s * share
+        base.intra_node,
+        bandwidth_bytes_per_s=base.intra_node.bandwidth_bytes_per_s * share,
+        latency_s=base.intra_node.latency_s / share,
     )
     # Host work (op dispatch, wrapper hooks) is CPU time of the worker, which gets only its
     # share of a core as well.

@@ -94,6 +94,10 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
     share = min(1.0, len(os.sched_getaffinity(0)) / 3)  # workers beyond the cores share them
     assert local.device.peak_flops == {k: v * share for k, v in cluster.device.peak_flops.items()}
     assert local.calibration.kernel_overhead_s == pytest.approx(7e-6 / share)
+    assert local.intra_node.latency_s == pytest.approx(cluster.intra_node.latency_s / share)
+    assert local.intra_node.bandwidth_bytes_per_s == pytest.approx(
+        cluster.intra_node.bandwidth_bytes_per_s * share
+    )
     assert local.calibration.gemm_half_efficiency_flops == (
         cluster.calibration.gemm_half_efficiency_flops
     )
