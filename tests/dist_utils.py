@@ -113,9 +113,13 @@ def _worker(
 _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
 
 
-def _describe_failure(rank: int, error: str, results: Any, world_size: int) -> str:
+def _describe_failure(
+    rank: int, error: str, results: Any, world_size: int, procs: list[Any] | None = None
+) -> str:
     """The root-cause error first: collect the other ranks' reports for a moment, then put
-    errors that are not knock-on failures (a peer hung up, a collective timed out) first."""
+    errors that are not knock-on failures (a peer hung up, a collective timed out) first. A rank
+    that crashed in native code reports nothing (its peers only see the connection drop): it is
+    named with its exit code (negative: the signal)."""
     errors = {rank: error}
     deadline = time.monotonic() + 3.0
     while len(errors) < world_size and time.monotonic() < deadline:
@@ -131,6 +135,13 @@ def _describe_failure(rank: int, error: str, results: Any, world_size: int) -> s
     others = [r for r in ordered[1:]]
     if others:
         text += f"\n(ranks {others} failed too, most likely as a consequence)"
+    silent = [
+        f"rank {r} exited with code {proc.exitcode} without reporting"
+        for r, proc in enumerate(procs or [])
+        if r not in errors and proc.exitcode not in (None, 0)
+    ]
+    if silent:
+        text += "\n(" + "; ".join(silent) + ": killed or crashed in native code)"
     return text
 
 
@@ -198,7 +209,9 @@ def run_distributed(
                     continue
             if kind == "error":
                 if kill_on_error:
-                    raise DistributedTestError(_describe_failure(rank, value, results, world_size))
+                    raise DistributedTestError(
+                        _describe_failure(rank, value, results, world_size, procs)
+                    )
                 errors[rank] = value
                 values[rank] = None
                 continue
