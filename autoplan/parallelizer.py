@@ -27,7 +27,7 @@ import datetime
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,13 +53,13 @@ from passes import (
     split_stages,
     uses_ddp,
 )
+from passes.runtime import OptimizerFactory
 
 __all__ = ["parallelize"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 _DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1e-3)
 

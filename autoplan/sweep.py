@@ -291,6 +291,29 @@ def split_cluster_specs(text: str) -> list[str]:
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
+def parse_cost_inputs(
+    tokens: str | float | None,
+    price_per_device_hour: str | float | None,
+    *,
+    names: tuple[str, str],
+) -> tuple[float | None, float | None]:
+    """Tokens to train on and the price of a device-hour, each positive when given; a price
+    needs tokens (the cost is for training on them). ``names`` say how the caller spells the
+    two inputs in errors (an argument or a CLI flag)."""
+    token_name, price_name = names
+    count = None if tokens is None else parse_positive(tokens, token_name, example="300e9")
+    price = (
+        None
+        if price_per_device_hour is None
+        else parse_positive(price_per_device_hour, price_name, example="2.5")
+    )
+    if price is not None and count is None:
+        raise WhatIfInputError(
+            f"{price_name} needs {token_name}: the cost is for training on a number of tokens"
+        )
+    return count, price
+
+
 def parse_positive(text: str | float | int, what: str, *, example: str) -> float:
     """A positive finite number from ``text`` (``300e9``, ``300B``, ``1.4T``, ``$2.5``).
 
@@ -376,16 +399,9 @@ def whatif(
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
     sizes = _check_device_counts(num_devices)
-    token_count = None if tokens is None else parse_positive(tokens, "tokens", example="300e9")
-    price = (
-        None
-        if price_per_device_hour is None
-        else parse_positive(price_per_device_hour, "price_per_device_hour", example="2.5")
+    token_count, price = parse_cost_inputs(
+        tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
     )
-    if price is not None and token_count is None:
-        raise WhatIfInputError(
-            "price_per_device_hour needs tokens: the cost is for training on a number of tokens"
-        )
     specs: Sequence[str | Cluster] = (
         [cluster_name_or_template]
         if isinstance(cluster_name_or_template, (str, Cluster))

@@ -7,6 +7,7 @@ when they cannot be resolved the command says what to pass (one line, exit 2).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import click
@@ -85,7 +86,8 @@ def explain_cmd(
     profile = trace_spec(model_spec).profile
 
     out = console()
-    if as_json:
+    # A spinner with the search's progress, except when stdout must stay pure JSON.
+    with contextlib.nullcontext() if as_json else out.status("explaining the plan") as status:
         result = explain(
             plan,
             profile,
@@ -93,18 +95,8 @@ def explain_cmd(
             top_k=top_k,
             alternatives=not no_alternatives,
             time_limit_s=time_limit,
+            progress=None if status is None else status.update,
         )
-    else:
-        with out.status("explaining the plan") as status:
-            result = explain(
-                plan,
-                profile,
-                target,
-                top_k=top_k,
-                alternatives=not no_alternatives,
-                time_limit_s=time_limit,
-                progress=lambda message: status.update(message),
-            )
     timeline: dict[str, Any] | None = None
     if timeline_path is not None:
         from autoplan.plots import save_figure, timeline_figure

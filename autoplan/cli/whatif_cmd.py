@@ -30,7 +30,7 @@ from autoplan.sweep import (
     WhatIfResult,
     WhatIfRow,
     cluster_type,
-    parse_positive,
+    parse_cost_inputs,
     split_cluster_specs,
     whatif,
 )
@@ -95,18 +95,9 @@ def whatif_cmd(
     """For each device count and cluster type: the best plan, its speed, scaling and cost."""
     # Everything the user typed is checked before the (slower) model trace.
     sizes = parse_device_counts(num_devices_text)
-    tokens = (
-        None if tokens_text is None else parse_positive(tokens_text, "--tokens", example="300e9")
+    tokens, price = parse_cost_inputs(
+        tokens_text, price_text, names=("--tokens", "--price-per-device-hour")
     )
-    price = (
-        None
-        if price_text is None
-        else parse_positive(price_text, "--price-per-device-hour", example="2.5")
-    )
-    if price is not None and tokens is None:
-        raise WhatIfInputError(
-            "--price-per-device-hour needs --tokens: the cost is for training on that many tokens"
-        )
     overrides = parse_overrides(set_items)
     specs = [spec for text in cluster_specs for spec in split_cluster_specs(text)]
     for spec in specs:
