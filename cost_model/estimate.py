@@ -64,8 +64,13 @@ SELECTIVE_RECOMPUTE_KINDS = ("elementwise", "reduction", "other")
 # 4+4+4+4 + 4+4+4 + 4 = 32 bytes in fp32.
 ADAM_TRAFFIC_BYTES_PER_PARAM = {"mixed": 30.0, "fp32": 32.0}
 
-# Bucketed gradient communication keeps about two buckets in flight (torch DDP bucket_cap_mb=25).
-DP_BUCKET_BYTES = 2 * 25 * 2**20
+# torch DDP's gradient buckets: the first holds 1 MiB (torch.distributed's
+# _DEFAULT_FIRST_BUCKET_BYTES, so the all-reduce starts early in the backward), the rest
+# bucket_cap_mb = 25 MiB each; each bucket is one all-reduce.
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+# Bucketed gradient communication keeps about two buckets in flight.
+DP_BUCKET_BYTES = 2 * DDP_BUCKET_CAP_BYTES
 
 
 class MemoryCapacityError(InputError):
@@ -360,10 +365,13 @@ def unit_costs(
     pp_shared_pair = tied_pair_placement(strategy, cluster)
     classes = _unit_classes(profile)
     costs: list[UnitCost] = []
+    # Per unit: the gradient and unsharded weight bytes its data-parallel collectives move.
+    dp_bytes: list[tuple[float, float]] = []
     for index, unit in enumerate(profile.units):
         if classes[index] != index:
             # Identical to an earlier unit (repeated blocks): the same costs object.
             costs.append(costs[classes[index]])
+            dp_bytes.append(dp_bytes[classes[index]])
             continue
         mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
         fwd_c, bwd_c, flops, selective_fwd, gemm_fwd = _compute_times(
@@ -381,6 +389,7 @@ def unit_costs(
         state = static_bytes(n_local, dtype, strategy.zero_stage, dp)
         param_full_bytes = n_local * width  # unsharded (ZeRO-3 gathers this)
         grad_full_bytes = n_local * param_state_bytes(dtype).grad_bytes
+        dp_bytes.append((grad_full_bytes, param_full_bytes))
 
         zero3_fwd = zero3_bwd = 0.0
         dp_sync = post_sync = 0.0
@@ -459,7 +468,75 @@ def unit_costs(
                 forward_flops=flops,
             )
         )
+    if dp > 1 and strategy.zero_stage < 3:
+        costs = _grouped_dp_sync(costs, dp_bytes, profile, cluster, strategy, dp_groups)
     return tuple(costs)
+
+
+def _grouped_dp_sync(
+    costs: list[UnitCost],
+    dp_bytes: Sequence[tuple[float, float]],
+    profile: ModelProfile,
+    cluster: Cluster,
+    strategy: Strategy,
+    dp_groups: Sequence[GroupPlacement],
+) -> list[UnitCost]:
+    """Price ZeRO-0/1/2 gradient sync by the runtime's real collectives, not one per unit.
+
+    DDP (`_per_unit_dp_groups` false) all-reduces the whole model's gradients in buckets
+    (`DDP_FIRST_BUCKET_BYTES`, then `DDP_BUCKET_CAP_BYTES`); FSDP2 gives each block its own
+    group and puts the embedding and head in the stage's group, so with one pipeline stage
+    they share one collective. Each merged collective's time goes to its units in proportion
+    to their bytes, which keeps the per-unit costs additive for the planner's ILP. Collective
+    time is latency plus bytes over bandwidth, so merging saves only latencies.
+    """
+    units = profile.units
+    if not _per_unit_dp_groups(strategy):
+        # DDP runs only without TP and PP: every unit is on the one stage.
+        grads = [g for g, _ in dp_bytes]
+        total = sum(grads)
+        buckets = [min(total, DDP_FIRST_BUCKET_BYTES)]
+        rest = total - buckets[0]
+        while rest > 0:
+            buckets.append(min(rest, DDP_BUCKET_CAP_BYTES))
+            rest -= buckets[-1]
+        sync = sum(collective_time_s("all_reduce", b, dp_groups, cluster) for b in buckets)
+        shares = [(i, g / total * sync if total > 0 else 0.0) for i, g in enumerate(grads)]
+        return _with_dp_sync(costs, shares, post={})
+    if strategy.num_stages > 1:
+        return costs
+    merged = [i for i, u in enumerate(units) if u.kind != "block" and dp_bytes[i][0] > 0]
+    if len(merged) < 2:
+        return costs
+    grad_total = sum(dp_bytes[i][0] for i in merged)
+    param_total = sum(dp_bytes[i][1] for i in merged)
+    if strategy.zero_stage >= 1:
+        sync = collective_time_s("reduce_scatter", grad_total, dp_groups, cluster)
+        gather = collective_time_s("all_gather", param_total, dp_groups, cluster)
+    else:
+        sync = collective_time_s("all_reduce", grad_total, dp_groups, cluster)
+        gather = 0.0
+    shares = [(i, dp_bytes[i][0] / grad_total * sync) for i in merged]
+    post: dict[int, float] = {}
+    for i in merged:
+        own = (
+            collective_time_s("all_gather", dp_bytes[i][1], dp_groups, cluster)
+            if strategy.zero_stage >= 1
+            else 0.0
+        )
+        post[i] = costs[i].post_sync_s - own + dp_bytes[i][1] / param_total * gather
+    return _with_dp_sync(costs, shares, post=post)
+
+
+def _with_dp_sync(
+    costs: list[UnitCost], shares: Sequence[tuple[int, float]], *, post: dict[int, float]
+) -> list[UnitCost]:
+    out = list(costs)
+    for i, sync in shares:
+        out[i] = dataclasses.replace(
+            costs[i], dp_sync_s=sync, post_sync_s=post.get(i, costs[i].post_sync_s)
+        )
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

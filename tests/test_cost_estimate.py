@@ -457,3 +457,49 @@ def test_zero3_gathers_hide_behind_compute_only_as_far_as_the_overlap_fraction_s
                 u.zero3_exposed_s == pytest.approx(u.zero3_forward_s + u.zero3_backward_s)
                 for u in costs
             )
+
+
+def _many_small_units(n: int, params: int) -> ModelProfile:
+    block = _two_unit_profile().units[0]
+    units = tuple(
+        dataclasses.replace(block, name=f"blocks.{i}", num_params=params, param_bytes=2 * params)
+        for i in range(n)
+    )
+    return dataclasses.replace(_two_unit_profile(), units=units)
+
+
+def test_ddp_all_reduces_buckets_not_units() -> None:
+    # fp32 DDP (dp 2, no TP/PP): 20 units x 1000 params x 4 B = 8e4 B of gradients fit in
+    # DDP's first 1 MiB bucket: one all-reduce, 2 x 1/2 x 8e4 / 50e9 + 2 x 10 us = 2.16e-5 s,
+    # split over the units by bytes (1.08e-6 s each), where 20 per-unit all-reduces would
+    # cost 20 x (8e-8 + 2e-5).
+    profile = _many_small_units(20, 1000)
+    strategy = Strategy(dp_degree=2, dtype="fp32")
+    costs = unit_costs(profile, round_cluster(devices_per_node=2), strategy, "none")
+    assert [u.dp_sync_s for u in costs] == pytest.approx([2.16e-5 / 20] * 20, rel=REL)
+
+
+def test_ddp_bucket_count_follows_the_bucket_caps() -> None:
+    # 2 units x 10M params x 4 B = 8e7 B: buckets of 1 MiB, then 25 MiB, 25 MiB, 25 MiB and
+    # the remaining 8e7 - 76 MiB = 307,264 B: five all-reduces, so 8e7 / 50e9 + 5 x 2e-5 s.
+    profile = _many_small_units(2, 10_000_000)
+    strategy = Strategy(dp_degree=2, dtype="fp32")
+    costs = unit_costs(profile, round_cluster(devices_per_node=2), strategy, "none")
+    assert sum(u.dp_sync_s for u in costs) == pytest.approx(8e7 / 50e9 + 5 * 2e-5, rel=REL)
+
+
+def test_fsdp_puts_embedding_and_head_in_one_stage_group() -> None:
+    # bf16 replicate (FSDP2 per-unit groups) with one stage: each block all-reduces alone;
+    # the untied embedding and head share the stage's group: one all-reduce of their bytes.
+    profile = gpt_profile(num_layers=2, tied=False)
+    strategy = Strategy(dp_degree=2, dtype="bf16")
+    cluster = round_cluster(devices_per_node=2)
+    costs = unit_costs(profile, cluster, strategy, "none")
+    ends = [i for i, u in enumerate(profile.units) if u.kind != "block"]
+    grads = sum(profile.units[i].num_params * 2 for i in ends)  # bf16 gradients
+    merged = grads / 50e9 + 2 * 10e-6
+    assert sum(costs[i].dp_sync_s for i in ends) == pytest.approx(merged, rel=REL)
+    block = next(i for i, u in enumerate(profile.units) if u.kind == "block")
+    assert costs[block].dp_sync_s == pytest.approx(
+        profile.units[block].num_params * 2 / 50e9 + 2 * 10e-6, rel=REL
+    )
