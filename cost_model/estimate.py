@@ -470,7 +470,63 @@ def unit_costs(
         )
     if dp > 1 and strategy.zero_stage < 3:
         costs = _grouped_dp_sync(costs, dp_bytes, profile, cluster, strategy, dp_groups)
+    pipe_factor, tail_factor = oversubscription_factors(strategy, cluster)
+    if pipe_factor != 1.0 or tail_factor != 1.0:
+        costs = _stretched(costs, pipe_factor, tail_factor)
     return tuple(costs)
+
+
+# UnitCost times that run inside the pipeline schedule, and after its flush (the rank tail).
+_PIPELINE_TIMES = (
+    "forward_compute_s",
+    "backward_compute_s",
+    "recompute_s",
+    "tp_forward_s",
+    "tp_backward_s",
+    "zero3_forward_s",
+    "zero3_backward_s",
+    "zero3_exposed_s",
+    "forward_s",
+    "backward_s",
+)
+_TAIL_TIMES = ("dp_sync_s", "post_sync_s", "optimizer_s")
+
+
+def oversubscription_factors(strategy: Strategy, cluster: Cluster) -> tuple[float, float]:
+    """How much longer the pipeline and the rank tail take when CPU workers share cores.
+
+    Processor sharing: ``a`` runnable workers on ``C`` cores each run at ``min(1, C / a)`` of
+    their own speed, and a worker blocked on a receive uses no core. The pipeline advances in
+    ``n = m v + p - 1`` waves of one chunk per micro-batch, forward and backward; wave ``d``
+    keeps ``a_d = min(d + 1, p, n - d, m v)`` pipeline ranks busy, each replicated over the
+    ``dp x tp`` workers of its stage, so it takes ``max(1, a_d dp tp / C)`` times as long.
+    The pipeline factor is the mean over the waves (exact for uniform stages); the tail runs on
+    every worker at once: ``max(1, p dp tp / C)``. Without pipelining both reduce to the even
+    share ``P / C``. (1, 1) when devices do not share cores (GPUs).
+    """
+    cores_per_node = cluster.shared_cores_per_node
+    if cores_per_node is None:
+        return 1.0, 1.0
+    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+    replicas = strategy.dp_degree * strategy.tp_degree
+    workers = p * replicas
+    nodes = max(1, -(-workers // cluster.devices_per_node))  # nodes the job occupies
+    cores = float(cores_per_node * nodes)
+    waves = m * v + p - 1
+    pipe = sum(max(1.0, min(d + 1, p, waves - d, m * v) * replicas / cores) for d in range(waves))
+    return pipe / waves, max(1.0, workers / cores)
+
+
+def _stretched(costs: list[UnitCost], pipe_factor: float, tail_factor: float) -> list[UnitCost]:
+    done: dict[int, UnitCost] = {}
+    out = []
+    for c in costs:
+        if id(c) not in done:
+            changes = {name: getattr(c, name) * pipe_factor for name in _PIPELINE_TIMES}
+            changes.update({name: getattr(c, name) * tail_factor for name in _TAIL_TIMES})
+            done[id(c)] = dataclasses.replace(c, **changes)
+        out.append(done[id(c)])
+    return out
 
 
 def _grouped_dp_sync(
@@ -732,7 +788,8 @@ def stage_p2p_time_s(
         strategy, cluster, strategy.pipeline_rank_of_stage(stage_idx)
     )
     one = p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross)
-    return 2.0 * (one + cluster.calibration.pp_message_overhead_s)
+    pipe_factor, _ = oversubscription_factors(strategy, cluster)
+    return 2.0 * (one + cluster.calibration.pp_message_overhead_s) * pipe_factor
 
 
 def rank_tail_s(rank_units: Sequence[UnitCost], dp_overlap_fraction: float) -> float:

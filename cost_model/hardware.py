@@ -105,12 +105,22 @@ class Cluster:
     inter_node: LinkSpec
     calibration: Calibration = field(default_factory=Calibration)
     description: str = ""
+    # CPU worker processes that share a node's cores (the test rig, not a GPU cluster): how
+    # many cores the node's devices share. None: every device computes on its own (GPUs, or
+    # one worker per core). The cost model then stretches whatever runs concurrently
+    # (`cost_model.estimate.oversubscription_factors`).
+    shared_cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes = {self.num_nodes!r} must be at least 1")
         if self.devices_per_node < 1:
             raise ValueError(f"devices_per_node = {self.devices_per_node!r} must be at least 1")
+        if self.shared_cores_per_node is not None and self.shared_cores_per_node < 1:
+            raise ValueError(
+                f"shared_cores_per_node = {self.shared_cores_per_node!r} must be at least 1 "
+                "(or null: devices do not share cores)"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -238,6 +248,7 @@ OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
     "num_nodes": ("cluster", "num_nodes", "number", int),
     "nodes": ("cluster", "num_nodes", "number", int),
     "devices_per_node": ("cluster", "devices_per_node", "number", int),
+    "shared_cores_per_node": ("cluster", "shared_cores_per_node", "number", int),
     "memory": ("device", "memory_bytes", "bytes", int),
     "memory_bytes": ("device", "memory_bytes", "bytes", int),
     "memory_bandwidth": ("device", "memory_bandwidth_bytes_per_s", "bandwidth", float),

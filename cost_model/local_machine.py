@@ -4,8 +4,10 @@ With CUDA: the visible GPUs, matched by name to a shipped preset's device (A100,
 else the device's own memory with the generic GPU figures. Without: one worker per CPU core
 (or ``num_devices`` workers sharing them), RAM divided among them, and the `local` preset's
 rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`); with more
-workers than cores, each worker's compute, bandwidth and host time (gloo's latency included) are
-its share of the cores.
+workers than cores, the cluster records the cores they share (``shared_cores_per_node``) and the
+cost model stretches the work that runs concurrently (processor sharing; see
+`cost_model.estimate.oversubscription_factors`); the rates stay those of one worker on its own
+core.
 """
 
 from __future__ import annotations
@@ -20,14 +22,6 @@ import psutil
 from cost_model.hardware import Cluster
 
 logger = logging.getLogger(__name__)
-
-_HOST_TIME_CONSTANTS = (
-    "kernel_overhead_s",
-    "tp_module_overhead_s",
-    "dp_unit_overhead_s",
-    "sharded_optimizer_unit_overhead_s",
-    "pp_message_overhead_s",
-)
 
 # GPU name fragment -> preset whose device describes it.
 _GPU_PRESETS: tuple[tuple[str, str], ...] = (
@@ -59,36 +53,13 @@ def detect(num_devices: int | None = None) -> Cluster:
     workers = num_devices if num_devices is not None else cores
     base = _cpu_base()
     memory = psutil.virtual_memory().total // max(workers, 1)
-    # More busy workers than cores share them: each gets cores / workers of a core's compute,
-    # memory bandwidth and copy bandwidth (gloo moves bytes with the CPU).
-    share = min(1.0, cores / max(workers, 1))
-    device = dataclasses.replace(
-        base.device,
-        memory_bytes=memory,
-        peak_flops={dtype: flops * share for dtype, flops in base.device.peak_flops.items()},
-        memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s * share,
-    )
-    # gloo's latency is host time too (syscalls, thread wake-ups: a collective advances only
-    # when every rank in it is scheduled), so it stretches like the other host costs below.
-    intra = dataclasses.replace(
-        base.intra_node,
-        bandwidth_bytes_per_s=base.intra_node.bandwidth_bytes_per_s * share,
-        latency_s=base.intra_node.latency_s / share,
-    )
-    # Host work (op dispatch, wrapper hooks) is CPU time of the worker, which gets only its
-    # share of a core as well.
-    cal = base.calibration
-    calibration = dataclasses.replace(
-        cal,
-        **{name: getattr(cal, name) / share for name in _HOST_TIME_CONSTANTS},
-    )
+    device = dataclasses.replace(base.device, memory_bytes=memory)
     return dataclasses.replace(
         base,
         name="local",
         devices_per_node=workers,
         device=device,
-        intra_node=intra,
-        calibration=calibration,
+        shared_cores_per_node=cores if workers > cores else None,
     )
 
 

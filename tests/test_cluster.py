@@ -96,13 +96,15 @@ def test_local_cluster_describes_this_machine() -> None:
     four = Cluster.local(num_devices=4)
     assert four.num_devices == 4
     if local.device.kind == "cpu":
-        # twice as many busy workers as cores: each gets half a core's compute and bandwidth
+        # twice as many workers as cores: one worker's rates, and the cores they share
         cores = local.devices_per_node
+        assert local.shared_cores_per_node is None
         crowded = Cluster.local(num_devices=2 * cores)
-        assert crowded.device.peak_flops_for("fp32") == local.device.peak_flops_for("fp32") / 2
-        assert crowded.device.memory_bandwidth_bytes_per_s == (
-            local.device.memory_bandwidth_bytes_per_s / 2
-        )
+        assert crowded.shared_cores_per_node == cores
+        assert crowded.device.peak_flops == local.device.peak_flops
+        assert crowded.intra_node == local.intra_node
+        with pytest.raises(ClusterError, match="shared_cores_per_node"):
+            crowded.with_overrides(shared_cores_per_node=0)
     assert Cluster.preset("local", nodes=1).device.name == local.device.name
 
 

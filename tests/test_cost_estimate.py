@@ -503,3 +503,38 @@ def test_fsdp_puts_embedding_and_head_in_one_stage_group() -> None:
     assert costs[block].dp_sync_s == pytest.approx(
         profile.units[block].num_params * 2 / 50e9 + 2 * 10e-6, rel=REL
     )
+
+
+def test_oversubscription_factors_hand_worked() -> None:
+    from cost_model.estimate import oversubscription_factors
+
+    gpus = round_cluster(devices_per_node=4)
+    cpus = dataclasses.replace(gpus, shared_cores_per_node=2)
+    # Devices of their own (GPUs): nothing stretches.
+    assert oversubscription_factors(Strategy(dp_degree=4), gpus) == (1.0, 1.0)
+    # Pure DP on 4 workers over 2 cores: everything runs at half speed.
+    assert oversubscription_factors(Strategy(dp_degree=4), cpus) == (2.0, 2.0)
+    # pp 4, m 4: 7 waves keep 1, 2, 3, 4, 3, 2, 1 workers busy: factors 1, 1, 1.5, 2, 1.5, 1,
+    # 1 -> 9 / 7 for the pipeline; the tail runs on all 4 workers: 2.
+    pp4 = Strategy(pp_degree=4, num_micro_batches=4)
+    assert oversubscription_factors(pp4, cpus) == pytest.approx((9 / 7, 2.0))
+    # One micro-batch through 4 stages: one worker busy at a time, full speed.
+    pp4_m1 = Strategy(pp_degree=4, num_micro_batches=1)
+    assert oversubscription_factors(pp4_m1, cpus)[0] == pytest.approx(1.0)
+    # pp 2 x dp 2, m 2: 3 waves of 1, 2, 1 pipeline ranks x 2 replicas -> 1, 2, 1: 4 / 3.
+    hybrid = Strategy(pp_degree=2, dp_degree=2, num_micro_batches=2)
+    assert oversubscription_factors(hybrid, cpus) == pytest.approx((4 / 3, 2.0))
+
+
+def test_shared_cores_stretch_unit_times_by_the_factors() -> None:
+    profile = gpt_profile(num_layers=2)
+    strategy = Strategy(pp_degree=2, dp_degree=2, num_micro_batches=2, dtype="fp32")
+    gpus = round_cluster(devices_per_node=4)
+    cpus = dataclasses.replace(gpus, shared_cores_per_node=2)
+    own = unit_costs(profile, gpus, strategy, "none")
+    shared = unit_costs(profile, cpus, strategy, "none")
+    for a, b in zip(own, shared, strict=True):
+        assert b.time_s == pytest.approx(a.time_s * 4 / 3, rel=REL)
+        assert b.optimizer_s == pytest.approx(a.optimizer_s * 2, rel=REL)
+        assert b.dp_sync_s == pytest.approx(a.dp_sync_s * 2, rel=REL)
+        assert b.activation_bytes == a.activation_bytes
