@@ -36,7 +36,6 @@ from cost_model.memory import (
     activation_bytes,
     activation_scale,
     local_num_params,
-    param_state_bytes,
     static_bytes,
     working_bytes,
 )
@@ -63,6 +62,19 @@ SELECTIVE_RECOMPUTE_KINDS = ("elementwise", "reduction", "other")
 # gradients for the global-norm clip: 2+4+4+4 + 4+4+4+2 + 2 = 30 bytes in mixed precision,
 # 4+4+4+4 + 4+4+4 + 4 = 32 bytes in fp32.
 ADAM_TRAFFIC_BYTES_PER_PARAM = {"mixed": 30.0, "fp32": 32.0}
+
+
+def grad_reduce_bytes(dtype: str) -> int:
+    """Bytes per gradient element that data-parallel (and tied-weight) collectives move.
+
+    bf16 training reduces gradients in fp32: Megatron-LM forces its fp32 main-grad buffers
+    for bf16 (``accumulate_allreduce_grads_in_fp32``), torchtitan's FSDP2 policy and
+    autoplan's (`passes/data_parallel.py`) set ``reduce_dtype=float32``. fp16 reduces fp16
+    gradients, Megatron-LM's default for fp16 (autoplan's runtime reduces those in fp32 too,
+    which this under-prices by half). fp32 and tf32 train in fp32 throughout.
+    """
+    return 2 if dtype == "fp16" else 4
+
 
 # torch DDP's gradient buckets: the first holds 1 MiB (torch.distributed's
 # _DEFAULT_FIRST_BUCKET_BYTES, so the all-reduce starts early in the backward), the rest
@@ -388,7 +400,7 @@ def unit_costs(
         n_local = local_num_params(unit, t, count_shared=strategy.pp_degree > 1)
         state = static_bytes(n_local, dtype, strategy.zero_stage, dp)
         param_full_bytes = n_local * width  # unsharded (ZeRO-3 gathers this)
-        grad_full_bytes = n_local * param_state_bytes(dtype).grad_bytes
+        grad_full_bytes = n_local * grad_reduce_bytes(dtype)
         dp_bytes.append((grad_full_bytes, param_full_bytes))
 
         zero3_fwd = zero3_bwd = 0.0
@@ -412,12 +424,12 @@ def unit_costs(
         if unit.num_params_shared and strategy.pp_degree > 1 and pp_shared_pair is not None:
             # Tied embedding and head on the first and last pipeline ranks all-reduce the
             # shared gradient (Megatron-LM's embedding group; Narayanan et al. 2021, sec. 2.2).
-            shared = unit.num_params_shared / t * param_state_bytes(dtype).grad_bytes
+            shared = unit.num_params_shared / t * grad_reduce_bytes(dtype)
             post_sync += collective_time_s("all_reduce", shared, (pp_shared_pair,), cluster)
         if index == 0 and strategy.pp_degree > 1 and pp_shared_pair is not None:
             tied = sum(u.num_params_shared for u in profile.units)
             if tied:
-                shared = tied / t * param_state_bytes(dtype).grad_bytes
+                shared = tied / t * grad_reduce_bytes(dtype)
                 post_sync += collective_time_s("all_reduce", shared, (pp_shared_pair,), cluster)
 
         # Optimizer step: memory-bound Adam over the parameters this device updates.
