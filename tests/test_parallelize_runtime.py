@@ -148,8 +148,16 @@ def test_checkpoint_round_trip_continues_identically(
         tmp_path=tmp_path,
     )
     for result in results:
-        # Same weights, same optimizer state (Adam moments and step): the same numbers, exactly.
-        assert result["resumed"] == result["continued"]
+        # Same weights, same optimizer state (Adam moments and step): the same numbers, exactly,
+        # except under DDP. Its gradients after the resumed job's first backward differ from
+        # the continued job's by a few float32 ulps (observed on an AMD EPYC host, not on the
+        # earlier Intel one; the weights and Adam state loaded were bit-identical): a fresh
+        # DDP wrapper reduces in its initial bucket layout and rebuilds the buckets after that
+        # backward. A wrong weight or moment would move the loss by orders of magnitude more.
+        if plan.dp_degree > 1 and plan.zero_stage == 0:
+            assert result["resumed"] == pytest.approx(result["continued"], rel=1e-6, abs=0)
+        else:
+            assert result["resumed"] == result["continued"]
     assert results[0]["continued"][1] < results[0]["continued"][0] + 1.0  # a real run
 
 
