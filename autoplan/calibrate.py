@@ -440,6 +440,29 @@ def _half_collective_efficiency(measured: Measurements, probe: Cluster, op: str)
     return max(0.01, min(1.0, (ideal - latency) / (largest.time_s - latency)))
 
 
+def one_worker_rates(cluster: Cluster, workers_per_core: float) -> Cluster:
+    """The rates of one CPU worker alone on its core, from rates measured while
+    ``workers_per_core`` workers shared each core (all of them busy, as `measure` runs them).
+
+    The file stores what one worker gets on its own; `Cluster.local` records the sharing and
+    the estimate stretches concurrent work by it (processor sharing), so rates measured under
+    sharing would count it twice. Compute, memory and link bandwidth scale up by the sharing,
+    the link latency (host time: a collective advances only when its ranks run) down.
+    """
+    if workers_per_core <= 1.0:
+        return cluster
+    device = dataclasses.replace(
+        cluster.device,
+        peak_flops={k: v * workers_per_core for k, v in cluster.device.peak_flops.items()},
+        memory_bandwidth_bytes_per_s=cluster.device.memory_bandwidth_bytes_per_s * workers_per_core,
+    )
+    intra = LinkSpec(
+        bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s * workers_per_core,
+        latency_s=cluster.intra_node.latency_s / workers_per_core,
+    )
+    return dataclasses.replace(cluster, device=device, intra_node=intra)
+
+
 def calibrate(
     output: str | Path | None = None,
     *,
@@ -462,10 +485,16 @@ def calibrate(
     base = local_machine.detect()
     measured = measure(world_size=world_size, quick=quick, progress=progress)
     cluster = calibrated_cluster(base, measured)
+    cores = len(os.sched_getaffinity(0))
+    shared = base.device.kind == "cpu" and world_size > cores
+    if shared:
+        cluster = one_worker_rates(cluster, world_size / cores)
     if training:
         if progress:
             progress(f"training steps over {world_size} processes", 0.9)
-        job = dataclasses.replace(cluster, devices_per_node=world_size)
+        job = dataclasses.replace(
+            cluster, devices_per_node=world_size, shared_cores_per_node=cores if shared else None
+        )
         profile = calibration_profile()
         runs = measure_runtime(profile, job)
         cluster = dataclasses.replace(cluster, calibration=fit_host_overheads(profile, job, runs))

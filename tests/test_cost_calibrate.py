@@ -193,3 +193,19 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
     assert clipped.dp_unit_overhead_s == 0.0
     assert clipped.sharded_optimizer_unit_overhead_s == 0.0
     assert clipped.pp_message_overhead_s == 0.0
+
+
+def test_rates_measured_by_workers_sharing_cores_become_one_workers() -> None:
+    from autoplan.calibrate import one_worker_rates
+
+    cluster = Cluster.preset_file("local")
+    assert one_worker_rates(cluster, 1.0) == cluster
+    # 4 workers measured on 2 cores: each had half a core.
+    alone = one_worker_rates(cluster, 2.0)
+    assert alone.device.peak_flops == {k: 2 * v for k, v in cluster.device.peak_flops.items()}
+    assert alone.device.memory_bandwidth_bytes_per_s == (
+        2 * cluster.device.memory_bandwidth_bytes_per_s
+    )
+    assert alone.intra_node.bandwidth_bytes_per_s == 2 * cluster.intra_node.bandwidth_bytes_per_s
+    assert alone.intra_node.latency_s == pytest.approx(cluster.intra_node.latency_s / 2)
+    assert alone.calibration == cluster.calibration
