@@ -62,6 +62,9 @@ class Calibration:
     # micro-batch and stage boundary): the schedule's bookkeeping around the send/recv
     # (buffers, shape checks, waits), beyond the link's latency.
     pp_message_overhead_s: float = unit_field("time", default=0.0)
+    # Per optimizer step: the training loop's own fixed time that no parallelism shrinks (data
+    # loading, loss-scale checks, logging and timers between steps), after the rank tail.
+    step_overhead_s: float = unit_field("time", default=0.0)
     # Fraction of the compute during which data-parallel communication runs concurrently: the
     # last micro-batch's backward for gradient sync, each unit's own compute for ZeRO-3
     # prefetched gathers (1: bucketed DDP/FSDP overlap on a GPU's separate streams; 0: sync
@@ -96,6 +99,7 @@ class Calibration:
             "dp_unit_overhead_s",
             "sharded_optimizer_unit_overhead_s",
             "pp_message_overhead_s",
+            "step_overhead_s",
             "reserved_memory_bytes",
             "allocator_overhead_fraction",
         ):

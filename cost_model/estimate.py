@@ -14,7 +14,8 @@ terms:
   pipeline ranks).
 - pipeline rank time ``T_r`` = sum over the stages it holds; `pipeline_time_s(T, m, v)`.
 - tail after the flush, per rank: ``max(0, dp_sync - overlap * backward_window) + post_sync +
-  optimizer`` (`rank_tail_s`); step time = pipeline time + max over ranks of the tail.
+  optimizer`` (`rank_tail_s`) plus the loop's fixed `step_overhead_s`; step time = pipeline
+  time + max over ranks of the tail.
 - memory of rank r = (1 + allocator overhead) * (sum of static bytes + inflight_r * sum of
   activation bytes + constant buffers) + reserved bytes (`rank_memory`).
 """
@@ -529,6 +530,13 @@ def oversubscription_factors(strategy: Strategy, cluster: Cluster) -> tuple[floa
     return pipe / waves, max(1.0, workers / cores)
 
 
+def step_overhead_s(strategy: Strategy, cluster: Cluster) -> float:
+    """The training loop's fixed time per step (``calibration.step_overhead_s``), which every
+    worker spends at once after its tail (so CPU workers sharing cores stretch it too)."""
+    _, tail_factor = oversubscription_factors(strategy, cluster)
+    return cluster.calibration.step_overhead_s * tail_factor
+
+
 def _stretched(costs: list[UnitCost], pipe_factor: float, tail_factor: float) -> list[UnitCost]:
     done: dict[int, UnitCost] = {}
     out = []
@@ -901,7 +909,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     t_pipe = pipeline_time_s(rank_time, m, v)
     cal = cluster.calibration
     rank_units = [tuple(u for s in rank_stages[r] for u in stage_units[s]) for r in range(p)]
-    rank_tail = [rank_tail_s(rank_units[r], cal.dp_overlap_fraction) for r in range(p)]
+    fixed = step_overhead_s(strategy, cluster)
+    rank_tail = [rank_tail_s(rank_units[r], cal.dp_overlap_fraction) + fixed for r in range(p)]
     step = t_pipe + max(rank_tail)
 
     constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)

@@ -544,3 +544,13 @@ def test_shared_cores_stretch_unit_times_by_the_factors() -> None:
         assert b.optimizer_s == pytest.approx(a.optimizer_s * 2, rel=REL)
         assert b.dp_sync_s == pytest.approx(a.dp_sync_s * 2, rel=REL)
         assert b.activation_bytes == a.activation_bytes
+
+
+def test_step_overhead_is_added_once_per_step() -> None:
+    # 1e-3 s of the training loop's own time per step, after each rank's 6e-5 s tail (Adam) in the
+    # hand-worked example: step 1.530e-2 + 1e-3.
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    cluster = _with_calibration(base, step_overhead_s=1e-3)
+    result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
+    assert result.step_time_s == pytest.approx(1.530e-2 + 1e-3, rel=REL)
+    assert [r.tail_s for r in result.ranks] == pytest.approx([6e-5 + 1e-3] * 2, rel=REL)

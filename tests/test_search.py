@@ -8,6 +8,7 @@ itself, so the reference is the cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -39,7 +40,11 @@ def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
         memory_bytes=int(rng.uniform(0.05, 2.0) * 2**30),
         inter_node_bandwidth=rng.choice([1e9, 10e9, 50e9]),
         intra_node_bandwidth=rng.choice([50e9, 300e9]),
+        step_overhead_s=rng.choice([0.0, 0.0, 5e-3]),
     )
+    # Sometimes workers that share cores (the CPU rig): the search must stay exact there too.
+    shared = rng.choice([None, None, None, 2])
+    cluster = dataclasses.replace(cluster, shared_cores_per_node=shared)
     global_batch = rng.choice([16, 32, 64])
     n = profile.num_units
     # Keep brute force affordable: at most ~600 (cuts x modes) per outer choice.

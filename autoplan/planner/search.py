@@ -45,6 +45,7 @@ from cost_model.estimate import (
     estimate,
     memory_constants,
     stage_p2p_time_s,
+    step_overhead_s,
     unit_classes,
     unit_compute_s,
     unit_costs,
@@ -329,7 +330,12 @@ def _candidate(
         total += sum(
             stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1)
         )
-    time_bound = (m - 1 / v) * max(total / p, largest) + total / v + max(0.0, tail_a, tail_b) / p
+    time_bound = (
+        (m - 1 / v) * max(total / p, largest)
+        + total / v
+        + max(0.0, tail_a, tail_b) / p
+        + step_overhead_s(strategy, cluster)
+    )
     return Candidate(
         strategy=strategy,
         by_mode=by_mode,
@@ -382,6 +388,7 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
     num_stages = p * v
     overlap = cluster.calibration.dp_overlap_fraction
     first = next(iter(candidate.by_mode.values()))
+    fixed = step_overhead_s(strategy, cluster)
     # rank tail = max(0, sync - overlap * backward) + post + optimizer
     #           = max(0, post + opt, post + opt + sync - overlap * backward): two tail terms
     tables = {
@@ -413,7 +420,7 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
             inflight_microbatches(strategy.schedule, p, m, v, s % p) for s in range(num_stages)
         ),
         memory_capacity_bytes=candidate.usable_bytes,
-        tail_constants_s=(0.0, 0.0),
+        tail_constants_s=(fixed, fixed),
     )
 
 
