@@ -347,6 +347,9 @@ def measure(
 # ------------------------------------------------------------------------------- fitting
 
 
+_CALIBRATED_STAMP = "; calibrated "
+
+
 def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
     """``base`` with the measured rates and the fitted calibration constants."""
     is_gpu = base.device.kind == "gpu"
@@ -407,8 +410,10 @@ def calibrated_cluster(base: Cluster, measured: Measurements) -> Cluster:
         # overlaps. GPUs keep the preset's value (NCCL kernels on their own streams).
         dp_overlap_fraction=base.calibration.dp_overlap_fraction if is_gpu else 0.0,
     )
+    # Re-calibrating starts from the last calibrated file: replace its stamp, do not append.
+    origin = base.description.split(_CALIBRATED_STAMP)[0]
     description = (
-        f"{base.description}; calibrated {time.strftime('%Y-%m-%d %H:%M')} "
+        f"{origin}{_CALIBRATED_STAMP}{time.strftime('%Y-%m-%d %H:%M')} "
         f"({measured.backend}, {len(measured.matmul)} matmul shapes)"
     )
     return dataclasses.replace(

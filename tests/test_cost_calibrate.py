@@ -82,6 +82,10 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
     assert cluster.device.memory_bandwidth_bytes_per_s == 12e9
     assert cluster.calibration.kernel_overhead_s == 7e-6
     assert cluster.intra_node.latency_s == pytest.approx(1e-4)
+    # Calibrating again replaces the stamp in the description instead of appending another.
+    again = calibrated_cluster(cluster, _measurements())
+    assert again.description.count("calibrated ") == 1
+    assert again.description.startswith(base.description)
     assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(1e9)
     assert cluster.calibration.all_gather_efficiency == pytest.approx(0.5)
     assert cluster.calibration.reduce_scatter_efficiency == pytest.approx(0.25)
