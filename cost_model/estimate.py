@@ -23,6 +23,7 @@ terms:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -517,13 +518,25 @@ def oversubscription_factors(strategy: Strategy, cluster: Cluster) -> tuple[floa
     every worker at once: ``max(1, p dp tp / C)``. Without pipelining both reduce to the even
     share ``P / C``. (1, 1) when devices do not share cores (GPUs).
     """
-    cores_per_node = cluster.shared_cores_per_node
-    if cores_per_node is None:
+    if cluster.shared_cores_per_node is None:
         return 1.0, 1.0
-    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-    replicas = strategy.dp_degree * strategy.tp_degree
+    return _sharing_factors(
+        strategy.pp_degree,
+        strategy.virtual_stages,
+        strategy.num_micro_batches,
+        strategy.dp_degree * strategy.tp_degree,
+        cluster.shared_cores_per_node,
+        cluster.devices_per_node,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharing_factors(
+    p: int, v: int, m: int, replicas: int, cores_per_node: int, devices_per_node: int
+) -> tuple[float, float]:
+    # Memoised: the planner asks once per stage boundary and unit of every candidate.
     workers = p * replicas
-    nodes = max(1, -(-workers // cluster.devices_per_node))  # nodes the job occupies
+    nodes = max(1, -(-workers // devices_per_node))  # nodes the job occupies
     cores = float(cores_per_node * nodes)
     waves = m * v + p - 1
     pipe = sum(max(1.0, min(d + 1, p, waves - d, m * v) * replicas / cores) for d in range(waves))
@@ -593,14 +606,9 @@ def _grouped_dp_sync(
         sync = collective_time_s("all_reduce", grad_total, dp_groups, cluster)
         gather = 0.0
     shares = [(i, dp_bytes[i][0] / grad_total * sync) for i in merged]
-    post: dict[int, float] = {}
-    for i in merged:
-        own = (
-            collective_time_s("all_gather", dp_bytes[i][1], dp_groups, cluster)
-            if strategy.zero_stage >= 1
-            else 0.0
-        )
-        post[i] = costs[i].post_sync_s - own + dp_bytes[i][1] / param_total * gather
+    # With one stage there are no tied-weight all-reduces: a merged unit's post-sync is only
+    # its ZeRO-1/2 weight all-gather, now its share of the group's.
+    post = {i: dp_bytes[i][1] / param_total * gather for i in merged}
     return _with_dp_sync(costs, shares, post=post)
 
 
