@@ -12,14 +12,12 @@ import copy
 import dataclasses
 import functools
 import math
-import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +39,7 @@ from autoplan.models import (
 from autoplan.models.gpt import num_params_closed_form as gpt_closed_form
 from autoplan.models.llama import default_ffn_hidden_size
 from autoplan.models.llama import num_params_closed_form as llama_closed_form
+from tests.dist_utils import run_distributed
 
 VOCAB = 97  # prime, so no dimension coincides with the vocabulary by accident
 SEQ_LEN = 32
@@ -512,8 +511,7 @@ def test_gqa_repeat_factor_comes_from_local_shapes() -> None:
     torch.testing.assert_close(partial[0] + partial[1], full)
 
 
-def _dtensor_worker(rank: int, world_size: int, init_file: str) -> None:
-    import torch.distributed as dist
+def _dtensor_worker(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -521,60 +519,46 @@ def _dtensor_worker(rank: int, world_size: int, init_file: str) -> None:
         parallelize_module,
     )
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)  # fmt: skip
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        for kind in ("gpt", "llama"):
-            torch.manual_seed(0)
-            model = TINY[kind]("cpu")
-            reference = copy.deepcopy(model)
-            plan: dict[str, Any] = {}
-            for i in range(len(model.blocks)):
-                for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up_proj"):
-                    plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-                if kind == "llama":
-                    plan[f"blocks.{i}.mlp.gate_proj"] = ColwiseParallel()
-                plan[f"blocks.{i}.attn.o_proj"] = RowwiseParallel()
-                plan[f"blocks.{i}.mlp.down_proj"] = RowwiseParallel()
-            parallelize_module(model, mesh, plan)
-            x = batch()
-            logits, ref_logits = model(x), reference(x)
-            # Same float32 math in another summation order (all-reduce of partial sums).
-            torch.testing.assert_close(logits, ref_logits)
-            logits.square().mean().backward()
-            ref_logits.square().mean().backward()
-            params = zip(model.named_parameters(), reference.parameters(), strict=True)
-            for (name, p), ref_p in params:
-                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                torch.testing.assert_close(grad, ref_p.grad, msg=f"{kind}: {name}")
-            # Meta init: shard on meta, allocate, then init_weights fills the DTensor shards.
-            sharded = parallelize_module(TINY[kind]("meta"), mesh, plan)
-            sharded.to_empty(device="cpu")
-            sharded.init_weights()
-            q_proj = sharded.blocks[0].attn.q_proj.weight
-            assert q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
-            assert torch.isfinite(q_proj.full_tensor()).all()
-            assert sharded(x).shape == logits.shape
-    finally:
-        dist.destroy_process_group()
+    # The launcher (tests/dist_utils.py) owns the gloo process group.
+    mesh = init_device_mesh("cpu", (world_size,))
+    for kind in ("gpt", "llama"):
+        torch.manual_seed(0)
+        model = TINY[kind]("cpu")
+        reference = copy.deepcopy(model)
+        plan: dict[str, Any] = {}
+        for i in range(len(model.blocks)):
+            for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up_proj"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            if kind == "llama":
+                plan[f"blocks.{i}.mlp.gate_proj"] = ColwiseParallel()
+            plan[f"blocks.{i}.attn.o_proj"] = RowwiseParallel()
+            plan[f"blocks.{i}.mlp.down_proj"] = RowwiseParallel()
+        parallelize_module(model, mesh, plan)
+        x = batch()
+        logits, ref_logits = model(x), reference(x)
+        # Same float32 math in another summation order (all-reduce of partial sums).
+        torch.testing.assert_close(logits, ref_logits)
+        logits.square().mean().backward()
+        ref_logits.square().mean().backward()
+        params = zip(model.named_parameters(), reference.parameters(), strict=True)
+        for (name, p), ref_p in params:
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, ref_p.grad, msg=f"{kind}: {name}")
+        # Meta init: shard on meta, allocate, then init_weights fills the DTensor shards.
+        sharded = parallelize_module(TINY[kind]("meta"), mesh, plan)
+        sharded.to_empty(device="cpu")
+        sharded.init_weights()
+        q_proj = sharded.blocks[0].attn.q_proj.weight
+        assert q_proj.to_local().shape[0] == q_proj.shape[0] // world_size
+        assert torch.isfinite(q_proj.full_tensor()).all()
+        assert sharded(x).shape == logits.shape
 
 
-@pytest.mark.slow  # about 13 s on 2 cores: 2 spawned ranks import torch and DTensor
+@pytest.mark.slow  # about 5 s on 2 cores
 def test_dtensor_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
     """Real ColwiseParallel/RowwiseParallel of q/k/v/o and the MLP over 2 gloo ranks, for GPT
     and Llama (GQA, one kv head per rank): logits and every gradient match one process."""
-    context = mp.start_processes(
-        _dtensor_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("2-process tensor-parallel test timed out after 120 s")
+    run_distributed(_dtensor_worker, world_size=2, tmp_path=tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
