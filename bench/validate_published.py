@@ -156,7 +156,9 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         seq_len=model["seq_len"],
         vocab_size=extra.pop("vocab_size", model.get("vocab_size")),
     )
-    gpu = assumptions["gpu_presets"][row["gpu"]]
+    # A row whose GPU the source does not name may be assumed to run on one (unscored rows).
+    gpu_name = extra.pop("gpu", row["gpu"])
+    gpu = assumptions["gpu_presets"][gpu_name]
     overrides = dict(gpu.get("overrides", {}))
     overrides.update(fam.get("cluster", {}))
     overrides.update(extra.pop("cluster", {}))
@@ -196,7 +198,7 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         run_id=run_id,
         status=status,
         note=reason,
-        gpu=row["gpu"],
+        gpu=gpu_name,
         num_gpus=row["num_gpus"],
         dims=dims,
         plan_args=plan_args,
