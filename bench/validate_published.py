@@ -434,6 +434,12 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
         lines.append(
             f"{label:11s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
         )
+    for source in sorted({r.case.run_id.split("-")[0] for r in results}):
+        subset = [r for r in results if r.case.run_id.split("-")[0] == source]
+        n, median, worst = summarize(subset, ("fit", "held_out"))
+        if n:
+            stats = f"median |error| {median:6.1%}, max |error| {worst:6.1%}"
+            lines.append(f"  {source:11s} rows {n:3d}: {stats}")
     for gpu in sorted({r.case.gpu for r in results}):
         subset = [r for r in results if r.case.gpu == gpu]
         n, median, worst = summarize(subset, ("fit", "held_out"))
