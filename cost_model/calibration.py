@@ -32,6 +32,11 @@ class Calibration:
     # FLOPs of one GEMM (or attention kernel) at which its efficiency is half the maximum:
     # small kernels cannot fill the device (too few tiles for the SMs, launch cost).
     gemm_half_efficiency_flops: float = unit_field("flops", default=2e9)
+    # Inner (reduction) dimension k of a GEMM at which its efficiency is half the maximum: each
+    # output tile pays a fixed pipeline fill and epilogue on top of its k-loop, so shallow GEMMs
+    # (small hidden sizes, row-parallel shards of k / tp) run below peak however large they
+    # are. 0 disables the term.
+    gemm_half_efficiency_depth: float = 0.0
     # Fraction of the dtype's peak that a large fused attention kernel (SDPA) sustains.
     attention_efficiency: float = 0.5
     # Fraction of peak memory bandwidth that element-wise, reduction and optimizer kernels get.
@@ -94,6 +99,7 @@ class Calibration:
                 raise ValueError(f"calibration.{name} = {value!r} must be in [0, 1]")
         for name in (
             "gemm_half_efficiency_flops",
+            "gemm_half_efficiency_depth",
             "kernel_overhead_s",
             "tp_module_overhead_s",
             "dp_unit_overhead_s",

@@ -10,8 +10,12 @@ mem_eff)) + kernel_overhead``. For GEMMs and attention the compute efficiency sa
 kernel's size, ``eff(W) = eff_max * W / (W + W_half)``: a large GEMM runs near its maximum
 achievable rate, a small one cannot fill the device's SMs (wave quantisation and launch latency;
 cf. NVIDIA "Matrix Multiplication Background User's Guide", sections on tile and wave
-quantization). Skinny GEMMs (small k or n) are caught by the roofline's byte term. Element-wise,
-reduction and embedding ops are memory-bound and use the memory-bandwidth efficiency.
+quantization). A GEMM's efficiency also falls with its depth (the inner dimension k):
+``eff *= k / (k + k_half)``, since every output tile pays a fixed software-pipeline fill and
+epilogue on top of its k-loop (Calibration.gemm_half_efficiency_depth); the backward's data
+gradient has depth n, its weight gradient the token count (deep). Skinny GEMMs are also caught by
+the roofline's byte term. Element-wise, reduction and embedding ops are memory-bound and use the
+memory-bandwidth efficiency.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ def saturating_efficiency(work_flops: float, max_efficiency: float, half_flops: 
     return max_efficiency * work_flops / (work_flops + half_flops)
 
 
+def depth_efficiency(depth: float, half_depth: float) -> float:
+    """``k / (k + k_half)``: the share of a GEMM tile's time spent in its k-loop (1 when off)."""
+    if half_depth <= 0 or depth <= 0:
+        return 1.0
+    return depth / (depth + half_depth)
+
+
 def op_time(
     op: OpProfile,
     *,
@@ -91,15 +102,24 @@ def op_time(
         )
         # One backward GEMM (dgrad or wgrad) has the forward's size: same efficiency.
         eff = saturating_efficiency(fwd_flops, max_eff, calibration.gemm_half_efficiency_flops)
-        rate = peak * eff
+        rate = bwd_rate = peak * eff
+        if op.kind == "matmul" and op.gemm is not None:
+            # Depth of the forward GEMM (k, split by a row-parallel linear) and of the data
+            # gradient (n, split by a column-parallel one); the weight gradient reduces over
+            # the tokens. Half the backward FLOPs each.
+            half = calibration.gemm_half_efficiency_depth
+            k = op.gemm.k / (tp_degree if op.tp == "row" else 1)
+            n = op.gemm.n / (tp_degree if op.tp in ("column", "vocab") else 1)
+            rate = peak * eff * depth_efficiency(k, half)
+            bwd_rate = peak * eff / (0.5 / depth_efficiency(n, half) + 0.5)
     else:
         # Vector (non tensor-core) work: the fp32 peak bounds it; it is almost always the byte
         # term that decides.
-        rate = device.peak_flops_for("fp32")
+        rate = bwd_rate = device.peak_flops_for("fp32")
     overhead = calibration.kernel_overhead_s
     forward_s = max(fwd_flops / rate, fwd_bytes / bandwidth) + overhead
     backward_s = (
-        max(bwd_flops / rate, bwd_bytes / bandwidth) + overhead
+        max(bwd_flops / bwd_rate, bwd_bytes / bandwidth) + overhead
         if (bwd_flops > 0 or bwd_bytes > 0)
         else 0.0
     )

@@ -70,6 +70,32 @@ def test_gemm_roofline_compute_bound() -> None:
     assert t2.forward_s == pytest.approx(4e-5, rel=REL)
 
 
+def test_shallow_gemm_pays_its_depth() -> None:
+    # k_half = 1024, no size penalty. Column linear (n = 1024, k = 1024), micro-batch 2:
+    # forward W = 2e9 FLOPs at depth k = 1024: eff 0.5 * 1024 / 2048 = 0.25, 2e9 / 25e12 = 8e-5 s.
+    # Backward 4e9 FLOPs, half data gradient at depth n = 1024 (0.25), half weight gradient
+    # over the tokens (0.5): 2e9 / 25e12 + 2e9 / 50e12 = 8e-5 + 4e-5 = 1.2e-4 s.
+    # TP 2 splits n: the forward keeps depth 1024 (1e9 / 25e12 = 4e-5 s); the data gradient's
+    # depth halves to 512, eff 0.5 * 512 / 1536 = 1/6: 1e9 / (100e12 / 6) + 1e9 / 50e12 = 8e-5 s.
+    # Row-parallel TP 2 instead splits k: forward depth 512, 1e9 / (100e12 / 6) = 6e-5 s.
+    cluster = round_cluster()
+    cal = dataclasses.replace(cluster.calibration, gemm_half_efficiency_depth=1024.0)
+    kwargs = dict(device=cluster.device, calibration=cal, dtype="bf16", micro_batch_size=2)
+    t = op_time(_matmul(), **kwargs)  # type: ignore[arg-type]
+    assert t.forward_s == pytest.approx(8e-5, rel=REL)
+    assert t.backward_s == pytest.approx(1.2e-4, rel=REL)
+    t2 = op_time(_matmul(), tp_degree=2, **kwargs)  # type: ignore[arg-type]
+    assert t2.forward_s == pytest.approx(4e-5, rel=REL)
+    assert t2.backward_s == pytest.approx(8e-5, rel=REL)
+    row = dataclasses.replace(_matmul(), tp="row")
+    t3 = op_time(row, tp_degree=2, **kwargs)  # type: ignore[arg-type]
+    assert t3.forward_s == pytest.approx(6e-5, rel=REL)
+    # Off (0): the plain roofline, 2e9 / 50e12 = 4e-5 s.
+    off = dataclasses.replace(cal, gemm_half_efficiency_depth=0.0)
+    t0 = op_time(_matmul(), **{**kwargs, "calibration": off})  # type: ignore[arg-type]
+    assert t0.forward_s == pytest.approx(4e-5, rel=REL)
+
+
 def test_small_gemm_is_memory_bound() -> None:
     # 1e5 FLOPs at 50 TFLOP/s = 2e-9 s; bytes 1e6 * 0.5 + 4e6 * 0.5 = 2.5e6 B at 0.5 TB/s
     # = 5e-6 s: the byte term decides. Plus 5 us of kernel overhead: 1e-5 s.
