@@ -75,6 +75,11 @@ class Calibration:
     # prefetched gathers (1: bucketed DDP/FSDP overlap on a GPU's separate streams; 0: sync
     # after backward, or CPU workers whose one core also moves the bytes).
     dp_overlap_fraction: float = 1.0
+    # Compute time lost per second of data-parallel communication hidden behind it: the
+    # collective's kernels run on the same device, taking SMs (one per NCCL channel) and memory
+    # bandwidth from the compute they overlap. 0: no interference (CPU workers, where nothing
+    # overlaps anyway).
+    overlapped_comm_slowdown: float = 0.0
     # Fraction of a block's forward GEMM work that selective recompute re-runs in the backward
     # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
     # checkpointing, which recomputes every second mm). A property of the training stack.
@@ -93,7 +98,11 @@ class Calibration:
                     f"calibration.{name} = {value!r} must be a fraction in (0, 1]; "
                     "it is the achievable share of the datasheet peak"
                 )
-        for name in ("dp_overlap_fraction", "selective_gemm_recompute_fraction"):
+        for name in (
+            "dp_overlap_fraction",
+            "overlapped_comm_slowdown",
+            "selective_gemm_recompute_fraction",
+        ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"calibration.{name} = {value!r} must be in [0, 1]")

@@ -459,6 +459,27 @@ def test_zero3_gathers_hide_behind_compute_only_as_far_as_the_overlap_fraction_s
             )
 
 
+def test_hidden_zero3_collectives_still_slow_the_compute_they_overlap() -> None:
+    # overlapped_comm_slowdown = 0.5: each unit pays max(0, c - w) + 0.5 min(c, w) per phase,
+    # with c its gather (forward) or gather + scatter (backward) and w the compute window. A
+    # unit whose collective fits its window (c < w) pays half of c; one that outlasts it pays
+    # (c - w) + w / 2. With the slowdown off, only the exposed part counts (as before).
+    profile = gpt_profile()
+    strategy = Strategy(dp_degree=8, zero_stage=3, micro_batch_size=1, dtype="bf16")
+    cluster = _with_calibration(round_cluster(), overlapped_comm_slowdown=0.5)
+    plain = unit_costs(profile, round_cluster(), strategy, "none")
+    slowed = unit_costs(profile, cluster, strategy, "none")
+    assert any(u.zero3_forward_s > 0 for u in slowed)
+    for u, base in zip(slowed, plain, strict=True):
+        fwd, bwd = u.zero3_forward_s, u.zero3_backward_s
+        w_f, w_b = u.forward_compute_s, u.backward_compute_s + u.recompute_s
+        expected = (
+            max(0.0, fwd - w_f) + 0.5 * min(fwd, w_f) + max(0.0, bwd - w_b) + 0.5 * min(bwd, w_b)
+        )
+        assert u.zero3_exposed_s == pytest.approx(expected, rel=REL)
+        assert u.forward_s - base.forward_s == pytest.approx(0.5 * min(fwd, w_f), rel=REL)
+
+
 def _many_small_units(n: int, params: int) -> ModelProfile:
     block = _two_unit_profile().units[0]
     units = tuple(
