@@ -75,10 +75,11 @@ class Calibration:
     # prefetched gathers (1: bucketed DDP/FSDP overlap on a GPU's separate streams; 0: sync
     # after backward, or CPU workers whose one core also moves the bytes).
     dp_overlap_fraction: float = 1.0
-    # Compute time lost per second of data-parallel communication hidden behind it: the
-    # collective's kernels run on the same device, taking SMs (one per NCCL channel) and memory
-    # bandwidth from the compute they overlap. 0: no interference (CPU workers, where nothing
-    # overlaps anyway).
+    # Compute time lost per second of ZeRO-3 communication (each unit's prefetched gathers and
+    # its gradient scatter) hidden behind that unit's compute: the collective's kernels run on
+    # the same device, taking SMs (one per NCCL channel) and memory bandwidth from it. DDP and
+    # ZeRO-1/2 gradient sync behind the last backward is not charged. 0: no interference (CPU
+    # workers, where nothing overlaps anyway).
     overlapped_comm_slowdown: float = 0.0
     # Fraction of a block's forward GEMM work that selective recompute re-runs in the backward
     # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
