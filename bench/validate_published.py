@@ -137,14 +137,15 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
 def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipped:
     run_id = row["id"]
     extra = dict(assumptions["rows"].get(run_id) or {})
-    status = extra.pop("status", None)
+    family = _family(run_id, assumptions["families"])
+    fam = assumptions["families"][family] if family is not None else {}
+    # A family may give its rows a default status (the row's own entry overrides it).
+    status = extra.pop("status", fam.get("status"))
     if status is None:
         return Skipped(run_id=run_id, reason=_default_skip_reason(row))
     if status == "skip":
         return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"))
-    family = _family(run_id, assumptions["families"])
     assert family is not None, run_id
-    fam = assumptions["families"][family]
     model, config = row["model"], dict(row["config"])
     dims = ModelDims(
         family=model["family"],
@@ -434,18 +435,18 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
         lines.append(
             f"{label:11s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
         )
-    for source in sorted({r.case.run_id.split("-")[0] for r in results}):
-        subset = [r for r in results if r.case.run_id.split("-")[0] == source]
-        n, median, worst = summarize(subset, ("fit", "held_out"))
-        if n:
-            stats = f"median |error| {median:6.1%}, max |error| {worst:6.1%}"
-            lines.append(f"  {source:11s} rows {n:3d}: {stats}")
-    for gpu in sorted({r.case.gpu for r in results}):
-        subset = [r for r in results if r.case.gpu == gpu]
-        n, median, worst = summarize(subset, ("fit", "held_out"))
-        lines.append(
-            f"  {gpu:9s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
-        )
+    # Scored rows by source (the run id's first word), then by GPU.
+    for key, width in ((lambda r: r.case.run_id.split("-")[0], 11), (lambda r: r.case.gpu, 9)):
+        groups: dict[str, list[Result]] = {}
+        for r in results:
+            groups.setdefault(key(r), []).append(r)
+        for name in sorted(groups):
+            n, median, worst = summarize(groups[name], ("fit", "held_out"))
+            if n:
+                lines.append(
+                    f"  {name:{width}s} rows {n:3d}: median |error| {median:6.1%}, "
+                    f"max |error| {worst:6.1%}"
+                )
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
     for s in skipped:

@@ -445,13 +445,9 @@ def unit_costs(
         if n_local > 0 and (t > 1 or _per_unit_dp_groups(strategy)):
             optimizer_s += cal.sharded_optimizer_unit_overhead_s
         overlap = cal.dp_overlap_fraction
-        # What outlasts the unit's compute is exposed; what hides behind it still slows that
-        # compute by the calibrated interference (the collective shares the device).
         slowdown = cal.overlapped_comm_slowdown
-        fwd_window = overlap * fwd_c
-        bwd_window = overlap * (bwd_c + recompute_s)
-        zero3_fwd_exposed = max(0.0, zero3_fwd - fwd_window) + slowdown * min(zero3_fwd, fwd_window)
-        zero3_bwd_exposed = max(0.0, zero3_bwd - bwd_window) + slowdown * min(zero3_bwd, bwd_window)
+        zero3_fwd_exposed = _exposed_s(zero3_fwd, overlap * fwd_c, slowdown)
+        zero3_bwd_exposed = _exposed_s(zero3_bwd, overlap * (bwd_c + recompute_s), slowdown)
         zero3_exposed = zero3_fwd_exposed + zero3_bwd_exposed
         scale = activation_scale(strategy, traced)
         boundary_div = t if strategy.sequence_parallel else 1
@@ -777,6 +773,13 @@ _CLASSES: dict[int, tuple[ModelProfile, tuple[int, ...]]] = {}
 _COMPUTE: dict[
     tuple[int, int, int, int, bool, int, str], tuple[ModelProfile, Cluster, _ComputeTimes]
 ] = {}
+
+
+def _exposed_s(comm_s: float, window_s: float, slowdown: float) -> float:
+    """Time a collective adds to the compute it may hide behind: what outlasts the window is
+    exposed, and what hides still slows that compute by the calibrated interference (the
+    collective's kernels share the device)."""
+    return max(0.0, comm_s - window_s) + slowdown * min(comm_s, window_s)
 
 
 def _op(op: OpProfile, cluster: Cluster, strategy: Strategy, traced: int) -> OpTime:
