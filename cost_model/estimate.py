@@ -636,23 +636,31 @@ class LossCost:
 def loss_cost(
     unit: UnitProfile, strategy: Strategy, cluster: Cluster, traced_dtype_bytes: int
 ) -> LossCost:
-    """Cross-entropy on the head's logits: log-softmax reads the logits and writes fp32
-    log-probabilities, which it keeps for the backward (torch's ``log_softmax`` saves its
-    output; mixed-precision recipes compute the loss in fp32); the backward reads them and
-    writes the logits' gradient. Vocab-parallel (Megatron) it divides by the TP degree.
-    Memory-bound. Zero for units that are not the head."""
+    """Cross-entropy on the head's logits in fp32 (``F.cross_entropy(logits.float(), y)``, as
+    autoplan's runtime and autocast recipes compute it; Megatron's vocab-parallel loss casts the
+    same way), kernel by kernel. Per logit element, at ``b`` bytes per training-dtype element:
+
+    - forward: the cast to fp32 (read b, write 4), log-softmax (read 4, write 4: its row
+      passes re-read the row from L2), the target gather (negligible): ``b + 12``;
+    - backward: the NLL gradient (a zero-filled fp32 tensor, write 4, and a scatter),
+      log-softmax's backward (read the gradient and the saved output, write 4: 12) and the
+      cast's backward to the training dtype (read 4, write b): ``b + 20``.
+
+    In fp32 there is no cast (``b + 12`` and ``b + 20`` become 8 and 16). Vocab-parallel
+    (Megatron) it divides by the TP degree. Memory-bound. Keeps the fp32 log-probabilities for
+    the backward. Zero for units that are not the head."""
     if unit.kind != "head":
         return LossCost(forward_s=0.0, backward_s=0.0, saved_bytes=0.0)
     logits = unit.output_bytes / traced_dtype_bytes * strategy.micro_batch_size
     logits /= strategy.tp_degree
-    fp32_bytes = 4.0 * logits
+    cast = strategy.dtype_bytes + 4.0 if strategy.dtype_bytes != 4 else 0.0
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.calibration.memory_efficiency
-    moved = logits * strategy.dtype_bytes + fp32_bytes
     overhead = cluster.calibration.kernel_overhead_s
+    kernels_fwd, kernels_bwd = (3, 3) if cast else (2, 2)
     return LossCost(
-        forward_s=moved / bandwidth + overhead,
-        backward_s=moved / bandwidth + overhead,
-        saved_bytes=fp32_bytes,
+        forward_s=(cast + 8.0) * logits / bandwidth + kernels_fwd * overhead,
+        backward_s=(cast + 16.0) * logits / bandwidth + kernels_bwd * overhead,
+        saved_bytes=4.0 * logits,
     )
 
 

@@ -18,6 +18,7 @@ from cost_model.communication import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import op_time, saturating_efficiency
+from cost_model.estimate import loss_cost
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
 from cost_model.schedules import (
     bubble_fraction,
@@ -139,6 +140,25 @@ def test_saturating_efficiency() -> None:
     assert saturating_efficiency(2e9, 0.8, 2e9) == pytest.approx(0.4)
     assert saturating_efficiency(198e9, 0.8, 2e9) == pytest.approx(0.792)
     assert saturating_efficiency(1e9, 0.8, 0.0) == pytest.approx(0.8)
+
+
+def test_cross_entropy_reads_and_writes_the_logits_kernel_by_kernel() -> None:
+    # Head with 1000 logits per sample at the traced fp32 (4000 bytes), micro-batch 2, TP 2:
+    # 1000 logit elements on the device. bf16 (b = 2): forward = cast (2 + 4) + log-softmax
+    # (4 + 4) = 14 bytes each -> 14000 B; backward = zero-filled NLL grad 4 + log-softmax
+    # backward 12 + cast back (4 + 2) = 22 -> 22000 B. At 0.5 x 1 TB/s: 28 ns and 44 ns.
+    head = dataclasses.replace(_unit(), name="head", kind="head", output_bytes=4000.0)
+    cluster = round_cluster()
+    bf16 = loss_cost(head, Strategy(tp_degree=2, micro_batch_size=2), cluster, 4)
+    assert bf16.forward_s == pytest.approx(14000 / 0.5e12, rel=REL)
+    assert bf16.backward_s == pytest.approx(22000 / 0.5e12, rel=REL)
+    assert bf16.saved_bytes == 4000  # fp32 log-probabilities
+    # fp32 training has no casts: 8 and 16 bytes per logit.
+    fp32 = loss_cost(head, Strategy(tp_degree=2, micro_batch_size=2, dtype="fp32"), cluster, 4)
+    assert fp32.forward_s == pytest.approx(8000 / 0.5e12, rel=REL)
+    assert fp32.backward_s == pytest.approx(16000 / 0.5e12, rel=REL)
+    # Only the head pays it.
+    assert loss_cost(_unit(), Strategy(), cluster, 4).forward_s == 0.0
 
 
 # ------------------------------------------------------------------------------- communication
