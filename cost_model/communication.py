@@ -13,14 +13,21 @@ MPICH", ring algorithms; Patarasuk & Yuan 2009 for the bandwidth-optimal ring al
 
 - a group inside one node of G ranks: ring reduce-scatter or all-gather moves (G-1)/G of the
   data through each device's link in G-1 steps; all-reduce = reduce-scatter + all-gather.
-- a group of n nodes x k ranks: hierarchical (NCCL's rings/trees over rails): an intra-node
-  reduce-scatter among the k local ranks, an inter-node all-reduce of each 1/k shard among the n
-  nodes on each rank's own NIC, and an intra-node all-gather. NCCL pipelines the phases chunk by
-  chunk, so the bandwidth time is that of the slowest phase (NCCL's own tuning model takes the
-  bus bandwidth of the slowest link: nccl src/graph/tuning.cc); the latencies add. Across nodes
-  all-reduce latency follows NCCL's double binary tree, 2 log2(n) steps (Sanders et al. 2009;
-  Jeaugey 2019, "Massively Scale Your Deep Learning Training with NCCL 2.4"), when that beats
-  the ring's 2(n-1).
+- all-reduce over n nodes x k ranks: hierarchical (NCCL's rings/trees over rails): an
+  intra-node reduce-scatter among the k local ranks, an inter-node all-reduce of each 1/k shard
+  among the n nodes on each rank's own NIC, and an intra-node all-gather. NCCL pipelines the
+  phases chunk by chunk, so the bandwidth time is that of the slowest phase (NCCL's own tuning
+  model takes the bus bandwidth of the slowest link: nccl src/graph/tuning.cc); the latencies
+  add. Its latency across nodes follows NCCL's double binary tree, 2 log2(n) steps (Sanders et
+  al. 2009; Jeaugey 2019, "Massively Scale Your Deep Learning Training with NCCL 2.4"), when that
+  beats the ring's 2(n-1).
+- reduce-scatter and all-gather over n nodes x k ranks: one flat ring of N = n k ranks, the only
+  algorithm NCCL has for them on multi-GPU nodes (tuning.cc models nothing else; PAT, from NCCL
+  2.23, serves one rank per node). Each of the k rings (one per rail) visits a node's ranks over
+  NVLink and crosses to the next node on its own NIC, and every edge of a ring carries (N-1)/N
+  of that ring's 1/k share, so a NIC moves (N-1)/N of S/k, against (n-1)/n of it in the
+  hierarchical scheme (up to 2x more at two nodes); the N-1 steps are N-n intra-node and n-1
+  inter-node ones, as in NCCL's latency model.
 """
 
 from __future__ import annotations
@@ -80,13 +87,15 @@ def _ring_half_s(
     if placement.size <= 1 or size_bytes <= 0:
         return 0.0
     k, n = placement.ranks_per_node, placement.num_nodes
-    # Intra-node phase: each device moves (k-1)/k of the buffer over NVLink in k-1 steps.
-    intra_bw_s = (k - 1) / k * size_bytes / intra.bandwidth_bytes_per_s
-    intra_lat_s = (k - 1) * intra.latency_s
-    # Inter-node phase: each of the k rails carries a 1/k shard; (n-1)/n of it crosses.
-    inter_bw_s = (n - 1) / n * (size_bytes / k) / inter.bandwidth_bytes_per_s
-    inter_lat_s = (n - 1) * inter.latency_s
-    return max(intra_bw_s, inter_bw_s) / efficiency + intra_lat_s + inter_lat_s
+    size = k * n
+    # Flat ring of all N ranks (module docstring): every device sends (N-1)/N of the buffer over
+    # NVLink, every rail carries (N-1)/N of a 1/k share across nodes; N-n steps inside nodes,
+    # n-1 across. Inside one node this is the plain ring: (k-1)/k in k-1 steps.
+    fraction = (size - 1) / size
+    intra_bw_s = fraction * size_bytes / intra.bandwidth_bytes_per_s if k > 1 else 0.0
+    inter_bw_s = fraction * (size_bytes / k) / inter.bandwidth_bytes_per_s if n > 1 else 0.0
+    latency_s = (size - n) * intra.latency_s + (n - 1) * inter.latency_s
+    return max(intra_bw_s, inter_bw_s) / efficiency + latency_s
 
 
 def all_gather_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:

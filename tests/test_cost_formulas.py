@@ -191,6 +191,23 @@ def test_hierarchical_all_reduce_across_nodes() -> None:
     )
 
 
+def test_all_gather_and_reduce_scatter_across_nodes_are_flat_rings() -> None:
+    # NCCL's only algorithm for them on multi-GPU nodes. 2 nodes x 8 = 16 ranks: NVLink moves
+    # 15/16 * 1e9 / 50e9 = 0.01875 s; each rail 15/16 of a 1/8 share: 15/16 * 1.25e8 / 5e9 =
+    # 0.0234375 s (a hierarchical scheme would move 1/2 of it). Latency: 14 intra-node steps *
+    # 10 us + 1 inter-node step * 20 us.
+    cluster = round_cluster(num_nodes=2)
+    two_nodes = GroupPlacement(size=16, num_nodes=2, ranks_per_node=8)
+    expected = 0.0234375 + 14e-5 + 2e-5
+    assert all_gather_time_s(1e9, two_nodes, cluster) == pytest.approx(expected, rel=REL)
+    assert reduce_scatter_time_s(1e9, two_nodes, cluster) == pytest.approx(expected, rel=REL)
+    # 2 ranks on each of 4 nodes: only 2 rails carry the ring, 7/8 * 5e8 / 5e9 = 0.0875 s;
+    # 4 intra-node steps * 10 us + 3 inter-node steps * 20 us.
+    part = GroupPlacement(size=8, num_nodes=4, ranks_per_node=2)
+    cluster4 = round_cluster(num_nodes=4)
+    assert all_gather_time_s(1e9, part, cluster4) == pytest.approx(0.0875 + 1e-4, rel=REL)
+
+
 def test_p2p() -> None:
     # 1e8 B over IB: 20 us + 1e8 / 5e9 = 0.02002 s; over NVLink: 10 us + 1e8 / 5e10.
     cluster = round_cluster()
