@@ -81,6 +81,12 @@ class Calibration:
     # ZeRO-1/2 gradient sync behind the last backward is not charged. 0: no interference (CPU
     # workers, where nothing overlaps anyway).
     overlapped_comm_slowdown: float = 0.0
+    # Share of a unit's trailing forward (the ops after the last tensor autograd saves, e.g. a
+    # pre-LN block's last GEMM, its all-reduce and the residual add) that full recompute skips:
+    # torch's non-reentrant checkpoint stops once every saved tensor is back (early stop, the
+    # default since torch 2.1, pytorch PR #96866; autoplan's runtime, FSDP, torchtitan): 1.
+    # Megatron-LM's reentrant checkpoint, and torch before 2.1, re-run the whole forward: 0.
+    full_recompute_early_stop: float = 1.0
     # Fraction of a block's forward GEMM work that selective recompute re-runs in the backward
     # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
     # checkpointing, which recomputes every second mm). A property of the training stack.
@@ -102,6 +108,7 @@ class Calibration:
         for name in (
             "dp_overlap_fraction",
             "overlapped_comm_slowdown",
+            "full_recompute_early_stop",
             "selective_gemm_recompute_fraction",
         ):
             value = getattr(self, name)

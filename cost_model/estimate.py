@@ -388,15 +388,15 @@ def unit_costs(
             dp_bytes.append(dp_bytes[classes[index]])
             continue
         mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-        fwd_c, bwd_c, flops, selective_fwd, gemm_fwd = _compute_times(
+        fwd_c, bwd_c, flops, selective_fwd, gemm_fwd, tail_fwd = _compute_times(
             profile, cluster, strategy, index
         )
         tp_fwd, tp_bwd = _tp_times(unit, strategy, cluster, traced, tp_groups)
-        recompute_s = _recompute_s(unit, mode, cal, fwd_c, selective_fwd, gemm_fwd)
+        recompute_s = _recompute_s(unit, mode, cal, fwd_c, selective_fwd, gemm_fwd, tail_fwd)
         if mode == "full":
-            # Re-run the whole forward, its TP all-reduces included (Megatron recomputes
-            # through the f/g operators).
-            tp_bwd += tp_fwd
+            # Re-run the forward, its TP all-reduces included (Megatron recomputes through the
+            # f/g operators), less those of the row-parallel linears an early stop skips.
+            tp_bwd += tp_fwd * (1.0 - cal.full_recompute_early_stop * _tail_tp_share(unit))
 
         # Parameters this device stores: TP-local; tied weights once per device (pp = 1).
         n_local = local_num_params(unit, t, count_shared=strategy.pp_degree > 1)
@@ -671,13 +671,25 @@ def _recompute_s(
     forward_s: float,
     selective_forward_s: float,
     gemm_forward_s: float,
+    tail_forward_s: float,
 ) -> float:
     """Forward compute that ``mode`` re-runs in the backward of ``unit`` (per micro-batch)."""
     if mode == "full":
-        return forward_s
+        return forward_s - cal.full_recompute_early_stop * tail_forward_s
     if mode == "selective" and _has_selective_bytes(unit):
         return selective_forward_s + cal.selective_gemm_recompute_fraction * gemm_forward_s
     return 0.0
+
+
+def _tail_tp_share(unit: UnitProfile) -> float:
+    """Share of the unit's forward TP collectives that follow ops in its recompute tail (one
+    per row-parallel linear there)."""
+    if not unit.recompute_skip_ops:
+        return 0.0
+    n_fwd, _ = _tp_collective_counts(unit)
+    tail = unit.ops[len(unit.ops) - unit.recompute_skip_ops :]
+    rows = sum(1 for op in tail if op.tp == "row" and op.kind == "matmul")
+    return min(1.0, rows / n_fwd) if n_fwd else 0.0
 
 
 def unit_compute_s(
@@ -695,8 +707,8 @@ def unit_compute_s(
             out.append(out[classes[index]])
             continue
         mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-        fwd, bwd, _, selective, gemm = _compute_times(profile, cluster, strategy, index)
-        out.append(fwd + bwd + _recompute_s(unit, mode, cal, fwd, selective, gemm))
+        fwd, bwd, _, selective, gemm, tail = _compute_times(profile, cluster, strategy, index)
+        out.append(fwd + bwd + _recompute_s(unit, mode, cal, fwd, selective, gemm, tail))
     return tuple(out)
 
 
@@ -733,14 +745,14 @@ def _unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     return result
 
 
-_ComputeTimes = tuple[float, float, float, float, float]
+_ComputeTimes = tuple[float, float, float, float, float, float]
 
 
 def _compute_times(
     profile: ModelProfile, cluster: Cluster, strategy: Strategy, index: int
 ) -> _ComputeTimes:
-    """(forward, backward, forward FLOPs, selective-recompute forward, GEMM forward) of one
-    unit's ops and loss, per micro-batch.
+    """(forward, backward, forward FLOPs, selective-recompute forward, GEMM forward, forward of
+    the recompute tail) of one unit's ops and loss, per micro-batch.
 
     Depends only on the unit, the device and the strategy's TP degree, sequence parallelism,
     micro-batch and dtype, so the planner's many strategies share one computation.
@@ -758,8 +770,9 @@ def _compute_times(
     if cached is not None and cached[0] is profile and cached[1] is cluster:
         return cached[2]
     unit = profile.units[index]
-    fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = 0.0
-    for op in unit.ops:
+    fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = 0.0
+    first_tail = len(unit.ops) - unit.recompute_skip_ops
+    for position, op in enumerate(unit.ops):
         ot = _op(op, cluster, strategy, profile.traced_dtype_bytes)
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s
@@ -768,8 +781,17 @@ def _compute_times(
             selective_fwd += ot.forward_s
         elif op.kind == "matmul":
             gemm_fwd += ot.forward_s
+        if position >= first_tail:
+            tail_fwd += ot.forward_s
     loss = loss_cost(unit, strategy, cluster, profile.traced_dtype_bytes)
-    result = (fwd_c + loss.forward_s, bwd_c + loss.backward_s, flops, selective_fwd, gemm_fwd)
+    result = (
+        fwd_c + loss.forward_s,
+        bwd_c + loss.backward_s,
+        flops,
+        selective_fwd,
+        gemm_fwd,
+        tail_fwd,
+    )
     if len(_COMPUTE) > 65536:
         _COMPUTE.clear()
     _COMPUTE[key] = (profile, cluster, result)

@@ -112,10 +112,19 @@ class UnitProfile:
     input_bytes: float  # the unit's input: all that full recompute keeps
     output_bytes: float  # what crosses a pipeline cut placed after this unit
     tp: TpStructure = TpStructure()
+    # Trailing ops a full recompute never re-runs when it stops as soon as every saved tensor
+    # is back (torch's non-reentrant checkpoint): those after the last tensor autograd saves,
+    # e.g. a pre-LN block's last GEMM and residual add.
+    recompute_skip_ops: int = 0
 
     def __post_init__(self) -> None:
         if self.num_params_tp_sharded > self.num_params:
             raise ValueError(f"unit {self.name!r}: more TP-sharded params than params")
+        if not 0 <= self.recompute_skip_ops <= len(self.ops):
+            raise ValueError(
+                f"unit {self.name!r}: recompute_skip_ops = {self.recompute_skip_ops} is not in "
+                f"0..{len(self.ops)} (its op count)"
+            )
 
     @property
     def forward_flops(self) -> float:

@@ -14,6 +14,7 @@ from autoplan import Plan, PlanError, StagePlan
 from autoplan.api import estimate as api_estimate
 from autoplan.api import manual_plan
 from autoplan.plan import even_stages
+from cost_model.compute import op_time
 from cost_model.estimate import (
     MemoryCapacityError,
     estimate,
@@ -478,6 +479,49 @@ def test_hidden_zero3_collectives_still_slow_the_compute_they_overlap() -> None:
         )
         assert u.zero3_exposed_s == pytest.approx(expected, rel=REL)
         assert u.forward_s - base.forward_s == pytest.approx(0.5 * min(fwd, w_f), rel=REL)
+
+
+def test_full_recompute_stops_before_the_tail_that_saves_nothing() -> None:
+    # Each block's last two ops (the row-parallel down projection and the residual add) save
+    # nothing for the backward: with early stop (torch's non-reentrant checkpoint) full
+    # recompute re-runs the forward without them, and without the down projection's TP
+    # all-reduce (1 of the block's 2); with early stop off it re-runs all of it.
+    base = gpt_profile()
+    units = tuple(
+        dataclasses.replace(u, recompute_skip_ops=2) if u.kind == "block" else u for u in base.units
+    )
+    profile = dataclasses.replace(base, units=units)
+    strategy = Strategy(tp_degree=2, micro_batch_size=1, dtype="bf16")
+    cluster = round_cluster()
+    early = unit_costs(profile, cluster, strategy, "full")
+    whole = unit_costs(
+        profile, _with_calibration(cluster, full_recompute_early_stop=0.0), strategy, "full"
+    )
+    none = unit_costs(profile, cluster, strategy, "none")
+    for index, unit in enumerate(profile.units):
+        if unit.kind != "block":
+            continue
+        tail = sum(
+            op_time(
+                op,
+                device=cluster.device,
+                calibration=cluster.calibration,
+                dtype="bf16",
+                micro_batch_size=1,
+                tp_degree=2,
+                traced_dtype_bytes=profile.traced_dtype_bytes,
+            ).forward_s
+            for op in unit.ops[-2:]
+        )
+        assert tail > 0
+        assert whole[index].recompute_s == pytest.approx(whole[index].forward_compute_s, rel=REL)
+        assert early[index].recompute_s == pytest.approx(
+            early[index].forward_compute_s - tail, rel=REL
+        )
+        tp_fwd = none[index].tp_forward_s
+        assert tp_fwd > 0
+        assert whole[index].tp_backward_s == pytest.approx(none[index].tp_backward_s + tp_fwd)
+        assert early[index].tp_backward_s == pytest.approx(none[index].tp_backward_s + tp_fwd / 2)
 
 
 def _many_small_units(n: int, params: int) -> ModelProfile:

@@ -64,6 +64,13 @@ def test_full_and_selective_recompute_rerun_what_they_should() -> None:
     # GEMM, down_proj, feeds only an add, which saves nothing).
     assert full["addmm"] == none["addmm"] + 2 * 5
     assert full["native_layer_norm"] == none["native_layer_norm"] + 4
+    # The trace knows that tail: the cost model prices full recompute as the GEMMs before it.
+    blocks = [u for u in trace(build_model("gpt")).profile.units if u.kind == "block"]
+    rerun = 0
+    for block in blocks:
+        kept = block.ops[: len(block.ops) - block.recompute_skip_ops]
+        rerun += sum(1 for op in kept if op.kind == "matmul")
+    assert rerun == full["addmm"] - none["addmm"]
     # Selective keeps GEMM and attention outputs (no extra GEMM, no extra attention) and
     # re-runs the cheap ops in between (the four block norms, the GeLUs).
     assert selective["addmm"] == none["addmm"]

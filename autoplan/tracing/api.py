@@ -382,6 +382,7 @@ class _UnitFigures:
     ops: tuple[OpProfile, ...]
     tp_sharded: int
     buckets: tuple[float, float, float, float]
+    recompute_skip_ops: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,12 +649,14 @@ class _Build:
             if rep == idx:
                 measured = self._node_profiles(idx, nodes, measures, tp_results[rep], node_params)
                 node_profiles.update(measured.nodes)
+                tail = set(unit_measures[rep].recompute_tail)
                 figures[idx] = _UnitFigures(
                     ops=measured.ops,
                     tp_sharded=self._tp_sharded(spec.root, tp_results[rep], params),
                     buckets=_saved_buckets(
                         unit_measures[rep], nodes, tp_results[rep], measures, batch
                     ),
+                    recompute_skip_ops=_trailing_count(measured.ops, tail),
                 )
             else:  # identical to an earlier unit: its figures under this unit's node names
                 renamed: dict[str, str] = {}
@@ -664,6 +667,7 @@ class _Build:
                     ops=tuple(_renamed_op(op, renamed[op.name]) for op in figures[rep].ops),
                     tp_sharded=figures[rep].tp_sharded,
                     buckets=figures[rep].buckets,
+                    recompute_skip_ops=figures[rep].recompute_skip_ops,
                 )
             unit_figures = figures[idx]
             buckets = unit_figures.buckets
@@ -687,6 +691,7 @@ class _Build:
                     input_bytes=sum(_spec_bytes(specs[n]) for n in inputs) / batch,
                     output_bytes=crossing[idx],
                     tp=tp_results[rep].structure,
+                    recompute_skip_ops=unit_figures.recompute_skip_ops,
                 )
             )
             shapes_for_fingerprint.append((spec.kind, [tuple(p.shape) for p in params.values()]))
@@ -976,3 +981,13 @@ def _saved_buckets(
             replicated += size
             selective_replicated += size if cheap else 0.0
     return sharded, replicated, selective_sharded, selective_replicated
+
+
+def _trailing_count(ops: Sequence[OpProfile], names: set[str]) -> int:
+    """How many ops at the end of ``ops`` are named in ``names`` (a recompute's skipped tail)."""
+    count = 0
+    for op in reversed(ops):
+        if op.name not in names:
+            break
+        count += 1
+    return count

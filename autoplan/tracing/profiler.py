@@ -197,10 +197,18 @@ class SavedStorage:
 
 @dataclass(frozen=True, slots=True)
 class UnitMeasure:
-    """Measurements of one unit's nodes (by name, graph order) and what the unit saves."""
+    """Measurements of one unit's nodes (by name, graph order) and what the unit saves.
+
+    ``recompute_tail`` names the nodes that a recompute of the unit under torch's non-reentrant
+    checkpoint never runs: it stops as soon as the last tensor autograd saved is packed again
+    (early stop, the default since torch 2.1), so the nodes after the one that packs it are
+    skipped, and that node too when what it packs last existed before it ran (an input it
+    saves before computing, like a linear's input and weight).
+    """
 
     nodes: dict[str, NodeMeasure]
     saved: tuple[SavedStorage, ...]
+    recompute_tail: tuple[str, ...] = ()
 
 
 def tensor_leaves(value: Any) -> Iterator[Tensor]:
@@ -598,8 +606,14 @@ def profile_unit(
             return runner.state_value(arg)
         raise AssertionError(f"node {arg.name} is neither computed nor an input of the unit")
 
+    # The last pack of the forward: the node that ran it, and whether the packed tensor existed
+    # before that node (its input or a parameter) or is the node's own output.
+    last_pack: list[tuple[str, bool]] = []
+
     def pack(tensor: Tensor) -> Tensor:
         key = storage_key(tensor)
+        preexisting = key in producers or key in runner.state.keys
+        last_pack[:] = [(current[0], preexisting)]
         if key not in saved and key not in runner.state.keys:
             size = int(tensor.untyped_storage().nbytes())
             saved[key] = SavedStorage(size, producers.get(key, current[0]))
@@ -639,7 +653,23 @@ def profile_unit(
     for storage in saved.values():
         if storage.producer != INPUT:
             measures[storage.producer].saved_bytes += storage.nbytes
-    return UnitMeasure(nodes=measures, saved=tuple(saved.values()))
+    return UnitMeasure(
+        nodes=measures,
+        saved=tuple(saved.values()),
+        recompute_tail=_recompute_tail(nodes, last_pack),
+    )
+
+
+def _recompute_tail(nodes: Sequence[fx.Node], last_pack: list[tuple[str, bool]]) -> tuple[str, ...]:
+    """Names of the nodes an early-stopping recompute skips (see `UnitMeasure`)."""
+    names = [node.name for node in nodes if node.op != "placeholder"]
+    if not last_pack:
+        return tuple(names)  # nothing saved: nothing to recompute
+    stop, before_compute = last_pack[0]
+    if stop not in names:
+        return ()
+    first_skipped = names.index(stop) + (0 if before_compute else 1)
+    return tuple(names[first_skipped:])
 
 
 def _fresh(value: Any, leaves: list[Tensor], state_keys: set[int]) -> Any:
