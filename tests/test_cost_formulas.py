@@ -8,8 +8,12 @@ Cluster `round_cluster()`: 100 TFLOP/s bf16, 10 TFLOP/s fp32, 1 TB/s memory; lin
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from cost_model.communication import (
     all_gather_time_s,
@@ -159,6 +163,44 @@ def test_cross_entropy_reads_and_writes_the_logits_kernel_by_kernel() -> None:
     assert fp32.backward_s == pytest.approx(16000 / 0.5e12, rel=REL)
     # Only the head pays it.
     assert loss_cost(_unit(), Strategy(), cluster, 4).forward_s == 0.0
+
+
+class _AtenBytes(TorchDispatchMode):
+    """Bytes each ATen op reads and writes (inputs + outputs; views move nothing; the NLL ops
+    gather one element per row, so only their outputs count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            leaves = tree_flatten((args, kwargs))[0]
+            reads = [t for t in leaves if isinstance(t, torch.Tensor)]
+            if func.overloadpacket.__name__.startswith("nll_loss"):
+                reads = []
+            writes = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.total += sum(t.nbytes for t in reads) + sum(t.nbytes for t in writes)
+        return out
+
+
+@pytest.mark.parametrize(("dtype", "width"), [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_cross_entropy_bytes_are_those_of_the_aten_ops_pytorch_runs(
+    dtype: torch.dtype, width: int
+) -> None:
+    # loss_cost prices b + 12 bytes per logit forward and b + 20 backward (b + 12 -> 8 and
+    # b + 20 -> 16 in fp32, no casts): count what F.cross_entropy on fp32 logits dispatches.
+    rows, vocab = 64, 1000
+    logits = torch.randn(rows, vocab, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    with _AtenBytes() as forward:
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets)
+    with _AtenBytes() as backward:
+        loss.backward()
+    cast = 0 if width == 4 else width + 4
+    assert forward.total / (rows * vocab) == pytest.approx(cast + 8, rel=1e-3)
+    assert backward.total / (rows * vocab) == pytest.approx(cast + 16, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------- communication
