@@ -637,8 +637,9 @@ def loss_cost(
     unit: UnitProfile, strategy: Strategy, cluster: Cluster, traced_dtype_bytes: int
 ) -> LossCost:
     """Cross-entropy on the head's logits in fp32 (``F.cross_entropy(logits.float(), y)``, as
-    autoplan's runtime and autocast recipes compute it; Megatron's vocab-parallel loss casts the
-    same way), kernel by kernel. Per logit element, at ``b`` bytes per training-dtype element:
+    autoplan's runtime and autocast recipes compute it), kernel by kernel (the ATen ops it
+    dispatches; tests/test_cost_formulas.py counts them). Per logit element, at ``b`` bytes per
+    training-dtype element:
 
     - forward: the cast to fp32 (read b, write 4), log-softmax (read 4, write 4: its row
       passes re-read the row from L2), the target gather (negligible): ``b + 12``;
