@@ -447,6 +447,11 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
                     f"  {name:{width}s} rows {n:3d}: median |error| {median:6.1%}, "
                     f"max |error| {worst:6.1%}"
                 )
+    beyond = [r for r in results if r.case.status == "held_out" and abs(r.error) > 0.25]
+    lines.append("")
+    lines.append(f"held-out rows beyond 25% ({len(beyond)}; docs/cost-model.md discusses them):")
+    for r in sorted(beyond, key=lambda r: -abs(r.error)):
+        lines.append(f"  {r.case.run_id:44s} {r.error:+7.1%}")
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
     for s in skipped:
