@@ -95,3 +95,49 @@ def test_no_recompute_changes_nothing(mode: Recompute) -> None:
     before = [type(stage.unit_module(u)) for u in stage.units]
     assert apply_recompute(stage, mode) == 0
     assert [type(stage.unit_module(u)) for u in stage.units] == before
+
+
+class _MlpBlock(torch.nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class _MlpModel(torch.nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList([_MlpBlock(32, dropout) for _ in range(2)])
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_recompute_tail_is_what_torch_skips(dropout: float) -> None:
+    # Without dropout the last GEMM feeds only the residual add and torch never re-runs it;
+    # dropout after it saves its mask, so the GEMM must run again. The trace says the same.
+    torch.manual_seed(0)
+    model = _MlpModel(dropout)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    block_profile = next(
+        u for u in trace(model, example_inputs=(ids,)).profile.units if u.kind == "block"
+    )
+    kept = block_profile.ops[: len(block_profile.ops) - block_profile.recompute_skip_ops]
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model.blocks[0], x, use_reentrant=False)
+    with _CountOps() as counter:
+        out.sum().backward()
+    # The backward itself runs mm (not addmm) for the gradients: each addmm is a recompute.
+    assert counter.counts["addmm"] == sum(1 for op in kept if op.kind == "matmul")
+    assert counter.counts["addmm"] == (2 if dropout else 1)
