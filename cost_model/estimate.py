@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from cost_model.calibration import Calibration
 from cost_model.communication import collective_time_s, p2p_time_s
@@ -388,11 +388,10 @@ def unit_costs(
             dp_bytes.append(dp_bytes[classes[index]])
             continue
         mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-        fwd_c, bwd_c, flops, selective_fwd, gemm_fwd, tail_fwd = _compute_times(
-            profile, cluster, strategy, index
-        )
+        times = _compute_times(profile, cluster, strategy, index)
+        fwd_c, bwd_c, flops = times.forward_s, times.backward_s, times.forward_flops
         tp_fwd, tp_bwd = _tp_times(unit, strategy, cluster, traced, tp_groups)
-        recompute_s = _recompute_s(unit, mode, cal, fwd_c, selective_fwd, gemm_fwd, tail_fwd)
+        recompute_s = _recompute_s(unit, mode, cal, times)
         if mode == "full":
             # Re-run the forward, its TP all-reduces included (Megatron recomputes through the
             # f/g operators), less those of the row-parallel linears an early stop skips.
@@ -657,28 +656,22 @@ def loss_cost(
     cast = strategy.dtype_bytes + 4.0 if strategy.dtype_bytes != 4 else 0.0
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.calibration.memory_efficiency
     overhead = cluster.calibration.kernel_overhead_s
-    kernels_fwd, kernels_bwd = (3, 3) if cast else (2, 2)
+    kernels = 3 if cast else 2  # each way: the cast (in bf16/fp16), log-softmax, NLL
     return LossCost(
-        forward_s=(cast + 8.0) * logits / bandwidth + kernels_fwd * overhead,
-        backward_s=(cast + 16.0) * logits / bandwidth + kernels_bwd * overhead,
+        forward_s=(cast + 8.0) * logits / bandwidth + kernels * overhead,
+        backward_s=(cast + 16.0) * logits / bandwidth + kernels * overhead,
         saved_bytes=4.0 * logits,
     )
 
 
-def _recompute_s(
-    unit: UnitProfile,
-    mode: str,
-    cal: Calibration,
-    forward_s: float,
-    selective_forward_s: float,
-    gemm_forward_s: float,
-    tail_forward_s: float,
-) -> float:
+def _recompute_s(unit: UnitProfile, mode: str, cal: Calibration, times: _ComputeTimes) -> float:
     """Forward compute that ``mode`` re-runs in the backward of ``unit`` (per micro-batch)."""
     if mode == "full":
-        return forward_s - cal.full_recompute_early_stop * tail_forward_s
+        return times.forward_s - cal.full_recompute_early_stop * times.tail_forward_s
     if mode == "selective" and _has_selective_bytes(unit):
-        return selective_forward_s + cal.selective_gemm_recompute_fraction * gemm_forward_s
+        return (
+            times.selective_forward_s + cal.selective_gemm_recompute_fraction * times.gemm_forward_s
+        )
     return 0.0
 
 
@@ -708,8 +701,8 @@ def unit_compute_s(
             out.append(out[classes[index]])
             continue
         mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-        fwd, bwd, _, selective, gemm, tail = _compute_times(profile, cluster, strategy, index)
-        out.append(fwd + bwd + _recompute_s(unit, mode, cal, fwd, selective, gemm, tail))
+        times = _compute_times(profile, cluster, strategy, index)
+        out.append(times.forward_s + times.backward_s + _recompute_s(unit, mode, cal, times))
     return tuple(out)
 
 
@@ -746,14 +739,22 @@ def _unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     return result
 
 
-_ComputeTimes = tuple[float, float, float, float, float, float]
+class _ComputeTimes(NamedTuple):
+    """One unit's compute per micro-batch, ops and loss (see `_compute_times`)."""
+
+    forward_s: float
+    backward_s: float
+    forward_flops: float
+    selective_forward_s: float  # the ops selective recompute re-runs
+    gemm_forward_s: float
+    tail_forward_s: float  # the ops an early-stopping full recompute skips
 
 
 def _compute_times(
     profile: ModelProfile, cluster: Cluster, strategy: Strategy, index: int
 ) -> _ComputeTimes:
-    """(forward, backward, forward FLOPs, selective-recompute forward, GEMM forward, forward of
-    the recompute tail) of one unit's ops and loss, per micro-batch.
+    """Forward, backward, forward FLOPs and the forward parts recompute modes re-run or skip,
+    of one unit's ops and loss, per micro-batch.
 
     Depends only on the unit, the device and the strategy's TP degree, sequence parallelism,
     micro-batch and dtype, so the planner's many strategies share one computation.
@@ -785,13 +786,13 @@ def _compute_times(
         if position >= first_tail:
             tail_fwd += ot.forward_s
     loss = loss_cost(unit, strategy, cluster, profile.traced_dtype_bytes)
-    result = (
-        fwd_c + loss.forward_s,
-        bwd_c + loss.backward_s,
-        flops,
-        selective_fwd,
-        gemm_fwd,
-        tail_fwd,
+    result = _ComputeTimes(
+        forward_s=fwd_c + loss.forward_s,
+        backward_s=bwd_c + loss.backward_s,
+        forward_flops=flops,
+        selective_forward_s=selective_fwd,
+        gemm_forward_s=gemm_fwd,
+        tail_forward_s=tail_fwd,
     )
     if len(_COMPUTE) > 65536:
         _COMPUTE.clear()
