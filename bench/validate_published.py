@@ -64,6 +64,8 @@ class Case:
     """One published run, ready to predict."""
 
     run_id: str
+    source: str  # the table the row is from (its citation)
+    compiled: bool  # the run used torch.compile
     status: str  # fit | held_out | unscored
     note: str
     gpu: str
@@ -197,6 +199,8 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     )
     return Case(
         run_id=run_id,
+        source=row["source"],
+        compiled=bool(merged.get("torch_compile")),
         status=status,
         note=reason,
         gpu=gpu_name,
@@ -403,6 +407,111 @@ def summarize(results: Iterable[Result], status: Iterable[str]) -> tuple[int, fl
     return len(errors), statistics.median(errors), max(errors)
 
 
+# ------------------------------------------------------------------ the sources' own consistency
+
+# Run-to-run spread of one configuration: llm-foundry's development branch repeats each H100
+# configuration three times (scripts/train/benchmarking/h100.md, commit beb8dee), within 2%.
+# A contradiction must exceed it more than twice over to be reported.
+SOURCE_NOISE = 0.05
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contradiction:
+    """Two published rows of one source table that contradict each other: ``slower`` does no
+    more work and moves no more bytes per GPU and token than ``faster`` (``rule``), yet its
+    published throughput per GPU is ``gap`` lower. A cost model that respects the rule predicts
+    ``slower`` at least ``1 / (1 + gap)`` times as optimistically (predicted over published
+    throughput) as ``faster``: it cannot match both."""
+
+    slower: str
+    faster: str
+    rule: str
+    gap: float  # slower's tokens/s per GPU over faster's, minus 1 (< -SOURCE_NOISE)
+
+
+def tokens_per_s_per_gpu(case: Case) -> float:
+    """Published throughput per GPU, from the published step time."""
+    tokens = float(case.plan_args["global_batch"] * case.dims.seq_len)
+    return tokens / (case.published_step_s * case.num_gpus)
+
+
+def accumulation_steps(case: Case) -> int:
+    a = case.plan_args
+    return int(a["global_batch"] // (a["dp"] * a["micro_batch"]))
+
+
+# The plan arguments two rows must share to be compared (with the model, bar its sequence).
+_LAYOUT_KEYS = (
+    "tp",
+    "pp",
+    "recompute",
+    "zero",
+    "dtype",
+    "schedule",
+    "virtual_stages",
+    "sequence_parallel",
+)
+
+
+def _rule_between(a: Case, b: Case) -> str:
+    """The rule by which ``a`` (same source, model and layout as ``b``) cannot be slower per
+    GPU than ``b``, or "" if none applies."""
+    mb_a, mb_b = a.plan_args["micro_batch"], b.plan_args["micro_batch"]
+    if (
+        a.dims.seq_len == b.dims.seq_len
+        and mb_a == mb_b
+        and a.num_gpus < b.num_gpus
+        and accumulation_steps(a) >= accumulation_steps(b)
+    ):
+        return f"weak scaling ({a.num_gpus} vs {b.num_gpus} GPUs)"
+    if (
+        a.num_gpus == b.num_gpus
+        and a.dims.seq_len < b.dims.seq_len
+        and mb_a * a.dims.seq_len == mb_b * b.dims.seq_len
+        and accumulation_steps(a) == accumulation_steps(b)
+    ):
+        return f"sequence ({a.dims.seq_len} vs {b.dims.seq_len})"
+    return ""
+
+
+def source_contradictions(
+    cases: Iterable[Case], noise: float = SOURCE_NOISE
+) -> list[Contradiction]:
+    """Pairs of rows from one source table that contradict each other, by two rules
+    that hold for any cost model, checked on the published numbers alone:
+
+    - weak scaling: same model, sequence, layout and micro-batch, so the same work per GPU
+      and micro-batch. The row on fewer GPUs, with at least as many accumulation steps, has
+      no more communication per GPU and token (a ring moves (N-1)/N of the bytes; more
+      micro-batches share the per-step costs), so it cannot be slower per GPU. (Sharded
+      optimizer states give each of N GPUs 1/N of the Adam step: milliseconds, against steps
+      of a second or more in every pair reported.)
+    - sequence: same model, GPUs, layout, tokens per micro-batch and accumulation steps. The
+      row at the shorter sequence runs the same GEMMs, element-wise passes and communication
+      per token and less attention (its work per token grows with the sequence), so it cannot
+      be slower per GPU.
+
+    A pair is reported when the row that cannot be slower is slower by more than ``noise``.
+    """
+    by_source: dict[tuple[Any, ...], list[Case]] = {}
+    for case in cases:
+        args = case.plan_args
+        layout = (*(args[k] for k in _LAYOUT_KEYS), case.compiled)
+        model = dataclasses.replace(case.dims, seq_len=0)
+        by_source.setdefault((case.source, case.gpu, model, layout), []).append(case)
+    found = []
+    for group in by_source.values():
+        for a in group:
+            for b in group:
+                rule = _rule_between(a, b)
+                gap = tokens_per_s_per_gpu(a) / tokens_per_s_per_gpu(b) - 1.0
+                if rule and gap < -noise:
+                    found.append(
+                        Contradiction(slower=a.run_id, faster=b.run_id, rule=rule, gap=gap)
+                    )
+    return sorted(found, key=lambda x: x.gap)
+
+
 def _config(case: Case) -> str:
     a = case.plan_args
     return (
@@ -447,11 +556,23 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
                     f"  {name:{width}s} rows {n:3d}: median |error| {median:6.1%}, "
                     f"max |error| {worst:6.1%}"
                 )
+    contradictions = source_contradictions(r.case for r in results)
+    contradicted = {pair.slower for pair in contradictions}
     beyond = [r for r in results if r.case.status == "held_out" and abs(r.error) > 0.25]
     lines.append("")
     lines.append(f"held-out rows beyond 25% ({len(beyond)}; docs/cost-model.md discusses them):")
     for r in sorted(beyond, key=lambda r: -abs(r.error)):
-        lines.append(f"  {r.case.run_id:44s} {r.error:+7.1%}")
+        flag = "  contradicts its own table (below)" if r.case.run_id in contradicted else ""
+        lines.append(f"  {r.case.run_id:44s} {r.error:+7.1%}{flag}")
+    lines.append("")
+    lines.append(
+        f"published rows slower per GPU than a sibling in their own table with at least as much"
+        f" work and communication per GPU and token ({len(contradictions)} pairs beyond the"
+        f" {SOURCE_NOISE:.0%} run-to-run noise; a cost model that respects the rule cannot match"
+        f" both rows of a pair):"
+    )
+    for pair in contradictions:
+        lines.append(f"  {pair.slower:44s} {pair.gap:+6.1%} vs {pair.faster}  [{pair.rule}]")
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
     for s in skipped:
@@ -511,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
                         for r in results
                     ],
                     "skipped": [dataclasses.asdict(s) for s in skipped],
+                    "contradictions": [dataclasses.asdict(c) for c in source_contradictions(cases)],
                 },
                 indent=2,
             )
