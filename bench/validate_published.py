@@ -12,6 +12,8 @@ the last) and compares the cost model's step time with the published one.
     python bench/validate_published.py --fit      # re-fit the GEMM efficiency per GPU
 
 Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
+The report ends with the published rows that contradict a sibling in their own table by a rule
+any cost model obeys (`source_contradictions`), found from the published numbers alone.
 """
 
 from __future__ import annotations
@@ -484,8 +486,8 @@ def source_contradictions(
       and micro-batch. The row on fewer GPUs, with at least as many accumulation steps, has
       no more communication per GPU and token (a ring moves (N-1)/N of the bytes; more
       micro-batches share the per-step costs), so it cannot be slower per GPU. (Sharded
-      optimizer states give each of N GPUs 1/N of the Adam step: milliseconds, against steps
-      of a second or more in every pair reported.)
+      optimizer states give each of N GPUs 1/N of the Adam step, which takes milliseconds:
+      inside the noise for steps of a second or more, as all of the reported pairs' are.)
     - sequence: same model, GPUs, layout, tokens per micro-batch and accumulation steps. The
       row at the shorter sequence runs the same GEMMs, element-wise passes and communication
       per token and less attention (its work per token grows with the sequence), so it cannot
