@@ -487,8 +487,8 @@ def source_contradictions(
       no more communication per GPU and token (a ring moves (N-1)/N of the bytes; more
       micro-batches share the per-step costs), so it cannot be slower per GPU. (Sharded
       optimizer states give each of N GPUs 1/N of the Adam step, a memory-bound pass of
-      about 28 bytes per parameter: about a millisecond in the reported pairs, under 0.1%
-      of their steps.)
+      about 30 bytes per parameter (the cost model's ADAM_TRAFFIC_BYTES_PER_PARAM): about a
+      millisecond in the reported pairs, under 0.1% of their steps.)
     - sequence: same model, GPUs, layout, tokens per micro-batch and accumulation steps. The
       row at the shorter sequence runs the same GEMMs, element-wise passes and communication
       per token and less attention (its work per token grows with the sequence), so it cannot
