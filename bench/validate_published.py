@@ -166,6 +166,7 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     gpu = assumptions["gpu_presets"][gpu_name]
     overrides = dict(gpu.get("overrides", {}))
     overrides.update(fam.get("cluster", {}))
+    overrides.update(fam.get("gpu_cluster", {}).get(gpu_name, {}))
     overrides.update(extra.pop("cluster", {}))
     overlap = extra.pop("dp_overlap_fraction", None)
     if overlap is not None:

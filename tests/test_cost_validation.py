@@ -39,9 +39,9 @@ def test_held_out_published_runs_within_15_percent(capsys: pytest.CaptureFixture
 def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixture[str]) -> None:
     """The whole benchmark (about 15 s), as a regression guard on what it shows today: the runs
     from papers (Megatron-LM, BLOOM, torchtitan) all within 25% with median within 5%; every
-    held-out row's median, MosaicML's FSDP sweep included, within 5% (issue 4's aim; its 25% max
-    is not met by that sweep, see docs/cost-model.md). The BLOOM rows carry the inter-node rate
-    measured on their cluster (bench/data/validation_assumptions.yaml)."""
+    held-out row's median, MosaicML's FSDP sweep included, within 5% (issue 4's aim; its 25%
+    max is not met by 3 of that sweep's rows, see docs/cost-model.md). The BLOOM rows carry the
+    inter-node rate measured on their cluster (bench/data/validation_assumptions.yaml)."""
     validate_published.main(["--json"])
     out = json.loads(capsys.readouterr().out)
     rows = [r for r in out["rows"] if r["status"] == "held_out"]
@@ -58,8 +58,11 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     assert len(papers) >= 40 and len(every) >= 200
     assert papers[-1] <= 0.25, papers[-5:]
     assert papers[len(papers) // 2] <= 0.05  # 3.5% today
-    assert every[len(every) // 2] <= 0.05  # 3.0% today
-    assert sum(e > 0.25 for e in every) <= 6, every[-10:]  # 5 today (docs/cost-model.md)
+    assert every[len(every) // 2] <= 0.05  # 2.7% today
+    assert sum(e > 0.25 for e in every) <= 3, every[-10:]  # 3 today (docs/cost-model.md)
+    # llm-foundry's single-node H100 runs, with that stack's H100 GEMM rate fitted to one of them.
+    h100 = [abs(r["error"]) for r in rows if r["id"].startswith("llmfoundry-h100-80g")]
+    assert len(h100) >= 30 and max(h100) <= 0.15, sorted(h100)[-3:]  # 14.1% today
     published, assumptions = validate_published.load()
     cases = [
         validate_published.build_case(row, assumptions)
