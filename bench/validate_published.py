@@ -508,8 +508,10 @@ def source_contradictions(
         for a in group:
             for b in group:
                 rule = _rule_between(a, b)
+                if not rule:
+                    continue
                 gap = tokens_per_s_per_gpu(a) / tokens_per_s_per_gpu(b) - 1.0
-                if rule and gap < -noise:
+                if gap < -noise:
                     found.append(
                         Contradiction(slower=a.run_id, faster=b.run_id, rule=rule, gap=gap)
                     )
