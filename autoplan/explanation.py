@@ -8,11 +8,10 @@ Expects a `Plan`, the model it was made for (an ``nn.Module``, ``ModelGraph`` or
 
 - the cost model's per-stage breakdown (compute, TP/PP/DP communication, bubble, memory) and
   each pipeline rank's memory against the device capacity;
-- the critical path: the pipeline rank with the longest time per micro-batch bounds the
-  pipeline (``cost_model.schedules``: ``(m - 1/v) T_max + sum_r T_r / v``), so the step splits
-  into that rank's busy time ``m T_max`` (compute, TP, PP and exposed ZeRO-3 communication),
-  its idle time in the pipeline (the bubble) and the longest tail after the flush (exposed DP
-  gradient sync, post-sync gathers and the optimizer step);
+- the critical path: the step is the simulated schedule (``cost_model.schedules``); it splits
+  into the busiest pipeline rank's busy time (compute, TP, PP and exposed ZeRO-3
+  communication), that rank's idle time until the pipeline's last action (the bubble) and what
+  the tails add after it (exposed DP gradient sync, post-sync gathers, the optimizer step);
 - "why not" lines: the search's top alternatives for the same model, cluster, batch and dtype,
   and the nearest hand-made plans: pure data parallelism (tp = pp = 1, the planner picks the
   ZeRO level, micro-batch and recompute that fit), pure tensor parallelism within a node
@@ -86,7 +85,7 @@ class CriticalPath:
     pp_comm_s: float  # of which pipeline sends
     zero3_exposed_s: float  # of which ZeRO-3 gathers not hidden behind compute
     bubble_s: float  # pipeline time - busy: the bottleneck's idle time
-    tail_s: float  # the longest tail after the flush (DP sync + post-sync + optimizer)
+    tail_s: float  # what the ranks' tails add after the pipeline ends (DP sync, optimizer)
     tail_rank: int  # the rank with that tail
     dominant: str  # the largest share: compute, communication, bubble or tail
 
@@ -277,7 +276,7 @@ def explain(
 
 def critical_path(result: Estimate) -> CriticalPath:
     """The bottleneck rank and how the step splits into busy, bubble and tail time."""
-    bottleneck = max(result.ranks, key=lambda r: (r.time_per_microbatch_s, -r.pp_rank))
+    bottleneck = max(result.ranks, key=lambda r: (r.busy_s, -r.pp_rank))
     stages = [s for s in result.stages if s.pp_rank == bottleneck.pp_rank]
     compute = sum(s.compute_s for s in stages)
     tp = sum(s.tp_comm_s for s in stages)
@@ -285,16 +284,20 @@ def critical_path(result: Estimate) -> CriticalPath:
     # forward_s/backward_s = compute + TP + exposed ZeRO-3 (cost_model.estimate.unit_costs)
     zero3 = bottleneck.busy_s - compute - tp - pp
     bubble = result.pipeline_time_s - bottleneck.busy_s
+    # What the ranks' tails add after the pipeline's last action (each tail starts when its
+    # own rank is done, so a rank that finishes early hides some of its tail).
+    tail = result.step_time_s - result.pipeline_time_s
     # Differences of sums: round-off below a billionth of the step is no time at all.
     noise = 1e-9 * result.step_time_s
     zero3 = zero3 if zero3 > noise else 0.0
     bubble = bubble if bubble > noise else 0.0
+    tail = tail if tail > noise else 0.0
     tail_rank = max(result.ranks, key=lambda r: (r.tail_s, -r.pp_rank))
     shares = {
         "compute": compute,
         "communication": tp + pp + zero3,
         "the pipeline bubble": bubble,
-        "the tail after the flush": result.tail_s,
+        "the tail after the flush": tail,
     }
     return CriticalPath(
         bottleneck_rank=bottleneck.pp_rank,
@@ -306,7 +309,7 @@ def critical_path(result: Estimate) -> CriticalPath:
         pp_comm_s=pp,
         zero3_exposed_s=zero3,
         bubble_s=bubble,
-        tail_s=result.tail_s,
+        tail_s=tail,
         tail_rank=tail_rank.pp_rank,
         dominant=max(shares, key=lambda k: shares[k]),
     )

@@ -8,7 +8,9 @@ cluster. Both raise `PlanError` naming the field, the value, the rule and the fi
 Rank layout: ``rank_layout`` orders the mesh axes from outermost to innermost. With the default
 ``("pp", "dp", "tp")`` the ranks of one TP group are consecutive (inside one node) and pipeline
 stages are furthest apart, as in Megatron-LM. Stage ``i`` of ``pp_degree * virtual_stages``
-stages runs on pipeline rank ``i % pp_degree`` (torch's interleaved "loop" placement).
+stages runs where the schedule puts it (`cost_model.schedules`): pipeline rank ``i % pp_degree``
+(torch's "loop" placement) for all but the V schedules (``zbv``, ``dualpipev``), which put
+stages ``r`` and ``2 pp_degree - 1 - r`` on rank ``r``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Literal, Protocol
 
 from autoplan.errors import PlanError, SchemaError
 from cost_model.hardware import Cluster
+from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
+from cost_model.schedules import ScheduleError, ScheduleName, ScheduleSpec, stage_rank
 from cost_model.schema import (
     check_schema_version,
     from_data,
@@ -32,11 +36,11 @@ from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
 
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Schedule = ScheduleName
 Recompute = Literal["none", "selective", "full"]
 MeshAxis = Literal["pp", "dp", "tp"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
 
@@ -161,28 +165,11 @@ class Plan:
             )
 
     def _check_schedule(self) -> None:
-        pp, m, v = self.pp_degree, self.num_micro_batches, self.virtual_stages
-        if v > 1 and self.schedule != "interleaved-1f1b":
-            raise PlanError(
-                f"virtual_stages = {v} needs schedule 'interleaved-1f1b', got {self.schedule!r}; "
-                "set virtual_stages: 1 or change the schedule"
-            )
-        if self.schedule == "interleaved-1f1b":
-            if pp == 1:
-                raise PlanError(
-                    "schedule 'interleaved-1f1b' needs pp_degree >= 2; use '1f1b' with pp_degree 1"
-                )
-            if m % pp != 0:
-                raise PlanError(
-                    f"num_micro_batches = {m} must be a multiple of pp_degree = {pp} for "
-                    "'interleaved-1f1b' (Narayanan et al. 2021, section 2.2.2); "
-                    f"use {math.ceil(m / pp) * pp} micro-batches or the '1f1b' schedule"
-                )
-        elif self.schedule == "1f1b" and m < pp:
-            raise PlanError(
-                f"num_micro_batches = {m} must be >= pp_degree = {pp} for '1f1b' "
-                "(torch's Schedule1F1B requires it); raise num_micro_batches or use 'gpipe'"
-            )
+        # One rule book: the schedule model's, which states torch's requirements.
+        try:
+            self.schedule_spec  # noqa: B018 (constructing the spec checks it)
+        except ScheduleError as error:
+            raise PlanError(str(error)) from None
 
     def _check_stages(self) -> None:
         expected = self.pp_degree * self.virtual_stages
@@ -240,11 +227,21 @@ class Plan:
         base = rank - ((rank // stride) % degree) * stride
         return tuple(base + i * stride for i in range(degree))
 
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        """The pipeline schedule with its degrees (`cost_model.schedules`)."""
+        return ScheduleSpec(
+            schedule=self.schedule,
+            pp_degree=self.pp_degree,
+            virtual_stages=self.virtual_stages,
+            num_micro_batches=self.num_micro_batches,
+        )
+
     def pipeline_rank_of_stage(self, stage_idx: int) -> int:
-        return stage_idx % self.pp_degree
+        return stage_rank(self.schedule_spec.placement, self.pp_degree, stage_idx)
 
     def stages_of_pipeline_rank(self, pp_rank: int) -> tuple[int, ...]:
-        return tuple(range(pp_rank, self.num_stages, self.pp_degree))
+        return tuple(s for s in range(self.num_stages) if self.pipeline_rank_of_stage(s) == pp_rank)
 
     # ----------------------------------------------------------------------------- checks
 

@@ -33,14 +33,14 @@ __all__ = ["KIND_COLOURS", "KIND_LABELS", "save_figure", "timeline_figure", "wha
 KIND_COLOURS: dict[EventKind, str] = {
     "forward": "#0072B2",  # blue
     "backward": "#E69F00",  # orange
-    "send": "#CC79A7",  # purple
+    "weight": "#CC79A7",  # purple
     "tail": "#009E73",  # green
     "idle": "#E8E8E8",  # light grey
 }
 KIND_LABELS: dict[EventKind, str] = {
     "forward": "forward (incl. TP collectives)",
-    "backward": "backward (incl. recompute, TP)",
-    "send": "pipeline send/receive",
+    "backward": "backward (incl. recompute, TP; input half if split)",
+    "weight": "backward-weight (zero-bubble)",
     "tail": "DP gradient sync + optimizer",
     "idle": "idle (bubble)",
 }
@@ -153,12 +153,12 @@ def timeline_figure(timeline: Timeline, *, title: str | None = None) -> Figure:
                 spans,
                 (y - 0.4, 0.8),
                 facecolors=KIND_COLOURS[kind],
-                edgecolors="white" if kind in ("forward", "backward") else "none",
+                edgecolors="white" if kind in ("forward", "backward", "weight") else "none",
                 linewidth=0.5,
             )
         if label_spans:
             for e in timeline.events:
-                if e.pp_rank == r and e.kind in ("forward", "backward"):
+                if e.pp_rank == r and e.kind in ("forward", "backward", "weight"):
                     ax.text(
                         (e.start_s + e.duration_s / 2) * scale,
                         y,
@@ -191,9 +191,9 @@ def timeline_figure(timeline: Timeline, *, title: str | None = None) -> Figure:
     ax.set_title(
         title
         or (
-            f"{schedule}: p={p}, m={timeline.num_micro_batches}; pipeline "
-            f"{timeline.pipeline_time_s * scale:.3g} {unit} simulated, "
-            f"{timeline.formula_pipeline_time_s * scale:.3g} {unit} by the cost model's formula"
+            f"{schedule}: p={p}, m={timeline.num_micro_batches}; step "
+            f"{timeline.step_time_s * scale:.3g} {unit} (pipeline "
+            f"{timeline.pipeline_time_s * scale:.3g} {unit})"
         )
     )
     return figure

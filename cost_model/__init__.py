@@ -1,7 +1,9 @@
 """cost_model: how devices, memory and links behave under a parallel plan.
 
-Pure functions of plain data (a `ModelProfile`, a `Cluster`, a plan); no torch.distributed.
-Imports neither `autoplan` nor `passes`.
+Pure functions of plain data (a `ModelProfile`, a `Cluster`, a plan); no process groups. The
+one piece of torch it reads is the action order of torch's pipeline schedule classes
+(`schedules.pipeline_order`), so the simulated schedule is the one the runtime runs. Imports
+neither `autoplan` nor `passes`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cost_model.communication import (
 from cost_model.compute import OpTime, op_time
 from cost_model.errors import ClusterError, InputError, SchemaError
 from cost_model.estimate import (
+    Boundary,
     Estimate,
     MemoryBreakdown,
     MemoryCapacityError,
@@ -25,21 +28,31 @@ from cost_model.estimate import (
     RankEstimate,
     StageEstimate,
     UnitCost,
+    boundary_costs,
     estimate,
     memory_constants,
     oversubscription_factors,
+    peak_activations,
     rank_memory,
     rank_tail_s,
-    stage_p2p_time_s,
+    stage_times,
     unit_costs,
 )
 from cost_model.hardware import Cluster, DeviceSpec, LinkSpec, load_cluster, preset_names
 from cost_model.memory import StaticBytes, activation_bytes, param_state_bytes, static_bytes
 from cost_model.schedules import (
-    bubble_fraction,
-    bubble_time_s,
-    inflight_microbatches,
-    pipeline_time_s,
+    SCHEDULES,
+    Action,
+    CriticalPath,
+    HeldProfile,
+    ScheduleError,
+    ScheduleSpec,
+    Simulation,
+    StageTimes,
+    critical_path,
+    held_microbatches,
+    pipeline_order,
+    simulate,
 )
 from cost_model.strategy import (
     GroupPlacement,
@@ -59,13 +72,18 @@ from cost_model.workload import (
 )
 
 __all__ = [
+    "SCHEDULES",
+    "Action",
+    "Boundary",
     "Calibration",
     "Cluster",
     "ClusterError",
+    "CriticalPath",
     "DeviceSpec",
     "Estimate",
     "GemmShape",
     "GroupPlacement",
+    "HeldProfile",
     "InputError",
     "LinkRate",
     "LinkSpec",
@@ -77,9 +95,13 @@ __all__ = [
     "OpTime",
     "PlanLike",
     "RankEstimate",
+    "ScheduleError",
+    "ScheduleSpec",
     "SchemaError",
+    "Simulation",
     "StageEstimate",
     "StageLike",
+    "StageTimes",
     "StaticBytes",
     "Strategy",
     "TpLinear",
@@ -89,11 +111,11 @@ __all__ = [
     "activation_bytes",
     "all_gather_time_s",
     "all_reduce_time_s",
-    "bubble_fraction",
-    "bubble_time_s",
+    "boundary_costs",
+    "critical_path",
     "estimate",
     "group_placements",
-    "inflight_microbatches",
+    "held_microbatches",
     "link_rate",
     "load_cluster",
     "memory_constants",
@@ -101,13 +123,15 @@ __all__ = [
     "oversubscription_factors",
     "p2p_time_s",
     "param_state_bytes",
+    "peak_activations",
     "pipeline_link_crosses_nodes",
-    "pipeline_time_s",
+    "pipeline_order",
     "preset_names",
     "rank_memory",
     "rank_tail_s",
     "reduce_scatter_time_s",
-    "stage_p2p_time_s",
+    "simulate",
+    "stage_times",
     "static_bytes",
     "unit_costs",
 ]

@@ -42,6 +42,9 @@ class OpTime:
     backward_s: float
     forward_flops: float  # per device, per micro-batch
     backward_flops: float
+    # Of backward_s, the weight gradient, which a split backward (zero-bubble schedules) runs
+    # later as its own action: a linear's wgrad GEMM, an embedding's whole backward.
+    weight_backward_s: float = 0.0
 
 
 def tp_divisor(op: OpProfile, tp_degree: int, sequence_parallel: bool) -> int:
@@ -103,6 +106,7 @@ def op_time(
         # One backward GEMM (dgrad or wgrad) has the forward's size: same efficiency.
         eff = saturating_efficiency(fwd_flops, max_eff, calibration.gemm_half_efficiency_flops)
         rate = bwd_rate = peak * eff
+        weight_share = 0.5 if op.kind == "matmul" and op.param_bytes_read > 0 else 0.0
         if op.kind == "matmul" and op.gemm is not None:
             # Depth of the forward GEMM (k, split by a row-parallel linear) and of the data
             # gradient (n, split by a column-parallel one); the weight gradient reduces over
@@ -112,10 +116,14 @@ def op_time(
             n = op.gemm.n / (tp_degree if op.tp in ("column", "vocab") else 1)
             rate = peak * eff * depth_efficiency(k, half)
             bwd_rate = peak * eff / (0.5 / depth_efficiency(n, half) + 0.5)
+            if weight_share:
+                # the wgrad's share of the backward's GEMM time: 0.5 of the FLOPs at full depth
+                weight_share = 0.5 / (0.5 / depth_efficiency(n, half) + 0.5)
     else:
         # Vector (non tensor-core) work: the fp32 peak bounds it; it is almost always the byte
         # term that decides.
         rate = bwd_rate = device.peak_flops_for("fp32")
+        weight_share = 1.0 if op.kind == "embedding" and op.param_bytes_read > 0 else 0.0
     overhead = calibration.kernel_overhead_s
     forward_s = max(fwd_flops / rate, fwd_bytes / bandwidth) + overhead
     backward_s = (
@@ -128,4 +136,5 @@ def op_time(
         backward_s=backward_s,
         forward_flops=fwd_flops,
         backward_flops=bwd_flops,
+        weight_backward_s=weight_share * backward_s,
     )

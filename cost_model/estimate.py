@@ -1,23 +1,23 @@
-"""Step time and memory of a plan: per-unit costs, assembled through the pipeline formulas.
+"""Step time and memory of a plan: per-unit costs, assembled through the schedule simulation.
 
 Expects a `ModelProfile`, a `Cluster` and a plan (`PlanLike`: ``autoplan.Plan`` or anything with
 its fields). Guarantees: `estimate` is a pure function built only from the public blocks below,
-in this exact structure, so the planner (issue 5) can reproduce it as a linear model with max()
-terms:
+in this exact structure, so the planner can reproduce it (its CP-SAT model cuts with the
+simulation's longest paths, `autoplan.planner.partition`):
 
 - `unit_costs(profile, cluster, strategy, recompute)`: for fixed outer choices, every unit's
   per-micro-batch forward and backward time (compute, recompute, TP collectives, exposed ZeRO-3
-  gathers), per-step data-parallel and optimizer time, and bytes (static, activations per
-  in-flight micro-batch).
-- stage time per micro-batch = sum over its units of (forward + backward) +
-  `stage_p2p_time_s` of its boundary (the last unit's output, over the link between the two
-  pipeline ranks).
-- pipeline rank time ``T_r`` = sum over the stages it holds; `pipeline_time_s(T, m, v)`.
-- tail after the flush, per rank: ``max(0, dp_sync - overlap * backward_window) + post_sync +
-  optimizer`` (`rank_tail_s`) plus the loop's fixed `step_overhead_s`; step time = pipeline
-  time + max over ranks of the tail.
-- memory of rank r = (1 + allocator overhead) * (sum of static bytes + inflight_r * sum of
-  activation bytes + constant buffers) + reserved bytes (`rank_memory`).
+  gathers) and the weight-gradient part of the backward, per-step data-parallel and optimizer
+  time, and bytes (static, activations per in-flight micro-batch).
+- per stage (`stage_times`): the sums over its units, the host time of its messages, and the
+  link time of its boundary (`boundary_costs`: the last unit's output to the next stage's rank).
+- tail after a rank's last action: ``max(0, dp_sync - overlap * backward_window) + post_sync +
+  optimizer`` (`rank_tail_s`) plus the loop's fixed `step_overhead_s`.
+- step time: `cost_model.schedules.simulate` of the schedule's own action orders (torch's) with
+  those times: ``max over ranks of (end of the rank's last action + its tail)``.
+- memory of rank r = (1 + allocator overhead) * (static bytes + activations held at the rank's
+  peak point of the schedule + constant buffers) + reserved bytes (`rank_memory`,
+  `peak_activations`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ from cost_model.memory import (
     static_bytes,
     working_bytes,
 )
-from cost_model.schedules import bubble_time_s, inflight_microbatches, pipeline_time_s
+from cost_model.schedules import (
+    HeldProfile,
+    ScheduleSpec,
+    StageTimes,
+    held_microbatches,
+    simulate,
+)
 from cost_model.strategy import (
     DTYPE_BYTES,
     GroupPlacement,
@@ -112,6 +118,7 @@ class UnitCost:
     zero3_exposed_s: float  # the part of both not hidden behind this unit's compute
     forward_s: float  # critical path of the forward
     backward_s: float  # critical path of the backward (incl. recompute)
+    weight_s: float  # of backward_s, the weight gradient a split backward runs later
     # --- per step
     dp_sync_s: float  # gradient sync that may overlap the last backward (ZeRO 0-2)
     post_sync_s: float  # communication that cannot overlap (ZeRO 1/2 param all-gather, tied grads)
@@ -121,6 +128,9 @@ class UnitCost:
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # held per in-flight micro-batch
+    # held per micro-batch between a split backward's input and weight halves: the recompute
+    # (if any) has run and torch's stage_backward_input retains the whole graph until then
+    retained_bytes: float
     working_bytes: float  # transient bytes while its backward runs (one micro-batch)
     extra_bytes: float  # the working set counted with this unit (embedding and head only)
     output_bytes: float  # the tensor sent to the next stage per micro-batch, per device
@@ -186,12 +196,14 @@ class StageEstimate:
     first_unit: int
     last_unit: int
     recompute: str
-    forward_s: float  # one micro-batch
-    backward_s: float  # one micro-batch (incl. recompute)
+    forward_s: float  # one micro-batch, host time of its sent message included
+    backward_s: float  # one micro-batch (incl. recompute and its sent message)
+    weight_s: float  # of backward_s, what a split backward defers (0 unless zero-bubble)
+    transfer_s: float  # link time of the boundary after the stage (0: last, or same rank)
     compute_s: float  # m x (forward + backward compute, incl. recompute)
     recompute_s: float
     tp_comm_s: float
-    pp_comm_s: float
+    pp_comm_s: float  # host time posting pipeline messages (link time delays the peer instead)
     dp_comm_s: float  # gradient sync + ZeRO gathers (all of it, overlapped or not)
     bubble_s: float  # the rank's idle time in the pipeline, split over its stages
     param_bytes: float
@@ -455,6 +467,7 @@ def unit_costs(
         loss_saved = loss_cost(unit, strategy, cluster, traced).saved_bytes
         held = activation_bytes(unit, strategy, mode, traced) + loss_saved
         working = working_bytes(unit, strategy, traced) + loss_saved
+        retained = activation_bytes(unit, strategy, "none", traced) + loss_saved
         costs.append(
             UnitCost(
                 kind=unit.kind,
@@ -469,6 +482,7 @@ def unit_costs(
                 zero3_exposed_s=zero3_exposed,
                 forward_s=forward_s,
                 backward_s=backward_s,
+                weight_s=times.weight_backward_s,
                 dp_sync_s=dp_sync,
                 post_sync_s=post_sync,
                 optimizer_s=optimizer_s,
@@ -476,6 +490,7 @@ def unit_costs(
                 grad_bytes=state.grad_bytes,
                 optimizer_bytes=state.optimizer_bytes,
                 activation_bytes=held,
+                retained_bytes=retained,
                 working_bytes=working,
                 extra_bytes=0.0 if unit.kind in RECOMPUTABLE_KINDS else working,
                 output_bytes=unit.output_bytes * scale / boundary_div,
@@ -502,6 +517,7 @@ _PIPELINE_TIMES = (
     "zero3_exposed_s",
     "forward_s",
     "backward_s",
+    "weight_s",
 )
 _TAIL_TIMES = ("dp_sync_s", "post_sync_s", "optimizer_s")
 
@@ -748,6 +764,7 @@ class _ComputeTimes(NamedTuple):
     selective_forward_s: float  # the ops selective recompute re-runs
     gemm_forward_s: float
     tail_forward_s: float  # the ops an early-stopping full recompute skips
+    weight_backward_s: float  # the weight gradients of the backward
 
 
 def _compute_times(
@@ -772,12 +789,13 @@ def _compute_times(
     if cached is not None and cached[0] is profile and cached[1] is cluster:
         return cached[2]
     unit = profile.units[index]
-    fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = 0.0
+    fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = weight = 0.0
     first_tail = len(unit.ops) - unit.recompute_skip_ops
     for position, op in enumerate(unit.ops):
         ot = _op(op, cluster, strategy, profile.traced_dtype_bytes)
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s
+        weight += ot.weight_backward_s
         flops += ot.forward_flops
         if op.kind in SELECTIVE_RECOMPUTE_KINDS:
             selective_fwd += ot.forward_s
@@ -793,6 +811,7 @@ def _compute_times(
         selective_forward_s=selective_fwd,
         gemm_forward_s=gemm_fwd,
         tail_forward_s=tail_fwd,
+        weight_backward_s=weight,
     )
     if len(_COMPUTE) > 65536:
         _COMPUTE.clear()
@@ -832,11 +851,13 @@ def _has_selective_bytes(unit: UnitProfile) -> bool:
 
 
 def tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement | None:
-    """The two devices (first and last pipeline rank) that share tied embedding weights."""
-    if strategy.pp_degree == 1:
+    """The two devices (the pipeline ranks of the first and the last stage) that share tied
+    embedding weights; None when one rank holds both (one pipeline rank, or a V schedule)."""
+    last_rank = strategy.pipeline_rank_of_stage(strategy.num_stages - 1)
+    if last_rank == 0:
         return None
     first = strategy.global_rank(pp=0, dp=0, tp=0)
-    last = strategy.global_rank(pp=strategy.pp_degree - 1, dp=0, tp=0)
+    last = strategy.global_rank(pp=last_rank, dp=0, tp=0)
     same = cluster.node_of(first) == cluster.node_of(last)
     return GroupPlacement(size=2, num_nodes=1 if same else 2, ranks_per_node=2 if same else 1)
 
@@ -844,20 +865,55 @@ def tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement 
 # ------------------------------------------------------------------------------- stages and ranks
 
 
-def stage_p2p_time_s(
+class Boundary(NamedTuple):
+    """What the boundary after a stage costs per micro-batch (`boundary_costs`)."""
+
+    transfer_s: float  # link time of the output (and, back, of its gradient): delays the peer
+    message_s: float  # host time to post one message (busy time of the sending rank)
+
+
+def boundary_costs(
     last_unit: UnitCost, cluster: Cluster, strategy: Strategy, stage_idx: int
-) -> float:
-    """Per-micro-batch boundary cost charged to stage ``stage_idx``: the forward send of its
-    output and the backward send of that output's gradient, over the link to the next pipeline
-    rank, each with the schedule's host overhead per message. Zero for the last stage."""
+) -> Boundary:
+    """The boundary after stage ``stage_idx`` (whose last unit is ``last_unit``): the transfer of
+    its output to the next stage's pipeline rank, and the schedule's host overhead per message.
+    Zero for the last stage and between two stages on one rank (torch hands the tensor over
+    locally). Stretched like the pipeline when CPU workers share cores."""
     if stage_idx >= strategy.num_stages - 1:
-        return 0.0
-    cross = pipeline_link_crosses_nodes(
-        strategy, cluster, strategy.pipeline_rank_of_stage(stage_idx)
-    )
-    one = p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross)
+        return Boundary(0.0, 0.0)
+    here = strategy.pipeline_rank_of_stage(stage_idx)
+    there = strategy.pipeline_rank_of_stage(stage_idx + 1)
+    if here == there:
+        return Boundary(0.0, 0.0)
+    cross = pipeline_link_crosses_nodes(strategy, cluster, here, there)
     pipe_factor, _ = oversubscription_factors(strategy, cluster)
-    return 2.0 * (one + cluster.calibration.pp_message_overhead_s) * pipe_factor
+    return Boundary(
+        transfer_s=p2p_time_s(last_unit.output_bytes, cluster, cross_node=cross) * pipe_factor,
+        message_s=cluster.calibration.pp_message_overhead_s * pipe_factor,
+    )
+
+
+def stage_times(
+    stage_units: Sequence[Sequence[UnitCost]],
+    boundaries: Sequence[Boundary],
+    spec: ScheduleSpec,
+) -> list[StageTimes]:
+    """Per-micro-batch times of each stage for the schedule simulation: the units' forward and
+    backward; the host time of the forward message to the next stage on the forward, of the
+    gradient message to the previous stage on the backward; under a split backward, the
+    units' weight gradients as the deferred part."""
+    out = []
+    for idx, units in enumerate(stage_units):
+        previous = boundaries[idx - 1].message_s if idx > 0 else 0.0
+        out.append(
+            StageTimes(
+                forward_s=sum(u.forward_s for u in units) + boundaries[idx].message_s,
+                backward_s=sum(u.backward_s for u in units) + previous,
+                weight_s=sum(u.weight_s for u in units) if spec.splits_backward else 0.0,
+                transfer_s=boundaries[idx].transfer_s,
+            )
+        )
+    return out
 
 
 def rank_tail_s(rank_units: Sequence[UnitCost], dp_overlap_fraction: float) -> float:
@@ -901,15 +957,44 @@ def memory_constants(
     )
 
 
+class HeldActivations(NamedTuple):
+    """A rank's activation bytes at its peak and, per stage of the rank, the micro-batches
+    held there then (`peak_activations`)."""
+
+    bytes: float
+    microbatches: tuple[int, ...]  # per stage of the rank: held + retained at the peak
+
+
+def peak_activations(
+    stage_units: Sequence[Sequence[UnitCost]], held: HeldProfile
+) -> HeldActivations:
+    """The largest activation total over the rank's candidate peak points (the schedule's
+    held and retained micro-batches per stage, `cost_model.schedules.held_microbatches`)."""
+    per_stage = [
+        (
+            sum(u.activation_bytes for u in stage_units[s]),
+            sum(u.retained_bytes for u in stage_units[s]),
+        )
+        for s in held.stages
+    ]
+    best = HeldActivations(0.0, tuple(0 for _ in held.stages))
+    for point in held.points:
+        total = sum(
+            h * act + k * kept for (h, k), (act, kept) in zip(point, per_stage, strict=True)
+        )
+        if total > best.bytes:
+            best = HeldActivations(total, tuple(h + k for h, k in point))
+    return best
+
+
 def rank_memory(
-    rank_units: Sequence[UnitCost], inflight: float, constants: MemoryConstants
+    rank_units: Sequence[UnitCost], activations: float, constants: MemoryConstants
 ) -> MemoryBreakdown:
-    """Bytes of one pipeline rank: static + in-flight activations + constants."""
+    """Bytes of one pipeline rank: static + held activations at the peak + constants."""
     params = sum(u.param_bytes for u in rank_units)
     grads = sum(u.grad_bytes for u in rank_units)
     optimizer = sum(u.optimizer_bytes for u in rank_units)
     extra = sum(u.extra_bytes for u in rank_units)
-    activations = inflight * sum(u.activation_bytes for u in rank_units)
     tensor_bytes = params + grads + optimizer + extra + activations
     total = constants.total_bytes(tensor_bytes)
     return MemoryBreakdown(
@@ -926,7 +1011,11 @@ def rank_memory(
 
 
 def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimate:
-    """Step time, throughput, MFU and per-device memory of ``plan`` (see the module docstring)."""
+    """Step time, throughput, MFU and per-device memory of ``plan`` (see the module docstring).
+
+    The step time is the simulation of the schedule's own orders (`cost_model.schedules`) with
+    the units' costs, so the planner, ``explain`` and the timeline all see one number.
+    """
     strategy = Strategy.of(plan)
     stages = tuple(plan.stages)
     if len(stages) != strategy.num_stages:
@@ -938,7 +1027,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
             f"plan stages cover units 0..{stages[-1].last_unit} but model {profile.name!r} has "
             f"{profile.num_units} units"
         )
-    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+    spec = strategy.schedule_spec
+    p, m = strategy.pp_degree, strategy.num_micro_batches
     by_mode: dict[str, tuple[UnitCost, ...]] = {}
     for stage in stages:
         if stage.recompute not in by_mode:
@@ -946,55 +1036,60 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     stage_units: list[tuple[UnitCost, ...]] = [
         by_mode[s.recompute][s.first_unit : s.last_unit + 1] for s in stages
     ]
-    stage_p2p = [
-        stage_p2p_time_s(units[-1], cluster, strategy, idx) for idx, units in enumerate(stage_units)
+    boundaries = [
+        boundary_costs(units[-1], cluster, strategy, idx) for idx, units in enumerate(stage_units)
     ]
-    stage_time = [
-        sum(u.time_s for u in units) + stage_p2p[idx] for idx, units in enumerate(stage_units)
-    ]
-    rank_stages = [tuple(range(r, len(stages), p)) for r in range(p)]
-    rank_time = [sum(stage_time[s] for s in rank_stages[r]) for r in range(p)]
-    t_pipe = pipeline_time_s(rank_time, m, v)
+    times = stage_times(stage_units, boundaries, spec)
+    rank_stages = [spec.rank_stages(r) for r in range(p)]
     cal = cluster.calibration
     rank_units = [tuple(u for s in rank_stages[r] for u in stage_units[s]) for r in range(p)]
     fixed = step_overhead_s(strategy, cluster)
     rank_tail = [rank_tail_s(rank_units[r], cal.dp_overlap_fraction) + fixed for r in range(p)]
-    step = t_pipe + max(rank_tail)
+    sim = simulate(spec, times, rank_tail)
+    t_pipe = sim.pipeline_time_s
 
     constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
     capacity = float(cluster.device.memory_bytes)
+    held = held_microbatches(spec)
     ranks = []
     stage_estimates: list[StageEstimate | None] = [None] * len(stages)
     for r in range(p):
-        inflight = inflight_microbatches(strategy.schedule, p, m, v, r)
-        memory = rank_memory(rank_units[r], inflight, constants)
-        idle = t_pipe - m * rank_time[r]
+        peak = peak_activations(stage_units, held[r])
+        memory = rank_memory(rank_units[r], peak.bytes, constants)
+        busy = sim.rank_busy_s[r]
+        idle = sim.rank_end_s[r] - busy
         ranks.append(
             RankEstimate(
                 pp_rank=r,
                 stages=rank_stages[r],
-                time_per_microbatch_s=rank_time[r],
-                busy_s=m * rank_time[r],
+                time_per_microbatch_s=busy / m,
+                busy_s=busy,
                 bubble_s=idle,
                 tail_s=rank_tail[r],
                 memory=memory,
                 fits=memory.total_bytes <= capacity,
             )
         )
-        for s in rank_stages[r]:
+        for k, s in enumerate(rank_stages[r]):
             units = stage_units[s]
+            inflight = peak.microbatches[k]
+            previous = boundaries[s - 1] if s > 0 else Boundary(0.0, 0.0)
             stage_estimates[s] = StageEstimate(
                 stage_idx=s,
                 pp_rank=r,
                 first_unit=stages[s].first_unit,
                 last_unit=stages[s].last_unit,
                 recompute=stages[s].recompute,
-                forward_s=sum(u.forward_s for u in units),
-                backward_s=sum(u.backward_s for u in units),
+                forward_s=times[s].forward_s,
+                backward_s=times[s].backward_s,
+                weight_s=times[s].weight_s,
+                transfer_s=times[s].transfer_s,
                 compute_s=m * sum(u.compute_s for u in units),
                 recompute_s=m * sum(u.recompute_s for u in units),
                 tp_comm_s=m * sum(u.tp_comm_s for u in units),
-                pp_comm_s=m * stage_p2p[s],
+                # busy time of its pipeline messages; their link time is not the rank's (it
+                # delays the peer, and shows as that peer's idle time where it matters)
+                pp_comm_s=m * (boundaries[s].message_s + previous.message_s),
                 dp_comm_s=sum(
                     u.dp_sync_s + u.post_sync_s + m * (u.zero3_forward_s + u.zero3_backward_s)
                     for u in units
@@ -1004,9 +1099,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
                 grad_bytes=sum(u.grad_bytes for u in units),
                 optimizer_bytes=sum(u.optimizer_bytes for u in units),
                 activation_bytes=inflight * sum(u.activation_bytes for u in units),
-                inflight_microbatches=inflight,
+                inflight_microbatches=float(inflight),
             )
 
+    step = sim.step_time_s
     tokens = strategy.global_batch_size * profile.seq_len
     # Model FLOPs: 3x the forward (forward + backward, no recompute), Chowdhery et al. 2022
     # (PaLM), appendix B; Korthikanti et al. 2022, section 6.3 (MFU).
@@ -1014,6 +1110,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     num_devices = strategy.num_devices
     flops_per_device_per_s = model_flops / step / num_devices
     peak_memory = max(r.memory.total_bytes for r in ranks)
+    busiest = max(sim.rank_busy_s)
     return Estimate(
         cluster=cluster.name,
         num_devices=num_devices,
@@ -1022,7 +1119,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
         step_time_s=step,
         pipeline_time_s=t_pipe,
         tail_s=max(rank_tail),
-        bubble_fraction=bubble_time_s(rank_time, m, v) / t_pipe if t_pipe > 0 else 0.0,
+        bubble_fraction=(t_pipe - busiest) / t_pipe if t_pipe > 0 else 0.0,
         tokens_per_s=tokens / step,
         model_flops_per_step=model_flops,
         model_tflops_per_device=flops_per_device_per_s / 1e12,

@@ -1,78 +1,666 @@
-"""Pipeline schedules as formulas: step time of the pipeline, bubble, micro-batches in flight.
+"""Pipeline schedules as data: each pipeline rank's action order, its simulation, its memory.
 
-Expects per-pipeline-rank times for one micro-batch (forward + backward of every model chunk the
-rank holds, plus its boundary sends). Guarantees: the formulas below, exactly; they reduce to the
-textbook uniform-stage results.
+One schedule model for the whole product. `pipeline_order` takes each rank's order of compute
+actions from torch's own schedule class (``torch.distributed.pipelining``), the class
+`passes.pipeline` builds for the runtime, so what the cost model simulates is what the job runs:
 
-Pipeline time (derivation). Let ``T_r`` be the time pipeline rank r needs for one micro-batch
-through all v chunks it holds, and ``T_max = max_r T_r``. The bottleneck rank is busy for
-``m * T_max``. Before its first micro-batch arrives and after its last one leaves, the
-micro-batch must cross every other rank once in each direction; with v chunks a rank holds 1/v
-of its work per crossing, so fill and drain add ``(sum_r T_r - T_max) / v``::
+========================  ==================================  =========  ================
+``schedule``              torch class                         chunks/rank placement
+========================  ==================================  =========  ================
+``gpipe``                 ``ScheduleGPipe``                   1          loop
+``1f1b``                  ``Schedule1F1B``                    1          loop
+``interleaved-1f1b``      ``ScheduleInterleaved1F1B``         v >= 2     loop
+``interleaved-zb``        ``ScheduleInterleavedZeroBubble``   v >= 2     loop
+``zbv``                   ``ScheduleZBVZeroBubble``           2          V
+``dualpipev``             ``ScheduleDualPipeV``               2          V
+========================  ==================================  =========  ================
 
-    t_pipeline = m * T_max + (sum_r T_r - T_max) / v = (m - 1/v) * T_max + sum_r T_r / v
+"loop" puts stage ``s`` on pipeline rank ``s % p``; "V" puts stages ``r`` and ``2p - 1 - r`` on
+rank ``r`` (torch's ``generate_stage_to_rank_mapping(style="v")``), so the two middle stages
+share a rank and hand over locally. The zero-bubble schedules split a stage's backward into
+backward-input (``I``: the gradient the previous stage waits for) and backward-weight (``W``,
+deferred into what would be bubbles; Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
 
-For v = 1 this is the GPipe/1F1B bound ``(m - 1) * T_max + sum_r T_r`` (Zheng et al. 2022,
-Alpa, section 5.2, eq. 2; Li et al. 2021, TeraPipe), and for uniform stages (T_r = T) it is
-``(m + (p - 1) / v) * T``: the interleaved schedule's bubble ``(p - 1) / v`` micro-batch times
-(Narayanan et al. 2021, section 2.2.2). GPipe and 1F1B share the time (Narayanan et al. 2021,
-section 2.2.1: 1F1B only lowers memory).
+`simulate` runs the orders with list scheduling on the cost model's per-stage times: an action
+starts when its rank has finished the previous one in its order and its input has arrived. A
+forward of stage s needs stage s-1's forward of the same micro-batch, a backward (or
+backward-input) needs stage s+1's backward (or backward-input), the last stage's backward its own
+forward, a backward-weight its backward-input. A boundary's transfer delays the consumer by the
+link time (zero between stages on one rank: torch hands the tensor over locally); the host time
+of posting a message is busy time of the rank that sends it and is folded into the sender's
+action by the caller (`StageTimes`). After its last action each rank runs its tail (exposed
+data-parallel sync, optimizer step), and the step ends when the last rank's tail does::
 
-In-flight micro-batches (activations held at the peak). GPipe runs all m forwards first:
-m. 1F1B: pipeline rank r (0-based) warms up with p - r - 1 forwards and holds at most p - r
-(Narayanan et al. 2021, section 2.2.1; Megatron-LM ``get_num_warmup_microbatches``), capped
-at m. Interleaved 1F1B: rank r runs (v - 1) p + 2 (p - r - 1) warm-up chunk-forwards
-(Megatron-LM's and torch's ScheduleInterleaved1F1B warm-up count) and holds one more; each holds
-one chunk (1/v of the rank's units), so the rank holds ``min(m v, (v-1) p + 2(p-r-1) + 1) / v``
-micro-batches' worth of its activations. For r = 0 that is ``p (1 + (p-1)/(p v))``, Korthikanti
-et al. 2022, section 4.2.3.
+    step = max over ranks r of (end of r's last action + tail_r)
+
+The simulated time is the length of the longest path through the action graph, a maximum of
+sums of stage times; `critical_path` returns that path's action and transfer counts, which the
+planner uses as linear cuts (`autoplan.planner.partition`). Peak activation memory comes from
+the same orders (`held_microbatches`): at each point of a rank's order, how many micro-batches
+each of its stages holds (forward done, backward not yet; under a split backward the
+backward-input frees nothing, torch's ``stage_backward_input`` retains the graph until ``W``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cost_model.errors import InputError
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+SCHEDULES: tuple[ScheduleName, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "interleaved-zb",
+    "zbv",
+    "dualpipev",
+)
+ActionKind = Literal["F", "B", "I", "W"]
+ACTION_KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
+Placement = Literal["loop", "v"]
+
+# torch.distributed.pipelining.schedules class of each schedule (the runtime builds the same).
+TORCH_SCHEDULE_CLASSES: dict[ScheduleName, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SPLIT_BACKWARD: frozenset[ScheduleName] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
+V_SCHEDULES: frozenset[ScheduleName] = frozenset({"zbv", "dualpipev"})
 
 
-def pipeline_time_s(
-    rank_times_s: Sequence[float], num_micro_batches: int, virtual_stages: int = 1
-) -> float:
-    """``(m - 1/v) * max_r T_r + sum_r T_r / v`` (see the module docstring)."""
-    if not rank_times_s:
-        raise ValueError("pipeline_time_s needs at least one pipeline rank")
-    m, v = num_micro_batches, virtual_stages
-    return (m - 1.0 / v) * max(rank_times_s) + sum(rank_times_s) / v
+class ScheduleError(InputError):
+    """A schedule cannot run with these degrees (the message names the rule and the fix)."""
 
 
-def bubble_time_s(
-    rank_times_s: Sequence[float], num_micro_batches: int, virtual_stages: int = 1
-) -> float:
-    """Idle time of the bottleneck rank: pipeline time minus its busy time ``m * T_max``."""
-    total = pipeline_time_s(rank_times_s, num_micro_batches, virtual_stages)
-    return total - num_micro_batches * max(rank_times_s)
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute action: a forward (``F``), backward (``B``), backward-input (``I``) or
+    backward-weight (``W``) of one micro-batch through one stage. Prints as torch's ``_Action``
+    does: ``2F0`` is stage 2, forward, micro-batch 0."""
+
+    stage_idx: int
+    kind: ActionKind
+    microbatch_idx: int
+
+    def __str__(self) -> str:
+        return f"{self.stage_idx}{self.kind}{self.microbatch_idx}"
 
 
-def bubble_fraction(
-    rank_times_s: Sequence[float], num_micro_batches: int, virtual_stages: int = 1
-) -> float:
-    """Share of the pipeline time the bottleneck rank idles (0 for one stage)."""
-    total = pipeline_time_s(rank_times_s, num_micro_batches, virtual_stages)
-    if total <= 0:
-        return 0.0
-    return bubble_time_s(rank_times_s, num_micro_batches, virtual_stages) / total
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleSpec:
+    """A pipeline schedule with its degrees; construction checks torch's rules for it."""
+
+    schedule: ScheduleName
+    pp_degree: int
+    virtual_stages: int = 1
+    num_micro_batches: int
+
+    def __post_init__(self) -> None:
+        p, v, m, name = self.pp_degree, self.virtual_stages, self.num_micro_batches, self.schedule
+        if name not in SCHEDULES:
+            raise ScheduleError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+        for field_name, value in (("pp_degree", p), ("virtual_stages", v), ("micro-batches", m)):
+            if value < 1:
+                raise ScheduleError(f"{field_name} = {value} must be >= 1")
+        if name in ("gpipe", "1f1b") and v != 1:
+            raise ScheduleError(
+                f"schedule {name!r} runs one stage per pipeline rank, got virtual_stages = {v}; "
+                "use 'interleaved-1f1b' or 'interleaved-zb' for virtual stages, or set "
+                "virtual_stages: 1"
+            )
+        if name == "1f1b" and m < p:
+            raise ScheduleError(
+                f"num_micro_batches = {m} must be >= pp_degree = {p} for '1f1b' (torch's "
+                "Schedule1F1B requires it); raise num_micro_batches or use 'gpipe'"
+            )
+        if name in ("interleaved-1f1b", "interleaved-zb"):
+            if p < 2 or v < 2:
+                raise ScheduleError(
+                    f"schedule {name!r} needs pp_degree >= 2 and virtual_stages >= 2, got "
+                    f"pp_degree = {p}, virtual_stages = {v}; use '1f1b' for one stage per rank"
+                )
+            rounds = max(1, m // p)
+            if m % rounds:
+                raise ScheduleError(
+                    f"num_micro_batches = {m} must be a multiple of its number of rounds "
+                    f"max(1, num_micro_batches // pp_degree) = {rounds} for {name!r} (torch's "
+                    f"{TORCH_SCHEDULE_CLASSES[name]}); use "
+                    f"{_next_interleavable(m, p)} micro-batches"
+                )
+        if name in V_SCHEDULES:
+            if v != 2 or p < 2:
+                raise ScheduleError(
+                    f"schedule {name!r} runs exactly two stages per pipeline rank in a V on "
+                    f"pp_degree >= 2 ranks, got pp_degree = {p}, virtual_stages = {v}; set "
+                    "virtual_stages: 2"
+                )
+            if name == "dualpipev" and m < 2 * p:
+                raise ScheduleError(
+                    f"num_micro_batches = {m} must be >= the number of stages 2 x pp_degree = "
+                    f"{2 * p} for 'dualpipev' (torch's ScheduleDualPipeV requires it)"
+                )
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_degree * self.virtual_stages
+
+    @property
+    def placement(self) -> Placement:
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs backward-input and backward-weight as separate actions."""
+        return self.schedule in SPLIT_BACKWARD
+
+    def stage_rank(self, stage_idx: int) -> int:
+        """The pipeline rank that runs stage ``stage_idx``."""
+        return stage_rank(self.placement, self.pp_degree, stage_idx)
+
+    def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``pp_rank`` runs, in stage order."""
+        return tuple(s for s in range(self.num_stages) if self.stage_rank(s) == pp_rank)
 
 
-def inflight_microbatches(
-    schedule: str, pp_degree: int, num_micro_batches: int, virtual_stages: int, pp_rank: int
-) -> float:
-    """Micro-batches' worth of activations pipeline rank ``pp_rank`` holds at its peak."""
-    p, m, v, r = pp_degree, num_micro_batches, virtual_stages, pp_rank
-    if not 0 <= r < p:
-        raise ValueError(f"pp_rank = {r} must be in [0, {p})")
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(m, p - r))
-    if schedule == "interleaved-1f1b":
-        warmup = (v - 1) * p + 2 * (p - r - 1)
-        return min(m * v, warmup + 1) / v
-    raise ValueError(f"unknown schedule {schedule!r}; use gpipe, 1f1b or interleaved-1f1b")
+def stage_rank(placement: Placement, pp_degree: int, stage_idx: int) -> int:
+    """Pipeline rank of stage ``stage_idx`` under a placement (torch's
+    ``generate_stage_to_rank_mapping``: loop ``s % p``; V ``s`` then ``2p - 1 - s``)."""
+    chunk, offset = divmod(stage_idx, pp_degree)
+    if placement == "loop" or chunk % 2 == 0:
+        return offset
+    return pp_degree - 1 - offset
+
+
+def _next_interleavable(m: int, p: int) -> int:
+    n = m + 1
+    while n % max(1, n // p):
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------ orders
+
+
+@functools.lru_cache(maxsize=512)
+def pipeline_order(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ...]:
+    """Each pipeline rank's compute actions in the order torch's schedule class runs them.
+
+    Built without a process group, from the same code the runtime runs:
+
+    - one stage per rank (``ScheduleGPipe``, ``Schedule1F1B``): the runtime is the class's own
+      ``_step_microbatches`` loop, so that loop is run here on a stand-in stage that records
+      each forward and backward instead of computing it (the classes' ``pipeline_order`` IR is
+      only for display, and torch 2.13's ``Schedule1F1B`` IR numbers the last rank's
+      micro-batches from 1);
+    - several stages per rank: the runtime executes the class's ``pipeline_order`` (lowered
+      with send/recv actions around the same compute actions), read here with idle slots
+      (``None``) and gradient-reduction markers dropped, and an overlapped forward/backward
+      pair (DualPipeV) as its two actions in order (the runtime runs them one after the other).
+
+    Memoised on the (hashable, frozen) spec: the planner asks for the same few schedules often.
+    """
+    # torch loads here, on the first schedule asked for, not when cost_model is imported: the
+    # CLI's file commands then start in a fraction of a second.
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASSES[spec.schedule])
+    p, v, m = spec.pp_degree, spec.virtual_stages, spec.num_micro_batches
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        return tuple(_recorded_single(cls, rank, p, m) for rank in range(p))
+    # The order is all this needs; lowering it with send/recv actions (for the runtime) is the
+    # costly part of the constructor and is skipped.
+    lean = type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": _skip_lowering})
+    order = lean([_StandInStage(i, p, p * v) for i in range(v)], m).pipeline_order
+    out: list[tuple[Action, ...]] = []
+    for rank in range(p):
+        actions: list[Action] = []
+        for item in order[rank]:
+            if item is None:
+                continue
+            parts = item.sub_actions if item.sub_actions is not None else (item,)
+            for part in parts:
+                kind = part.computation_type.value
+                if kind in _KIND_SLOT and part.microbatch_index is not None:
+                    actions.append(Action(part.stage_index, kind, part.microbatch_index))
+        out.append(tuple(actions))
+    return tuple(out)
+
+
+def _recorded_single(cls: type, rank: int, p: int, m: int) -> tuple[Action, ...]:
+    """Run a one-stage schedule's ``_step_microbatches`` for pipeline rank ``rank`` on a
+    stand-in stage and return the forwards and backwards it ran, in order."""
+    stage = _StandInStage(rank, p, p)
+    schedule = cls(stage, m, loss_fn=_no_loss)
+    schedule._initialize_stage = _skip_lowering  # nothing to allocate: no tensors flow
+    schedule._step_microbatches([()] * m, [{}] * m, [None] * m, losses=None, return_outputs=False)
+    return tuple(stage.recorded)
+
+
+def _no_loss(output: object, target: object) -> None:
+    return None
+
+
+def _skip_lowering(self: object, *args: object, **kwargs: object) -> None:
+    return None
+
+
+class _StandInStage:
+    """What torch's schedules read from a stage; records the compute it is asked for."""
+
+    def __init__(self, stage_index: int, group_size: int, num_stages: int) -> None:
+        self.stage_index = stage_index
+        self.group_size = group_size
+        self.group_rank = 0
+        self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.has_backward = True
+        self.recorded: list[Action] = []
+
+    def forward_one_chunk(self, microbatch_idx: int, *args: object, **kwargs: object) -> None:
+        self.recorded.append(Action(self.stage_index, "F", microbatch_idx))
+
+    def backward_one_chunk(self, microbatch_idx: int, *args: object, **kwargs: object) -> None:
+        self.recorded.append(Action(self.stage_index, "B", microbatch_idx))
+
+    def _no_ops(self, *args: object, **kwargs: object) -> list[object]:
+        return []
+
+    get_fwd_recv_ops = get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = _no_ops
+
+    def perform_reduce_grad(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------------ simulation
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageTimes:
+    """One stage's times for one micro-batch, in seconds.
+
+    ``forward_s`` and ``backward_s`` are the rank's busy time for the forward and the whole
+    backward, host time of the messages the action sends included; under a split backward
+    ``weight_s`` of ``backward_s`` is the deferred backward-weight (the backward-input takes
+    the rest). ``transfer_s`` delays the next stage's forward by the time this stage's output
+    takes over the link, and this stage's backward likewise for that output's gradient (0
+    when the next stage is on the same rank or for the last stage).
+    """
+
+    forward_s: float
+    backward_s: float
+    weight_s: float = 0.0
+    transfer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.forward_s, self.backward_s, self.weight_s, self.transfer_s) < 0:
+            raise ValueError(f"stage times must be >= 0, got {self}")
+        if self.weight_s > self.backward_s:
+            raise ValueError(f"weight_s {self.weight_s} exceeds backward_s {self.backward_s}")
+
+
+# Duration slots per stage: index 4 s + k of an action of stage s and kind ACTION_KINDS[k].
+_KIND_SLOT = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledSchedule:
+    """A schedule's action graph in one topological order, as flat tables for fast simulation.
+
+    Position ``j`` of the order is ``actions[j]``, on rank ``ranks[j]``; ``rank_pred[j]`` is
+    the position of the rank's previous action, ``data_pred[j]`` the producer of its input,
+    ``transfer[j]`` the boundary whose link that input crosses (``num_stages`` for none) and
+    ``slot[j]`` its duration slot (4 stage + kind). The sentinel position ``len(actions)``
+    stands for "nothing" (time 0).
+    """
+
+    spec: ScheduleSpec
+    actions: tuple[Action, ...]
+    ranks: tuple[int, ...]
+    rank_pred: tuple[int, ...]
+    data_pred: tuple[int, ...]
+    transfer: tuple[int, ...]
+    slot: tuple[int, ...]
+    rank_last: tuple[int, ...]  # position of each rank's last action
+
+
+@functools.lru_cache(maxsize=512)
+def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
+    """The action graph of ``spec``'s orders, topologically sorted (memoised on the spec)."""
+    orders = pipeline_order(spec)
+    num_stages = spec.num_stages
+    rank_of = [spec.stage_rank(s) for s in range(num_stages)]
+    for r, actions in enumerate(orders):
+        wrong = [a for a in actions if rank_of[a.stage_idx] != r]
+        assert not wrong, f"{spec}: rank {r} runs {wrong[0]} of another rank"
+    # Which action produces the input of each action, by (stage, kind, micro-batch).
+    producers: dict[tuple[int, str, int], Action] = {}
+    for actions in orders:
+        for a in actions:
+            producers[(a.stage_idx, a.kind, a.microbatch_idx)] = a
+
+    def gradient_of(stage: int, mb: int) -> Action | None:
+        return producers.get((stage, "I", mb)) or producers.get((stage, "B", mb))
+
+    def input_of(a: Action) -> tuple[Action | None, int]:
+        """(producer, boundary crossed or num_stages)."""
+        s, i = a.stage_idx, a.microbatch_idx
+        if a.kind == "F":
+            if s == 0:
+                return None, num_stages
+            return producers[(s - 1, "F", i)], (
+                s - 1 if rank_of[s - 1] != rank_of[s] else num_stages
+            )
+        if a.kind == "W":
+            return producers[(s, "I", i)], num_stages
+        if s == num_stages - 1:
+            return producers[(s, "F", i)], num_stages
+        grad = gradient_of(s + 1, i)
+        assert grad is not None, f"{spec}: no backward of stage {s + 1} for micro-batch {i}"
+        return grad, (s if rank_of[s + 1] != rank_of[s] else num_stages)
+
+    # Topological order: advance every rank as far as its inputs allow, round after round.
+    position: dict[Action, int] = {}
+    sequence: list[Action] = []
+    cursor = [0] * len(orders)
+    remaining = sum(len(a) for a in orders)
+    while remaining:
+        moved = False
+        for r, actions in enumerate(orders):
+            while cursor[r] < len(actions):
+                a = actions[cursor[r]]
+                producer, _ = input_of(a)
+                if producer is not None and producer not in position:
+                    break
+                position[a] = len(sequence)
+                sequence.append(a)
+                cursor[r] += 1
+                remaining -= 1
+                moved = True
+        assert moved, f"{spec}: torch's order deadlocks at {cursor}"
+    sentinel = len(sequence)
+    ranks, rank_pred, data_pred, transfer, slot = [], [], [], [], []
+    last = [sentinel] * len(orders)
+    for a in sequence:
+        r = rank_of[a.stage_idx]
+        producer, boundary = input_of(a)
+        ranks.append(r)
+        rank_pred.append(last[r])
+        data_pred.append(sentinel if producer is None else position[producer])
+        transfer.append(boundary)
+        slot.append(4 * a.stage_idx + _KIND_SLOT[a.kind])
+        last[r] = position[a]
+    return CompiledSchedule(
+        spec=spec,
+        actions=tuple(sequence),
+        ranks=tuple(ranks),
+        rank_pred=tuple(rank_pred),
+        data_pred=tuple(data_pred),
+        transfer=tuple(transfer),
+        slot=tuple(slot),
+        rank_last=tuple(last),
+    )
+
+
+def duration_slots(spec: ScheduleSpec, stage_times: Sequence[StageTimes]) -> list[float]:
+    """Per stage the durations of F, B, I, W (slot 4 s + k), from its times."""
+    if len(stage_times) != spec.num_stages:
+        raise ValueError(f"{len(stage_times)} stage times for {spec.num_stages} stages")
+    out: list[float] = []
+    for t in stage_times:
+        out += [t.forward_s, t.backward_s, t.backward_s - t.weight_s, t.weight_s]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Simulation:
+    """One simulated step: when each rank finishes, and the step's end."""
+
+    spec: ScheduleSpec
+    end_s: tuple[float, ...]  # per action, in the compiled order
+    rank_end_s: tuple[float, ...]  # end of each rank's last action
+    rank_busy_s: tuple[float, ...]  # compute time of each rank (sum of its actions)
+    tail_s: tuple[float, ...]
+    transfer_s: tuple[float, ...]  # per boundary stage, then 0 for "no link"
+    pipeline_time_s: float  # the last action's end
+    step_time_s: float  # max over ranks of (rank end + tail)
+
+    @property
+    def last_rank(self) -> int:
+        """The rank whose tail ends the step."""
+        ends = [e + t for e, t in zip(self.rank_end_s, self.tail_s, strict=True)]
+        return max(range(len(ends)), key=ends.__getitem__)
+
+
+def simulate(
+    spec: ScheduleSpec,
+    stage_times: Sequence[StageTimes],
+    tail_s: Sequence[float] | None = None,
+) -> Simulation:
+    """Run ``spec``'s orders with these per-stage times (module docstring)."""
+    compiled = compile_schedule(spec)
+    durations = duration_slots(spec, stage_times)
+    transfers = [t.transfer_s for t in stage_times] + [0.0]
+    end = _longest_paths(compiled, durations, transfers)
+    p = spec.pp_degree
+    tails = tuple(tail_s) if tail_s is not None else (0.0,) * p
+    if len(tails) != p:
+        raise ValueError(f"{len(tails)} tail times for {p} pipeline ranks")
+    busy = [0.0] * p
+    for j, r in enumerate(compiled.ranks):
+        busy[r] += durations[compiled.slot[j]]
+    rank_end = tuple(end[j] for j in compiled.rank_last)
+    return Simulation(
+        spec=spec,
+        end_s=tuple(end[:-1]),
+        rank_end_s=rank_end,
+        rank_busy_s=tuple(busy),
+        tail_s=tails,
+        transfer_s=tuple(transfers),
+        pipeline_time_s=max(rank_end),
+        step_time_s=max(e + t for e, t in zip(rank_end, tails, strict=True)),
+    )
+
+
+def _longest_paths(
+    compiled: CompiledSchedule, durations: Sequence[float], transfers: Sequence[float]
+) -> list[float]:
+    """End time of every action (list scheduling = longest path in the action graph); the
+    last entry is the sentinel's 0."""
+    n = len(compiled.actions)
+    end = [0.0] * (n + 1)
+    rank_pred, data_pred, transfer, slot = (
+        compiled.rank_pred,
+        compiled.data_pred,
+        compiled.transfer,
+        compiled.slot,
+    )
+    for j in range(n):
+        a = end[rank_pred[j]]
+        b = end[data_pred[j]] + transfers[transfer[j]]
+        end[j] = (a if a >= b else b) + durations[slot[j]]
+    return end
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticalPath:
+    """A longest path of a simulated step, as counts: the step time is exactly
+    ``sum(count * duration of slot) + sum(count * transfer of boundary) + tail[rank]``."""
+
+    slots: dict[int, int]  # duration slot (4 stage + kind) -> actions of that slot on the path
+    transfers: dict[int, int]  # boundary stage -> link crossings on the path
+    tail_rank: int  # the rank whose tail ends the path
+
+
+def critical_path(spec: ScheduleSpec, simulation: Simulation) -> CriticalPath:
+    """The longest path of ``simulation`` (ties: the rank's own previous action first)."""
+    compiled = compile_schedule(spec)
+    end = [*simulation.end_s, 0.0]
+    sentinel = len(compiled.actions)
+    r = simulation.last_rank
+    slots: dict[int, int] = {}
+    transfers: dict[int, int] = {}
+    j = compiled.rank_last[r]
+    num_stages = spec.num_stages
+    link = simulation.transfer_s
+    while j != sentinel:
+        slot = compiled.slot[j]
+        slots[slot] = slots.get(slot, 0) + 1
+        rp, dp, boundary = compiled.rank_pred[j], compiled.data_pred[j], compiled.transfer[j]
+        if dp != sentinel and end[dp] + link[boundary] > end[rp]:
+            if boundary < num_stages:
+                transfers[boundary] = transfers.get(boundary, 0) + 1
+            j = dp
+        else:
+            j = rp
+    return CriticalPath(slots=slots, transfers=transfers, tail_rank=r)
+
+
+@functools.lru_cache(maxsize=512)
+def rank_paths(spec: ScheduleSpec) -> tuple[CriticalPath, ...]:
+    """For each rank, one path through all of its actions: the chain of inputs that leads to
+    its first action, its whole order, and the chain its last action's output feeds (a
+    gradient down to stage 0, or nothing). Each is a lower bound on the step for any stage
+    times (``m`` times the rank's per-micro-batch work plus fill and drain); the planner starts
+    from them."""
+    compiled = compile_schedule(spec)
+    sentinel = len(compiled.actions)
+    num_stages = spec.num_stages
+    successors: dict[int, list[int]] = {}
+    for j, dp in enumerate(compiled.data_pred):
+        if dp != sentinel:
+            successors.setdefault(dp, []).append(j)
+    out = []
+    for r in range(spec.pp_degree):
+        slots: dict[int, int] = {}
+        transfers: dict[int, int] = {}
+
+        def count(j: int) -> None:
+            slots[compiled.slot[j]] = slots.get(compiled.slot[j], 0) + 1
+
+        def cross(j: int) -> None:
+            boundary = compiled.transfer[j]
+            if boundary < num_stages:
+                transfers[boundary] = transfers.get(boundary, 0) + 1
+
+        members = [j for j, rank in enumerate(compiled.ranks) if rank == r]
+        for j in members:
+            count(j)
+        j = members[0]
+        while compiled.data_pred[j] != sentinel:  # fill: the inputs of the first action
+            cross(j)
+            j = compiled.data_pred[j]
+            count(j)
+        j = members[-1]
+        while successors.get(j):  # drain: prefer the gradient chain over a weight action
+            following = sorted(successors[j], key=lambda k: compiled.actions[k].kind == "W")
+            j = following[0]
+            cross(j)
+            count(j)
+        out.append(CriticalPath(slots=slots, transfers=transfers, tail_rank=compiled.ranks[j]))
+    return tuple(out)
+
+
+def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) -> float:
+    """A lower bound on the simulated pipeline time (the last action's end) of ANY stage cut
+    whose stages' per-micro-batch work (forward + backward, sends included) sums to ``work_s``,
+    no stage doing less than ``largest_s`` of it (the largest indivisible unit).
+
+    - Every rank runs all of its ``m`` micro-batches' actions, and some rank holds at least
+      ``work_s / p`` of the work and the largest unit: ``m * max(work_s / p, largest_s)``.
+    - One stage per rank (``gpipe``, ``1f1b``): rank r's first action is stage r's forward of
+      micro-batch 0 and its last stage r's backward of the last one, so the pipeline lasts at
+      least ``A_r = sum_{s<r} T_s + m T_r`` (fill, busy, drain; ``T_s = F_s + B_s``). With
+      ``q = 1 - 1/m`` and weights ``w_r = q^(p-1-r) / m``, every ``T_s`` gets the coefficient
+      ``m w_s + sum_{r>s} w_r = q^(p-1-s) + (1 - q^(p-1-s)) = 1`` in ``sum_r w_r A_r``, and
+      ``sum_r w_r = 1 - q^p``; so ``max_r A_r >= work_s / (1 - q^p)`` for every cut, about
+      ``(m + (p - 1) / 2) / p`` per-rank shares (half the uniform bubble).
+
+    Used by the search to skip outer choices whose every cut is slower than the best found.
+    """
+    p, m = spec.pp_degree, spec.num_micro_batches
+    bound = m * max(work_s / p, largest_s)
+    if spec.virtual_stages == 1 and p > 1:
+        bound = max(bound, work_s / (1.0 - (1.0 - 1.0 / m) ** p))
+    return bound
+
+
+def min_held(spec: ScheduleSpec) -> tuple[int, ...]:
+    """Per rank, micro-batches that every stage of the rank holds at once at some point (so the
+    rank's peak holds at least that many times its whole activation per micro-batch)."""
+    return tuple(
+        max(min(h + k for h, k in point) for point in profile.points)
+        for profile in held_microbatches(spec)
+    )
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldProfile:
+    """What one pipeline rank holds at the points of its order that can be its peak.
+
+    ``stages`` are the rank's stages; each entry of ``points`` gives, per stage, the
+    micro-batches whose activations it holds (forward run, backward not yet run) and, under a
+    split backward, those past backward-input but not yet backward-weight (``retained``).
+    Only points not dominated by another are kept (a peak is at one of them whatever the
+    stages' activation sizes are).
+    """
+
+    stages: tuple[int, ...]
+    points: tuple[tuple[tuple[int, int], ...], ...]  # [point][stage of the rank] = (held, retained)
+
+
+@functools.lru_cache(maxsize=512)
+def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
+    """Per pipeline rank, the candidate peak points of held activations (see `HeldProfile`)."""
+    orders = pipeline_order(spec)
+    out = []
+    for r, actions in enumerate(orders):
+        stages = spec.rank_stages(r)
+        index = {s: k for k, s in enumerate(stages)}
+        held = [0] * len(stages)
+        retained = [0] * len(stages)
+        points: set[tuple[tuple[int, int], ...]] = set()
+        for a in actions:
+            k = index[a.stage_idx]
+            if a.kind == "F":
+                held[k] += 1
+                points.add(tuple(zip(held, retained, strict=True)))
+            elif a.kind == "B":
+                held[k] -= 1
+            elif a.kind == "I":
+                held[k] -= 1
+                retained[k] += 1
+            else:
+                retained[k] -= 1
+        out.append(HeldProfile(stages=stages, points=_maximal(points)))
+    return tuple(out)
+
+
+def _maximal(
+    points: set[tuple[tuple[int, int], ...]],
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The points no other point dominates (every held and retained count at least as large)."""
+
+    def flat(point: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+        return tuple(c for pair in point for c in pair)
+
+    ordered = sorted(points, key=lambda pt: -sum(flat(pt)))
+    kept: list[tuple[tuple[int, int], ...]] = []
+    for point in ordered:
+        fp = flat(point)
+        if not any(all(x >= y for x, y in zip(flat(k), fp, strict=True)) for k in kept):
+            kept.append(point)
+    return tuple(sorted(kept))

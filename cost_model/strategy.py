@@ -19,10 +19,17 @@ from functools import lru_cache
 from typing import Literal, Protocol
 
 from cost_model.hardware import Cluster
+from cost_model.schedules import (
+    SCHEDULES,
+    V_SCHEDULES,
+    Placement,
+    ScheduleName,
+    ScheduleSpec,
+    stage_rank,
+)
 
 Axis = Literal["pp", "dp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 RecomputeMode = Literal["none", "selective", "full"]
 RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
 
@@ -112,7 +119,7 @@ class Strategy:
         layout = tuple(plan.rank_layout)
         assert len(layout) == 3 and all(a in AXES for a in layout), layout
         schedule = plan.schedule
-        assert schedule in ("gpipe", "1f1b", "interleaved-1f1b"), schedule
+        assert schedule in SCHEDULES, schedule
         return cls(
             tp_degree=plan.tp_degree,
             dp_degree=plan.dp_degree,
@@ -120,7 +127,7 @@ class Strategy:
             virtual_stages=plan.virtual_stages,
             micro_batch_size=plan.micro_batch_size,
             num_micro_batches=plan.num_micro_batches,
-            schedule=schedule,  # type: ignore[arg-type]
+            schedule=schedule,
             zero_stage=plan.zero_stage,
             sequence_parallel=plan.sequence_parallel,
             dtype=plan.dtype,
@@ -156,9 +163,24 @@ class Strategy:
         coords = {"pp": pp, "dp": dp, "tp": tp}
         return sum(coords[a] * self.axis_stride(a) for a in AXES)
 
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        """The pipeline schedule with its degrees (raises `ScheduleError` if torch cannot run
+        it)."""
+        return ScheduleSpec(
+            schedule=self.schedule,
+            pp_degree=self.pp_degree,
+            virtual_stages=self.virtual_stages,
+            num_micro_batches=self.num_micro_batches,
+        )
+
     def pipeline_rank_of_stage(self, stage_idx: int) -> int:
-        """Torch's interleaved "loop" placement: stage i runs on pipeline rank i % pp."""
-        return stage_idx % self.pp_degree
+        """The schedule's placement: stage i on rank i % pp ("loop"), or in a V."""
+        return stage_rank(self.schedule_placement, self.pp_degree, stage_idx)
+
+    @property
+    def schedule_placement(self) -> Placement:
+        return "v" if self.schedule in V_SCHEDULES else "loop"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,33 +232,37 @@ def _group_placements(
     return tuple(sorted(found, key=lambda g: (g.num_nodes, g.ranks_per_node)))
 
 
-def pipeline_link_crosses_nodes(strategy: Strategy, cluster: Cluster, from_pp_rank: int) -> bool:
-    """Whether any device of pipeline rank ``from_pp_rank`` sends to a peer of pipeline rank
-    ``from_pp_rank + 1`` (mod pp) on another node. Stages are synchronous, so the slowest pair
-    of the dp x tp peers sets the boundary's time."""
-    return _pipeline_links(
+def pipeline_link_crosses_nodes(
+    strategy: Strategy, cluster: Cluster, from_pp_rank: int, to_pp_rank: int
+) -> bool:
+    """Whether any device of pipeline rank ``from_pp_rank`` sends to its peer (same dp and tp
+    coordinates) of pipeline rank ``to_pp_rank`` on another node. Stages are synchronous, so
+    the slowest pair of the dp x tp peers sets the boundary's time."""
+    return _pipeline_link(
         strategy.pp_degree,
         strategy.dp_degree,
         strategy.tp_degree,
         strategy.rank_layout,
         cluster.devices_per_node,
-    )[from_pp_rank]
+        from_pp_rank,
+        to_pp_rank,
+    )
 
 
 @lru_cache(maxsize=4096)
-def _pipeline_links(
-    pp: int, dp: int, tp: int, layout: tuple[Axis, Axis, Axis], devices_per_node: int
-) -> tuple[bool, ...]:
+def _pipeline_link(
+    pp: int,
+    dp: int,
+    tp: int,
+    layout: tuple[Axis, Axis, Axis],
+    devices_per_node: int,
+    a: int,
+    b: int,
+) -> bool:
     strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, rank_layout=layout)
-    crosses = []
-    for r in range(pp):
-        nxt = (r + 1) % pp
-        crosses.append(
-            any(
-                strategy.global_rank(pp=r, dp=d, tp=t) // devices_per_node
-                != strategy.global_rank(pp=nxt, dp=d, tp=t) // devices_per_node
-                for d in range(dp)
-                for t in range(tp)
-            )
-        )
-    return tuple(crosses)
+    return any(
+        strategy.global_rank(pp=a, dp=d, tp=t) // devices_per_node
+        != strategy.global_rank(pp=b, dp=d, tp=t) // devices_per_node
+        for d in range(dp)
+        for t in range(tp)
+    )

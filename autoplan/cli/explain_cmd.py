@@ -108,9 +108,8 @@ def explain_cmd(
             "path": timeline_path,
             "schedule": simulated.schedule,
             "pp_degree": simulated.pp_degree,
-            "simulated_pipeline_time_s": simulated.pipeline_time_s,
-            "formula_pipeline_time_s": simulated.formula_pipeline_time_s,
-            "simulated_step_time_s": simulated.step_time_s,
+            "pipeline_time_s": simulated.pipeline_time_s,
+            "step_time_s": simulated.step_time_s,
         }
     if as_json:
         data = result.to_data()
@@ -121,9 +120,8 @@ def explain_cmd(
     _print(out, result, notes, plan)
     if timeline is not None:
         out.print(
-            f"wrote {timeline_path}: simulated pipeline "
-            f"{fmt_time(timeline['simulated_pipeline_time_s'])} vs the cost model's formula "
-            f"{fmt_time(timeline['formula_pipeline_time_s'])}"
+            f"wrote {timeline_path}: one step of {fmt_time(timeline['step_time_s'])} (the "
+            "estimate's own simulation of the schedule)"
         )
 
 

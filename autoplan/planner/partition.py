@@ -1,28 +1,36 @@
-"""Optimal pipeline-stage cuts and per-stage recompute, as a CP-SAT model.
+"""Optimal pipeline-stage cuts and per-stage recompute for the schedule that really runs.
 
 Given fixed outer choices (degrees, micro-batching, schedule, ZeRO level), the cost model gives
-every pipeline unit a per-micro-batch time, activation bytes per in-flight micro-batch, static
-bytes (parameters, gradients, optimizer state) and tail coefficients, each per recompute mode.
-This module chooses where to cut the units into ``num_stages`` contiguous stages (stage ``s``
-runs on pipeline rank ``s % pp_degree``) and which recompute mode each stage uses, minimising
+every pipeline unit, per recompute mode, its per-micro-batch forward, backward and
+weight-gradient time, activation bytes and tail coefficients, plus static bytes and the link
+time of a cut after it. This module chooses where to cut the units into the schedule's stages
+and which recompute mode each stage uses, minimising the step time of the schedule simulation
+(`cost_model.schedules.simulate` on torch's own action orders) subject to every rank's memory
+at each of its candidate peak points (`cost_model.schedules.held_microbatches`).
 
-    step = (m - 1/v) * max_r T_r + (sum_r T_r) / v + max_r tail_r
+Method: simulation verified by a proven bound, made exact by lazy path cuts. The simulated
+step is the longest path through the schedule's action graph; the graph depends only on the
+schedule and its degrees, the durations on the cuts. Every path's length is a linear function
+of the stages' times (how many forwards, backwards, weight gradients and link crossings of each
+stage it passes, plus one rank's tail), so every path is a lower bound on the step of every
+partition. The CP-SAT model minimises ``z`` subject to ``z >= path_k`` for a set of paths (at
+first each rank's full order with its fill and drain, and the critical path of a balanced
+split); the solution is simulated; if its simulated step exceeds its ``z``, its critical path
+joins the set and the model is solved again, else it is optimal: no partition's simulated step
+is below its own ``z``, which is at least the optimum of the model. Each round also demands a
+strictly better step than the best partition simulated so far, so a round without a solution
+proves that partition optimal. Exact up to the integer scaling (see ``_RESOLUTION``).
 
-subject to every rank's memory, where ``T_r`` sums the per-micro-batch times of the stages on
-rank ``r`` (plus the send at each stage's end) and ``tail_r = max(0, max_j tail_rj)`` covers
-work after the pipeline flush (exposed gradient sync, optimizer step). This is the cost model's
-own pipeline formula (cost_model.schedules), so the solver's optimum is the cost model's.
-
-Formulation: one integer variable per cut (the first unit of each stage), and CP-SAT element
-constraints that read prefix sums of per-unit tables at the cuts, so any stage quantity is a
-difference of two table entries. The model size grows with the number of stages, not with
-units x stages, so 96-stage plans of a 100-unit model solve in milliseconds.
+Formulations: element constraints on prefix sums at each cut (any units), or block counts per
+stage when the middle units are identical (embedding, blocks, head), which keeps the model
+small for 100-layer models.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -30,13 +38,23 @@ from typing import Any, Literal
 from ortools.sat.python import cp_model
 
 from autoplan.plan import Recompute
+from cost_model.schedules import (
+    CriticalPath,
+    ScheduleSpec,
+    StageTimes,
+    critical_path,
+    held_microbatches,
+    rank_paths,
+    simulate,
+)
 
 # Integer resolution of the CP-SAT model: times and bytes are scaled so that the total over all
-# units is this many integer units. A rank's time sums at most n rounded unit times, so its
-# relative rounding error is at most n / (2 * resolution): 5e-5 for a 100-unit model. Finer
+# units is this many integer units. A path sums rounded unit times, each off by at most half a
+# unit, so its relative rounding error is at most (units on it) / (2 * resolution). Finer
 # scales make CP-SAT much slower (larger coefficients weaken its propagation).
 _RESOLUTION = 10**6
-_INFLIGHT_SCALE = 1000  # in-flight micro-batch counts may be fractional (interleaving)
+# Rounds of the lazy path loop before it returns its best simulated partition with a gap.
+_MAX_ROUNDS = 60
 
 # A CP-SAT linear expression. OR-tools' stubs type these as unions with numpy integers that
 # mypy cannot add or subtract, so expressions are untyped here.
@@ -47,8 +65,11 @@ Expr = Any
 class ModeCosts:
     """Per-unit costs under one recompute mode (one entry per unit)."""
 
-    time_s: tuple[float, ...]  # forward + backward time of one micro-batch
+    forward_s: tuple[float, ...]  # one micro-batch
+    backward_s: tuple[float, ...]  # one micro-batch, recompute included
+    weight_s: tuple[float, ...]  # of backward_s, the deferred weight gradient (split schedules)
     activation_bytes: tuple[float, ...]  # held per in-flight micro-batch
+    retained_bytes: tuple[float, ...]  # held between a split backward's two halves
     tail_s: tuple[tuple[float, ...], ...] = ()  # per tail term j, each unit's contribution
 
 
@@ -56,32 +77,35 @@ class ModeCosts:
 class PartitionProblem:
     """One stage-partition problem: the cost tables of a fixed outer configuration."""
 
-    num_stages: int
-    pp_degree: int
-    virtual_stages: int
-    num_micro_batches: int
+    spec: ScheduleSpec
     modes: Mapping[Recompute, ModeCosts]
     static_bytes: tuple[float, ...]
-    # boundary_time_s[s][u]: per-micro-batch send cost charged to stage s when its last unit
-    # is u (it depends on the stage through the link to the next pipeline rank). The last
-    # stage sends nothing; its row is ignored.
-    boundary_time_s: tuple[tuple[float, ...], ...]
-    # inflight[s]: micro-batches whose activations stage s holds at its peak.
-    inflight: tuple[float, ...]
+    # transfer_s[s][u]: link time of the boundary after stage s when its last unit is u (0 for
+    # the last stage and between stages on one rank).
+    transfer_s: tuple[tuple[float, ...], ...]
+    # message_s[s]: host time of one message over the boundary after stage s (the forward's
+    # output, busy on stage s's rank; the gradient back, busy on stage s + 1's rank).
+    message_s: tuple[float, ...]
     memory_capacity_bytes: float
+    # the rank tail: max(0, max_j (sum over the rank's units of tail_s[j] + constant j))
     tail_constants_s: tuple[float, ...] = ()
     unit_names: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        n = self.num_units
-        assert self.num_stages == self.pp_degree * self.virtual_stages
-        assert 1 <= self.num_stages <= n, (self.num_stages, n)
-        assert len(self.boundary_time_s) == self.num_stages
-        assert all(len(row) == n for row in self.boundary_time_s)
-        assert len(self.inflight) == self.num_stages
+        n, S = self.num_units, self.num_stages
+        assert 1 <= S <= n, (S, n)
+        assert len(self.transfer_s) == S and all(len(row) == n for row in self.transfer_s)
+        assert len(self.message_s) == S
         assert self.modes, "at least one recompute mode"
         for costs in self.modes.values():
-            assert len(costs.time_s) == n and len(costs.activation_bytes) == n
+            for table in (
+                costs.forward_s,
+                costs.backward_s,
+                costs.weight_s,
+                costs.activation_bytes,
+                costs.retained_bytes,
+            ):
+                assert len(table) == n
             assert len(costs.tail_s) == len(self.tail_constants_s)
             assert all(len(t) == n for t in costs.tail_s)
 
@@ -89,34 +113,34 @@ class PartitionProblem:
     def num_units(self) -> int:
         return len(self.static_bytes)
 
-    def content_key(self) -> tuple[object, ...]:
-        """Equal for problems with the same tables (outer choices that cost the same)."""
-        return (
-            self.num_stages,
-            self.pp_degree,
-            self.virtual_stages,
-            self.num_micro_batches,
-            tuple(self.modes.items()),
-            self.static_bytes,
-            self.boundary_time_s,
-            self.inflight,
-            self.memory_capacity_bytes,
-            self.tail_constants_s,
-        )
+    @property
+    def num_stages(self) -> int:
+        return self.spec.num_stages
 
     @property
     def num_tail_terms(self) -> int:
         return len(self.tail_constants_s)
 
+    def content_key(self) -> tuple[object, ...]:
+        """Equal for problems with the same tables (outer choices that cost the same)."""
+        return (
+            self.spec,
+            tuple(self.modes.items()),
+            self.static_bytes,
+            self.transfer_s,
+            self.message_s,
+            self.memory_capacity_bytes,
+            self.tail_constants_s,
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Partition:
-    """Stage cuts and modes with their exact (floating-point) cost."""
+    """Stage cuts and modes with their simulated step and memory."""
 
     stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
     modes: tuple[Recompute, ...]
     step_time_s: float
-    rank_times_s: tuple[float, ...]
     rank_memory_bytes: tuple[float, ...]
 
     @property
@@ -128,39 +152,81 @@ class Partition:
         return [range(a, b) for a, b in zip(self.stage_starts, ends, strict=True)]
 
 
+# ------------------------------------------------------------------------------ reference
+
+
+def stage_times(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[StageTimes]:
+    """Each stage's times for the simulation, as `cost_model.estimate.stage_times` makes them."""
+    n, S = problem.num_units, problem.num_stages
+    ends = (*stage_starts[1:], n)
+    split = problem.spec.splits_backward
+    out = []
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        costs = problem.modes[modes[s]]
+        units = range(start, end)
+        previous = problem.message_s[s - 1] if s > 0 else 0.0
+        out.append(
+            StageTimes(
+                forward_s=sum(costs.forward_s[u] for u in units) + problem.message_s[s],
+                backward_s=sum(costs.backward_s[u] for u in units) + previous,
+                weight_s=sum(costs.weight_s[u] for u in units) if split else 0.0,
+                transfer_s=problem.transfer_s[s][end - 1] if s < S - 1 else 0.0,
+            )
+        )
+    return out
+
+
+def rank_tails(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[float]:
+    """Each pipeline rank's tail: ``max(0, max_j sum of its units' tail_s[j] + constant j)``."""
+    spec = problem.spec
+    ends = (*stage_starts[1:], problem.num_units)
+    terms = [list(problem.tail_constants_s) for _ in range(spec.pp_degree)]
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        r = spec.stage_rank(s)
+        for j, table in enumerate(problem.modes[modes[s]].tail_s):
+            terms[r][j] += sum(table[start:end])
+    return [max([0.0, *t]) for t in terms]
+
+
+def rank_memory(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[float]:
+    """Each rank's static bytes plus its activations at its largest candidate peak point."""
+    ends = (*stage_starts[1:], problem.num_units)
+    static, act, kept = [], [], []
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        costs = problem.modes[modes[s]]
+        static.append(sum(problem.static_bytes[start:end]))
+        act.append(sum(costs.activation_bytes[start:end]))
+        kept.append(sum(costs.retained_bytes[start:end]))
+    out = []
+    for held in held_microbatches(problem.spec):
+        peak = max(
+            sum(h * act[s] + k * kept[s] for (h, k), s in zip(point, held.stages, strict=True))
+            for point in held.points
+        )
+        out.append(sum(static[s] for s in held.stages) + peak)
+    return out
+
+
 def evaluate(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
 ) -> Partition:
-    """Exact cost of a partition: the reference that the CP-SAT model reproduces."""
-    n, p, v, m = (
-        problem.num_units,
-        problem.pp_degree,
-        problem.virtual_stages,
-        problem.num_micro_batches,
+    """The simulated step and the memory of a partition: the reference the solver optimises."""
+    sim = simulate(
+        problem.spec,
+        stage_times(problem, stage_starts, modes),
+        rank_tails(problem, stage_starts, modes),
     )
-    ends = (*stage_starts[1:], n)
-    rank_time = [0.0] * p
-    rank_memory = [0.0] * p
-    rank_tail = [list(problem.tail_constants_s) for _ in range(p)]
-    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
-        costs = problem.modes[modes[s]]
-        r = s % p
-        units = range(start, end)
-        rank_time[r] += sum(costs.time_s[u] for u in units)
-        if s < problem.num_stages - 1:
-            rank_time[r] += problem.boundary_time_s[s][end - 1]
-        rank_memory[r] += sum(problem.static_bytes[u] for u in units)
-        rank_memory[r] += problem.inflight[s] * sum(costs.activation_bytes[u] for u in units)
-        for j, coefficients in enumerate(costs.tail_s):
-            rank_tail[r][j] += sum(coefficients[u] for u in units)
-    tail = max(max([0.0, *terms]) for terms in rank_tail)
-    step = (m - 1 / v) * max(rank_time) + sum(rank_time) / v + tail
     return Partition(
         stage_starts=tuple(stage_starts),
         modes=tuple(modes),
-        step_time_s=step,
-        rank_times_s=tuple(rank_time),
-        rank_memory_bytes=tuple(rank_memory),
+        step_time_s=sim.step_time_s,
+        rank_memory_bytes=tuple(rank_memory(problem, stage_starts, modes)),
     )
 
 
@@ -180,118 +246,50 @@ def brute_force(problem: PartitionProblem) -> Partition | None:
     return best
 
 
+# ------------------------------------------------------------------------------ model
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveStats:
-    """What one CP-SAT call did."""
+    """What one `solve` did."""
 
-    status: str  # OPTIMAL, FEASIBLE (time limit), INFEASIBLE, CUTOFF, UNKNOWN (time limit)
+    # OPTIMAL (proven), FEASIBLE (time or round limit: best found, not proven), INFEASIBLE
+    # (memory), CUTOFF (nothing beats the cutoff), UNKNOWN (time limit, nothing found)
+    status: str
     wall_time_s: float
     num_variables: int
+    rounds: int = 0  # CP-SAT solves (one per batch of path cuts)
+    num_paths: int = 0  # path cuts in the final model
     lower_bound_s: float = 0.0  # proven lower bound on the step time (inf if infeasible)
 
 
 @dataclass(frozen=True, slots=True)
-class _RankTerms:
-    """Per pipeline rank model expressions (integer-scaled)."""
+class _StageExprs:
+    """Per-stage model expressions (integer-scaled): F, B, W times, link time after the
+    stage, activation, retained and static bytes, tail terms."""
 
-    time: list[Expr]  # per-micro-batch time, sends included
-    tail: list[list[Expr]]  # [term j][rank r]
-    memory: list[Expr]  # static * _INFLIGHT_SCALE + inflight * activations
-
-
-class _Model:
-    """The CP-SAT model of one problem (built once, solved for time or for memory).
-
-    Subclasses describe the pipeline ranks (`_rank_terms`), hint and read back the partition;
-    this base scales the tables to integers and adds the objective's terms: the longest rank,
-    the tail, and the memory limit of every rank.
-    """
-
-    def __init__(self, problem: PartitionProblem) -> None:
-        self.problem = problem
-        self.model = cp_model.CpModel()
-        p = problem.pp_degree
-        self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
-        self._scale(problem)
-        terms = self._rank_terms()
-        self.rank_time = terms.time
-        self.longest = self.model.new_int_var(0, self.time_bound, "longest_rank_time")
-        for r in range(p):
-            self.model.add(self.longest >= self.rank_time[r])
-        # tail: max over ranks and terms of the rank's tail (never below zero)
-        self.tail = self.model.new_int_var(0, self.time_bound, "tail")
-        for r in range(p):
-            for j, constant in enumerate(self.tail_constants):
-                self.model.add(self.tail >= terms.tail[j][r] + constant)
-        self.rank_memory = terms.memory
-        for r in range(p):
-            self.model.add(self.rank_memory[r] <= self.memory_capacity)
-
-    def _rank_terms(self) -> _RankTerms:
-        raise NotImplementedError
-
-    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
-        raise NotImplementedError
-
-    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-        raise NotImplementedError
-
-    # ----------------------------------------------------------------- scaling to integers
-
-    def _scale(self, problem: PartitionProblem) -> None:
-        n = problem.num_units
-        worst_time = sum(max(c.time_s[u] for c in problem.modes.values()) for u in range(n))
-        worst_time += sum(max(row) for row in problem.boundary_time_s[:-1])
-        worst_tail = sum(
-            sum(max(abs(c.tail_s[j][u]) for c in problem.modes.values()) for u in range(n))
-            + abs(problem.tail_constants_s[j])
-            for j in range(problem.num_tail_terms)
-        )
-        self.time_unit_s = max(worst_time, worst_tail, 1e-30) / _RESOLUTION
-        self.time_bound = 4 * _RESOLUTION
-        worst_bytes = sum(problem.static_bytes) + max(problem.inflight) * sum(
-            max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
-        )
-        self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
-
-        def ints(values: Sequence[float], unit: float) -> list[int]:
-            return [round(value / unit) for value in values]
-
-        # per-unit integer tables (per mode where the quantity depends on the mode)
-        self.time_int = {k: ints(c.time_s, self.time_unit_s) for k, c in problem.modes.items()}
-        self.act_int = {
-            k: ints(c.activation_bytes, self.byte_unit) for k, c in problem.modes.items()
-        }
-        self.static_int = ints(problem.static_bytes, self.byte_unit)
-        self.tail_int = [
-            {k: ints(c.tail_s[j], self.time_unit_s) for k, c in problem.modes.items()}
-            for j in range(problem.num_tail_terms)
-        ]
-        self.tail_constants = [round(c / self.time_unit_s) for c in problem.tail_constants_s]
-        self.boundary_int = [ints(row, self.time_unit_s) for row in problem.boundary_time_s]
-        self.inflight = [round(x * _INFLIGHT_SCALE) for x in problem.inflight]
-        self.memory_capacity = math.floor(
-            problem.memory_capacity_bytes / self.byte_unit * _INFLIGHT_SCALE
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _StageTerms:
-    """Per-stage model expressions (integer-scaled)."""
-
-    time: list[Expr]
-    send: list[Expr]
+    forward: list[Expr]
+    backward: list[Expr]
+    weight: list[Expr]
+    transfer: list[Expr]
     act: list[Expr]
+    kept: list[Expr]
     static: list[Expr]
     tail: list[list[Expr]]  # [term j][stage s]
 
 
-class _StageModel(_Model):
-    """Models with a recompute-mode choice per stage; ranks sum their stages."""
+class _Model:
+    """The CP-SAT model of one problem: stages (by a formulation), rank tails, memory at every
+    candidate peak point, and the objective ``z`` bounded below by path cuts."""
 
-    def _rank_terms(self) -> _RankTerms:
-        S, p = self.problem.num_stages, self.problem.pp_degree
-        # use[s][k]: stage s runs recompute mode k (exactly one per stage).
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.problem = problem
+        spec = problem.spec
+        self.model = cp_model.CpModel()
+        self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
+        self._scale(problem)
+        S, p = spec.num_stages, spec.pp_degree
+        # use[s][k]: stage s runs recompute mode k (exactly one per stage)
         self.use: list[list[Expr]] = []
         for s in range(S):
             if len(self.mode_names) == 1:
@@ -300,24 +298,124 @@ class _StageModel(_Model):
             row = [self.model.new_bool_var(f"use[{s},{k}]") for k in self.mode_names]
             self.model.add_exactly_one(row)
             self.use.append(list(row))
-        terms = self._stage_terms()
-        ranks = [range(r, S, p) for r in range(p)]
-        return _RankTerms(
-            time=[sum(terms.time[s] + terms.send[s] for s in stages) for stages in ranks],
-            tail=[[sum(table[s] for s in stages) for stages in ranks] for table in terms.tail],
-            memory=[
-                sum(
-                    terms.static[s] * _INFLIGHT_SCALE + self.inflight[s] * terms.act[s]
-                    for s in stages
+        self.stage = self._stage_exprs()
+        # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
+        self.tail = [self.model.new_int_var(0, self.time_bound, f"tail[{r}]") for r in range(p)]
+        for r in range(p):
+            stages = spec.rank_stages(r)
+            for j, constant in enumerate(self.tail_constants):
+                self.model.add(
+                    self.tail[r] >= sum(self.stage.tail[j][s] for s in stages) + constant
                 )
-                for stages in ranks
-            ],
-        )
+        # memory: every candidate peak point of every rank fits
+        self.memory: list[list[Expr]] = []
+        for held in held_microbatches(spec):
+            static = sum(self.stage.static[s] for s in held.stages)
+            points = []
+            for point in held.points:
+                expr = static + sum(
+                    h * self.stage.act[s] + k * self.stage.kept[s]
+                    for (h, k), s in zip(point, held.stages, strict=True)
+                )
+                self.model.add(expr <= self.memory_capacity)
+                points.append(expr)
+            self.memory.append(points)
+        # z: the objective, at least the length of every path cut added
+        self.z = self.model.new_int_var(0, self.path_bound, "z")
+        self.paths: list[CriticalPath] = []
+        # ceiling: z may not exceed it (each round of `solve` sets its domain to one value)
+        self.ceiling = self.model.new_int_var(0, self.path_bound, "ceiling")
+        self.model.add(self.z <= self.ceiling)
 
-    def _stage_terms(self) -> _StageTerms:
+    def set_ceiling(self, value: int) -> None:
+        value = max(0, min(value, self.path_bound))
+        domain = self.ceiling.proto.domain  # a fixed variable: domain [value, value]
+        domain[0] = value
+        domain[1] = value
+
+    # ----------------------------------------------------------------- scaling to integers
+
+    def _scale(self, problem: PartitionProblem) -> None:
+        n, spec = problem.num_units, problem.spec
+        worst = sum(
+            max(c.forward_s[u] + c.backward_s[u] for c in problem.modes.values()) for u in range(n)
+        )
+        worst += sum(max(row) for row in problem.transfer_s) + 2 * sum(problem.message_s)
+        worst_tail = sum(
+            sum(max(abs(c.tail_s[j][u]) for c in problem.modes.values()) for u in range(n))
+            + abs(problem.tail_constants_s[j])
+            for j in range(problem.num_tail_terms)
+        )
+        self.time_unit_s = max(worst, worst_tail, 1e-30) / _RESOLUTION
+        self.time_bound = 4 * _RESOLUTION
+        # a path runs at most every action and crossing once: m (2 or 3) actions per stage
+        self.path_bound = (3 * spec.num_micro_batches + 2) * self.time_bound
+        held = held_microbatches(spec)
+        most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
+        worst_bytes = sum(problem.static_bytes) + most * sum(
+            max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
+            for u in range(n)
+        )
+        self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
+
+        def ints(values: Sequence[float], unit: float) -> list[int]:
+            return [round(value / unit) for value in values]
+
+        t, b = self.time_unit_s, self.byte_unit
+        modes = problem.modes
+        self.forward_int = {k: ints(c.forward_s, t) for k, c in modes.items()}
+        self.backward_int = {k: ints(c.backward_s, t) for k, c in modes.items()}
+        split = spec.splits_backward
+        self.weight_int = {
+            k: ints(c.weight_s if split else (0.0,) * n, t) for k, c in modes.items()
+        }
+        self.act_int = {k: ints(c.activation_bytes, b) for k, c in modes.items()}
+        self.kept_int = {k: ints(c.retained_bytes, b) for k, c in modes.items()}
+        self.static_int = ints(problem.static_bytes, b)
+        self.tail_int = [
+            {k: ints(c.tail_s[j], t) for k, c in modes.items()}
+            for j in range(problem.num_tail_terms)
+        ]
+        self.tail_constants = [round(c / t) for c in problem.tail_constants_s]
+        self.transfer_int = [ints(row, t) for row in problem.transfer_s]
+        self.message_int = ints(problem.message_s, t)
+        self.memory_capacity = math.floor(problem.memory_capacity_bytes / b)
+
+    # ----------------------------------------------------------------- paths
+
+    def add_path(self, path: CriticalPath) -> None:
+        """``z >= the path's length`` (a valid lower bound on every partition's step)."""
+        self.paths.append(path)
+        self.model.add(self.z >= self.path_expr(path))
+
+    def path_expr(self, path: CriticalPath) -> Expr:
+        S = self.problem.num_stages
+        st = self.stage
+        expr: Expr = self.tail[path.tail_rank]
+        for slot, count in path.slots.items():
+            s, kind = divmod(slot, 4)
+            send_f = self.message_int[s]  # the forward posts its output's message
+            send_b = self.message_int[s - 1] if s > 0 else 0  # the backward its gradient's
+            if kind == 0:  # F
+                expr += count * (st.forward[s] + send_f)
+            elif kind == 1:  # B
+                expr += count * (st.backward[s] + send_b)
+            elif kind == 2:  # I: the backward without its weight half
+                expr += count * (st.backward[s] + send_b - st.weight[s])
+            else:  # W
+                expr += count * st.weight[s]
+        for boundary, count in path.transfers.items():
+            assert boundary < S - 1
+            expr += count * st.transfer[boundary]
+        return expr
+
+    # ----------------------------------------------------------------- formulation
+
+    def _stage_exprs(self) -> _StageExprs:
         raise NotImplementedError
 
     def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+        self.model.clear_hints()  # type: ignore[no-untyped-call]
         self._hint_cuts(stage_starts)
         if len(self.mode_names) > 1:
             for s, mode in enumerate(modes):
@@ -350,10 +448,10 @@ def _prefix(values: Sequence[int]) -> list[int]:
     return out
 
 
-class _CutModel(_StageModel):
+class _CutModel(_Model):
     """Any units: one integer variable per cut, element constraints on prefix-sum tables."""
 
-    def _stage_terms(self) -> _StageTerms:
+    def _stage_exprs(self) -> _StageExprs:
         n, S = self.problem.num_units, self.problem.num_stages
         # cut[j]: first unit of stage j (cut[0] = 0 and cut[S] = n are constants). Each stage
         # needs at least one unit, so cut j lies in [j, n - (S - j)].
@@ -364,23 +462,26 @@ class _CutModel(_StageModel):
         # stages are contiguous, in order, and non-empty
         for j in range(1, S - 1):
             self.model.add(self.cut[j] + 1 <= self.cut[j + 1])
-        time_prefix = {k: _prefix(v) for k, v in self.time_int.items()}
-        act_prefix = {k: _prefix(v) for k, v in self.act_int.items()}
+        self._reads: dict[tuple[int, int], Expr] = {}
+
+        def per_mode(tables: Mapping[Recompute, Sequence[int]], name: str) -> list[Expr]:
+            prefix = {k: _prefix(v) for k, v in tables.items()}
+            return [self._stage_value(prefix, s, f"{name}[{s}]") for s in range(S)]
+
         static_prefix = _prefix(self.static_int)
-        tail_prefix = [{k: _prefix(v) for k, v in table.items()} for table in self.tail_int]
-        # boundary_table[s][c]: cost of stage s ending just before unit c (at unit c - 1)
-        boundary_table = [[0, *row] for row in self.boundary_int]
-        return _StageTerms(
-            time=[self._stage_value(time_prefix, s, f"time[{s}]") for s in range(S)],
-            send=[self._read(boundary_table[s], s + 1) if s < S - 1 else 0 for s in range(S)],
-            act=[self._stage_value(act_prefix, s, f"act[{s}]") for s in range(S)],
+        # transfer_table[s][c]: link time of stage s ending just before unit c (at unit c - 1)
+        transfer_table = [[0, *row] for row in self.transfer_int]
+        return _StageExprs(
+            forward=per_mode(self.forward_int, "fwd"),
+            backward=per_mode(self.backward_int, "bwd"),
+            weight=per_mode(self.weight_int, "wgt"),
+            transfer=[self._read(transfer_table[s], s + 1) if s < S - 1 else 0 for s in range(S)],
+            act=per_mode(self.act_int, "act"),
+            kept=per_mode(self.kept_int, "kept"),
             static=[
                 self._read(static_prefix, s + 1) - self._read(static_prefix, s) for s in range(S)
             ],
-            tail=[
-                [self._stage_value(table, s, f"tail{j}[{s}]") for s in range(S)]
-                for j, table in enumerate(tail_prefix)
-            ],
+            tail=[per_mode(table, f"tail{j}") for j, table in enumerate(self.tail_int)],
         )
 
     def _read(self, table: Sequence[int], j: int) -> Expr:
@@ -388,19 +489,22 @@ class _CutModel(_StageModel):
         cut = self.cut[j]
         if isinstance(cut, int):
             return table[cut]
+        if min(table) == max(table):
+            return table[0]
         value = self.model.new_int_var(min(table), max(table), "")
         self.model.add_element(cut, list(table), value)
         return value
 
-    def _stage_value(self, tables: Mapping[Recompute, Sequence[int]], s: int, name: str) -> Expr:
+    def _stage_value(self, prefix: Mapping[Recompute, Sequence[int]], s: int, name: str) -> Expr:
         """Stage s's sum of a per-unit quantity under the stage's chosen mode."""
         per_mode = [
-            self._read(tables[k], s + 1) - self._read(tables[k], s) for k in self.mode_names
+            self._read(prefix[k], s + 1) - self._read(prefix[k], s) for k in self.mode_names
         ]
         if len(per_mode) == 1:
             return per_mode[0]
-        low = min(min(t) for t in tables.values()) - max(max(t) for t in tables.values())
-        value = self.model.new_int_var(low, -low, name)
+        low = min(min(t) for t in prefix.values())
+        high = max(max(t) for t in prefix.values())
+        value = self.model.new_int_var(low - high, high - low, name)
         for k_idx, expr in enumerate(per_mode):
             self.model.add(value == expr).only_enforce_if(self.use[s][k_idx])
         return value
@@ -413,12 +517,12 @@ class _CutModel(_StageModel):
         return tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
 
 
-class _CountModel(_StageModel):
+class _CountModel(_Model):
     """First unit, a run of identical units, last unit (embedding, blocks, head): a partition
-    is just the number of blocks per stage, so the model is linear in small integers and its
-    size does not grow with the number of units."""
+    is the number of blocks per stage, so the model is linear in small integers and its size
+    does not grow with the number of units."""
 
-    def _stage_terms(self) -> _StageTerms:
+    def _stage_exprs(self) -> _StageExprs:
         n, S = self.problem.num_units, self.problem.num_stages
         blocks = n - 2
         last = S - 1
@@ -453,19 +557,22 @@ class _CountModel(_StageModel):
                     )
             return expr
 
-        send: list[Expr] = []
+        transfer: list[Expr] = []
         for s in range(S):
             if s == last:
-                send.append(0)
+                transfer.append(0)
             elif s > 0:
-                send.append(self.boundary_int[s][1])  # a middle stage ends with a block
+                transfer.append(self.transfer_int[s][1])  # a middle stage ends with a block
             else:
                 # stage 0 ends with a block if it holds any, else with unit 0
+                first, block = self.transfer_int[0][0], self.transfer_int[0][1]
+                if first == block:
+                    transfer.append(first)
+                    continue
                 has_block: Expr = self.model.new_bool_var("stage0_has_block")
                 self.model.add(self.count[0] >= 1).only_enforce_if(has_block)
                 self.model.add(self.count[0] == 0).only_enforce_if(has_block.Not())
-                first, block = self.boundary_int[0][0], self.boundary_int[0][1]
-                send.append(first + has_block * (block - first))
+                transfer.append(first + has_block * (block - first))
         static = []
         for s in range(S):
             expr = self.count[s] * self.static_int[1]
@@ -474,12 +581,19 @@ class _CountModel(_StageModel):
             if s == last:
                 expr += self.static_int[n - 1]
             static.append(expr)
-        return _StageTerms(
-            time=[per_mode(self.time_int, s) for s in range(S)],
-            send=send,
-            act=[per_mode(self.act_int, s) for s in range(S)],
+
+        def stages(table: Mapping[Recompute, Sequence[int]]) -> list[Expr]:
+            return [per_mode(table, s) for s in range(S)]
+
+        return _StageExprs(
+            forward=stages(self.forward_int),
+            backward=stages(self.backward_int),
+            weight=stages(self.weight_int),
+            transfer=transfer,
+            act=stages(self.act_int),
+            kept=stages(self.kept_int),
             static=static,
-            tail=[[per_mode(table, s) for s in range(S)] for table in self.tail_int],
+            tail=[stages(table) for table in self.tail_int],
         )
 
     def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
@@ -507,154 +621,41 @@ def _starts_from_counts(counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(starts)
 
 
-class _RankModel(_Model):
-    """Identical blocks whose cost depends only on how many each pipeline rank runs in each
-    recompute mode (not on which of its interleaved chunks holds them): the variables are
-    blocks per (rank, mode). Exact when the first and last units cost the same in every mode,
-    and a rank's chunks share their in-flight count and their blocks' send cost (all true for
-    the cost model's tables); the chunks are filled in when the solution is read back. Without
-    this, CP-SAT searches every permutation of an interleaved rank's chunks."""
-
-    def _rank_terms(self) -> _RankTerms:
-        problem = self.problem
-        n, S, p = problem.num_units, problem.num_stages, problem.pp_degree
-        blocks = n - 2
-        K = len(self.mode_names)
-        m = self.model
-        # blocks[r][k]: blocks that rank r runs under mode k; used[r][k]: any at all
-        self.blocks: list[list[Expr]] = [
-            [m.new_int_var(0, blocks, f"blocks[{r},{k}]") for k in self.mode_names]
-            for r in range(p)
-        ]
-        used = [[m.new_bool_var(f"used[{r},{k}]") for k in self.mode_names] for r in range(p)]
-        m.add(sum(sum(row) for row in self.blocks) == blocks)
-        # first_holds / last_holds: stage 0 / stage S-1 hold blocks besides their own unit
-        self.first_holds: Expr = m.new_bool_var("first_holds")
-        self.last_holds: Expr = m.new_bool_var("last_holds")
-        self.middle = [[s for s in range(r, S, p) if 0 < s < S - 1] for r in range(p)]
-        for r in range(p):
-            holding: Expr = len(self.middle[r])
-            holding += self.first_holds if r == 0 else 0
-            holding += self.last_holds if r == p - 1 else 0
-            for k in range(K):
-                m.add(self.blocks[r][k] >= used[r][k])
-                m.add(self.blocks[r][k] <= blocks * used[r][k])
-            # every holding chunk needs a block, and runs one mode
-            m.add(sum(self.blocks[r]) >= holding)
-            m.add(sum(used[r]) <= holding)
-        first_send, block_send = self.boundary_int[0][0], self.boundary_int[0][1]
-
-        def rank_sum(table: Mapping[Recompute, Sequence[int]], r: int) -> Expr:
-            expr: Expr = sum(
-                self.blocks[r][k] * table[name][1] for k, name in enumerate(self.mode_names)
-            )
-            mode = self.mode_names[0]  # the end units cost the same in every mode
-            if r == 0:
-                expr += table[mode][0]
-            if r == p - 1:
-                expr += table[mode][n - 1]
-            return expr
-
-        times = []
-        memory = []
-        for r in range(p):
-            time = rank_sum(self.time_int, r)
-            time += sum(self.boundary_int[s][1] for s in self.middle[r])
-            if r == 0 and S > 1:
-                time += first_send + self.first_holds * (block_send - first_send)
-            times.append(time)
-            static: Expr = sum(self.blocks[r]) * self.static_int[1]
-            static += self.static_int[0] if r == 0 else 0
-            static += self.static_int[n - 1] if r == p - 1 else 0
-            memory.append(static * _INFLIGHT_SCALE + self.inflight[r] * rank_sum(self.act_int, r))
-        return _RankTerms(
-            time=times,
-            tail=[[rank_sum(table, r) for r in range(p)] for table in self.tail_int],
-            memory=memory,
-        )
-
-    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
-        counts = _block_counts(stage_starts, self.problem)
-        p = self.problem.pp_degree
-        for r in range(p):
-            for k, name in enumerate(self.mode_names):
-                total = sum(c for s, c in enumerate(counts) if s % p == r and modes[s] == name)
-                self.model.add_hint(self.blocks[r][k], total)
-
-    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-        S, p = self.problem.num_stages, self.problem.pp_degree
-        counts = [0] * S
-        modes: list[Recompute] = [self.mode_names[0]] * S
-        for r in range(p):
-            holding = list(self.middle[r])
-            if r == 0 and solver.value(self.first_holds):
-                holding.insert(0, 0)
-            if r == p - 1 and solver.value(self.last_holds):
-                holding.append(S - 1)
-            left = {k: solver.value(self.blocks[r][i]) for i, k in enumerate(self.mode_names)}
-            used = [k for k in self.mode_names if left[k] > 0]
-            # one chunk per used mode, then the rest to modes with blocks to spare
-            assigned: list[Recompute] = list(used)
-            spare = {k: left[k] - 1 for k in used}
-            while len(assigned) < len(holding):
-                k = max(spare, key=lambda name: spare[name])
-                assigned.append(k)
-                spare[k] -= 1
-            per_mode_chunks = {
-                k: [s for s, a in zip(holding, assigned, strict=True) if a == k] for k in used
-            }
-            for k, chunks in per_mode_chunks.items():
-                for s in chunks:
-                    counts[s] = 1
-                    modes[s] = k
-                counts[chunks[0]] += left[k] - len(chunks)
-        return _starts_from_counts(counts), tuple(modes)
-
-
 def _uniform_middle(problem: PartitionProblem) -> bool:
     """Whether units 1..n-2 are interchangeable (same value in every table)."""
     n = problem.num_units
     if n < 3 or problem.num_stages == 1:
         return False
-    rows: list[Sequence[float]] = [problem.static_bytes, *problem.boundary_time_s]
+    rows: list[Sequence[float]] = [problem.static_bytes, *problem.transfer_s]
     for costs in problem.modes.values():
-        rows += [costs.time_s, costs.activation_bytes, *costs.tail_s]
+        rows += [
+            costs.forward_s,
+            costs.backward_s,
+            costs.weight_s,
+            costs.activation_bytes,
+            costs.retained_bytes,
+            *costs.tail_s,
+        ]
     return all(len(set(row[1 : n - 1])) == 1 for row in rows)
 
 
-def _rank_separable(problem: PartitionProblem) -> bool:
-    """Whether `_RankModel` is exact for this (uniform-middle) problem: the end units cost the
-    same under every mode and the chunks of a rank share their in-flight count. (Sends need no
-    condition: every middle stage ends with a block, whatever the distribution.)"""
-    n, p = problem.num_units, problem.pp_degree
-    tables = list(problem.modes.values())
-
-    def end_costs(costs: ModeCosts, u: int) -> tuple[float, ...]:
-        return (costs.time_s[u], costs.activation_bytes[u], *(t[u] for t in costs.tail_s))
-
-    if any(end_costs(c, u) != end_costs(tables[0], u) for c in tables for u in (0, n - 1)):
-        return False
-    return all(problem.inflight[s] == problem.inflight[s % p] for s in range(problem.num_stages))
-
-
-ModelKind = Literal["cut", "count", "rank"]
+ModelKind = Literal["cut", "count"]
 
 
 def _build(problem: PartitionProblem, kind: ModelKind | None = None) -> _Model:
     if kind is None:
-        if _uniform_middle(problem):
-            kind = "rank" if _rank_separable(problem) else "count"
-        else:
-            kind = "cut"
-    return {"cut": _CutModel, "count": _CountModel, "rank": _RankModel}[kind](problem)
+        kind = "count" if _uniform_middle(problem) else "cut"
+    return {"cut": _CutModel, "count": _CountModel}[kind](problem)
 
 
 def balanced_hint(
     problem: PartitionProblem, mode: Recompute | None = None
 ) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-    """Greedy cuts that split the per-rank time evenly under one mode (the solver's hint)."""
+    """Greedy cuts that split the work evenly over the stages under one mode (the solver's
+    first hint and the source of its first critical path)."""
     k: Recompute = mode if mode is not None else next(iter(problem.modes))
-    times = problem.modes[k].time_s
+    costs = problem.modes[k]
+    times = [f + b for f, b in zip(costs.forward_s, costs.backward_s, strict=True)]
     n, S = problem.num_units, problem.num_stages
     total = sum(times)
     starts = [0]
@@ -672,6 +673,9 @@ def balanced_hint(
     return tuple(starts), tuple(k for _ in range(S))
 
 
+# ------------------------------------------------------------------------------ solve
+
+
 def solve(
     problem: PartitionProblem,
     *,
@@ -680,70 +684,129 @@ def solve(
     model: ModelKind | None = None,
     cutoff_s: float | None = None,
 ) -> tuple[Partition | None, SolveStats]:
-    """The minimum-step-time partition that fits in memory, or None if none fits.
+    """The partition with the least simulated step that fits in memory, or None if none fits.
 
     ``cutoff_s``: only partitions faster than this are of interest (the search passes its
     incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``). ``model``
     forces a formulation (tests compare each with brute force); by default the smallest exact
-    one for the problem is used.
+    one for the problem is used. See the module docstring for the method.
     """
+    start = time.perf_counter()
     built = _build(problem, model)
-    v = problem.virtual_stages
-    objective = (v * problem.num_micro_batches - 1) * built.longest + sum(built.rank_time)
-    objective += v * built.tail
-    built.model.minimize(objective)
-    if cutoff_s is not None:
-        # The integer objective is v * step / time_unit up to rounding: at most half a unit per
-        # unit table entry in each of its (v m - 1) + 1 + v weighted terms.
-        slack = (v * problem.num_micro_batches + v + 1) * problem.num_units // 2 + 1
-        built.model.add(objective <= math.floor(cutoff_s * v / built.time_unit_s) + slack)
-    hint_starts, hint_modes = balanced_hint(problem)
-    built.add_hint(hint_starts, hint_modes)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = num_workers
-    # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove that a
-    # candidate cannot beat the cutoff (about 2x faster searches on large interleaved problems).
-    solver.parameters.linearization_level = 2
-    status = solver.solve(built.model)
-    name = solver.status_name(status)
-    if status == cp_model.INFEASIBLE and cutoff_s is not None:
-        name = "CUTOFF"
-    bound = (
-        solver.best_objective_bound * built.time_unit_s / v
-        if status != cp_model.INFEASIBLE
-        else math.inf
-    )
+    spec = problem.spec
+    for path in rank_paths(spec):
+        built.add_path(path)
+    hint = balanced_hint(problem)
+    hinted = evaluate(problem, *hint)
+    built.add_path(_critical_path_of(problem, *hint))
+    built.model.minimize(built.z)
+    best: Partition | None = None
+    if hinted.peak_memory_bytes <= problem.memory_capacity_bytes:
+        best = hinted
+    # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
+    slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
+    unit = built.time_unit_s
+    bound = 0.0
+    status = "UNKNOWN"
+    rounds = 0
+    wall = 0.0
+    while rounds < _MAX_ROUNDS:
+        limit = math.inf if cutoff_s is None else cutoff_s
+        if best is not None:
+            limit = min(limit, best.step_time_s)
+        remaining = time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            status = "FEASIBLE" if best is not None else "UNKNOWN"
+            break
+        rounds += 1
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = remaining
+        solver.parameters.num_workers = num_workers
+        # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove
+        # that a candidate cannot beat the cutoff.
+        solver.parameters.linearization_level = 2
+        # demand a strictly better step than the limit (up to rounding)
+        built.set_ceiling(
+            math.floor(limit / unit) - 1 + slack if math.isfinite(limit) else built.path_bound
+        )
+        result = solver.solve(built.model)
+        wall += solver.wall_time
+        if result == cp_model.INFEASIBLE:
+            if best is not None and (cutoff_s is None or best.step_time_s < cutoff_s):
+                status = "OPTIMAL"
+                bound = best.step_time_s
+            else:
+                # memory, or nothing beats the cutoff (the search counts both as pruned)
+                status = "CUTOFF" if cutoff_s is not None else "INFEASIBLE"
+                bound = math.inf
+            break
+        if result not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            status = "FEASIBLE" if best is not None else "UNKNOWN"
+            bound = solver.best_objective_bound * unit
+            break
+        starts, modes = built.read(solver)
+        found = evaluate(problem, starts, modes)
+        if best is None or found.step_time_s < best.step_time_s:
+            best = found
+        lower = solver.objective_value * unit
+        if result == cp_model.OPTIMAL and found.step_time_s <= lower + slack * unit:
+            status = "OPTIMAL"
+            bound = lower
+            break
+        built.add_path(_critical_path_of(problem, starts, modes))
+        built.add_hint(best.stage_starts, best.modes)
+    else:
+        status = "FEASIBLE" if best is not None else "UNKNOWN"
     stats = SolveStats(
-        status=name,
-        wall_time_s=solver.wall_time,
+        status=status,
+        wall_time_s=wall,
         num_variables=len(built.model.proto.variables),
+        rounds=rounds,
+        num_paths=len(built.paths),
         lower_bound_s=bound,
     )
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        assert status in (cp_model.INFEASIBLE, cp_model.UNKNOWN), name
-        return None, stats
-    starts, modes = built.read(solver)
-    return evaluate(problem, starts, modes), stats
+    if best is not None and cutoff_s is not None and best.step_time_s >= cutoff_s:
+        best = None
+    if status in ("INFEASIBLE", "CUTOFF", "UNKNOWN"):
+        best = None
+    return best, stats
+
+
+def _critical_path_of(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> CriticalPath:
+    spec = problem.spec
+    sim = simulate(
+        spec,
+        stage_times(problem, stage_starts, modes),
+        rank_tails(problem, stage_starts, modes),
+    )
+    return critical_path(spec, sim)
 
 
 def min_peak_memory(
     problem: PartitionProblem, *, time_limit_s: float = 10.0, model: ModelKind | None = None
-) -> float:
-    """The least per-device peak memory any partition of this problem needs (bytes)."""
+) -> float | None:
+    """The least per-device peak memory any partition of this problem needs (bytes), or None
+    if the solver could not finish in ``time_limit_s``."""
     n = problem.num_units
-    bound = sum(problem.static_bytes) + max(problem.inflight) * sum(
-        max(c.activation_bytes[u] for c in problem.modes.values()) for u in range(n)
+    held = held_microbatches(problem.spec)
+    most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
+    bound = sum(problem.static_bytes) + most * sum(
+        max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
+        for u in range(n)
     )
     built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0), model)
     peak = built.model.new_int_var(0, 2**60, "peak")
-    for r in range(problem.pp_degree):
-        built.model.add(peak >= built.rank_memory[r])
+    for points in built.memory:
+        for expr in points:
+            built.model.add(peak >= expr)
     built.model.minimize(peak)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     status = solver.solve(built.model)
-    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
     starts, modes = built.read(solver)
     return evaluate(problem, starts, modes).peak_memory_bytes

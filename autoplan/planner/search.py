@@ -3,17 +3,22 @@
 Expects a traced model (or a module to trace), a Cluster and a global batch. Two levels:
 
 1. Outer enumeration (`space.strategies`) of degrees, micro-batching, schedule, ZeRO level,
-   sequence parallelism and rank layout. For each, the cost model's per-unit costs under each
-   allowed recompute mode give a lower bound on the step time (perfect balance, no sends) and on
-   the memory per device. Memory-infeasible candidates are dropped; the rest are visited in
-   order of their bound, and the visit stops once no remaining bound can beat the k-th best.
-2. For each visited candidate, a CP-SAT model (`partition.solve`) chooses the stage cuts and
-   per-stage recompute exactly under the cost model's pipeline formula, hinted with a balanced
-   greedy split.
+   sequence parallelism and rank layout. Each gets a proven lower bound on its simulated step
+   from compute alone (`cost_model.schedules.pipeline_lower_bound_s`: the busiest rank's work,
+   plus half the bubble for one stage per rank) and on its memory per device. Candidates are
+   visited in the order of the uniform-stage estimate ``(m - 1/v) T + p T / v`` (a good plan
+   early makes a strong cutoff), and skipped when a proven bound cannot beat the k-th best.
+2. For each visited candidate, its per-unit costs give a sharper proven bound (communication,
+   the memory the recompute modes must buy back, the cheapest sends, the tails); then a CP-SAT
+   model (`partition.solve`) chooses the stage cuts and per-stage recompute that minimise the
+   simulated step of the schedule torch runs, exactly (lazy longest-path cuts), with the k-th
+   best as cutoff.
 
 Guarantees: the returned plans carry the cost model's own `estimate` of themselves (checked to
-agree with the solver's objective), are valid for the cluster, and are ranked by step time.
-No plan fits: `NoFeasiblePlanError` with the least memory per device any plan in the space needs.
+equal the solver's simulated step), are valid for the cluster, and are ranked by step time; no
+plan of the space is faster (up to the solver's integer rounding) unless a solve hit its time
+limit (``stats.optimality_gap``). No plan fits: `NoFeasiblePlanError` with the least memory per
+device any plan in the space needs.
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ from autoplan.planner.space import SearchSpace, strategies
 from cost_model.estimate import (
     MemoryConstants,
     UnitCost,
+    boundary_costs,
     estimate,
     memory_constants,
-    stage_p2p_time_s,
     step_overhead_s,
     unit_classes,
     unit_compute_s,
@@ -52,7 +57,7 @@ from cost_model.estimate import (
 )
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
-from cost_model.schedules import inflight_microbatches
+from cost_model.schedules import min_held, pipeline_lower_bound_s
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -130,11 +135,14 @@ def search_plans(
     start = time.perf_counter()
 
     cache = _CostCache(profile, cluster)
-    # Phase 1: a cheap bound for every outer choice, from compute times alone (shared by all
-    # choices with the same TP degree, sequence parallelism, micro-batch and dtype).
-    bounded: list[tuple[float, int, Strategy]] = []
+    # Phase 1: for every outer choice a visiting order and a proven bound, from compute times
+    # alone (shared by all choices with the same TP degree, sequence parallelism, micro-batch
+    # and dtype).
+    bounded: list[tuple[float, int, Strategy, float]] = []
     for strategy in strategies(space, profile, cluster, global_batch):
-        bounded.append((cache.compute_bound(strategy, space.recompute), stats.candidates, strategy))
+        order_key = cache.uniform_estimate(strategy, space.recompute)
+        bound = cache.compute_bound(strategy, space.recompute)
+        bounded.append((order_key, stats.candidates, strategy, bound))
         stats.candidates += 1
     bounded.sort(key=lambda entry: (entry[0], entry[1]))
     stats.enumerate_s = time.perf_counter() - start
@@ -146,10 +154,10 @@ def search_plans(
     unproven: list[float] = []  # lower bounds of candidates the solver did not finish
     solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = {}
     capacity = float(cluster.device.memory_bytes)
-    for visited, (compute_bound, order, strategy) in enumerate(bounded):
+    for visited, (_, order, strategy, compute_bound) in enumerate(bounded):
         if len(best) == top_k and compute_bound >= -best[0][0]:
-            stats.pruned_bound += len(bounded) - visited
-            break
+            stats.pruned_bound += 1
+            continue
         if cache.memory_bound(strategy, space.recompute) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
@@ -253,15 +261,14 @@ class _CostCache:
             )
             for rep, count in self.class_counts.items()
         )
-        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-        inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
+        p = strategy.pp_degree
+        inflight = min(min_held(strategy.schedule_spec))
         cal = self.cluster.calibration
         per_rank = (state.total_bytes + inflight * least_act) / p
         return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
 
-    def compute_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
-        """A lower bound on the step time from compute alone (no communication, perfect
-        balance): ``(m - 1/v) * max(sum / p, largest unit) + sum / v``."""
+    def compute_totals(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
+        """(total, largest) per-micro-batch compute over the units, each in its fastest mode."""
         key = (
             strategy.tp_degree,
             strategy.sequence_parallel,
@@ -277,7 +284,19 @@ class _CostCache:
                 max(min(times) for times in zip(*per_mode, strict=True)),
             )
             self._compute[key] = least
-        total, largest = least
+        return least
+
+    def compute_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """A proven lower bound on the simulated step from compute alone (no communication,
+        the fastest mode everywhere): `pipeline_lower_bound_s` of the units' work."""
+        total, largest = self.compute_totals(strategy, modes)
+        return pipeline_lower_bound_s(strategy.schedule_spec, total, largest)
+
+    def uniform_estimate(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """The visiting order: the step of evenly cut stages from compute alone,
+        ``(m - 1/v) max(T, largest) + p T / v`` with ``T = total / p`` (the bubble of a
+        zero-bubble schedule is smaller; counting it only orders them a little late)."""
+        total, largest = self.compute_totals(strategy, modes)
         p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
         return (m - 1 / v) * max(total / p, largest) + total / v
 
@@ -314,27 +333,28 @@ def _candidate(
         static_sum += count * per_mode[0].static_bytes
         static_max = max(static_max, per_mode[0].static_bytes)
         classes.append((count, [(c.activation_bytes, c.time_s) for c in per_mode]))
-    least_inflight = min(inflight_microbatches(strategy.schedule, p, m, v, r) for r in range(p))
+    spec = strategy.schedule_spec
+    # Each rank's stages all hold at least this many micro-batches at once at some point.
+    least_inflight = min(min_held(spec))
     memory_bound = max((static_sum + least_inflight * least_act) / p, static_max)
-    # Rank r needs static_r + inflight_r * act_r <= usable, so summed over the ranks the
-    # activations held per micro-batch cannot exceed (p * usable - static) / least inflight:
+    # Rank r needs static_r + held_r * act_r <= usable, so summed over the ranks the
+    # activations held per micro-batch cannot exceed (p * usable - static) / least held:
     # the recompute modes must at least buy that much memory back.
-    budget = (p * usable - static_sum) / least_inflight
+    budget = (p * usable - static_sum) / least_inflight if least_inflight else math.inf
     total = _least_time_within(classes, budget)
-    # The per-rank work can at best be spread evenly; each of the S - 1 boundaries costs at
-    # least its cheapest send; the busiest rank's tail is at least the average tail.
+    # Every message of every boundary costs its host time on some rank (busy work), whatever
+    # the cut; links only delay (they are not counted).
     num_stages = p * v
-    if num_stages > 1:
-        # a send's time grows with its bytes: the smallest boundary output is the cheapest
-        smallest = min(first[:-1], key=lambda c: c.output_bytes)
-        total += sum(
-            stage_p2p_time_s(smallest, cluster, strategy, s) for s in range(num_stages - 1)
-        )
-    time_bound = (
-        (m - 1 / v) * max(total / p, largest)
-        + total / v
-        + max(0.0, tail_a, tail_b) / p
-        + step_overhead_s(strategy, cluster)
+    total += sum(
+        2 * boundary_costs(first[0], cluster, strategy, s).message_s for s in range(num_stages - 1)
+    )
+    # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
+    # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
+    # (the busiest rank's at least the average).
+    fixed = step_overhead_s(strategy, cluster)
+    time_bound = max(
+        pipeline_lower_bound_s(spec, total, largest) + fixed,
+        m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
     )
     return Candidate(
         strategy=strategy,
@@ -384,17 +404,19 @@ def _least_time_within(
 def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
     """The stage-partition problem of a candidate, in the cost model's own terms."""
     strategy = candidate.strategy
-    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-    num_stages = p * v
+    spec = strategy.schedule_spec
     overlap = cluster.calibration.dp_overlap_fraction
     first = next(iter(candidate.by_mode.values()))
     fixed = step_overhead_s(strategy, cluster)
-    # rank tail = max(0, sync - overlap * backward) + post + optimizer
+    # rank tail = max(0, sync - overlap * backward) + post + optimizer (+ the fixed overhead)
     #           = max(0, post + opt, post + opt + sync - overlap * backward): two tail terms
     tables = {
         mode: ModeCosts(
-            time_s=tuple(c.time_s for c in costs),
+            forward_s=tuple(c.forward_s for c in costs),
+            backward_s=tuple(c.backward_s for c in costs),
+            weight_s=tuple(c.weight_s for c in costs),
             activation_bytes=tuple(c.activation_bytes for c in costs),
+            retained_bytes=tuple(c.retained_bytes for c in costs),
             tail_s=(
                 tuple(c.post_sync_s + c.optimizer_s for c in costs),
                 tuple(
@@ -405,20 +427,16 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
         )
         for mode, costs in candidate.by_mode.items()
     }
+    boundaries = [
+        tuple(boundary_costs(c, cluster, strategy, s) for c in first)
+        for s in range(spec.num_stages)
+    ]
     return PartitionProblem(
-        num_stages=num_stages,
-        pp_degree=p,
-        virtual_stages=v,
-        num_micro_batches=m,
+        spec=spec,
         modes=tables,
         static_bytes=tuple(c.static_bytes for c in first),
-        boundary_time_s=tuple(
-            tuple(stage_p2p_time_s(c, cluster, strategy, s) for c in first)
-            for s in range(num_stages)
-        ),
-        inflight=tuple(
-            inflight_microbatches(strategy.schedule, p, m, v, s % p) for s in range(num_stages)
-        ),
+        transfer_s=tuple(tuple(b.transfer_s for b in row) for row in boundaries),
+        message_s=tuple(row[0].message_s for row in boundaries),
         memory_capacity_bytes=candidate.usable_bytes,
         tail_constants_s=(fixed, fixed),
     )
@@ -457,7 +475,7 @@ def _to_plan(
         rank_layout=s.rank_layout,
     )
     result = estimate(profile, cluster, plan)
-    # The solver optimised the cost model's own formula: the two must agree.
+    # The solver optimised the cost model's own simulation: the two must agree.
     assert math.isclose(result.step_time_s, partition.step_time_s, rel_tol=1e-6), (
         result.step_time_s,
         partition.step_time_s,
@@ -488,10 +506,16 @@ def _no_feasible_plan(
     infeasible.sort(key=lambda strategy: cache.memory_bound(strategy, modes))
     candidates = [_candidate(s, modes, cache, cluster) for s in infeasible[:20]]
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
-    needs = [
-        (c.constants.total_bytes(min_peak_memory(_problem(c, cluster))), c.strategy)
-        for c in candidates[:5]
-    ]
+    needs = []
+    for c in candidates[:5]:
+        least_bytes = min_peak_memory(_problem(c, cluster))
+        if least_bytes is not None:
+            needs.append((c.constants.total_bytes(least_bytes), c.strategy))
+    if not needs:  # the solver timed out on all of them: report the bound instead
+        needs = [
+            (c.constants.total_bytes(c.memory_lower_bound_bytes), c.strategy)
+            for c in candidates[:5]
+        ]
     least, best = min(needs, key=lambda item: item[0])
     return NoFeasiblePlanError(
         f"no plan for {profile.name!r} fits {cluster.name!r}: the least memory per device any of "

@@ -5,9 +5,9 @@ and rejects constraints that contradict each other or the cluster, naming them. 
 enumerates the outer choices (`cost_model.Strategy`) that are valid for the model, the cluster
 and the global batch: degrees multiply to the device count, TP divides every count the trace
 reports and stays inside a node (unless allowed), batches divide, the schedule's micro-batch
-rules hold. Dominated choices are skipped: GPipe when 1F1B is valid (same time, more memory),
-ZeRO-1 when ZeRO-2 is allowed (likewise), ZeRO levels and layouts that cannot differ when
-dp = 1.
+rules hold (`cost_model.schedules.ScheduleSpec`: torch's own). Dominated choices are skipped:
+ZeRO-1 when ZeRO-2 is allowed (same time, less memory), ZeRO levels and layouts that cannot
+differ when dp = 1. GPipe is not dominated by 1F1B: with uneven stages either can be faster.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from autoplan.errors import InputError
 from autoplan.plan import MESH_AXES, RECOMPUTE_MODES, SCHEDULES, MeshAxis, Recompute, Schedule
 from cost_model.hardware import Cluster
+from cost_model.schedules import V_SCHEDULES, ScheduleError, ScheduleSpec
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -43,7 +44,7 @@ class SearchSpace:
     max_pp: int | None = None
     max_micro_batch: int = 64
     virtual_stages: tuple[int, ...] | None = None
-    schedules: tuple[Schedule, ...] = ("1f1b", "interleaved-1f1b", "gpipe")
+    schedules: tuple[Schedule, ...] = SCHEDULES
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -76,13 +77,21 @@ class SearchSpace:
                 f"max_micro_batch={self.max_micro_batch}"
             )
         virtual = self.virtual_stages or (1,)
-        if max(virtual) > 1 and "interleaved-1f1b" not in self.schedules:
+        multi = [s for s in self.schedules if s not in ("gpipe", "1f1b")]
+        if max(virtual) > 1 and not multi:
             raise ConstraintError(
-                f"virtual_stages={_show(virtual)} needs the 'interleaved-1f1b' "
-                f"schedule, but schedules={list(self.schedules)}"
+                f"virtual_stages={_show(virtual)} needs a schedule with several stages per rank "
+                f"('interleaved-1f1b', 'interleaved-zb', 'zbv' or 'dualpipev'), but "
+                f"schedules={list(self.schedules)}"
             )
-        if self.pp is not None and max(self.pp) == 1 and self.schedules == ("interleaved-1f1b",):
-            raise ConstraintError("schedules=('interleaved-1f1b',) needs pp >= 2, but pp=1")
+        if (
+            self.pp is not None
+            and max(self.pp) == 1
+            and not set(self.schedules) & {"gpipe", "1f1b"}
+        ):
+            raise ConstraintError(
+                f"schedules={list(self.schedules)} need pp >= 2, but pp=1; allow '1f1b'"
+            )
         if self.tp is not None and max(self.tp) == 1 and self.sequence_parallel == (True,):
             raise ConstraintError("sequence_parallel=True needs tp > 1, but tp=1")
 
@@ -239,19 +248,23 @@ def _schedules(
     skip_dominated: bool,
 ) -> Iterator[Strategy]:
     options: list[tuple[Schedule, int]] = []
-    if "1f1b" in space.schedules and m >= pp:
-        options.append(("1f1b", 1))
-    # GPipe has 1F1B's time with more activation memory: only when 1F1B is invalid or excluded.
-    if "gpipe" in space.schedules and not (options and skip_dominated):
-        options.append(("gpipe", 1))
-    if "interleaved-1f1b" in space.schedules and pp > 1 and m % pp == 0:
-        for v in range(2, MAX_VIRTUAL_STAGES + 1):
+    for schedule in space.schedules:
+        if schedule in ("gpipe", "1f1b"):
+            counts: Sequence[int] = (1,)
+        elif schedule in V_SCHEDULES:
+            counts = (2,)
+        else:
+            counts = range(2, MAX_VIRTUAL_STAGES + 1)
+        for v in counts:
             if pp * v > profile.num_units:
                 break
-            if space.virtual_stages is None or v in space.virtual_stages:
-                options.append(("interleaved-1f1b", v))
-    if space.virtual_stages is not None and 1 not in space.virtual_stages:
-        options = [o for o in options if o[1] > 1]
+            if space.virtual_stages is not None and v not in space.virtual_stages:
+                continue
+            try:
+                ScheduleSpec(schedule=schedule, pp_degree=pp, virtual_stages=v, num_micro_batches=m)
+            except ScheduleError:
+                continue  # torch cannot run it with these degrees
+            options.append((schedule, v))
     sp_choices = [
         sp for sp in space.sequence_parallel if not sp or (tp > 1 and profile.seq_len % tp == 0)
     ]
