@@ -502,12 +502,15 @@ class CriticalPath:
     tail_rank: int  # the rank whose tail ends the path
 
 
-def critical_path(spec: ScheduleSpec, simulation: Simulation) -> CriticalPath:
-    """The longest path of ``simulation`` (ties: the rank's own previous action first)."""
+def critical_path(
+    spec: ScheduleSpec, simulation: Simulation, rank: int | None = None
+) -> CriticalPath:
+    """The longest path of ``simulation`` (ties: the rank's own previous action first); with
+    ``rank``, the longest path that ends with that rank's last action and its tail."""
     compiled = compile_schedule(spec)
     end = [*simulation.end_s, 0.0]
     sentinel = len(compiled.actions)
-    r = simulation.last_rank
+    r = simulation.last_rank if rank is None else rank
     slots: dict[int, int] = {}
     transfers: dict[int, int] = {}
     j = compiled.rank_last[r]
@@ -593,6 +596,14 @@ def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) 
     if spec.virtual_stages == 1 and p > 1:
         bound = max(bound, work_s / (1.0 - (1.0 - 1.0 / m) ** p))
     return bound
+
+
+def least_held(spec: ScheduleSpec) -> int:
+    """A lower bound on ``min(min_held(spec))`` without building the orders: GPipe runs every
+    forward before any backward, so every stage holds all ``m`` micro-batches at once; in every
+    other schedule each stage holds at least the micro-batch it just ran (a test checks this
+    against `min_held`)."""
+    return spec.num_micro_batches if spec.schedule == "gpipe" else 1
 
 
 def min_held(spec: ScheduleSpec) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from autoplan.planner.partition import evaluate
 from autoplan.planner.search import _candidate, _CostCache, _problem, search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace, strategies
 from cost_model.estimate import estimate
+from cost_model.schedules import SCHEDULES
 from cost_model.hardware import Cluster
 from tests.cost_profiles import gpt_profile, round_cluster
 
@@ -58,14 +59,14 @@ def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
         modes = modes[:1]
     while work(max_stages) > 600:
         max_stages -= 1
-    virtual = (1, 2) if max_stages >= 4 else (1,)
+    virtual = (1, 2, 3)[: 1 + (max_stages >= 4) + (max_stages >= 6)]
     constraints: dict[str, object] = {
         "recompute": modes,
         "zero": tuple(sorted(rng.sample([0, 1, 2, 3], rng.randint(1, 2)))),
         "max_micro_batch": rng.choice([2, 4]),
         "max_pp": max_stages // virtual[-1],
         "virtual_stages": virtual,
-        "schedules": ("1f1b", "interleaved-1f1b", "gpipe"),
+        "schedules": SCHEDULES,
         "dtype": "bf16",
     }
     return profile, cluster, global_batch, constraints
@@ -119,7 +120,7 @@ def _check_against_estimate(profile, cluster, strategy, starts, modes, result): 
     assert reference.fits == (reference.peak_memory_bytes <= cluster.device.memory_bytes)
 
 
-@pytest.mark.parametrize("seed", range(32))
+@pytest.mark.parametrize("seed", range(48))
 def test_search_finds_the_brute_force_optimum(seed: int) -> None:
     profile, cluster, global_batch, constraints = _random_case(seed)
     expected = _brute_force(profile, cluster, global_batch, constraints)
@@ -130,7 +131,7 @@ def test_search_finds_the_brute_force_optimum(seed: int) -> None:
     result = search_plans(profile, cluster, global_batch=global_batch, **constraints)
     best = result.plans[0]
     assert best.estimate is not None
-    # ties allowed; the CP-SAT model works in integers at ~1e-9 relative resolution
+    # the search stops within RELATIVE_GAP of the proven optimum of each outer choice
     assert best.estimate.step_time_s <= expected * (1 + 1e-3)
     assert best.estimate.step_time_s >= expected * (1 - 1e-9)
     best.validate(profile, cluster)
@@ -142,7 +143,7 @@ def test_search_finds_the_brute_force_optimum(seed: int) -> None:
         ({"tp": 16, "max_tp": 8}, "tp=16 contradicts max_tp=8"),
         (
             {"virtual_stages": 2, "schedules": ("1f1b",)},
-            "virtual_stages=2 needs the 'interleaved-1f1b'",
+            "virtual_stages=2 needs a schedule with several stages per rank",
         ),
         ({"tp": 1, "sequence_parallel": True}, "sequence_parallel=True needs tp > 1"),
         ({"zero": 5}, "ZeRO levels are 0, 1, 2, 3"),

@@ -55,6 +55,8 @@ from cost_model.schedules import (
 _RESOLUTION = 10**6
 # Rounds of the lazy path loop before it returns its best simulated partition with a gap.
 _MAX_ROUNDS = 60
+# Simulations the local search may spend on the solver's first incumbent.
+_LOCAL_EVALUATIONS = 200
 
 # A CP-SAT linear expression. OR-tools' stubs type these as unions with numpy integers that
 # mypy cannot add or subtract, so expressions are untyped here.
@@ -323,6 +325,7 @@ class _Model:
         # z: the objective, at least the length of every path cut added
         self.z = self.model.new_int_var(0, self.path_bound, "z")
         self.paths: list[CriticalPath] = []
+        self.path_keys: set[object] = set()
         # ceiling: z may not exceed it (each round of `solve` sets its domain to one value)
         self.ceiling = self.model.new_int_var(0, self.path_bound, "ceiling")
         self.model.add(self.z <= self.ceiling)
@@ -385,6 +388,14 @@ class _Model:
 
     def add_path(self, path: CriticalPath) -> None:
         """``z >= the path's length`` (a valid lower bound on every partition's step)."""
+        key = (
+            tuple(sorted(path.slots.items())),
+            tuple(sorted(path.transfers.items())),
+            path.tail_rank,
+        )
+        if key in self.path_keys:
+            return
+        self.path_keys.add(key)
         self.paths.append(path)
         self.model.add(self.z >= self.path_expr(path))
 
@@ -673,6 +684,74 @@ def balanced_hint(
     return tuple(starts), tuple(k for _ in range(S))
 
 
+def improve(
+    problem: PartitionProblem, start: Partition, *, max_evaluations: int
+) -> tuple[Partition, list[Partition]]:
+    """Local search from ``start`` by single moves (one cut by one unit, or one stage's mode):
+    while memory does not fit, the move that buys memory back cheapest (step added per byte
+    of excess removed); then first-improvement descent of the simulated step among moves that
+    fit. Returns the best partition that fits (``start`` if none does) and every accepted one
+    (their critical paths feed the solver). A heuristic: it gives the solver a strong
+    incumbent early; optimality comes from the solver."""
+    n, S = problem.num_units, problem.num_stages
+    names = tuple(problem.modes)
+    capacity = problem.memory_capacity_bytes
+    budget = max_evaluations
+
+    def moves(at: Partition) -> list[tuple[tuple[int, ...], tuple[Recompute, ...]]]:
+        starts, modes = at.stage_starts, at.modes
+        out = [
+            (starts, (*modes[:j], name, *modes[j + 1 :]))
+            for j in range(S)
+            for name in names
+            if name != modes[j]
+        ]
+        for j in range(1, S):
+            upper = starts[j + 1] if j + 1 < S else n
+            for moved in (starts[j] - 1, starts[j] + 1):
+                if starts[j - 1] < moved < upper:
+                    out.append(((*starts[:j], moved, *starts[j + 1 :]), modes))
+        return out
+
+    current = start
+    accepted = [start]
+    while current.peak_memory_bytes > capacity and budget > 0:  # repair
+        excess = current.peak_memory_bytes - capacity
+        choice: tuple[float, Partition] | None = None
+        for move in moves(current):
+            if budget <= 0:
+                break
+            budget -= 1
+            found = evaluate(problem, *move)
+            saved = excess - max(0.0, found.peak_memory_bytes - capacity)
+            if saved > 0:
+                price = (found.step_time_s - current.step_time_s) / saved
+                if choice is None or price < choice[0]:
+                    choice = (price, found)
+        if choice is None:
+            break
+        current = choice[1]
+        accepted.append(current)
+    if current.peak_memory_bytes > capacity:
+        return start, accepted
+    improved = True
+    while improved and budget > 0:  # descent
+        improved = False
+        for move in moves(current):
+            if budget <= 0:
+                break
+            budget -= 1
+            found = evaluate(problem, *move)
+            if found.peak_memory_bytes <= capacity and found.step_time_s < current.step_time_s * (
+                1.0 - 1e-9
+            ):
+                current = found
+                accepted.append(found)
+                improved = True
+                break
+    return current, accepted
+
+
 # ------------------------------------------------------------------------------ solve
 
 
@@ -683,11 +762,14 @@ def solve(
     num_workers: int = 1,
     model: ModelKind | None = None,
     cutoff_s: float | None = None,
+    relative_gap: float = 0.0,
 ) -> tuple[Partition | None, SolveStats]:
     """The partition with the least simulated step that fits in memory, or None if none fits.
 
     ``cutoff_s``: only partitions faster than this are of interest (the search passes its
-    incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``). ``model``
+    incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``).
+    ``relative_gap``: stop (status ``OPTIMAL``) once the best simulated partition is within
+    this fraction of a proven lower bound; 0 asks for the exact optimum. ``model``
     forces a formulation (tests compare each with brute force); by default the smallest exact
     one for the problem is used. See the module docstring for the method.
     """
@@ -696,24 +778,47 @@ def solve(
     spec = problem.spec
     for path in rank_paths(spec):
         built.add_path(path)
-    hint = balanced_hint(problem)
-    hinted = evaluate(problem, *hint)
-    built.add_path(_critical_path_of(problem, *hint))
-    built.model.minimize(built.z)
+    # Incumbent: the even split under each mode, improved locally from the fastest that fits.
     best: Partition | None = None
-    if hinted.peak_memory_bytes <= problem.memory_capacity_bytes:
-        best = hinted
+    seeds: list[Partition] = []
+    for mode in problem.modes:
+        hinted = evaluate(problem, *balanced_hint(problem, mode))
+        seeds.append(hinted)
+        fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
+        if fits and (best is None or hinted.step_time_s < best.step_time_s):
+            best = hinted
+    # Local search from the fastest even split (repairing its memory if it does not fit).
+    fastest = min(seeds, key=lambda seed: seed.step_time_s)
+    if best is None or fastest.step_time_s < best.step_time_s:
+        local, accepted = improve(problem, fastest, max_evaluations=_LOCAL_EVALUATIONS)
+        seeds.extend(accepted[1:])
+        if local.peak_memory_bytes <= problem.memory_capacity_bytes and (
+            best is None or local.step_time_s < best.step_time_s
+        ):
+            best = local
+    if best is not None:
+        best, accepted = improve(problem, best, max_evaluations=_LOCAL_EVALUATIONS)
+        seeds.extend(accepted[1:])
+    for seed in seeds:
+        for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
+            built.add_path(path)
+    if best is not None:
+        built.add_hint(best.stage_starts, best.modes)
+    built.model.minimize(built.z)
     # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
     slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
     unit = built.time_unit_s
-    bound = 0.0
+    bound = 0.0  # proven: no partition's simulated step is below it
     status = "UNKNOWN"
     rounds = 0
     wall = 0.0
     while rounds < _MAX_ROUNDS:
+        if best is not None and best.step_time_s <= bound * (1.0 + relative_gap):
+            status = "OPTIMAL"
+            break
         limit = math.inf if cutoff_s is None else cutoff_s
         if best is not None:
-            limit = min(limit, best.step_time_s)
+            limit = min(limit, best.step_time_s / (1.0 + relative_gap))
         remaining = time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
             status = "FEASIBLE" if best is not None else "UNKNOWN"
@@ -733,8 +838,8 @@ def solve(
         wall += solver.wall_time
         if result == cp_model.INFEASIBLE:
             if best is not None and (cutoff_s is None or best.step_time_s < cutoff_s):
-                status = "OPTIMAL"
-                bound = best.step_time_s
+                status = "OPTIMAL"  # within relative_gap: none is below limit
+                bound = max(bound, min(limit, best.step_time_s))
             else:
                 # memory, or nothing beats the cutoff (the search counts both as pruned)
                 status = "CUTOFF" if cutoff_s is not None else "INFEASIBLE"
@@ -742,18 +847,23 @@ def solve(
             break
         if result not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             status = "FEASIBLE" if best is not None else "UNKNOWN"
-            bound = solver.best_objective_bound * unit
+            bound = max(bound, (solver.best_objective_bound - slack) * unit)
             break
         starts, modes = built.read(solver)
         found = evaluate(problem, starts, modes)
         if best is None or found.step_time_s < best.step_time_s:
             best = found
         lower = solver.objective_value * unit
-        if result == cp_model.OPTIMAL and found.step_time_s <= lower + slack * unit:
-            status = "OPTIMAL"
-            bound = lower
-            break
-        built.add_path(_critical_path_of(problem, starts, modes))
+        if result == cp_model.OPTIMAL:
+            # every partition's simulated step is at least its z (up to rounding)
+            bound = max(bound, lower - slack * unit)
+            if found.step_time_s <= lower + slack * unit:
+                status = "OPTIMAL"
+                break
+        else:
+            bound = max(bound, (solver.best_objective_bound - slack) * unit)
+        for path in _critical_paths_of(problem, starts, modes):
+            built.add_path(path)
         built.add_hint(best.stage_starts, best.modes)
     else:
         status = "FEASIBLE" if best is not None else "UNKNOWN"
@@ -772,16 +882,18 @@ def solve(
     return best, stats
 
 
-def _critical_path_of(
+def _critical_paths_of(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
-) -> CriticalPath:
+) -> list[CriticalPath]:
+    """The longest path ending on each rank (the global one among them): adding them all per
+    round converges in far fewer rounds than the global one alone."""
     spec = problem.spec
     sim = simulate(
         spec,
         stage_times(problem, stage_starts, modes),
         rank_tails(problem, stage_starts, modes),
     )
-    return critical_path(spec, sim)
+    return [critical_path(spec, sim, rank) for rank in range(spec.pp_degree)]
 
 
 def min_peak_memory(
