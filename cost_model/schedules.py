@@ -44,6 +44,7 @@ backward-input frees nothing, torch's ``stage_backward_input`` retains the graph
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -545,31 +546,24 @@ def rank_paths(spec: ScheduleSpec) -> tuple[CriticalPath, ...]:
             successors.setdefault(dp, []).append(j)
     out = []
     for r in range(spec.pp_degree):
-        slots: dict[int, int] = {}
-        transfers: dict[int, int] = {}
-
-        def count(j: int) -> None:
-            slots[compiled.slot[j]] = slots.get(compiled.slot[j], 0) + 1
-
-        def cross(j: int) -> None:
-            boundary = compiled.transfer[j]
-            if boundary < num_stages:
-                transfers[boundary] = transfers.get(boundary, 0) + 1
-
         members = [j for j, rank in enumerate(compiled.ranks) if rank == r]
-        for j in members:
-            count(j)
+        visited = list(members)  # actions on the path
+        crossed: list[int] = []  # actions whose input crossed a boundary on the path
         j = members[0]
         while compiled.data_pred[j] != sentinel:  # fill: the inputs of the first action
-            cross(j)
+            crossed.append(j)
             j = compiled.data_pred[j]
-            count(j)
+            visited.append(j)
         j = members[-1]
         while successors.get(j):  # drain: prefer the gradient chain over a weight action
             following = sorted(successors[j], key=lambda k: compiled.actions[k].kind == "W")
             j = following[0]
-            cross(j)
-            count(j)
+            crossed.append(j)
+            visited.append(j)
+        slots = dict(Counter(compiled.slot[k] for k in visited))
+        transfers = dict(
+            Counter(compiled.transfer[k] for k in crossed if compiled.transfer[k] < num_stages)
+        )
         out.append(CriticalPath(slots=slots, transfers=transfers, tail_rank=compiled.ranks[j]))
     return tuple(out)
 

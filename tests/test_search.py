@@ -21,8 +21,8 @@ from autoplan.planner.partition import evaluate
 from autoplan.planner.search import _candidate, _CostCache, _problem, search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace, strategies
 from cost_model.estimate import estimate
-from cost_model.schedules import SCHEDULES
 from cost_model.hardware import Cluster
+from cost_model.schedules import SCHEDULES
 from tests.cost_profiles import gpt_profile, round_cluster
 
 
