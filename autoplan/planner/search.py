@@ -14,11 +14,19 @@ Expects a traced model (or a module to trace), a Cluster and a global batch. Two
    simulated step of the schedule torch runs, exactly (lazy longest-path cuts), with the k-th
    best as cutoff.
 
+Exactness: the objective is the simulated step of the schedule torch runs, never a closed
+form. Candidates are skipped only by proven lower bounds, and each partition solve stops within
+``RELATIVE_GAP`` of its proven optimum, so with ``budget_s=None`` no plan of the space is faster
+by more than that gap. With a budget (the default, for interactive use) the visit stops when
+it runs out and ``stats.optimality_gap`` says how much faster an unvisited or unfinished
+candidate might still be (0: proven). Compute-only bounds are weak for schedules with several
+stages per rank (uneven chunks can shrink their bubble), so on large spaces the budget is
+what usually ends the visit.
+
 Guarantees: the returned plans carry the cost model's own `estimate` of themselves (checked to
-equal the solver's simulated step), are valid for the cluster, and are ranked by step time; no
-plan of the space is faster (up to the solver's integer rounding) unless a solve hit its time
-limit (``stats.optimality_gap``). No plan fits: `NoFeasiblePlanError` with the least memory per
-device any plan in the space needs.
+equal the solver's simulated step), are valid for the cluster, and are ranked by step time.
+No plan fits: `NoFeasiblePlanError` with the least memory per device any plan in the space
+needs.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ logger = logging.getLogger(__name__)
 # A stage partition within this fraction of the proven optimum of its outer choice counts as
 # optimal (the lazy path loop's last rounds often move the step by less than this).
 RELATIVE_GAP = 5e-4
+# Seconds the search may spend visiting candidates before it returns its best with the
+# proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
+DEFAULT_BUDGET_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +103,7 @@ class SearchStats:
     solver_cutoff: int = 0  # proven unable to beat the k-th best plan
     solver_reused: int = 0  # identical problems answered from an earlier solve
     solver_timeouts: int = 0  # stopped at the time limit without a proof
+    unvisited: int = 0  # candidates left when the search ran out of its budget
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
     optimality_gap: float = 0.0
@@ -125,10 +137,12 @@ def search_plans(
     global_batch: int,
     top_k: int = 1,
     time_limit_s: float = 10.0,
+    budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
     **constraints: Any,
 ) -> SearchResult:
-    """The ``top_k`` fastest plans that fit (see the module docstring)."""
+    """The ``top_k`` fastest plans that fit (see the module docstring). ``time_limit_s`` caps
+    one stage-partition solve; ``budget_s`` the whole visit (None: visit until proven)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise NoFeasiblePlanError(f"global_batch={global_batch!r} must be a whole number >= 1")
     if top_k < 1:
@@ -162,6 +176,12 @@ def search_plans(
         if len(best) == top_k and compute_bound >= -best[0][0]:
             stats.pruned_bound += 1
             continue
+        elapsed = time.perf_counter() - start
+        if budget_s is not None and elapsed > budget_s and best:
+            # Out of time: the rest are unproven; their compute bounds give the gap.
+            stats.unvisited = len(bounded) - visited
+            unproven.extend(entry[3] for entry in bounded[visited:])
+            break
         if cache.memory_bound(strategy, space.recompute) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
@@ -187,9 +207,12 @@ def search_plans(
             found, solve_stats = solved[key]
             stats.solver_reused += 1
         else:
+            limit = time_limit_s
+            if budget_s is not None and best:
+                limit = max(0.05, min(limit, budget_s - (time.perf_counter() - start)))
             found, solve_stats = solve(
                 problem,
-                time_limit_s=time_limit_s,
+                time_limit_s=limit,
                 cutoff_s=cutoff,
                 relative_gap=RELATIVE_GAP,
             )
@@ -556,6 +579,7 @@ def search(
     global_batch: int,
     top_k: None = None,
     time_limit_s: float = ...,
+    budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
     **constraints: Any,
 ) -> Plan: ...
@@ -569,6 +593,7 @@ def search(
     global_batch: int,
     top_k: int,
     time_limit_s: float = ...,
+    budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
     **constraints: Any,
 ) -> list[Plan]: ...
@@ -581,6 +606,7 @@ def search(
     global_batch: int,
     top_k: int | None = None,
     time_limit_s: float = 10.0,
+    budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
     **constraints: Any,
 ) -> Plan | list[Plan]:
@@ -599,6 +625,7 @@ def search(
         global_batch=global_batch,
         top_k=top_k or 1,
         time_limit_s=time_limit_s,
+        budget_s=budget_s,
         progress=progress,
         **constraints,
     )
