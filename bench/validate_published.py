@@ -37,7 +37,7 @@ from autoplan.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
 from cost_model.hardware import Cluster
-from cost_model.schedules import pipeline_time_s
+from cost_model.schedules import StageTimes, simulate
 from cost_model.strategy import (
     Strategy,
     group_placements,
@@ -355,49 +355,55 @@ def deepspeed_pipe_bf16_step_s(
        all-gathers inside its tensor-parallel group (DeepSpeed's pipeline config defaults
        pipe_partitioned and grad_partitioned to true).
 
-    The per-micro-batch terms (1, 4) change every pipeline rank's time T_r, re-assembled with
-    `pipeline_time_s`; the per-step terms (2, 3) replace the estimate's tail.
+    The per-micro-batch terms (1, 4) change the stages' times, re-run through the schedule's
+    simulation (`cost_model.schedules.simulate`); the per-step terms (2, 3) replace the tails.
     """
     strategy = Strategy.of(plan)
     cal = cluster.calibration
     mem_bw = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    p, m, v, dp = (
-        strategy.pp_degree,
-        strategy.num_micro_batches,
-        strategy.virtual_stages,
-        (strategy.dp_degree),
-    )
+    dp = strategy.dp_degree
     dp_groups = group_placements(strategy, cluster, "dp")
     tp_groups = group_placements(strategy, cluster, "tp")
     width = strategy.dtype_bytes
     costs = unit_costs(profile, cluster, strategy, plan.stages[0].recompute)
     tied_params = sum(u.num_params_shared for u in profile.units) / strategy.tp_degree
 
-    rank_time = []
-    rank_tail = []
-    for rank in est.ranks:
-        stages = [est.stages[s] for s in rank.stages]
-        params = sum(s.param_bytes for s in stages) / width  # ZeRO-1: weights unsharded
-        accumulate = params * BF16_OPTIMIZER_ACCUMULATE_BYTES / mem_bw
-        p2p_saving = 0.0
-        for s in stages:
-            if s.stage_idx >= strategy.num_stages - 1:
-                continue
+    times = []
+    for s in est.stages:
+        # (1) the fp32 accumulation after every micro-batch's backward of this stage's weights
+        params = s.param_bytes / width  # ZeRO-1: weights unsharded
+        backward = s.backward_s + params * BF16_OPTIMIZER_ACCUMULATE_BYTES / mem_bw
+        transfer = s.transfer_s
+        if transfer > 0.0:
+            # (4) a 1/t slice over the link, all-gathered by the receiver's TP group
             out = costs[s.last_unit].output_bytes
-            cross = pipeline_link_crosses_nodes(strategy, cluster, s.pp_rank)
-            partitioned = p2p_time_s(out / strategy.tp_degree, cluster, cross_node=cross)
-            partitioned += collective_time_s("all_gather", out, tp_groups, cluster)
-            p2p_saving += 2.0 * (p2p_time_s(out, cluster, cross_node=cross) - partitioned)
-        rank_time.append(rank.time_per_microbatch_s + accumulate - p2p_saving)
-
+            here = strategy.pipeline_rank_of_stage(s.stage_idx)
+            there = strategy.pipeline_rank_of_stage(s.stage_idx + 1)
+            cross = pipeline_link_crosses_nodes(strategy, cluster, here, there)
+            transfer = p2p_time_s(out / strategy.tp_degree, cluster, cross_node=cross)
+            transfer += collective_time_s("all_gather", out, tp_groups, cluster)
+        times.append(
+            StageTimes(
+                forward_s=s.forward_s,
+                backward_s=backward,
+                weight_s=min(s.weight_s, backward),
+                transfer_s=transfer,
+            )
+        )
+    rank_tail = []
+    pair = tied_pair_placement(strategy, cluster)
+    first_rank = 0
+    last_rank = strategy.pipeline_rank_of_stage(strategy.num_stages - 1)
+    for rank in est.ranks:
+        params = sum(est.stages[s].param_bytes for s in rank.stages) / width
+        # (2) and (3): fp32 all-reduce, Adam on the shard, bf16 all-gather
         tail = collective_time_s("all_reduce", 4.0 * params, dp_groups, cluster)
         tail += collective_time_s("all_gather", width * params, dp_groups, cluster)
-        pair = tied_pair_placement(strategy, cluster)
-        if pair is not None and tied_params and rank.pp_rank in (0, p - 1):
+        if pair is not None and tied_params and rank.pp_rank in (first_rank, last_rank):
             tail += collective_time_s("all_reduce", 4.0 * tied_params, (pair,), cluster)
         tail += params * (BF16_OPTIMIZER_STEP_BYTES + BF16_OPTIMIZER_SHARD_BYTES / dp) / mem_bw
         rank_tail.append(tail)
-    return pipeline_time_s(rank_time, m, v) + max(rank_tail)
+    return simulate(strategy.schedule_spec, times, rank_tail).step_time_s
 
 
 # ------------------------------------------------------------------------------- reporting

@@ -5,7 +5,10 @@ throughput of the published (t, p) configuration (micro-batch and interleaving f
 scripts, as bench/validate_published.py sets them up) and of the plan `autoplan.search` finds for
 the same model, cluster and batch. Prints both plans and the ratio searched / published; exits
 non-zero if any ratio is below 1 (the published plan is in the searched space, so a ratio below 1
-would mean the search missed it).
+would mean the search missed it). Both plans are scored by the cost model's estimate, which is the
+simulation of the schedule torch runs. Next to each searched plan: its MFU, the best MFU any
+published run of that model family reached (bench/data), and the search's proven optimality gap
+when its visit budget ran out.
 
 Run: .venv/bin/python bench/vs_megatron.py
 """
@@ -33,6 +36,9 @@ from validate_published import (
 from autoplan.plan import Plan
 from autoplan.planner.search import search_plans
 
+# Seconds each search may visit before it returns its best with the proven gap ("gap").
+BUDGET_S = 20.0
+
 
 def describe(plan: Plan) -> str:
     recompute = sorted({s.recompute for s in plan.stages})
@@ -59,15 +65,26 @@ def main() -> int:
         "searched plan",
         "tok/s",
         "ratio",
+        "MFU",
+        "best published MFU",
+        "gap",
         "search s",
     ):
         table.add_column(
             column,
             justify="right"
-            if column in ("GPUs", "batch", "tok/s", "ratio", "search s")
+            if column
+            in ("GPUs", "batch", "tok/s", "ratio", "MFU", "best published MFU", "gap", "search s")
             else "left",
         )
     ratios = []
+    # The best MFU any published run of the model's family reached (an implausible claim shows).
+    best_mfu: dict[str, float] = {}
+    for row in rows:
+        mfu = (row.get("measured") or {}).get("mfu")
+        if mfu is not None:
+            family = row["model"]["family"]
+            best_mfu[family] = max(best_mfu.get(family, 0.0), float(mfu))
     for row in rows:
         if not row["id"].startswith("megatron-sc21-t1-"):
             continue
@@ -87,6 +104,7 @@ def main() -> int:
             cluster,
             global_batch=case.plan_args["global_batch"],
             dtype=case.plan_args["dtype"],
+            budget_s=BUDGET_S,
         )
         elapsed = time.perf_counter() - start
         best = result.plans[0]
@@ -108,6 +126,11 @@ def main() -> int:
             describe(best),
             f"{best.estimate.tokens_per_s:,.0f}",
             f"{ratio:.3f}",
+            f"{best.estimate.mfu:.1%}",
+            f"{best_mfu[row['model']['family']]:.1%}"
+            if row["model"]["family"] in best_mfu
+            else "-",
+            f"{result.stats.optimality_gap:.1%}",
             f"{elapsed:.1f}",
         )
     console = Console(width=220)
