@@ -381,6 +381,7 @@ def whatif(
     price_per_device_hour: float | None = None,
     cluster_overrides: Mapping[str, object] | None = None,
     time_limit_s: float = 10.0,
+    budget_s: float | None = 60.0,
     progress: Callable[[WhatIfProgress], None] | None = None,
     workers: int | None = None,
     **constraints: Any,
@@ -391,7 +392,8 @@ def whatif(
     ``tokens``: train this many tokens (days, device-hours); ``price_per_device_hour``: with
     ``tokens``, the cost in the price's currency. ``constraints`` are `autoplan.search`'s.
     ``workers``: searches run in this many processes at once (default: one per CPU core, at
-    most one per search; 1 runs them here, one after another).
+    most one per search; 1 runs them here, one after another). ``time_limit_s`` and
+    ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
     """
     from autoplan.api import profile_of
 
@@ -438,7 +440,7 @@ def whatif(
         for kind, n, cluster in jobs:
             report(kind, n)
             found[kind.label, n] = _best_plan(
-                n, profile, cluster, global_batch, time_limit_s, constraints
+                n, profile, cluster, global_batch, (time_limit_s, budget_s), constraints
             )
     else:
         # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
@@ -447,7 +449,13 @@ def whatif(
         with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
             futures = {
                 pool.submit(
-                    _best_plan, n, profile, cluster, global_batch, time_limit_s, dict(constraints)
+                    _best_plan,
+                    n,
+                    profile,
+                    cluster,
+                    global_batch,
+                    (time_limit_s, budget_s),
+                    dict(constraints),
                 ): (kind, n)
                 for kind, n, cluster in jobs
             }
@@ -495,7 +503,7 @@ def _best_plan(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch: int,
-    time_limit_s: float,
+    limits: tuple[float, float | None],
     constraints: Mapping[str, Any],
 ) -> _Found:
     from autoplan.planner.search import search_plans
@@ -504,7 +512,12 @@ def _best_plan(
     t0 = time.perf_counter()
     try:
         result = search_plans(
-            profile, cluster, global_batch=global_batch, time_limit_s=time_limit_s, **constraints
+            profile,
+            cluster,
+            global_batch=global_batch,
+            time_limit_s=limits[0],
+            budget_s=limits[1],
+            **constraints,
         )
     except (NoFeasiblePlanError, ConstraintError) as error:
         return _Found(
