@@ -41,6 +41,10 @@ Recompute = Literal["none", "selective", "full"]
 MeshAxis = Literal["pp", "dp", "tp"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
+# The schedules autoplan's runtime (`passes.pipeline`) builds today. The zero-bubble ones
+# (interleaved-zb, zbv, dualpipev) are modelled, estimated and searchable on request
+# (``schedules=...``), but stay out of the default search until the runtime runs them.
+RUNTIME_SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
 

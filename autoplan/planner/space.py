@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.errors import InputError
-from autoplan.plan import MESH_AXES, RECOMPUTE_MODES, SCHEDULES, MeshAxis, Recompute, Schedule
+from autoplan.plan import (
+    MESH_AXES,
+    RECOMPUTE_MODES,
+    RUNTIME_SCHEDULES,
+    SCHEDULES,
+    MeshAxis,
+    Recompute,
+    Schedule,
+)
 from cost_model.hardware import Cluster
 from cost_model.schedules import V_SCHEDULES, ScheduleError, ScheduleSpec
 from cost_model.strategy import Strategy
@@ -44,7 +52,7 @@ class SearchSpace:
     max_pp: int | None = None
     max_micro_batch: int = 64
     virtual_stages: tuple[int, ...] | None = None
-    schedules: tuple[Schedule, ...] = SCHEDULES
+    schedules: tuple[Schedule, ...] = RUNTIME_SCHEDULES  # SCHEDULES on request
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
