@@ -417,7 +417,10 @@ def _technique(described: str) -> str:
 def part_bc(
     world_sizes: list[int], global_batch: int, steps: int, max_plans: int
 ) -> dict[str, Any]:
+    from autoplan.errors import NoFeasiblePlanError
+    from autoplan.plan import RUNTIME_SCHEDULES
     from autoplan.planner.search import search_plans
+    from autoplan.planner.space import ConstraintError
     from autoplan.tracing import trace
     from cost_model.estimate import estimate
     from cost_model.hardware import Cluster
@@ -430,6 +433,22 @@ def part_bc(
             profile, cluster, global_batch=global_batch, top_k=max_plans, dtype="fp32"
         )
         plans = list(result.plans)
+        # Every schedule the search can pick: the best plan of each one the top-k missed.
+        for schedule in RUNTIME_SCHEDULES:
+            if any(p.schedule == schedule for p in plans):
+                continue
+            try:
+                extra = search_plans(
+                    profile,
+                    cluster,
+                    global_batch=global_batch,
+                    dtype="fp32",
+                    schedules=(schedule,),
+                )
+            except (NoFeasiblePlanError, ConstraintError) as error:
+                print(f"(b) {world} procs: no {schedule} plan ({error})", flush=True)
+                continue
+            plans.extend(extra.plans)
         rows: list[dict[str, Any]] = []
         for idx, plan in enumerate(plans):
             predicted = estimate(profile, cluster, plan)
@@ -530,6 +549,21 @@ def part_bc(
                 + ", ".join(
                     f"{kind} {statistics.median(errors):+.0%} ({len(errors)})"
                     for kind, errors in sorted(by_kind.items())
+                ),
+                flush=True,
+            )
+            by_schedule: dict[str, list[float]] = {}
+            for r in ok:
+                by_schedule.setdefault(r["plan"].split()[4], []).append(r["relative_error"])
+            summary["median_abs_relative_error_by_schedule"] = {
+                name: statistics.median(abs(e) for e in errors)
+                for name, errors in sorted(by_schedule.items())
+            }
+            print(
+                f"(b) {world} procs, median |error| by schedule: "
+                + ", ".join(
+                    f"{name} {statistics.median(abs(e) for e in errors):.0%} ({len(errors)})"
+                    for name, errors in sorted(by_schedule.items())
                 ),
                 flush=True,
             )
