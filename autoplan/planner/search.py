@@ -43,6 +43,7 @@ from typing import Any, overload
 from autoplan.api import plan_estimate, profile_of
 from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import ModelRef, Plan, Recompute, StagePlan
+from autoplan.planner.bounds import pipeline_factor, share_range
 from autoplan.planner.partition import (
     ModeCosts,
     Partition,
@@ -89,6 +90,18 @@ class Candidate:
     time_lower_bound_s: float
     memory_lower_bound_bytes: float  # tensor bytes (before buffers and allocator overhead)
     usable_bytes: float
+    work_s: float  # least per-micro-batch work of the units (memory-forced recompute included)
+    fixed_s: float  # the loop's fixed overhead per step
+    forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
+    weight_cells: tuple[int, int]  # the units' weight shares of their backward
+
+    def schedule_bound_s(self) -> float:
+        """A proven lower bound on the step from the schedule's own paths
+        (`bounds.pipeline_factor`): costlier than ``time_lower_bound_s``, computed on demand
+        and shared by every candidate with the same schedule, degrees and shares."""
+        spec = self.strategy.schedule_spec
+        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells)
+        return self.work_s * factor + self.fixed_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +117,8 @@ class SearchStats:
     solver_reused: int = 0  # identical problems answered from an earlier solve
     solver_timeouts: int = 0  # stopped at the time limit without a proof
     unvisited: int = 0  # candidates left when the search ran out of its budget
+    pruned_schedule: int = 0  # by the bound from the schedule's paths (`bounds.py`)
+    bounds_s: float = 0.0  # time spent on those bounds
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
     optimality_gap: float = 0.0
@@ -197,6 +212,14 @@ def search_plans(
             stats.pruned_bound += 1
             continue
         cutoff = -best[0][0] if len(best) == top_k else None
+        if cutoff is not None and candidate.strategy.virtual_stages > 1:
+            # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
+            t0 = time.perf_counter()
+            schedule_bound = candidate.schedule_bound_s()
+            stats.bounds_s += time.perf_counter() - t0
+            if schedule_bound >= cutoff:
+                stats.pruned_schedule += 1
+                continue
         problem = _problem(candidate, cluster)
         key = problem.content_key()
         t0 = time.perf_counter()
@@ -381,6 +404,7 @@ def _candidate(
     # the recompute modes must at least buy that much memory back.
     budget = (p * usable - static_sum) / least_inflight if least_inflight else math.inf
     total = _least_time_within(classes, budget)
+    work = total  # the units' own work (what `schedule_bound` scales)
     # Every message of every boundary costs its host time on some rank (busy work), whatever
     # the cut; links only delay (they are not counted).
     num_stages = p * v
@@ -395,7 +419,14 @@ def _candidate(
         pipeline_lower_bound_s(spec, total, largest) + fixed,
         m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
     )
+    units = [costs[rep] for costs in by_mode.values() for rep in cache.class_counts]
+    forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
+    weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
     return Candidate(
+        work_s=work,
+        fixed_s=fixed,
+        forward_cells=share_range(forward_shares or [0.0, 1.0]),
+        weight_cells=share_range(weight_shares or [0.0, 1.0]),
         strategy=strategy,
         by_mode=by_mode,
         constants=constants,

@@ -1,0 +1,68 @@
+"""`autoplan.planner.bounds`: the schedule-path bound never exceeds a simulated pipeline."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autoplan.planner.bounds import SHARE_GRID, pipeline_factor, share_range
+from cost_model.schedules import ScheduleSpec, StageTimes, simulate
+
+SPECS = (
+    ("gpipe", 3, 1, 4),
+    ("1f1b", 4, 1, 8),
+    ("interleaved-1f1b", 2, 3, 4),
+    ("interleaved-1f1b", 4, 2, 8),
+    ("interleaved-zb", 3, 2, 6),
+    ("zbv", 2, 2, 4),
+    ("dualpipev", 3, 2, 6),
+)
+
+
+@pytest.mark.parametrize(("schedule", "p", "v", "m"), SPECS)
+def test_bound_holds_for_random_uneven_stage_times(schedule: str, p: int, v: int, m: int) -> None:
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+    forward = share_range([0.25, 0.4])
+    weight = share_range([0.3, 0.6])
+    factor = pipeline_factor(spec, forward, weight)
+    rng = random.Random(f"{schedule}{p}{v}{m}")
+    least = float("inf")
+    for _ in range(200):
+        sizes = [rng.random() ** 3 + 1e-3 for _ in range(spec.num_stages)]
+        total = sum(sizes)
+        times = []
+        for size in sizes:
+            share = rng.uniform(0.25, 0.4)
+            backward = (1 - share) * size / total
+            times.append(
+                StageTimes(
+                    forward_s=share * size / total,
+                    backward_s=backward,
+                    weight_s=rng.uniform(0.3, 0.6) * backward if spec.splits_backward else 0.0,
+                )
+            )
+        least = min(least, simulate(spec, times).pipeline_time_s)
+    assert factor <= least
+    # it sees more than the busiest rank's share of the work
+    assert factor >= m / p * (1 - 1e-6)
+
+
+def test_one_stage_per_rank_reaches_the_textbook_bubble() -> None:
+    # v = 1: even stages are optimal, (m + p - 1) / p of the work (Huang et al. 2019)
+    spec = ScheduleSpec(schedule="1f1b", pp_degree=4, virtual_stages=1, num_micro_batches=8)
+    assert pipeline_factor(spec, share_range([1 / 3]), (0, 0)) == pytest.approx(11 / 4, rel=1e-5)
+
+
+def test_interleaving_bound_sees_part_of_the_bubble() -> None:
+    spec = ScheduleSpec(
+        schedule="interleaved-1f1b", pp_degree=4, virtual_stages=2, num_micro_batches=8
+    )
+    factor = pipeline_factor(spec, share_range([1 / 3]), (0, 0))
+    even = (8 + 3 / 2) / 4  # (m + (p - 1) / v) per unit of work per rank
+    assert 8 / 4 < factor <= even
+
+
+def test_share_range_rounds_outward() -> None:
+    low, high = share_range([0.301, 0.349])
+    assert low / SHARE_GRID <= 0.301 and high / SHARE_GRID >= 0.349
