@@ -16,6 +16,7 @@ stages ``r`` and ``2 pp_degree - 1 - r`` on rank ``r``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -23,7 +24,13 @@ from typing import Any, Literal, Protocol
 from autoplan.errors import PlanError, SchemaError
 from cost_model.hardware import Cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
-from cost_model.schedules import ScheduleError, ScheduleName, ScheduleSpec, stage_rank
+from cost_model.schedules import (
+    SPLIT_BACKWARD,
+    ScheduleError,
+    ScheduleName,
+    ScheduleSpec,
+    stage_rank,
+)
 from cost_model.schema import (
     check_schema_version,
     from_data,
@@ -41,9 +48,10 @@ Recompute = Literal["none", "selective", "full"]
 MeshAxis = Literal["pp", "dp", "tp"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
-# The schedules autoplan's runtime (`passes.pipeline`) builds today. The zero-bubble ones
-# (interleaved-zb, zbv, dualpipev) are modelled, estimated and searchable on request
-# (``schedules=...``), but stay out of the default search until the runtime runs them.
+# The default search space. The runtime (`passes.pipeline`) builds all six schedules, but refuses
+# ZeRO-3 and recompute with the zero-bubble ones (interleaved-zb, zbv, dualpipev:
+# `split_backward_conflict`); those are searchable on request (``schedules=...``) and stay out
+# of the default search until the search skips the refused combinations.
 RUNTIME_SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
@@ -257,6 +265,11 @@ class Plan:
         allow_cross_node_tp: bool = False,
     ) -> None:
         """Check the plan against a model (optional) and a cluster; raises PlanError."""
+        conflict = split_backward_conflict(
+            self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
+        )
+        if conflict is not None:
+            raise PlanError(conflict)
         if self.num_devices != cluster.num_devices:
             raise PlanError(
                 f"dp_degree x tp_degree x pp_degree = {self.dp_degree} x {self.tp_degree} x "
@@ -346,6 +359,45 @@ class Plan:
 
     def with_estimate(self, estimate: PlanEstimate | None) -> Plan:
         return replace(self, estimate=estimate)
+
+
+def split_backward_conflict(
+    schedule: Schedule, zero_stage: int, recompute: Iterable[Recompute]
+) -> str | None:
+    """Why autoplan's runtime refuses ``schedule`` with this ZeRO stage and these per-stage
+    recompute modes (a message naming the rule and the fix), or None if it runs them.
+
+    The zero-bubble schedules (``interleaved-zb``, ``zbv``, ``dualpipev``) split each backward
+    into backward-input and backward-weight, two ``torch.autograd.grad`` calls over one graph
+    (torch's ``stage_backward_input`` / ``stage_backward_weight``). Measured with torch 2.13 on
+    CPU/gloo (docs/plan-format.md, "Schedules at run time"): FSDP2 resharding after forward
+    (ZeRO-3) gets the weight gradients wrong; selective recompute allows one backward through
+    a region and fails; full recompute gives the right gradients but re-runs each block once for
+    backward-input and once per weight-gradient group for backward-weight.
+    """
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    if zero_stage == 3:
+        return (
+            f"zero_stage = 3 with schedule {schedule!r}: with FSDP2 resharding parameters "
+            "after forward (ZeRO-3), torch's split backward (backward-input, then "
+            "backward-weight) silently gets the weight gradients wrong (measured: block "
+            "gradients off by up to 45%); use zero_stage 2 (the same sharding of gradients "
+            "and optimizer state, parameters kept gathered from forward to backward) or a "
+            "schedule without split backward ('interleaved-1f1b')"
+        )
+    for idx, mode in enumerate(recompute):
+        if mode != "none":
+            return (
+                f"stages[{idx}].recompute = {mode!r} with schedule {schedule!r}: a split "
+                "backward runs two backward passes over each micro-batch's graph; selective "
+                "recompute allows one (torch raises 'Trying to backward an extra time'), and "
+                "full recompute re-runs each block once for backward-input and once per "
+                "weight-gradient group for backward-weight (10 forwards of a GPT block per "
+                "micro-batch instead of 2), which the cost model does not price; set recompute "
+                "'none' in every stage or use schedule 'interleaved-1f1b'"
+            )
+    return None
 
 
 class HasProfile(Protocol):

@@ -19,7 +19,7 @@ from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
 from autoplan.planner.search import _candidate, _CostCache, _problem, search_plans
-from autoplan.planner.space import ConstraintError, SearchSpace, strategies
+from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 from cost_model.schedules import SCHEDULES
@@ -80,11 +80,12 @@ def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[n
     # every outer choice, the dominated ones (GPipe beside 1F1B, ZeRO-1 beside ZeRO-2, layouts
     # that cannot differ) included: skipping them must lose nothing
     for strategy in strategies(space, profile, cluster, global_batch, skip_dominated=False):
-        candidate = _candidate(strategy, space.recompute, cache, cluster)
+        candidate = _candidate(strategy, recompute_modes(space, strategy.schedule), cache, cluster)
         problem = _problem(candidate, cluster)
         n, num_stages = problem.num_units, problem.num_stages
         for cuts in itertools.combinations(range(1, n), num_stages - 1):
-            for modes in itertools.product(space.recompute, repeat=num_stages):
+            allowed = recompute_modes(space, strategy.schedule)
+            for modes in itertools.product(allowed, repeat=num_stages):
                 result = evaluate(problem, (0, *cuts), modes)
                 fits = result.peak_memory_bytes <= problem.memory_capacity_bytes
                 if checked < 3 or (fits and result.step_time_s < best):

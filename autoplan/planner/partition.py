@@ -752,6 +752,32 @@ def improve(
     return current, accepted
 
 
+def heuristic(problem: PartitionProblem) -> tuple[Partition | None, list[Partition]]:
+    """A good partition fast, without a proof: the even split under each mode, then `improve`
+    from the fastest one (repairing its memory) and from the best one that fits. Returns the
+    best that fits (None if none was found) and every partition met on the way."""
+    best: Partition | None = None
+    seeds: list[Partition] = []
+    for mode in problem.modes:
+        hinted = evaluate(problem, *balanced_hint(problem, mode))
+        seeds.append(hinted)
+        fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
+        if fits and (best is None or hinted.step_time_s < best.step_time_s):
+            best = hinted
+    fastest = min(seeds, key=lambda seed: seed.step_time_s)
+    if best is None or fastest.step_time_s < best.step_time_s:
+        local, accepted = improve(problem, fastest, max_evaluations=_LOCAL_EVALUATIONS)
+        seeds.extend(accepted[1:])
+        if local.peak_memory_bytes <= problem.memory_capacity_bytes and (
+            best is None or local.step_time_s < best.step_time_s
+        ):
+            best = local
+    if best is not None:
+        best, accepted = improve(problem, best, max_evaluations=_LOCAL_EVALUATIONS)
+        seeds.extend(accepted[1:])
+    return best, seeds
+
+
 # ------------------------------------------------------------------------------ solve
 
 
@@ -778,27 +804,7 @@ def solve(
     spec = problem.spec
     for path in rank_paths(spec):
         built.add_path(path)
-    # Incumbent: the even split under each mode, improved locally from the fastest that fits.
-    best: Partition | None = None
-    seeds: list[Partition] = []
-    for mode in problem.modes:
-        hinted = evaluate(problem, *balanced_hint(problem, mode))
-        seeds.append(hinted)
-        fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
-        if fits and (best is None or hinted.step_time_s < best.step_time_s):
-            best = hinted
-    # Local search from the fastest even split (repairing its memory if it does not fit).
-    fastest = min(seeds, key=lambda seed: seed.step_time_s)
-    if best is None or fastest.step_time_s < best.step_time_s:
-        local, accepted = improve(problem, fastest, max_evaluations=_LOCAL_EVALUATIONS)
-        seeds.extend(accepted[1:])
-        if local.peak_memory_bytes <= problem.memory_capacity_bytes and (
-            best is None or local.step_time_s < best.step_time_s
-        ):
-            best = local
-    if best is not None:
-        best, accepted = improve(problem, best, max_evaluations=_LOCAL_EVALUATIONS)
-        seeds.extend(accepted[1:])
+    best, seeds = heuristic(problem)
     for seed in seeds:
         for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
             built.add_path(path)

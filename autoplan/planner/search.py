@@ -1,18 +1,20 @@
 """`autoplan.search`: the fastest plan that fits, under the cost model.
 
-Expects a traced model (or a module to trace), a Cluster and a global batch. Two levels:
+Expects a traced model (or a module to trace), a Cluster and a global batch. Three phases:
 
 1. Outer enumeration (`space.strategies`) of degrees, micro-batching, schedule, ZeRO level,
-   sequence parallelism and rank layout. Each gets a proven lower bound on its simulated step
-   from compute alone (`cost_model.schedules.pipeline_lower_bound_s`: the busiest rank's work,
-   plus half the bubble for one stage per rank) and on its memory per device. Candidates are
-   visited in the order of the uniform-stage estimate ``(m - 1/v) T + p T / v`` (a good plan
-   early makes a strong cutoff), and skipped when a proven bound cannot beat the k-th best.
-2. For each visited candidate, its per-unit costs give a sharper proven bound (communication,
-   the memory the recompute modes must buy back, the cheapest sends, the tails); then a CP-SAT
-   model (`partition.solve`) chooses the stage cuts and per-stage recompute that minimise the
-   simulated step of the schedule torch runs, exactly (lazy longest-path cuts), with the k-th
-   best as cutoff.
+   sequence parallelism and rank layout. A memory bound drops what cannot fit; the rest get
+   their per-unit costs and proven lower bounds on the simulated step (the busiest rank's work
+   and tail, `cost_model.schedules.pipeline_lower_bound_s`, communication, the memory the
+   recompute modes must buy back) and are ordered by an even-split estimate with
+   communication, ``(m - 1/v) T + p T / v`` plus the tail (order only, not a bound).
+2. The first few get a heuristic partition (`partition.heuristic`: even splits and local
+   search on the simulation): a strong incumbent before any proof.
+3. Visit in order: skip a candidate when a proven bound cannot beat the k-th best (for several
+   stages per rank also `bounds.pipeline_factor`, from the schedule's own paths); else a
+   CP-SAT model (`partition.solve`) chooses the stage cuts and per-stage recompute that
+   minimise the simulated step of the schedule torch runs (lazy longest-path cuts), with the
+   k-th best as cutoff.
 
 Exactness: the objective is the simulated step of the schedule torch runs, never a closed
 form. Candidates are skipped only by proven lower bounds, and each partition solve stops within
@@ -49,10 +51,11 @@ from autoplan.planner.partition import (
     Partition,
     PartitionProblem,
     SolveStats,
+    heuristic,
     min_peak_memory,
     solve,
 )
-from autoplan.planner.space import SearchSpace, strategies
+from autoplan.planner.space import SearchSpace, recompute_modes, strategies
 from cost_model.estimate import (
     MemoryConstants,
     UnitCost,
@@ -61,7 +64,6 @@ from cost_model.estimate import (
     memory_constants,
     step_overhead_s,
     unit_classes,
-    unit_compute_s,
     unit_costs,
 )
 from cost_model.hardware import Cluster
@@ -78,6 +80,8 @@ RELATIVE_GAP = 5e-4
 # Seconds the search may spend visiting candidates before it returns its best with the
 # proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
 DEFAULT_BUDGET_S = 60.0
+# Candidates (first in the visiting order) whose heuristic partition seeds the incumbent.
+_SEEDS = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +94,7 @@ class Candidate:
     time_lower_bound_s: float
     memory_lower_bound_bytes: float  # tensor bytes (before buffers and allocator overhead)
     usable_bytes: float
+    order_key_s: float  # the visiting order: an even-split estimate (heuristic, not a bound)
     work_s: float  # least per-micro-batch work of the units (memory-forced recompute included)
     fixed_s: float  # the loop's fixed overhead per step
     forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
@@ -119,6 +124,7 @@ class SearchStats:
     unvisited: int = 0  # candidates left when the search ran out of its budget
     pruned_schedule: int = 0  # by the bound from the schedule's paths (`bounds.py`)
     bounds_s: float = 0.0  # time spent on those bounds
+    seed_s: float = 0.0  # heuristic partitions of the first candidates (the first incumbent)
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
     optimality_gap: float = 0.0
@@ -168,51 +174,70 @@ def search_plans(
     start = time.perf_counter()
 
     cache = _CostCache(profile, cluster)
-    # Phase 1: for every outer choice a visiting order and a proven bound, from compute times
-    # alone (shared by all choices with the same TP degree, sequence parallelism, micro-batch
-    # and dtype).
-    bounded: list[tuple[float, int, Strategy, float]] = []
-    for strategy in strategies(space, profile, cluster, global_batch):
-        order_key = cache.uniform_estimate(strategy, space.recompute)
-        bound = cache.compute_bound(strategy, space.recompute)
-        bounded.append((order_key, stats.candidates, strategy, bound))
-        stats.candidates += 1
-    bounded.sort(key=lambda entry: (entry[0], entry[1]))
-    stats.enumerate_s = time.perf_counter() - start
-
-    # Phase 2: visit in order of that bound; cost the communication and memory, bound again,
-    # and solve the stage cuts. Stop once no remaining bound can beat the k-th best.
-    best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
+    # Phase 1: for every outer choice a proven bound from compute times alone (shared by all
+    # choices with the same TP degree, sequence parallelism, micro-batch and dtype) and a
+    # memory bound; the survivors get their per-unit costs and sharper proven bounds, and are
+    # ordered by an even-split estimate with communication (a heuristic: order only).
     memory_infeasible: list[Strategy] = []
-    unproven: list[float] = []  # lower bounds of candidates the solver did not finish
-    solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = {}
     capacity = float(cluster.device.memory_bytes)
-    for visited, (_, order, strategy, compute_bound) in enumerate(bounded):
-        if len(best) == top_k and compute_bound >= -best[0][0]:
-            stats.pruned_bound += 1
-            continue
-        elapsed = time.perf_counter() - start
-        if budget_s is not None and elapsed > budget_s and best:
-            # Out of time: the rest are unproven; their compute bounds give the gap.
-            stats.unvisited = len(bounded) - visited
-            unproven.extend(entry[3] for entry in bounded[visited:])
-            break
-        if cache.memory_bound(strategy, space.recompute) > capacity:
+    ordered: list[tuple[float, int, Candidate]] = []
+    for strategy in strategies(space, profile, cluster, global_batch):
+        stats.candidates += 1
+        modes = recompute_modes(space, strategy.schedule)
+        if cache.memory_bound(strategy, modes) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
         t0 = time.perf_counter()
-        candidate = _candidate(strategy, space.recompute, cache, cluster)
+        candidate = _candidate(strategy, modes, cache, cluster)
         stats.costs_s += time.perf_counter() - t0
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
+        ordered.append((candidate.order_key_s, stats.candidates, candidate))
+    ordered.sort(key=lambda entry: (entry[0], entry[1]))
+    stats.enumerate_s = time.perf_counter() - start
+
+    # Phase 2: a strong incumbent early: the heuristic partition of the first few.
+    best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
+
+    def offer(order: int, candidate: Candidate, found: Partition) -> None:
+        for index, entry in enumerate(best):
+            if entry[1] == order:  # the same outer choice: keep its better partition
+                if found.step_time_s < -entry[0]:
+                    best[index] = (-found.step_time_s, order, candidate, found)
+                    heapq.heapify(best)
+                return
+        if len(best) < top_k:
+            heapq.heappush(best, (-found.step_time_s, order, candidate, found))
+        elif found.step_time_s < -best[0][0]:
+            heapq.heapreplace(best, (-found.step_time_s, order, candidate, found))
+
+    t0 = time.perf_counter()
+    for _, order, candidate in ordered[: max(_SEEDS, top_k)]:
+        seed, _ = heuristic(_problem(candidate, cluster))
+        if seed is not None:
+            offer(order, candidate, seed)
+    stats.seed_s = time.perf_counter() - t0
+
+    # Phase 3: visit in order; skip what a proven bound says cannot beat the k-th best, and
+    # solve the stage cuts of the rest exactly.
+    unproven: list[float] = []  # lower bounds of candidates the solver did not finish
+    solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = {}
+    for visited, (_, order, candidate) in enumerate(ordered):
+        strategy = candidate.strategy
         if len(best) == top_k and candidate.time_lower_bound_s >= -best[0][0]:
             stats.pruned_bound += 1
             continue
+        elapsed = time.perf_counter() - start
+        if budget_s is not None and elapsed > budget_s and best:
+            # Out of time: the rest are unproven; their bounds give the gap.
+            stats.unvisited = len(ordered) - visited
+            unproven.extend(entry[2].time_lower_bound_s for entry in ordered[visited:])
+            break
         cutoff = -best[0][0] if len(best) == top_k else None
-        if cutoff is not None and candidate.strategy.virtual_stages > 1:
+        if cutoff is not None and strategy.virtual_stages > 1:
             # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
             t0 = time.perf_counter()
             schedule_bound = candidate.schedule_bound_s()
@@ -252,23 +277,19 @@ def search_plans(
             unproven.append(solve_stats.lower_bound_s)
             logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, strategy)
         if found is not None:
-            entry = (-found.step_time_s, order, candidate, found)
-            if len(best) < top_k:
-                heapq.heappush(best, entry)
-            elif found.step_time_s < -best[0][0]:
-                heapq.heapreplace(best, entry)
+            offer(order, candidate, found)
         if progress is not None:
             progress(
                 SearchProgress(
                     visited=visited + 1,
-                    total=len(bounded),
+                    total=len(ordered),
                     best_step_time_s=-max(best)[0] if best else None,
                 )
             )
     if not best:
         stats.total_s = time.perf_counter() - start
         raise _no_feasible_plan(
-            profile, cluster, global_batch, memory_infeasible, space.recompute, cache, stats
+            profile, cluster, global_batch, memory_infeasible, space, cache, stats
         )
     if unproven:
         kth = -best[0][0]
@@ -289,7 +310,6 @@ class _CostCache:
         self.profile = profile
         self.cluster = cluster
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
-        self._compute: dict[tuple[int, bool, int, str, tuple[str, ...]], tuple[float, float]] = {}
         self._params: dict[tuple[int, bool], float] = {}
         # representative unit -> how many units share its content
         self.class_counts = Counter(unit_classes(profile))
@@ -321,39 +341,6 @@ class _CostCache:
         cal = self.cluster.calibration
         per_rank = (state.total_bytes + inflight * least_act) / p
         return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
-
-    def compute_totals(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
-        """(total, largest) per-micro-batch compute over the units, each in its fastest mode."""
-        key = (
-            strategy.tp_degree,
-            strategy.sequence_parallel,
-            strategy.micro_batch_size,
-            strategy.dtype,
-            tuple(modes),
-        )
-        least = self._compute.get(key)
-        if least is None:
-            per_mode = [unit_compute_s(self.profile, self.cluster, strategy, m) for m in modes]
-            least = (
-                sum(min(times) for times in zip(*per_mode, strict=True)),
-                max(min(times) for times in zip(*per_mode, strict=True)),
-            )
-            self._compute[key] = least
-        return least
-
-    def compute_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
-        """A proven lower bound on the simulated step from compute alone (no communication,
-        the fastest mode everywhere): `pipeline_lower_bound_s` of the units' work."""
-        total, largest = self.compute_totals(strategy, modes)
-        return pipeline_lower_bound_s(strategy.schedule_spec, total, largest)
-
-    def uniform_estimate(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
-        """The visiting order: the step of evenly cut stages from compute alone,
-        ``(m - 1/v) max(T, largest) + p T / v`` with ``T = total / p`` (the bubble of a
-        zero-bubble schedule is smaller; counting it only orders them a little late)."""
-        total, largest = self.compute_totals(strategy, modes)
-        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-        return (m - 1 / v) * max(total / p, largest) + total / v
 
     def costs(self, strategy: Strategy, mode: str) -> tuple[UnitCost, ...]:
         # A unit's costs depend on the schedule only through its placement (which ranks share
@@ -422,7 +409,12 @@ def _candidate(
     units = [costs[rep] for costs in by_mode.values() for rep in cache.class_counts]
     forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
     weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
+    # Visiting order: evenly cut stages, ``(m - 1/v) T + p T / v`` with T the rank's share
+    # of the work, plus the average tail.
+    share = max(total / p, largest)
+    order_key = (m - 1 / v) * share + total / v + max(0.0, tail_a, tail_b) / p + fixed
     return Candidate(
+        order_key_s=order_key,
         work_s=work,
         fixed_s=fixed,
         forward_cells=share_range(forward_shares or [0.0, 1.0]),
@@ -559,7 +551,7 @@ def _no_feasible_plan(
     cluster: Cluster,
     global_batch: int,
     infeasible: list[Strategy],
-    modes: Sequence[Recompute],
+    space: SearchSpace,
     cache: _CostCache,
     stats: SearchStats,
 ) -> NoFeasiblePlanError:
@@ -573,8 +565,12 @@ def _no_feasible_plan(
         )
     # The least memory any plan needs: solve exactly for the outer choices whose bounds are
     # lowest (weights and optimizer state first, then the full per-unit bound).
-    infeasible.sort(key=lambda strategy: cache.memory_bound(strategy, modes))
-    candidates = [_candidate(s, modes, cache, cluster) for s in infeasible[:20]]
+    infeasible.sort(
+        key=lambda s: cache.memory_bound(s, recompute_modes(space, s.schedule)),
+    )
+    candidates = [
+        _candidate(s, recompute_modes(space, s.schedule), cache, cluster) for s in infeasible[:20]
+    ]
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
     needs = []
     for c in candidates[:5]:

@@ -25,6 +25,7 @@ from autoplan.plan import (
     MeshAxis,
     Recompute,
     Schedule,
+    split_backward_conflict,
 )
 from cost_model.hardware import Cluster
 from cost_model.schedules import V_SCHEDULES, ScheduleError, ScheduleSpec
@@ -245,6 +246,14 @@ def strategies(
                 yield from _schedules(space, profile, tp, pp, dp, b, m, skip_dominated)
 
 
+def recompute_modes(space: SearchSpace, schedule: Schedule) -> tuple[Recompute, ...]:
+    """The recompute modes the search may give the stages of ``schedule``: a split backward
+    runs without recompute (`autoplan.plan.split_backward_conflict`)."""
+    return tuple(
+        mode for mode in space.recompute if split_backward_conflict(schedule, 0, (mode,)) is None
+    )
+
+
 def _schedules(
     space: SearchSpace,
     profile: ModelProfile,
@@ -285,8 +294,12 @@ def _schedules(
     if skip_dominated and not (dp > 1 and pp > 1):
         layouts = layouts[:1]
     for schedule, v in options:
+        if not recompute_modes(space, schedule):
+            continue
         for sp in sp_choices:
             for zero in zero_choices:
+                if split_backward_conflict(schedule, zero, ("none",)) is not None:
+                    continue  # the runtime refuses it (ZeRO-3 with a split backward)
                 for layout in layouts:
                     yield Strategy(
                         tp_degree=tp,
