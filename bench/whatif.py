@@ -53,7 +53,7 @@ GLOBAL_BATCH = 1536
 TOKENS = 300e9  # GPT-3's training tokens (Brown et al. 2020, section 2.2)
 TARGET_S = 10.0
 # Each size's search visits for at most this long, then returns its best with the proven gap.
-BUDGET_PER_SIZE_S = 20.0
+BUDGET_PER_SIZE_S = 2.5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -146,7 +146,8 @@ class ScheduleSpec:
             if name == "dualpipev" and m < 2 * p:
                 raise ScheduleError(
                     f"num_micro_batches = {m} must be >= the number of stages 2 x pp_degree = "
-                    f"{2 * p} for 'dualpipev' (torch's ScheduleDualPipeV requires it)"
+                    f"{2 * p} for 'dualpipev' (torch's ScheduleDualPipeV requires it); raise "
+                    "num_micro_batches or use 'zbv'"
                 )
 
     @property

@@ -216,6 +216,8 @@ def search_plans(
 
     t0 = time.perf_counter()
     for _, order, candidate in ordered[: max(_SEEDS, top_k)]:
+        if best and budget_s is not None and time.perf_counter() - start > budget_s:
+            break
         seed, _ = heuristic(_problem(candidate, cluster))
         if seed is not None:
             offer(order, candidate, seed)
@@ -394,10 +396,14 @@ def _candidate(
     work = total  # the units' own work (what `schedule_bound` scales)
     # Every message of every boundary costs its host time on some rank (busy work), whatever
     # the cut; links only delay (they are not counted).
+    # (every crossing boundary posts its messages at the same host cost: count them)
     num_stages = p * v
-    total += sum(
-        2 * boundary_costs(first[0], cluster, strategy, s).message_s for s in range(num_stages - 1)
+    crossings = sum(
+        strategy.pipeline_rank_of_stage(s) != strategy.pipeline_rank_of_stage(s + 1)
+        for s in range(num_stages - 1)
     )
+    if crossings:
+        total += 2 * crossings * boundary_costs(first[0], cluster, strategy, 0).message_s
     # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
     # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
     # (the busiest rank's at least the average).
