@@ -367,6 +367,7 @@ class DistributedModel:
                 raise ValueError(
                     f"state dict has keys {sorted(state_dict)}; expected 'model' and 'optimizer'"
                 )
+        loaded: set[str] = set()
         for stage in self._stages:
             self._check_checkpointable(stage)
             own_model = get_model_state_dict(stage.wrapped, options=_OPTIONS)
@@ -376,12 +377,19 @@ class DistributedModel:
                 {k: state_dict["model"][self._checkpoint_key(k)] for k in own_model},
                 options=_OPTIONS,
             )
-            set_optimizer_state_dict(
-                stage.wrapped,
-                stage.optimizer,
-                {k: state_dict["optimizer"][self._checkpoint_key(k)] for k in own_optim},
-                options=_OPTIONS,
-            )
+            optim: dict[str, Any] = {}
+            for key in own_optim:
+                name = self._checkpoint_key(key)
+                value = state_dict["optimizer"][name]
+                # Two local stages holding copies of one tied parameter (the V placement puts
+                # the embedding and the head on rank 0) get one saved entry. The optimizer
+                # adopts the tensors it is given and updates them in place (Adam's moments and
+                # step): each stage needs its own, or the second would update them twice.
+                if name in loaded and isinstance(value, torch.Tensor):
+                    value = value.clone()
+                loaded.add(name)
+                optim[key] = value
+            set_optimizer_state_dict(stage.wrapped, stage.optimizer, optim, options=_OPTIONS)
 
     def _check_checkpointable(self, stage: _LocalStage) -> None:
         if isinstance(stage.optimizer, ZeroRedundancyOptimizer):

@@ -29,7 +29,9 @@ def random_spec(rng: random.Random, max_stages: int) -> ScheduleSpec:
         if p * v > max_stages:
             continue
         try:
-            return ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+            return ScheduleSpec(
+                schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m
+            )
         except ScheduleError:
             continue
 
@@ -69,18 +71,17 @@ def random_problem(seed: int, *, uniform: bool = False) -> PartitionProblem:
 
         modes[name] = ModeCosts(
             forward_s=tuple(forward),
-            backward_s=tuple(
-                b + extra * f for b, f in zip(backward, forward, strict=True)
-            ),
+            backward_s=tuple(b + extra * f for b, f in zip(backward, forward, strict=True)),
             weight_s=tuple(0.4 * b for b in backward),
             activation_bytes=scaled(act, keep),
             retained_bytes=tuple(act),
             tail_s=(tuple(tails[0]), scaled(tails[1], 1.0 + extra)),
         )
-    transfer = tuple(
+    crossing = [
         tuple(per_unit(0.0, 0.1)) if spec.stage_rank(s) != spec.stage_rank(s + 1) else (0.0,) * n
         for s in range(S - 1)
-    ) + ((0.0,) * n,)
+    ]
+    transfer = (*crossing, (0.0,) * n)
     message = tuple(
         0.01 if s < S - 1 and spec.stage_rank(s) != spec.stage_rank(s + 1) else 0.0
         for s in range(S)
