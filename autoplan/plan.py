@@ -48,11 +48,6 @@ Recompute = Literal["none", "selective", "full"]
 MeshAxis = Literal["pp", "dp", "tp"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
-# The default search space. The runtime (`passes.pipeline`) builds all six schedules, but refuses
-# ZeRO-3 and recompute with the zero-bubble ones (interleaved-zb, zbv, dualpipev:
-# `split_backward_conflict`, which the search's space skips); those are searchable on request
-# (``schedules=...``).
-RUNTIME_SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
 

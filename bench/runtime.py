@@ -418,7 +418,7 @@ def part_bc(
     world_sizes: list[int], global_batch: int, steps: int, max_plans: int
 ) -> dict[str, Any]:
     from autoplan.errors import NoFeasiblePlanError
-    from autoplan.plan import RUNTIME_SCHEDULES
+    from autoplan.plan import SCHEDULES
     from autoplan.planner.search import search_plans
     from autoplan.planner.space import ConstraintError
     from autoplan.tracing import trace
@@ -434,7 +434,7 @@ def part_bc(
         )
         plans = list(result.plans)
         # Every schedule the search can pick: the best plan of each one the top-k missed.
-        for schedule in RUNTIME_SCHEDULES:
+        for schedule in SCHEDULES:
             if any(p.schedule == schedule for p in plans):
                 continue
             try:

@@ -20,7 +20,6 @@ from autoplan.errors import InputError
 from autoplan.plan import (
     MESH_AXES,
     RECOMPUTE_MODES,
-    RUNTIME_SCHEDULES,
     SCHEDULES,
     MeshAxis,
     Recompute,
@@ -53,7 +52,8 @@ class SearchSpace:
     max_pp: int | None = None
     max_micro_batch: int = 64
     virtual_stages: tuple[int, ...] | None = None
-    schedules: tuple[Schedule, ...] = RUNTIME_SCHEDULES  # SCHEDULES on request
+    # every schedule the runtime builds; the combinations it refuses are skipped
+    schedules: tuple[Schedule, ...] = SCHEDULES
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
