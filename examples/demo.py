@@ -85,7 +85,7 @@ def main() -> None:
         tokens=300e9,
         price_per_device_hour=2.0,
         # each size's search returns its best after this many seconds, with its proven gap
-        budget_s=10.0,
+        budget_s=5.0,
     )
     console.print(whatif_table(result))
     plot = save_figure(whatif_figure(result), OUT / "whatif.png")
