@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,19 @@ def _technique(described: str) -> str:
     return "+".join(parts) or "single"
 
 
+def _median_errors(
+    rows: list[dict[str, Any]], group: Callable[[dict[str, Any]], str], *, absolute: bool
+) -> dict[str, tuple[float, int]]:
+    """Per group of measured rows: the median relative error (or |error|) and the count."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(group(r), []).append(r["relative_error"])
+    return {
+        name: (statistics.median(abs(e) if absolute else e for e in errors), len(errors))
+        for name, errors in sorted(groups.items())
+    }
+
+
 def part_bc(
     world_sizes: list[int], global_batch: int, steps: int, max_plans: int
 ) -> dict[str, Any]:
@@ -538,33 +552,17 @@ def part_bc(
                     if m[measured_key] > 0
                 ]
                 summary[f"memory_{key}_median_predicted_over_measured"] = statistics.median(ratios)
-            by_kind: dict[str, list[float]] = {}
-            for r in ok:
-                by_kind.setdefault(_technique(r["plan"]), []).append(r["relative_error"])
-            summary["median_relative_error_by_technique"] = {
-                kind: statistics.median(errors) for kind, errors in sorted(by_kind.items())
+            by_kind = _median_errors(ok, lambda r: _technique(r["plan"]), absolute=False)
+            by_schedule = _median_errors(ok, lambda r: r["plan"].split()[4], absolute=True)
+            summary["median_relative_error_by_technique"] = {k: e for k, (e, _) in by_kind.items()}
+            summary["median_abs_relative_error_by_schedule"] = {
+                k: e for k, (e, _) in by_schedule.items()
             }
             print(
                 f"(b) {world} procs, median signed error by technique: "
-                + ", ".join(
-                    f"{kind} {statistics.median(errors):+.0%} ({len(errors)})"
-                    for kind, errors in sorted(by_kind.items())
-                ),
-                flush=True,
-            )
-            by_schedule: dict[str, list[float]] = {}
-            for r in ok:
-                by_schedule.setdefault(r["plan"].split()[4], []).append(r["relative_error"])
-            summary["median_abs_relative_error_by_schedule"] = {
-                name: statistics.median(abs(e) for e in errors)
-                for name, errors in sorted(by_schedule.items())
-            }
-            print(
-                f"(b) {world} procs, median |error| by schedule: "
-                + ", ".join(
-                    f"{name} {statistics.median(abs(e) for e in errors):.0%} ({len(errors)})"
-                    for name, errors in sorted(by_schedule.items())
-                ),
+                + ", ".join(f"{k} {e:+.0%} ({n})" for k, (e, n) in by_kind.items())
+                + f"\n(b) {world} procs, median |error| by schedule: "
+                + ", ".join(f"{k} {e:.0%} ({n})" for k, (e, n) in by_schedule.items()),
                 flush=True,
             )
             searched_s = summary.get("searched_measured_s", float("nan"))

@@ -374,8 +374,16 @@ def reshard_worker(
 
 @pytest.mark.parametrize(
     ("save_args", "load_args"),
-    [({"dp": 2, "zero": 3}, {"pp": 2, "num_micro_batches": 4}), ({"pp": 2}, {"tp": 2})],
-    ids=["dp2-zero3-to-pp2", "pp2-to-tp2"],
+    [
+        ({"dp": 2, "zero": 3}, {"pp": 2, "num_micro_batches": 4}),
+        ({"pp": 2}, {"tp": 2}),
+        # saved in a V (embedding and head both on rank 0), loaded on ranks 0 and 1
+        (
+            {"pp": 2, "schedule": "zbv", "virtual_stages": 2, "num_micro_batches": 4},
+            {"pp": 2, "schedule": "1f1b", "num_micro_batches": 4},
+        ),
+    ],
+    ids=["dp2-zero3-to-pp2", "pp2-to-tp2", "zbv-to-1f1b"],
 )
 def test_a_checkpoint_loads_under_another_plan(
     tmp_path: Path, save_args: dict[str, Any], load_args: dict[str, Any]

@@ -46,7 +46,7 @@ from tests.numerics import (
     optimizer_factory,
     reference,
 )
-from tests.test_parallelize_runtime import bad_plan_worker, checkpoint_worker, reshard_worker
+from tests.test_parallelize_runtime import bad_plan_worker, checkpoint_worker
 
 # Two stages per rank, and 4 micro-batches: torch's interleaved rule (m % max(1, m // pp) == 0)
 # holds for pp 2 and 4, and dualpipev's (m >= 2 pp) for pp 2.
@@ -215,29 +215,6 @@ def test_checkpoint_round_trip_continues_identically(schedule: str, tmp_path: Pa
     )
     for result in results:
         assert result["resumed"] == result["continued"]
-
-
-@pytest.mark.slow
-def test_a_checkpoint_saved_in_a_v_loads_under_the_loop_placement(tmp_path: Path) -> None:
-    """Saved by zbv (embedding and head on rank 0), loaded by 1f1b (on ranks 0 and 1)."""
-    save_plan = make_plan(pp=2, schedule="zbv", **_V2)
-    load_plan = make_plan(pp=2, schedule="1f1b", num_micro_batches=4)
-    results = run_distributed(
-        reshard_worker,
-        save_plan.to_data(),
-        load_plan.to_data(),
-        str(tmp_path / "checkpoint"),
-        world_size=2,
-        tmp_path=tmp_path,
-    )
-    for result in results:
-        # Weights and Adam state resharded by DCP: the same losses up to summation order.
-        torch.testing.assert_close(
-            torch.tensor(result["resumed"]),
-            torch.tensor(result["continued"]),
-            rtol=1e-5,
-            atol=1e-6,
-        )
 
 
 # ----------------------------------------------------------------------------- placement
