@@ -24,11 +24,7 @@ from cost_model.communication import (
 from cost_model.compute import op_time, saturating_efficiency
 from cost_model.estimate import loss_cost
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
-from cost_model.schedules import (
-    bubble_fraction,
-    inflight_microbatches,
-    pipeline_time_s,
-)
+from cost_model.schedules import ScheduleSpec, StageTimes, held_microbatches, simulate
 from cost_model.strategy import GroupPlacement, Strategy, group_placements
 from cost_model.workload import GemmShape, OpProfile, UnitProfile
 from tests.cost_profiles import round_cluster
@@ -337,23 +333,42 @@ def test_activation_bytes_by_recompute_and_sp() -> None:
 # ------------------------------------------------------------------------------- schedules
 
 
-def test_pipeline_time() -> None:
-    # T = [1, 2, 1, 1], m = 8: v = 1 -> (8-1)*2 + 5 = 19; v = 2 -> (8 - 1/2)*2 + 5/2 = 17.5.
-    assert pipeline_time_s([1, 2, 1, 1], 8, 1) == pytest.approx(19.0)
-    assert pipeline_time_s([1, 2, 1, 1], 8, 2) == pytest.approx(17.5)
-    # Uniform stages: (m + (p-1)/v) T (Narayanan et al. 2021, section 2.2.2): 8 + 3/2 = 9.5.
-    assert pipeline_time_s([1, 1, 1, 1], 8, 2) == pytest.approx(9.5)
-    # Bubble fraction: (p-1)/(m+p-1) for uniform 1F1B: 3/11.
-    assert bubble_fraction([1, 1, 1, 1], 8, 1) == pytest.approx(3 / 11)
+def _uniform(schedule: str, p: int, v: int, m: int, work: float) -> float:
+    """Simulated pipeline of equal stages doing ``work`` (forward + backward, 1:2) each."""
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+    times = [StageTimes(forward_s=work / 3, backward_s=2 * work / 3)] * spec.num_stages
+    return simulate(spec, times).pipeline_time_s
 
 
-def test_inflight_microbatches() -> None:
+def test_pipeline_time_of_even_stages_is_the_textbook_one() -> None:
+    # GPipe and 1F1B, p = 4, m = 8, one unit of work per stage: (m + p - 1) T = 11
+    # (Huang et al. 2019; Narayanan et al. 2019). Interleaved, v = 2 chunks of half the work:
+    # (m + (p-1)/v) T = 9.5 (Narayanan et al. 2021, section 2.2.2).
+    assert _uniform("gpipe", 4, 1, 8, 1.0) == pytest.approx(11.0)
+    assert _uniform("1f1b", 4, 1, 8, 1.0) == pytest.approx(11.0)
+    assert _uniform("interleaved-1f1b", 4, 2, 8, 0.5) == pytest.approx(9.5)
+    # bubble fraction (p-1)/(m+p-1) for 1F1B: every rank is busy m T = 8 of 11
+    spec = ScheduleSpec(schedule="1f1b", pp_degree=4, virtual_stages=1, num_micro_batches=8)
+    sim = simulate(spec, [StageTimes(forward_s=1 / 3, backward_s=2 / 3)] * 4)
+    assert 1 - max(sim.rank_busy_s) / sim.pipeline_time_s == pytest.approx(3 / 11)
+
+
+def _peak_held(schedule: str, p: int, v: int, m: int) -> list[int]:
+    """Per rank, the most chunk-forwards its stages hold at once."""
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+    return [
+        max(sum(h for h, _ in point) for point in profile.points)
+        for profile in held_microbatches(spec)
+    ]
+
+
+def test_held_microbatches_follow_the_schedules() -> None:
     # 1F1B: rank r holds min(m, p - r); GPipe holds m.
-    assert [inflight_microbatches("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
-    assert inflight_microbatches("1f1b", 4, 2, 1, 0) == 2
-    assert inflight_microbatches("gpipe", 4, 8, 1, 3) == 8
+    assert _peak_held("1f1b", 4, 1, 8) == [4, 3, 2, 1]
+    assert _peak_held("1f1b", 2, 1, 2) == [2, 1]
+    assert _peak_held("gpipe", 4, 1, 8)[3] == 8
     # Interleaved, p = 4, v = 2, rank 0: warm-up (v-1) p + 2 (p-1) = 4 + 6 = 10 chunk-forwards,
     # 11 in flight = 5.5 micro-batches of the rank's activations = p (1 + (p-1)/(p v))
-    # (Korthikanti et al. 2022, section 4.2.3). Rank 3: warm-up 4, 5 in flight -> 2.5.
-    assert inflight_microbatches("interleaved-1f1b", 4, 8, 2, 0) == pytest.approx(5.5)
-    assert inflight_microbatches("interleaved-1f1b", 4, 8, 2, 3) == pytest.approx(2.5)
+    # (Korthikanti et al. 2022, section 4.2.3). Rank 3: warm-up 4, 5 in flight.
+    held = _peak_held("interleaved-1f1b", 4, 2, 8)
+    assert (held[0], held[3]) == (11, 5)
