@@ -11,17 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoplan import Cluster, ModelRef, Plan, PlanError, PlanEstimate, StagePlan
-from autoplan.plan import RECOMPUTE_MODES, even_stages
+from autoplan.plan import RECOMPUTE_MODES, SCHEDULES, even_stages
 from cost_model.workload import ModelProfile, OpProfile, TpStructure, UnitProfile
 
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
     pp = draw(st.integers(1, 8))
-    schedule = draw(
-        st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"] if pp > 1 else ["gpipe", "1f1b"])
-    )
-    virtual = draw(st.integers(1, 4)) if schedule == "interleaved-1f1b" else 1
+    schedule = draw(st.sampled_from(SCHEDULES if pp > 1 else ("gpipe", "1f1b")))
+    if schedule in ("interleaved-1f1b", "interleaved-zb"):
+        virtual = draw(st.integers(2, 4))
+    elif schedule in ("zbv", "dualpipev"):
+        virtual = 2
+    else:
+        virtual = 1
     num_stages = pp * virtual
     num_units = draw(st.integers(num_stages, num_stages + 40))
     cuts = (
@@ -46,8 +49,8 @@ def plans(draw: st.DrawFn) -> Plan:
         )
         for i in range(num_stages)
     )
-    if schedule == "interleaved-1f1b":
-        micro_batches = pp * draw(st.integers(1, 8))
+    if schedule in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"):
+        micro_batches = 2 * pp * draw(st.integers(1, 4))  # whole rounds: valid for each
     elif schedule == "1f1b":
         micro_batches = draw(st.integers(pp, pp + 32))
     else:
@@ -151,7 +154,7 @@ BAD_PLANS: list[tuple[str, dict[str, Any], str]] = [
     (
         "bad schedule",
         {"schedule": "zigzag"},
-        "schedule: 'zigzag' is not one of 'gpipe', '1f1b', 'interleaved-1f1b'",
+        "schedule: 'zigzag' is not one of 'gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb'",
     ),
     ("bad zero", {"zero_stage": 4}, "zero_stage = 4 must be 0, 1, 2 or 3"),
     (
@@ -197,12 +200,12 @@ BAD_PLANS: list[tuple[str, dict[str, Any], str]] = [
     (
         "virtual without interleaving",
         {"virtual_stages": 2},
-        "virtual_stages = 2 needs schedule 'interleaved-1f1b'",
+        "schedule '1f1b' runs one stage per pipeline rank, got virtual_stages = 2; use",
     ),
     (
-        "interleaved micro-batches",
-        {"schedule": "interleaved-1f1b", "num_micro_batches": 3, "global_batch_size": 6},
-        "num_micro_batches = 3 must be a multiple of pp_degree = 2",
+        "interleaving one stage per rank",
+        {"schedule": "interleaved-1f1b"},
+        "needs pp_degree >= 2 and virtual_stages >= 2",
     ),
     (
         "1f1b too few micro-batches",
