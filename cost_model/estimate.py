@@ -322,7 +322,8 @@ def _per_unit_dp_groups(strategy: Strategy) -> bool:
 
     autoplan's runtime (passes/data_parallel.py) wraps each unit with FSDP2 (``fully_shard``
     for ZeRO-2/3, ``replicate`` otherwise) except for fp32 ZeRO-0/1 without TP or PP, which
-    runs under bucketed DDP, and fp32 plans with one data-parallel rank, which need no wrapper.
+    runs under bucketed DDP (unless GPipe runs several forwards before a backward), and fp32
+    plans with one data-parallel rank, which need no wrapper.
     """
     if strategy.dtype == "fp32" and strategy.dp_degree == 1:
         return False
@@ -331,6 +332,8 @@ def _per_unit_dp_groups(strategy: Strategy) -> bool:
         and strategy.tp_degree == 1
         and strategy.pp_degree == 1
         and strategy.dtype == "fp32"
+        # GPipe runs every forward before any backward, which DDP's reducer refuses
+        and not (strategy.schedule == "gpipe" and strategy.num_micro_batches > 1)
     )
     return not ddp
 

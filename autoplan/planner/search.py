@@ -350,8 +350,10 @@ class _CostCache:
         shared = self.cluster.shared_cores_per_node is not None
         canonical = strategy
         if strategy.schedule_placement == "loop":
+            # (GPipe decides the data-parallel wrapper on one pipeline rank: kept apart)
             v = strategy.virtual_stages if shared else 1
-            canonical = replace(strategy, schedule="1f1b", virtual_stages=v)
+            schedule = "gpipe" if strategy.schedule == "gpipe" else "1f1b"
+            canonical = replace(strategy, schedule=schedule, virtual_stages=v)
         key = (canonical, mode)
         found = self._costs.get(key)
         if found is None:
