@@ -68,7 +68,7 @@ from cost_model.estimate import (
 )
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
-from cost_model.schedules import least_held, pipeline_lower_bound_s
+from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -352,7 +352,7 @@ class _CostCache:
         if strategy.schedule_placement == "loop":
             # (GPipe decides the data-parallel wrapper on one pipeline rank: kept apart)
             v = strategy.virtual_stages if shared else 1
-            schedule = "gpipe" if strategy.schedule == "gpipe" else "1f1b"
+            schedule: ScheduleName = "gpipe" if strategy.schedule == "gpipe" else "1f1b"
             canonical = replace(strategy, schedule=schedule, virtual_stages=v)
         key = (canonical, mode)
         found = self._costs.get(key)
