@@ -69,7 +69,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
-    ``--time-limit``; a command receives them as keyword arguments named like
+    ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
     `autoplan.search`'s constraints (collect them with `search_constraints`)."""
     options = [
         click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8."),
@@ -105,6 +105,14 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             show_default=True,
             help="Seconds per solver call.",
         ),
+        click.option(
+            "--budget",
+            type=click.FloatRange(min=0.0),
+            default=60.0,
+            show_default=True,
+            help="Seconds the search may visit candidates before it returns its best plan with "
+            "its proven gap (0: until every candidate is proven).",
+        ),
     ]
 
     def decorate(command: F) -> F:
@@ -116,9 +124,15 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
 
 
 def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
-    """The constraints the user set among a command's `search_options` (not time_limit)."""
+    """The constraints the user set among a command's `search_options` (not the limits)."""
     return {
         key: value
         for key, value in options.items()
-        if key != "time_limit" and value not in (None, False)
+        if key not in ("time_limit", "budget") and value not in (None, False)
     }
+
+
+def budget_s(options: dict[str, Any]) -> float | None:
+    """The search's visit budget from ``--budget`` (0 means none)."""
+    value = float(options.get("budget", 60.0))
+    return value if value > 0 else None

@@ -13,6 +13,7 @@ from rich.table import Table
 from autoplan._format import fmt_bytes, fmt_time
 from autoplan.api import estimate
 from autoplan.cli.common import (
+    budget_s,
     console,
     emit_json,
     json_option,
@@ -88,6 +89,7 @@ def plan_cmd(
             global_batch=global_batch,
             top_k=top_k,
             time_limit_s=time_limit,
+            budget_s=budget_s(options),
             progress=report,
             **constraints,
         )

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from autoplan._format import fmt_bytes, fmt_time
 from autoplan.cli.common import (
+    budget_s,
     console,
     emit_json,
     json_option,
@@ -136,6 +137,7 @@ def whatif_cmd(
             price_per_device_hour=price,
             cluster_overrides=overrides,
             time_limit_s=time_limit,
+            budget_s=budget_s(options),
             progress=report,
             **constraints,
         )
