@@ -685,14 +685,19 @@ def balanced_hint(
 
 
 def improve(
-    problem: PartitionProblem, start: Partition, *, max_evaluations: int
+    problem: PartitionProblem,
+    start: Partition,
+    *,
+    max_evaluations: int,
+    deadline: float = math.inf,
 ) -> tuple[Partition, list[Partition]]:
     """Local search from ``start`` by single moves (one cut by one unit, or one stage's mode):
     while memory does not fit, the move that buys memory back cheapest (step added per byte
     of excess removed); then first-improvement descent of the simulated step among moves that
     fit. Returns the best partition that fits (``start`` if none does) and every accepted one
     (their critical paths feed the solver). A heuristic: it gives the solver a strong
-    incumbent early; optimality comes from the solver."""
+    incumbent early; optimality comes from the solver. Stops at ``deadline`` (a
+    `time.perf_counter` value) with what it has."""
     n, S = problem.num_units, problem.num_stages
     names = tuple(problem.modes)
     capacity = problem.memory_capacity_bytes
@@ -719,7 +724,8 @@ def improve(
         excess = current.peak_memory_bytes - capacity
         choice: tuple[float, Partition] | None = None
         for move in moves(current):
-            if budget <= 0:
+            if budget <= 0 or time.perf_counter() > deadline:
+                budget = 0
                 break
             budget -= 1
             found = evaluate(problem, *move)
@@ -738,7 +744,8 @@ def improve(
     while improved and budget > 0:  # descent
         improved = False
         for move in moves(current):
-            if budget <= 0:
+            if budget <= 0 or time.perf_counter() > deadline:
+                budget = 0
                 break
             budget -= 1
             found = evaluate(problem, *move)
@@ -752,7 +759,9 @@ def improve(
     return current, accepted
 
 
-def heuristic(problem: PartitionProblem) -> tuple[Partition | None, list[Partition]]:
+def heuristic(
+    problem: PartitionProblem, *, deadline: float = math.inf
+) -> tuple[Partition | None, list[Partition]]:
     """A good partition fast, without a proof: the even split under each mode, then `improve`
     from the fastest one (repairing its memory) and from the best one that fits. Returns the
     best that fits (None if none was found) and every partition met on the way."""
@@ -766,14 +775,18 @@ def heuristic(problem: PartitionProblem) -> tuple[Partition | None, list[Partiti
             best = hinted
     fastest = min(seeds, key=lambda seed: seed.step_time_s)
     if best is None or fastest.step_time_s < best.step_time_s:
-        local, accepted = improve(problem, fastest, max_evaluations=_LOCAL_EVALUATIONS)
+        local, accepted = improve(
+            problem, fastest, max_evaluations=_LOCAL_EVALUATIONS, deadline=deadline
+        )
         seeds.extend(accepted[1:])
         if local.peak_memory_bytes <= problem.memory_capacity_bytes and (
             best is None or local.step_time_s < best.step_time_s
         ):
             best = local
     if best is not None:
-        best, accepted = improve(problem, best, max_evaluations=_LOCAL_EVALUATIONS)
+        best, accepted = improve(
+            problem, best, max_evaluations=_LOCAL_EVALUATIONS, deadline=deadline
+        )
         seeds.extend(accepted[1:])
     return best, seeds
 

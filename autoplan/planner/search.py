@@ -218,7 +218,8 @@ def search_plans(
     for _, order, candidate in ordered[: max(_SEEDS, top_k)]:
         if best and budget_s is not None and time.perf_counter() - start > budget_s:
             break
-        seed, _ = heuristic(_problem(candidate, cluster))
+        deadline = math.inf if budget_s is None else start + budget_s
+        seed, _ = heuristic(_problem(candidate, cluster), deadline=deadline)
         if seed is not None:
             offer(order, candidate, seed)
     stats.seed_s = time.perf_counter() - t0
