@@ -277,7 +277,8 @@ def search_plans(
             memory_infeasible.append(strategy)
         elif solve_stats.status in ("UNKNOWN", "FEASIBLE"):
             stats.solver_timeouts += 1
-            unproven.append(solve_stats.lower_bound_s)
+            # what the solver proved, or at least the candidate's own proven bound
+            unproven.append(max(solve_stats.lower_bound_s, candidate.time_lower_bound_s))
             logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, strategy)
         if found is not None:
             offer(order, candidate, found)
