@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -701,11 +701,12 @@ def improve(
     n, S = problem.num_units, problem.num_stages
     names = tuple(problem.modes)
     capacity = problem.memory_capacity_bytes
-    budget = max_evaluations
+    budget = [max_evaluations]  # evaluations left (shared by both phases)
 
-    def moves(at: Partition) -> list[tuple[tuple[int, ...], tuple[Recompute, ...]]]:
+    def neighbours(at: Partition) -> Iterator[Partition]:
+        """The partitions one move from ``at``, evaluated, while the budget lasts."""
         starts, modes = at.stage_starts, at.modes
-        out = [
+        moves = [
             (starts, (*modes[:j], name, *modes[j + 1 :]))
             for j in range(S)
             for name in names
@@ -715,20 +716,20 @@ def improve(
             upper = starts[j + 1] if j + 1 < S else n
             for moved in (starts[j] - 1, starts[j] + 1):
                 if starts[j - 1] < moved < upper:
-                    out.append(((*starts[:j], moved, *starts[j + 1 :]), modes))
-        return out
+                    moves.append(((*starts[:j], moved, *starts[j + 1 :]), modes))
+        for move in moves:
+            if budget[0] <= 0 or time.perf_counter() > deadline:
+                budget[0] = 0
+                return
+            budget[0] -= 1
+            yield evaluate(problem, *move)
 
     current = start
     accepted = [start]
-    while current.peak_memory_bytes > capacity and budget > 0:  # repair
+    while current.peak_memory_bytes > capacity and budget[0] > 0:  # repair
         excess = current.peak_memory_bytes - capacity
         choice: tuple[float, Partition] | None = None
-        for move in moves(current):
-            if budget <= 0 or time.perf_counter() > deadline:
-                budget = 0
-                break
-            budget -= 1
-            found = evaluate(problem, *move)
+        for found in neighbours(current):
             saved = excess - max(0.0, found.peak_memory_bytes - capacity)
             if saved > 0:
                 price = (found.step_time_s - current.step_time_s) / saved
@@ -741,17 +742,11 @@ def improve(
     if current.peak_memory_bytes > capacity:
         return start, accepted
     improved = True
-    while improved and budget > 0:  # descent
+    while improved and budget[0] > 0:  # descent
         improved = False
-        for move in moves(current):
-            if budget <= 0 or time.perf_counter() > deadline:
-                budget = 0
-                break
-            budget -= 1
-            found = evaluate(problem, *move)
-            if found.peak_memory_bytes <= capacity and found.step_time_s < current.step_time_s * (
-                1.0 - 1e-9
-            ):
+        for found in neighbours(current):
+            faster = found.step_time_s < current.step_time_s * (1.0 - 1e-9)
+            if faster and found.peak_memory_bytes <= capacity:
                 current = found
                 accepted.append(found)
                 improved = True
