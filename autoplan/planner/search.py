@@ -402,10 +402,9 @@ def _candidate(
     # the cut; links only delay (they are not counted).
     # (every crossing boundary posts its messages at the same host cost: count them)
     num_stages = p * v
-    crossings = sum(
-        strategy.pipeline_rank_of_stage(s) != strategy.pipeline_rank_of_stage(s + 1)
-        for s in range(num_stages - 1)
-    )
+    # every boundary crosses ranks (p > 1), but the turn of a V (stage p-1 to p, both on rank
+    # p-1) stays on one
+    crossings = 0 if p == 1 else num_stages - 1 - (strategy.schedule_placement == "v")
     if crossings:
         total += 2 * crossings * boundary_costs(first[0], cluster, strategy, 0).message_s
     # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
