@@ -18,11 +18,18 @@ import pytest
 from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
-from autoplan.planner.search import _candidate, _CostCache, _problem, search_plans
+from autoplan.planner.search import (
+    _candidate,
+    _CostCache,
+    _problem,
+    boundary_crossings,
+    search_plans,
+)
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 from cost_model.schedules import SCHEDULES
+from cost_model.strategy import Strategy
 from tests.cost_profiles import gpt_profile, round_cluster
 
 
@@ -226,3 +233,19 @@ def test_memory_aware_time_bound_by_hand() -> None:
     assert _least_time_within(classes, 7.0) == pytest.approx(3.2)
     # even full recompute holds 2 B
     assert _least_time_within(classes, 1.0) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v"),
+    [
+        ("1f1b", 1, 1),
+        ("1f1b", 4, 1),
+        ("interleaved-1f1b", 3, 3),
+        ("zbv", 4, 2),
+        ("dualpipev", 2, 2),
+    ],
+)
+def test_boundary_crossings_follow_the_placement(schedule: str, p: int, v: int) -> None:
+    strategy = Strategy(pp_degree=p, virtual_stages=v, schedule=schedule, num_micro_batches=8)
+    ranks = [strategy.pipeline_rank_of_stage(s) for s in range(p * v)]
+    assert boundary_crossings(strategy) == sum(a != b for a, b in itertools.pairwise(ranks))

@@ -401,10 +401,7 @@ def _candidate(
     # Every message of every boundary costs its host time on some rank (busy work), whatever
     # the cut; links only delay (they are not counted).
     # (every crossing boundary posts its messages at the same host cost: count them)
-    num_stages = p * v
-    # every boundary crosses ranks (p > 1), but the turn of a V (stage p-1 to p, both on rank
-    # p-1) stays on one
-    crossings = 0 if p == 1 else num_stages - 1 - (strategy.schedule_placement == "v")
+    crossings = boundary_crossings(strategy)
     if crossings:
         total += 2 * crossings * boundary_costs(first[0], cluster, strategy, 0).message_s
     # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
@@ -435,6 +432,14 @@ def _candidate(
         memory_lower_bound_bytes=memory_bound,
         usable_bytes=usable,
     )
+
+
+def boundary_crossings(strategy: Strategy) -> int:
+    """Stage boundaries whose two stages sit on different pipeline ranks: all of them when
+    p > 1, but the turn of a V (stage p-1 to p, both on rank p-1)."""
+    if strategy.pp_degree == 1:
+        return 0
+    return strategy.num_stages - 1 - (strategy.schedule_placement == "v")
 
 
 def _least_time_within(
