@@ -7,7 +7,8 @@ and the global batch: degrees multiply to the device count, TP divides every cou
 reports and stays inside a node (unless allowed), batches divide, the schedule's micro-batch
 rules hold (`cost_model.schedules.ScheduleSpec`: torch's own). Dominated choices are skipped:
 ZeRO-1 when ZeRO-2 is allowed (same time, less memory), ZeRO levels and layouts that cannot
-differ when dp = 1. GPipe is not dominated by 1F1B: with uneven stages either can be faster.
+differ when dp = 1, GPipe on one pipeline rank (1F1B runs the same actions and holds less).
+With several pipeline ranks GPipe is not dominated: with uneven stages either can be faster.
 """
 
 from __future__ import annotations
@@ -266,6 +267,10 @@ def _schedules(
 ) -> Iterator[Strategy]:
     options: list[tuple[Schedule, int]] = []
     for schedule in space.schedules:
+        if skip_dominated and schedule == "gpipe" and pp == 1 and "1f1b" in space.schedules:
+            # One pipeline rank: the same actions back to back either way, and GPipe holds
+            # every micro-batch's activations (and cannot use DDP): 1F1B is never worse.
+            continue
         if schedule in ("gpipe", "1f1b"):
             counts: Sequence[int] = (1,)
         elif schedule in V_SCHEDULES:
