@@ -594,20 +594,12 @@ def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) 
 
 
 def least_held(spec: ScheduleSpec) -> int:
-    """A lower bound on ``min(min_held(spec))`` without building the orders: GPipe runs every
-    forward before any backward, so every stage holds all ``m`` micro-batches at once; in every
-    other schedule each stage holds at least the micro-batch it just ran (a test checks this
-    against `min_held`)."""
+    """A lower bound, without building the orders, on the micro-batches that every stage of
+    any rank holds at once at some point (so a rank's peak holds at least that many times its
+    whole activation per micro-batch): GPipe runs every forward before any backward, so every
+    stage holds all ``m``; in every other schedule each stage holds at least the micro-batch it
+    just ran (a test checks this against `held_microbatches`)."""
     return spec.num_micro_batches if spec.schedule == "gpipe" else 1
-
-
-def min_held(spec: ScheduleSpec) -> tuple[int, ...]:
-    """Per rank, micro-batches that every stage of the rank holds at once at some point (so the
-    rank's peak holds at least that many times its whole activation per micro-batch)."""
-    return tuple(
-        max(min(h + k for h, k in point) for point in profile.points)
-        for profile in held_microbatches(spec)
-    )
 
 
 # ------------------------------------------------------------------------------ memory

@@ -44,28 +44,29 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_model(name: str, *, device: str = "cpu") -> nn.Module:
-    """The tiny model ``name``, its weights drawn from torch's global RNG seeded with 0."""
+def build_model(name: str, *, device: str = "cpu", num_blocks: int = NUM_BLOCKS) -> nn.Module:
+    """The tiny model ``name`` (``num_blocks`` blocks), its weights drawn from torch's global
+    RNG seeded with 0."""
     torch.manual_seed(0)
     if name == "gpt":
         from autoplan.models import gpt
 
-        return gpt(NUM_BLOCKS, HIDDEN, HEADS, SEQ, VOCAB, device=device)
+        return gpt(num_blocks, HIDDEN, HEADS, SEQ, VOCAB, device=device)
     if name == "gpt-untied":
         from autoplan.models import gpt
 
-        return gpt(NUM_BLOCKS, HIDDEN, HEADS, SEQ, VOCAB, device=device, tie_embeddings=False)
+        return gpt(num_blocks, HIDDEN, HEADS, SEQ, VOCAB, device=device, tie_embeddings=False)
     if name == "llama":
         from autoplan.models import llama
 
         return llama(
-            NUM_BLOCKS, HIDDEN, HEADS, SEQ, VOCAB, num_kv_heads=2, ffn_hidden_size=64, device=device
+            num_blocks, HIDDEN, HEADS, SEQ, VOCAB, num_kv_heads=2, ffn_hidden_size=64, device=device
         )
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            n_layer=NUM_BLOCKS,
+            n_layer=num_blocks,
             n_embd=HIDDEN,
             n_head=HEADS,
             n_positions=SEQ,
@@ -82,7 +83,7 @@ def build_model(name: str, *, device: str = "cpu") -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         llama_config = LlamaConfig(
-            num_hidden_layers=NUM_BLOCKS,
+            num_hidden_layers=num_blocks,
             hidden_size=HIDDEN,
             num_attention_heads=HEADS,
             num_key_value_heads=2,
@@ -181,13 +182,18 @@ def full_grads(named: Any) -> dict[str, torch.Tensor]:
 
 
 def train_worker(
-    rank: int, world_size: int, model_name: str, plan_data: dict[str, Any], steps: int = STEPS
+    rank: int,
+    world_size: int,
+    model_name: str,
+    plan_data: dict[str, Any],
+    steps: int = STEPS,
+    num_blocks: int = NUM_BLOCKS,
 ) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """Train with autoplan for ``steps`` steps; per step: the loss and this rank's gradients."""
     from autoplan.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
-    model = build_model(model_name)
+    model = build_model(model_name, num_blocks=num_blocks)
     dist_model = parallelize(model, plan=plan, loss_fn=loss_fn, optimizer=optimizer_factory())
     records = []
     for step in range(steps):

@@ -133,8 +133,18 @@ def checkpoint_worker(
 
 @pytest.mark.parametrize(
     "plan_args",
-    [{"pp": 2}, {"dp": 2, "zero": 3}, {"tp": 2}, {"dp": 2, "zero": 0}],
-    ids=["pp2-tied", "dp2-zero3", "tp2", "dp2-ddp"],
+    [
+        {"pp": 2},
+        {"dp": 2, "zero": 3},
+        {"tp": 2},
+        {"dp": 2, "zero": 0},
+        # Under the V, rank 0 holds both copies of the tied weight, saved once under one name:
+        # each copy's optimizer needs its own state (shared tensors took two Adam updates a
+        # step). interleaved-zb: the same split backward under the loop placement.
+        {"pp": 2, "schedule": "zbv", "virtual_stages": 2, "num_micro_batches": 4},
+        {"pp": 2, "schedule": "interleaved-zb", "virtual_stages": 2, "num_micro_batches": 4},
+    ],
+    ids=["pp2-tied", "dp2-zero3", "tp2", "dp2-ddp", "zbv-tied", "interleaved-zb"],
 )
 def test_checkpoint_round_trip_continues_identically(
     tmp_path: Path, plan_args: dict[str, Any]
