@@ -255,7 +255,7 @@ def m_busy(timeline: Timeline, rank: int) -> float:
 
 def test_explain_the_searched_plan_on_a_tight_cluster(profile: ModelProfile) -> None:
     cluster = load_cluster(TIGHT)
-    best = search_plans(profile, cluster, global_batch=16).plans[0]
+    best = search_plans(profile, cluster, global_batch=16, budget_s=None).plans[0]
     result = explain(best, profile, cluster, top_k=2)
     path = result.critical_path
     assert path.busy_s + path.bubble_s + path.tail_s == pytest.approx(path.step_time_s, rel=1e-9)

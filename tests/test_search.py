@@ -128,15 +128,20 @@ def _check_against_estimate(profile, cluster, strategy, starts, modes, result): 
     assert reference.fits == (reference.peak_memory_bytes <= cluster.device.memory_bytes)
 
 
+# No wall clock in an optimality test: no visit budget, and solver limits far beyond the work
+# (a loaded machine must not turn a proof into a time-out).
+UNTIMED: dict[str, object] = {"budget_s": None, "time_limit_s": 3600.0}
+
+
 @pytest.mark.parametrize("seed", range(48))
 def test_search_finds_the_brute_force_optimum(seed: int) -> None:
     profile, cluster, global_batch, constraints = _random_case(seed)
     expected = _brute_force(profile, cluster, global_batch, constraints)
     if math.isinf(expected):
         with pytest.raises(NoFeasiblePlanError):
-            search_plans(profile, cluster, global_batch=global_batch, **constraints)
+            search_plans(profile, cluster, global_batch=global_batch, **UNTIMED, **constraints)
         return
-    result = search_plans(profile, cluster, global_batch=global_batch, **constraints)
+    result = search_plans(profile, cluster, global_batch=global_batch, **UNTIMED, **constraints)
     best = result.plans[0]
     assert best.estimate is not None
     # the search stops within RELATIVE_GAP of the proven optimum of each outer choice

@@ -55,6 +55,7 @@ def sweep(profile: ModelProfile) -> WhatIfResult:
         tokens=2e9,
         price_per_device_hour=2.5,
         cluster_overrides=SMALL_MEMORY,
+        budget_s=None,  # compared with a search below: no wall clock in the comparison
     )
 
 
@@ -69,7 +70,7 @@ def test_rows_are_the_planners_best_plans_in_order(
     assert (row.num_nodes, row.devices_per_node) == (2, 8)
     assert row.memory_capacity_bytes == 3 * 2**30  # the override reached every type
     cluster = Cluster.preset("dgx-h100-80g", nodes=2, **SMALL_MEMORY)
-    best = search_plans(profile, cluster, global_batch=16).plans[0]
+    best = search_plans(profile, cluster, global_batch=16, budget_s=None).plans[0]
     assert row.plan == best
     assert best.estimate is not None
     assert row.step_time_s == pytest.approx(best.estimate.step_time_s, rel=1e-12)
@@ -136,8 +137,11 @@ def test_parallel_searches_match_serial_ones(profile: ModelProfile) -> None:
         global_batch=16,
         progress=seen.append,
         workers=2,
+        budget_s=None,
     )
-    serial = whatif(profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, workers=1)
+    serial = whatif(
+        profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, workers=1, budget_s=None
+    )
     assert [r.plan for r in parallel.rows] == [r.plan for r in serial.rows]
     assert [r.step_time_s for r in parallel.rows] == [r.step_time_s for r in serial.rows]
     done = [p.completed for p in seen]
