@@ -317,25 +317,28 @@ def _tp_module_count(unit: UnitProfile, sequence_parallel: bool) -> int:
     return count
 
 
-def _per_unit_dp_groups(strategy: Strategy) -> bool:
-    """Whether every unit is its own data-parallel group with per-unit hooks.
-
-    autoplan's runtime (passes/data_parallel.py) wraps each unit with FSDP2 (``fully_shard``
-    for ZeRO-2/3, ``replicate`` otherwise) except for fp32 ZeRO-0/1 without TP or PP, which
-    runs under bucketed DDP (unless GPipe runs several forwards before a backward), and fp32
-    plans with one data-parallel rank, which need no wrapper.
-    """
-    if strategy.dtype == "fp32" and strategy.dp_degree == 1:
-        return False
-    ddp = (
-        strategy.zero_stage <= 1
+def runs_ddp(strategy: Strategy) -> bool:
+    """Whether autoplan's runtime (passes/data_parallel.py) runs this plan's data parallelism
+    under bucketed DDP: fp32 ZeRO-0/1 over several replicas without TP or PP. DDP is unsafe
+    with TP and PP and has no mixed-precision policy; its reducer also refuses GPipe's several
+    forwards before a backward (an internal assert). Everything else is FSDP2 per unit."""
+    return (
+        strategy.dp_degree > 1
+        and strategy.zero_stage <= 1
         and strategy.tp_degree == 1
         and strategy.pp_degree == 1
         and strategy.dtype == "fp32"
-        # GPipe runs every forward before any backward, which DDP's reducer refuses
         and not (strategy.schedule == "gpipe" and strategy.num_micro_batches > 1)
     )
-    return not ddp
+
+
+def _per_unit_dp_groups(strategy: Strategy) -> bool:
+    """Whether every unit is its own data-parallel group with per-unit hooks: FSDP2
+    (``fully_shard`` for ZeRO-2/3, ``replicate`` otherwise) unless the runtime `runs_ddp`, or
+    an fp32 plan with one data-parallel rank needs no wrapper."""
+    if strategy.dtype == "fp32" and strategy.dp_degree == 1:
+        return False
+    return not runs_ddp(strategy)
 
 
 def _host_overhead_s(unit: UnitProfile, strategy: Strategy, cal: Calibration) -> float:

@@ -47,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from autoplan.plan import Plan
+from cost_model.estimate import runs_ddp
+from cost_model.strategy import Strategy
 from passes._log import log_rank0
 from passes.mesh import ParallelMesh
 from passes.split import StageModule
@@ -143,24 +145,11 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
 
 
 def uses_ddp(plan: Plan) -> bool:
-    """Whether the plan's data parallelism is DDP: ZeRO-0/1 in fp32 without TP or PP.
-
-    DDP is unsafe with tensor parallelism (wrong gradients after the first step with TP and
-    PP), has no mixed-precision policy, and under torch's pipeline schedules its bucket rebuild
-    sees every gradient once per micro-batch (an internal assert in the reducer): those plans
-    use FSDP2's ``replicate`` instead. DDP needs real parameters (it broadcasts them when it is
+    """Whether the plan's data parallelism is DDP (`cost_model.estimate.runs_ddp`: the cost
+    model prices the same rule). DDP needs real parameters (it broadcasts them when it is
     built): a meta model is materialised before this pass, at no cost in memory, since DDP
-    shards no parameters.
-    """
-    return (
-        plan.dp_degree > 1
-        and plan.zero_stage in (0, 1)
-        and plan.tp_degree == 1
-        and plan.pp_degree == 1
-        and plan.dtype == "fp32"
-        # GPipe's forwards of every micro-batch before any backward trip the same assert
-        and not (plan.schedule == "gpipe" and plan.num_micro_batches > 1)
-    )
+    shards no parameters."""
+    return runs_ddp(Strategy.of(plan))
 
 
 def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy) -> None:
