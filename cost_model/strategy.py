@@ -167,11 +167,8 @@ class Strategy:
     def schedule_spec(self) -> ScheduleSpec:
         """The pipeline schedule with its degrees (raises `ScheduleError` if torch cannot run
         it)."""
-        return ScheduleSpec(
-            schedule=self.schedule,
-            pp_degree=self.pp_degree,
-            virtual_stages=self.virtual_stages,
-            num_micro_batches=self.num_micro_batches,
+        return schedule_spec(
+            self.schedule, self.pp_degree, self.virtual_stages, self.num_micro_batches
         )
 
     def pipeline_rank_of_stage(self, stage_idx: int) -> int:
@@ -266,3 +263,10 @@ def _pipeline_link(
         for d in range(dp)
         for t in range(tp)
     )
+
+
+@lru_cache(maxsize=8192)
+def schedule_spec(schedule: ScheduleName, p: int, v: int, m: int) -> ScheduleSpec:
+    """``ScheduleSpec(schedule, p, v, m)``, memoised: the planner asks for the spec of every
+    candidate, often more than once (raises `ScheduleError` if torch cannot run it)."""
+    return ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)

@@ -66,3 +66,15 @@ def test_interleaving_bound_sees_part_of_the_bubble() -> None:
 def test_share_range_rounds_outward() -> None:
     low, high = share_range([0.301, 0.349])
     assert low / SHARE_GRID <= 0.301 and high / SHARE_GRID >= 0.349
+
+
+def test_a_bound_cut_short_is_weaker_and_not_kept() -> None:
+    spec = ScheduleSpec(
+        schedule="interleaved-1f1b", pp_degree=4, virtual_stages=3, num_micro_batches=4
+    )
+    cells = share_range([1 / 3])
+    early = pipeline_factor(spec, cells, (0, 0), deadline=0.0)  # past: no iteration runs
+    full = pipeline_factor(spec, cells, (0, 0))
+    assert early == 0.0  # valid, if useless: nothing was proven yet
+    assert full > 1.0  # the converged bound was computed afresh, not the cut-short one reused
+    assert pipeline_factor(spec, cells, (0, 0), deadline=0.0) == full  # converged: kept

@@ -12,9 +12,11 @@ from autoplan.planner.partition import (
     ModeCosts,
     PartitionProblem,
     _uniform_middle,
+    balanced_hint,
     brute_force,
     evaluate,
     min_peak_memory,
+    rank_balanced_hint,
     solve,
 )
 from cost_model.schedules import SCHEDULES, ScheduleError, ScheduleSpec, StageTimes, simulate
@@ -200,3 +202,53 @@ def test_evaluate_by_hand() -> None:
     assert direct.step_time_s == pytest.approx(24.2)
     best, _ = solve(problem)
     assert best is not None and best.step_time_s <= result.step_time_s + 1e-9
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v", "blocks"),
+    [
+        ("interleaved-1f1b", 8, 8, 96),
+        ("interleaved-1f1b", 4, 3, 30),
+        ("interleaved-zb", 4, 6, 26),
+        ("zbv", 4, 2, 13),
+        ("dualpipev", 2, 2, 9),
+        ("1f1b", 4, 1, 10),
+    ],
+)
+def test_rank_balanced_hint_evens_every_rank(schedule: str, p: int, v: int, blocks: int) -> None:
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=2 * p)  # type: ignore[arg-type]
+    n = blocks + 2
+    forward = (0.05, *[1.0] * blocks, 0.3)  # embedding, blocks, head
+    costs = ModeCosts(
+        forward_s=forward,
+        backward_s=tuple(2 * f for f in forward),
+        weight_s=(0.0,) * n,
+        activation_bytes=(1.0,) * n,
+        retained_bytes=(1.0,) * n,
+    )
+    S = spec.num_stages
+    problem = PartitionProblem(
+        spec=spec,
+        modes={"none": costs},
+        static_bytes=(1.0,) * n,
+        transfer_s=((0.0,) * n,) * S,
+        message_s=(0.0,) * S,
+        memory_capacity_bytes=1e18,
+    )
+    hint = rank_balanced_hint(problem, "none")
+    assert hint is not None
+    starts, modes = hint
+    assert modes == ("none",) * spec.num_stages
+    assert starts[0] == 0 and all(a < b for a, b in zip(starts, (*starts[1:], n), strict=False))
+    ends = (*starts[1:], n)
+    per_rank = [0.0] * p
+    for s, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        per_rank[spec.stage_rank(s)] += sum(forward[a:b])
+    # no rank holds more than one block above the least-loaded rank (embedding/head aside)
+    assert max(per_rank) - min(per_rank) <= 1.0 + 0.3 + 1e-9
+    # and it never loses to the stage-only even split on the busiest rank
+    plain, _ = balanced_hint(problem, "none")
+    plain_rank = [0.0] * p
+    for s, (a, b) in enumerate(zip(plain, (*plain[1:], n), strict=True)):
+        plain_rank[spec.stage_rank(s)] += sum(forward[a:b])
+    assert max(per_rank) <= max(plain_rank) + 1e-9

@@ -19,8 +19,11 @@ from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
 from autoplan.planner.search import (
+    SearchStats,
     _candidate,
     _CostCache,
+    _Frontier,
+    _Pending,
     _problem,
     boundary_crossings,
     search_plans,
@@ -254,3 +257,43 @@ def test_boundary_crossings_follow_the_placement(schedule: str, p: int, v: int) 
     strategy = Strategy(pp_degree=p, virtual_stages=v, schedule=schedule, num_micro_batches=8)
     ranks = [strategy.pipeline_rank_of_stage(s) for s in range(p * v)]
     assert boundary_crossings(strategy) == sum(a != b for a, b in itertools.pairwise(ranks))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
+    """The lazy visit costs a choice only when its floor passes the order keys of costed ones
+    (so the order is the eager one), and drops choices by the proven floor: both must hold
+    for every choice, against random partitions' simulated steps."""
+    profile, cluster, global_batch, constraints = _random_case(seed)
+    space = SearchSpace.from_constraints(**constraints)
+    cache = _CostCache(profile, cluster)
+    rng = random.Random(seed)
+    pending = []
+    for index, strategy in enumerate(strategies(space, profile, cluster, global_batch)):
+        modes = recompute_modes(space, strategy.schedule)
+        order_floor, time_floor = cache.floors(strategy, modes)
+        candidate = _candidate(strategy, modes, cache, cluster)
+        pending.append(_Pending(order_floor, time_floor, index, strategy, modes))
+        if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
+            continue  # dropped as it is costed
+        assert order_floor <= candidate.order_key_s * (1 + 1e-12)
+        problem = _problem(candidate, cluster)
+        n, S = problem.num_units, problem.num_stages
+        for _ in range(3):
+            cuts = sorted(rng.sample(range(1, n), S - 1))
+            chosen = tuple(rng.choice(modes) for _ in range(S))
+            step = evaluate(problem, (0, *cuts), chosen).step_time_s
+            assert time_floor <= step * (1 + 1e-12)
+    # the lazy frontier pops in the order of the order key, as costing all up front would
+    frontier = _Frontier(pending, cache, cluster, SearchStats(), [])
+    popped = []
+    while (entry := frontier.pop(math.inf)) is not None:
+        popped.append(entry[1].order_key_s)
+    assert popped == sorted(popped)
+    fitting = [
+        e
+        for e in pending
+        if (c := _candidate(e.strategy, e.modes, cache, cluster)).memory_lower_bound_bytes
+        <= c.usable_bytes
+    ]
+    assert len(popped) == len(fitting)

@@ -21,8 +21,8 @@ pipeline's fill and drain under the best possible uneven chunking.
 
 from __future__ import annotations
 
-import functools
 import math
+import time
 
 from ortools.linear_solver import pywraplp
 
@@ -50,12 +50,33 @@ def share_range(shares: list[float]) -> tuple[int, int]:
     return max(0, low), min(SHARE_GRID, high)
 
 
-@functools.lru_cache(maxsize=4096)
+# Converged factors by (spec, forward cells, weight cells); bounds cut short by a deadline are
+# valid but weaker, and are not kept.
+_FACTORS: dict[tuple[ScheduleSpec, tuple[int, int], tuple[int, int]], float] = {}
+
+
 def pipeline_factor(
-    spec: ScheduleSpec, forward: tuple[int, int], weight: tuple[int, int] = (0, 0)
+    spec: ScheduleSpec,
+    forward: tuple[int, int],
+    weight: tuple[int, int] = (0, 0),
+    *,
+    deadline: float = math.inf,
 ) -> float:
     """The least simulated pipeline time per unit of total work (module docstring); shares as
-    grid cells from `share_range` (``weight`` only matters under a split backward)."""
+    grid cells from `share_range` (``weight`` only matters under a split backward). At
+    ``deadline`` (a `time.perf_counter` value) it returns the bound it has so far."""
+    key = (spec, forward, weight)
+    found = _FACTORS.get(key)
+    if found is None:
+        found, converged = _kelley(spec, forward, weight, deadline)
+        if converged:
+            _FACTORS[key] = found
+    return found
+
+
+def _kelley(
+    spec: ScheduleSpec, forward: tuple[int, int], weight: tuple[int, int], deadline: float
+) -> tuple[float, bool]:
     S = spec.num_stages
     solver = pywraplp.Solver.CreateSolver("GLOP")
     assert solver is not None, "OR-tools ships GLOP"
@@ -91,7 +112,11 @@ def pipeline_factor(
         add(path)
     solver.Minimize(z)
     bound = 0.0
+    converged = True
     for _ in range(_MAX_ITERATIONS):
+        if time.perf_counter() > deadline:
+            converged = False
+            break
         if solver.Solve() != pywraplp.Solver.OPTIMAL:
             break
         value = z.solution_value()
@@ -112,4 +137,4 @@ def pipeline_factor(
         for rank in range(spec.pp_degree):
             add(critical_path(spec, sim, rank))
     # GLOP's feasibility tolerance: give back a little so rounding never overstates it.
-    return bound * (1.0 - 1e-7)
+    return bound * (1.0 - 1e-7), converged

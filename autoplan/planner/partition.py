@@ -684,6 +684,50 @@ def balanced_hint(
     return tuple(starts), tuple(k for _ in range(S))
 
 
+def rank_balanced_hint(
+    problem: PartitionProblem, mode: Recompute
+) -> tuple[tuple[int, ...], tuple[Recompute, ...]] | None:
+    """Cuts that split identical middle units (blocks) evenly over the stages AND over each
+    rank's stages, under one mode; None unless the middle units are identical and there are
+    enough of them.
+
+    `balanced_hint` evens the stages only: with several stages per rank its rounding can give
+    one rank all the larger stages (96 blocks in 64 stages alternate 2, 1, 2, ...: with 8
+    ranks, rank 0 gets every 2). Here every stage gets the same share and each leftover
+    block goes to the least-loaded rank (the embedding and head counted, in blocks), on its
+    stage with the fewest blocks (earliest first)."""
+    if not _uniform_middle(problem):
+        return None
+    spec = problem.spec
+    S, p = spec.num_stages, spec.pp_degree
+    blocks = problem.num_units - 2
+    costs = problem.modes[mode]
+    block = costs.forward_s[1] + costs.backward_s[1]
+    if blocks < S - 2 or block <= 0:
+        return None
+    base, leftover = divmod(blocks, S)
+    counts = [base] * S
+    load = [spec.virtual_stages * base * 1.0 for _ in range(p)]  # per rank, in blocks
+    edges = {0: costs.forward_s[0] + costs.backward_s[0]}
+    edges[S - 1] = edges.get(S - 1, 0.0) + costs.forward_s[-1] + costs.backward_s[-1]
+    for stage, extra in edges.items():
+        load[spec.stage_rank(stage)] += extra / block
+    # middle stages that hold no block yet come first (every stage needs a unit)
+    empty = [s for s in range(1, S - 1) if counts[s] == 0]
+    for stage in empty:
+        counts[stage] += 1
+        load[spec.stage_rank(stage)] += 1
+    leftover -= len(empty)
+    for _ in range(leftover):
+        rank = min(range(p), key=lambda r: (load[r], r))
+        stage = min(spec.rank_stages(rank), key=lambda s: (counts[s] + edges.get(s, 0.0), s))
+        counts[stage] += 1
+        load[rank] += 1
+    if any(c < 1 for c in counts[1:-1]):
+        return None
+    return _starts_from_counts(counts), tuple(mode for _ in range(S))
+
+
 def improve(
     problem: PartitionProblem,
     start: Partition,
@@ -754,16 +798,37 @@ def improve(
     return current, accepted
 
 
+def even_split(problem: PartitionProblem) -> Partition | None:
+    """The fastest even split (`balanced_hint`, one recompute mode throughout) that fits in
+    memory, or None: a feasible step in one simulation per mode (the search's quick seed)."""
+    best: Partition | None = None
+    for found in _even_splits(problem):
+        fits = found.peak_memory_bytes <= problem.memory_capacity_bytes
+        if fits and (best is None or found.step_time_s < best.step_time_s):
+            best = found
+    return best
+
+
+def _even_splits(problem: PartitionProblem) -> list[Partition]:
+    """`balanced_hint` and `rank_balanced_hint` under each mode, evaluated."""
+    found = []
+    for mode in problem.modes:
+        found.append(evaluate(problem, *balanced_hint(problem, mode)))
+        ranked = rank_balanced_hint(problem, mode)
+        if ranked is not None and ranked[0] != found[-1].stage_starts:
+            found.append(evaluate(problem, *ranked))
+    return found
+
+
 def heuristic(
     problem: PartitionProblem, *, deadline: float = math.inf
 ) -> tuple[Partition | None, list[Partition]]:
-    """A good partition fast, without a proof: the even split under each mode, then `improve`
+    """A good partition fast, without a proof: the even splits under each mode, then `improve`
     from the fastest one (repairing its memory) and from the best one that fits. Returns the
     best that fits (None if none was found) and every partition met on the way."""
     best: Partition | None = None
     seeds: list[Partition] = []
-    for mode in problem.modes:
-        hinted = evaluate(problem, *balanced_hint(problem, mode))
+    for hinted in _even_splits(problem):
         seeds.append(hinted)
         fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
         if fits and (best is None or hinted.step_time_s < best.step_time_s):
@@ -812,7 +877,7 @@ def solve(
     spec = problem.spec
     for path in rank_paths(spec):
         built.add_path(path)
-    best, seeds = heuristic(problem)
+    best, seeds = heuristic(problem, deadline=start + time_limit_s)
     for seed in seeds:
         for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
             built.add_path(path)

@@ -51,6 +51,7 @@ from autoplan.planner.partition import (
     Partition,
     PartitionProblem,
     SolveStats,
+    even_split,
     heuristic,
     min_peak_memory,
     solve,
@@ -62,6 +63,7 @@ from cost_model.estimate import (
     boundary_costs,
     estimate,
     memory_constants,
+    oversubscription_factors,
     step_overhead_s,
     unit_classes,
     unit_costs,
@@ -80,8 +82,15 @@ RELATIVE_GAP = 5e-4
 # Seconds the search may spend visiting candidates before it returns its best with the
 # proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
 DEFAULT_BUDGET_S = 60.0
-# Candidates (first in the visiting order) whose heuristic partition seeds the incumbent.
+# Phase 2 (the first incumbent): without a budget, the even split of this many candidates
+# (first in the visiting order); with one, as many as fit in this share of what is left of it
+# after phase 1 (at most _MAX_SEEDS). Then local search from the best _IMPROVED of them, until
+# _IMPROVE_SHARE of it is spent.
 _SEEDS = 8
+_MAX_SEEDS = 256
+_SEED_SHARE = 0.3
+_IMPROVED = 4
+_IMPROVE_SHARE = 0.6
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,12 +109,13 @@ class Candidate:
     forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
     weight_cells: tuple[int, int]  # the units' weight shares of their backward
 
-    def schedule_bound_s(self) -> float:
+    def schedule_bound_s(self, deadline: float = math.inf) -> float:
         """A proven lower bound on the step from the schedule's own paths
         (`bounds.pipeline_factor`): costlier than ``time_lower_bound_s``, computed on demand
-        and shared by every candidate with the same schedule, degrees and shares."""
+        and shared by every candidate with the same schedule, degrees and shares (weaker if
+        cut short at ``deadline``)."""
         spec = self.strategy.schedule_spec
-        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells)
+        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells, deadline=deadline)
         return self.work_s * factor + self.fixed_s
 
 
@@ -174,33 +184,31 @@ def search_plans(
     start = time.perf_counter()
 
     cache = _CostCache(profile, cluster)
-    # Phase 1: for every outer choice a proven bound from compute times alone (shared by all
-    # choices with the same TP degree, sequence parallelism, micro-batch and dtype) and a
-    # memory bound; the survivors get their per-unit costs and sharper proven bounds, and are
-    # ordered by an even-split estimate with communication (a heuristic: order only).
+    # Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
+    # (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
+    # dtype): a proven lower bound on its step, and a floor under its order key. Per-unit
+    # costs are computed lazily, in order of that floor, when the visit needs them
+    # (`_Frontier`): the visit order is the order key's, without costing every choice.
     memory_infeasible: list[Strategy] = []
     capacity = float(cluster.device.memory_bytes)
-    ordered: list[tuple[float, int, Candidate]] = []
+    pending: list[_Pending] = []
     for strategy in strategies(space, profile, cluster, global_batch):
         stats.candidates += 1
-        modes = recompute_modes(space, strategy.schedule)
+        modes = tuple(recompute_modes(space, strategy.schedule))
         if cache.memory_bound(strategy, modes) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
-        t0 = time.perf_counter()
-        candidate = _candidate(strategy, modes, cache, cluster)
-        stats.costs_s += time.perf_counter() - t0
-        if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
-            stats.pruned_memory += 1
-            memory_infeasible.append(strategy)
-            continue
-        ordered.append((candidate.order_key_s, stats.candidates, candidate))
-    ordered.sort(key=lambda entry: (entry[0], entry[1]))
+        order_floor, time_floor = cache.floors(strategy, modes)
+        pending.append(_Pending(order_floor, time_floor, stats.candidates, strategy, modes))
+    frontier = _Frontier(pending, cache, cluster, stats, memory_infeasible)
     stats.enumerate_s = time.perf_counter() - start
+    deadline = math.inf if budget_s is None else start + budget_s
 
-    # Phase 2: a strong incumbent early: the heuristic partition of the first few.
     best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
+
+    def kth() -> float:
+        return -best[0][0] if len(best) == top_k else math.inf
 
     def offer(order: int, candidate: Candidate, found: Partition) -> None:
         for index, entry in enumerate(best):
@@ -214,40 +222,72 @@ def search_plans(
         elif found.step_time_s < -best[0][0]:
             heapq.heapreplace(best, (-found.step_time_s, order, candidate, found))
 
+    # Phase 2: a strong incumbent before any proof. The even split of each candidate in the
+    # visiting order (a few simulations each) until the seed share of the budget is spent,
+    # then local search (`partition.improve`) from the best few. Without a budget: a fixed
+    # number of each, so the result does not depend on the machine's speed.
     t0 = time.perf_counter()
-    for _, order, candidate in ordered[: max(_SEEDS, top_k)]:
-        if best and budget_s is not None and time.perf_counter() - start > budget_s:
+    seed_end = t0 + _SEED_SHARE * (deadline - t0)
+    seeded: list[tuple[float, int, Candidate]] = []  # (even-split step, order, candidate)
+    while True:
+        if budget_s is None:
+            if len(seeded) >= max(_SEEDS, top_k):
+                break
+        elif seeded and (len(seeded) >= _MAX_SEEDS or time.perf_counter() > seed_end):
             break
-        deadline = math.inf if budget_s is None else start + budget_s
-        seed, _ = heuristic(_problem(candidate, cluster), deadline=deadline)
-        if seed is not None:
-            offer(order, candidate, seed)
+        entry = frontier.pop(kth())
+        if entry is None:
+            break
+        order, candidate = entry
+        found = even_split(_problem(candidate, cluster))
+        if found is not None:
+            offer(order, candidate, found)
+        seeded.append((found.step_time_s if found else math.inf, order, candidate))
+    seeded.sort(key=lambda item: (item[0], item[1]))
+    improve_end = t0 + _IMPROVE_SHARE * (deadline - t0)
+    for _, order, candidate in seeded[: max(_IMPROVED, top_k)]:
+        if best and time.perf_counter() > improve_end:
+            break
+        found, _ = heuristic(_problem(candidate, cluster), deadline=improve_end)
+        if found is not None:
+            offer(order, candidate, found)
     stats.seed_s = time.perf_counter() - t0
 
-    # Phase 3: visit in order; skip what a proven bound says cannot beat the k-th best, and
-    # solve the stage cuts of the rest exactly.
+    # Phase 3: visit the seeded candidates (best even split first), then the rest in order;
+    # skip what a proven bound says cannot beat the k-th best, and solve the stage cuts of
+    # the rest exactly.
     unproven: list[float] = []  # lower bounds of candidates the solver did not finish
     solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = {}
-    for visited, (_, order, candidate) in enumerate(ordered):
+    visited = 0
+    while True:
+        if seeded:
+            _, order, candidate = seeded.pop(0)
+        else:
+            entry = frontier.pop(kth())
+            if entry is None:
+                break
+            order, candidate = entry
+        visited += 1
         strategy = candidate.strategy
-        if len(best) == top_k and candidate.time_lower_bound_s >= -best[0][0]:
+        bound = candidate.time_lower_bound_s
+        if bound >= kth():
             stats.pruned_bound += 1
             continue
-        elapsed = time.perf_counter() - start
-        if budget_s is not None and elapsed > budget_s and best:
-            # Out of time: the rest are unproven; their bounds give the gap.
-            stats.unvisited = len(ordered) - visited
-            unproven.extend(entry[2].time_lower_bound_s for entry in ordered[visited:])
-            break
-        cutoff = -best[0][0] if len(best) == top_k else None
-        if cutoff is not None and strategy.virtual_stages > 1:
+        cutoff = kth() if len(best) == top_k else None
+        if cutoff is not None and strategy.virtual_stages > 1 and time.perf_counter() < deadline:
             # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
             t0 = time.perf_counter()
-            schedule_bound = candidate.schedule_bound_s()
+            bound = max(bound, candidate.schedule_bound_s(deadline))
             stats.bounds_s += time.perf_counter() - t0
-            if schedule_bound >= cutoff:
+            if bound >= cutoff:
                 stats.pruned_schedule += 1
                 continue
+        if time.perf_counter() > deadline and best:
+            # Out of time: the rest are unproven; their bounds give the gap.
+            rest = [bound] + [c.time_lower_bound_s for _, _, c in seeded] + frontier.floors()
+            stats.unvisited = len(rest)
+            unproven.extend(rest)
+            break
         problem = _problem(candidate, cluster)
         key = problem.content_key()
         t0 = time.perf_counter()
@@ -260,7 +300,7 @@ def search_plans(
         else:
             limit = time_limit_s
             if budget_s is not None and best:
-                limit = max(0.05, min(limit, budget_s - (time.perf_counter() - start)))
+                limit = max(0.05, min(limit, deadline - time.perf_counter()))
             found, solve_stats = solve(
                 problem,
                 time_limit_s=limit,
@@ -285,8 +325,8 @@ def search_plans(
         if progress is not None:
             progress(
                 SearchProgress(
-                    visited=visited + 1,
-                    total=len(ordered),
+                    visited=visited,
+                    total=visited + len(seeded) + frontier.remaining(),
                     best_step_time_s=-max(best)[0] if best else None,
                 )
             )
@@ -296,12 +336,79 @@ def search_plans(
             profile, cluster, global_batch, memory_infeasible, space, cache, stats
         )
     if unproven:
-        kth = -best[0][0]
-        stats.optimality_gap = max(0.0, max((kth - bound) / kth for bound in unproven))
+        worst = -best[0][0]
+        stats.optimality_gap = max(0.0, max((worst - low) / worst for low in unproven))
     ranked = sorted(best, key=lambda e: (-e[0], e[1]))
     plans = tuple(_to_plan(profile, cluster, c, p, global_batch) for _, _, c, p in ranked)
     stats.total_s = time.perf_counter() - start
     return SearchResult(plans=plans, stats=stats)
+
+
+# ------------------------------------------------------------------------------ visit order
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An outer choice not yet costed, with its floors from compute alone."""
+
+    order_floor_s: float  # at most its order key (`Candidate.order_key_s`)
+    time_floor_s: float  # a proven lower bound on its simulated step
+    index: int  # enumeration order (ties)
+    strategy: Strategy
+    modes: tuple[Recompute, ...]
+
+
+class _Frontier:
+    """The outer choices in the visiting order (ascending order key), costed on demand.
+
+    A choice is costed (`_candidate`) only once no costed choice has an order key below its
+    floor, so the order is the one costing every choice up front would give, at the price of
+    the few hundred nearest the front. Choices whose proven floor cannot beat the cutoff are
+    dropped uncosted."""
+
+    def __init__(
+        self,
+        pending: list[_Pending],
+        cache: _CostCache,
+        cluster: Cluster,
+        stats: SearchStats,
+        infeasible: list[Strategy],
+    ) -> None:
+        # popped from the end: largest floor first in the list
+        self._pending = sorted(pending, key=lambda e: (e.order_floor_s, e.index), reverse=True)
+        self._ready: list[tuple[float, int, Candidate]] = []  # heap on the order key
+        self._cache, self._cluster = cache, cluster
+        self._stats, self._infeasible = stats, infeasible
+
+    def pop(self, cutoff: float) -> tuple[int, Candidate] | None:
+        """The next choice in order (None when none is left)."""
+        pending, ready = self._pending, self._ready
+        while pending and (not ready or pending[-1].order_floor_s < ready[0][0]):
+            entry = pending.pop()
+            if entry.time_floor_s >= cutoff:
+                self._stats.pruned_bound += 1
+                continue
+            t0 = time.perf_counter()
+            candidate = _candidate(entry.strategy, entry.modes, self._cache, self._cluster)
+            self._stats.costs_s += time.perf_counter() - t0
+            if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
+                self._stats.pruned_memory += 1
+                self._infeasible.append(entry.strategy)
+                continue
+            heapq.heappush(ready, (candidate.order_key_s, entry.index, candidate))
+        if not ready:
+            return None
+        _, index, candidate = heapq.heappop(ready)
+        return index, candidate
+
+    def floors(self) -> list[float]:
+        """Proven lower bounds on the step of every choice not popped yet."""
+        return [e.time_floor_s for e in self._pending] + [
+            c.time_lower_bound_s for _, _, c in self._ready
+        ]
+
+    def remaining(self) -> int:
+        return len(self._pending) + len(self._ready)
 
 
 # ------------------------------------------------------------------------------ cost tables
@@ -315,6 +422,11 @@ class _CostCache:
         self.cluster = cluster
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
         self._params: dict[tuple[int, bool], float] = {}
+        self._least_act: dict[tuple[object, ...], float] = {}
+        self._memory: dict[tuple[object, ...], float] = {}
+        # the cluster without core sharing: `floors` applies each strategy's own stretch
+        self._apart = replace(cluster, shared_cores_per_node=None)
+        self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         # representative unit -> how many units share its content
         self.class_counts = Counter(unit_classes(profile))
 
@@ -323,7 +435,23 @@ class _CostCache:
         gradients, optimizer state and the activations of the fewest micro-batches any rank
         holds (under the leanest recompute mode), spread evenly over the pipeline ranks, plus
         the reserved bytes and the allocator overhead."""
-        key = (strategy.tp_degree, strategy.pp_degree > 1)
+        p = strategy.pp_degree
+        inflight = least_held(strategy.schedule_spec)
+        whole = (
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.dtype,
+            tuple(modes),
+            p,
+            strategy.dp_degree,
+            strategy.zero_stage,
+            inflight,
+        )
+        found = self._memory.get(whole)
+        if found is not None:
+            return found
+        key = (strategy.tp_degree, p > 1)
         params = self._params.get(key)
         if params is None:
             params = sum(
@@ -332,19 +460,74 @@ class _CostCache:
             )
             self._params[key] = params
         state = static_bytes(params, strategy.dtype, strategy.zero_stage, strategy.dp_degree)
-        traced = self.profile.traced_dtype_bytes
-        least_act = sum(
-            count
-            * min(
-                activation_bytes(self.profile.units[rep], strategy, mode, traced) for mode in modes
+        act_key = (strategy.tp_degree, strategy.sequence_parallel, strategy.micro_batch_size)
+        least_act = self._least_act.get((*act_key, strategy.dtype, tuple(modes)))
+        if least_act is None:
+            traced = self.profile.traced_dtype_bytes
+            least_act = sum(
+                count
+                * min(
+                    activation_bytes(self.profile.units[rep], strategy, mode, traced)
+                    for mode in modes
+                )
+                for rep, count in self.class_counts.items()
             )
-            for rep, count in self.class_counts.items()
-        )
-        p = strategy.pp_degree
-        inflight = least_held(strategy.schedule_spec)
+            self._least_act[(*act_key, strategy.dtype, tuple(modes))] = least_act
         cal = self.cluster.calibration
         per_rank = (state.total_bytes + inflight * least_act) / p
-        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+        found = (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+        self._memory[whole] = found
+        return found
+
+    def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
+        """(a floor under the order key, a proven lower bound on the step) from the units'
+        costs with one device per TP group and nothing else: no data or pipeline parallelism
+        (their collectives, sharding and host time only add), TP groups on adjacent ranks
+        (the fastest links), times stretched by the strategy's own core sharing (CPU rigs).
+        The bound counts compute alone (no communication at all)."""
+        key = (
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.dtype,
+            modes,
+        )
+        work = self._floor_work.get(key)
+        if work is None:
+            alone = replace(
+                strategy,
+                dp_degree=1,
+                pp_degree=1,
+                virtual_stages=1,
+                num_micro_batches=1,
+                schedule="1f1b",
+                zero_stage=0,
+            )
+            by_mode = [unit_costs(self.profile, self._apart, alone, mode) for mode in modes]
+            order_work = order_largest = compute_work = compute_largest = 0.0
+            for rep, count in self.class_counts.items():
+                full = min(costs[rep].time_s for costs in by_mode)
+                compute = min(
+                    costs[rep].forward_compute_s
+                    + costs[rep].backward_compute_s
+                    + costs[rep].recompute_s
+                    for costs in by_mode
+                )
+                order_work += count * full
+                order_largest = max(order_largest, full)
+                compute_work += count * compute
+                compute_largest = max(compute_largest, compute)
+            work = (order_work, order_largest, compute_work, compute_largest)
+            self._floor_work[key] = work
+        stretch, _ = oversubscription_factors(strategy, self.cluster)
+        order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)
+        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+        fixed = step_overhead_s(strategy, self.cluster)
+        share = max(order_work / p, order_largest)
+        order_floor = (m - 1 / v) * share + order_work / v + fixed
+        spec = strategy.schedule_spec
+        time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
+        return order_floor, time_floor
 
     def costs(self, strategy: Strategy, mode: str) -> tuple[UnitCost, ...]:
         # A unit's costs depend on the schedule only through its placement (which ranks share
@@ -397,6 +580,8 @@ def _candidate(
     # the recompute modes must at least buy that much memory back.
     budget = (p * usable - static_sum) / least_inflight if least_inflight else math.inf
     total = _least_time_within(classes, budget)
+    if math.isinf(total):  # not even the leanest recompute modes fit: no plan does
+        memory_bound = math.inf
     work = total  # the units' own work (what `schedule_bound` scales)
     # Every message of every boundary costs its host time on some rank (busy work), whatever
     # the cut; links only delay (they are not counted).

@@ -13,6 +13,7 @@ With several pipeline ranks GPipe is not dominated: with uneven stages either ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,8 @@ from autoplan.plan import (
     split_backward_conflict,
 )
 from cost_model.hardware import Cluster
-from cost_model.schedules import V_SCHEDULES, ScheduleError, ScheduleSpec
-from cost_model.strategy import Strategy
+from cost_model.schedules import V_SCHEDULES, ScheduleError
+from cost_model.strategy import Strategy, schedule_spec
 from cost_model.workload import ModelProfile
 
 Layout = tuple[MeshAxis, MeshAxis, MeshAxis]
@@ -250,9 +251,12 @@ def strategies(
 def recompute_modes(space: SearchSpace, schedule: Schedule) -> tuple[Recompute, ...]:
     """The recompute modes the search may give the stages of ``schedule``: a split backward
     runs without recompute (`autoplan.plan.split_backward_conflict`)."""
-    return tuple(
-        mode for mode in space.recompute if split_backward_conflict(schedule, 0, (mode,)) is None
-    )
+    return _allowed_modes(tuple(space.recompute), schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed_modes(modes: tuple[Recompute, ...], schedule: Schedule) -> tuple[Recompute, ...]:
+    return tuple(mode for mode in modes if split_backward_conflict(schedule, 0, (mode,)) is None)
 
 
 def _schedules(
@@ -283,7 +287,7 @@ def _schedules(
             if space.virtual_stages is not None and v not in space.virtual_stages:
                 continue
             try:
-                ScheduleSpec(schedule=schedule, pp_degree=pp, virtual_stages=v, num_micro_batches=m)
+                schedule_spec(schedule, pp, v, m)
             except ScheduleError:
                 continue  # torch cannot run it with these degrees
             options.append((schedule, v))
