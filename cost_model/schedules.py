@@ -44,6 +44,7 @@ backward-input frees nothing, torch's ``stage_backward_input`` retains the graph
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -229,7 +230,8 @@ def pipeline_order(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ...]:
                 continue
             parts = item.sub_actions if item.sub_actions is not None else (item,)
             for part in parts:
-                kind = part.computation_type.value
+                # (the enum's raw value: its .value property is slow on long orders)
+                kind = part.computation_type._value_
                 if kind in _KIND_SLOT and part.microbatch_index is not None:
                     actions.append(Action(part.stage_index, kind, part.microbatch_index))
         out.append(tuple(actions))
@@ -345,66 +347,65 @@ def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
     for r, actions in enumerate(orders):
         wrong = [a for a in actions if rank_of[a.stage_idx] != r]
         assert not wrong, f"{spec}: rank {r} runs {wrong[0]} of another rank"
-    # Which action produces the input of each action, by (stage, kind, micro-batch).
-    producers: dict[tuple[int, str, int], Action] = {}
-    for actions in orders:
-        for a in actions:
-            producers[(a.stage_idx, a.kind, a.microbatch_idx)] = a
-
-    def gradient_of(stage: int, mb: int) -> Action | None:
-        return producers.get((stage, "I", mb)) or producers.get((stage, "B", mb))
-
-    def input_of(a: Action) -> tuple[Action | None, int]:
-        """(producer, boundary crossed or num_stages)."""
-        s, i = a.stage_idx, a.microbatch_idx
-        if a.kind == "F":
-            if s == 0:
-                return None, num_stages
-            return producers[(s - 1, "F", i)], (
-                s - 1 if rank_of[s - 1] != rank_of[s] else num_stages
-            )
-        if a.kind == "W":
-            return producers[(s, "I", i)], num_stages
-        if s == num_stages - 1:
-            return producers[(s, "F", i)], num_stages
-        grad = gradient_of(s + 1, i)
-        assert grad is not None, f"{spec}: no backward of stage {s + 1} for micro-batch {i}"
-        return grad, (s if rank_of[s + 1] != rank_of[s] else num_stages)
+    # Every action by its rank-major index, and the index of the action that produces its
+    # input (-1: none) with the boundary that input crosses (num_stages: none).
+    flat = [a for actions in orders for a in actions]
+    index = {(a.stage_idx, a.kind, a.microbatch_idx): k for k, a in enumerate(flat)}
+    producer = [-1] * len(flat)
+    boundary = [num_stages] * len(flat)
+    for k, a in enumerate(flat):
+        s, kind, i = a.stage_idx, a.kind, a.microbatch_idx
+        if kind == "F":
+            if s > 0:
+                producer[k] = index[(s - 1, "F", i)]
+                if rank_of[s - 1] != rank_of[s]:
+                    boundary[k] = s - 1
+        elif kind == "W":
+            producer[k] = index[(s, "I", i)]
+        elif s == num_stages - 1:
+            producer[k] = index[(s, "F", i)]
+        else:
+            grad = index.get((s + 1, "I", i), index.get((s + 1, "B", i)))
+            assert grad is not None, f"{spec}: no backward of stage {s + 1} for micro-batch {i}"
+            producer[k] = grad
+            if rank_of[s + 1] != rank_of[s]:
+                boundary[k] = s
 
     # Topological order: advance every rank as far as its inputs allow, round after round.
-    position: dict[Action, int] = {}
-    sequence: list[Action] = []
-    cursor = [0] * len(orders)
-    remaining = sum(len(a) for a in orders)
+    position = [-1] * len(flat)
+    sequence: list[int] = []
+    bounds = list(itertools.accumulate((len(a) for a in orders), initial=0))
+    cursor = bounds[:-1]
+    remaining = len(flat)
     while remaining:
         moved = False
-        for r, actions in enumerate(orders):
-            while cursor[r] < len(actions):
-                a = actions[cursor[r]]
-                producer, _ = input_of(a)
-                if producer is not None and producer not in position:
-                    break
-                position[a] = len(sequence)
-                sequence.append(a)
-                cursor[r] += 1
-                remaining -= 1
+        for r in range(len(orders)):
+            k, stop = cursor[r], bounds[r + 1]
+            while k < stop and (producer[k] < 0 or position[producer[k]] >= 0):
+                position[k] = len(sequence)
+                sequence.append(k)
+                k += 1
+            if k != cursor[r]:
+                remaining -= k - cursor[r]
+                cursor[r] = k
                 moved = True
         assert moved, f"{spec}: torch's order deadlocks at {cursor}"
     sentinel = len(sequence)
     ranks, rank_pred, data_pred, transfer, slot = [], [], [], [], []
     last = [sentinel] * len(orders)
-    for a in sequence:
+    for k in sequence:
+        a = flat[k]
         r = rank_of[a.stage_idx]
-        producer, boundary = input_of(a)
         ranks.append(r)
         rank_pred.append(last[r])
-        data_pred.append(sentinel if producer is None else position[producer])
-        transfer.append(boundary)
+        data_pred.append(sentinel if producer[k] < 0 else position[producer[k]])
+        transfer.append(boundary[k])
         slot.append(4 * a.stage_idx + _KIND_SLOT[a.kind])
-        last[r] = position[a]
+        last[r] = position[k]
+    sequence_actions = [flat[k] for k in sequence]
     return CompiledSchedule(
         spec=spec,
-        actions=tuple(sequence),
+        actions=tuple(sequence_actions),
         ranks=tuple(ranks),
         rank_pred=tuple(rank_pred),
         data_pred=tuple(data_pred),
