@@ -446,7 +446,9 @@ def whatif(
         # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
         # separate processes, started fresh ("spawn": OR-tools threads and fork do not mix).
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            max_workers=count, mp_context=context, initializer=_warm_worker
+        ) as pool:
             futures = {
                 pool.submit(
                     _best_plan,
@@ -496,6 +498,14 @@ class _Found:
     reason: str | None
     search_time_s: float
     optimality_gap: float
+
+
+def _warm_worker() -> None:
+    """Load what every search needs once per worker process (the planner, OR-tools and
+    torch's pipeline schedules, about 2 s), so that each size's search time is its own."""
+    import torch.distributed.pipelining.schedules  # noqa: F401
+
+    import autoplan.planner.search  # noqa: F401
 
 
 def _best_plan(

@@ -37,7 +37,9 @@ from autoplan.plan import Plan
 from autoplan.planner.search import search_plans
 
 # Seconds each search may visit before it returns its best with the proven gap ("gap").
-BUDGET_S = 20.0
+BUDGET_S = 4.0
+# Issue 15: the slowest row's search takes at most this long.
+TARGET_ROW_S = 5.0
 
 
 def describe(plan: Plan) -> str:
@@ -78,6 +80,11 @@ def main() -> int:
             else "left",
         )
     ratios = []
+    slowest = 0.0
+    # torch's pipelining package loads on the first schedule the cost model reads (once per
+    # process): loaded here, before any search is timed.
+    import torch.distributed.pipelining.schedules  # noqa: F401
+
     # The best MFU any published run of the model's family reached (an implausible claim shows).
     best_mfu: dict[str, float] = {}
     for row in rows:
@@ -107,6 +114,7 @@ def main() -> int:
             budget_s=BUDGET_S,
         )
         elapsed = time.perf_counter() - start
+        slowest = max(slowest, elapsed)
         best = result.plans[0]
         assert best.estimate is not None
         ratio = best.estimate.tokens_per_s / published.estimate.tokens_per_s
@@ -138,9 +146,11 @@ def main() -> int:
     worst = min(ratios)
     console.print(
         f"rows {len(ratios)}: ratio min {worst:.3f}, max {max(ratios):.3f} "
-        f"(target: >= 1.0 on every row)"
+        f"(target: >= 1.0 on every row); slowest search {slowest:.1f} s (target <= "
+        f"{TARGET_ROW_S:.0f} s: {'met' if slowest <= TARGET_ROW_S else 'MISSED'}; budget "
+        f"{BUDGET_S:.0f} s, torch's pipelining import timed apart)"
     )
-    return 0 if worst >= 1.0 - 1e-9 else 1
+    return 0 if worst >= 1.0 - 1e-9 and slowest <= TARGET_ROW_S else 1
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 published hybrid layouts estimated by autoplan next to autoplan's best plan for the same cluster.
 
 Target (issues 7, 15): the what-if over the 8 sizes finishes in <= 10 s on this machine, no
-size over 3 s; each size's proven optimality gap is printed. The model is
-traced once before (a few seconds, see bench/trace.py) and timed separately, as is the one-time
-import of torch's pipelining package (bench/search.py does the same). Exits non-zero when the target is missed.
+size over 3 s; each size's proven optimality gap is printed. The model is traced once before
+(a few seconds, see bench/trace.py) and timed separately, as is the one-time import of torch's
+pipelining package (bench/search.py does the same; the what-if's worker processes load it when
+they start, inside the total). Exits non-zero when the target is missed.
 
 Published layouts (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21, arXiv:2104.04473; transcribed in bench/data/):

@@ -798,19 +798,15 @@ def improve(
     return current, accepted
 
 
-def even_split(problem: PartitionProblem) -> Partition | None:
-    """The fastest even split (`balanced_hint`, one recompute mode throughout) that fits in
-    memory, or None: a feasible step in one simulation per mode (the search's quick seed)."""
-    best: Partition | None = None
-    for found in _even_splits(problem):
-        fits = found.peak_memory_bytes <= problem.memory_capacity_bytes
-        if fits and (best is None or found.step_time_s < best.step_time_s):
-            best = found
-    return best
+def fastest_fitting(problem: PartitionProblem, found: Sequence[Partition]) -> Partition | None:
+    """The fastest of ``found`` that fits in memory, or None."""
+    fitting = [f for f in found if f.peak_memory_bytes <= problem.memory_capacity_bytes]
+    return min(fitting, key=lambda f: f.step_time_s, default=None)
 
 
-def _even_splits(problem: PartitionProblem) -> list[Partition]:
-    """`balanced_hint` and `rank_balanced_hint` under each mode, evaluated."""
+def even_splits(problem: PartitionProblem) -> list[Partition]:
+    """`balanced_hint` and `rank_balanced_hint` under each mode, evaluated (one recompute mode
+    throughout; they may not fit): the search's quick seeds, a few simulations each."""
     found = []
     for mode in problem.modes:
         found.append(evaluate(problem, *balanced_hint(problem, mode)))
@@ -821,14 +817,18 @@ def _even_splits(problem: PartitionProblem) -> list[Partition]:
 
 
 def heuristic(
-    problem: PartitionProblem, *, deadline: float = math.inf
+    problem: PartitionProblem,
+    *,
+    deadline: float = math.inf,
+    splits: Sequence[Partition] | None = None,
 ) -> tuple[Partition | None, list[Partition]]:
-    """A good partition fast, without a proof: the even splits under each mode, then `improve`
-    from the fastest one (repairing its memory) and from the best one that fits. Returns the
-    best that fits (None if none was found) and every partition met on the way."""
+    """A good partition fast, without a proof: the even splits under each mode (``splits``
+    if they were evaluated already), then `improve` from the fastest one (repairing its
+    memory) and from the best one that fits. Returns the best that fits (None if none was
+    found) and every partition met on the way."""
     best: Partition | None = None
     seeds: list[Partition] = []
-    for hinted in _even_splits(problem):
+    for hinted in even_splits(problem) if splits is None else splits:
         seeds.append(hinted)
         fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
         if fits and (best is None or hinted.step_time_s < best.step_time_s):

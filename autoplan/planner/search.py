@@ -51,7 +51,8 @@ from autoplan.planner.partition import (
     Partition,
     PartitionProblem,
     SolveStats,
-    even_split,
+    even_splits,
+    fastest_fitting,
     heuristic,
     min_peak_memory,
     solve,
@@ -229,6 +230,7 @@ def search_plans(
     t0 = time.perf_counter()
     seed_end = t0 + _SEED_SHARE * (deadline - t0)
     seeded: list[tuple[float, int, Candidate]] = []  # (even-split step, order, candidate)
+    splits: dict[int, list[Partition]] = {}  # by order: the even splits evaluated
     while True:
         if budget_s is None:
             if len(seeded) >= max(_SEEDS, top_k):
@@ -239,7 +241,9 @@ def search_plans(
         if entry is None:
             break
         order, candidate = entry
-        found = even_split(_problem(candidate, cluster))
+        problem = _problem(candidate, cluster)
+        splits[order] = even_splits(problem)
+        found = fastest_fitting(problem, splits[order])
         if found is not None:
             offer(order, candidate, found)
         seeded.append((found.step_time_s if found else math.inf, order, candidate))
@@ -248,7 +252,9 @@ def search_plans(
     for _, order, candidate in seeded[: max(_IMPROVED, top_k)]:
         if best and time.perf_counter() > improve_end:
             break
-        found, _ = heuristic(_problem(candidate, cluster), deadline=improve_end)
+        found, _ = heuristic(
+            _problem(candidate, cluster), deadline=improve_end, splits=splits[order]
+        )
         if found is not None:
             offer(order, candidate, found)
     stats.seed_s = time.perf_counter() - t0
