@@ -2,8 +2,8 @@
 llama3-405b on 2048 DGX H100 nodes (16384 GPUs, batch 2048), full search space.
 
 Targets (issue 15): gpt3-175b <= 1 s, llama3-405b <= 5 s. The search stops at its visit budget
-and reports the proven optimality gap, so each case runs with its target as the budget and again
-with 60 s: the chosen steps side by side show what the short budget loses. Prints the
+and reports the proven optimality gap, so each case runs with 90% of its target as the budget
+and again with 60 s: the chosen steps side by side show what the short budget loses. Prints the
 candidates considered, how they were pruned, solver calls, the time split, and for each chosen
 plan its estimate beside the schedule simulation re-run from the written plan
 (`autoplan.timeline.timeline_of`): they must agree.
@@ -27,8 +27,8 @@ from autoplan.timeline import timeline_of
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 
-# Each case runs twice: with its target as the visit budget, then with this one; the steps side
-# by side show what the short budget costs, the gaps what each has proven.
+# Each case runs twice: with 90% of its target as the visit budget, then with this one; the
+# steps side by side show what the short budget costs, the gaps what each has proven.
 LONG_BUDGET_S = 60.0
 CASES = (
     ("gpt3-175b", "dgx-a100-80g", 128, 1536, 1.0),
@@ -70,7 +70,8 @@ def main() -> int:
     for (model_name, preset, nodes, batch, target), budget in itertools.product(
         CASES, (None, LONG_BUDGET_S)
     ):
-        budget = budget or target
+        # the budget bounds the visit; reading the best plan back (its estimate) follows it
+        budget = budget or 0.9 * target
         profile = autoplan.trace(autoplan.models.preset(model_name)).profile
         cluster = Cluster.preset(preset, nodes=nodes)
         start = time.perf_counter()
@@ -78,11 +79,11 @@ def main() -> int:
         total = time.perf_counter() - start
         s = result.stats
         assert result.plans[0].estimate is not None
-        ok &= budget != target or total <= target * 1.1
+        ok &= budget == LONG_BUDGET_S or total <= target
         table.add_row(
             model_name,
             f"{preset} x{nodes}",
-            f"{budget:.0f}",
+            f"{budget:.1f}",
             f"{result.plans[0].estimate.step_time_s:.3f}",
             f"{s.candidates:,}",
             f"{s.pruned_memory:,}",
