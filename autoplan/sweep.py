@@ -381,7 +381,7 @@ def whatif(
     price_per_device_hour: float | None = None,
     cluster_overrides: Mapping[str, object] | None = None,
     time_limit_s: float = 10.0,
-    budget_s: float | None = 60.0,
+    budget_s: float | None = 10.0,
     progress: Callable[[WhatIfProgress], None] | None = None,
     workers: int | None = None,
     **constraints: Any,

@@ -108,7 +108,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--budget",
             type=click.FloatRange(min=0.0),
-            default=60.0,
+            default=10.0,  # planner.search.DEFAULT_BUDGET_S (not imported: OR-tools loads slowly)
             show_default=True,
             help="Seconds the search may visit candidates before it returns its best plan with "
             "its proven gap (0: until every candidate is proven).",
@@ -134,5 +134,5 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
 
 def budget_s(options: dict[str, Any]) -> float | None:
     """The search's visit budget from ``--budget`` (0 means none)."""
-    value = float(options.get("budget", 60.0))
+    value = float(options.get("budget", 10.0))
     return value if value > 0 else None

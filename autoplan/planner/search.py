@@ -82,7 +82,7 @@ logger = logging.getLogger(__name__)
 RELATIVE_GAP = 5e-4
 # Seconds the search may spend visiting candidates before it returns its best with the
 # proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
-DEFAULT_BUDGET_S = 60.0
+DEFAULT_BUDGET_S = 10.0
 # Phase 2 (the first incumbent): without a budget, the even split of this many candidates
 # (first in the visiting order); with one, as many as fit in this share of what is left of it
 # after phase 1 (at most _MAX_SEEDS). Then local search from the best _IMPROVED of them, until
