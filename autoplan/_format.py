@@ -53,3 +53,17 @@ def fmt_time(seconds: float) -> str:
 
 def fmt_count(value: float) -> str:
     return _scaled(value, ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1.0, "")))
+
+
+def fmt_memory(peak_bytes: float, reserve_bytes: float, capacity_bytes: float) -> str:
+    """A device's peak with its headroom explicit: "predicted 72.4 GiB + 7.5 GiB
+    reserve/margin of 80 GiB" (the reserve is the framework's, the margin the allocator's;
+    without a recorded reserve or capacity, what is known)."""
+    if capacity_bytes <= 0:
+        return fmt_bytes(peak_bytes)
+    if reserve_bytes <= 0:
+        return f"{fmt_bytes(peak_bytes)} of {fmt_bytes(capacity_bytes)}"
+    return (
+        f"predicted {fmt_bytes(peak_bytes - reserve_bytes)} + {fmt_bytes(reserve_bytes)} "
+        f"reserve/margin of {fmt_bytes(capacity_bytes)}"
+    )

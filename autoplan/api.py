@@ -155,4 +155,6 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
         model_tflops_per_device=result.model_tflops_per_device,
         mfu=result.mfu,
         peak_memory_bytes=int(result.peak_memory_bytes),
+        memory_reserve_bytes=int(result.peak_rank.memory.reserve_bytes),
+        memory_capacity_bytes=int(result.memory_capacity_bytes),
     )

@@ -129,8 +129,9 @@ class RankMemory:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
-    activation_bytes: float
-    other_bytes: float  # working set, buffers, reserved memory, allocator overhead
+    activation_bytes: float  # in flight at the peak
+    working_bytes: float  # one backward's working set (the loss's included), p2p/DP buffers
+    reserve_bytes: float  # framework reserve and allocator margin
     fits: bool
 
     @property
@@ -264,7 +265,8 @@ def explain(
                 grad_bytes=r.memory.grad_bytes,
                 optimizer_bytes=r.memory.optimizer_bytes,
                 activation_bytes=r.memory.activation_bytes,
-                other_bytes=r.memory.other_bytes,
+                working_bytes=r.memory.working_bytes,
+                reserve_bytes=r.memory.reserve_bytes,
                 fits=r.fits,
             )
             for r in result.ranks

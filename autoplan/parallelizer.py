@@ -38,6 +38,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 from autoplan.errors import PlanError
 from autoplan.graph import ModelGraph
 from autoplan.plan import Plan
+from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 from passes import (
     DistributedModel,
@@ -76,6 +77,7 @@ def parallelize(
     graph: ModelGraph | None = None,
     seed: int = 0,
     timeout_s: float | None = None,
+    check_memory: bool = True,
 ) -> DistributedModel:
     """Build this rank's part of ``model`` for ``plan`` (searched when None); see the module doc.
 
@@ -83,7 +85,10 @@ def parallelize(
     of ``autoplan.search``, e.g. ``{"pp": 1}``) narrow that search; on CPU it defaults to fp32
     plans. ``graph`` is ``autoplan.trace(model)``
     if you already have it. ``seed`` seeds the initialisation of a meta model. ``timeout_s``
-    sets the process-group timeout when this call creates the process group.
+    sets the process-group timeout when this call creates the process group. A plan whose
+    predicted peak memory exceeds the device's fails on every rank before any allocation or
+    collective (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
+    anyway with a warning.
     """
     world_size, local_world = _job_shape()
     device = _device()
@@ -94,6 +99,7 @@ def parallelize(
     if plan is not None:
         _check_plan(plan, graph, cluster, world_size)
         _check_tensor_parallel(plan, model, graph)
+        _check_memory(plan, graph, cluster, check_memory)
     _init_process_group(device, timeout_s)
     if plan is None:
         constraints = dict(search_constraints or {})
@@ -109,6 +115,7 @@ def parallelize(
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
         _check_plan(plan, graph, cluster, world_size)  # same plan, same verdict on every rank
         _check_tensor_parallel(plan, model, graph)
+        _check_memory(plan, graph, cluster, check_memory)
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
@@ -228,6 +235,17 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             "was traced with torch.export, which inlines its norms (sequence parallelism shards "
             "norm modules); turn sequence_parallel off (tensor parallelism itself works)"
         )
+
+
+def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> None:
+    """The memory check of `autoplan validate` and the search (`Estimate.require_fits`), from
+    the plan alone: the same verdict on every rank, before anything is allocated."""
+    result = estimate(graph.profile, cluster, plan)
+    if result.fits:
+        return
+    if check:
+        result.require_fits()
+    logger.warning("check_memory=False, running anyway: %s", result.memory_problem())
 
 
 def _layers_tp_cannot_shard(model: nn.Module, graph: ModelGraph) -> list[str]:

@@ -109,6 +109,9 @@ class PlanEstimate:
     model_tflops_per_device: float
     mfu: float
     peak_memory_bytes: int = unit_field("bytes")
+    # of the peak: the framework reserve and allocator margin (0: not recorded), and the device
+    memory_reserve_bytes: int = unit_field("bytes", default=0)
+    memory_capacity_bytes: int = unit_field("bytes", default=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -183,8 +183,19 @@ class MemoryBreakdown:
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # held activations: in-flight micro-batches x bytes per micro-batch
-    other_bytes: float  # working set, buffers, reserved, allocator overhead
+    working_bytes: float  # working set of one backward (the loss's included), p2p/DP buffers
+    reserve_bytes: float  # framework reserve (calibration) and the allocator margin on the rest
     total_bytes: float
+
+    @property
+    def other_bytes(self) -> float:
+        """Working set plus reserve and margin."""
+        return self.working_bytes + self.reserve_bytes
+
+    @property
+    def predicted_bytes(self) -> float:
+        """Tensors and working set: the total before the reserve and allocator margin."""
+        return self.total_bytes - self.reserve_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,20 +273,60 @@ class Estimate:
             f"+ grads {r.memory.grad_bytes / gib:.1f} "
             f"+ optimizer {r.memory.optimizer_bytes / gib:.1f} "
             f"+ activations {r.memory.activation_bytes / gib:.1f} "
-            f"+ other {r.memory.other_bytes / gib:.1f}"
+            f"+ working set {r.memory.working_bytes / gib:.1f} "
+            f"+ reserve and margin {r.memory.reserve_bytes / gib:.1f}"
             for r in self.ranks
         )
 
+    @property
+    def peak_rank(self) -> RankEstimate:
+        """The pipeline rank with the largest memory total."""
+        return max(self.ranks, key=lambda r: r.memory.total_bytes)
+
     def require_fits(self) -> None:
-        """Raise `MemoryCapacityError` with the per-rank numbers if any device overflows."""
+        """Raise `MemoryCapacityError` (one line: the rank, its predicted peak, the capacity,
+        the largest parts and the cheapest fixes) if any device overflows. The one memory check
+        of `autoplan validate`, `autoplan.parallelize` and the search's results."""
         if self.fits:
             return
+        raise MemoryCapacityError(self.memory_problem())
+
+    def memory_problem(self) -> str:
+        """What `require_fits` raises, as a line ("" when the plan fits)."""
+        if self.fits:
+            return ""
         gib = 2.0**30
-        raise MemoryCapacityError(
-            f"plan does not fit: peak {self.peak_memory_bytes / gib:.1f} GiB per device > "
-            f"capacity {self.memory_capacity_bytes / gib:.1f} GiB on {self.cluster}; "
-            f"{self.memory_report()}; raise tp/pp or the ZeRO level, recompute more, or lower "
-            "the micro-batch size"
+        peak = self.peak_rank
+        m = peak.memory
+        parts = sorted(
+            (
+                ("activations in flight", m.activation_bytes),
+                ("optimizer state", m.optimizer_bytes),
+                ("weights", m.param_bytes),
+                ("gradients", m.grad_bytes),
+                ("working set", m.working_bytes),
+                ("reserve and allocator margin", m.reserve_bytes),
+            ),
+            key=lambda part: -part[1],
+        )
+        largest = ", ".join(f"{name} {size / gib:.1f} GiB" for name, size in parts[:3])
+        if parts[0][0] == "activations in flight":
+            fixes = (
+                "recompute 'selective' or 'full' on its stages, a smaller micro-batch, or more "
+                "pipeline stages"
+            )
+        elif parts[0][0] in ("working set", "reserve and allocator margin"):
+            fixes = "a smaller micro-batch, or devices with more memory"
+        else:
+            fixes = (
+                "a higher ZeRO level (3 shards the weights too), more tensor or pipeline "
+                "parallelism, or more devices"
+            )
+        return (
+            f"plan does not fit: pipeline rank {peak.pp_rank} needs {m.total_bytes / gib:.1f} "
+            f"GiB per device, the device has {self.memory_capacity_bytes / gib:.1f} GiB on "
+            f"{self.cluster} (largest: {largest}); fix: {fixes}; or override the check "
+            "(check_memory=False, --allow-over-memory) to run it anyway"
         )
 
 
@@ -1003,12 +1054,14 @@ def rank_memory(
     extra = sum(u.extra_bytes for u in rank_units)
     tensor_bytes = params + grads + optimizer + extra + activations
     total = constants.total_bytes(tensor_bytes)
+    working = extra + constants.buffer_bytes
     return MemoryBreakdown(
         param_bytes=params,
         grad_bytes=grads,
         optimizer_bytes=optimizer,
         activation_bytes=activations,
-        other_bytes=total - (params + grads + optimizer + activations),
+        working_bytes=working,
+        reserve_bytes=total - (params + grads + optimizer + activations + working),
         total_bytes=total,
     )
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoplan import Plan, PlanError, StagePlan
+from autoplan._format import fmt_memory
 from autoplan.api import estimate as api_estimate
 from autoplan.api import manual_plan
 from autoplan.plan import Recompute, even_stages
@@ -138,8 +139,15 @@ def test_memory_overflow_is_reported_with_numbers() -> None:
     result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
     assert not result.fits
     assert not result.ranks[0].fits
-    with pytest.raises(MemoryCapacityError, match=r"plan does not fit: peak 0\.1 GiB.*pp rank 0"):
+    with pytest.raises(MemoryCapacityError) as raised:
         result.require_fits()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "plan does not fit: pipeline rank 0 needs 0.1 GiB per device, the device has 0.0 GiB"
+    )
+    assert "(largest: " in message and "; fix: " in message
+    assert message.endswith("(check_memory=False, --allow-over-memory) to run it anyway")
 
 
 # ------------------------------------------------------------------------------- structure
@@ -306,6 +314,28 @@ def test_estimate_is_the_simulation_of_torchs_orders(
         for r in range(p)
     ]
     assert result.peak_memory_bytes == pytest.approx(max(memory), rel=1e-12)
+    cal = cluster.calibration
+    for rank in result.ranks:
+        m = rank.memory
+        parts = (
+            m.param_bytes + m.grad_bytes + m.optimizer_bytes + m.activation_bytes,
+            m.working_bytes,
+            m.reserve_bytes,
+        )
+        assert sum(parts) == pytest.approx(m.total_bytes, rel=1e-12)
+        # the reserve is the framework's plus the allocator's margin on everything else
+        expected = cal.reserved_memory_bytes + cal.allocator_overhead_fraction * (
+            m.total_bytes - m.reserve_bytes
+        )
+        assert m.reserve_bytes == pytest.approx(expected, rel=1e-9)
+
+
+def test_memory_headroom_is_explicit() -> None:
+    gib = 2.0**30
+    assert fmt_memory(79.9 * gib, 7.5 * gib, 80 * gib) == (
+        "predicted 72.4 GiB + 7.5 GiB reserve/margin of 80 GiB"
+    )
+    assert fmt_memory(10 * gib, 0, 80 * gib) == "10 GiB of 80 GiB"  # a file without the reserve
 
 
 # ------------------------------------------------------------------------------- properties

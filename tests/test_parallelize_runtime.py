@@ -416,3 +416,52 @@ def test_a_checkpoint_loads_under_another_plan(
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+def _over_memory(rank: int, world_size: int, plan_data: dict[str, Any], check: bool) -> str:
+    import logging
+
+    from autoplan.parallelizer import parallelize
+    from cost_model.estimate import MemoryCapacityError
+    from cost_model.hardware import Cluster
+
+    # the local preset reserves 0.5 GiB for the framework: 1 MiB more leaves no room
+    reserve = Cluster.local(num_devices=world_size).calibration.reserved_memory_bytes
+    cluster = Cluster.local(num_devices=world_size).with_overrides(
+        memory_bytes=int(reserve) + 2**20
+    )
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("autoplan.parallelizer").addHandler(Keep(logging.WARNING))
+    try:
+        dist_model = parallelize(
+            build_model("gpt"),
+            cluster,
+            plan=Plan.from_data(plan_data),
+            loss_fn=loss_fn,
+            check_memory=check,
+        )
+    except MemoryCapacityError as error:
+        return f"refused: {error}"
+    inputs, targets = batch(plan_data["global_batch_size"])
+    loss = dist_model.train_step(inputs, targets)
+    return f"trained (loss {float(loss):.3f}); warned: {' | '.join(warnings)}"
+
+
+def test_a_plan_over_memory_is_refused_on_every_rank_unless_overridden(tmp_path: Path) -> None:
+    plan = make_plan(dp=2)
+    refused = run_distributed(
+        _over_memory, plan.to_data(), True, world_size=2, tmp_path=tmp_path, timeout_s=120
+    )
+    for message in refused:
+        assert message.startswith("refused: plan does not fit: pipeline rank 0 needs "), message
+    forced = run_distributed(
+        _over_memory, plan.to_data(), False, world_size=2, tmp_path=tmp_path, timeout_s=120
+    )
+    for message in forced:
+        assert message.startswith("trained (loss "), message
+    assert "check_memory=False, running anyway: plan does not fit" in forced[0]

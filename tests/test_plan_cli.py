@@ -33,6 +33,10 @@ def test_plan_writes_a_valid_yaml_with_its_estimate(tmp_path: Path) -> None:
     plan = Plan.from_yaml(out)
     assert plan.num_devices == 16 and plan.global_batch_size == 32
     assert plan.estimate is not None and plan.estimate.step_time_s > 0
+    # the headroom is recorded: the preset reserves 2 GiB, plus the allocator's margin
+    assert plan.estimate.memory_capacity_bytes == 80 * 2**30
+    assert 2 * 2**30 < plan.estimate.memory_reserve_bytes < plan.estimate.peak_memory_bytes
+    assert "reserve/margin" in result.stdout
     assert plan.model is not None and plan.model.fingerprint
     check = run_cli("validate", str(out), "--cluster", "dgx-a100-80g:nodes=2", "--model", MODEL)
     assert check.returncode == 0, check.stderr
@@ -139,3 +143,24 @@ def test_validate_rejects_a_plan_for_another_model(tmp_path: Path) -> None:
         run_cli("validate", str(out), "--cluster", "dgx-a100-80g", "--model", other),
         "plan was made for model",
     )
+
+
+def test_validate_checks_memory_as_parallelize_does(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    made = run_cli(
+        "plan", "--model", MODEL, "--cluster", "dgx-a100-80g", "--global-batch", "8", "-o", str(out)
+    )
+    assert made.returncode == 0, made.stderr
+    # the model comes from the plan file's model.name: memory is checked without --model
+    fits = run_cli("validate", str(out), "--cluster", "dgx-a100-80g")
+    assert fits.returncode == 0, fits.stderr
+    assert "; peak memory " in fits.stdout and "GiB of 80.0 GiB" in fits.stdout
+    # 2.1 GiB devices: the 2 GiB framework reserve leaves no room for the plan
+    small = "dgx-a100-80g:memory=2.1GiB"
+    _one_line_error(
+        run_cli("validate", str(out), "--cluster", small),
+        "plan does not fit: pipeline rank 0 needs",
+    )
+    forced = run_cli("validate", str(out), "--cluster", small, "--allow-over-memory")
+    assert forced.returncode == 0, forced.stderr
+    assert "WARNING (--allow-over-memory): plan does not fit: pipeline rank" in forced.stderr

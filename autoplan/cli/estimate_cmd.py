@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from autoplan._format import fmt_bytes, fmt_time
+from autoplan._format import fmt_bytes, fmt_memory, fmt_time
 from autoplan.api import default_dp, estimate, manual_plan
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.plan import DTypeName, Recompute, Schedule
@@ -106,8 +106,12 @@ def summary_line(result: Estimate) -> str:
         f"bubble {result.bubble_fraction:.1%}, tail {fmt_time(result.tail_s)}) | "
         f"{result.tokens_per_s:,.0f} tokens/s | {result.model_tflops_per_device:.1f} "
         f"TFLOP/s per device | MFU {result.mfu:.1%} | peak memory "
-        f"{fmt_bytes(result.peak_memory_bytes)} of {fmt_bytes(result.memory_capacity_bytes)}: "
-        f"{fits}"
+        + fmt_memory(
+            result.peak_memory_bytes,
+            result.peak_rank.memory.reserve_bytes,
+            result.memory_capacity_bytes,
+        )
+        + f": {fits}"
     )
 
 

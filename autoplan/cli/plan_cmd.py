@@ -10,7 +10,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autoplan._format import fmt_bytes, fmt_time
+from autoplan._format import fmt_memory, fmt_time
 from autoplan.api import estimate
 from autoplan.cli.common import (
     budget_s,
@@ -163,6 +163,6 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             fmt_time(e.step_time_s),
             f"{e.tokens_per_s:,.0f}",
             f"{e.mfu:.1%}",
-            fmt_bytes(e.peak_memory_bytes),
+            fmt_memory(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
         )
     return table

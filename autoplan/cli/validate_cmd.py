@@ -1,11 +1,18 @@
-"""`autoplan validate`: check a plan file against a cluster and, optionally, a model."""
+"""`autoplan validate`: check a plan file against a cluster and the model it was made for.
+
+Memory is checked as `autoplan.parallelize` checks it (`Estimate.require_fits`: the predicted
+per-rank peak against the device's memory) whenever the model is known: ``--model``, or the
+plan file's ``model.name`` when that is a model spec. ``--allow-over-memory`` turns the failure
+into a warning; without a model the output says that memory was not checked."""
 
 from __future__ import annotations
 
 import click
 
 from autoplan.cli.common import emit_json, json_option, trace_spec
+from autoplan.explanation import ExplainInputError, plan_model_spec
 from autoplan.plan import Plan
+from cost_model.estimate import estimate
 from cost_model.hardware import load_cluster
 
 
@@ -21,19 +28,45 @@ from cost_model.hardware import load_cluster
 @click.option(
     "--allow-cross-node-tp", is_flag=True, help="Accept tensor-parallel groups that span nodes."
 )
+@click.option(
+    "--allow-over-memory",
+    is_flag=True,
+    help="Warn instead of failing when the predicted peak memory exceeds the device's.",
+)
 @json_option
 def validate(
     plan_path: str,
     cluster_spec: str,
     model_spec: str | None,
     allow_cross_node_tp: bool,
+    allow_over_memory: bool,
     as_json: bool,
 ) -> None:
-    """Check a plan file against a cluster (and a model)."""
+    """Check a plan file against a cluster and its model (memory included)."""
     plan = Plan.from_yaml(plan_path)
     target = load_cluster(cluster_spec)
+    memory_note = ""
+    if model_spec is None:
+        try:
+            model_spec, _ = plan_model_spec(plan, plan_path)
+        except ExplainInputError as error:
+            memory_note = f"memory not checked ({error})"
     profile = trace_spec(model_spec).profile if model_spec else None
     plan.validate(profile, target, allow_cross_node_tp=allow_cross_node_tp)
+    peak = None
+    if profile is not None:
+        result = estimate(profile, target, plan)
+        peak = result.peak_memory_bytes
+        if not result.fits:
+            if not allow_over_memory:
+                result.require_fits()
+            memory_note = f"WARNING (--allow-over-memory): {result.memory_problem()}"
+            click.echo(memory_note, err=True)
+        else:
+            gib = 2.0**30
+            memory_note = (
+                f"peak memory {peak / gib:.1f} GiB of {result.memory_capacity_bytes / gib:.1f} GiB"
+            )
     against = f"{target.name} ({target.num_devices} devices)"
     if profile is not None:
         against += f" and model {profile.name}"
@@ -44,10 +77,12 @@ def validate(
                 "plan": plan_path,
                 "cluster": target.name,
                 "model": profile.name if profile else None,
+                "peak_memory_bytes": peak,
+                "memory": memory_note,
             }
         )
     else:
         click.echo(
             f"{plan_path}: valid for {against}: "
-            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}"
+            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}; {memory_note}"
         )

@@ -15,7 +15,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autoplan._format import fmt_bytes, fmt_time
+from autoplan._format import fmt_memory, fmt_time
 from autoplan.cli.common import (
     budget_s,
     console,
@@ -251,7 +251,7 @@ def whatif_table(result: WhatIfResult) -> Table:
         "step",
         "tokens/s",
         "MFU",
-        "peak memory (of capacity)",
+        "peak memory",
         "scaling",
     ]
     if result.tokens is not None:
@@ -261,6 +261,8 @@ def whatif_table(result: WhatIfResult) -> Table:
     for name in columns:
         if name in ("cluster", "plan"):
             table.add_column(name, justify="left", overflow="fold")
+        elif name == "peak memory":  # "predicted .. + .. reserve/margin of ..": may wrap
+            table.add_column(name, justify="right", overflow="fold", min_width=18)
         else:
             table.add_column(name, justify="right", no_wrap=True)
     for row in result.rows:
@@ -276,8 +278,11 @@ def whatif_table(result: WhatIfResult) -> Table:
             fmt_time(row.step_time_s),
             f"{row.tokens_per_s:,.0f}",
             f"{row.mfu:.1%}",
-            f"{fmt_bytes(row.peak_memory_bytes)} "
-            f"({row.peak_memory_bytes / row.memory_capacity_bytes:.0%})",
+            fmt_memory(
+                row.peak_memory_bytes,
+                row.plan.estimate.memory_reserve_bytes if row.plan.estimate else 0,
+                row.memory_capacity_bytes,
+            ),
             f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
         ]
         if result.tokens is not None:

@@ -742,6 +742,8 @@ def _to_plan(
         rank_layout=s.rank_layout,
     )
     result = estimate(profile, cluster, plan)
+    # The solver kept every rank within memory by the same numbers `require_fits` checks.
+    assert result.fits, result.memory_problem()
     # The solver optimised the cost model's own simulation: the two must agree.
     assert math.isclose(result.step_time_s, partition.step_time_s, rel_tol=1e-6), (
         result.step_time_s,
