@@ -121,6 +121,14 @@ class Cluster:
                 f"shared_cores_per_node = {self.shared_cores_per_node!r} must be at least 1 "
                 "(or null: devices do not share cores)"
             )
+        reserve = self.calibration.reserved_memory_bytes
+        if self.device.memory_bytes <= reserve:
+            gib = 2.0**30
+            raise ValueError(
+                f"device.memory_bytes = {self.device.memory_bytes / gib:.3g} GiB leaves nothing "
+                f"above calibration.reserved_memory_bytes = {reserve / gib:.3g} GiB (the "
+                "framework's own reserve); give the device's real memory or lower the reserve"
+            )
 
     @property
     def num_devices(self) -> int:

@@ -116,6 +116,16 @@ def test_local_cluster_describes_this_machine() -> None:
         ("dgx-a100-80g:nodes=0", "num_nodes = 0 must be at least 1"),
         ("dgx-a100-80g:nodes=1.5", "must be a whole number"),
         ("dgx-a100-80g:memory=-1GB", "memory_bytes = -1000000000 must be positive"),
+        ("dgx-a100-80g:memory=0", "memory_bytes = 0 must be positive"),
+        (
+            "dgx-a100-80g:memory=2GiB",
+            "device.memory_bytes = 2 GiB leaves nothing above "
+            "calibration.reserved_memory_bytes = 2 GiB",
+        ),
+        (
+            "dgx-a100-80g:reserved_memory_bytes=81GiB",
+            "device.memory_bytes = 80 GiB leaves nothing above",
+        ),
         ("dgx-a100-80g:inter_node_bandwidth=10GB", "not a unit of bandwidth"),
         ("dgx-a100-80g:gemm_efficiency=1.5", "must be a fraction in (0, 1]"),
         ("dgx-a100-80g:peak_flops_fp64=1", "unknown dtype in override"),

@@ -89,6 +89,8 @@ def test_no_feasible_plan_is_one_line_with_the_numbers() -> None:
         result, "no plan for 'gpt3-175b' fits 'dgx-a100-80g': the least memory per device"
     )
     assert "the device has 80.0 GiB" in result.stderr and "more devices" in result.stderr
+    # 175e9 parameters x 16 bytes (bf16 weights and grads, fp32 Adam) over 78 usable GiB each
+    assert "optimizer state alone need at least 36 devices of this type" in result.stderr
 
 
 def test_contradictory_constraints_are_one_line() -> None:

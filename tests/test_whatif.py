@@ -337,7 +337,7 @@ def test_cli_no_plan_at_any_size_is_an_input_error() -> None:
             "--model",
             MODEL,
             "--cluster",
-            "dgx-a100-80g:memory=2GiB",
+            "dgx-a100-80g:memory=2.1GiB",
             "--num-devices",
             "1,2",
             "--global-batch",
@@ -345,7 +345,7 @@ def test_cli_no_plan_at_any_size_is_an_input_error() -> None:
         ],
     )
     assert isinstance(result.exception, WhatIfInputError)
-    assert "fits any of the sizes: dgx-a100-80g:memory=2GiB x 1: does not fit: needs" in str(
+    assert "fits any of the sizes: dgx-a100-80g:memory=2.1GiB x 1: does not fit: needs" in str(
         result.exception
     )
 

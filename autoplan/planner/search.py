@@ -790,13 +790,26 @@ def _no_feasible_plan(
             for c in candidates[:5]
         ]
     least, best = min(needs, key=lambda item: item[0])
+    # A proven floor on the devices any plan needs: one copy of the weights, gradients and
+    # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
+    params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
+    state = static_bytes(params, space.dtype, 0, 1).total_bytes
+    cal = cluster.calibration
+    usable = (capacity - cal.reserved_memory_bytes) / (1.0 + cal.allocator_overhead_fraction)
+    floor = math.ceil(state / usable)
+    devices = (
+        f"; its weights, gradients and optimizer state alone need at least {floor} devices of "
+        f"this type ({state / gib:,.0f} GiB)"
+        if floor > cluster.num_devices
+        else ""
+    )
     return NoFeasiblePlanError(
         f"no plan for {profile.name!r} fits {cluster.name!r}: the least memory per device any of "
         f"the {stats.candidates} candidate plans needs is {least / gib:.1f} GiB (e.g. tp="
         f"{best.tp_degree} pp={best.pp_degree} dp={best.dp_degree} micro_batch="
         f"{best.micro_batch_size} zero={best.zero_stage}), the device has {capacity / gib:.1f} "
-        "GiB; use more devices, allow recompute='full', a higher ZeRO level, a smaller "
-        "micro-batch, or devices with more memory",
+        f"GiB{devices}; use more devices, allow recompute='full', a higher ZeRO level, a "
+        "smaller micro-batch, or devices with more memory",
         least_memory_bytes=least,
         capacity_bytes=float(capacity),
     )
