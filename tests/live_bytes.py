@@ -20,11 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """``current`` and ``peak`` bytes of live storages (meta tensors excluded)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
         self.current = 0
         self.peak = 0

@@ -1,0 +1,198 @@
+"""Predicted vs measured per-rank peak tensor memory on this machine (issue 16, item 3).
+
+For plans of a small GPT on 2 and 4 CPU processes covering every schedule, ZeRO 0-3, the three
+recompute modes, TP and SP, each rank runs one warm training step, then one measured step under
+`tests.live_bytes.LiveBytes` (live tensor storages, equal to torch's MemTracker on a plain step;
+MemTracker itself refuses modules that run forward more than once per step, as pipelines do),
+with its weight shards, gradients and optimizer state registered before it. The prediction is
+the cost model's for the rank's pipeline stage: `MemoryBreakdown.predicted_bytes` (weights,
+gradients, optimizer state, held activations, working set and buffers; no framework reserve: the
+local cluster's allocator margin is 0). Prints per plan and rank, then the median and max
+|error|. Target (issue 16): median <= 10%, max <= 25%. Results go to bench/results/memory.json.
+
+Run: .venv/bin/python bench/memory.py [--world-sizes 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.dist_utils import run_distributed  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "memory.json"
+# Activations comparable to the weights, so that both halves of the prediction are tested.
+MODEL = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_len": 128, "vocab_size": 512}
+GLOBAL_BATCH = 16
+TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
+
+
+def _gpt(device: str) -> torch.nn.Module:
+    from autoplan.models import gpt
+
+    torch.manual_seed(0)
+    return gpt(
+        MODEL["num_layers"],
+        MODEL["hidden_size"],
+        MODEL["num_heads"],
+        MODEL["seq_len"],
+        MODEL["vocab_size"],
+        device=device,
+    )
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    tokens = torch.randint(
+        0, MODEL["vocab_size"], (GLOBAL_BATCH, MODEL["seq_len"] + 1), generator=generator
+    )
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from autoplan.parallelizer import parallelize
+    from autoplan.plan import Plan
+    from tests.live_bytes import LiveBytes
+
+    plan = Plan.from_data(plan_data)
+    trainer = parallelize(_gpt("meta"), plan=plan, loss_fn=loss_fn)
+    trainer.train_step(*_batch(0))  # optimizer state exists from here on
+    live = LiveBytes()
+
+    def local(tensor: Any) -> Any:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    for _, param in trainer.named_parameters():
+        live.track(local(param))
+        live.track(local(param.grad))
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                live.track(local(value))
+    with live:
+        trainer.train_step(*_batch(1))
+    return {"rank": rank, "pp_rank": trainer.mesh.pp_rank, "peak_bytes": live.peak}
+
+
+def _plans(world: int, profile: Any, cluster: Any) -> list[Any]:
+    """Plans covering schedules, ZeRO levels, recompute modes, TP and SP for ``world``."""
+    from autoplan.api import manual_plan
+    from autoplan.errors import InputError
+
+    options: list[dict[str, Any]] = []
+    for zero, recompute in itertools.product((0, 1, 2, 3), ("none", "selective", "full")):
+        options.append({"zero": zero, "recompute": recompute})  # pure data parallelism
+    for sp, recompute in itertools.product((False, True), ("none", "full")):
+        options.append({"tp": 2, "sequence_parallel": sp, "recompute": recompute})
+    schedules = (
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved-1f1b", 2),
+        ("interleaved-zb", 2),
+        ("zbv", 2),
+        ("dualpipev", 2),
+    )
+    for (schedule, v), micro in itertools.product(schedules, (1, 2)):
+        pp = 2 if world == 2 else 4 if schedule not in ("zbv", "dualpipev") else 2
+        options.append({"pp": pp, "schedule": schedule, "virtual_stages": v, "micro_batch": micro})
+    if world == 4:
+        options += [
+            {"tp": 2, "pp": 2, "sequence_parallel": True},
+            {"pp": 2, "zero": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+            {"pp": 2, "zero": 3, "schedule": "1f1b", "recompute": "full"},
+            {"tp": 2, "zero": 3},
+        ]
+    plans = []
+    for option in options:
+        try:
+            plans.append(
+                manual_plan(profile, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", **option)
+            )
+        except InputError as error:
+            print(f"skipped {option}: {error}", flush=True)
+    return plans
+
+
+def _describe(plan: Any) -> str:
+    recompute = "/".join(sorted({s.recompute for s in plan.stages}))
+    schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    return (
+        f"dp{plan.dp_degree} tp{plan.tp_degree} pp{plan.pp_degree} mb{plan.micro_batch_size}x"
+        f"{plan.num_micro_batches} {schedule} z{plan.zero_stage} rc:{recompute}"
+        f"{' sp' if plan.sequence_parallel else ''}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--world-sizes", default="2,4")
+    args = parser.parse_args()
+    from autoplan.tracing import trace
+    from cost_model.estimate import estimate
+    from cost_model.hardware import Cluster
+
+    profile = trace(_gpt("meta")).profile
+    report: dict[str, Any] = {}
+    ok = True
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        cluster = Cluster.local(num_devices=world)
+        rows = []
+        for plan in _plans(world, profile, cluster):
+            predicted = estimate(profile, cluster, plan)
+            ranks = run_distributed(
+                measure_worker,
+                plan.to_data(),
+                world_size=world,
+                tmp_path=Path("/tmp"),
+                timeout_s=600,
+            )
+            for r in ranks:
+                guess = predicted.ranks[r["pp_rank"]].memory.predicted_bytes
+                error = (guess - r["peak_bytes"]) / r["peak_bytes"]
+                rows.append(
+                    {"plan": _describe(plan), **r, "predicted_bytes": guess, "error": error}
+                )
+            kib = 1024.0
+            print(
+                f"{world} procs, {_describe(plan)}: "
+                + "; ".join(
+                    f"r{row['rank']} predicted {row['predicted_bytes'] / kib:,.0f} KiB, measured "
+                    f"{row['peak_bytes'] / kib:,.0f} KiB ({row['error']:+.0%})"
+                    for row in rows[-len(ranks) :]
+                ),
+                flush=True,
+            )
+        errors = [abs(row["error"]) for row in rows]
+        median, worst = statistics.median(errors), max(errors)
+        ok &= median <= TARGET_MEDIAN and worst <= TARGET_MAX
+        print(
+            f"{world} procs: {len(rows)} rank measurements, median |error| {median:.1%} (target "
+            f"<= {TARGET_MEDIAN:.0%}), max {worst:.1%} (target <= {TARGET_MAX:.0%})",
+            flush=True,
+        )
+        report[str(world)] = {"rows": rows, "median_abs_error": median, "max_abs_error": worst}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
