@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime import _describe  # noqa: E402
+
 from tests.dist_utils import run_distributed  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "memory.json"
@@ -129,16 +132,6 @@ def _plans(world: int, profile: Any, cluster: Any) -> list[Any]:
         except InputError as error:
             print(f"skipped {option}: {error}", flush=True)
     return plans
-
-
-def _describe(plan: Any) -> str:
-    recompute = "/".join(sorted({s.recompute for s in plan.stages}))
-    schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    return (
-        f"dp{plan.dp_degree} tp{plan.tp_degree} pp{plan.pp_degree} mb{plan.micro_batch_size}x"
-        f"{plan.num_micro_batches} {schedule} z{plan.zero_stage} rc:{recompute}"
-        f"{' sp' if plan.sequence_parallel else ''}"
-    )
 
 
 def main() -> int:
