@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -70,6 +71,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
 
     from autoplan.parallelizer import parallelize
     from autoplan.plan import Plan
@@ -92,7 +94,13 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
                 live.track(local(value))
     with live:
         trainer.train_step(*_batch(1))
-    return {"rank": rank, "pp_rank": trainer.mesh.pp_rank, "peak_bytes": live.peak}
+    # DDP's reducer allocates its gradient buckets in C++, below the dispatch mode: add them
+    buckets = 0
+    for wrapper in trainer.wrappers:
+        if isinstance(wrapper, DistributedDataParallel):
+            logged = wrapper._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+            buckets += sum(int(size) for size in re.findall(r"\d+", str(logged["bucket_sizes"])))
+    return {"rank": rank, "pp_rank": trainer.mesh.pp_rank, "peak_bytes": live.peak + buckets}
 
 
 def _plans(world: int, profile: Any, cluster: Any) -> list[Any]:

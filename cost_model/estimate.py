@@ -1004,6 +1004,10 @@ def memory_constants(
             # The unit being computed and the prefetched next one, gathered; plus its grads.
             biggest = max((c.param_bytes * strategy.dp_degree for c in costs), default=0.0)
             buffers += 3 * biggest
+        elif runs_ddp(strategy):
+            # DDP's reducer keeps every gradient a second time, in its buckets (torch's default
+            # gradient_as_bucket_view=False; bench/memory.py reads the bucket sizes)
+            buffers += sum(c.grad_bytes for c in costs)
         else:
             buffers += DP_BUCKET_BYTES
     cal = cluster.calibration

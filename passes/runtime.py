@@ -232,6 +232,12 @@ class DistributedModel:
         return tuple(stage.module for stage in self._stages)
 
     @property
+    def wrappers(self) -> tuple[nn.Module, ...]:
+        """This rank's stage modules as data parallelism wraps them (a `DistributedDataParallel`,
+        or the module FSDP2 sharded in place)."""
+        return tuple(stage.wrapped for stage in self._stages)
+
+    @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         return tuple(stage.optimizer for stage in self._stages)
 

@@ -24,6 +24,7 @@ from cost_model.estimate import (
     peak_activations,
     rank_memory,
     rank_tail_s,
+    runs_ddp,
     step_overhead_s,
     unit_costs,
 )
@@ -753,3 +754,18 @@ def test_step_overhead_is_added_once_per_step() -> None:
     result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
     assert result.step_time_s == pytest.approx(1.518e-2 + 1e-3, rel=REL)
     assert [r.tail_s for r in result.ranks] == pytest.approx([6e-5 + 1e-3] * 2, rel=REL)
+
+
+def test_ddp_keeps_a_second_copy_of_the_gradients() -> None:
+    # torch's DDP (gradient_as_bucket_view off) copies every gradient into its buckets: 1e6
+    # parameters per unit x 2 units x 4 B (fp32). bench/memory.py measures the buckets.
+    cluster = dataclasses.replace(round_cluster(), devices_per_node=4)
+    strategy = Strategy(dp_degree=2, dtype="fp32", micro_batch_size=1, num_micro_batches=2)
+    assert runs_ddp(strategy)
+    costs = unit_costs(_two_unit_profile(), cluster, strategy, "none")
+    alone = dataclasses.replace(strategy, dp_degree=1)
+    extra = (
+        memory_constants(costs, cluster, strategy).buffer_bytes
+        - memory_constants(costs, cluster, alone).buffer_bytes
+    )
+    assert extra == sum(c.grad_bytes for c in costs) == 2 * 1e6 * 4
