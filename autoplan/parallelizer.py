@@ -97,9 +97,7 @@ def parallelize(
     if cluster is None:
         cluster = _job_cluster(world_size, local_world)
     if plan is not None:
-        _check_plan(plan, graph, cluster, world_size)
-        _check_tensor_parallel(plan, model, graph)
-        _check_memory(plan, graph, cluster, check_memory)
+        _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
     _init_process_group(device, timeout_s)
     if plan is None:
         constraints = dict(search_constraints or {})
@@ -113,9 +111,8 @@ def parallelize(
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
         if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
-        _check_plan(plan, graph, cluster, world_size)  # same plan, same verdict on every rank
-        _check_tensor_parallel(plan, model, graph)
-        _check_memory(plan, graph, cluster, check_memory)
+        # same plan, same verdict on every rank
+        _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
@@ -235,6 +232,20 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             "was traced with torch.export, which inlines its norms (sequence parallelism shards "
             "norm modules); turn sequence_parallel off (tensor parallelism itself works)"
         )
+
+
+def _check_before_launch(
+    plan: Plan,
+    model: nn.Module,
+    graph: ModelGraph,
+    cluster: Cluster,
+    world_size: int,
+    check_memory: bool,
+) -> None:
+    """Every check of ``plan`` that needs no communication, raised alike on every rank."""
+    _check_plan(plan, graph, cluster, world_size)
+    _check_tensor_parallel(plan, model, graph)
+    _check_memory(plan, graph, cluster, check_memory)
 
 
 def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> None:

@@ -24,15 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import _describe  # noqa: E402
+from runtime import _batch, _describe, _gpt, loss_fn  # noqa: E402
 
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -41,32 +38,6 @@ RESULTS = ROOT / "bench" / "results" / "memory.json"
 MODEL = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_len": 128, "vocab_size": 512}
 GLOBAL_BATCH = 16
 TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
-
-
-def _gpt(device: str) -> torch.nn.Module:
-    from autoplan.models import gpt
-
-    torch.manual_seed(0)
-    return gpt(
-        MODEL["num_layers"],
-        MODEL["hidden_size"],
-        MODEL["num_heads"],
-        MODEL["seq_len"],
-        MODEL["vocab_size"],
-        device=device,
-    )
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    tokens = torch.randint(
-        0, MODEL["vocab_size"], (GLOBAL_BATCH, MODEL["seq_len"] + 1), generator=generator
-    )
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
@@ -78,8 +49,9 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
     from tests.live_bytes import LiveBytes
 
     plan = Plan.from_data(plan_data)
-    trainer = parallelize(_gpt("meta"), plan=plan, loss_fn=loss_fn)
-    trainer.train_step(*_batch(0))  # optimizer state exists from here on
+    trainer = parallelize(_gpt(MODEL, device="meta", tie=True), plan=plan, loss_fn=loss_fn)
+    # one warm step: the optimizer state exists from here on
+    trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 0))
     live = LiveBytes()
 
     def local(tensor: Any) -> Any:
@@ -93,7 +65,7 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
             for value in state.values():
                 live.track(local(value))
     with live:
-        trainer.train_step(*_batch(1))
+        trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 1))
     # DDP's reducer allocates its gradient buckets in C++, below the dispatch mode: add them
     buckets = 0
     for wrapper in trainer.wrappers:
@@ -150,7 +122,7 @@ def main() -> int:
     from cost_model.estimate import estimate
     from cost_model.hardware import Cluster
 
-    profile = trace(_gpt("meta")).profile
+    profile = trace(_gpt(MODEL, device="meta", tie=True)).profile
     report: dict[str, Any] = {}
     ok = True
     for world in (int(w) for w in args.world_sizes.split(",")):

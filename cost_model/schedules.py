@@ -402,10 +402,9 @@ def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
         transfer.append(boundary[k])
         slot.append(4 * a.stage_idx + _KIND_SLOT[a.kind])
         last[r] = position[k]
-    sequence_actions = [flat[k] for k in sequence]
     return CompiledSchedule(
         spec=spec,
-        actions=tuple(sequence_actions),
+        actions=tuple(flat[k] for k in sequence),
         ranks=tuple(ranks),
         rank_pred=tuple(rank_pred),
         data_pred=tuple(data_pred),

@@ -723,8 +723,6 @@ def rank_balanced_hint(
         stage = min(spec.rank_stages(rank), key=lambda s: (counts[s] + edges.get(s, 0.0), s))
         counts[stage] += 1
         load[rank] += 1
-    if any(c < 1 for c in counts[1:-1]):
-        return None
     return _starts_from_counts(counts), tuple(mode for _ in range(S))
 
 
@@ -745,10 +743,11 @@ def improve(
     n, S = problem.num_units, problem.num_stages
     names = tuple(problem.modes)
     capacity = problem.memory_capacity_bytes
-    budget = [max_evaluations]  # evaluations left (shared by both phases)
+    budget = max_evaluations  # evaluations left (shared by both phases)
 
     def neighbours(at: Partition) -> Iterator[Partition]:
         """The partitions one move from ``at``, evaluated, while the budget lasts."""
+        nonlocal budget
         starts, modes = at.stage_starts, at.modes
         moves = [
             (starts, (*modes[:j], name, *modes[j + 1 :]))
@@ -762,15 +761,15 @@ def improve(
                 if starts[j - 1] < moved < upper:
                     moves.append(((*starts[:j], moved, *starts[j + 1 :]), modes))
         for move in moves:
-            if budget[0] <= 0 or time.perf_counter() > deadline:
-                budget[0] = 0
+            if budget <= 0 or time.perf_counter() > deadline:
+                budget = 0
                 return
-            budget[0] -= 1
+            budget -= 1
             yield evaluate(problem, *move)
 
     current = start
     accepted = [start]
-    while current.peak_memory_bytes > capacity and budget[0] > 0:  # repair
+    while current.peak_memory_bytes > capacity and budget > 0:  # repair
         excess = current.peak_memory_bytes - capacity
         choice: tuple[float, Partition] | None = None
         for found in neighbours(current):
@@ -786,7 +785,7 @@ def improve(
     if current.peak_memory_bytes > capacity:
         return start, accepted
     improved = True
-    while improved and budget[0] > 0:  # descent
+    while improved and budget > 0:  # descent
         improved = False
         for found in neighbours(current):
             faster = found.step_time_s < current.step_time_s * (1.0 - 1e-9)
@@ -826,13 +825,8 @@ def heuristic(
     if they were evaluated already), then `improve` from the fastest one (repairing its
     memory) and from the best one that fits. Returns the best that fits (None if none was
     found) and every partition met on the way."""
-    best: Partition | None = None
-    seeds: list[Partition] = []
-    for hinted in even_splits(problem) if splits is None else splits:
-        seeds.append(hinted)
-        fits = hinted.peak_memory_bytes <= problem.memory_capacity_bytes
-        if fits and (best is None or hinted.step_time_s < best.step_time_s):
-            best = hinted
+    seeds = list(even_splits(problem) if splits is None else splits)
+    best = fastest_fitting(problem, seeds)
     fastest = min(seeds, key=lambda seed: seed.step_time_s)
     if best is None or fastest.step_time_s < best.step_time_s:
         local, accepted = improve(

@@ -230,7 +230,9 @@ def search_plans(
     t0 = time.perf_counter()
     seed_end = t0 + _SEED_SHARE * (deadline - t0)
     seeded: list[tuple[float, int, Candidate]] = []  # (even-split step, order, candidate)
-    splits: dict[int, list[Partition]] = {}  # by order: the even splits evaluated
+    # by order: each seeded candidate's problem and its evaluated even splits (reused below)
+    problems: dict[int, PartitionProblem] = {}
+    splits: dict[int, list[Partition]] = {}
     while True:
         if budget_s is None:
             if len(seeded) >= max(_SEEDS, top_k):
@@ -241,7 +243,7 @@ def search_plans(
         if entry is None:
             break
         order, candidate = entry
-        problem = _problem(candidate, cluster)
+        problem = problems[order] = _problem(candidate, cluster)
         splits[order] = even_splits(problem)
         found = fastest_fitting(problem, splits[order])
         if found is not None:
@@ -252,9 +254,7 @@ def search_plans(
     for _, order, candidate in seeded[: max(_IMPROVED, top_k)]:
         if best and time.perf_counter() > improve_end:
             break
-        found, _ = heuristic(
-            _problem(candidate, cluster), deadline=improve_end, splits=splits[order]
-        )
+        found, _ = heuristic(problems[order], deadline=improve_end, splits=splits[order])
         if found is not None:
             offer(order, candidate, found)
     stats.seed_s = time.perf_counter() - t0
@@ -294,7 +294,7 @@ def search_plans(
             stats.unvisited = len(rest)
             unproven.extend(rest)
             break
-        problem = _problem(candidate, cluster)
+        problem = problems.pop(order) if order in problems else _problem(candidate, cluster)
         key = problem.content_key()
         t0 = time.perf_counter()
         if key in solved:
@@ -795,7 +795,11 @@ def _no_feasible_plan(
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
     state = static_bytes(params, space.dtype, 0, 1).total_bytes
     cal = cluster.calibration
-    usable = (capacity - cal.reserved_memory_bytes) / (1.0 + cal.allocator_overhead_fraction)
+    usable = MemoryConstants(
+        buffer_bytes=0.0,
+        reserved_bytes=cal.reserved_memory_bytes,
+        allocator_overhead_fraction=cal.allocator_overhead_fraction,
+    ).usable_bytes(capacity)
     floor = math.ceil(state / usable)
     devices = (
         f"; its weights, gradients and optimizer state alone need at least {floor} devices of "
