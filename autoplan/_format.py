@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
+from cost_model.units import format_bytes
+from cost_model.units import scaled as _scaled
 
-def _scaled(value: float, units: tuple[tuple[float, str], ...], digits: int = 3) -> str:
-    if value == 0:
-        return "0"
-    for scale, suffix in units:
-        if abs(value) >= scale:
-            return f"{value / scale:.{digits}g} {suffix}"
-    scale, suffix = units[-1]
-    return f"{value / scale:.{digits}g} {suffix}"
-
-
-def fmt_bytes(value: float) -> str:
-    """Binary units, as memory is sold and reported (80 GiB)."""
-    return _scaled(
-        value,
-        (
-            (2.0**50, "PiB"),
-            (2.0**40, "TiB"),
-            (2.0**30, "GiB"),
-            (2.0**20, "MiB"),
-            (2.0**10, "KiB"),
-            (1.0, "B"),
-        ),
-    )
+fmt_bytes = format_bytes
 
 
 def fmt_flops(value: float) -> str:

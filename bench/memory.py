@@ -10,7 +10,7 @@ gradients, optimizer state, held activations, working set and buffers; no framew
 local cluster's allocator margin is 0). Prints per plan and rank, then the median and max
 |error|. Target (issue 16): median <= 10%, max <= 25%. Results go to bench/results/memory.json.
 
-Run: .venv/bin/python bench/memory.py [--world-sizes 2,4]
+Run: .venv/bin/python bench/memory.py [--world-sizes 2,4] [--only zbv]
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
 
 
 def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
     from autoplan.parallelizer import parallelize
@@ -53,17 +52,13 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
     # one warm step: the optimizer state exists from here on
     trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 0))
     live = LiveBytes()
-
-    def local(tensor: Any) -> Any:
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
     for _, param in trainer.named_parameters():
-        live.track(local(param))
-        live.track(local(param.grad))
+        live.track(param)
+        live.track(param.grad)
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
             for value in state.values():
-                live.track(local(value))
+                live.track(value)
     with live:
         trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 1))
     # DDP's reducer allocates its gradient buckets in C++, below the dispatch mode: add them
@@ -117,6 +112,7 @@ def _plans(world: int, profile: Any, cluster: Any) -> list[Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--only", default="", help="measure only plans whose summary has this")
     args = parser.parse_args()
     from autoplan.tracing import trace
     from cost_model.estimate import estimate
@@ -129,6 +125,8 @@ def main() -> int:
         cluster = Cluster.local(num_devices=world)
         rows = []
         for plan in _plans(world, profile, cluster):
+            if args.only not in _describe(plan):
+                continue
             predicted = estimate(profile, cluster, plan)
             ranks = run_distributed(
                 measure_worker,

@@ -39,6 +39,7 @@ from cost_model.memory import (
     activation_scale,
     local_num_params,
     static_bytes,
+    weight_grad_input_bytes,
     working_bytes,
 )
 from cost_model.schedules import (
@@ -56,6 +57,7 @@ from cost_model.strategy import (
     group_placements,
     pipeline_link_crosses_nodes,
 )
+from cost_model.units import format_bytes
 from cost_model.workload import ModelProfile, OpProfile, UnitProfile
 
 # Ops that selective recompute re-runs: the cheap ones whose outputs it drops (the trace's
@@ -127,6 +129,7 @@ class UnitCost:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
+    local_params: float  # parameters this device stores before data-parallel sharding
     activation_bytes: float  # held per in-flight micro-batch
     # held per micro-batch between a split backward's input and weight halves: the recompute
     # (if any) has run and torch's stage_backward_input retains the whole graph until then
@@ -163,6 +166,9 @@ class MemoryConstants:
     buffer_bytes: float  # working set of one block's backward, p2p and DP/ZeRO-3 buffers
     reserved_bytes: float  # runtime context, library buffers (calibration)
     allocator_overhead_fraction: float
+    # of buffer_bytes, the largest block's backward working set: a bound for any cut (the
+    # partition's), which `rank_memory` replaces by that of the rank's own blocks
+    block_working_bytes: float = 0.0
 
     def total_bytes(self, tensor_bytes: float) -> float:
         """Device bytes for ``tensor_bytes`` of static + activation bytes of one rank."""
@@ -295,7 +301,6 @@ class Estimate:
         """What `require_fits` raises, as a line ("" when the plan fits)."""
         if self.fits:
             return ""
-        gib = 2.0**30
         peak = self.peak_rank
         m = peak.memory
         parts = sorted(
@@ -309,7 +314,7 @@ class Estimate:
             ),
             key=lambda part: -part[1],
         )
-        largest = ", ".join(f"{name} {size / gib:.1f} GiB" for name, size in parts[:3])
+        largest = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts[:3])
         if parts[0][0] == "activations in flight":
             fixes = (
                 "recompute 'selective' or 'full' on its stages, a smaller micro-batch, or more "
@@ -323,8 +328,8 @@ class Estimate:
                 "parallelism, or more devices"
             )
         return (
-            f"plan does not fit: pipeline rank {peak.pp_rank} needs {m.total_bytes / gib:.1f} "
-            f"GiB per device, the device has {self.memory_capacity_bytes / gib:.1f} GiB on "
+            f"plan does not fit: pipeline rank {peak.pp_rank} needs {format_bytes(m.total_bytes)} "
+            f"per device, the device has {format_bytes(self.memory_capacity_bytes)} on "
             f"{self.cluster} (largest: {largest}); fix: {fixes}; or override the check "
             "(check_memory=False, --allow-over-memory) to run it anyway"
         )
@@ -369,27 +374,15 @@ def _tp_module_count(unit: UnitProfile, sequence_parallel: bool) -> int:
 
 
 def runs_ddp(strategy: Strategy) -> bool:
-    """Whether autoplan's runtime (passes/data_parallel.py) runs this plan's data parallelism
-    under bucketed DDP: fp32 ZeRO-0/1 over several replicas without TP or PP. DDP is unsafe
-    with TP and PP and has no mixed-precision policy; its reducer also refuses GPipe's several
-    forwards before a backward (an internal assert). Everything else is FSDP2 per unit."""
-    return (
-        strategy.dp_degree > 1
-        and strategy.zero_stage <= 1
-        and strategy.tp_degree == 1
-        and strategy.pp_degree == 1
-        and strategy.dtype == "fp32"
-        and not (strategy.schedule == "gpipe" and strategy.num_micro_batches > 1)
-    )
+    """Whether autoplan's runtime runs this plan's data parallelism under bucketed DDP
+    (`Strategy.dp_wrapper`)."""
+    return strategy.dp_wrapper == "ddp"
 
 
 def _per_unit_dp_groups(strategy: Strategy) -> bool:
-    """Whether every unit is its own data-parallel group with per-unit hooks: FSDP2
-    (``fully_shard`` for ZeRO-2/3, ``replicate`` otherwise) unless the runtime `runs_ddp`, or
-    an fp32 plan with one data-parallel rank needs no wrapper."""
-    if strategy.dtype == "fp32" and strategy.dp_degree == 1:
-        return False
-    return not runs_ddp(strategy)
+    """Whether every unit is its own data-parallel group with per-unit hooks (FSDP2's
+    ``fully_shard`` or ``replicate``, `Strategy.dp_wrapper`)."""
+    return strategy.dp_wrapper in ("fsdp", "replicate")
 
 
 def _host_overhead_s(unit: UnitProfile, strategy: Strategy, cal: Calibration) -> float:
@@ -440,6 +433,7 @@ def unit_costs(
     device = cluster.device
     dtype = strategy.dtype
     t, dp = strategy.tp_degree, strategy.dp_degree
+    zero = strategy.runtime_zero_stage
     tp_groups = group_placements(strategy, cluster, "tp")
     dp_groups = group_placements(strategy, cluster, "dp")
     width = DTYPE_BYTES[dtype]
@@ -468,7 +462,7 @@ def unit_costs(
 
         # Parameters this device stores: TP-local; tied weights once per device (pp = 1).
         n_local = local_num_params(unit, t, count_shared=strategy.pp_degree > 1)
-        state = static_bytes(n_local, dtype, strategy.zero_stage, dp)
+        state = static_bytes(n_local, dtype, zero, dp, strategy.dp_wrapper)
         param_full_bytes = n_local * width  # unsharded (ZeRO-3 gathers this)
         grad_full_bytes = n_local * grad_reduce_bytes(dtype)
         dp_bytes.append((grad_full_bytes, param_full_bytes))
@@ -476,7 +470,7 @@ def unit_costs(
         zero3_fwd = zero3_bwd = 0.0
         dp_sync = post_sync = 0.0
         if dp > 1 and n_local > 0:
-            if strategy.zero_stage >= 3:
+            if zero >= 3:
                 # FSDP / ZeRO-3 (Rajbhandari et al. 2020, section 7.2.2): all-gather weights
                 # before the forward and again before the backward, reduce-scatter gradients
                 # after it, every micro-batch; prefetching hides them behind this unit's compute.
@@ -484,7 +478,7 @@ def unit_costs(
                 scatter = collective_time_s("reduce_scatter", grad_full_bytes, dp_groups, cluster)
                 zero3_fwd = gather
                 zero3_bwd = gather + scatter
-            elif strategy.zero_stage >= 1:
+            elif zero >= 1:
                 # ZeRO-1/2: reduce-scatter gradients (overlappable), all-gather the updated
                 # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
                 dp_sync = collective_time_s("reduce_scatter", grad_full_bytes, dp_groups, cluster)
@@ -503,7 +497,7 @@ def unit_costs(
                 post_sync += collective_time_s("all_reduce", shared, (pp_shared_pair,), cluster)
 
         # Optimizer step: memory-bound Adam over the parameters this device updates.
-        updated = n_local / dp if strategy.zero_stage >= 1 else n_local
+        updated = n_local / dp if zero >= 1 else n_local
         optimizer_s = updated * ADAM_TRAFFIC_BYTES_PER_PARAM[mixed] / mem_bw
         if updated > 0:
             optimizer_s += cal.kernel_overhead_s
@@ -524,7 +518,11 @@ def unit_costs(
         loss_saved = loss_cost(unit, strategy, cluster, traced).saved_bytes
         held = activation_bytes(unit, strategy, mode, traced) + loss_saved
         working = working_bytes(unit, strategy, traced) + loss_saved
-        retained = activation_bytes(unit, strategy, "none", traced) + loss_saved
+        retained = (
+            activation_bytes(unit, strategy, "none", traced)
+            + weight_grad_input_bytes(unit, strategy, traced)
+            + loss_saved
+        )
         costs.append(
             UnitCost(
                 kind=unit.kind,
@@ -546,6 +544,7 @@ def unit_costs(
                 param_bytes=state.param_bytes,
                 grad_bytes=state.grad_bytes,
                 optimizer_bytes=state.optimizer_bytes,
+                local_params=n_local,
                 activation_bytes=held,
                 retained_bytes=retained,
                 working_bytes=working,
@@ -554,7 +553,7 @@ def unit_costs(
                 forward_flops=flops,
             )
         )
-    if dp > 1 and strategy.zero_stage < 3:
+    if dp > 1 and zero < 3:
         costs = _grouped_dp_sync(costs, dp_bytes, profile, cluster, strategy, dp_groups)
     pipe_factor, tail_factor = oversubscription_factors(strategy, cluster)
     if pipe_factor != 1.0 or tail_factor != 1.0:
@@ -672,7 +671,7 @@ def _grouped_dp_sync(
         return costs
     grad_total = sum(dp_bytes[i][0] for i in merged)
     param_total = sum(dp_bytes[i][1] for i in merged)
-    if strategy.zero_stage >= 1:
+    if strategy.runtime_zero_stage >= 1:
         sync = collective_time_s("reduce_scatter", grad_total, dp_groups, cluster)
         gather = collective_time_s("all_gather", param_total, dp_groups, cluster)
     else:
@@ -996,26 +995,40 @@ def memory_constants(
     """Memory terms that do not depend on the cuts: the backward working set of the largest
     recomputable unit, p2p receive/send buffers, DP buckets or ZeRO-3 gathered weights."""
     # The embedding's and head's working sets travel with those units (extra_bytes).
-    buffers = max((c.working_bytes for c in costs if c.kind in RECOMPUTABLE_KINDS), default=0.0)
+    block_working = _block_working_bytes(costs)
+    buffers = block_working
     if strategy.pp_degree > 1:
         buffers += 2 * max((c.output_bytes for c in costs), default=0.0)
-    if strategy.dp_degree > 1:
-        if strategy.zero_stage >= 3:
-            # The unit being computed and the prefetched next one, gathered; plus its grads.
-            biggest = max((c.param_bytes * strategy.dp_degree for c in costs), default=0.0)
-            buffers += 3 * biggest
-        elif runs_ddp(strategy):
-            # DDP's reducer keeps every gradient a second time, in its buckets (torch's default
-            # gradient_as_bucket_view=False; bench/memory.py reads the bucket sizes)
-            buffers += sum(c.grad_bytes for c in costs)
-        else:
-            buffers += DP_BUCKET_BYTES
+    wrapper = strategy.dp_wrapper
+    if wrapper == "ddp":
+        # DDP's reducer keeps every gradient a second time, in its buckets (torch's default
+        # gradient_as_bucket_view=False; bench/memory.py reads the bucket sizes)
+        buffers += sum(c.grad_bytes for c in costs)
+    elif wrapper in ("fsdp", "replicate"):
+        # FSDP2 groups (passes/data_parallel.py): each block, and the stage's other units
+        # together. A group's backward makes its unsharded gradients (training dtype), copied
+        # into an fp32 reduce buffer before the reduce-scatter (all-reduce for replicate).
+        width = DTYPE_BYTES[strategy.dtype]
+        block = max((c.local_params for c in costs if c.kind == "block"), default=0.0)
+        root = sum(c.local_params for c in costs if c.kind != "block")
+        buffers += (width + grad_reduce_bytes(strategy.dtype)) * max(block, root)
+        if strategy.runtime_zero_stage >= 3:
+            # ZeRO-3 gathers the weights it freed: the stage's other units for the whole
+            # backward (the head runs first, the embedding last), the running block and the
+            # prefetched next one.
+            buffers += width * (root + 2 * block)
     cal = cluster.calibration
     return MemoryConstants(
         buffer_bytes=buffers,
         reserved_bytes=cal.reserved_memory_bytes,
         allocator_overhead_fraction=cal.allocator_overhead_fraction,
+        block_working_bytes=block_working,
     )
+
+
+def _block_working_bytes(costs: Sequence[UnitCost]) -> float:
+    """The largest backward working set of the recomputable units among ``costs``."""
+    return max((c.working_bytes for c in costs if c.kind in RECOMPUTABLE_KINDS), default=0.0)
 
 
 class HeldActivations(NamedTuple):
@@ -1027,10 +1040,11 @@ class HeldActivations(NamedTuple):
 
 
 def peak_activations(
-    stage_units: Sequence[Sequence[UnitCost]], held: HeldProfile
+    stage_units: Sequence[Sequence[UnitCost]], held: HeldProfile, send_bytes: float
 ) -> HeldActivations:
     """The largest activation total over the rank's candidate peak points (the schedule's
-    held and retained micro-batches per stage, `cost_model.schedules.held_microbatches`)."""
+    held and retained micro-batches per stage, `cost_model.schedules.held_microbatches`), with
+    ``send_bytes`` for each boundary tensor its pending sends hold (`boundary_send_bytes`)."""
     per_stage = [
         (
             sum(u.activation_bytes for u in stage_units[s]),
@@ -1039,8 +1053,8 @@ def peak_activations(
         for s in held.stages
     ]
     best = HeldActivations(0.0, tuple(0 for _ in held.stages))
-    for point in held.points:
-        total = sum(
+    for point, sends in zip(held.points, held.sends, strict=True):
+        total = sends * send_bytes + sum(
             h * act + k * kept for (h, k), (act, kept) in zip(point, per_stage, strict=True)
         )
         if total > best.bytes:
@@ -1048,17 +1062,26 @@ def peak_activations(
     return best
 
 
+def boundary_send_bytes(costs: Sequence[UnitCost]) -> float:
+    """Bytes of one boundary tensor a rank keeps for its pipeline transfers
+    (`HeldProfile.sends`), for any cut: the largest output of a unit a stage can end with (not
+    the last), a boundary's activation, or the gradient sent back, of the same size."""
+    return max((c.output_bytes for c in costs[:-1]), default=0.0)
+
+
 def rank_memory(
     rank_units: Sequence[UnitCost], activations: float, constants: MemoryConstants
 ) -> MemoryBreakdown:
-    """Bytes of one pipeline rank: static + held activations at the peak + constants."""
+    """Bytes of one pipeline rank: static + held activations at the peak + constants, with
+    the backward working set of the rank's own largest block."""
     params = sum(u.param_bytes for u in rank_units)
     grads = sum(u.grad_bytes for u in rank_units)
     optimizer = sum(u.optimizer_bytes for u in rank_units)
     extra = sum(u.extra_bytes for u in rank_units)
-    tensor_bytes = params + grads + optimizer + extra + activations
+    own_working = _block_working_bytes(rank_units) - constants.block_working_bytes
+    tensor_bytes = params + grads + optimizer + extra + activations + own_working
     total = constants.total_bytes(tensor_bytes)
-    working = extra + constants.buffer_bytes
+    working = extra + constants.buffer_bytes + own_working
     return MemoryBreakdown(
         param_bytes=params,
         grad_bytes=grads,
@@ -1112,12 +1135,13 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     t_pipe = sim.pipeline_time_s
 
     constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
+    send_bytes = boundary_send_bytes(next(iter(by_mode.values())))
     capacity = float(cluster.device.memory_bytes)
     held = held_microbatches(spec)
     ranks = []
     stage_estimates: list[StageEstimate | None] = [None] * len(stages)
     for r in range(p):
-        peak = peak_activations(stage_units, held[r])
+        peak = peak_activations(stage_units, held[r], send_bytes)
         memory = rank_memory(rank_units[r], peak.bytes, constants)
         busy = sim.rank_busy_s[r]
         idle = sim.rank_end_s[r] - busy

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_model.strategy import DTYPE_BYTES, Strategy
+from cost_model.strategy import DTYPE_BYTES, DataParallelWrapper, Strategy
 from cost_model.workload import UnitProfile
 
 # Units that activation recomputation applies to.
@@ -76,8 +76,32 @@ def local_num_params(unit: UnitProfile, tp_degree: int, *, count_shared: bool = 
     return local
 
 
-def static_bytes(num_params: float, dtype: str, zero_stage: int, dp_degree: int) -> StaticBytes:
-    """Weights, gradients and optimizer state of ``num_params`` under ZeRO ``zero_stage``."""
+def static_bytes(
+    num_params: float,
+    dtype: str,
+    zero_stage: int,
+    dp_degree: int,
+    wrapper: DataParallelWrapper = "none",
+) -> StaticBytes:
+    """Weights, gradients and optimizer state of ``num_params`` under ZeRO ``zero_stage``, as
+    the data-parallel ``wrapper`` (`Strategy.dp_wrapper`) holds them.
+
+    Without a wrapper or under DDP: Adam's bytes per parameter (`param_state_bytes`), divided
+    per the ZeRO stage. Under FSDP2 (``fsdp``, and ``replicate``, which is FSDP2 with one
+    shard) the parameters stay fp32 shards, which are Adam's master weights, with fp32
+    gradients (the shards' dtype) and fp32 moments, all sharded; the step's unsharded
+    weights, in the training dtype, are separate all-gather buffers that ZeRO-0 to ZeRO-2 keep
+    from the forward until each group's backward (counted here with the weights) and ZeRO-3
+    frees after each unit (`memory_constants` counts those).
+    """
+    if wrapper in ("fsdp", "replicate"):
+        shard = dp_degree if wrapper == "fsdp" else 1
+        unsharded = num_params * DTYPE_BYTES[dtype] if zero_stage < 3 else 0.0
+        return StaticBytes(
+            param_bytes=num_params * 4 / shard + unsharded,
+            grad_bytes=num_params * 4 / shard,
+            optimizer_bytes=num_params * 8 / shard,
+        )
     per = param_state_bytes(dtype)
     return StaticBytes(
         param_bytes=num_params * per.weight_bytes / (dp_degree if zero_stage >= 3 else 1),
@@ -116,3 +140,27 @@ def working_bytes(unit: UnitProfile, strategy: Strategy, traced_dtype_bytes: int
     """Transient bytes while ``unit`` runs its backward: the gradients of its intermediates (or
     its recomputed activations), about one micro-batch of its un-recomputed activations."""
     return activation_bytes(unit, strategy, "none", traced_dtype_bytes)
+
+
+def weight_grad_input_bytes(
+    unit: UnitProfile, strategy: Strategy, traced_dtype_bytes: int
+) -> float:
+    """Bytes a split backward keeps per micro-batch from its input half to its weight half,
+    beyond the saved activations: the gradient flowing into every op with weights, which
+    torch's ``stage_backward_input`` saves for ``stage_backward_weight`` (pipelining's
+    ``_backward.py``). A GEMM's is its output; a norm's its input's size. Column-parallel
+    outputs divide by the TP degree; a row-parallel GEMM's partial output is whole; norms
+    outside the TP region divide only with sequence parallelism."""
+    t = strategy.tp_degree
+    total = 0.0
+    for op in unit.ops:
+        if not op.param_bytes_read or op.kind == "embedding":
+            continue
+        if op.gemm is not None:
+            size = float(op.gemm.m_per_sample * op.gemm.n * op.gemm.batch * traced_dtype_bytes)
+            div = t if op.tp in ("column", "vocab") else 1
+        else:
+            size = op.activation_bytes / 2  # read and written once each
+            div = t if op.tp != "replicated" or strategy.sequence_parallel else 1
+        total += size / div
+    return total * activation_scale(strategy, traced_dtype_bytes)

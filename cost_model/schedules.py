@@ -612,51 +612,92 @@ class HeldProfile:
     ``stages`` are the rank's stages; each entry of ``points`` gives, per stage, the
     micro-batches whose activations it holds (forward run, backward not yet run) and, under a
     split backward, those past backward-input but not yet backward-weight (``retained``).
+    ``sends[i]`` is how many boundary tensors the rank keeps at point ``i`` for its pipeline
+    transfers to other ranks: a stage's output, which the stage keeps until its backward
+    (``fwd_cache``) and its send until it is waited for, and the gradient of its input, sent
+    back. torch's multi-stage runtime (``_PipelineScheduleRuntime``) waits for its sends only
+    when the step ends (pytorch/pytorch#194120 would release them early); ``ScheduleGPipe``
+    waits for the forward's sends after the last forward and the backward's at the end;
+    ``Schedule1F1B`` waits for each send in the next step of its loop. An output passed to a
+    stage on the same rank is that stage's input (counted with its activations).
+    Points are taken after each forward and after each backward-input (whose micro-batch then
+    holds its activations, kept for the weight half, and the gradients that half needs).
     Only points not dominated by another are kept (a peak is at one of them whatever the
     stages' activation sizes are).
     """
 
     stages: tuple[int, ...]
     points: tuple[tuple[tuple[int, int], ...], ...]  # [point][stage of the rank] = (held, retained)
+    sends: tuple[int, ...]  # [point]: boundary tensors held by pending sends
 
 
 @functools.lru_cache(maxsize=512)
 def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
     """Per pipeline rank, the candidate peak points of held activations (see `HeldProfile`)."""
     orders = pipeline_order(spec)
+    last = spec.num_stages - 1
     out = []
     for r, actions in enumerate(orders):
         stages = spec.rank_stages(r)
         index = {s: k for k, s in enumerate(stages)}
         held = [0] * len(stages)
         retained = [0] * len(stages)
-        points: set[tuple[tuple[int, int], ...]] = set()
+        # sends waited for later than the next action: all of them (multi-stage runtime), the
+        # forward's until the last forward and the backward's until the end (GPipe)
+        late_sends = spec.schedule != "1f1b"
+        cached = 0  # outputs sent to another rank whose stage has not run their backward
+        unwaited = 0  # outputs sent to another rank whose send is not waited for
+        grads = 0  # input gradients sent to another rank whose send is not waited for
+        points: set[_Point] = set()
         for a in actions:
-            k = index[a.stage_idx]
+            k, s = index[a.stage_idx], a.stage_idx
+            sends_forward = s < last and spec.stage_rank(s + 1) != r
+            sends_backward = s > 0 and spec.stage_rank(s - 1) != r
             if a.kind == "F":
                 held[k] += 1
-                points.add(tuple(zip(held, retained, strict=True)))
-            elif a.kind == "B":
-                held[k] -= 1
-            elif a.kind == "I":
-                held[k] -= 1
-                retained[k] += 1
+                cached += sends_forward
+                unwaited += sends_forward and late_sends
             else:
-                retained[k] -= 1
-        out.append(HeldProfile(stages=stages, points=_maximal(points)))
+                if spec.schedule == "gpipe":
+                    unwaited = 0  # waited after the last forward
+                if a.kind in ("B", "I"):
+                    cached -= sends_forward
+                    grads += sends_backward and late_sends
+                if a.kind == "B":
+                    held[k] -= 1
+                elif a.kind == "I":
+                    held[k] -= 1
+                    retained[k] += 1
+                else:
+                    retained[k] -= 1
+            if a.kind in ("F", "I"):
+                # an output both cached and unwaited is one tensor; every unwaited one was cached
+                # until its backward, so the live outputs are the larger count
+                points.add((tuple(zip(held, retained, strict=True)), max(cached, unwaited) + grads))
+        kept = _maximal(points)
+        out.append(
+            HeldProfile(
+                stages=stages,
+                points=tuple(pt for pt, _ in kept),
+                sends=tuple(n for _, n in kept),
+            )
+        )
     return tuple(out)
 
 
-def _maximal(
-    points: set[tuple[tuple[int, int], ...]],
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The points no other point dominates (every held and retained count at least as large)."""
+# a candidate peak point: per stage of the rank (held, retained), and the pending sends
+_Point = tuple[tuple[tuple[int, int], ...], int]
 
-    def flat(point: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-        return tuple(c for pair in point for c in pair)
+
+def _maximal(points: set[_Point]) -> tuple[_Point, ...]:
+    """The points no other point dominates (every held and retained count and the pending
+    sends at least as large)."""
+
+    def flat(point: _Point) -> tuple[int, ...]:
+        return (*(c for pair in point[0] for c in pair), point[1])
 
     ordered = sorted(points, key=lambda pt: -sum(flat(pt)))
-    kept: list[tuple[tuple[int, int], ...]] = []
+    kept: list[_Point] = []
     for point in ordered:
         fp = flat(point)
         if not any(all(x >= y for x, y in zip(flat(k), fp, strict=True)) for k in kept):

@@ -32,6 +32,8 @@ Axis = Literal["pp", "dp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
 RecomputeMode = Literal["none", "selective", "full"]
 RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+# How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.
+DataParallelWrapper = Literal["none", "ddp", "replicate", "fsdp"]
 
 # Bytes per element of the training dtype (activations, parameters and gradients in this dtype).
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -137,6 +139,38 @@ class Strategy:
     @property
     def num_devices(self) -> int:
         return self.tp_degree * self.dp_degree * self.pp_degree
+
+    @property
+    def dp_wrapper(self) -> DataParallelWrapper:
+        """The wrapper autoplan's runtime uses, the one rule the runtime and the cost model share.
+
+        - ``none``: fp32 on one data-parallel rank needs no wrapper;
+        - ``ddp``: bucketed DDP (+ ZeroRedundancyOptimizer for ZeRO-1) for fp32 ZeRO-0/1 over
+          several replicas without TP or PP. DDP is unsafe with TP and PP, has no
+          mixed-precision policy, and its reducer refuses GPipe's several forwards before a
+          backward (an internal assert);
+        - ``fsdp``: FSDP2 ``fully_shard`` per unit for ZeRO-1 (run as ZeRO-2) to ZeRO-3;
+        - ``replicate``: FSDP2 ``replicate`` per unit for ZeRO-0 otherwise.
+        """
+        if self.dp_degree == 1 and self.dtype == "fp32":
+            return "none"
+        if (
+            self.dp_degree > 1
+            and self.zero_stage <= 1
+            and self.tp_degree == 1
+            and self.pp_degree == 1
+            and self.dtype == "fp32"
+            and not (self.schedule == "gpipe" and self.num_micro_batches > 1)
+        ):
+            return "ddp"
+        return "fsdp" if self.zero_stage >= 1 else "replicate"
+
+    @property
+    def runtime_zero_stage(self) -> int:
+        """The ZeRO stage the runtime runs: ZeRO-1 outside DDP runs as FSDP2's ZeRO-2."""
+        if self.zero_stage == 1 and self.dp_wrapper == "fsdp":
+            return 2
+        return self.zero_stage
 
     @property
     def num_stages(self) -> int:

@@ -87,3 +87,29 @@ def _prefixed(unit: str, bases: tuple[str, ...], *, bits_ok: bool) -> float | No
                 return None
             return prefix / 8.0 if (bits_ok and base == "b") else prefix
     return None
+
+
+def scaled(value: float, units: tuple[tuple[float, str], ...], digits: int = 3) -> str:
+    """``value`` in the first of ``units`` (scale, suffix; largest first) it reaches."""
+    if value == 0:
+        return "0"
+    for scale, suffix in units:
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g} {suffix}"
+    scale, suffix = units[-1]
+    return f"{value / scale:.{digits}g} {suffix}"
+
+
+def format_bytes(value: float) -> str:
+    """Binary units, as memory is sold and reported (80 GiB)."""
+    return scaled(
+        value,
+        (
+            (2.0**50, "PiB"),
+            (2.0**40, "TiB"),
+            (2.0**30, "GiB"),
+            (2.0**20, "MiB"),
+            (2.0**10, "KiB"),
+            (1.0, "B"),
+        ),
+    )

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,8 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from autoplan.plan import Plan
-from cost_model.estimate import runs_ddp
-from cost_model.strategy import Strategy
+from cost_model.strategy import DataParallelWrapper, Strategy
 from passes._log import log_rank0
 from passes.mesh import ParallelMesh
 from passes.split import StageModule
@@ -63,7 +62,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DataParallelKind = Literal["none", "fsdp", "replicate", "ddp"]
+DataParallelKind = DataParallelWrapper
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -85,13 +84,14 @@ class DataParallelResult:
 
 def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> DataParallelResult:
     """Wrap ``stage`` for data parallelism in place (DDP returns a new wrapper module)."""
-    zero = plan.zero_stage
-    mixed = plan.dtype != "fp32"
-    if plan.dp_degree == 1 and not mixed:
+    strategy = Strategy.of(plan)
+    wrapper = strategy.dp_wrapper  # the rule the cost model prices
+    if wrapper == "none":
         return DataParallelResult(
             stage_idx=stage.stage_idx, kind="none", module=stage.module, zero_stage=0, num_groups=0
         )
-    if zero == 1 and not uses_ddp(plan):
+    zero = strategy.runtime_zero_stage
+    if zero != plan.zero_stage:
         log_rank0(
             logger,
             logging.INFO,
@@ -102,8 +102,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
             plan.tp_degree,
             plan.pp_degree,
         )
-        zero = 2
-    if uses_ddp(plan):
+    if wrapper == "ddp":
         ddp = DistributedDataParallel(
             stage.module,
             process_group=mesh.sub("dp").get_group(),
@@ -116,7 +115,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     dp_mesh = mesh.sub("dp")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch_dtype(plan.dtype), reduce_dtype=torch.float32)
-        if mixed
+        if plan.dtype != "fp32"
         else MixedPrecisionPolicy()
     )
     shared_ids = _shared_param_ids(stage.module)
@@ -137,7 +136,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     _check(stage)
     return DataParallelResult(
         stage_idx=stage.stage_idx,
-        kind="fsdp" if zero >= 2 else "replicate",
+        kind=wrapper,
         module=stage.module,
         zero_stage=zero,
         num_groups=groups,
@@ -145,11 +144,11 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
 
 
 def uses_ddp(plan: Plan) -> bool:
-    """Whether the plan's data parallelism is DDP (`cost_model.estimate.runs_ddp`: the cost
-    model prices the same rule). DDP needs real parameters (it broadcasts them when it is
+    """Whether the plan's data parallelism is DDP (`Strategy.dp_wrapper`: the cost model
+    prices the same rule). DDP needs real parameters (it broadcasts them when it is
     built): a meta model is materialised before this pass, at no cost in memory, since DDP
     shards no parameters."""
-    return runs_ddp(Strategy.of(plan))
+    return Strategy.of(plan).dp_wrapper == "ddp"
 
 
 def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy) -> None:

@@ -19,6 +19,7 @@ from cost_model.compute import op_time
 from cost_model.estimate import (
     MemoryCapacityError,
     boundary_costs,
+    boundary_send_bytes,
     estimate,
     memory_constants,
     peak_activations,
@@ -111,11 +112,13 @@ def test_hand_worked_step_time_and_memory() -> None:
     # Model FLOPs 3 * (2 * 5e10) * 8 = 2.4e12 per step over 4 devices.
     assert result.model_tflops_per_device == pytest.approx(2.4e12 / 1.518e-2 / 4 / 1e12, rel=REL)
     assert result.mfu == pytest.approx(2.4e12 / 1.518e-2 / 4 / 100e12, rel=REL)
-    # Memory, rank 0: 1e6 params * 16 B = 1.6e7; activations 1e6 B x min(m, p - 0) = 2 in
-    # flight = 2e6; buffers: one block's backward working set 1e6 + p2p 2 x 1e6 + DP buckets
-    # 2 x 25 MiB = 52428800. Total 73428800. Rank 1 holds 1 micro-batch: 72428800.
-    assert [r.memory.total_bytes for r in result.ranks] == pytest.approx([73428800, 72428800])
-    assert result.peak_memory_bytes == pytest.approx(73428800)
+    # Memory, rank 0 (bf16 ZeRO-0 with PP runs under FSDP2's replicate): 1e6 params x (fp32
+    # weights 4 + bf16 gathered weights 2 + fp32 grads 4 + Adam moments 8) = 1.8e7;
+    # activations 1e6 B x min(m, p - 0) = 2 in flight = 2e6; buffers: one block's backward
+    # working set 1e6 + p2p 2 x 1e6 + the block's unsharded bf16 grads and their fp32 reduce
+    # buffer (2 + 4) x 1e6 = 9e6. Total 2.9e7. Rank 1 holds 1 micro-batch: 2.8e7.
+    assert [r.memory.total_bytes for r in result.ranks] == pytest.approx([2.9e7, 2.8e7])
+    assert result.peak_memory_bytes == pytest.approx(2.9e7)
     assert result.fits
     stage0 = result.stages[0]
     assert stage0.compute_s == pytest.approx(4 * 3e-3, rel=REL)
@@ -136,7 +139,8 @@ def test_dp_sync_exposed_without_overlap() -> None:
 
 
 def test_memory_overflow_is_reported_with_numbers() -> None:
-    cluster = dataclasses.replace(round_cluster(memory_bytes=50 * 2**20), devices_per_node=4)
+    # rank 0 needs 2.9e7 B (test_hand_worked_step_time_and_memory)
+    cluster = dataclasses.replace(round_cluster(memory_bytes=20 * 2**20), devices_per_node=4)
     result = estimate(_two_unit_profile(), cluster, _two_unit_plan())
     assert not result.fits
     assert not result.ranks[0].fits
@@ -145,7 +149,7 @@ def test_memory_overflow_is_reported_with_numbers() -> None:
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(
-        "plan does not fit: pipeline rank 0 needs 0.1 GiB per device, the device has 0.0 GiB"
+        "plan does not fit: pipeline rank 0 needs 27.7 MiB per device, the device has 20 MiB"
     )
     assert "(largest: " in message and "; fix: " in message
     assert message.endswith("(check_memory=False, --allow-over-memory) to run it anyway")
@@ -306,11 +310,13 @@ def test_estimate_is_the_simulation_of_torchs_orders(
     independent = _event_driven_step(spec, times, tails)
     assert result.step_time_s == pytest.approx(independent, rel=5e-3)  # the issue's 0.5%
     assert result.step_time_s == pytest.approx(independent, rel=1e-9)  # in fact exact
-    constants = memory_constants(unit_costs(profile, cluster, strategy, "none"), cluster, strategy)
+    costs = unit_costs(profile, cluster, strategy, "none")
+    constants = memory_constants(costs, cluster, strategy)
+    send_bytes = boundary_send_bytes(costs)
     held = held_microbatches(spec)
     memory = [
         rank_memory(
-            rank_units[r], peak_activations(stage_units, held[r]).bytes, constants
+            rank_units[r], peak_activations(stage_units, held[r], send_bytes).bytes, constants
         ).total_bytes
         for r in range(p)
     ]

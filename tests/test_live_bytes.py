@@ -69,3 +69,52 @@ def test_several_micro_batches_count_states_once_and_free_activations() -> None:
     # after zero_grad (set_to_none) only what persists across steps stays (here 1.5 KiB that
     # the first measured step allocates and keeps): a second step leaves exactly as much
     assert before <= after_one == live.current
+
+
+def _fsdp_step(reshard: bool, track: Callable[[torch.nn.Module, torch.optim.Optimizer], object]):
+    """One FSDP2 step of a small GPT on a 2-rank fake group, measured by ``track``'s tracker."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = models.gpt(2, 64, 4, 32, 128, device="cpu")
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 128, (2, 32))
+
+    def step() -> None:
+        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    tracker = track(model, optimizer)
+    with tracker:  # type: ignore[attr-defined]
+        step()
+    return tracker
+
+
+def test_fsdp2_resharding_is_seen_as_memtracker_sees_it() -> None:
+    """FSDP2 frees and re-allocates unsharded weights with ``UntypedStorage.resize_``, which no
+    dispatch mode sees: LiveBytes follows it, to MemTracker's byte, and so finds that gathering
+    weights again for the backward (ZeRO-3) peaks lower than keeping them (ZeRO-2)."""
+    from tests.dist_utils import fake_process_group
+
+    def theirs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> MemTracker:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        return tracker
+
+    def ours(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LiveBytes:
+        return _registered(model, optimizer)
+
+    peaks = {}
+    with fake_process_group(2):
+        for reshard in (True, False):
+            mem = _fsdp_step(reshard, theirs)
+            live = _fsdp_step(reshard, ours)
+            expected = mem.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            assert live.peak == expected, (reshard, live.peak, expected)
+            peaks[reshard] = live.peak
+    assert peaks[True] < peaks[False]

@@ -89,6 +89,8 @@ class PartitionProblem:
     # output, busy on stage s's rank; the gradient back, busy on stage s + 1's rank).
     message_s: tuple[float, ...]
     memory_capacity_bytes: float
+    # bytes each pending send holds (`cost_model.estimate.boundary_send_bytes`)
+    send_bytes: float = 0.0
     # the rank tail: max(0, max_j (sum over the rank's units of tail_s[j] + constant j))
     tail_constants_s: tuple[float, ...] = ()
     unit_names: tuple[str, ...] = field(default=(), compare=False)
@@ -132,6 +134,7 @@ class PartitionProblem:
             self.transfer_s,
             self.message_s,
             self.memory_capacity_bytes,
+            self.send_bytes,
             self.tail_constants_s,
         )
 
@@ -208,8 +211,9 @@ def rank_memory(
     out = []
     for held in held_microbatches(problem.spec):
         peak = max(
-            sum(h * act[s] + k * kept[s] for (h, k), s in zip(point, held.stages, strict=True))
-            for point in held.points
+            sends * problem.send_bytes
+            + sum(h * act[s] + k * kept[s] for (h, k), s in zip(point, held.stages, strict=True))
+            for point, sends in zip(held.points, held.sends, strict=True)
         )
         out.append(sum(static[s] for s in held.stages) + peak)
     return out
@@ -314,10 +318,15 @@ class _Model:
         for held in held_microbatches(spec):
             static = sum(self.stage.static[s] for s in held.stages)
             points = []
-            for point in held.points:
-                expr = static + sum(
-                    h * self.stage.act[s] + k * self.stage.kept[s]
-                    for (h, k), s in zip(point, held.stages, strict=True)
+            for point, sends in zip(held.points, held.sends, strict=True):
+                # (one expression: OR-tools' += may extend the shared `static` in place)
+                expr = (
+                    static
+                    + sends * self.send_int
+                    + sum(
+                        h * self.stage.act[s] + k * self.stage.kept[s]
+                        for (h, k), s in zip(point, held.stages, strict=True)
+                    )
                 )
                 self.model.add(expr <= self.memory_capacity)
                 points.append(expr)
@@ -353,12 +362,7 @@ class _Model:
         self.time_bound = 4 * _RESOLUTION
         # a path runs at most every action and crossing once: m (2 or 3) actions per stage
         self.path_bound = (3 * spec.num_micro_batches + 2) * self.time_bound
-        held = held_microbatches(spec)
-        most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
-        worst_bytes = sum(problem.static_bytes) + most * sum(
-            max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
-            for u in range(n)
-        )
+        worst_bytes = _worst_bytes(problem)
         self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
 
         def ints(values: Sequence[float], unit: float) -> list[int]:
@@ -375,6 +379,7 @@ class _Model:
         self.act_int = {k: ints(c.activation_bytes, b) for k, c in modes.items()}
         self.kept_int = {k: ints(c.retained_bytes, b) for k, c in modes.items()}
         self.static_int = ints(problem.static_bytes, b)
+        self.send_int = round(problem.send_bytes / b)
         self.tail_int = [
             {k: ints(c.tail_s[j], t) for k, c in modes.items()}
             for j in range(problem.num_tail_terms)
@@ -969,18 +974,30 @@ def _critical_paths_of(
     return [critical_path(spec, sim, rank) for rank in range(spec.pp_degree)]
 
 
+def _worst_bytes(problem: PartitionProblem) -> float:
+    """An upper bound on any rank's memory under any partition: every unit's static bytes
+    and the most micro-batches any stage holds times every unit's activations, plus the most
+    pending sends."""
+    held = held_microbatches(problem.spec)
+    most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
+    sends = max((n for pr in held for n in pr.sends), default=0)
+    return (
+        sum(problem.static_bytes)
+        + sends * problem.send_bytes
+        + most
+        * sum(
+            max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
+            for u in range(problem.num_units)
+        )
+    )
+
+
 def min_peak_memory(
     problem: PartitionProblem, *, time_limit_s: float = 10.0, model: ModelKind | None = None
 ) -> float | None:
     """The least per-device peak memory any partition of this problem needs (bytes), or None
     if the solver could not finish in ``time_limit_s``."""
-    n = problem.num_units
-    held = held_microbatches(problem.spec)
-    most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
-    bound = sum(problem.static_bytes) + most * sum(
-        max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
-        for u in range(n)
-    )
+    bound = _worst_bytes(problem)
     built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0), model)
     peak = built.model.new_int_var(0, 2**60, "peak")
     for points in built.memory:

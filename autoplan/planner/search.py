@@ -62,6 +62,7 @@ from cost_model.estimate import (
     MemoryConstants,
     UnitCost,
     boundary_costs,
+    boundary_send_bytes,
     estimate,
     memory_constants,
     oversubscription_factors,
@@ -465,7 +466,13 @@ class _CostCache:
                 for unit in self.profile.units
             )
             self._params[key] = params
-        state = static_bytes(params, strategy.dtype, strategy.zero_stage, strategy.dp_degree)
+        state = static_bytes(
+            params,
+            strategy.dtype,
+            strategy.runtime_zero_stage,
+            strategy.dp_degree,
+            strategy.dp_wrapper,
+        )
         act_key = (strategy.tp_degree, strategy.sequence_parallel, strategy.micro_batch_size)
         least_act = self._least_act.get((*act_key, strategy.dtype, tuple(modes)))
         if least_act is None:
@@ -705,6 +712,7 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
         transfer_s=tuple(tuple(b.transfer_s for b in row) for row in boundaries),
         message_s=tuple(row[0].message_s for row in boundaries),
         memory_capacity_bytes=candidate.usable_bytes,
+        send_bytes=boundary_send_bytes(first),
         tail_constants_s=(fixed, fixed),
     )
 
