@@ -10,7 +10,14 @@ gradients, optimizer state, held activations, working set and buffers; no framew
 local cluster's allocator margin is 0). Prints per plan and rank, then the median and max
 |error|. Target (issue 16): median <= 10%, max <= 25%. Results go to bench/results/memory.json.
 
-Run: .venv/bin/python bench/memory.py [--world-sizes 2,4] [--only zbv]
+With ``--cuda`` (issue 16, item 5) it runs single-GPU plans of the same GPT instead (micro-batch
+1-4, the three recompute modes, fp32 and bf16) and compares the prediction with
+``torch.cuda.max_memory_allocated`` (tensors: `MemoryBreakdown.predicted_bytes`) and
+``max_memory_reserved`` (the caching allocator's segments: the prediction with the allocator
+margin, i.e. the total without the framework reserve, which the CUDA context holds outside the
+allocator); on a machine without CUDA it says so in one line and exits 0.
+
+Run: .venv/bin/python bench/memory.py [--world-sizes 2,4] [--only zbv] [--cuda]
 """
 
 from __future__ import annotations
@@ -113,7 +120,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--only", default="", help="measure only plans whose summary has this")
+    parser.add_argument("--cuda", action="store_true", help="single-GPU plans on this GPU")
     args = parser.parse_args()
+    if args.cuda:
+        return cuda_main()
     from autoplan.tracing import trace
     from cost_model.estimate import estimate
     from cost_model.hardware import Cluster
@@ -163,6 +173,78 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
     return 0 if ok else 1
+
+
+def cuda_main() -> int:
+    """Single-GPU plans: predicted vs the CUDA caching allocator's peaks."""
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("skipped: bench/memory.py --cuda needs a CUDA device; this machine has none")
+        return 0
+    from autoplan.api import manual_plan
+    from autoplan.parallelizer import parallelize
+    from autoplan.tracing import trace
+    from cost_model.estimate import estimate
+    from cost_model.hardware import Cluster
+
+    cluster = Cluster.local(num_devices=1)
+    profile = trace(_gpt(MODEL, device="meta", tie=True)).profile
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for dtype, micro, recompute in itertools.product(
+        ("fp32", "bf16"), (1, 2, 4), ("none", "selective", "full")
+    ):
+        plan = manual_plan(
+            profile,
+            cluster,
+            global_batch=GLOBAL_BATCH,
+            dtype=dtype,
+            micro_batch=micro,
+            recompute=recompute,
+        )
+        predicted = estimate(profile, cluster, plan).ranks[0].memory
+        trainer = parallelize(_gpt(MODEL, device="meta", tie=True), plan=plan, loss_fn=loss_fn)
+        batch = [
+            t.to(device) for t in _batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 0)
+        ]
+        trainer.train_step(*batch)  # the optimizer state exists from here on
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step(*batch)
+        torch.cuda.synchronize()
+        allocated = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
+        with_margin = predicted.total_bytes - cluster.calibration.reserved_memory_bytes
+        row = {
+            "plan": _describe(plan),
+            "predicted_bytes": predicted.predicted_bytes,
+            "max_memory_allocated": allocated,
+            "error_allocated": (predicted.predicted_bytes - allocated) / allocated,
+            "predicted_with_margin_bytes": with_margin,
+            "max_memory_reserved": reserved,
+            "error_reserved": (with_margin - reserved) / reserved,
+        }
+        rows.append(row)
+        mib = 2.0**20
+        print(
+            f"{row['plan']}: predicted {predicted.predicted_bytes / mib:,.1f} MiB vs allocated "
+            f"{allocated / mib:,.1f} MiB ({row['error_allocated']:+.0%}); with margin "
+            f"{with_margin / mib:,.1f} MiB vs reserved {reserved / mib:,.1f} MiB "
+            f"({row['error_reserved']:+.0%})",
+            flush=True,
+        )
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+    for key in ("error_allocated", "error_reserved"):
+        errors = [abs(row[key]) for row in rows]
+        print(f"{key}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.with_name("memory_cuda.json").write_text(json.dumps(rows, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

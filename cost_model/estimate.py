@@ -91,8 +91,6 @@ def grad_reduce_bytes(dtype: str) -> int:
 # bucket_cap_mb = 25 MiB each; each bucket is one all-reduce.
 DDP_FIRST_BUCKET_BYTES = 2**20
 DDP_BUCKET_CAP_BYTES = 25 * 2**20
-# Bucketed gradient communication keeps about two buckets in flight.
-DP_BUCKET_BYTES = 2 * DDP_BUCKET_CAP_BYTES
 
 
 class MemoryCapacityError(InputError):

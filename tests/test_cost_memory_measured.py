@@ -10,6 +10,9 @@ state per block, ~6% of a GPT block, in general).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -70,3 +73,80 @@ def test_static_and_activation_bytes_match_a_real_cpu_run(family: str) -> None:
     assert sum(c.optimizer_bytes for c in costs) == state
     predicted = sum(c.activation_bytes for c in costs)
     assert predicted == pytest.approx(saved, rel=0.02)
+
+
+# ------------------------------------------------------------------ per-rank peaks, measured
+
+MODEL = (4, 128, 4, 128, 512)  # layers, hidden, heads, seq, vocab: bench/memory.py's GPT
+GLOBAL_BATCH = 16
+
+
+def _gpt(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.gpt(*MODEL, device=device, tie_embeddings=True)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        0, MODEL[4], (GLOBAL_BATCH, MODEL[3] + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _measured_peak(rank: int, world_size: int, plan_data: dict[str, Any]) -> tuple[int, int]:
+    """This rank's pipeline rank and its peak live tensor bytes over one training step, after
+    a first step has made the optimizer state (bench/memory.py measures the same way)."""
+    from autoplan.parallelizer import parallelize
+    from autoplan.plan import Plan
+    from tests.live_bytes import LiveBytes
+
+    trainer = parallelize(_gpt("meta"), plan=Plan.from_data(plan_data), loss_fn=_loss)
+    trainer.train_step(*_batch(0))
+    live = LiveBytes()
+    for _, param in trainer.named_parameters():
+        live.track(param)
+        live.track(param.grad)
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                live.track(value)
+    with live:
+        trainer.train_step(*_batch(1))
+    return trainer.mesh.pp_rank, live.peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"zero": 3},  # FSDP2 gathers and frees weights per block
+        {"zero": 2, "recompute": "selective"},
+        {"tp": 2, "sequence_parallel": True},
+        {"pp": 2, "schedule": "interleaved-zb", "virtual_stages": 2, "micro_batch": 1},
+        {"pp": 2, "schedule": "gpipe", "micro_batch": 2},
+    ],
+    ids=["zero3", "zero2-selective", "tp2-sp", "interleaved-zb", "gpipe"],
+)
+def test_predicted_peak_is_within_a_quarter_of_the_measured_one(
+    option: dict[str, Any], tmp_path: Path
+) -> None:
+    """The issue's bound (max |error| 25%, bench/memory.py reports every plan) on a few
+    plans of 2 processes: FSDP2's buffers, TP with SP, a split-backward and a GPipe pipeline."""
+    from autoplan.api import manual_plan
+    from cost_model.estimate import estimate
+    from cost_model.hardware import Cluster
+    from tests.dist_utils import run_distributed
+
+    cluster = Cluster.local(num_devices=2)
+    profile = profile_of(_gpt("meta"))
+    plan = manual_plan(profile, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", **option)
+    predicted = estimate(profile, cluster, plan)
+    for pp_rank, measured in run_distributed(
+        _measured_peak, plan.to_data(), world_size=2, tmp_path=tmp_path, timeout_s=600
+    ):
+        guess = predicted.ranks[pp_rank].memory.predicted_bytes
+        assert abs(guess - measured) <= 0.25 * measured, (pp_rank, guess, measured)
