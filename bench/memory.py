@@ -242,6 +242,15 @@ def cuda_main() -> int:
     for key in ("error_allocated", "error_reserved"):
         errors = [abs(row[key]) for row in rows]
         print(f"{key}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
+    # What the process holds outside the caching allocator (CUDA context, library workspaces,
+    # NCCL buffers): the measured counterpart of calibration.reserved_memory_bytes.
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    print(
+        f"held outside the caching allocator: {outside / 2**20:,.0f} MiB (the cluster's "
+        f"calibration.reserved_memory_bytes assumes "
+        f"{cluster.calibration.reserved_memory_bytes / 2**20:,.0f} MiB)"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.with_name("memory_cuda.json").write_text(json.dumps(rows, indent=2))
     return 0

@@ -78,6 +78,11 @@ class Case:
     published_step_s: float
     unfused_attention: bool  # the framework materialised the attention scores (pre-flash)
     runtime: str  # "" (autoplan's model as is) or a training stack the bench adapts it to
+    # the peak memory the source prints (torchtitan: max_reserved, the caching allocator's
+    # segments), in bytes, if it prints one
+    published_memory_bytes: float | None = None
+    # why the run fits although the prediction does not (from its source), if it does not
+    memory_note: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +186,8 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     )
     how = extra.pop("throughput", fam["throughput"])
     reason = extra.pop("reason", "")
+    memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
+    published_gib = row["measured"].get("peak_memory_gib")
     merged = {**{k: v for k, v in config.items() if v is not None}, **extra}
     tp, pp = merged.get("tp", 1), merged.get("pp", 1)
     dp = row["num_gpus"] // (tp * pp)
@@ -214,6 +221,8 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
         unfused_attention=fam.get("attention") == "unfused",
         runtime=fam.get("runtime", ""),
+        published_memory_bytes=None if published_gib is None else float(published_gib) * 2**30,
+        memory_note=memory_note,
     )
 
 
@@ -585,11 +594,62 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
     )
     for pair in contradictions:
         lines.append(f"  {pair.slower:44s} {pair.gap:+6.1%} vs {pair.faster}  [{pair.rule}]")
+    lines.extend(memory_report(results))
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
     for s in skipped:
         lines.append(f"  {s.run_id:44s} {s.reason}")
     return "\n".join(lines)
+
+
+def allocator_peak_bytes(r: Result) -> float:
+    """The predicted peak as the caching allocator sees it (`torch.cuda.max_memory_reserved`):
+    the tensors plus the allocator margin, without the framework reserve (the CUDA context and
+    library buffers live outside the allocator)."""
+    return r.estimate.peak_memory_bytes - r.case.cluster.calibration.reserved_memory_bytes
+
+
+def memory_errors(results: Iterable[Result]) -> list[tuple[Result, float]]:
+    """Scored rows with a published peak: (row, predicted / published - 1)."""
+    return [
+        (r, allocator_peak_bytes(r) / r.case.published_memory_bytes - 1.0)
+        for r in results
+        if r.case.published_memory_bytes and r.case.status in ("fit", "held_out")
+    ]
+
+
+def memory_report(results: list[Result]) -> list[str]:
+    gib = 2.0**30
+    lines = ["", "peak memory where the source prints it (its allocator's max reserved):"]
+    for r in results:
+        if r.case.published_memory_bytes:
+            published = r.case.published_memory_bytes
+            error = allocator_peak_bytes(r) / published - 1.0
+            lines.append(
+                f"  {r.case.run_id:44s} {r.case.status:9s} published {published / gib:5.1f} GiB, "
+                f"predicted {allocator_peak_bytes(r) / gib:5.1f} GiB ({error:+.1%})"
+                + ("" if r.case.status in ("fit", "held_out") else f"  [{r.case.note}]")
+            )
+    scored = [abs(e) for _, e in memory_errors(results)]
+    if scored:
+        lines.append(
+            f"  scored rows {len(scored)}: median |error| {statistics.median(scored):.1%}, "
+            f"max {max(scored):.1%}"
+        )
+    over = [r for r in results if not r.estimate.fits]
+    unexplained = [r for r in over if not r.case.memory_note]
+    lines.append("")
+    lines.append(
+        f"runs that ran but are predicted over their device's memory ({len(over)}; "
+        f"{len(unexplained)} without an explanation from the source):"
+    )
+    for r in over:
+        lines.append(
+            f"  {r.case.run_id:44s} {r.estimate.peak_memory_bytes / gib:5.1f} GiB of "
+            f"{r.estimate.memory_capacity_bytes / gib:.0f} GiB  "
+            + (r.case.memory_note or "UNEXPLAINED")
+        )
+    return lines
 
 
 def fit_gemm_efficiency(cases: list[Case]) -> dict[str, float]:
@@ -640,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                             "predicted_step_s": r.step_time_s,
                             "error": r.error,
                             "fits": r.estimate.fits,
+                            "published_memory_bytes": r.case.published_memory_bytes,
+                            "predicted_memory_bytes": allocator_peak_bytes(r),
                         }
                         for r in results
                     ],

@@ -91,6 +91,19 @@ class Calibration:
     # (0: every matmul output is kept, autoplan's policy; 0.5: torchtitan's op-level selective
     # checkpointing, which recomputes every second mm). A property of the training stack.
     selective_gemm_recompute_fraction: float = 0.0
+    # Share of the pipeline boundary tensors that torch's pipelining keeps which the training
+    # stack keeps too (`cost_model.schedules.HeldProfile.sends`: outputs until their backward,
+    # every send until the step ends). 1: torch.distributed.pipelining (autoplan's runtime,
+    # torchtitan). 0: Megatron-LM, which frees an output's data once it is sent
+    # (schedules.py, deallocate_output_tensor) and waits for each batch of sends before its
+    # next compute (p2p_communication.py, wait_on_reqs), and DeepSpeed's pipeline engine.
+    pipeline_boundary_retention: float = 1.0
+    # Bytes the loss keeps per logit for its backward (and needs again as working set): 4 for
+    # F.cross_entropy on fp32 logits, autoplan's runtime (its fp32 log-probabilities); the
+    # training dtype's width for a fused cross-entropy that keeps only the logits and redoes
+    # the softmax in its backward (flash-attn's CrossEntropyLoss saves logits, per-row
+    # log-sum-exp and labels: 2 in bf16; it is the default loss_fn of llm-foundry's MPT).
+    loss_saved_bytes_per_logit: float = 4.0
     # Device memory the job cannot use for tensors: runtime context, communication buffers of
     # the library, workspaces.
     reserved_memory_bytes: float = unit_field("bytes", default=0.0)
@@ -110,6 +123,7 @@ class Calibration:
             "overlapped_comm_slowdown",
             "full_recompute_early_stop",
             "selective_gemm_recompute_fraction",
+            "pipeline_boundary_retention",
         ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -125,6 +139,7 @@ class Calibration:
             "step_overhead_s",
             "reserved_memory_bytes",
             "allocator_overhead_fraction",
+            "loss_saved_bytes_per_logit",
         ):
             value = getattr(self, name)
             if value < 0:

@@ -718,7 +718,8 @@ def loss_cost(
 
     In fp32 there is no cast (``b + 12`` and ``b + 20`` become 8 and 16). Vocab-parallel
     (Megatron) it divides by the TP degree. Memory-bound. Keeps the fp32 log-probabilities for
-    the backward. Zero for units that are not the head."""
+    the backward (`Calibration.loss_saved_bytes_per_logit`: 4, or 0 for a fused loss). Zero
+    for units that are not the head."""
     if unit.kind != "head":
         return LossCost(forward_s=0.0, backward_s=0.0, saved_bytes=0.0)
     logits = unit.output_bytes / traced_dtype_bytes * strategy.micro_batch_size
@@ -730,7 +731,7 @@ def loss_cost(
     return LossCost(
         forward_s=(cast + 8.0) * logits / bandwidth + kernels * overhead,
         backward_s=(cast + 16.0) * logits / bandwidth + kernels * overhead,
-        saved_bytes=4.0 * logits,
+        saved_bytes=cluster.calibration.loss_saved_bytes_per_logit * logits,
     )
 
 
@@ -1060,11 +1061,13 @@ def peak_activations(
     return best
 
 
-def boundary_send_bytes(costs: Sequence[UnitCost]) -> float:
+def boundary_send_bytes(costs: Sequence[UnitCost], cal: Calibration) -> float:
     """Bytes of one boundary tensor a rank keeps for its pipeline transfers
     (`HeldProfile.sends`), for any cut: the largest output of a unit a stage can end with (not
-    the last), a boundary's activation, or the gradient sent back, of the same size."""
-    return max((c.output_bytes for c in costs[:-1]), default=0.0)
+    the last), a boundary's activation, or the gradient sent back, of the same size; times the
+    share the training stack keeps (`Calibration.pipeline_boundary_retention`)."""
+    largest = max((c.output_bytes for c in costs[:-1]), default=0.0)
+    return largest * cal.pipeline_boundary_retention
 
 
 def rank_memory(
@@ -1133,7 +1136,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     t_pipe = sim.pipeline_time_s
 
     constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
-    send_bytes = boundary_send_bytes(next(iter(by_mode.values())))
+    send_bytes = boundary_send_bytes(next(iter(by_mode.values())), cluster.calibration)
     capacity = float(cluster.device.memory_bytes)
     held = held_microbatches(spec)
     ranks = []

@@ -314,7 +314,7 @@ def test_estimate_is_the_simulation_of_torchs_orders(
     assert result.step_time_s == pytest.approx(independent, rel=1e-9)  # in fact exact
     costs = unit_costs(profile, cluster, strategy, "none")
     constants = memory_constants(costs, cluster, strategy)
-    send_bytes = boundary_send_bytes(costs)
+    send_bytes = boundary_send_bytes(costs, cluster.calibration)
     held = held_microbatches(spec)
     memory = [
         rank_memory(

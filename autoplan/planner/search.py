@@ -712,7 +712,7 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
         transfer_s=tuple(tuple(b.transfer_s for b in row) for row in boundaries),
         message_s=tuple(row[0].message_s for row in boundaries),
         memory_capacity_bytes=candidate.usable_bytes,
-        send_bytes=boundary_send_bytes(first),
+        send_bytes=boundary_send_bytes(first, cluster.calibration),
         tail_constants_s=(fixed, fixed),
     )
 
