@@ -130,7 +130,8 @@ class RankMemory:
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # in flight at the peak
-    working_bytes: float  # one backward's working set (the loss's included), p2p/DP buffers
+    working_bytes: float  # one backward's working set, p2p and pipeline, DP buffers
+    loss_bytes: float  # the loss's log-probabilities, in flight and as working set
     reserve_bytes: float  # framework reserve and allocator margin
     fits: bool
 
@@ -266,6 +267,7 @@ def explain(
                 optimizer_bytes=r.memory.optimizer_bytes,
                 activation_bytes=r.memory.activation_bytes,
                 working_bytes=r.memory.working_bytes,
+                loss_bytes=r.memory.loss_bytes,
                 reserve_bytes=r.memory.reserve_bytes,
                 fits=r.fits,
             )

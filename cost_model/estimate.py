@@ -128,7 +128,8 @@ class UnitCost:
     grad_bytes: float
     optimizer_bytes: float
     local_params: float  # parameters this device stores before data-parallel sharding
-    activation_bytes: float  # held per in-flight micro-batch
+    activation_bytes: float  # held per in-flight micro-batch (the loss's included)
+    loss_bytes: float  # of those, the loss's (and again as working set: extra_bytes)
     # held per micro-batch between a split backward's input and weight halves: the recompute
     # (if any) has run and torch's stage_backward_input retains the whole graph until then
     retained_bytes: float
@@ -187,9 +188,12 @@ class MemoryBreakdown:
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # held activations: in-flight micro-batches x bytes per micro-batch
-    working_bytes: float  # working set of one backward (the loss's included), p2p/DP buffers
+    working_bytes: float  # working set of one backward, p2p and pipeline, DP buffers
     reserve_bytes: float  # framework reserve (calibration) and the allocator margin on the rest
     total_bytes: float
+    # the loss's fp32 log-probabilities: those its in-flight micro-batches keep for the
+    # backward, and one more as its backward's working set (`loss_cost`)
+    loss_bytes: float = 0.0
 
     @property
     def other_bytes(self) -> float:
@@ -278,6 +282,7 @@ class Estimate:
             f"+ optimizer {r.memory.optimizer_bytes / gib:.1f} "
             f"+ activations {r.memory.activation_bytes / gib:.1f} "
             f"+ working set {r.memory.working_bytes / gib:.1f} "
+            f"+ loss {r.memory.loss_bytes / gib:.1f} "
             f"+ reserve and margin {r.memory.reserve_bytes / gib:.1f}"
             for r in self.ranks
         )
@@ -308,6 +313,7 @@ class Estimate:
                 ("weights", m.param_bytes),
                 ("gradients", m.grad_bytes),
                 ("working set", m.working_bytes),
+                ("loss", m.loss_bytes),
                 ("reserve and allocator margin", m.reserve_bytes),
             ),
             key=lambda part: -part[1],
@@ -317,6 +323,11 @@ class Estimate:
             fixes = (
                 "recompute 'selective' or 'full' on its stages, a smaller micro-batch, or more "
                 "pipeline stages"
+            )
+        elif parts[0][0] == "loss":
+            fixes = (
+                "a smaller micro-batch, tensor parallelism (the head's logits divide by it), or "
+                "a fused cross-entropy (Calibration.loss_saved_bytes_per_logit)"
             )
         elif parts[0][0] in ("working set", "reserve and allocator margin"):
             fixes = "a smaller micro-batch, or devices with more memory"
@@ -544,6 +555,7 @@ def unit_costs(
                 optimizer_bytes=state.optimizer_bytes,
                 local_params=n_local,
                 activation_bytes=held,
+                loss_bytes=loss_saved,
                 retained_bytes=retained,
                 working_bytes=working,
                 extra_bytes=0.0 if unit.kind in RECOMPUTABLE_KINDS else working,
@@ -1071,25 +1083,33 @@ def boundary_send_bytes(costs: Sequence[UnitCost], cal: Calibration) -> float:
 
 
 def rank_memory(
-    rank_units: Sequence[UnitCost], activations: float, constants: MemoryConstants
+    rank_units: Sequence[UnitCost],
+    activations: float,
+    constants: MemoryConstants,
+    loss_held: float = 0.0,
 ) -> MemoryBreakdown:
-    """Bytes of one pipeline rank: static + held activations at the peak + constants, with
-    the backward working set of the rank's own largest block."""
+    """Bytes of one pipeline rank: static + held activations at the peak (``loss_held`` of
+    them the loss's) + constants, with the backward working set of the rank's own largest
+    block."""
     params = sum(u.param_bytes for u in rank_units)
     grads = sum(u.grad_bytes for u in rank_units)
     optimizer = sum(u.optimizer_bytes for u in rank_units)
     extra = sum(u.extra_bytes for u in rank_units)
+    loss_working = sum(u.loss_bytes for u in rank_units)
     own_working = _block_working_bytes(rank_units) - constants.block_working_bytes
     tensor_bytes = params + grads + optimizer + extra + activations + own_working
     total = constants.total_bytes(tensor_bytes)
-    working = extra + constants.buffer_bytes + own_working
+    working = extra + constants.buffer_bytes + own_working - loss_working
+    held = activations - loss_held
+    loss = loss_held + loss_working
     return MemoryBreakdown(
         param_bytes=params,
         grad_bytes=grads,
         optimizer_bytes=optimizer,
-        activation_bytes=activations,
+        activation_bytes=held,
         working_bytes=working,
-        reserve_bytes=total - (params + grads + optimizer + activations + working),
+        loss_bytes=loss,
+        reserve_bytes=total - (params + grads + optimizer + held + working + loss),
         total_bytes=total,
     )
 
@@ -1143,7 +1163,11 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     stage_estimates: list[StageEstimate | None] = [None] * len(stages)
     for r in range(p):
         peak = peak_activations(stage_units, held[r], send_bytes)
-        memory = rank_memory(rank_units[r], peak.bytes, constants)
+        loss_held = sum(
+            count * sum(u.loss_bytes for u in stage_units[s])
+            for s, count in zip(held[r].stages, peak.microbatches, strict=True)
+        )
+        memory = rank_memory(rank_units[r], peak.bytes, constants, loss_held)
         busy = sim.rank_busy_s[r]
         idle = sim.rank_end_s[r] - busy
         ranks.append(

@@ -21,6 +21,7 @@ from cost_model.estimate import (
     boundary_costs,
     boundary_send_bytes,
     estimate,
+    loss_cost,
     memory_constants,
     peak_activations,
     rank_memory,
@@ -329,6 +330,7 @@ def test_estimate_is_the_simulation_of_torchs_orders(
         parts = (
             m.param_bytes + m.grad_bytes + m.optimizer_bytes + m.activation_bytes,
             m.working_bytes,
+            m.loss_bytes,
             m.reserve_bytes,
         )
         assert sum(parts) == pytest.approx(m.total_bytes, rel=1e-12)
@@ -337,6 +339,22 @@ def test_estimate_is_the_simulation_of_torchs_orders(
             m.total_bytes - m.reserve_bytes
         )
         assert m.reserve_bytes == pytest.approx(expected, rel=1e-9)
+    # the loss's part: on the head's rank, its log-probabilities for every micro-batch the
+    # head's stage holds at the peak, and once more as the backward's working set
+    last = len(plan.stages) - 1
+    saved = loss_cost(
+        profile.units[plan.stages[last].first_unit :][-1],
+        strategy,
+        cluster,
+        profile.traced_dtype_bytes,
+    ).saved_bytes
+    for rank in result.ranks:
+        if last not in rank.stages:
+            assert rank.memory.loss_bytes == 0.0
+            continue
+        peak = peak_activations(stage_units, held[rank.pp_rank], send_bytes)
+        count = peak.microbatches[held[rank.pp_rank].stages.index(last)]
+        assert rank.memory.loss_bytes == pytest.approx(saved * (count + 1), rel=1e-9)
 
 
 def test_memory_headroom_is_explicit() -> None:
