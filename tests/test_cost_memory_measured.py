@@ -123,19 +123,18 @@ def _measured_peak(rank: int, world_size: int, plan_data: dict[str, Any]) -> tup
 @pytest.mark.parametrize(
     "option",
     [
-        {"zero": 3},  # FSDP2 gathers and frees weights per block
-        {"zero": 2, "recompute": "selective"},
+        {"zero": 3, "recompute": "selective"},  # FSDP2 gathers and frees weights per block
         {"tp": 2, "sequence_parallel": True},
+        # a split backward, and sends kept until the step ends
         {"pp": 2, "schedule": "interleaved-zb", "virtual_stages": 2, "micro_batch": 1},
-        {"pp": 2, "schedule": "gpipe", "micro_batch": 2},
     ],
-    ids=["zero3", "zero2-selective", "tp2-sp", "interleaved-zb", "gpipe"],
+    ids=["zero3-selective", "tp2-sp", "interleaved-zb"],
 )
 def test_predicted_peak_is_within_a_quarter_of_the_measured_one(
     option: dict[str, Any], tmp_path: Path
 ) -> None:
-    """The issue's bound (max |error| 25%, bench/memory.py reports every plan) on a few
-    plans of 2 processes: FSDP2's buffers, TP with SP, a split-backward and a GPipe pipeline."""
+    """The issue's bound (max |error| 25%; bench/memory.py reports every plan) on three plans
+    of 2 processes: FSDP2's buffers, TP with SP, a split-backward pipeline."""
     from autoplan.api import manual_plan
     from cost_model.estimate import estimate
     from cost_model.hardware import Cluster
