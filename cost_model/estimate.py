@@ -131,7 +131,8 @@ class UnitCost:
     activation_bytes: float  # held per in-flight micro-batch (the loss's included)
     loss_bytes: float  # of those, the loss's (and again as working set: extra_bytes)
     # held per micro-batch between a split backward's input and weight halves: the recompute
-    # (if any) has run and torch's stage_backward_input retains the whole graph until then
+    # (if any) has run and torch's stage_backward_input retains the whole graph until then,
+    # with the gradients the weight half needs (not in the first stage, which defers it all)
     retained_bytes: float
     working_bytes: float  # transient bytes while its backward runs (one micro-batch)
     extra_bytes: float  # the working set counted with this unit (embedding and head only)
@@ -1059,7 +1060,9 @@ def peak_activations(
     per_stage = [
         (
             sum(u.activation_bytes for u in stage_units[s]),
-            sum(u.retained_bytes for u in stage_units[s]),
+            # the first stage has no input gradient: torch skips its backward-input and runs
+            # its whole backward at W (stage.py, backward_one_chunk), keeping only activations
+            sum(u.activation_bytes if s == 0 else u.retained_bytes for u in stage_units[s]),
         )
         for s in held.stages
     ]

@@ -648,11 +648,14 @@ def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
         cached = 0  # outputs sent to another rank whose stage has not run their backward
         unwaited = 0  # outputs sent to another rank whose send is not waited for
         grads = 0  # input gradients sent to another rank whose send is not waited for
-        points: set[_Point] = set()
+        # per held/retained pattern, the most sends seen with it (a point with fewer is dominated)
+        points: dict[tuple[tuple[int, int], ...], int] = {}
+        # per stage of the rank: whether its output / its input gradient goes to another rank
+        forward_out = {s: s < last and spec.stage_rank(s + 1) != r for s in stages}
+        backward_out = {s: s > 0 and spec.stage_rank(s - 1) != r for s in stages}
         for a in actions:
             k, s = index[a.stage_idx], a.stage_idx
-            sends_forward = s < last and spec.stage_rank(s + 1) != r
-            sends_backward = s > 0 and spec.stage_rank(s - 1) != r
+            sends_forward, sends_backward = forward_out[s], backward_out[s]
             if a.kind == "F":
                 held[k] += 1
                 cached += sends_forward
@@ -673,8 +676,9 @@ def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
             if a.kind in ("F", "I"):
                 # an output both cached and unwaited is one tensor; every unwaited one was cached
                 # until its backward, so the live outputs are the larger count
-                points.add((tuple(zip(held, retained, strict=True)), max(cached, unwaited) + grads))
-        kept = _maximal(points)
+                counts = tuple(zip(held, retained, strict=True))
+                points[counts] = max(points.get(counts, 0), max(cached, unwaited) + grads)
+        kept = _maximal(set(points.items()))
         out.append(
             HeldProfile(
                 stages=stages,
@@ -692,14 +696,12 @@ _Point = tuple[tuple[tuple[int, int], ...], int]
 def _maximal(points: set[_Point]) -> tuple[_Point, ...]:
     """The points no other point dominates (every held and retained count and the pending
     sends at least as large)."""
-
-    def flat(point: _Point) -> tuple[int, ...]:
-        return (*(c for pair in point[0] for c in pair), point[1])
-
-    ordered = sorted(points, key=lambda pt: -sum(flat(pt)))
-    kept: list[_Point] = []
-    for point in ordered:
-        fp = flat(point)
-        if not any(all(x >= y for x, y in zip(flat(k), fp, strict=True)) for k in kept):
-            kept.append(point)
-    return tuple(sorted(kept))
+    flats = sorted(
+        (((*(c for pair in pt[0] for c in pair), pt[1]), pt) for pt in points),
+        key=lambda item: -sum(item[0]),
+    )
+    kept: list[tuple[tuple[int, ...], _Point]] = []
+    for fp, point in flats:
+        if not any(all(x >= y for x, y in zip(k, fp, strict=True)) for k, _ in kept):
+            kept.append((fp, point))
+    return tuple(sorted(point for _, point in kept))

@@ -207,7 +207,8 @@ def rank_memory(
         costs = problem.modes[modes[s]]
         static.append(sum(problem.static_bytes[start:end]))
         act.append(sum(costs.activation_bytes[start:end]))
-        kept.append(sum(costs.retained_bytes[start:end]))
+        # the first stage has no input gradient: torch runs its whole backward at W
+        kept.append(act[-1] if s == 0 else sum(costs.retained_bytes[start:end]))
     out = []
     for held in held_microbatches(problem.spec):
         peak = max(
@@ -485,6 +486,7 @@ class _CutModel(_Model):
             return [self._stage_value(prefix, s, f"{name}[{s}]") for s in range(S)]
 
         static_prefix = _prefix(self.static_int)
+        act = per_mode(self.act_int, "act")
         # transfer_table[s][c]: link time of stage s ending just before unit c (at unit c - 1)
         transfer_table = [[0, *row] for row in self.transfer_int]
         return _StageExprs(
@@ -492,8 +494,8 @@ class _CutModel(_Model):
             backward=per_mode(self.backward_int, "bwd"),
             weight=per_mode(self.weight_int, "wgt"),
             transfer=[self._read(transfer_table[s], s + 1) if s < S - 1 else 0 for s in range(S)],
-            act=per_mode(self.act_int, "act"),
-            kept=per_mode(self.kept_int, "kept"),
+            act=act,
+            kept=[act[0], *per_mode(self.kept_int, "kept")[1:]],  # (see `rank_memory`)
             static=[
                 self._read(static_prefix, s + 1) - self._read(static_prefix, s) for s in range(S)
             ],
@@ -601,13 +603,14 @@ class _CountModel(_Model):
         def stages(table: Mapping[Recompute, Sequence[int]]) -> list[Expr]:
             return [per_mode(table, s) for s in range(S)]
 
+        act = stages(self.act_int)
         return _StageExprs(
             forward=stages(self.forward_int),
             backward=stages(self.backward_int),
             weight=stages(self.weight_int),
             transfer=transfer,
-            act=stages(self.act_int),
-            kept=stages(self.kept_int),
+            act=act,
+            kept=[act[0], *stages(self.kept_int)[1:]],  # (see `rank_memory`)
             static=static,
             tail=[stages(table) for table in self.tail_int],
         )
