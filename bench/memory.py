@@ -58,14 +58,7 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
     trainer = parallelize(_gpt(MODEL, device="meta", tie=True), plan=plan, loss_fn=loss_fn)
     # one warm step: the optimizer state exists from here on
     trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 0))
-    live = LiveBytes()
-    for _, param in trainer.named_parameters():
-        live.track(param)
-        live.track(param.grad)
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                live.track(value)
+    live = LiveBytes.after_warm_step(trainer)
     with live:
         trainer.train_step(*_batch(GLOBAL_BATCH, MODEL["seq_len"], MODEL["vocab_size"], 1))
     # DDP's reducer allocates its gradient buckets in C++, below the dispatch mode: add them

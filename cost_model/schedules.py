@@ -593,6 +593,19 @@ def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) 
     return bound
 
 
+def least_sends(spec: ScheduleSpec) -> int:
+    """A lower bound, without building the orders, on the boundary tensors pipeline rank 0
+    keeps for its transfers at some point (`HeldProfile.sends`): right after its last forward
+    every forward send is still unwaited under the multi-stage runtime and under GPipe (one
+    per micro-batch and stage of the rank whose next stage is on another rank); 1F1B waits
+    for its sends as it goes (a test checks this against `held_microbatches`)."""
+    if spec.pp_degree == 1 or spec.schedule == "1f1b":
+        return 0
+    last = spec.num_stages - 1
+    crossing = sum(1 for s in spec.rank_stages(0) if s < last and spec.stage_rank(s + 1) != 0)
+    return spec.num_micro_batches * crossing
+
+
 def least_held(spec: ScheduleSpec) -> int:
     """A lower bound, without building the orders, on the micro-batches that every stage of
     any rank holds at once at some point (so a rank's peak holds at least that many times its

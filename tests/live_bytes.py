@@ -34,6 +34,20 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.current = 0
         self.peak = 0
 
+    @classmethod
+    def after_warm_step(cls, trainer: Any) -> LiveBytes:
+        """A count that starts with what a trained `DistributedModel` keeps between steps: its
+        parameters, their gradients and its optimizers' state."""
+        live = cls()
+        for _, param in trainer.named_parameters():
+            live.track(param)
+            live.track(param.grad)
+        for optimizer in trainer.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    live.track(value)
+        return live
+
     def track(self, tensor: object) -> None:
         """Count ``tensor``'s storages (once each) until they are freed; a tensor subclass
         (DTensor, FSDP2's parameters) counts the plain tensors inside it."""

@@ -30,6 +30,7 @@ from cost_model.schedules import (
     StageTimes,
     held_microbatches,
     least_held,
+    least_sends,
     pipeline_order,
     simulate,
 )
@@ -423,3 +424,12 @@ def test_least_held_bounds_what_every_stage_holds() -> None:
             for profile in held_microbatches(spec)
         )
         assert least_held(spec) <= exact, spec
+
+
+def test_least_sends_bounds_what_rank_zero_keeps() -> None:
+    checked = 0
+    for spec in SMALL_SPECS:
+        bound = least_sends(spec)
+        assert bound <= max(held_microbatches(spec)[0].sends), spec
+        checked += bound > 0
+    assert checked  # the bound is not trivially zero on the multi-stage schedules

@@ -106,14 +106,7 @@ def _measured_peak(rank: int, world_size: int, plan_data: dict[str, Any]) -> tup
 
     trainer = parallelize(_gpt("meta"), plan=Plan.from_data(plan_data), loss_fn=_loss)
     trainer.train_step(*_batch(0))
-    live = LiveBytes()
-    for _, param in trainer.named_parameters():
-        live.track(param)
-        live.track(param.grad)
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                live.track(value)
+    live = LiveBytes.after_warm_step(trainer)
     with live:
         trainer.train_step(*_batch(1))
     return trainer.mesh.pp_rank, live.peak

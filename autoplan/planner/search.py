@@ -71,8 +71,8 @@ from cost_model.estimate import (
     unit_costs,
 )
 from cost_model.hardware import Cluster
-from cost_model.memory import activation_bytes, local_num_params, static_bytes
-from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s
+from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
+from cost_model.schedules import ScheduleName, least_held, least_sends, pipeline_lower_bound_s
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -306,8 +306,11 @@ def search_plans(
             stats.solver_reused += 1
         else:
             limit = time_limit_s
-            if budget_s is not None and best:
-                limit = max(0.05, min(limit, deadline - time.perf_counter()))
+            if budget_s is not None:
+                # until a first plan is found the search goes on past its budget, one budget
+                # per solve at most
+                remaining = deadline - time.perf_counter()
+                limit = max(0.05, min(limit, remaining if best else max(remaining, budget_s)))
             found, solve_stats = solve(
                 problem,
                 time_limit_s=limit,
@@ -454,6 +457,7 @@ class _CostCache:
             strategy.dp_degree,
             strategy.zero_stage,
             inflight,
+            strategy.schedule_spec,
         )
         found = self._memory.get(whole)
         if found is not None:
@@ -488,6 +492,14 @@ class _CostCache:
             self._least_act[(*act_key, strategy.dtype, tuple(modes))] = least_act
         cal = self.cluster.calibration
         per_rank = (state.total_bytes + inflight * least_act) / p
+        # rank 0 at its last forward: the boundary tensors its pending sends keep, each at
+        # least the smallest output a stage can end with
+        sends = least_sends(strategy.schedule_spec)
+        if sends:
+            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
+            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+            smallest = min(u.output_bytes for u in self.profile.units[:-1]) * scale
+            per_rank = max(per_rank, sends * smallest * cal.pipeline_boundary_retention)
         found = (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
         self._memory[whole] = found
         return found
