@@ -197,11 +197,6 @@ class MemoryBreakdown:
     loss_bytes: float = 0.0
 
     @property
-    def other_bytes(self) -> float:
-        """Working set plus reserve and margin."""
-        return self.working_bytes + self.reserve_bytes
-
-    @property
     def predicted_bytes(self) -> float:
         """Tensors and working set: the total before the reserve and allocator margin."""
         return self.total_bytes - self.reserve_bytes

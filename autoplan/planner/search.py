@@ -439,13 +439,15 @@ class _CostCache:
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         # representative unit -> how many units share its content
         self.class_counts = Counter(unit_classes(profile))
+        # per sample at the traced dtype: the smallest tensor a pipeline stage can send
+        self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
 
     def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
         """A lower bound on the device memory of any plan with these outer choices: weights,
         gradients, optimizer state and the activations of the fewest micro-batches any rank
-        holds (under the leanest recompute mode), spread evenly over the pipeline ranks, plus
-        the reserved bytes and the allocator overhead."""
-        p = strategy.pp_degree
+        holds (under the leanest recompute mode), spread evenly over the pipeline ranks, or
+        the boundary tensors rank 0's pending sends keep if more, plus the reserved bytes and
+        the allocator overhead."""
         inflight = least_held(strategy.schedule_spec)
         whole = (
             strategy.tp_degree,
@@ -453,15 +455,32 @@ class _CostCache:
             strategy.micro_batch_size,
             strategy.dtype,
             tuple(modes),
-            p,
+            strategy.pp_degree,
             strategy.dp_degree,
             strategy.zero_stage,
+            strategy.dp_wrapper,  # (GPipe with several micro-batches runs no DDP)
             inflight,
-            strategy.schedule_spec,
         )
         found = self._memory.get(whole)
-        if found is not None:
+        if found is None:
+            found = self._state_memory(strategy, modes, inflight)
+            self._memory[whole] = found
+        # rank 0 at its last forward: the boundary tensors its pending sends keep, each at
+        # least the smallest output a stage can end with (not cached: it depends on the
+        # schedule's micro-batches, and costs a few operations)
+        sends = least_sends(strategy.schedule_spec)
+        if not sends:
             return found
+        cal = self.cluster.calibration
+        scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
+        scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+        kept = sends * self._smallest_output * scale * cal.pipeline_boundary_retention
+        by_sends = (1.0 + cal.allocator_overhead_fraction) * kept + cal.reserved_memory_bytes
+        return max(found, by_sends)
+
+    def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute], inflight: int) -> float:
+        """`memory_bound` without the pending sends."""
+        p = strategy.pp_degree
         key = (strategy.tp_degree, p > 1)
         params = self._params.get(key)
         if params is None:
@@ -492,17 +511,7 @@ class _CostCache:
             self._least_act[(*act_key, strategy.dtype, tuple(modes))] = least_act
         cal = self.cluster.calibration
         per_rank = (state.total_bytes + inflight * least_act) / p
-        # rank 0 at its last forward: the boundary tensors its pending sends keep, each at
-        # least the smallest output a stage can end with
-        sends = least_sends(strategy.schedule_spec)
-        if sends:
-            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
-            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
-            smallest = min(u.output_bytes for u in self.profile.units[:-1]) * scale
-            per_rank = max(per_rank, sends * smallest * cal.pipeline_boundary_retention)
-        found = (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
-        self._memory[whole] = found
-        return found
+        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
 
     def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
         """(a floor under the order key, a proven lower bound on the step) from the units'
