@@ -593,17 +593,32 @@ def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) 
     return bound
 
 
-def least_sends(spec: ScheduleSpec) -> int:
-    """A lower bound, without building the orders, on the boundary tensors pipeline rank 0
-    keeps for its transfers at some point (`HeldProfile.sends`): right after its last forward
-    every forward send is still unwaited under the multi-stage runtime and under GPipe (one
-    per micro-batch and stage of the rank whose next stage is on another rank); 1F1B waits
-    for its sends as it goes (a test checks this against `held_microbatches`)."""
-    if spec.pp_degree == 1 or spec.schedule == "1f1b":
-        return 0
+def sends_at_end(spec: ScheduleSpec) -> tuple[int, ...]:
+    """Per pipeline rank, the boundary tensors it keeps for its transfers at the step's end
+    (one of `HeldProfile.sends`, so a lower bound on its most), without building the orders:
+    the multi-stage runtime waits for no send before then, so a rank keeps one output per
+    micro-batch and stage whose next stage is on another rank, and one input gradient per
+    micro-batch and stage whose previous stage is; GPipe keeps the input gradients only;
+    1F1B waits for its sends as it goes (a test checks this against `held_microbatches`)."""
+    m = spec.num_micro_batches
+    return tuple(m * n for n in _crossings(spec.schedule, spec.pp_degree, spec.virtual_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _crossings(schedule: ScheduleName, p: int, v: int) -> tuple[int, ...]:
+    """`sends_at_end` per micro-batch."""
+    if p == 1 or schedule == "1f1b":
+        return (0,) * p
+    # the rank placement does not depend on the micro-batches: any valid count will do
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=2 * p)
     last = spec.num_stages - 1
-    crossing = sum(1 for s in spec.rank_stages(0) if s < last and spec.stage_rank(s + 1) != 0)
-    return spec.num_micro_batches * crossing
+    out = []
+    for r in range(p):
+        stages = spec.rank_stages(r)
+        backward = sum(1 for s in stages if s > 0 and spec.stage_rank(s - 1) != r)
+        forward = sum(1 for s in stages if s < last and spec.stage_rank(s + 1) != r)
+        out.append(backward if schedule == "gpipe" else forward + backward)
+    return tuple(out)
 
 
 def least_held(spec: ScheduleSpec) -> int:
@@ -634,7 +649,8 @@ class HeldProfile:
     ``Schedule1F1B`` waits for each send in the next step of its loop. An output passed to a
     stage on the same rank is that stage's input (counted with its activations).
     Points are taken after each forward and after each backward-input (whose micro-batch then
-    holds its activations, kept for the weight half, and the gradients that half needs).
+    holds its activations, kept for the weight half, and the gradients that half needs), and
+    at the step's end (no activations; the sends not waited for yet).
     Only points not dominated by another are kept (a peak is at one of them whatever the
     stages' activation sizes are).
     """
@@ -691,6 +707,10 @@ def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
                 # until its backward, so the live outputs are the larger count
                 counts = tuple(zip(held, retained, strict=True))
                 points[counts] = max(points.get(counts, 0), max(cached, unwaited) + grads)
+        # the step's end: every activation freed, the sends still unwaited (the multi-stage
+        # runtime's forward and backward ones; GPipe's backward ones) kept until then
+        end = tuple((0, 0) for _ in stages)
+        points[end] = max(points.get(end, 0), max(cached, unwaited) + grads)
         kept = _maximal(set(points.items()))
         out.append(
             HeldProfile(

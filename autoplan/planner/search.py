@@ -72,7 +72,7 @@ from cost_model.estimate import (
 )
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
-from cost_model.schedules import ScheduleName, least_held, least_sends, pipeline_lower_bound_s
+from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -433,7 +433,7 @@ class _CostCache:
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
         self._params: dict[tuple[int, bool], float] = {}
         self._least_act: dict[tuple[object, ...], float] = {}
-        self._memory: dict[tuple[object, ...], float] = {}
+        self._memory: dict[tuple[object, ...], tuple[float, float]] = {}
         # the cluster without core sharing: `floors` applies each strategy's own stretch
         self._apart = replace(cluster, shared_cores_per_node=None)
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
@@ -443,11 +443,13 @@ class _CostCache:
         self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
 
     def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
-        """A lower bound on the device memory of any plan with these outer choices: weights,
-        gradients, optimizer state and the activations of the fewest micro-batches any rank
-        holds (under the leanest recompute mode), spread evenly over the pipeline ranks, or
-        the boundary tensors rank 0's pending sends keep if more, plus the reserved bytes and
-        the allocator overhead."""
+        """A lower bound on the device memory of any plan with these outer choices, plus the
+        reserved bytes and the allocator overhead: the larger of (a) weights, gradients,
+        optimizer state and the activations of the fewest micro-batches any rank holds (under
+        the leanest recompute mode), spread evenly over the pipeline ranks, and (b) at the
+        step's end, the same state and the boundary tensors the ranks' pending sends keep
+        (`sends_at_end`, each at least the smallest output a stage can end with), spread
+        evenly, or the busiest rank's sends alone if more."""
         inflight = least_held(strategy.schedule_spec)
         whole = (
             strategy.tp_degree,
@@ -459,29 +461,28 @@ class _CostCache:
             strategy.dp_degree,
             strategy.zero_stage,
             strategy.dp_wrapper,  # (GPipe with several micro-batches runs no DDP)
-            inflight,
         )
         found = self._memory.get(whole)
         if found is None:
-            found = self._state_memory(strategy, modes, inflight)
+            found = self._state_memory(strategy, modes)
             self._memory[whole] = found
-        # rank 0 at its last forward: the boundary tensors its pending sends keep, each at
-        # least the smallest output a stage can end with (not cached: it depends on the
-        # schedule's micro-batches, and costs a few operations)
-        sends = least_sends(strategy.schedule_spec)
-        if not sends:
-            return found
-        cal = self.cluster.calibration
-        scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
-        scale /= strategy.tp_degree if strategy.sequence_parallel else 1
-        kept = sends * self._smallest_output * scale * cal.pipeline_boundary_retention
-        by_sends = (1.0 + cal.allocator_overhead_fraction) * kept + cal.reserved_memory_bytes
-        return max(found, by_sends)
-
-    def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute], inflight: int) -> float:
-        """`memory_bound` without the pending sends."""
+        state, least_act = found
         p = strategy.pp_degree
-        key = (strategy.tp_degree, p > 1)
+        per_rank = (state + inflight * least_act) / p
+        # (not cached: the sends depend on the schedule's micro-batches; a few operations)
+        sends = sends_at_end(strategy.schedule_spec)
+        cal = self.cluster.calibration
+        if any(sends):
+            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
+            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+            size = self._smallest_output * scale * cal.pipeline_boundary_retention
+            per_rank = max(per_rank, (state + sum(sends) * size) / p, max(sends) * size)
+        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+
+    def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
+        """(weights, gradients and optimizer state of all ranks; the activations of one
+        micro-batch through every unit under the leanest mode), in bytes."""
+        key = (strategy.tp_degree, strategy.pp_degree > 1)
         params = self._params.get(key)
         if params is None:
             params = sum(
@@ -509,9 +510,7 @@ class _CostCache:
                 for rep, count in self.class_counts.items()
             )
             self._least_act[(*act_key, strategy.dtype, tuple(modes))] = least_act
-        cal = self.cluster.calibration
-        per_rank = (state.total_bytes + inflight * least_act) / p
-        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+        return state.total_bytes, least_act
 
     def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
         """(a floor under the order key, a proven lower bound on the step) from the units'
