@@ -195,6 +195,8 @@ class MemoryBreakdown:
     # the loss's fp32 log-probabilities: those its in-flight micro-batches keep for the
     # backward, and one more as its backward's working set (`loss_cost`)
     loss_bytes: float = 0.0
+    # of reserve_bytes, the allocator margin (the rest is the framework reserve)
+    margin_bytes: float = 0.0
 
     @property
     def predicted_bytes(self) -> float:
@@ -296,12 +298,32 @@ class Estimate:
             return
         raise MemoryCapacityError(self.memory_problem())
 
+    @property
+    def fits_without_margin(self) -> bool:
+        """Whether every device would fit without the allocator margin (its tensors and the
+        framework reserve do): a plan that fits only so runs at the allocator's edge. PyTorch's
+        caching allocator frees its unused cached blocks and retries before it reports an
+        out-of-memory error (c10/cuda/CUDACachingAllocator.cpp, ``release_cached_blocks``;
+        ``num_alloc_retries`` in ``torch.cuda.memory_stats``), so such a run may well train,
+        with slower steps; the check does not count on it."""
+        return all(
+            r.memory.total_bytes - r.memory.margin_bytes <= self.memory_capacity_bytes
+            for r in self.ranks
+        )
+
     def memory_problem(self) -> str:
         """What `require_fits` raises, as a line ("" when the plan fits)."""
         if self.fits:
             return ""
         peak = self.peak_rank
         m = peak.memory
+        edge = ""
+        if self.fits_without_margin:
+            edge = (
+                f" (over only by the allocator margin, {format_bytes(m.margin_bytes)}: it may "
+                "run at the edge, its caching allocator flushing and retrying; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cuts fragmentation)"
+            )
         parts = sorted(
             (
                 ("activations in flight", m.activation_bytes),
@@ -335,7 +357,7 @@ class Estimate:
         return (
             f"plan does not fit: pipeline rank {peak.pp_rank} needs {format_bytes(m.total_bytes)} "
             f"per device, the device has {format_bytes(self.memory_capacity_bytes)} on "
-            f"{self.cluster} (largest: {largest}); fix: {fixes}; or override the check "
+            f"{self.cluster}{edge} (largest: {largest}); fix: {fixes}; or override the check "
             "(check_memory=False, --allow-over-memory) to run it anyway"
         )
 
@@ -1112,6 +1134,7 @@ def rank_memory(
         working_bytes=working,
         loss_bytes=loss,
         reserve_bytes=total - (params + grads + optimizer + held + working + loss),
+        margin_bytes=total - constants.reserved_bytes - (tensor_bytes + constants.buffer_bytes),
         total_bytes=total,
     )
 

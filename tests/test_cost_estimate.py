@@ -158,6 +158,30 @@ def test_memory_overflow_is_reported_with_numbers() -> None:
     assert message.endswith("(check_memory=False, --allow-over-memory) to run it anyway")
 
 
+def test_a_plan_over_only_by_the_allocator_margin_says_so() -> None:
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    cal = dataclasses.replace(
+        base.calibration, allocator_overhead_fraction=0.05, reserved_memory_bytes=2**20
+    )
+    roomy = estimate(
+        _two_unit_profile(), dataclasses.replace(base, calibration=cal), _two_unit_plan()
+    )
+    m = roomy.peak_rank.memory
+    # margin: 5% of what the devices hold before the reserve
+    assert m.margin_bytes == pytest.approx(0.05 * (m.total_bytes - 2**20) / 1.05, rel=REL)
+    assert m.margin_bytes < m.reserve_bytes
+    for capacity, edge in ((m.total_bytes - m.margin_bytes / 2, True), (m.total_bytes / 2, False)):
+        device = dataclasses.replace(base.device, memory_bytes=int(capacity))
+        tight = estimate(
+            _two_unit_profile(),
+            dataclasses.replace(base, device=device, calibration=cal),
+            _two_unit_plan(),
+        )
+        assert not tight.fits
+        assert tight.fits_without_margin is edge
+        assert ("over only by the allocator margin" in tight.memory_problem()) is edge
+
+
 # ------------------------------------------------------------------------------- structure
 
 
