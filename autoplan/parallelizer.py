@@ -51,6 +51,8 @@ from passes import (
     log_rank0,
     materialize,
     meta_buffer_values,
+    norm_parameter_names,
+    retarget_devices,
     split_stages,
     uses_ddp,
 )
@@ -118,8 +120,10 @@ def parallelize(
     mesh = build_mesh(plan, device.type)
     meta = has_meta_tensors([model])
     buffers = meta_buffer_values(model) if meta else {}
+    norms = norm_parameter_names(model)
     local = plan.stages_of_pipeline_rank(mesh.pp_rank)
     split = split_stages(graph, plan, stage_indices=local)
+    retarget_devices(split, device)
     if not meta:
         for stage in split.stages:
             stage.module.to(device)
@@ -135,11 +139,11 @@ def parallelize(
     num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
     if meta and uses_ddp(plan):
         # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
-        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers)
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     for stage in split.stages:
         wrapped[stage.stage_idx] = apply_data_parallel(stage, mesh, plan).module
     if meta and not uses_ddp(plan):
-        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers)
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
     return DistributedModel(
         plan=plan,

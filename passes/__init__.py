@@ -18,6 +18,7 @@ from passes.materialize import (
     init_full_model_,
     materialize,
     meta_buffer_values,
+    norm_parameter_names,
 )
 from passes.mesh import ParallelMesh, build_mesh
 from passes.pipeline import Pipeline, build_pipeline
@@ -30,6 +31,7 @@ from passes.split import (
     TiedParameter,
     UnitModule,
     original_fqn,
+    retarget_devices,
     split_stages,
 )
 from passes.tensor_parallel import TensorParallelResult, apply_tensor_parallel
@@ -57,7 +59,9 @@ __all__ = [
     "log_rank0",
     "materialize",
     "meta_buffer_values",
+    "norm_parameter_names",
     "original_fqn",
+    "retarget_devices",
     "selective_policy",
     "split_stages",
     "uses_ddp",

@@ -29,7 +29,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ __all__ = [
     "init_rule",
     "materialize",
     "meta_buffer_values",
+    "norm_parameter_names",
 ]
 
 INIT_STD = 0.02  # GPT-2, nanoGPT, Megatron-LM
@@ -61,10 +62,18 @@ class InitRule:
 
 
 def init_rule(
-    name: str, module: nn.Module, param_name: str, *, residual: bool, num_blocks: int
+    name: str,
+    module: nn.Module,
+    param_name: str,
+    *,
+    residual: bool,
+    num_blocks: int,
+    norm: bool | None = None,
 ) -> InitRule:
-    """GPT-2's initialisation of parameter ``param_name`` of ``module`` (named ``name``)."""
-    if is_norm(module):
+    """GPT-2's initialisation of parameter ``param_name`` of ``module`` (named ``name``);
+    ``norm``: whether it belongs to a norm, if known from the original model (an exported
+    graph keeps the parameters but not the norm modules that own them)."""
+    if is_norm(module) if norm is None else norm:
         return InitRule(kind="ones" if param_name == "weight" else "zeros")
     if param_name == "bias":
         return InitRule(kind="zeros")
@@ -72,6 +81,16 @@ def init_rule(
         std = INIT_STD / math.sqrt(2 * num_blocks) if residual else INIT_STD
         return InitRule(kind="normal", std=std)
     return InitRule(kind="zeros")
+
+
+def norm_parameter_names(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters of ``model``'s norm modules (every name of a shared one)."""
+    return frozenset(
+        f"{path}.{pname}" if path else pname
+        for path, module in model.named_modules(remove_duplicate=False)
+        if is_norm(module)
+        for pname, _ in module.named_parameters(recurse=False)
+    )
 
 
 def _shape_of(module: nn.Module, param_name: str) -> torch.Size:
@@ -103,14 +122,15 @@ def has_meta_tensors(modules: Iterable[nn.Module]) -> bool:
 def meta_buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
     """Values of ``model``'s buffers, computed without allocating its parameters.
 
-    Runs the model's own ``init_weights()`` on a copy whose parameters are empty (0 elements)
-    and whose buffers are real CPU tensors: buffers derived from the config (RoPE tables) come
-    out right, weight fills touch nothing. Call it on the pristine meta model, before any pass.
+    Runs the model's own ``init_weights()`` (Hugging Face: ``initialize_weights()``) on a copy
+    whose parameters stay on meta and whose buffers are real CPU tensors: buffers derived from
+    the config (RoPE tables) come out right, weight fills touch nothing. Call it on the pristine
+    meta model, before any pass.
     """
     buffers = dict(model.named_buffers())
     if not any(b.is_meta for b in buffers.values()):
         return {name: b.detach().cpu() for name, b in buffers.items()}
-    if not callable(getattr(model, "init_weights", None)):
+    if not callable(_init_method(model)):
         raise PlanError(
             f"{type(model).__name__} is on the meta device and has buffers "
             f"({', '.join(buffers)}) whose values autoplan cannot compute: give the model an "
@@ -118,16 +138,11 @@ def meta_buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
         )
     shadow = copy.deepcopy(model)
     for module in shadow.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = nn.Parameter(
-                    torch.empty(0, dtype=param.dtype), requires_grad=False
-                )
         for name, buf in list(module._buffers.items()):
             if buf is not None:
                 module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)
     try:
-        shadow.init_weights()  # type: ignore[operator]
+        _init_method(shadow)()
     except Exception as error:
         raise PlanError(
             f"could not compute the buffers of meta model {type(model).__name__} by running its "
@@ -135,6 +150,16 @@ def meta_buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
             "the model on a real device instead"
         ) from error
     return {name: b.detach().clone() for name, b in shadow.named_buffers()}
+
+
+def _init_method(model: nn.Module) -> Any:
+    """The model's own initialiser: Hugging Face's ``initialize_weights``, else
+    ``init_weights`` (None if it has neither)."""
+    for name in ("initialize_weights", "init_weights"):
+        method = getattr(model, name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def _row_paths(stage: StageModule) -> set[str]:
@@ -157,8 +182,11 @@ def materialize(
     seed: int,
     num_blocks: int,
     buffers: Mapping[str, torch.Tensor],
+    norms: frozenset[str] | None = None,
 ) -> int:
-    """Allocate and initialise this rank's meta stages in place; returns the tensors filled."""
+    """Allocate and initialise this rank's meta stages in place; returns the tensors filled.
+    ``norms``: the original model's norm parameters (`norm_parameter_names`); without them a
+    parameter counts as a norm's when the module holding it in the stage is a norm."""
     modules = [stage.module for stage in split.stages]
     if not has_meta_tensors(modules):
         return 0
@@ -186,6 +214,7 @@ def materialize(
                     pname,
                     residual=original_fqn(owner_path) in rows,
                     num_blocks=num_blocks,
+                    norm=None if norms is None else name in norms,
                 )
                 _fill(param, rule, seed, name)
                 filled += 1

@@ -494,3 +494,32 @@ def _check_split(
     ]
     if unused:
         logger.warning("parameters no stage reads (they will not train): %s", unused[:10])
+
+
+def retarget_devices(split: SplitModel, device: torch.device) -> int:
+    """Point every device constant in the stages' graphs at ``device``; returns how many.
+
+    An exported graph bakes in the device it was traced on: ``_assert_tensor_metadata`` checks
+    and ``device=`` arguments (``arange``, ``ones``, ``.to``) name it, so a graph traced on meta,
+    or on the CPU for a CUDA run, fails at its first such node ("Tensor device mismatch"). The
+    run's device replaces them; fx graphs, which read devices from their inputs, have none."""
+    changed = 0
+
+    def swap(value: fx.node.Argument) -> fx.node.Argument:
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
+            changed += 1
+            return device
+        return value
+
+    for stage in split.stages:
+        for module in stage.module.modules():
+            if not isinstance(module, fx.GraphModule):
+                continue
+            before = changed
+            for node in module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            if changed != before:
+                module.recompile()
+    return changed

@@ -78,7 +78,8 @@ def build_model(name: str, *, device: str = "cpu", num_blocks: int = NUM_BLOCKS)
             embd_pdrop=0.0,
             resid_pdrop=0.0,
         )
-        return GPT2LMHeadModel(config)
+        with torch.device(device):
+            return GPT2LMHeadModel(config)
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,7 +96,8 @@ def build_model(name: str, *, device: str = "cpu", num_blocks: int = NUM_BLOCKS)
             eos_token_id=0,
             pad_token_id=0,
         )
-        return LlamaForCausalLM(llama_config)
+        with torch.device(device):
+            return LlamaForCausalLM(llama_config)
     raise ValueError(f"unknown test model {name!r}")
 
 

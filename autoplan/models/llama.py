@@ -251,6 +251,10 @@ class Llama(ZooModel):
         draws from the global RNG. Works after `to_empty()` and re-ties tied embeddings.
         """
         self.tie_weights()
+        if not self.rope_cos.is_meta:  # (real buffers beside meta parameters: see passes)
+            cos, sin = self.rope_tables(self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
         if self.tok_emb.weight.is_meta:
             return  # nothing to fill; meta fills also cost ~1 ms each in Python decompositions
         gen = make_generator(seed, self.tok_emb.weight.device)
@@ -269,9 +273,6 @@ class Llama(ZooModel):
         self.norm.reset_parameters()
         if not self.config.tie_embeddings:
             normal_(self.lm_head.weight, INIT_STD, gen)
-        cos, sin = self.rope_tables(self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
 
 
 def llama(
