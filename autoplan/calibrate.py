@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoplan._workers import DEFAULT_STALL_S, beat, join_workers
 from autoplan.calibrate_runtime import (
     RuntimeMeasurement,
     calibration_profile,
     fit_host_overheads,
     measure_runtime,
 )
+from autoplan.errors import CalibrationError
 from cost_model.communication import ring_half_collective_time_s
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
@@ -210,6 +212,7 @@ def _comm_worker(
     sizes: Sequence[int],
     repeats: int,
     quick: bool,
+    heartbeat: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -280,10 +283,18 @@ def _comm_worker(
                 {"op": name, "world_size": world_size, "size_bytes": numel * 4, "time_s": elapsed}
             )
             dist.barrier()
+            if rank == 0:
+                beat(heartbeat)
     # Compute rates with every worker busy at once, as in a training job: workers share
     # caches, memory bandwidth and (on a VM) physical cores, so one worker alone runs faster.
     dist.barrier()
-    matmul, bandwidth, overhead = measure_compute(quick=quick, barrier=dist.barrier)
+
+    def step() -> None:
+        dist.barrier()
+        if rank == 0:
+            beat(heartbeat)
+
+    matmul, bandwidth, overhead = measure_compute(quick=quick, barrier=step)
     dist.barrier()
     if rank == 0:
         compute = {
@@ -298,10 +309,11 @@ def _comm_worker(
 
 
 def measure_comm(
-    world_size: int = 2, *, quick: bool = False, timeout_s: float = 120.0
+    world_size: int = 2, *, quick: bool = False, stall_s: float = DEFAULT_STALL_S
 ) -> tuple[tuple[CommMeasurement, ...], str, dict[str, Any]]:
     """Collective timings over ``world_size`` local processes (spawned; file:// rendezvous),
-    the backend's name, and rank 0's `measure_compute` results taken while every rank ran it."""
+    the backend's name, and rank 0's `measure_compute` results taken while every rank ran it.
+    Waits as long as the workers make progress; `CalibrationError` if none for ``stall_s``."""
     # torch.multiprocessing re-exports a *function* named spawn over the submodule.
     start_processes: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
 
@@ -310,31 +322,37 @@ def measure_comm(
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         out_file = os.path.join(tmp, "result.json")
+        heartbeat = os.path.join(tmp, "heartbeat")
         context = start_processes(
             _comm_worker,
-            args=(world_size, init_file, out_file, sizes, repeats, quick),
+            args=(world_size, init_file, out_file, sizes, repeats, quick, heartbeat),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"collective measurement did not finish in {timeout_s:.0f} s")
+        join_workers(
+            context,
+            heartbeat,
+            stall_s=stall_s,
+            what=f"measuring collectives and compute over {world_size} processes",
+            hint=STALL_HINT,
+        )
         data = json.loads(Path(out_file).read_text())
     records = tuple(CommMeasurement(**r) for r in data["records"])
     return records, str(data["backend"]), data["compute"]
 
 
 def measure(
-    *, world_size: int = 2, quick: bool = False, progress: Progress | None = None
+    *,
+    world_size: int = 2,
+    quick: bool = False,
+    progress: Progress | None = None,
+    stall_s: float = DEFAULT_STALL_S,
 ) -> Measurements:
     """Run every measurement (collectives first, in fresh processes)."""
     if progress:
         progress(f"collectives over {world_size} processes", 0.0)
-    comm, backend, compute = measure_comm(world_size, quick=quick)
+    comm, backend, compute = measure_comm(world_size, quick=quick, stall_s=stall_s)
     return Measurements(
         matmul=tuple(MatmulMeasurement(**m) for m in compute["matmul"]),
         memory_bandwidth_bytes_per_s=float(compute["memory_bandwidth_bytes_per_s"]),
@@ -465,6 +483,29 @@ def one_worker_rates(cluster: Cluster, workers_per_core: float) -> Cluster:
     return dataclasses.replace(cluster, device=device)
 
 
+STALL_HINT = (
+    "the machine may be overloaded or a worker hung: retry with --quick or fewer --processes, "
+    "or allow longer silences with --stall-timeout"
+)
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before measuring when ``path`` cannot be written (not after a minute of work)."""
+    if path.is_dir():
+        raise CalibrationError(f"output {str(path)!r} is a directory; pass a file path with -o")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CalibrationError(
+            f"cannot create the directory of output {str(path)!r}: {error.strerror}; "
+            "pass -o with a writable file"
+        ) from error
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CalibrationError(
+            f"output {str(path)!r} is not writable; pass -o with a writable file"
+        )
+
+
 def calibrate(
     output: str | Path | None = None,
     *,
@@ -472,20 +513,25 @@ def calibrate(
     quick: bool = False,
     training: bool = True,
     progress: Progress | None = None,
+    stall_s: float = DEFAULT_STALL_S,
 ) -> tuple[Cluster, Path, Measurements]:
     """Measure this machine, write the calibrated cluster YAML and return it with its path.
 
     ``output`` defaults to `cost_model.local_machine.calibrated_path()`, which `Cluster.local()`
     reads. ``world_size`` (2-4) defaults to the number of cores, at least 2 and at most 4.
     With ``training``, the host overheads of the training stack are then fitted to real
-    training steps through `autoplan.parallelize` (`autoplan.calibrate_runtime`, ~15 s).
+    training steps through `autoplan.parallelize` (`autoplan.calibrate_runtime`, ~8 s). The
+    measurements take as long as the machine needs; a job that reports no progress for
+    ``stall_s`` seconds is stopped with a `CalibrationError`.
     """
     from cost_model import local_machine
 
     if world_size is None:
         world_size = min(4, max(2, len(os.sched_getaffinity(0))))
     base = local_machine.detect()
-    measured = measure(world_size=world_size, quick=quick, progress=progress)
+    path = Path(output) if output is not None else calibrated_path()
+    _check_writable(path)
+    measured = measure(world_size=world_size, quick=quick, progress=progress, stall_s=stall_s)
     cluster = calibrated_cluster(base, measured)
     cores = len(os.sched_getaffinity(0))
     shared = base.device.kind == "cpu" and world_size > cores
@@ -498,12 +544,16 @@ def calibrate(
             cluster, devices_per_node=world_size, shared_cores_per_node=cores if shared else None
         )
         profile = calibration_profile()
-        runs = measure_runtime(profile, job)
+        runs = measure_runtime(profile, job, stall_s=stall_s)
         cluster = dataclasses.replace(cluster, calibration=fit_host_overheads(profile, job, runs))
         measured = dataclasses.replace(measured, runtime=runs)
-    path = Path(output) if output is not None else calibrated_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     # Store the one-node template; Cluster.local() sets the device count and memory again.
-    cluster.to_yaml(path)
+    try:
+        cluster.to_yaml(path)
+    except OSError as error:
+        raise CalibrationError(
+            f"could not write the calibrated cluster to {str(path)!r}: {error.strerror}; "
+            "pass -o with a writable file"
+        ) from error
     logger.info("wrote calibrated cluster to %s", path)
     return cluster, path, measured

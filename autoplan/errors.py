@@ -6,6 +6,7 @@ from __future__ import annotations
 from cost_model.errors import ClusterError, InputError, SchemaError
 
 __all__ = [
+    "CalibrationError",
     "ClusterError",
     "InputError",
     "ModelSpecError",
@@ -14,6 +15,10 @@ __all__ = [
     "SchemaError",
     "TraceError",
 ]
+
+
+class CalibrationError(InputError):
+    """Measuring this machine failed or stalled (`autoplan calibrate`); the message has a hint."""
 
 
 class PlanError(InputError):

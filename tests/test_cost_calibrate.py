@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,7 +111,7 @@ def test_calibrated_cluster_round_trips_and_cluster_local_loads_it(
 @pytest.mark.slow
 def test_calibrate_measures_this_machine(tmp_path: pytest.TempPathFactory) -> None:
     """A short real run through the CLI: 2 spawned gloo processes, a few matmul shapes, four
-    short training jobs (~30 s)."""
+    short training jobs (~15 s here)."""
     path = tmp_path / "cli.yaml"  # type: ignore[operator]
     done = run_cli("calibrate", "--quick", "--processes", "2", "-o", str(path), "--json")
     assert done.returncode == 0, done.stderr
@@ -212,3 +214,48 @@ def test_rates_measured_by_workers_sharing_cores_become_one_workers() -> None:
     )
     assert alone.intra_node == cluster.intra_node
     assert alone.calibration == cluster.calibration
+
+
+def _silent_worker(rank: int, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def _failing_worker(rank: int) -> None:
+    raise ValueError(f"rank {rank} cannot measure")
+
+
+def test_a_silent_measurement_job_is_stopped_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """Workers that report no progress for the stall timeout are killed and the error is one
+    line with a hint. (A loaded machine can only make the verdict come later, not sooner.)"""
+    import importlib
+
+    from autoplan._workers import join_workers
+    from autoplan.errors import CalibrationError
+
+    start: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
+    context = start(_silent_worker, args=(600.0,), nprocs=2, join=False, start_method="spawn")
+    with pytest.raises(CalibrationError) as raised:
+        join_workers(
+            context,
+            tmp_path / "beat",
+            stall_s=1.0,
+            what="measuring x",
+            hint="retry",
+        )
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("measuring x made no progress for ") and message.endswith("; retry")
+    for process in context.processes:
+        process.join(timeout=30)
+        assert not process.is_alive()
+
+    context = start(_failing_worker, nprocs=2, join=False, start_method="spawn")
+    with pytest.raises(CalibrationError) as raised:
+        join_workers(context, tmp_path / "beat2", stall_s=600.0, what="measuring y", hint="retry")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("measuring y failed: ") and "cannot measure" in message
