@@ -68,13 +68,14 @@ def manual_plan(
     schedule: Schedule = "1f1b",
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
-    dtype: DTypeName = "bf16",
+    dtype: DTypeName | None = None,
     rank_layout: Sequence[MeshAxis] = MESH_AXES,
     allow_cross_node_tp: bool = False,
 ) -> Plan:
     """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
 
-    ``dp`` defaults to ``cluster.num_devices / (tp * pp)``. The plan is validated against the
+    ``dp`` defaults to ``cluster.num_devices / (tp * pp)``, ``dtype`` to the device's fastest
+    (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
     model and the cluster and carries the cost model's estimate.
     """
     profile = profile_of(model_or_graph)
@@ -109,7 +110,7 @@ def manual_plan(
         schedule=schedule,
         zero_stage=zero,
         sequence_parallel=sequence_parallel,
-        dtype=dtype,
+        dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
         rank_layout=tuple(rank_layout),  # type: ignore[arg-type]
     )
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)

@@ -27,7 +27,7 @@ from torch import nn
 from autoplan.errors import ModelSpecError
 from autoplan.models import GPTConfig, LlamaConfig, gpt, list_presets, llama, preset, preset_config
 
-__all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "valid_keys"]
+__all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "spec_of", "valid_keys"]
 
 BUILDERS: dict[str, tuple[Callable[..., nn.Module], type[Any]]] = {
     "gpt": (gpt, GPTConfig),
@@ -166,3 +166,57 @@ def build_model(spec: str | ModelSpec, **overrides: Any) -> nn.Module:
         builder = BUILDERS[parsed.name][0]
         return builder(**merged)
     return preset(parsed.name, **merged)
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def spec_of(model: nn.Module) -> str | None:
+    """A spec that rebuilds ``model`` (a zoo model: the nearest preset with the fields that
+    differ, or its builder with every field), checked by parsing it back; None for any other
+    model. Plans record it, so that ``autoplan explain plan.yaml`` needs no ``--model``."""
+    config = getattr(model, "config", None)
+    builder = next((name for name, (_, kind) in BUILDERS.items() if type(config) is kind), None)
+    if builder is None or config is None:
+        return None
+    fields = [f.name for f in dataclasses.fields(config)]
+    param = next(iter(model.parameters()), None)
+    dtype = _DTYPE_NAMES.get(param.dtype) if param is not None else None
+    extra = [] if dtype in (None, "fp32") else [f"dtype={dtype}"]
+    candidates = []
+    for name in list_presets():
+        base = preset_config(name)
+        if type(base) is type(config):
+            diff = [
+                f"{key}={_text(getattr(config, key))}"
+                for key in fields
+                if getattr(base, key) != getattr(config, key)
+            ]
+            candidates.append((len(diff), name, diff))
+    candidates.sort(key=lambda c: c[0])
+    options = [
+        f"{name}:{','.join(diff + extra)}" if diff or extra else name
+        for count, name, diff in candidates[:1]
+        if count <= 3
+    ]
+    options.append(
+        f"{builder}:" + ",".join([f"{k}={_text(getattr(config, k))}" for k in fields] + extra)
+    )
+    for spec in options:
+        try:
+            parsed = parse_model_spec(spec)
+            rebuilt = _config_class(parsed.name)
+            overrides = {k: v for k, v in parsed.overrides.items() if k != "dtype"}
+            if parsed.is_builder:
+                again = rebuilt(**overrides)
+            else:
+                again = preset_config(parsed.name, **overrides)
+        except (ModelSpecError, TypeError, ValueError):
+            continue
+        if again == config:
+            return spec
+    return None

@@ -76,6 +76,14 @@ class DeviceSpec:
             f"device {self.name!r} has no peak FLOP/s for {dtype!r}; add it under device.peak_flops"
         )
 
+    def fastest_training_dtype(self) -> str:
+        """The training dtype (fp32, bf16, fp16) with the highest peak FLOP/s the device
+        states; on a tie bf16 on GPUs (its range needs no loss scaling), fp32 on CPUs (torch's
+        bf16 GEMMs on CPUs without AMX run through slower kernels than the rate says)."""
+        order = ("fp32", "bf16", "fp16") if self.kind == "cpu" else ("bf16", "fp16", "fp32")
+        stated = [d for d in order if d in self.peak_flops] or ["fp32"]
+        return max(stated, key=lambda d: (self.peak_flops.get(d, 0.0), -order.index(d)))
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkSpec:
@@ -153,9 +161,20 @@ class Cluster:
     def from_data(cls, data: object, *, source: str = "cluster") -> Cluster:
         try:
             body = check_schema_version(data, CLUSTER_SCHEMA_VERSION, f"cluster {source!r}")
-            return from_data(cls, body)
+            # `num_devices` is derived (`autoplan cluster show --json` prints it); when a file
+            # keeps it, it must agree with the nodes
+            body = dict(body)
+            stated = body.pop("num_devices", None)
+            cluster = from_data(cls, body)
         except SchemaError as error:
             raise ClusterError(f"cluster {source!r}: {error}") from None
+        if stated is not None and stated != cluster.num_devices:
+            raise ClusterError(
+                f"cluster {source!r}: num_devices = {stated!r} but num_nodes x devices_per_node "
+                f"= {cluster.num_nodes} x {cluster.devices_per_node} = {cluster.num_devices}; "
+                "drop num_devices (it is derived) or fix num_nodes"
+            )
+        return cluster
 
     def to_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"schema_version": CLUSTER_SCHEMA_VERSION}

@@ -211,3 +211,36 @@ def test_bad_cluster_files(tmp_path: Path, label: str, data: object, fragment: s
 def test_missing_cluster_file(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="does not exist"):
         Cluster.from_yaml(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("form", ["--json", "--yaml"])
+def test_cluster_show_output_loads_back(form: str, tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    done = run_cli("cluster", "show", "dgx-h100-80g:nodes=2,inter_node_bandwidth=50GB/s", form)
+    assert done.returncode == 0, done.stderr
+    path = tmp_path / f"cluster.{form[2:]}"
+    path.write_text(done.stdout)
+    loaded = Cluster.from_yaml(path)  # JSON is YAML
+    assert loaded == Cluster.preset("dgx-h100-80g", nodes=2, inter_node_bandwidth="50GB/s")
+    again = run_cli("cluster", "show", str(path), "--json")
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_stated_device_count_must_agree_with_the_nodes() -> None:
+    data = Cluster.preset("dgx-a100-80g", nodes=2).to_data()
+    assert Cluster.from_data({**data, "num_devices": 16}).num_devices == 16
+    with pytest.raises(ClusterError, match=r"num_devices = 8 but num_nodes x devices_per_node"):
+        Cluster.from_data({**data, "num_devices": 8})
+
+
+def test_cluster_list_names_every_preset() -> None:
+    import json
+
+    from tests.conftest import run_cli
+
+    done = run_cli("cluster", "list", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [row["name"] for row in json.loads(done.stdout)] == preset_names()
+    table = run_cli("cluster", "list")
+    assert all(name in table.stdout for name in preset_names())

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from autoplan import Cluster
 from autoplan.plan import Plan
 from tests.conftest import run_cli
 
@@ -166,3 +168,37 @@ def test_validate_checks_memory_as_parallelize_does(tmp_path: Path) -> None:
     forced = run_cli("validate", str(out), "--cluster", small, "--allow-over-memory")
     assert forced.returncode == 0, forced.stderr
     assert "WARNING (--allow-over-memory): plan does not fit: pipeline rank" in forced.stderr
+
+
+def test_a_plan_saved_from_python_needs_no_model_or_cluster_flags(tmp_path: Path) -> None:
+    """A zoo model's plan records a spec that rebuilds it; validate and explain read the model
+    and the cluster from the file."""
+    import autoplan
+    from autoplan.models import llama
+
+    model = llama(2, 64, 4, 32, 128, num_kv_heads=2, device="meta")
+    graph = autoplan.trace(model)
+    assert graph.profile.name.startswith("llama:num_layers=2,hidden_size=64,num_heads=4,")
+    plan = autoplan.manual_plan(
+        graph, autoplan.Cluster.preset("dgx-a100-80g"), dp=8, global_batch=8
+    )
+    out = tmp_path / "plan.yaml"
+    plan.to_yaml(out)
+    check = run_cli("validate", str(out))
+    assert check.returncode == 0, check.stderr
+    assert "valid for dgx-a100-80g (8 devices) and model llama:" in check.stdout
+    assert "peak memory" in check.stdout and "from " in check.stdout
+    explained = run_cli("explain", str(out), "--no-alternatives", "--json")
+    assert explained.returncode == 0, explained.stderr
+
+
+def test_each_device_defaults_to_its_fastest_dtype() -> None:
+    gpu = Cluster.preset("dgx-a100-80g")
+    cpu = Cluster.preset("local")
+    assert gpu.device.fastest_training_dtype() == "bf16"
+    assert cpu.device.fastest_training_dtype() == "fp32"  # a tie at the preset's rates
+    faster = dataclasses.replace(cpu.device, peak_flops={"fp32": 1e11, "bf16": 4e11})
+    assert faster.fastest_training_dtype() == "bf16"
+    done = run_cli("plan", "--model", MODEL, "--cluster", "local", "--global-batch", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["plans"][0]["dtype"] == "fp32"

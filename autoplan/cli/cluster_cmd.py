@@ -1,13 +1,15 @@
-"""`autoplan cluster show`: a cluster description as a table or JSON."""
+"""`autoplan cluster show` (a cluster description as a table, JSON or YAML; both load back as
+a cluster file) and `autoplan cluster list` (the presets)."""
 
 from __future__ import annotations
 
 import click
+import yaml
 from rich.table import Table
 
 from autoplan._format import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_time
 from autoplan.cli.common import console, emit_json, json_option
-from cost_model.hardware import Cluster, load_cluster
+from cost_model.hardware import Cluster, load_cluster, preset_names
 
 
 @click.group()
@@ -17,16 +19,59 @@ def cluster() -> None:
 
 @cluster.command("show")
 @click.argument("spec", metavar="NAME|PATH")
+@click.option(
+    "--yaml",
+    "as_yaml",
+    is_flag=True,
+    help="Print the cluster file (YAML) to edit and pass as --cluster PATH.",
+)
 @json_option
-def cluster_show(spec: str, as_json: bool) -> None:
-    """Show a cluster: NAME[:key=value,...] of a preset, or a cluster YAML file."""
+def cluster_show(spec: str, as_yaml: bool, as_json: bool) -> None:
+    """Show a cluster: NAME[:key=value,...] of a preset, or a cluster YAML file. The --json and
+    --yaml outputs are cluster files: save one, edit it, pass it as --cluster PATH."""
     described = load_cluster(spec)
     if as_json:
         data = described.to_data()
-        data["num_devices"] = described.num_devices
+        data["num_devices"] = described.num_devices  # derived; checked when loaded
         emit_json(data)
         return
+    if as_yaml:
+        click.echo(f"# autoplan cluster: {described.name}")
+        click.echo(yaml.safe_dump(described.to_data(), sort_keys=False), nl=False)
+        return
     console().print(cluster_table(described))
+
+
+@cluster.command("list")
+@json_option
+def cluster_list(as_json: bool) -> None:
+    """List the cluster presets (pass a NAME to --cluster, or NAME:key=value,... to override)."""
+    presets = [Cluster.preset(name) for name in preset_names()]
+    if as_json:
+        emit_json(
+            [
+                {
+                    "name": c.name,
+                    "devices_per_node": c.devices_per_node,
+                    "device": c.device.name,
+                    "memory_bytes": c.device.memory_bytes,
+                    "description": c.description,
+                }
+                for c in presets
+            ]
+        )
+        return
+    table = Table(title="cluster presets (one node each; --num-devices or nodes=N scales them)")
+    for column in ("name", "per node", "device memory", "description"):
+        table.add_column(column)
+    for c in presets:
+        table.add_row(
+            c.name,
+            f"{c.devices_per_node} x {c.device.name}",
+            fmt_bytes(c.device.memory_bytes),
+            c.description,
+        )
+    console().print(table)
 
 
 def cluster_table(c: Cluster) -> Table:

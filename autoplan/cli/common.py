@@ -92,8 +92,8 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--dtype",
             type=click.Choice(["bf16", "fp16", "fp32"]),
-            default="bf16",
-            show_default=True,
+            default=None,
+            help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
         ),
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."

@@ -37,7 +37,10 @@ from cost_model.hardware import load_cluster
 @click.option("--virtual-stages", type=int, default=1, show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
 @click.option(
-    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
 )
 @json_option
 def estimate_cmd(
@@ -53,7 +56,7 @@ def estimate_cmd(
     schedule: Schedule | None,
     virtual_stages: int,
     sequence_parallel: bool,
-    dtype: DTypeName,
+    dtype: DTypeName | None,
     as_json: bool,
 ) -> None:
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""

@@ -1,5 +1,8 @@
 """`autoplan validate`: check a plan file against a cluster and the model it was made for.
 
+Without ``--cluster`` the cluster the plan file records is used (``estimate.cluster`` with the
+plan's device count), as `autoplan explain` does, and the output says so.
+
 Memory is checked as `autoplan.parallelize` checks it (`Estimate.require_fits`: the predicted
 per-rank peak against the device's memory) whenever the model is known: ``--model``, or the
 plan file's ``model.name`` when that is a model spec. ``--allow-over-memory`` turns the failure
@@ -10,7 +13,7 @@ from __future__ import annotations
 import click
 
 from autoplan.cli.common import emit_json, json_option, trace_spec
-from autoplan.explanation import ExplainInputError, plan_model_spec
+from autoplan.explanation import ExplainInputError, plan_cluster, plan_model_spec
 from autoplan.plan import Plan
 from cost_model.estimate import estimate
 from cost_model.hardware import load_cluster
@@ -18,7 +21,12 @@ from cost_model.hardware import load_cluster
 
 @click.command()
 @click.argument("plan_path", metavar="PLAN.yaml")
-@click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
+@click.option(
+    "--cluster",
+    "cluster_spec",
+    default=None,
+    help="Cluster NAME[:k=v,...] or YAML [the plan's estimate.cluster, its device count].",
+)
 @click.option(
     "--model",
     "model_spec",
@@ -36,7 +44,7 @@ from cost_model.hardware import load_cluster
 @json_option
 def validate(
     plan_path: str,
-    cluster_spec: str,
+    cluster_spec: str | None,
     model_spec: str | None,
     allow_cross_node_tp: bool,
     allow_over_memory: bool,
@@ -44,7 +52,11 @@ def validate(
 ) -> None:
     """Check a plan file against a cluster and its model (memory included)."""
     plan = Plan.from_yaml(plan_path)
-    target = load_cluster(cluster_spec)
+    cluster_note = ""
+    if cluster_spec is not None:
+        target = load_cluster(cluster_spec)
+    else:
+        target, cluster_note = plan_cluster(plan, plan_path)
     memory_note = ""
     if model_spec is None:
         try:
@@ -79,10 +91,12 @@ def validate(
                 "model": profile.name if profile else None,
                 "peak_memory_bytes": peak,
                 "memory": memory_note,
+                "cluster_note": cluster_note or None,
             }
         )
     else:
         click.echo(
             f"{plan_path}: valid for {against}: "
             f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}; {memory_note}"
+            + (f" ({cluster_note})" if cluster_note else "")
         )

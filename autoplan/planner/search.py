@@ -181,6 +181,8 @@ def search_plans(
     if top_k < 1:
         raise NoFeasiblePlanError(f"top_k={top_k!r} must be >= 1")
     space = SearchSpace.from_constraints(**constraints)
+    if space.dtype is None:
+        space = replace(space, dtype=cluster.device.fastest_training_dtype())
     space.check_cluster(cluster, profile, global_batch)
     stats = SearchStats()
     start = time.perf_counter()
@@ -821,7 +823,8 @@ def _no_feasible_plan(
     # A proven floor on the devices any plan needs: one copy of the weights, gradients and
     # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
-    state = static_bytes(params, space.dtype, 0, 1).total_bytes
+    dtype = space.dtype or cluster.device.fastest_training_dtype()
+    state = static_bytes(params, dtype, 0, 1).total_bytes
     cal = cluster.calibration
     usable = MemoryConstants(
         buffer_bytes=0.0,

@@ -13,6 +13,7 @@ With several pipeline ranks GPipe is not dominated: with uneven stages either ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class SearchSpace:
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     rank_layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
-    dtype: str = "bf16"
+    dtype: str | None = None  # None: the device's fastest (`DeviceSpec.fastest_training_dtype`)
     allow_cross_node_tp: bool = False
 
     @classmethod
@@ -219,6 +220,8 @@ def strategies(
 ) -> Iterator[Strategy]:
     """Every valid outer choice in ``space``; dominated ones only if ``skip_dominated`` is off
     (the tests' brute force enumerates them to show skipping them loses nothing)."""
+    if space.dtype is None:
+        space = dataclasses.replace(space, dtype=cluster.device.fastest_training_dtype())
     n = cluster.num_devices
     counts = profile.tp_divisible_counts()
     tp_choices = [
@@ -269,6 +272,8 @@ def _schedules(
     m: int,
     skip_dominated: bool,
 ) -> Iterator[Strategy]:
+    dtype = space.dtype
+    assert dtype is not None  # resolved by `strategies`
     options: list[tuple[Schedule, int]] = []
     for schedule in space.schedules:
         if skip_dominated and schedule == "gpipe" and pp == 1 and "1f1b" in space.schedules:
@@ -320,6 +325,6 @@ def _schedules(
                         schedule=schedule,
                         zero_stage=zero,
                         sequence_parallel=sp,
-                        dtype=space.dtype,
+                        dtype=dtype,
                         rank_layout=layout,
                     )

@@ -89,7 +89,8 @@ def trace(
         units: module paths to use as the pipeline units (each one unit), overriding discovery.
         block_path: path of the ``ModuleList``/``Sequential`` whose children are the blocks.
         leaf_modules: module paths or types that fx keeps as single calls (not traced into).
-        name: the profile's name (default: the model's class name).
+        name: the profile's name (default: a zoo model's spec, e.g. ``llama3-8b:seq_len=4096``,
+            which plans record so that the CLI can rebuild the model; else the class name).
 
     Raises:
         TraceError: the model cannot be traced or run on meta tensors, or inputs are missing.
@@ -106,7 +107,7 @@ def trace(
             blocks=anchors if mode == "blocks" else (),
             leaf_modules=leaf_modules,
         )
-        return _Build(model, traced, inputs, anchors, mode).run(name or type(model).__name__)
+        return _Build(model, traced, inputs, anchors, mode).run(name or _default_name(model))
 
 
 @contextlib.contextmanager
@@ -141,6 +142,14 @@ def _config_int(config: object, keys: Sequence[str]) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+def _default_name(model: nn.Module) -> str:
+    """A zoo model's spec (plans record it, so the CLI can rebuild the model), else the
+    model's class name."""
+    from autoplan.model_spec import spec_of
+
+    return spec_of(model) or type(model).__name__
 
 
 def _to_meta(value: Any) -> Any:
