@@ -113,6 +113,27 @@ class PlanEstimate:
     memory_reserve_bytes: int = unit_field("bytes", default=0)
     memory_capacity_bytes: int = unit_field("bytes", default=0)
 
+    def __str__(self) -> str:
+        """One sentence: "on 64 dgx-a100-80g devices: a step takes 3.99 s (131,539 tokens/s,
+        MFU 57.4%); peak memory predicted 70.8 GiB + 5.5 GiB reserve/margin of 80 GiB"."""
+        from autoplan._format import fmt_memory, fmt_time
+
+        fits = ""
+        if self.memory_capacity_bytes:
+            fits = (
+                " (fits)"
+                if self.peak_memory_bytes <= self.memory_capacity_bytes
+                else (" (DOES NOT FIT)")
+            )
+        memory = fmt_memory(
+            self.peak_memory_bytes, self.memory_reserve_bytes, self.memory_capacity_bytes
+        )
+        return (
+            f"on {self.num_devices} {self.cluster} devices: a step takes "
+            f"{fmt_time(self.step_time_s)} ({self.tokens_per_s:,.0f} tokens/s, MFU "
+            f"{self.mfu:.1%}); peak memory {memory}{fits}"
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:

@@ -127,3 +127,59 @@ def test_usage_errors_exit_2_without_traceback() -> None:
     assert "Missing argument" in result.stderr
     result = run_cli("nosuchcommand")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_every_option_has_help() -> None:
+    import click
+
+    from autoplan.cli import cli
+
+    missing = []
+
+    def walk(command: click.Command, path: str) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, f"{path} {name}")
+            return
+        assert command.help, path
+        missing.extend(
+            f"{path} {param.opts[0]}"
+            for param in command.params
+            if isinstance(param, click.Option) and not param.help
+        )
+
+    walk(cli, "autoplan")
+    assert not missing, missing
+
+
+def test_models_lists_the_presets_with_their_sizes() -> None:
+    from autoplan.models import list_presets
+
+    done = run_cli("models", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)}
+    assert list(rows) == list_presets()
+    assert rows["gpt3-175b"]["num_params"] == pytest.approx(174.6e9, rel=1e-3)
+    assert rows["llama3-8b"]["num_kv_heads"] == 8
+    table = run_cli("models")
+    assert "gpt3-175b" in table.stdout and "174.62 B" in table.stdout
+
+
+def test_a_plan_estimate_prints_as_a_sentence() -> None:
+    from autoplan.plan import PlanEstimate
+
+    estimate = PlanEstimate(
+        cluster="dgx-a100-80g",
+        num_devices=64,
+        step_time_s=3.99,
+        tokens_per_s=131539.2,
+        model_tflops_per_device=179.2,
+        mfu=0.574,
+        peak_memory_bytes=80 * 2**30,
+        memory_reserve_bytes=6 * 2**30,
+        memory_capacity_bytes=80 * 2**30,
+    )
+    assert str(estimate) == (
+        "on 64 dgx-a100-80g devices: a step takes 3.99 s (131,539 tokens/s, MFU 57.4%); peak "
+        "memory predicted 74 GiB + 6 GiB reserve/margin of 80 GiB (fits)"
+    )

@@ -63,3 +63,12 @@ def test_trace_bad_model_is_one_line() -> None:
     _assert_user_error(
         run_cli("trace", "--model", "gpt5"), "unknown model 'gpt5'", "gpt3-175b", "llama3-405b"
     )
+
+
+def test_trace_collapses_identical_blocks_unless_all() -> None:
+    short = run_cli("trace", "--model", SMALL)
+    assert "blocks.0 .. blocks.1 (x2)" in short.stdout
+    assert "cut MiB: what a pipeline stage" in " ".join(short.stdout.split())  # the legend
+    every = run_cli("trace", "--model", SMALL, "--all")
+    assert every.returncode == 0, every.stderr
+    assert "(x2)" not in every.stdout and "blocks.1" in every.stdout

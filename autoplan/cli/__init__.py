@@ -17,6 +17,7 @@ from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
 from autoplan.cli.explain_cmd import explain_cmd
+from autoplan.cli.models_cmd import models_cmd
 from autoplan.cli.plan_cmd import plan_cmd
 from autoplan.cli.trace_cmd import trace
 from autoplan.cli.validate_cmd import validate
@@ -31,6 +32,7 @@ def cli() -> None:
 
 
 cli.add_command(cluster)
+cli.add_command(models_cmd)
 cli.add_command(validate)
 cli.add_command(trace)
 cli.add_command(estimate_cmd)

@@ -80,8 +80,18 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             else []
         ),
         click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes."),
-        click.option("--max-tp", type=click.IntRange(min=1), default=None),
-        click.option("--max-pp", type=click.IntRange(min=1), default=None),
+        click.option(
+            "--max-tp",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest tensor-parallel degree to try [devices per node].",
+        ),
+        click.option(
+            "--max-pp",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest number of pipeline ranks to try [the model's pipeline units].",
+        ),
         click.option("--zero", callback=int_list, help="Allowed ZeRO levels, e.g. 0,1."),
         click.option(
             "--recompute", callback=str_list, help="Allowed recompute modes, e.g. none,selective."

@@ -26,6 +26,7 @@ from cost_model.hardware import load_cluster
     type=click.Choice(["none", "selective", "full"]),
     default="none",
     show_default=True,
+    help="Activation recompute on every stage.",
 )
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO level.")
 @click.option(
@@ -34,7 +35,13 @@ from cost_model.hardware import load_cluster
     default=None,
     help="Pipeline schedule [1f1b, or interleaved-1f1b with --virtual-stages > 1].",
 )
-@click.option("--virtual-stages", type=int, default=1, show_default=True)
+@click.option(
+    "--virtual-stages",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Pipeline stages per pipeline rank (> 1 with --schedule interleaved-1f1b).",
+)
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
 @click.option(
     "--dtype",

@@ -7,6 +7,7 @@ matrix) and once in the total. ``--json`` gives the same figures in base units (
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -43,9 +44,18 @@ _MIB = 2.0**20
     default=None,
     help="Tokens per sequence (default: the model's seq_len).",
 )
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="One row per unit (by default a run of identical blocks is one row).",
+)
 @json_option
-def trace(model_spec: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
-    """Trace a model on the meta device and show its pipeline units."""
+def trace(
+    model_spec: str, batch_size: int, seq_len: int | None, show_all: bool, as_json: bool
+) -> None:
+    """Trace a model on the meta device and show its pipeline units (identical blocks as one
+    row, figures per unit; --all lists every unit)."""
     # Imported here: torch takes seconds to import, and other commands do not need it.
     from autoplan.model_spec import build_model
     from autoplan.tracing import trace as trace_model
@@ -61,7 +71,8 @@ def trace(model_spec: str, batch_size: int, seq_len: int | None, as_json: bool) 
         f"seq {data['seq_len']}, traced with torch.{data['front_end']}, "
         f"fingerprint {data['fingerprint']}"
     )
-    console().print(trace_table(data))
+    console().print(trace_table(data, collapse=not show_all))
+    click.echo(textwrap.fill(LEGEND, width=100))
     shared = [u for u in data["units"] if u["num_params_shared"]]
     for unit in shared:
         click.echo(
@@ -121,7 +132,29 @@ def trace_data(graph: ModelGraph) -> dict[str, Any]:
     }
 
 
-def trace_table(data: dict[str, Any]) -> Table:
+LEGEND = (
+    "params: the unit's parameters; fwd GFLOP: its forward for the whole batch (the backward is "
+    "about twice that); saved act MiB: what its forward keeps for the backward without "
+    "recompute; cut MiB: what a pipeline stage ending after it sends to the next (its output). "
+    "Rows 'a-b (xN)' stand for N identical units; --all lists each."
+)
+
+_SAME = ("kind", "num_params", "forward_flops", "saved_activation_bytes", "cut_bytes")
+
+
+def _runs(units: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Consecutive blocks with identical figures, grouped (other units alone)."""
+    runs: list[list[dict[str, Any]]] = []
+    for unit in units:
+        last = runs[-1][-1] if runs else None
+        if last is not None and unit["kind"] == "block" and all(unit[k] == last[k] for k in _SAME):
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+    return runs
+
+
+def trace_table(data: dict[str, Any], *, collapse: bool = True) -> Table:
     table = Table()
     table.add_column("#", justify="right")
     table.add_column("unit")
@@ -130,10 +163,16 @@ def trace_table(data: dict[str, Any]) -> Table:
     table.add_column("fwd GFLOP", justify="right")
     table.add_column("saved act MiB", justify="right")
     table.add_column("cut MiB", justify="right")
-    for unit in data["units"]:
+    groups = _runs(data["units"]) if collapse else [[u] for u in data["units"]]
+    for group in groups:
+        unit, end = group[0], group[-1]
+        index, name = str(unit["index"]), unit["name"]
+        if len(group) > 1:
+            index = f"{unit['index']}-{end['index']}"
+            name = f"{unit['name']} .. {end['name']} (x{len(group)})"
         table.add_row(
-            str(unit["index"]),
-            unit["name"],
+            index,
+            name,
             unit["kind"],
             fmt_count(unit["num_params"]),
             _number(unit["forward_flops"] / 1e9),

@@ -1,0 +1,55 @@
+"""`autoplan models`: the model presets with their sizes (any of them is a --model spec)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from autoplan.cli.common import console, emit_json, json_option
+from autoplan.models import list_presets, preset, preset_config
+
+
+def _row(name: str) -> dict[str, Any]:
+    config = preset_config(name)
+    model = preset(name)  # on meta: no memory
+    params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once
+    return {
+        "name": name,
+        "family": "llama" if hasattr(config, "num_kv_heads") else "gpt",
+        "num_params": params,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_heads,
+        "num_kv_heads": getattr(config, "num_kv_heads", config.num_heads),
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "seq_len": config.seq_len,
+        "vocab_size": config.vocab_size,
+    }
+
+
+@click.command("models")
+@json_option
+def models_cmd(as_json: bool) -> None:
+    """List the model presets and their sizes. Pass a name to --model, with overrides as
+    NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:... and llama:..."""
+    rows = [_row(name) for name in list_presets()]
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table(title="model presets (--model NAME[:key=value,...])")
+    for column in ("name", "params", "layers", "hidden", "heads (kv)", "ffn", "seq", "vocab"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            f"{r['num_params'] / 1e9:,.2f} B",
+            str(r["num_layers"]),
+            str(r["hidden_size"]),
+            f"{r['num_heads']} ({r['num_kv_heads']})",
+            str(r["ffn_hidden_size"]),
+            str(r["seq_len"]),
+            str(r["vocab_size"]),
+        )
+    console().print(table)
