@@ -90,12 +90,27 @@ def manual_plan(
             raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
     if dp is None:
         dp = default_dp(cluster, tp, pp)
+    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise PlanError(f"dp = {dp!r} must be a whole number >= 1")
+    elif dp * tp * pp != cluster.num_devices:
+        default_dp(cluster, tp, pp)  # tp x pp must divide the devices first
+        raise PlanError(
+            f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but cluster "
+            f"{cluster.name!r} has {cluster.num_devices} devices; with tp = {tp} and pp = {pp} "
+            f"use dp = {cluster.num_devices // (tp * pp)} (or leave dp out)"
+        )
     per_step = micro_batch * dp
     if global_batch % per_step != 0:
+        lower = global_batch // per_step * per_step
+        choices = " or ".join(str(b) for b in (lower, lower + per_step) if b >= per_step)
+        other = (
+            f", or a micro_batch that divides {global_batch // dp}"
+            if global_batch % dp == 0
+            else ""
+        )
         raise PlanError(
             f"global_batch = {global_batch} is not a multiple of micro_batch x dp = "
-            f"{micro_batch} x {dp} = {per_step}; use a global batch of "
-            f"{max(1, global_batch // per_step) * per_step} or change micro_batch"
+            f"{micro_batch} x {dp} = {per_step}; use a global batch of {choices}{other}"
         )
     plan = Plan(
         model=ModelRef.of(profile),
@@ -120,10 +135,12 @@ def manual_plan(
 def default_dp(cluster: Cluster, tp: int, pp: int) -> int:
     """``cluster.num_devices / (tp * pp)``; raises `PlanError` when it does not divide."""
     if tp < 1 or pp < 1 or cluster.num_devices % (tp * pp) != 0:
+        divisors = [d for d in range(1, cluster.num_devices + 1) if cluster.num_devices % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         raise PlanError(
             f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {cluster.num_devices} "
-            f"devices of cluster {cluster.name!r}; choose tp and pp whose product divides "
-            f"{cluster.num_devices}, or give dp"
+            f"devices of cluster {cluster.name!r}; choose tp and pp whose product is one of "
+            f"{shown}"
         )
     return cluster.num_devices // (tp * pp)
 

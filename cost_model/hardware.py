@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -296,7 +297,14 @@ def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> 
     try:
         number = parse_quantity(raw, dimension)
     except ValueError as error:
+        if dimension == "number":  # a count or a plain fraction: no unit to show
+            raise ClusterError(
+                f"cluster override {key}={raw!r}: expected "
+                f"{'a whole number' if kind is int else 'a number'}"
+            ) from None
         raise ClusterError(f"cluster override {key}={raw!r}: {error}") from None
+    if not math.isfinite(number):
+        raise ClusterError(f"cluster override {key}={raw!r} must be a finite number")
     if kind is int:
         if dimension == "bytes":
             return round(number)  # 2.2GiB is not a whole number of bytes: the nearest one

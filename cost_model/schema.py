@@ -9,6 +9,7 @@ A field may accept numbers with units (``80GiB``) by declaring ``metadata={"unit
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -76,19 +77,30 @@ def to_data(obj: object) -> Any:
 def read_yaml(path: str | Path, what: str) -> object:
     """Parse a YAML file; a missing file or bad syntax raises SchemaError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise SchemaError(f"{what} file {str(path)!r} is a directory; pass a YAML file")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SchemaError(f"{what} file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise SchemaError(
+            f"{what} file {str(path)!r} is not UTF-8 text (byte {error.start}); pass a YAML file"
+        ) from None
     except OSError as error:
         raise SchemaError(f"cannot read {what} file {str(path)!r}: {error.strerror}") from None
+    if not text.strip():
+        raise SchemaError(f"{what} file {str(path)!r} is empty")
     try:
-        return yaml.safe_load(text)
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or "syntax error"
         raise SchemaError(f"{what} file {str(path)!r} is not valid YAML{line}: {problem}") from None
+    if loaded is None:
+        raise SchemaError(f"{what} file {str(path)!r} is empty (only comments)")
+    return loaded
 
 
 def write_yaml(path: str | Path, data: object, header: str = "") -> None:
@@ -179,6 +191,8 @@ def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int
         number = value
     else:
         raise SchemaError(f"{path}: expected a number, got {value!r}")
+    if not math.isfinite(number):
+        raise SchemaError(f"{path}: expected a finite number, got {value!r}")
     if hint is int and unit == "bytes" and isinstance(value, str):
         return round(number)  # "2.2GiB" is not a whole number of bytes: the nearest one
     if hint is int:

@@ -12,6 +12,8 @@ from autoplan import __version__
 from autoplan.plan import Plan, even_stages
 from tests.conftest import run_cli
 
+SMALL_MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,seq_len=32,vocab_size=128"
+
 
 def _assert_user_error(result: object, fragment: str) -> None:
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)  # type: ignore[attr-defined]
@@ -98,6 +100,56 @@ def test_validate_accepts_and_reports(tmp_path: Path) -> None:
             ("validate", "/no/such/plan.yaml", "--cluster", "local"),
             "plan file '/no/such/plan.yaml' does not exist",
         ),
+        (("validate", "/tmp", "--cluster", "local"), "plan file '/tmp' is a directory"),
+        (("cluster", "show", "dgx-a100-80g:nodes=x"), "nodes='x': expected a whole number"),
+        (("cluster", "show", "dgx-a100-80g:memory=nan"), "memory='nan': cannot read 'nan'"),
+        (
+            (
+                "estimate",
+                "--model",
+                SMALL_MODEL,
+                "--cluster",
+                "dgx-a100-80g",
+                "--global-batch",
+                "8",
+                "--dp",
+                "3",
+            ),
+            "dp x tp x pp = 3 x 1 x 1 = 3, but cluster 'dgx-a100-80g' has 8 devices; with tp = 1 "
+            "and pp = 1 use dp = 8",
+        ),
+        (
+            (
+                "estimate",
+                "--model",
+                SMALL_MODEL,
+                "--cluster",
+                "dgx-a100-80g",
+                "--global-batch",
+                "12",
+            ),
+            "global_batch = 12 is not a multiple of micro_batch x dp = 1 x 8 = 8; use a global "
+            "batch of 8 or 16",
+        ),
+        (
+            (
+                "estimate",
+                "--model",
+                SMALL_MODEL,
+                "--cluster",
+                "dgx-a100-80g",
+                "--global-batch",
+                "8",
+                "--tp",
+                "3",
+            ),
+            "choose tp and pp whose product is one of 1, 2, 4, 8",
+        ),
+        (
+            ("plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--global-batch", "8"),
+            "at least 36 devices of this type (2,602 GiB); use more devices or devices with more "
+            "memory",
+        ),
     ],
 )
 def test_user_errors_are_one_line(args: tuple[str, ...], fragment: str) -> None:
@@ -118,6 +170,17 @@ def test_plan_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("dp_degree: [\n")
     _assert_user_error(run_cli("validate", str(bad), "--cluster", "local"), "not valid YAML")
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [(b"", "is empty"), (b"# only a comment\n", "is empty"), (b"\xff\xfe", "is not UTF-8")],
+)
+def test_unreadable_files_say_why(tmp_path: Path, content: bytes, fragment: str) -> None:
+    path = tmp_path / "file.yaml"
+    path.write_bytes(content)
+    _assert_user_error(run_cli("validate", str(path), "--cluster", "local"), fragment)
+    _assert_user_error(run_cli("cluster", "show", str(path)), fragment)
 
 
 def test_usage_errors_exit_2_without_traceback() -> None:

@@ -7,8 +7,10 @@ stderr and exits 2, never a traceback. One module per command; each is registere
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import click
 
@@ -43,21 +45,28 @@ cli.add_command(explain_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point: user mistakes become one line on stderr and exit code 2."""
+    """Console-script entry point: user mistakes become one line on stderr and exit code 2
+    (with ``--json``, also a JSON object ``{"error": ..., "kind": ...}`` on stdout)."""
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        cli.main(
-            args=list(argv) if argv is not None else None,
-            prog_name="autoplan",
-            standalone_mode=False,
-        )
+        cli.main(args=args, prog_name="autoplan", standalone_mode=False)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
+    except click.UsageError as error:
+        where = error.ctx.command_path if error.ctx is not None else "autoplan"
+        _fail(f"{error.format_message()} (see '{where} --help')", "UsageError", args, 2)
     except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
+        _fail(error.format_message(), type(error).__name__, args, error.exit_code)
     except click.exceptions.Abort:
         click.echo("autoplan: aborted", err=True)
         sys.exit(130)
     except InputError as error:
-        click.echo(f"autoplan: error: {error}", err=True)
-        sys.exit(2)
+        _fail(str(error), type(error).__name__, args, 2)
+
+
+def _fail(message: str, kind: str, args: Sequence[str], code: int) -> NoReturn:
+    line = " ".join(message.split())  # one line, whatever the message held
+    if "--json" in args:
+        click.echo(json.dumps({"error": line, "kind": kind}))
+    click.echo(f"autoplan: error: {line}", err=True)
+    sys.exit(code)

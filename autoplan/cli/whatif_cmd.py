@@ -63,7 +63,13 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     "--price-per-device-hour",
     "price_text",
     default=None,
-    help="Price of one device for one hour (with --tokens: the cost to train).",
+    help="Price of one device for one hour, in --currency (with --tokens: the cost to train).",
+)
+@click.option(
+    "--currency",
+    default="USD",
+    show_default=True,
+    help="Currency of --price-per-device-hour, shown with the cost.",
 )
 @click.option(
     "--plot",
@@ -87,6 +93,7 @@ def whatif_cmd(
     global_batch: int,
     tokens_text: str | None,
     price_text: str | None,
+    currency: str,
     plot_path: str | None,
     set_items: tuple[str, ...],
     time_limit: float,
@@ -154,17 +161,18 @@ def whatif_cmd(
     if as_json:
         data = result.to_data()
         data["plot"] = plot_path
+        data["currency"] = currency if price is not None else None
         emit_json(data)
         return
     header = f"[bold]{result.model}[/], global batch {global_batch}"
     if tokens is not None:
         header += f", {tokens:.3g} tokens"
     if price is not None:
-        header += f", {price:g} per device-hour"
+        header += f", {price:g} {currency} per device-hour"
     if overrides:
         header += ", with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
     out.print(header)
-    out.print(whatif_table(result))
+    out.print(whatif_table(result, currency=currency))
     out.print(
         f"{len(result.rows)} searches in {result.total_time_s:.1f} s; scaling efficiency = "
         "tokens/s per device relative to the smallest size with a plan"
@@ -240,7 +248,7 @@ def _amount(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def whatif_table(result: WhatIfResult) -> Table:
+def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Table:
     """One row per cluster type and device count."""
     table = Table(title="best plan per size", title_justify="left")
     columns = [
@@ -257,7 +265,7 @@ def whatif_table(result: WhatIfResult) -> Table:
     if result.tokens is not None:
         columns += ["days", "device-hours"]
     if result.price_per_device_hour is not None:
-        columns.append("cost")
+        columns.append(f"cost ({currency})")
     for name in columns:
         if name in ("cluster", "plan"):
             table.add_column(name, justify="left", overflow="fold")

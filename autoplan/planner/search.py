@@ -843,11 +843,29 @@ def _no_feasible_plan(
         f"the {stats.candidates} candidate plans needs is {least / gib:.1f} GiB (e.g. tp="
         f"{best.tp_degree} pp={best.pp_degree} dp={best.dp_degree} micro_batch="
         f"{best.micro_batch_size} zero={best.zero_stage}), the device has {capacity / gib:.1f} "
-        f"GiB{devices}; use more devices, allow recompute='full', a higher ZeRO level, a "
-        "smaller micro-batch, or devices with more memory",
+        f"GiB{devices}; {_memory_fixes(space)}",
         least_memory_bytes=least,
         capacity_bytes=float(capacity),
     )
+
+
+def _memory_fixes(space: SearchSpace) -> str:
+    """The fixes for a search in which nothing fits: more or larger devices, and lifting the
+    constraints the user set that keep memory-saving choices out (only those)."""
+    fixes = ["use more devices or devices with more memory"]
+    if "full" not in space.recompute:
+        fixes.append("allow recompute 'full'")
+    if 3 not in space.zero:
+        fixes.append("allow ZeRO level 3")
+    if space.micro_batch is not None and min(space.micro_batch) > 1:
+        fixes.append("allow micro_batch 1")
+    if space.tp is not None or space.max_tp is not None:
+        fixes.append("allow larger tensor-parallel degrees")
+    if space.pp is not None or space.max_pp is not None:
+        fixes.append("allow more pipeline stages")
+    if space.dtype == "fp32":
+        fixes.append("train in bf16")
+    return ", or ".join(fixes) if len(fixes) < 3 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
 
 
 # ------------------------------------------------------------------------------ public API
