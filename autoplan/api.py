@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from autoplan.errors import PlanError
+from autoplan.errors import ClusterError, PlanError
 from autoplan.plan import (
     MESH_AXES,
     DTypeName,
@@ -27,10 +27,23 @@ from autoplan.plan import (
 )
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
-from cost_model.hardware import Cluster
+from cost_model.hardware import Cluster, load_cluster
 from cost_model.workload import ModelProfile
 
 __all__ = ["default_dp", "estimate", "manual_plan", "plan_estimate", "profile_of"]
+
+
+def as_cluster(value: object) -> Cluster:
+    """A `Cluster`, or one from a spec string (``NAME[:key=value,...]`` or a YAML path);
+    anything else raises `ClusterError` naming what to pass."""
+    if isinstance(value, Cluster):
+        return value
+    if isinstance(value, str):
+        return load_cluster(value)
+    raise ClusterError(
+        f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4' or a YAML "
+        f"path), got {type(value).__name__} {value!r}"
+    )
 
 
 def profile_of(model_or_graph: Any) -> ModelProfile:
@@ -56,7 +69,7 @@ def profile_of(model_or_graph: Any) -> ModelProfile:
 
 def manual_plan(
     model_or_graph: Any,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     tp: int = 1,
     pp: int = 1,
@@ -76,9 +89,11 @@ def manual_plan(
 
     ``dp`` defaults to ``cluster.num_devices / (tp * pp)``, ``dtype`` to the device's fastest
     (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
-    model and the cluster and carries the cost model's estimate.
+    model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
+    string (`as_cluster`).
     """
     profile = profile_of(model_or_graph)
+    cluster = as_cluster(cluster)
     for name, value in (
         ("tp", tp),
         ("pp", pp),
@@ -147,7 +162,7 @@ def default_dp(cluster: Cluster, tp: int, pp: int) -> int:
 
 def estimate(
     model_or_graph: Any,
-    cluster: Cluster,
+    cluster: Cluster | str,
     plan: Plan,
     *,
     allow_cross_node_tp: bool = False,
@@ -159,6 +174,11 @@ def estimate(
     ``Estimate.require_fits()`` to turn that into an error listing the numbers.
     """
     profile = profile_of(model_or_graph)
+    cluster = as_cluster(cluster)
+    if not isinstance(plan, Plan):
+        raise PlanError(
+            f"plan must be a Plan (e.g. Plan.from_yaml(path)), got {type(plan).__name__}"
+        )
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return _estimate(profile, cluster, plan)
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
+from autoplan.api import as_cluster
 from autoplan.errors import PlanError
 from autoplan.graph import ModelGraph
 from autoplan.plan import Plan
@@ -69,7 +70,7 @@ _DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1
 
 def parallelize(
     model: nn.Module,
-    cluster: Cluster | None = None,
+    cluster: Cluster | str | None = None,
     plan: Plan | None = None,
     *,
     loss_fn: LossFn,
@@ -92,12 +93,12 @@ def parallelize(
     collective (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
     anyway with a warning.
     """
+    _check_arguments(model, plan, loss_fn, optimizer, global_batch_size)
     world_size, local_world = _job_shape()
     device = _device()
     if graph is None:
         graph = _trace(model, plan)
-    if cluster is None:
-        cluster = _job_cluster(world_size, local_world)
+    cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
     if plan is not None:
         _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
     _init_process_group(device, timeout_s)
@@ -154,6 +155,37 @@ def parallelize(
         optimizer=optimizer,
         device=device,
     )
+
+
+def _check_arguments(
+    model: object,
+    plan: object,
+    loss_fn: object,
+    optimizer: object,
+    global_batch_size: object,
+) -> None:
+    """Every rank refuses the same wrong argument before any collective (`PlanError`)."""
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"model must be an nn.Module, got {type(model).__name__}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise PlanError(
+            f"plan must be a Plan (e.g. Plan.from_yaml(path)) or None, got {type(plan).__name__}"
+        )
+    if not callable(loss_fn):
+        raise PlanError(
+            f"loss_fn must be a callable (logits, targets) -> loss, got {type(loss_fn).__name__}"
+        )
+    if not callable(optimizer):
+        raise PlanError(
+            "optimizer must be a callable that builds an optimizer from parameters (e.g. "
+            f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer).__name__}"
+        )
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or global_batch_size < 1
+    ):
+        raise PlanError(f"global_batch_size={global_batch_size!r} must be a whole number >= 1")
 
 
 # ----------------------------------------------------------------------------- job

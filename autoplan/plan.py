@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from autoplan.errors import PlanError, SchemaError
-from cost_model.hardware import Cluster
+from cost_model.hardware import Cluster, load_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -50,6 +50,7 @@ DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
+DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +62,14 @@ class StagePlan:
     recompute: Recompute = "none"
 
     def __post_init__(self) -> None:
+        for name in ("first_unit", "last_unit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanError(f"{name} = {value!r} must be a whole number")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise PlanError(
+                f"recompute = {self.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}"
+            )
         if self.first_unit < 0:
             raise PlanError(f"first_unit = {self.first_unit} must be >= 0")
         if self.last_unit < self.first_unit:
@@ -174,9 +183,21 @@ class Plan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
-        if self.zero_stage not in (0, 1, 2, 3):
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage = {self.zero_stage!r} must be 0, 1, 2 or 3")
-        if sorted(self.rank_layout) != sorted(MESH_AXES):
+        if self.dtype not in DTYPE_NAMES:
+            raise PlanError(f"dtype = {self.dtype!r} must be one of {', '.join(DTYPE_NAMES)}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule = {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"sequence_parallel = {self.sequence_parallel!r} must be true or false")
+        if not isinstance(self.stages, tuple) or not all(
+            isinstance(stage, StagePlan) for stage in self.stages
+        ):
+            raise PlanError("stages must be a tuple of StagePlan")
+        if not isinstance(self.rank_layout, tuple) or sorted(map(str, self.rank_layout)) != sorted(
+            MESH_AXES
+        ):
             raise PlanError(
                 f"rank_layout = {list(self.rank_layout)} must order each of pp, dp, tp once "
                 "(outermost first), e.g. [pp, dp, tp]"
@@ -279,11 +300,19 @@ class Plan:
     def validate(
         self,
         graph: HasProfile | ModelProfile | None,
-        cluster: Cluster,
+        cluster: Cluster | str,
         *,
         allow_cross_node_tp: bool = False,
     ) -> None:
-        """Check the plan against a model (optional) and a cluster; raises PlanError."""
+        """Check the plan against a model (optional) and a cluster (or its spec string);
+        raises PlanError."""
+        if isinstance(cluster, str):
+            cluster = load_cluster(cluster)
+        elif not isinstance(cluster, Cluster):
+            raise PlanError(
+                f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4'), got "
+                f"{type(cluster).__name__} {cluster!r}"
+            )
         conflict = split_backward_conflict(
             self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
         )

@@ -102,6 +102,11 @@ class LinkSpec:
             raise ValueError(f"latency_s = {self.latency_s!r} must be >= 0")
 
 
+# The most devices a cluster may have: 2^20, ten times the largest training clusters built by
+# 2026 (~100k GPUs); beyond it a search only enumerates degrees for minutes.
+MAX_DEVICES = 2**20
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
     """Homogeneous cluster: ``num_nodes`` x ``devices_per_node`` devices and two link classes."""
@@ -125,6 +130,12 @@ class Cluster:
             raise ValueError(f"num_nodes = {self.num_nodes!r} must be at least 1")
         if self.devices_per_node < 1:
             raise ValueError(f"devices_per_node = {self.devices_per_node!r} must be at least 1")
+        if self.num_nodes * self.devices_per_node > MAX_DEVICES:
+            raise ValueError(
+                f"num_nodes x devices_per_node = {self.num_nodes:,} x {self.devices_per_node} "
+                f"= {self.num_nodes * self.devices_per_node:,} devices is more than the "
+                f"{MAX_DEVICES:,} autoplan plans for; give a real cluster size"
+            )
         if self.shared_cores_per_node is not None and self.shared_cores_per_node < 1:
             raise ValueError(
                 f"shared_cores_per_node = {self.shared_cores_per_node!r} must be at least 1 "

@@ -495,7 +495,7 @@ def test_manual_plan_even_split_and_estimate() -> None:
     ("kwargs", "message"),
     [
         (dict(tp=3, pp=1, global_batch=8), r"tp x pp = 3 x 1 = 3 does not divide the 8 devices"),
-        (dict(tp=2, pp=1, dp=2, global_batch=8), r"= 4 devices, but cluster .* has 8"),
+        (dict(tp=2, pp=1, dp=2, global_batch=8), r"= 4, but cluster .* has 8 devices.*use dp = 4"),
         (
             dict(tp=2, pp=2, global_batch=5),
             r"global_batch = 5 is not a multiple of micro_batch x dp = 1 x 2 = 2",

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+
+from autoplan.errors import InputError
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
@@ -111,6 +116,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--time-limit",
             type=click.FloatRange(min=0.01),
+            callback=_finite,
             default=10.0,
             show_default=True,
             help="Seconds per solver call.",
@@ -118,6 +124,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--budget",
             type=click.FloatRange(min=0.0),
+            callback=_finite,
             default=10.0,  # planner.search.DEFAULT_BUDGET_S (not imported: OR-tools loads slowly)
             show_default=True,
             help="Seconds the search may visit candidates before it returns its best plan with "
@@ -140,6 +147,25 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
         for key, value in options.items()
         if key not in ("time_limit", "budget") and value not in (None, False)
     }
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value!r} is not a finite number of seconds", ctx, param)
+    return value
+
+
+def check_output_path(path: str, option: str) -> None:
+    """Fail before the work when ``path`` cannot be written (its folder is missing or
+    read-only, or it is a folder)."""
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{option} {path!r} is a directory; give a file path")
+    folder = target.parent
+    if not folder.is_dir():
+        raise InputError(f"{option} {path!r}: folder {str(folder)!r} does not exist; create it")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise InputError(f"{option} {path!r} is not writable; choose another path")
 
 
 def budget_s(options: dict[str, Any]) -> float | None:

@@ -14,6 +14,7 @@ from autoplan._format import fmt_memory, fmt_time
 from autoplan.api import estimate
 from autoplan.cli.common import (
     budget_s,
+    check_output_path,
     console,
     emit_json,
     json_option,
@@ -67,6 +68,8 @@ def plan_cmd(
 
     constraints = search_constraints(options)
     target = load_cluster(cluster_spec)
+    if output is not None:
+        check_output_path(output, "-o/--output")
     out = console()
     profile = trace_spec(model_spec).profile
     with Progress(

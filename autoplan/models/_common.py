@@ -21,6 +21,11 @@ from autoplan.errors import ModelSpecError as ModelSpecError
 # ---------------------------------------------------------------------------------------------
 
 
+# Bounds that refuse absurd sizes up front (tracing is linear in the layers: 4096 take about a
+# minute on meta; the largest published models have ~130).
+MAX_SIZE = {"num_layers": 4096, "hidden_size": 2**20, "seq_len": 2**24, "vocab_size": 2**24}
+
+
 def check_positive_ints(owner: str, fields: Iterable[tuple[str, object]]) -> None:
     """Raise `ModelSpecError` unless every value is a positive int (bools rejected)."""
     for name, value in fields:
@@ -30,6 +35,11 @@ def check_positive_ints(owner: str, fields: Iterable[tuple[str, object]]) -> Non
             )
         if value <= 0:
             raise ModelSpecError(f"{owner}.{name} must be a positive int, got {value}")
+        if value > MAX_SIZE.get(name, 2**40):
+            raise ModelSpecError(
+                f"{owner}.{name} = {value:,} is more than the {MAX_SIZE.get(name, 2**40):,} "
+                "autoplan models; give a real size"
+            )
 
 
 def check_divisible(owner: str, name: str, value: int, by_name: str, by: int, why: str) -> None:

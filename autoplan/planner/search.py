@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
-from autoplan.api import plan_estimate, profile_of
+from autoplan.api import as_cluster, plan_estimate, profile_of
 from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import ModelRef, Plan, Recompute, StagePlan
 from autoplan.planner.bounds import pipeline_factor, share_range
@@ -84,6 +84,8 @@ RELATIVE_GAP = 5e-4
 # Seconds the search may spend visiting candidates before it returns its best with the
 # proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
 DEFAULT_BUDGET_S = 10.0
+# The largest global batch a search takes (sequences): far above any published run (~10^4).
+MAX_GLOBAL_BATCH = 2**24
 # Phase 2 (the first incumbent): without a budget, the even split of this many candidates
 # (first in the visiting order); with one, as many as fit in this share of what is left of it
 # after phase 1 (at most _MAX_SEEDS). Then local search from the best _IMPROVED of them, until
@@ -178,8 +180,21 @@ def search_plans(
     one stage-partition solve; ``budget_s`` the whole visit (None: visit until proven)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise NoFeasiblePlanError(f"global_batch={global_batch!r} must be a whole number >= 1")
-    if top_k < 1:
-        raise NoFeasiblePlanError(f"top_k={top_k!r} must be >= 1")
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise NoFeasiblePlanError(
+            f"global_batch={global_batch:,} sequences is more than the {MAX_GLOBAL_BATCH:,} "
+            "autoplan plans for; give a real batch size"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise NoFeasiblePlanError(f"top_k={top_k!r} must be a whole number >= 1")
+    if not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
+        raise NoFeasiblePlanError(f"time_limit_s={time_limit_s!r} must be a number of seconds > 0")
+    if budget_s is not None and (
+        not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf
+    ):
+        raise NoFeasiblePlanError(
+            f"budget_s={budget_s!r} must be a number of seconds >= 0, or None (until proven)"
+        )
     space = SearchSpace.from_constraints(**constraints)
     if space.dtype is None:
         space = replace(space, dtype=cluster.device.fastest_training_dtype())
@@ -874,7 +889,7 @@ def _memory_fixes(space: SearchSpace) -> str:
 @overload
 def search(
     model_or_graph: Any,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     global_batch: int,
     top_k: None = None,
@@ -888,7 +903,7 @@ def search(
 @overload
 def search(
     model_or_graph: Any,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     global_batch: int,
     top_k: int,
@@ -901,7 +916,7 @@ def search(
 
 def search(
     model_or_graph: Any,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     global_batch: int,
     top_k: int | None = None,
@@ -921,7 +936,7 @@ def search(
     """
     result = search_plans(
         profile_of(model_or_graph),
-        cluster,
+        as_cluster(cluster),
         global_batch=global_batch,
         top_k=top_k or 1,
         time_limit_s=time_limit_s,

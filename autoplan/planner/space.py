@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,14 +201,22 @@ def _normalise(key: str, value: Any) -> Any:
 def _as_tuple(key: str, value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, int, bool)):
         return (value,)
+    if not isinstance(value, (list, tuple, set, frozenset, range)):
+        raise ConstraintError(
+            f"{key}={value!r}: give one value or a list of them, e.g. {key}=[1, 2]"
+        )
     values = tuple(value)
     if not values:
         raise ConstraintError(f"{key}=() allows nothing; give at least one value")
     return values
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, at_most: int | None = None) -> list[int]:
+    """The divisors of ``n`` in ascending order (only those <= ``at_most`` if given), in
+    O(sqrt(n)) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted({*small, *(n // d for d in small)})
+    return found if at_most is None else [d for d in found if d <= at_most]
 
 
 def strategies(
@@ -242,7 +251,7 @@ def strategies(
             if (space.dp is not None and dp not in space.dp) or global_batch % dp:
                 continue
             per_replica = global_batch // dp
-            for b in _divisors(per_replica):
+            for b in _divisors(per_replica, space.max_micro_batch):
                 if b > space.max_micro_batch:
                     break
                 if space.micro_batch is not None and b not in space.micro_batch:
