@@ -13,6 +13,7 @@ from autoplan.plan import Plan, even_stages
 from tests.conftest import run_cli
 
 SMALL_MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,seq_len=32,vocab_size=128"
+ESTIMATE = ("estimate", "--model", SMALL_MODEL, "--cluster", "dgx-a100-80g")
 
 
 def _assert_user_error(result: object, fragment: str) -> None:
@@ -104,45 +105,17 @@ def test_validate_accepts_and_reports(tmp_path: Path) -> None:
         (("cluster", "show", "dgx-a100-80g:nodes=x"), "nodes='x': expected a whole number"),
         (("cluster", "show", "dgx-a100-80g:memory=nan"), "memory='nan': cannot read 'nan'"),
         (
-            (
-                "estimate",
-                "--model",
-                SMALL_MODEL,
-                "--cluster",
-                "dgx-a100-80g",
-                "--global-batch",
-                "8",
-                "--dp",
-                "3",
-            ),
+            (*ESTIMATE, "--global-batch", "8", "--dp", "3"),
             "dp x tp x pp = 3 x 1 x 1 = 3, but cluster 'dgx-a100-80g' has 8 devices; with tp = 1 "
             "and pp = 1 use dp = 8",
         ),
         (
-            (
-                "estimate",
-                "--model",
-                SMALL_MODEL,
-                "--cluster",
-                "dgx-a100-80g",
-                "--global-batch",
-                "12",
-            ),
+            (*ESTIMATE, "--global-batch", "12"),
             "global_batch = 12 is not a multiple of micro_batch x dp = 1 x 8 = 8; use a global "
             "batch of 8 or 16",
         ),
         (
-            (
-                "estimate",
-                "--model",
-                SMALL_MODEL,
-                "--cluster",
-                "dgx-a100-80g",
-                "--global-batch",
-                "8",
-                "--tp",
-                "3",
-            ),
+            (*ESTIMATE, "--global-batch", "8", "--tp", "3"),
             "choose tp and pp whose product is one of 1, 2, 4, 8",
         ),
         (

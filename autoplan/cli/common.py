@@ -72,6 +72,15 @@ def trace_spec(spec: str) -> Any:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# --dtype, as every planning command takes it
+dtype_option = click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
+)
+
+
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
     ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
@@ -104,12 +113,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--schedules", callback=str_list, help="Allowed schedules, e.g. 1f1b,interleaved-1f1b."
         ),
-        click.option(
-            "--dtype",
-            type=click.Choice(["bf16", "fp16", "fp32"]),
-            default=None,
-            help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
-        ),
+        dtype_option,
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),

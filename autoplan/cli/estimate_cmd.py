@@ -7,7 +7,7 @@ from rich.table import Table
 
 from autoplan._format import fmt_bytes, fmt_memory, fmt_time
 from autoplan.api import default_dp, estimate, manual_plan
-from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.cli.common import console, dtype_option, emit_json, json_option, trace_spec
 from autoplan.plan import DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.hardware import load_cluster
@@ -43,12 +43,7 @@ from cost_model.hardware import load_cluster
     help="Pipeline stages per pipeline rank (> 1 with --schedule interleaved-1f1b).",
 )
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
-    default=None,
-    help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
-)
+@dtype_option
 @json_option
 def estimate_cmd(
     model_spec: str,
