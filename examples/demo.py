@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from rich.console import Console
 import autoplan
 from autoplan.cli.plan_cmd import ranked_table
 from autoplan.cli.trace_cmd import trace_data, trace_table
-from autoplan.cli.whatif_cmd import whatif_table
+from autoplan.cli.whatif_cmd import scaling_note, whatif_table
 from autoplan.plots import save_figure, timeline_figure, whatif_figure
 from autoplan.timeline import timeline_of
 
@@ -71,7 +72,7 @@ def main() -> None:
         "--global-batch",
         str(GLOBAL_BATCH),
     ]
-    console.print(" ".join(command[1:]))
+    console.print(shlex.join(command))
     subprocess.run(command, check=True)
 
     console.rule("4. What if: GPT-3 175B on 64 to 1024 A100s (DGX A100 nodes), 300B tokens")
@@ -88,6 +89,9 @@ def main() -> None:
         budget_s=5.0,
     )
     console.print(whatif_table(result))
+    note = scaling_note(result)
+    if note:
+        console.print("scaling efficiency" + note.removeprefix(";"))
     plot = save_figure(whatif_figure(result), OUT / "whatif.png")
     console.print(f"throughput and scaling plot: {plot}")
     # A Megatron-style layout for comparison, and a picture of one step of its pipeline.
@@ -103,14 +107,22 @@ def main() -> None:
         schedule="interleaved-1f1b",
         virtual_stages=2,
     )
-    estimate = autoplan.estimate(gpt3, nodes, megatron)
+    baseline = autoplan.estimate(gpt3, nodes, megatron)
     console.print(
         f"Megatron-style t8 p8 d16 interleaved (v=2), full recompute on 1024 GPUs: step "
-        f"{estimate.step_time_s:.1f} s, MFU {estimate.mfu:.1%}, "
-        f"bubble {estimate.bubble_fraction:.1%}"
+        f"{baseline.step_time_s:.1f} s, MFU {baseline.mfu:.1%}, "
+        f"bubble {baseline.bubble_fraction:.1%}"
     )
-    picture = save_figure(timeline_figure(timeline_of(estimate, megatron)), OUT / "timeline.png")
-    console.print(f"one step of its pipeline schedule: {picture}")
+    # autoplan's own plan for the same 1024 GPUs, and one step of its pipeline schedule
+    best = next(row.plan for row in result.rows if row.num_devices == 1024 and row.plan)
+    estimate = autoplan.estimate(gpt3, nodes, best)
+    console.print(
+        f"autoplan's plan on 1024 GPUs: step {estimate.step_time_s:.1f} s, MFU "
+        f"{estimate.mfu:.1%}, bubble {estimate.bubble_fraction:.1%} "
+        f"({baseline.step_time_s / estimate.step_time_s:.2f}x the Megatron-style layout's speed)"
+    )
+    picture = save_figure(timeline_figure(timeline_of(estimate, best)), OUT / "timeline.png")
+    console.print(f"one step of autoplan's pipeline schedule: {picture}")
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def whatif_cmd(
     out.print(whatif_table(result, currency=currency))
     out.print(
         f"{len(result.rows)} searches in {result.total_time_s:.1f} s; scaling efficiency = "
-        "tokens/s per device relative to the smallest size with a plan"
+        "tokens/s per device relative to the smallest size with a plan" + scaling_note(result)
     )
     if plot_path is not None:
         out.print(f"wrote {plot_path}")
@@ -246,6 +246,16 @@ def _plan_cell(row: WhatIfRow) -> str:
 def _amount(value: float) -> str:
     """Whole numbers with separators from 100 up, three significant digits below."""
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def scaling_note(result: WhatIfResult) -> str:
+    """Why a scaling efficiency exceeds 100%, when one does ("" otherwise)."""
+    if not any((row.scaling_efficiency or 0.0) > 1.0 for row in result.rows):
+        return ""
+    return (
+        "; above 100%: more devices leave each one more memory for a faster plan (less "
+        "recompute, less sharding) than the smallest size could fit"
+    )
 
 
 def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Table:
