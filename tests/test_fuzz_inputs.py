@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,12 @@ def _check_outcome(args: tuple[str, ...], code: int, out: str, err: str) -> None
     assert "Traceback" not in out + err, (args, err)
     assert code in (0, 2), (args, code, err)
     if code == 2:
-        lines = err.strip().splitlines()
+        # what-if progress lines (stdout is not a terminal) may come before the error's line
+        lines = [
+            line
+            for line in err.strip().splitlines()
+            if not re.fullmatch(r"what-if: \d+/\d+ searches done", line)
+        ]
         assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), (args, err)
         if "--json" in args:
             data = json.loads(out.strip().splitlines()[-1])

@@ -127,6 +127,9 @@ def whatif_cmd(
     ) as progress:
         task = progress.add_task("what-if", total=len(specs) * len(sizes))
 
+        plain = not out.is_terminal and not as_json  # no live bar: a line per search on stderr
+        shown: set[int] = set()
+
         def report(step: WhatIfProgress) -> None:
             progress.update(
                 task,
@@ -134,6 +137,9 @@ def whatif_cmd(
                 total=step.total,
                 description=f"planning {step.cluster} x {step.num_devices} devices",
             )
+            if plain and step.completed not in shown:
+                shown.add(step.completed)
+                click.echo(f"what-if: {step.completed}/{step.total} searches done", err=True)
 
         result = whatif(
             profile,
