@@ -27,6 +27,7 @@ import datetime
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch import nn
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from autoplan.api import as_cluster
-from autoplan.errors import PlanError
+from autoplan.errors import InputError, PlanError
 from autoplan.graph import ModelGraph
 from autoplan.plan import Plan
 from cost_model.estimate import estimate
@@ -93,6 +94,62 @@ def parallelize(
     collective (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
     anyway with a warning.
     """
+    try:
+        return _parallelize(
+            model,
+            cluster,
+            plan,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            global_batch_size=global_batch_size,
+            search_constraints=search_constraints,
+            graph=graph,
+            seed=seed,
+            timeout_s=timeout_s,
+            check_memory=check_memory,
+        )
+    except InputError:
+        _one_line_under_torchrun()
+        raise
+
+
+def _one_line_under_torchrun() -> None:
+    """Under torchrun every rank raises the same `InputError`: print it once, as one line
+    (rank 0), instead of a traceback per rank. Installed only when such an error escapes
+    `parallelize`; other exceptions keep the usual traceback."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or getattr(sys.excepthook, "_autoplan", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        if not isinstance(error, InputError):
+            previous(kind, error, trace)
+            return
+        if int(os.environ.get("RANK", "0")) == 0:
+            world = os.environ.get("WORLD_SIZE", "?")
+            print(
+                f"autoplan: error: {error} (every one of the {world} ranks stopped)",
+                file=sys.stderr,
+            )
+
+    hook._autoplan = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _parallelize(
+    model: nn.Module,
+    cluster: Cluster | str | None,
+    plan: Plan | None,
+    *,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    global_batch_size: int | None,
+    search_constraints: Mapping[str, Any] | None,
+    graph: ModelGraph | None,
+    seed: int,
+    timeout_s: float | None,
+    check_memory: bool,
+) -> DistributedModel:
     _check_arguments(model, plan, loss_fn, optimizer, global_batch_size)
     world_size, local_world = _job_shape()
     device = _device()

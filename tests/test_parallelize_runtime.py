@@ -485,3 +485,34 @@ def test_a_plan_over_memory_is_refused_on_every_rank_unless_overridden(tmp_path:
     for message in forced:
         assert message.startswith("trained (loss "), message
     assert "check_memory=False, running anyway: plan does not fit" in forced[0]
+
+
+@pytest.mark.slow
+def test_a_plan_error_under_torchrun_is_one_line_from_rank_zero() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(Path(__file__).parent / "bad_plan_job.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("autoplan: error:")]
+    assert ours == [
+        "autoplan: error: the plan needs dp x tp x pp = 8 x 1 x 1 = 8 processes but the job has "
+        "2; launch 8 processes or make a plan for 2 (every one of the 2 ranks stopped)"
+    ], done.stderr
+    # no rank printed its traceback (torchrun's own summary follows, as always)
+    assert "autoplan.errors.PlanError" not in done.stderr and 'bad_plan_job.py", line' not in (
+        done.stderr
+    ), done.stderr
