@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from autoplan.errors import ClusterError, PlanError
+from autoplan.errors import PlanError
 from autoplan.plan import (
     MESH_AXES,
     DTypeName,
@@ -27,23 +27,10 @@ from autoplan.plan import (
 )
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
-from cost_model.hardware import Cluster, load_cluster
+from cost_model.hardware import Cluster, as_cluster
 from cost_model.workload import ModelProfile
 
 __all__ = ["default_dp", "estimate", "manual_plan", "plan_estimate", "profile_of"]
-
-
-def as_cluster(value: object) -> Cluster:
-    """A `Cluster`, or one from a spec string (``NAME[:key=value,...]`` or a YAML path);
-    anything else raises `ClusterError` naming what to pass."""
-    if isinstance(value, Cluster):
-        return value
-    if isinstance(value, str):
-        return load_cluster(value)
-    raise ClusterError(
-        f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4' or a YAML "
-        f"path), got {type(value).__name__} {value!r}"
-    )
 
 
 def profile_of(model_or_graph: Any) -> ModelProfile:

@@ -51,6 +51,7 @@ from autoplan.errors import CalibrationError
 from cost_model.communication import ring_half_collective_time_s
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
+from cost_model.schema import check_writable
 from cost_model.strategy import GroupPlacement
 
 logger = logging.getLogger(__name__)
@@ -489,23 +490,6 @@ STALL_HINT = (
 )
 
 
-def _check_writable(path: Path) -> None:
-    """Fail before measuring when ``path`` cannot be written (not after a minute of work)."""
-    if path.is_dir():
-        raise CalibrationError(f"output {str(path)!r} is a directory; pass a file path with -o")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CalibrationError(
-            f"cannot create the directory of output {str(path)!r}: {error.strerror}; "
-            "pass -o with a writable file"
-        ) from error
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise CalibrationError(
-            f"output {str(path)!r} is not writable; pass -o with a writable file"
-        )
-
-
 def calibrate(
     output: str | Path | None = None,
     *,
@@ -530,7 +514,7 @@ def calibrate(
         world_size = min(4, max(2, len(os.sched_getaffinity(0))))
     base = local_machine.detect()
     path = Path(output) if output is not None else calibrated_path()
-    _check_writable(path)
+    check_writable(path, "output (-o)", create_folder=True)
     measured = measure(world_size=world_size, quick=quick, progress=progress, stall_s=stall_s)
     cluster = calibrated_cluster(base, measured)
     cores = len(os.sched_getaffinity(0))

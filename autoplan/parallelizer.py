@@ -36,12 +36,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from autoplan.api import as_cluster
 from autoplan.errors import InputError, PlanError
 from autoplan.graph import ModelGraph
 from autoplan.plan import Plan
 from cost_model.estimate import estimate
-from cost_model.hardware import Cluster
+from cost_model.hardware import Cluster, as_cluster
 from passes import (
     DistributedModel,
     apply_data_parallel,
@@ -178,7 +177,7 @@ def _parallelize(
     mesh = build_mesh(plan, device.type)
     meta = has_meta_tensors([model])
     buffers = meta_buffer_values(model) if meta else {}
-    norms = norm_parameter_names(model)
+    norms = norm_parameter_names(model) if meta else None
     local = plan.stages_of_pipeline_rank(mesh.pp_rank)
     split = split_stages(graph, plan, stage_indices=local)
     retarget_devices(split, device)

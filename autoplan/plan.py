@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from autoplan.errors import PlanError, SchemaError
-from cost_model.hardware import Cluster, load_cluster
+from cost_model.hardware import Cluster, as_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -306,13 +306,7 @@ class Plan:
     ) -> None:
         """Check the plan against a model (optional) and a cluster (or its spec string);
         raises PlanError."""
-        if isinstance(cluster, str):
-            cluster = load_cluster(cluster)
-        elif not isinstance(cluster, Cluster):
-            raise PlanError(
-                f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4'), got "
-                f"{type(cluster).__name__} {cluster!r}"
-            )
+        cluster = as_cluster(cluster)
         conflict = split_backward_conflict(
             self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
         )

@@ -325,6 +325,19 @@ def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> 
     return number
 
 
+def as_cluster(value: object) -> Cluster:
+    """A `Cluster`, or one from a spec string (``NAME[:key=value,...]`` or a YAML path);
+    anything else raises `ClusterError` naming what to pass."""
+    if isinstance(value, Cluster):
+        return value
+    if isinstance(value, str):
+        return load_cluster(value)
+    raise ClusterError(
+        f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4' or a YAML "
+        f"path), got {type(value).__name__} {value!r}"
+    )
+
+
 def preset_names() -> list[str]:
     """Names of the shipped cluster presets."""
     folder = resources.files("cost_model") / "presets"

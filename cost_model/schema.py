@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -101,6 +102,28 @@ def read_yaml(path: str | Path, what: str) -> object:
     if loaded is None:
         raise SchemaError(f"{what} file {str(path)!r} is empty (only comments)")
     return loaded
+
+
+def check_writable(path: str | Path, what: str, *, create_folder: bool = False) -> None:
+    """Fail before any work when ``path`` cannot be written: it is a folder, its folder is
+    missing (created instead with ``create_folder``) or read-only. Raises SchemaError."""
+    target = Path(path)
+    if target.is_dir():
+        raise SchemaError(f"{what} {str(target)!r} is a directory; give a file path")
+    folder = target.parent
+    if create_folder:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SchemaError(
+                f"{what} {str(target)!r}: cannot create folder {str(folder)!r}: {error.strerror}"
+            ) from None
+    if not folder.is_dir():
+        raise SchemaError(
+            f"{what} {str(target)!r}: folder {str(folder)!r} does not exist; create it"
+        )
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise SchemaError(f"{what} {str(target)!r} is not writable; choose another path")
 
 
 def write_yaml(path: str | Path, data: object, header: str = "") -> None:

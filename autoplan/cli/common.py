@@ -5,16 +5,14 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from rich.console import Console
 
-from autoplan.errors import InputError
+from cost_model.schema import check_writable
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
@@ -160,16 +158,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 
 def check_output_path(path: str, option: str) -> None:
-    """Fail before the work when ``path`` cannot be written (its folder is missing or
-    read-only, or it is a folder)."""
-    target = Path(path)
-    if target.is_dir():
-        raise InputError(f"{option} {path!r} is a directory; give a file path")
-    folder = target.parent
-    if not folder.is_dir():
-        raise InputError(f"{option} {path!r}: folder {str(folder)!r} does not exist; create it")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise InputError(f"{option} {path!r} is not writable; choose another path")
+    """Fail before the work when ``path`` cannot be written."""
+    check_writable(path, option)
 
 
 def budget_s(options: dict[str, Any]) -> float | None:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
-from autoplan.api import as_cluster, plan_estimate, profile_of
+from autoplan.api import plan_estimate, profile_of
 from autoplan.errors import NoFeasiblePlanError
 from autoplan.plan import ModelRef, Plan, Recompute, StagePlan
 from autoplan.planner.bounds import pipeline_factor, share_range
@@ -70,7 +70,7 @@ from cost_model.estimate import (
     unit_classes,
     unit_costs,
 )
-from cost_model.hardware import Cluster
+from cost_model.hardware import Cluster, as_cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
@@ -195,9 +195,7 @@ def search_plans(
         raise NoFeasiblePlanError(
             f"budget_s={budget_s!r} must be a number of seconds >= 0, or None (until proven)"
         )
-    space = SearchSpace.from_constraints(**constraints)
-    if space.dtype is None:
-        space = replace(space, dtype=cluster.device.fastest_training_dtype())
+    space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
     stats = SearchStats()
     start = time.perf_counter()
@@ -838,8 +836,8 @@ def _no_feasible_plan(
     # A proven floor on the devices any plan needs: one copy of the weights, gradients and
     # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
-    dtype = space.dtype or cluster.device.fastest_training_dtype()
-    state = static_bytes(params, dtype, 0, 1).total_bytes
+    assert space.dtype is not None  # resolved by `search_plans`
+    state = static_bytes(params, space.dtype, 0, 1).total_bytes
     cal = cluster.calibration
     usable = MemoryConstants(
         buffer_bytes=0.0,
@@ -880,7 +878,7 @@ def _memory_fixes(space: SearchSpace) -> str:
         fixes.append("allow more pipeline stages")
     if space.dtype == "fp32":
         fixes.append("train in bf16")
-    return ", or ".join(fixes) if len(fixes) < 3 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+    return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
 
 
 # ------------------------------------------------------------------------------ public API

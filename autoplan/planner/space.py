@@ -65,6 +65,12 @@ class SearchSpace:
     dtype: str | None = None  # None: the device's fastest (`DeviceSpec.fastest_training_dtype`)
     allow_cross_node_tp: bool = False
 
+    def for_cluster(self, cluster: Cluster) -> SearchSpace:
+        """This space with its dtype resolved to the device's fastest when it is not set."""
+        if self.dtype is not None:
+            return self
+        return dataclasses.replace(self, dtype=cluster.device.fastest_training_dtype())
+
     @classmethod
     def from_constraints(cls, **constraints: Any) -> SearchSpace:
         """Build a space from `autoplan.search` keywords; unknown or contradictory ones raise."""
@@ -229,8 +235,7 @@ def strategies(
 ) -> Iterator[Strategy]:
     """Every valid outer choice in ``space``; dominated ones only if ``skip_dominated`` is off
     (the tests' brute force enumerates them to show skipping them loses nothing)."""
-    if space.dtype is None:
-        space = dataclasses.replace(space, dtype=cluster.device.fastest_training_dtype())
+    space = space.for_cluster(cluster)
     n = cluster.num_devices
     counts = profile.tp_divisible_counts()
     tp_choices = [
@@ -252,8 +257,6 @@ def strategies(
                 continue
             per_replica = global_batch // dp
             for b in _divisors(per_replica, space.max_micro_batch):
-                if b > space.max_micro_batch:
-                    break
                 if space.micro_batch is not None and b not in space.micro_batch:
                     continue
                 m = per_replica // b
