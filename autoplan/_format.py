@@ -1,6 +1,11 @@
-"""Human-readable numbers for tables: bytes, FLOP/s, bandwidth, time."""
+"""Human-readable numbers and compact tables for the CLI: bytes, FLOP/s, bandwidth, time."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from rich import box
+from rich.table import Table
 
 from cost_model.units import format_bytes
 from cost_model.units import scaled as _scaled
@@ -16,19 +21,19 @@ def fmt_bandwidth(value: float) -> str:
     return _scaled(value, ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1.0, "B/s")))
 
 
+_TIME_UNITS = (
+    (86400.0, "days"),
+    (3600.0, "h"),
+    (60.0, "min"),
+    (1.0, "s"),
+    (1e-3, "ms"),
+    (1e-6, "us"),
+    (1e-9, "ns"),
+)
+
+
 def fmt_time(seconds: float) -> str:
-    return _scaled(
-        seconds,
-        (
-            (86400.0, "days"),
-            (3600.0, "h"),
-            (60.0, "min"),
-            (1.0, "s"),
-            (1e-3, "ms"),
-            (1e-6, "us"),
-            (1e-9, "ns"),
-        ),
-    )
+    return _scaled(seconds, _TIME_UNITS)
 
 
 def fmt_count(value: float) -> str:
@@ -47,3 +52,77 @@ def fmt_memory(peak_bytes: float, reserve_bytes: float, capacity_bytes: float) -
         f"predicted {fmt_bytes(peak_bytes - reserve_bytes)} + {fmt_bytes(reserve_bytes)} "
         f"reserve/margin of {fmt_bytes(capacity_bytes)}"
     )
+
+
+# Columns the CLI lays its output out for: a table's natural width stays within it (a test runs
+# every command and checks), and output that is not a terminal is printed this wide.
+WIDTH = 100
+
+_RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
+
+
+def compact_table(title: str | None = None, *, caption: str | None = None) -> Table:
+    """A table with a rule under its header and two spaces between columns (no outer border),
+    so a dozen numeric columns fit `WIDTH`; a caption under it says what terse headers mean."""
+    return Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+        show_edge=False,
+        title_justify="left",
+        caption_justify="left",
+        title_style="bold",
+        caption_style="dim",
+    )
+
+
+def fmt_gib(value: float) -> str:
+    """Bytes as GiB, three significant digits, no unit ("71.4", "0.512", "80")."""
+    return f"{value / 2**30:.3g}"
+
+
+def _short_bytes(value: float) -> str:
+    """Bytes with a one-letter binary suffix: "71.4G", "512M" (G = GiB, M = MiB)."""
+    for scale, suffix in ((2**40, "T"), (2**30, "G"), (2**20, "M"), (2**10, "K")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def fmt_memory_cell(peak_bytes: float, reserve_bytes: float, capacity_bytes: float) -> str:
+    """A table cell for a device's peak: "71.4G+5.57G/80G" (predicted tensors + reserve and
+    allocator margin / capacity; `fmt_memory` spells the same figures out)."""
+    if capacity_bytes <= 0:
+        return _short_bytes(peak_bytes)
+    if reserve_bytes <= 0:
+        return f"{_short_bytes(peak_bytes)}/{_short_bytes(capacity_bytes)}"
+    predicted = _short_bytes(peak_bytes - reserve_bytes)
+    return f"{predicted}+{_short_bytes(reserve_bytes)}/{_short_bytes(capacity_bytes)}"
+
+
+MEMORY_CELL_CAPTION = (
+    "memory per device: predicted + reserve and allocator margin / capacity (G = GiB, M = MiB)"
+)
+
+
+def fmt_recompute(modes: Iterable[str]) -> str:
+    """The recompute modes of a plan's stages: "selective", or "none+sel" when they differ."""
+    distinct = sorted(set(modes))
+    if len(distinct) == 1:
+        return distinct[0]
+    return "+".join(_RECOMPUTE_SHORT.get(mode, mode) for mode in distinct)
+
+
+def collapse_runs(rows: Sequence[tuple[int, Sequence[str]]]) -> list[tuple[str, list[str]]]:
+    """Merge consecutive rows whose cells are equal into one labelled with their index range
+    ("1-14"): a 64-rank pipeline whose middle ranks agree prints as three rows."""
+    runs: list[tuple[int, int, list[str]]] = []
+    for index, cells in rows:
+        if runs and runs[-1][2] == list(cells) and runs[-1][1] == index - 1:
+            first, _, same = runs[-1]
+            runs[-1] = (first, index, same)
+        else:
+            runs.append((index, index, list(cells)))
+    return [(str(a) if a == b else f"{a}-{b}", cells) for a, b, cells in runs]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoplan._format import fmt_time
 from autoplan.errors import InputError, ModelSpecError, NoFeasiblePlanError
@@ -230,11 +230,14 @@ def explain(
     top_k: int = 3,
     alternatives: bool = True,
     time_limit_s: float = 10.0,
+    budget_s: float | None = 10.0,
     progress: Callable[[str], None] | None = None,
 ) -> Explanation:
     """Explain ``plan`` on ``cluster`` (module docstring); ``top_k`` search alternatives.
 
-    ``alternatives=False`` skips the searches (breakdown and critical path only).
+    ``alternatives=False`` skips the searches (breakdown and critical path only); each search
+    visits candidates for at most ``budget_s`` seconds (None: until every one is proven), as
+    `autoplan.search`.
     """
     from autoplan.api import estimate as checked_estimate
     from autoplan.api import profile_of
@@ -246,10 +249,11 @@ def explain(
         notes.append(f"this plan does not fit: {result.memory_report()}")
     found: list[Alternative] = []
     if alternatives:
+        limits = _Limits(time_limit_s, budget_s)
         found += _search_alternatives(
-            plan, profile, cluster, result, top_k, time_limit_s, notes, progress
+            plan, profile, cluster, result, top_k, limits, notes, progress
         )
-        found += _hand_made(plan, profile, cluster, result, time_limit_s, progress)
+        found += _hand_made(plan, profile, cluster, result, limits, progress)
     return Explanation(
         plan=plan,
         model=profile.name,
@@ -363,13 +367,20 @@ def _compare(name: str, plan: Plan, candidate: Plan, result: Estimate) -> Altern
     )
 
 
+class _Limits(NamedTuple):
+    """The limits every comparison search runs under (as `autoplan.search`'s)."""
+
+    time_limit_s: float
+    budget_s: float | None
+
+
 def _search_alternatives(
     plan: Plan,
     profile: ModelProfile,
     cluster: Cluster,
     result: Estimate,
     top_k: int,
-    time_limit_s: float,
+    limits: _Limits,
     notes: list[str],
     progress: Callable[[str], None] | None,
 ) -> list[Alternative]:
@@ -384,8 +395,9 @@ def _search_alternatives(
             cluster,
             global_batch=plan.global_batch_size,
             top_k=top_k + 1,
-            time_limit_s=time_limit_s,
             dtype=plan.dtype,
+            time_limit_s=limits.time_limit_s,
+            budget_s=limits.budget_s,
         ).plans
     except (NoFeasiblePlanError, ConstraintError) as error:
         notes.append(f"the search finds no plan to compare with: {infeasible_reason(error)}")
@@ -409,7 +421,7 @@ def _constrained(
     profile: ModelProfile,
     cluster: Cluster,
     result: Estimate,
-    time_limit_s: float,
+    limits: _Limits,
     **constraints: Any,
 ) -> Alternative:
     """The planner's best plan of a family (fixed degrees), or why there is none."""
@@ -421,8 +433,9 @@ def _constrained(
             profile,
             cluster,
             global_batch=plan.global_batch_size,
-            time_limit_s=time_limit_s,
             dtype=plan.dtype,
+            time_limit_s=limits.time_limit_s,
+            budget_s=limits.budget_s,
             **constraints,
         ).plans[0]
     except NoFeasiblePlanError as error:
@@ -447,7 +460,7 @@ def _hand_made(
     profile: ModelProfile,
     cluster: Cluster,
     result: Estimate,
-    time_limit_s: float,
+    limits: _Limits,
     progress: Callable[[str], None] | None,
 ) -> list[Alternative]:
     n, per_node = cluster.num_devices, cluster.devices_per_node
@@ -471,7 +484,7 @@ def _hand_made(
         )
     else:
         out.append(
-            _constrained("pure DP", shape, plan, profile, cluster, result, time_limit_s, tp=1, pp=1)
+            _constrained("pure DP", shape, plan, profile, cluster, result, limits, tp=1, pp=1)
         )
 
     # Pure tensor parallelism within a node; data parallelism across nodes.
@@ -486,7 +499,7 @@ def _hand_made(
                 profile,
                 cluster,
                 result,
-                time_limit_s,
+                limits,
                 tp=tp_node,
                 pp=1,
             )
@@ -507,7 +520,7 @@ def _hand_made(
             profile,
             cluster,
             result,
-            time_limit_s,
+            limits,
             tp=t,
             pp=pp,
             schedules=("1f1b", "interleaved-1f1b"),

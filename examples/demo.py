@@ -16,9 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 import autoplan
+from autoplan.cli.common import console as cli_console
 from autoplan.cli.plan_cmd import ranked_table
 from autoplan.cli.trace_cmd import trace_data, trace_table
 from autoplan.cli.whatif_cmd import scaling_note, whatif_table
@@ -36,7 +35,7 @@ GLOBAL_BATCH = 16
 
 
 def main() -> None:
-    console = Console(highlight=False, width=200)
+    console = cli_console()  # the CLI's: 100 columns when not a terminal
     OUT.mkdir(exist_ok=True)
 
     console.rule("1. Trace a small GPT on the meta device")
@@ -72,7 +71,8 @@ def main() -> None:
         "--global-batch",
         str(GLOBAL_BATCH),
     ]
-    console.print(shlex.join(command))
+    # one line whatever the width, so it can be copied
+    console.print(shlex.join(command), soft_wrap=True, markup=False)
     subprocess.run(command, check=True)
 
     console.rule("4. What if: GPT-3 175B on 64 to 1024 A100s (DGX A100 nodes), 300B tokens")

@@ -64,7 +64,7 @@ def test_estimate_table() -> None:
         "16",
     )
     assert done.returncode == 0, done.stderr
-    assert "per stage" in done.stdout
+    assert "per pipeline rank" in done.stdout
     assert "interleaved-1f1b" in done.stdout
     assert "MFU" in done.stdout and "tokens/s" in done.stdout
 

@@ -31,7 +31,7 @@ def test_plan_writes_a_valid_yaml_with_its_estimate(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "best plans (rank 1 is chosen)" in result.stdout
-    assert "per stage" in result.stdout and f"wrote {out}" in result.stdout
+    assert "per pipeline rank" in result.stdout and f"wrote {out}" in result.stdout
     plan = Plan.from_yaml(out)
     assert plan.num_devices == 16 and plan.global_batch_size == 32
     assert plan.estimate is not None and plan.estimate.step_time_s > 0

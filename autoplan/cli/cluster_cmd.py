@@ -7,7 +7,7 @@ import click
 import yaml
 from rich.table import Table
 
-from autoplan._format import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_time
+from autoplan._format import compact_table, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_time
 from autoplan.cli.common import console, emit_json, json_option
 from cost_model.hardware import Cluster, load_cluster, preset_names
 
@@ -61,9 +61,9 @@ def cluster_list(as_json: bool) -> None:
             ]
         )
         return
-    table = Table(title="cluster presets (one node each; --num-devices or nodes=N scales them)")
+    table = compact_table("cluster presets (one node each; --num-devices or nodes=N scales them)")
     for column in ("name", "per node", "device memory", "description"):
-        table.add_column(column)
+        table.add_column(column, ratio=1 if column == "description" else None)
     for c in presets:
         table.add_row(
             c.name,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
+from autoplan._format import WIDTH
 from cost_model.schema import check_writable
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
@@ -23,9 +24,9 @@ def emit_json(data: object) -> None:
 
 
 def console() -> Console:
-    """A rich console for tables and progress bars on stdout (160 columns when not a terminal,
-    so piped and captured output keeps whole table cells)."""
-    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    """A rich console for tables and progress bars on stdout (`WIDTH` columns when not a
+    terminal: the tables are laid out to fit it)."""
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else WIDTH)
 
 
 def load_model(spec: str) -> Any:
@@ -118,7 +119,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--time-limit",
             type=click.FloatRange(min=0.01),
-            callback=_finite,
+            callback=finite_seconds,
             default=10.0,
             show_default=True,
             help="Seconds per solver call.",
@@ -126,7 +127,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--budget",
             type=click.FloatRange(min=0.0),
-            callback=_finite,
+            callback=finite_seconds,
             default=10.0,  # planner.search.DEFAULT_BUDGET_S (not imported: OR-tools loads slowly)
             show_default=True,
             help="Seconds the search may visit candidates before it returns its best plan with "
@@ -151,7 +152,8 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+def finite_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Click callback: a number of seconds must be finite (``inf``/``nan`` parse as floats)."""
     if not math.isfinite(value):
         raise click.BadParameter(f"{value!r} is not a finite number of seconds", ctx, param)
     return value

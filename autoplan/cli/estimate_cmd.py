@@ -5,7 +5,14 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from autoplan._format import fmt_bytes, fmt_memory, fmt_time
+from autoplan._format import (
+    collapse_runs,
+    compact_table,
+    fmt_bytes,
+    fmt_memory,
+    fmt_recompute,
+    fmt_time,
+)
 from autoplan.api import default_dp, estimate, manual_plan
 from autoplan.cli.common import console, dtype_option, emit_json, json_option, trace_spec
 from autoplan.plan import DTypeName, Recompute, Schedule
@@ -105,12 +112,13 @@ def estimate_cmd(
 
 
 def summary_line(result: Estimate) -> str:
+    """Two lines: the step and its throughput, then the peak memory and whether it fits."""
     fits = "fits" if result.fits else "DOES NOT FIT"
     return (
         f"step {fmt_time(result.step_time_s)} (pipeline {fmt_time(result.pipeline_time_s)}, "
         f"bubble {result.bubble_fraction:.1%}, tail {fmt_time(result.tail_s)}) | "
-        f"{result.tokens_per_s:,.0f} tokens/s | {result.model_tflops_per_device:.1f} "
-        f"TFLOP/s per device | MFU {result.mfu:.1%} | peak memory "
+        f"{result.tokens_per_s:,.0f} tokens/s | MFU {result.mfu:.1%}\n"
+        f"{result.model_tflops_per_device:.1f} TFLOP/s per device | peak memory "
         + fmt_memory(
             result.peak_memory_bytes,
             result.peak_rank.memory.reserve_bytes,
@@ -121,38 +129,55 @@ def summary_line(result: Estimate) -> str:
 
 
 def stage_table(result: Estimate) -> Table:
-    """Per-stage breakdown: seconds within one step, bytes per device."""
-    table = Table(title="per stage (times per step, memory per device)", title_justify="left")
-    for name in (
-        "stage",
+    """One row per pipeline rank (a rank's stages summed; ranks whose cells agree share a row):
+    seconds within one step and bytes per device."""
+    stages = {s.stage_idx: s for s in result.stages}
+    interleaved = any(len(r.stages) > 1 for r in result.ranks)
+    table = compact_table(
+        "per pipeline rank (times per step, memory per device)",
+        caption="state: weights + grads + optimizer; activations: held at the peak"
+        + ("; units (stages): pipeline units over the rank's model chunks" if interleaved else ""),
+    )
+    columns = (
         "rank",
         "units",
         "recompute",
-        "fwd/mb",
-        "bwd/mb",
         "compute",
         "TP comm",
         "PP comm",
         "DP comm",
         "bubble",
-        "weights+grads+opt",
+        "state",
         "activations",
-    ):
+    )
+    for name in columns:
         table.add_column(name, justify="left" if name in ("units", "recompute") else "right")
-    for s in result.stages:
-        table.add_row(
-            str(s.stage_idx),
-            str(s.pp_rank),
-            f"{s.first_unit}-{s.last_unit}",
-            s.recompute,
-            fmt_time(s.forward_s),
-            fmt_time(s.backward_s),
-            fmt_time(s.compute_s),
-            fmt_time(s.tp_comm_s),
-            fmt_time(s.pp_comm_s),
-            fmt_time(s.dp_comm_s),
-            fmt_time(s.bubble_s),
-            fmt_bytes(s.param_bytes + s.grad_bytes + s.optimizer_bytes),
-            fmt_bytes(s.activation_bytes),
+    rows: list[tuple[int, list[str]]] = []
+    for rank in result.ranks:
+        held = [stages[i] for i in rank.stages]
+        units = sum(s.last_unit - s.first_unit + 1 for s in held)
+        if interleaved:
+            unit_cell = f"{units} ({len(held)})"
+        else:
+            first, last = held[0].first_unit, held[-1].last_unit
+            unit_cell = str(first) if first == last else f"{first}-{last}"
+        memory = rank.memory
+        rows.append(
+            (
+                rank.pp_rank,
+                [
+                    unit_cell,
+                    fmt_recompute(s.recompute for s in held),
+                    fmt_time(sum(s.compute_s for s in held)),
+                    fmt_time(sum(s.tp_comm_s for s in held)),
+                    fmt_time(sum(s.pp_comm_s for s in held)),
+                    fmt_time(sum(s.dp_comm_s for s in held)),
+                    fmt_time(rank.bubble_s),
+                    fmt_bytes(memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes),
+                    fmt_bytes(memory.activation_bytes),
+                ],
+            )
         )
+    for label, cells in collapse_runs(rows):
+        table.add_row(label, *cells)
     return table

@@ -11,10 +11,11 @@ import contextlib
 from typing import Any
 
 import click
+from rich.padding import Padding
 from rich.table import Table
 
-from autoplan._format import fmt_bytes, fmt_time
-from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan._format import collapse_runs, compact_table, fmt_gib, fmt_time
+from autoplan.cli.common import console, emit_json, finite_seconds, json_option, trace_spec
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.whatif_cmd import check_picture_path
 from autoplan.explanation import Explanation, describe_plan, explain, plan_cluster, plan_model_spec
@@ -54,9 +55,18 @@ from cost_model.hardware import load_cluster
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0.01),
+    callback=finite_seconds,
     default=10.0,
     show_default=True,
     help="Seconds per solver call.",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0.0),
+    callback=finite_seconds,
+    default=10.0,
+    show_default=True,
+    help="Seconds each comparison search may visit candidates (0: until every one is proven).",
 )
 @json_option
 def explain_cmd(
@@ -67,6 +77,7 @@ def explain_cmd(
     top_k: int,
     no_alternatives: bool,
     time_limit: float,
+    budget: float,
     as_json: bool,
 ) -> None:
     """Explain a plan: where its step time goes and what the alternatives would cost."""
@@ -95,6 +106,7 @@ def explain_cmd(
             top_k=top_k,
             alternatives=not no_alternatives,
             time_limit_s=time_limit,
+            budget_s=budget if budget > 0 else None,
             progress=None if status is None else status.update,
         )
     timeline: dict[str, Any] | None = None
@@ -141,38 +153,51 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     if result.alternatives:
         out.print("[bold]why not ...[/]")
         for alternative in result.alternatives:
-            out.print(f"  {alternative.line}")
+            out.print(Padding(alternative.line, (0, 0, 0, 2)))
 
 
 def memory_table(result: Explanation) -> Table:
-    """Each pipeline rank's peak memory per device against the capacity."""
-    table = Table(title="memory per device at the peak", title_justify="left")
+    """Each pipeline rank's peak memory per device against the capacity, in GiB (ranks whose
+    cells agree share a row)."""
+    table = compact_table(
+        "memory per device at the peak (GiB)",
+        caption="activations: held micro-batches; working: one backward's working set, p2p and "
+        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin",
+    )
     for name in (
         "rank",
         "weights",
         "grads",
         "optimizer",
-        "activations in flight",
-        "working set",
+        "activations",
+        "working",
         "loss",
-        "reserve + margin",
+        "reserve",
         "total",
-        "of capacity",
+        "capacity",
+        "used",
         "fits",
     ):
         table.add_column(name, justify="right")
-    for m in result.memory:
-        table.add_row(
-            str(m.pp_rank),
-            fmt_bytes(m.param_bytes),
-            fmt_bytes(m.grad_bytes),
-            fmt_bytes(m.optimizer_bytes),
-            fmt_bytes(m.activation_bytes),
-            fmt_bytes(m.working_bytes),
-            fmt_bytes(m.loss_bytes),
-            fmt_bytes(m.reserve_bytes),
-            fmt_bytes(m.total_bytes),
-            f"{m.fraction:.0%} of {fmt_bytes(m.capacity_bytes)}",
-            "yes" if m.fits else "[bold red]NO[/]",
+    rows = [
+        (
+            m.pp_rank,
+            [
+                fmt_gib(m.param_bytes),
+                fmt_gib(m.grad_bytes),
+                fmt_gib(m.optimizer_bytes),
+                fmt_gib(m.activation_bytes),
+                fmt_gib(m.working_bytes),
+                fmt_gib(m.loss_bytes),
+                fmt_gib(m.reserve_bytes),
+                fmt_gib(m.total_bytes),
+                fmt_gib(m.capacity_bytes),
+                f"{m.fraction:.0%}",
+                "yes" if m.fits else "[bold red]NO[/]",
+            ],
         )
+        for m in result.memory
+    ]
+    for label, cells in collapse_runs(rows):
+        table.add_row(label, *cells)
     return table

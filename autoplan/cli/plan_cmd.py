@@ -10,7 +10,13 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autoplan._format import fmt_memory, fmt_time
+from autoplan._format import (
+    MEMORY_CELL_CAPTION,
+    compact_table,
+    fmt_memory_cell,
+    fmt_recompute,
+    fmt_time,
+)
 from autoplan.api import estimate
 from autoplan.cli.common import (
     budget_s,
@@ -127,45 +133,41 @@ def plan_cmd(
 
 
 def ranked_table(plans: tuple[Plan, ...]) -> Table:
-    table = Table(title="best plans (rank 1 is chosen)", title_justify="left")
+    """The ranked plans, one line each (the chosen plan's layout and split are in its stage
+    table)."""
+    table = compact_table("best plans (rank 1 is chosen)", caption=MEMORY_CELL_CAPTION)
     for name in (
-        "rank",
+        "#",
         "tp",
         "pp",
         "dp",
-        "micro-batch",
+        "mb x n",
         "schedule",
+        "v",
         "ZeRO",
         "SP",
         "recompute",
-        "layout",
-        "stages (units)",
         "step",
-        "tokens/s",
         "MFU",
-        "peak memory",
+        "memory",
     ):
         table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
     for rank, plan in enumerate(plans, start=1):
         e = plan.estimate
         assert e is not None
-        sizes = [s.num_units for s in plan.stages]
-        schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
         table.add_row(
             str(rank),
             str(plan.tp_degree),
             str(plan.pp_degree),
             str(plan.dp_degree),
             f"{plan.micro_batch_size} x {plan.num_micro_batches}",
-            schedule,
+            plan.schedule,
+            str(plan.virtual_stages),
             str(plan.zero_stage),
             "yes" if plan.sequence_parallel else "no",
-            "+".join(sorted({s.recompute for s in plan.stages})),
-            "/".join(plan.rank_layout),
-            f"{min(sizes)}-{max(sizes)}" if min(sizes) != max(sizes) else str(sizes[0]),
+            fmt_recompute(s.recompute for s in plan.stages),
             fmt_time(e.step_time_s),
-            f"{e.tokens_per_s:,.0f}",
             f"{e.mfu:.1%}",
-            fmt_memory(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
+            fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
         )
     return table

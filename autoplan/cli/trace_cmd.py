@@ -7,13 +7,12 @@ matrix) and once in the total. ``--json`` gives the same figures in base units (
 
 from __future__ import annotations
 
-import textwrap
 from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
-from autoplan._format import fmt_count
+from autoplan._format import compact_table, fmt_count
 from autoplan.cli.common import console, emit_json, json_option
 
 if TYPE_CHECKING:
@@ -66,18 +65,22 @@ def trace(
     if as_json:
         emit_json(data)
         return
-    click.echo(
+    out = console()
+    out.print(
         f"{data['model']}: {data['num_units']} pipeline units, batch {data['batch_size']} x "
-        f"seq {data['seq_len']}, traced with torch.{data['front_end']}, "
-        f"fingerprint {data['fingerprint']}"
+        f"seq {data['seq_len']}, torch.{data['front_end']}, "
+        f"fingerprint {data['fingerprint']}",
+        markup=False,
+        soft_wrap=True,  # one line: it names the model spec, which can be long
     )
-    console().print(trace_table(data, collapse=not show_all))
-    click.echo(textwrap.fill(LEGEND, width=100))
+    out.print(trace_table(data, collapse=not show_all))
+    out.print(LEGEND, markup=False)
     shared = [u for u in data["units"] if u["num_params_shared"]]
     for unit in shared:
-        click.echo(
+        out.print(
             f"{unit['name']} shares {fmt_count(unit['num_params_shared'])} parameters with an "
-            "earlier unit (tied weights; counted once in the total)"
+            "earlier unit (tied weights; counted once in the total)",
+            markup=False,
         )
 
 
@@ -155,9 +158,9 @@ def _runs(units: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def trace_table(data: dict[str, Any], *, collapse: bool = True) -> Table:
-    table = Table()
+    table = compact_table()
     table.add_column("#", justify="right")
-    table.add_column("unit")
+    table.add_column("unit", overflow="fold", ratio=1)
     table.add_column("kind")
     table.add_column("params", justify="right")
     table.add_column("fwd GFLOP", justify="right")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from autoplan.cli.common import emit_json, json_option, trace_spec
+from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.explanation import ExplainInputError, plan_cluster, plan_model_spec
 from autoplan.plan import Plan
 from cost_model.estimate import estimate
@@ -95,8 +95,12 @@ def validate(
             }
         )
     else:
-        click.echo(
+        out = console()
+        out.print(
             f"{plan_path}: valid for {against}: "
-            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}; {memory_note}"
-            + (f" ({cluster_note})" if cluster_note else "")
+            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}; {memory_note}",
+            markup=False,
+            soft_wrap=True,  # the verdict stays one line, for scripts that grep it
         )
+        if cluster_note:
+            out.print(f"using {cluster_note}", style="dim", markup=False)

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autoplan._format import fmt_memory, fmt_time
+from autoplan._format import (
+    compact_table,
+    fmt_bytes,
+    fmt_recompute,
+    fmt_time,
+)
 from autoplan.cli.common import (
     budget_s,
     console,
@@ -238,15 +244,12 @@ def _plan_cell(row: WhatIfRow) -> str:
     if plan is None:
         return f"no plan: {row.reason}"
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    modes = "+".join(sorted({s.recompute for s in plan.stages}))
-    text = (
+    return (
         f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree} mb{plan.micro_batch_size}x"
-        f"{plan.num_micro_batches} {schedule} Z{plan.zero_stage} {modes}"
+        f"{plan.num_micro_batches} {schedule} Z{plan.zero_stage} "
+        + fmt_recompute(s.recompute for s in plan.stages)
         + (" SP" if plan.sequence_parallel else "")
     )
-    if row.optimality_gap > 0:
-        text += f" (not proven best: up to {row.optimality_gap:.1%} faster may exist)"
-    return text
 
 
 def _amount(value: float) -> str:
@@ -264,55 +267,71 @@ def scaling_note(result: WhatIfResult) -> str:
     )
 
 
-def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Table:
-    """One row per cluster type and device count."""
-    table = Table(title="best plan per size", title_justify="left")
-    columns = [
-        "cluster",
-        "devices",
-        "nodes",
-        "plan",
-        "step",
-        "tokens/s",
-        "MFU",
-        "peak memory",
-        "scaling",
-    ]
+def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
+    """A table per cluster type, a row per device count: the best plan, its speed, memory,
+    scaling and the search's unproven gap; with ``tokens``, a table of the time and cost to
+    train."""
+    tables: list[Table] = []
+    clusters = list(dict.fromkeys(row.cluster for row in result.rows))
+    for index, cluster in enumerate(clusters):
+        rows = [row for row in result.rows if row.cluster == cluster]
+        table = compact_table(
+            f"best plan per size: {cluster} ({rows[0].devices_per_node} devices per node, "
+            f"{fmt_bytes(rows[0].memory_capacity_bytes)} each)",
+            caption=(
+                "plan: t/p/d = tensor/pipeline/data-parallel degrees, mb = micro-batch size x "
+                "count, Z = ZeRO level; memory: the peak device's predicted tensors, framework "
+                "reserve and allocator margin, of its capacity; gap: a plan up to this much "
+                "faster may exist (the search's budget ended before it proved otherwise)"
+            )
+            if index == len(clusters) - 1
+            else None,
+        )
+        for name in ("devices", "plan", "step", "tokens/s", "MFU", "memory", "scaling", "gap"):
+            if name == "plan":
+                table.add_column(name, justify="left", overflow="fold", ratio=1)
+            else:
+                table.add_column(name, justify="right", no_wrap=True)
+        for row in rows:
+            cells = [f"{row.num_devices:,}", _plan_cell(row)]
+            if row.plan is None:
+                table.add_row(*cells, *["-"] * 6, style="dim")
+                continue
+            assert row.step_time_s is not None and row.tokens_per_s is not None
+            assert row.mfu is not None and row.peak_memory_bytes is not None
+            table.add_row(
+                *cells,
+                fmt_time(row.step_time_s),
+                f"{row.tokens_per_s:,.0f}",
+                f"{row.mfu:.1%}",
+                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
+                f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
+                f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
+            )
+        tables.append(table)
     if result.tokens is not None:
-        columns += ["days", "device-hours"]
+        tables.append(_cost_table(result, currency))
+    parts: list[Table | str] = []
+    for table in tables:
+        parts += [table, ""] if table is not tables[-1] else [table]
+    return Group(*parts)
+
+
+def _cost_table(result: WhatIfResult, currency: str) -> Table:
+    assert result.tokens is not None
+    table = compact_table(f"to train on {result.tokens:.3g} tokens")
+    columns = ["cluster", "devices", "days", "device-hours"]
     if result.price_per_device_hour is not None:
         columns.append(f"cost ({currency})")
     for name in columns:
-        if name in ("cluster", "plan"):
-            table.add_column(name, justify="left", overflow="fold")
-        elif name == "peak memory":  # "predicted .. + .. reserve/margin of ..": may wrap
-            table.add_column(name, justify="right", overflow="fold", min_width=18)
-        else:
-            table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(name, justify="left" if name == "cluster" else "right")
     for row in result.rows:
-        cells = [row.cluster, f"{row.num_devices:,}", f"{row.num_nodes}x{row.devices_per_node}"]
-        cells.append(_plan_cell(row))
-        if row.plan is None:
-            cells += ["-"] * (len(columns) - len(cells))
-            table.add_row(*cells, style="dim")
+        cells = [row.cluster, f"{row.num_devices:,}"]
+        if row.training is None:
+            table.add_row(*cells, *["-"] * (len(columns) - 2), style="dim")
             continue
-        assert row.step_time_s is not None and row.tokens_per_s is not None
-        assert row.mfu is not None and row.peak_memory_bytes is not None
-        cells += [
-            fmt_time(row.step_time_s),
-            f"{row.tokens_per_s:,.0f}",
-            f"{row.mfu:.1%}",
-            fmt_memory(
-                row.peak_memory_bytes,
-                row.plan.estimate.memory_reserve_bytes if row.plan.estimate else 0,
-                row.memory_capacity_bytes,
-            ),
-            f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
-        ]
-        if result.tokens is not None:
-            assert row.training is not None
-            cells += [_amount(row.training.days), _amount(row.training.device_hours)]
-            if result.price_per_device_hour is not None and row.training.cost is not None:
-                cells.append(_amount(row.training.cost))
+        cells += [_amount(row.training.days), _amount(row.training.device_hours)]
+        if result.price_per_device_hour is not None:
+            cells.append(_amount(row.training.cost) if row.training.cost is not None else "-")
         table.add_row(*cells)
     return table
