@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # This machine's CPU build of PyTorch. On a GPU machine install your own torch into the venv
-# first (or set TORCH_SPEC, e.g. TORCH_SPEC=torch): autoplan itself needs only torch>=2.6.
+# first (or set TORCH_SPEC, e.g. TORCH_SPEC=torch): autoplan itself needs torch>=2.13.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup demo test lint typecheck pytest clean

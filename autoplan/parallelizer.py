@@ -7,7 +7,10 @@ optimizer factory such as ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
 
 Guarantees:
 
-- the plan is checked against the job before any collective: a plan for another world size,
+- every rank holds the same plan: an all-gather of the plans' digests is the first collective,
+  and ranks that differ fail together (`PlanError`); the process group this call creates has a
+  finite timeout (`DEFAULT_TIMEOUT_S`), so a collective waiting on a lost peer fails;
+- the plan is checked against the job before any other collective: a plan for another world size,
   for another model (fingerprint), with a TP degree that does not divide the heads, or with TP
   on layers DTensor cannot shard (GPT-2's fused Conv1D; sequence parallelism on a graph from
   torch.export) raises `PlanError` on every rank, so nothing hangs; a searched plan avoids them;
@@ -67,6 +70,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1e-3)
 
+# The process-group timeout when parallelize creates the group: torchtitan's default for the
+# first collectives (comm.init_timeout_seconds = 300); long enough for a first step that
+# compiles or loads, short enough that a lost peer ends the job in minutes, not gloo's 30.
+DEFAULT_TIMEOUT_S = 300.0
+
 
 def parallelize(
     model: nn.Module,
@@ -88,9 +96,10 @@ def parallelize(
     of ``autoplan.search``, e.g. ``{"pp": 1}``) narrow that search; on CPU it defaults to fp32
     plans. ``graph`` is ``autoplan.trace(model)``
     if you already have it. ``seed`` seeds the initialisation of a meta model. ``timeout_s``
-    sets the process-group timeout when this call creates the process group. A plan whose
-    predicted peak memory exceeds the device's fails on every rank before any allocation or
-    collective (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
+    sets the process-group timeout when this call creates the process group (default
+    `DEFAULT_TIMEOUT_S`); every rank must pass the same plan (checked: `PlanError` on all). A
+    plan whose predicted peak memory exceeds the device's fails on every rank before any
+    allocation (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
     anyway with a warning.
     """
     try:
@@ -152,12 +161,13 @@ def _parallelize(
     _check_arguments(model, plan, loss_fn, optimizer, global_batch_size)
     world_size, local_world = _job_shape()
     device = _device()
+    created = _init_process_group(device, timeout_s)
+    _agree_on_plan(plan, device)  # the first collective: nothing below can hang on a mismatch
     if graph is None:
         graph = _trace(model, plan)
     cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
     if plan is not None:
         _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
-    _init_process_group(device, timeout_s)
     if plan is None:
         constraints = dict(search_constraints or {})
         if device.type == "cpu":
@@ -210,6 +220,7 @@ def _parallelize(
         pipeline=pipeline,
         optimizer=optimizer,
         device=device,
+        timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
     )
 
 
@@ -262,11 +273,14 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init_process_group(device: torch.device, timeout_s: float | None) -> None:
+def _init_process_group(device: torch.device, timeout_s: float | None) -> bool:
+    """The default process group, unless the caller made one (then False), with a finite
+    timeout: a collective that waits longer than it for a peer fails (gloo and NCCL alike)
+    instead of hanging for torch's default (30 minutes on gloo)."""
     if dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     if "MASTER_ADDR" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # A single process outside torchrun: a private in-memory store.
         dist.init_process_group(
@@ -276,10 +290,40 @@ def _init_process_group(device: torch.device, timeout_s: float | None) -> None:
             world_size=1,
             timeout=timeout,
         )
-        return
+        return True
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timeout)
+    return True
+
+
+def _agree_on_plan(plan: Plan | None, device: torch.device) -> None:
+    """Every rank holds the same plan (or every rank None, to search one): an all-gather of the
+    plan digests, before any other collective, so ranks given different plans fail together
+    with a `PlanError` instead of waiting in different collectives until the timeout."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    mine = int(plan.digest(), 16) if plan is not None else 0
+    local = torch.tensor([mine], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    digests = [int(value.item()) for value in gathered]
+    if len(set(digests)) == 1:
+        return
+    holders: dict[int, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        holders.setdefault(digest, []).append(rank)
+    described = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: "
+        + (f"plan {digest:015x}" if digest else "no plan")
+        for digest, ranks in holders.items()
+    )
+    raise PlanError(
+        f"the ranks hold different plans ({described}); pass the same plan to parallelize on "
+        "every rank (e.g. Plan.from_yaml of one file), or plan=None on every rank for rank 0 "
+        "to search one"
+    )
 
 
 def _job_cluster(world_size: int, local_world: int) -> Cluster:

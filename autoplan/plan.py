@@ -15,6 +15,8 @@ stages ``r`` and ``2 pp_degree - 1 - r`` on rank ``r``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -391,6 +393,14 @@ class Plan:
         if data["model"] is None:
             del data["model"]
         return data
+
+    def digest(self) -> str:
+        """A short hash of what the runtime runs (everything but the estimate): two ranks whose
+        plans have the same digest build the same job."""
+        data = self.to_data()
+        data.pop("estimate", None)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:15]
 
     def to_yaml(self, path: str | Path) -> None:
         header = (

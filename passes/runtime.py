@@ -39,6 +39,7 @@ from autoplan.errors import PlanError
 from autoplan.plan import Plan
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
+from passes.progress import StepProgress
 from passes.split import SplitModel, TiedParameter, original_fqn
 
 __all__ = ["DistributedModel", "OptimizerFactory", "TiedGradientSync"]
@@ -188,6 +189,7 @@ class DistributedModel:
         pipeline: Pipeline,
         optimizer: OptimizerFactory,
         device: torch.device,
+        timeout_s: float | None = None,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -206,6 +208,8 @@ class DistributedModel:
         self.tied_sync = TiedGradientSync(split, modules, plan, mesh)
         self._local_batch = plan.micro_batch_size * plan.num_micro_batches
         self._aliases = _checkpoint_aliases(split)
+        self.step = 0  # optimizer steps taken (restored with a checkpoint)
+        self._progress = StepProgress(mesh.rank, plan.num_devices, timeout_s)
 
     def _make_optimizer(
         self, factory: OptimizerFactory, wrapped: nn.Module
@@ -269,22 +273,31 @@ class DistributedModel:
         If this rank fails mid-step, the process groups are torn down before the error
         propagates: the other ranks, blocked in a collective with it, fail at once ("connection
         closed by peer") instead of waiting for the process-group timeout. The job cannot
-        continue anyway: the ranks no longer agree on the sequence of collectives.
+        continue anyway: the ranks no longer agree on the sequence of collectives. If a
+        collective fails because other ranks stopped making progress (it waited for them for the
+        process-group timeout), the error is a `StalledRankError` that names them.
         """
         # Checked before the first collective: a bad batch raises on every rank, harmlessly.
         local_inputs = self._data_parallel_slice(inputs, "inputs")
         local_targets = self._data_parallel_slice(targets, "targets")
+        self._progress.started(self.step + 1)
         try:
-            return self._train_step(local_inputs, local_targets)
-        except BaseException:
+            loss = self._train_step(local_inputs, local_targets)
+        except BaseException as error:
+            stalled = self._progress.stalled(error) if isinstance(error, Exception) else None
             logger.error(
-                "rank %d failed during train_step; tearing down the process groups so the "
+                "rank %d failed during train_step%s; tearing down the process groups so the "
                 "other ranks stop too",
                 self.mesh.rank,
+                f" ({stalled})" if stalled else "",
             )
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if stalled is not None:
+                raise stalled from error
             raise
+        self.step += 1
+        return loss
 
     def _train_step(self, local_inputs: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
         for stage in self._stages:

@@ -487,6 +487,41 @@ def test_a_plan_over_memory_is_refused_on_every_rank_unless_overridden(tmp_path:
     assert "check_memory=False, running anyway: plan does not fit" in forced[0]
 
 
+def _given_plans(rank: int, world_size: int, plans: list[dict[str, Any] | None]) -> str:
+    from autoplan.parallelizer import parallelize
+
+    data = plans[rank]
+    try:
+        parallelize(
+            build_model("gpt"),
+            plan=None if data is None else Plan.from_data(data),
+            loss_fn=loss_fn,
+            global_batch_size=4,
+        )
+    except PlanError as error:
+        return str(error)
+    return "built"
+
+
+@pytest.mark.parametrize("second", ["another plan", "no plan"])
+def test_ranks_with_different_plans_fail_together(second: str, tmp_path: Path) -> None:
+    # Without the check rank 0 would wait in DDP's parameter broadcast and rank 1 in the
+    # pipeline's first receive (or in the search's broadcast) until the timeout.
+    first = make_plan(dp=2)
+    other = None if second == "no plan" else make_plan(pp=2).to_data()
+    messages = run_distributed(
+        _given_plans, [first.to_data(), other], world_size=2, tmp_path=tmp_path, timeout_s=120
+    )
+    assert messages[0] == messages[1], messages
+    expected = f"rank 1: plan {make_plan(pp=2).digest()}" if other else "rank 1: no plan"
+    assert messages[0].startswith(
+        f"the ranks hold different plans (rank 0: plan {first.digest()}; {expected}); pass the "
+        "same plan to parallelize on every rank"
+    ), messages[0]
+    # the estimate is not part of what the ranks must agree on
+    assert first.with_estimate(None).digest() == first.digest() != make_plan(pp=2).digest()
+
+
 @pytest.mark.slow
 def test_a_plan_error_under_torchrun_is_one_line_from_rank_zero() -> None:
     import subprocess
@@ -516,3 +551,35 @@ def test_a_plan_error_under_torchrun_is_one_line_from_rank_zero() -> None:
     assert "autoplan.errors.PlanError" not in done.stderr and 'bad_plan_job.py", line' not in (
         done.stderr
     ), done.stderr
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_when_the_timeout_ends_the_job() -> None:
+    # rank 1 SIGSTOPs itself before step 3; rank 0 waits in the pipeline's first transfer for
+    # the 10 s process-group timeout, then names rank 1 (torchrun then kills the stopped one)
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(Path(__file__).parent / "stall_job.py"),
+            "pp",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert (
+        "StalledRankError: rank 1 stopped making progress: last seen starting step 2, while rank "
+        "0 reached step 3 and waited for it for the process-group timeout (10 s); the "
+        "collective failed with: " in done.stderr
+    ), done.stderr
+    assert "Timed out waiting 10000ms" in done.stderr
