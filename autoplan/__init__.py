@@ -25,6 +25,7 @@ from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 if TYPE_CHECKING:
     from autoplan import models
     from autoplan.api import estimate, manual_plan
+    from autoplan.checkpoint import Checkpointer, CheckpointError
     from autoplan.explanation import explain
     from autoplan.graph import ModelGraph
     from autoplan.parallelizer import parallelize
@@ -47,6 +48,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "parallelize": ("autoplan.parallelizer", "parallelize"),
     "whatif": ("autoplan.sweep", "whatif"),
     "explain": ("autoplan.explanation", "explain"),
+    "Checkpointer": ("autoplan.checkpoint", "Checkpointer"),
+    "CheckpointError": ("autoplan.checkpoint", "CheckpointError"),
 }
 
 
@@ -61,6 +64,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "Cluster",
     "ClusterError",
     "DeviceSpec",

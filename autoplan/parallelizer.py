@@ -221,6 +221,7 @@ def _parallelize(
         optimizer=optimizer,
         device=device,
         timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
+        fingerprint=graph.profile.fingerprint,
     )
 
 

@@ -1,11 +1,15 @@
 """Train a small GPT on Python's own documentation with a plan autoplan picks for the job.
 
     torchrun --nproc-per-node 4 examples/train_gpt.py [--steps 400] [--plan plan.yaml]
+        [--checkpoint-dir ckpt --checkpoint-every 50]
 
 Every rank builds the model on the meta device (no memory), `autoplan.parallelize` finds a plan
 for the running job (rank 0 searches and broadcasts it; or uses ``--plan``), materialises each
 rank's shard and trains. The corpus is CPython's bundled language reference (``pydoc_data``):
 no downloads. Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
+With ``--checkpoint-dir`` the job saves every ``--checkpoint-every`` steps (in the background)
+and, started again, resumes from the latest complete checkpoint: the same batches, the same
+losses as a run that never stopped (under another plan or world size too, resharded).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import autoplan
-from autoplan.data import load_corpus
+from autoplan.data import Batches, load_corpus
 from autoplan.models import gpt
 
 
@@ -37,6 +41,16 @@ def small_gpt(seq_len: int = 64) -> torch.nn.Module:
     return gpt(num_layers=4, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=128)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (steps between checkpoints)")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -44,6 +58,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", default=None, help="A plan YAML to run instead of searching.")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="Save checkpoints here and resume from them."
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=_positive, default=50, help="Steps between checkpoints."
+    )
+    parser.add_argument(
+        "--loss-log", default=None, help="Append 'step loss' lines to this file (rank 0)."
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -72,7 +95,16 @@ def main() -> None:
         )
         console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
 
-    generator = torch.Generator().manual_seed(0)  # same batches on every rank
+    data = Batches(corpus, args.global_batch, args.seq_len, seed=0)  # same batches on every rank
+    checkpointer = None
+    first_step = 0
+    if args.checkpoint_dir:
+        checkpointer = autoplan.Checkpointer(
+            args.checkpoint_dir, trainer, every=args.checkpoint_every, data=data
+        )
+        first_step = checkpointer.restore()
+        if rank0 and first_step:
+            console.print(f"resumed from {checkpointer.latest()} at step {first_step}")
     losses: list[float] = []
     start = time.perf_counter()
     with Progress(
@@ -83,18 +115,25 @@ def main() -> None:
         console=console,
         disable=not rank0,
     ) as progress:
-        task = progress.add_task("train", total=args.steps, loss=float("nan"))
-        for _ in range(args.steps):
-            inputs, targets = corpus.batch(args.global_batch, args.seq_len, generator)
+        task = progress.add_task("train", total=args.steps, completed=first_step, loss=float("nan"))
+        for _ in range(first_step, args.steps):
+            inputs, targets = next(data)
             losses.append(float(trainer.train_step(inputs, targets)))
+            if rank0 and args.loss_log:
+                with open(args.loss_log, "a") as log:
+                    log.write(f"{trainer.step} {losses[-1]!r}\n")
+            if checkpointer is not None:
+                checkpointer.after_step()
             progress.update(task, advance=1, loss=losses[-1])
+    if checkpointer is not None:
+        checkpointer.close()
     elapsed = time.perf_counter() - start
-    if rank0:
+    if rank0 and losses:
         first = sum(losses[:10]) / min(10, len(losses))
         last = sum(losses[-10:]) / min(10, len(losses))
         console.print(
             f"loss: start {losses[0]:.3f} (mean of first 10: {first:.3f}), end {losses[-1]:.3f} "
-            f"(mean of last 10: {last:.3f}); {args.steps} steps in {elapsed:.0f} s"
+            f"(mean of last 10: {last:.3f}); {len(losses)} steps in {elapsed:.0f} s"
         )
         sample = corpus.decode(inputs[0][:48])
         console.print(f"a training window: {sample!r}")

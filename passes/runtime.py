@@ -190,8 +190,10 @@ class DistributedModel:
         optimizer: OptimizerFactory,
         device: torch.device,
         timeout_s: float | None = None,
+        fingerprint: str = "",
     ) -> None:
         self.plan = plan
+        self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
         self.mesh = mesh
         self.device = device
         self.pipeline = pipeline
@@ -409,6 +411,11 @@ class DistributedModel:
                 loaded.add(name)
                 optim[key] = value
             set_optimizer_state_dict(stage.wrapped, stage.optimizer, optim, options=_OPTIONS)
+
+    def check_checkpointable(self) -> None:
+        """Raise `PlanError` if `state_dict` cannot save this plan's state (before training)."""
+        for stage in self._stages:
+            self._check_checkpointable(stage)
 
     def _check_checkpointable(self, stage: _LocalStage) -> None:
         if isinstance(stage.optimizer, ZeroRedundancyOptimizer):

@@ -50,3 +50,54 @@ def test_train_gpt_example_learns(tmp_path: Path) -> None:
     first, last = float(match.group(1)), float(match.group(2))
     # Uniform guessing over the 97 characters costs ln 97 = 4.57; 60 steps reach about 3.
     assert last < first - 0.5, (first, last)
+
+
+def _run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        AUTOPLAN_LOCAL_CLUSTER=str(tmp_path / "no-calibration.yaml"),
+        COLUMNS="200",
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples" / "train_gpt.py"),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _losses(path: Path) -> dict[int, str]:
+    steps = [line.split() for line in path.read_text().splitlines()]
+    return {int(step): loss for step, loss in steps}
+
+
+@pytest.mark.slow
+def test_train_gpt_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    whole, parts = tmp_path / "whole.log", tmp_path / "parts.log"
+    done = _run_example(tmp_path, "--steps", "10", "--loss-log", str(whole))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
+    # The first job stops at step 6 (it saves 4, and its last step at the end) ...
+    first = _run_example(tmp_path, "--steps", "6", *ckpt, "--loss-log", str(parts))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # ... the second resumes at 6: the same batches and losses as the job that never stopped.
+    second = _run_example(tmp_path, "--steps", "10", *ckpt, "--loss-log", str(parts))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000006'} at step 6" in second.stdout
+    assert _losses(parts) == _losses(whole)  # printed with repr: bit for bit
+    assert len(_losses(whole)) == 10
+    bad = _run_example(tmp_path, "--checkpoint-every", "0")
+    assert bad.returncode != 0 and "0 must be >= 1 (steps between checkpoints)" in bad.stderr

@@ -13,10 +13,11 @@ every rank, targets being the inputs shifted by one character.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["CharCorpus", "load_corpus"]
+__all__ = ["Batches", "CharCorpus", "load_corpus"]
 
 _UNKNOWN = "?"
 _ALPHABET = "\n\t" + "".join(chr(c) for c in range(32, 127))  # 97 printable ASCII symbols
@@ -53,6 +54,33 @@ class CharCorpus:
         )
         windows = torch.stack([self.tokens[s : s + seq_len + 1] for s in starts.tolist()])
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class Batches:
+    """The corpus's random windows as an endless iterator with a position: the same batches on
+    every rank (one seeded generator), and a ``state_dict`` a checkpoint saves, so a resumed
+    job draws exactly the batches the uninterrupted one would have."""
+
+    def __init__(self, corpus: CharCorpus, batch_size: int, seq_len: int, seed: int = 0) -> None:
+        self.corpus = corpus
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.drawn = 0  # batches drawn so far
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.drawn += 1
+        return self.corpus.batch(self.batch_size, self.seq_len, self.generator)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.drawn = int(state["drawn"])
 
 
 def load_corpus(max_chars: int | None = None) -> CharCorpus:

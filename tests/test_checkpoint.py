@@ -1,0 +1,213 @@
+"""`autoplan.Checkpointer`: a job that stops and resumes from its latest complete checkpoint
+trains on exactly as the uninterrupted job does (loss, RNG draws and data position, step for
+step), under the same plan or another; incomplete checkpoints are skipped; bad folders,
+intervals and another model's checkpoints fail before the first step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from autoplan.plan import Plan
+from tests.dist_utils import run_distributed
+from tests.numerics import batch, build_model, loss_fn, make_plan, optimizer_factory
+
+STEPS = 9  # the resumed job saves at 9 again, over the folder the crash cut short
+EVERY = 3
+
+
+class CountingBatches:
+    """A data source with a position: batch k is `batch(global_batch, k)`."""
+
+    def __init__(self, global_batch: int) -> None:
+        self.global_batch = global_batch
+        self.drawn = 0
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.drawn += 1
+        return batch(self.global_batch, self.drawn)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drawn = int(state["drawn"])
+
+
+def _train(job: Any, data: CountingBatches, checkpointer: Any, upto: int) -> list[list[float]]:
+    """Steps until ``job.step == upto``: per step the loss and a draw from torch's RNG (what a
+    dropout would consume), so a lost RNG state shows."""
+    records = []
+    while job.step < upto:
+        loss = float(job.train_step(*next(data)))
+        records.append([loss, float(torch.rand(()))])
+        if checkpointer is not None:
+            checkpointer.after_step()
+    return records
+
+
+def _resume_worker(
+    rank: int, world_size: int, first: dict[str, Any], second: dict[str, Any], folder: str
+) -> dict[str, Any]:
+    from autoplan import Checkpointer
+    from autoplan.parallelizer import parallelize
+
+    def build(plan_data: dict[str, Any], perturb: bool = False) -> Any:
+        model = build_model("gpt")
+        if perturb:  # the restored weights must replace these
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5).add_(0.1)
+        plan = Plan.from_data(plan_data)
+        job = parallelize(model, plan=plan, loss_fn=loss_fn, optimizer=optimizer_factory())
+        return job, CountingBatches(plan.global_batch_size)
+
+    torch.manual_seed(100 + rank)
+    job, data = build(first)
+    uninterrupted = _train(job, data, None, STEPS)
+
+    torch.manual_seed(100 + rank)
+    job, data = build(first)
+    checkpointer = Checkpointer(folder, job, every=EVERY, data=data)
+    assert checkpointer.restore() == 0
+    _train(job, data, checkpointer, 7)  # saves at 3 and 6; then the job "dies"
+    checkpointer.wait()
+    if rank == 0:  # a save that was cut short: newer, but without its completion marker
+        (Path(folder) / "step_00000009").mkdir()
+        (Path(folder) / "step_00000009" / "__0_0.distcp").write_bytes(b"partial")
+    torch.distributed.barrier()
+
+    torch.manual_seed(999)  # the RNG state must come from the checkpoint
+    job, data = build(second, perturb=True)
+    checkpointer = Checkpointer(folder, job, every=EVERY, data=data)
+    resumed_at = checkpointer.restore()
+    resumed = _train(job, data, checkpointer, STEPS)
+    checkpointer.close()
+    kept = sorted(p for p in Path(folder).iterdir() if p.name.startswith("step_"))
+    return {
+        "uninterrupted": uninterrupted[resumed_at:],
+        "resumed": resumed,
+        "resumed_at": resumed_at,
+        "kept": [p.name for p in kept],
+        "complete": [(p / "autoplan.json").is_file() for p in kept],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"pp": 2}, {"pp": 2}),
+        ({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}),
+        ({"dp": 2, "zero": 2}, {"pp": 2, "num_micro_batches": 4}),
+    ],
+    ids=["pp2", "dp2-zero3", "zero2-to-pp2"],
+)
+def test_a_stopped_job_resumes_as_if_it_never_stopped(
+    first: dict[str, Any], second: dict[str, Any], tmp_path: Path, caplog: Any
+) -> None:
+    plans = [make_plan(**first), make_plan(**second)]
+    assert plans[0].global_batch_size == plans[1].global_batch_size
+    results = run_distributed(
+        _resume_worker,
+        plans[0].to_data(),
+        plans[1].to_data(),
+        str(tmp_path / "ckpt"),
+        world_size=2,
+        tmp_path=tmp_path,
+        timeout_s=300,
+    )
+    for result in results:
+        assert result["resumed_at"] == 6  # the incomplete step 9 was skipped
+        if first == second:
+            # same plan: the same numbers exactly (weights, Adam state, RNG, data position)
+            assert result["resumed"] == result["uninterrupted"]
+        else:
+            # resharded to another plan: the same up to summation order
+            torch.testing.assert_close(
+                torch.tensor(result["resumed"]),
+                torch.tensor(result["uninterrupted"]),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+        # keep=2: the two newest complete ones; 9 was rewritten whole over the cut-short one
+        assert result["kept"] == ["step_00000006", "step_00000009"]
+        assert result["complete"] == [True, True]
+
+
+def _bad_input_worker(rank: int, world_size: int, folder: str, blocker: str) -> list[str]:
+    from autoplan import Checkpointer
+    from autoplan.checkpoint import CheckpointError
+    from autoplan.errors import PlanError
+    from autoplan.parallelizer import parallelize
+
+    messages = []
+    job = parallelize(
+        build_model("gpt"), plan=make_plan(dp=2), loss_fn=loss_fn, optimizer=optimizer_factory()
+    )
+    for every in (0, -3, 2.5):
+        try:
+            Checkpointer(folder, job, every=every)  # type: ignore[arg-type]
+        except CheckpointError as error:
+            messages.append(str(error))
+    try:
+        Checkpointer(f"{blocker}/ckpt", job, every=2)
+    except CheckpointError as error:
+        messages.append(str(error))
+    saver = Checkpointer(folder, job, every=1)
+    job.train_step(*batch(job.plan.global_batch_size, 0))
+    saver.after_step()
+    saver.close()
+    other = parallelize(
+        build_model("llama"),
+        plan=make_plan(dp=2),
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory(),
+    )
+    try:
+        Checkpointer(folder, other, every=2).restore()
+    except CheckpointError as error:
+        messages.append(str(error))
+    zero1 = parallelize(
+        build_model("gpt"),
+        plan=make_plan(dp=2, zero=1),
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory(),
+    )
+    try:
+        Checkpointer(folder, zero1, every=2)
+    except PlanError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_bad_checkpoint_arguments_fail_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    messages, same = run_distributed(
+        _bad_input_worker,
+        str(tmp_path / "ckpt"),
+        str(blocker),
+        world_size=2,
+        tmp_path=tmp_path,
+        timeout_s=200,
+    )
+    assert messages == same  # every rank fails alike
+    assert len(messages) == 6, messages
+    assert messages[0] == (
+        "checkpoint interval every=0: must be a whole number of steps >= 1 (e.g. 100)"
+    )
+    assert messages[1].startswith("checkpoint interval every=-3:")
+    assert messages[2].startswith("checkpoint interval every=2.5:")
+    assert messages[3].startswith(f"checkpoint folder '{blocker}/ckpt' is not writable (")
+    assert messages[3].endswith("pass a folder this job can write to")
+    assert messages[4].startswith(f"checkpoint {tmp_path / 'ckpt' / 'step_00000001'} is of another")
+    assert (
+        "model (fingerprint " in messages[4]
+        and "; this job's model has fingerprint " in (messages[4])
+    )
+    assert messages[5].startswith("state_dict() is not supported with zero_stage 1")
+    assert len(messages) == 6
