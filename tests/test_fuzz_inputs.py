@@ -173,9 +173,17 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }  # fmt: skip
 
 
+@pytest.fixture
+def in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Generated ``-o``/``--plot`` values are relative paths: they land in a scratch folder,
+    never in the checkout."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @FUZZ
 @given(data=st.data())
-def test_generated_command_lines(data: st.DataObject) -> None:
+def test_generated_command_lines(in_tmp_dir: Path, data: st.DataObject) -> None:
     command = data.draw(st.sampled_from(sorted(COMMANDS)))
     options, valid = COMMANDS[command]
     args = list(valid)
