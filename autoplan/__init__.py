@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from autoplan.planner.search import search
     from autoplan.sweep import whatif
     from autoplan.tracing import trace
+    from autoplan.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "explain": ("autoplan.explanation", "explain"),
     "Checkpointer": ("autoplan.checkpoint", "Checkpointer"),
     "CheckpointError": ("autoplan.checkpoint", "CheckpointError"),
+    "Trainer": ("autoplan.trainer", "Trainer"),
 }
 
 
@@ -81,6 +83,7 @@ __all__ = [
     "SchemaError",
     "StagePlan",
     "TraceError",
+    "Trainer",
     "__version__",
     "estimate",
     "explain",

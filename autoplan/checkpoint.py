@@ -25,8 +25,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +42,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from autoplan.errors import InputError
 from passes.runtime import DistributedModel
 
-__all__ = ["CheckpointError", "Checkpointer", "Stateful"]
+__all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "Stateful"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,17 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """A complete checkpoint, as its marker describes it."""
+
+    path: Path
+    step: int
+    world_size: int  # of the job that saved it
+    plan_digest: str  # `Plan.digest` of the plan it was saved under
+    model_fingerprint: str
 
 
 class Checkpointer:
@@ -93,8 +106,9 @@ class Checkpointer:
         # never run concurrently with the training's collectives on the default group.
         self._group = dist.new_group(backend="gloo")
         self._pending: Future[Any] | None = None
-        self._pending_dir: Path | None = None
+        self._marked: threading.Event | None = None
         self._last_saved: int | None = None
+        self.restored: CheckpointInfo | None = None  # what `restore` loaded, if anything
 
     # ------------------------------------------------------------------ saving
 
@@ -108,7 +122,8 @@ class Checkpointer:
 
     def save(self) -> Path:
         """Start saving the current step in the background (after the previous save finished);
-        returns its folder. `wait` or `close` blocks until it is complete."""
+        returns its folder. It counts as complete as soon as its writes are done: rank 0 marks
+        it then, from the writer thread. `wait` or `close` blocks until it is."""
         self.wait()
         step = self.model.step
         target = self.directory / f"step_{step:08d}"
@@ -118,23 +133,38 @@ class Checkpointer:
         state = self._state()
         future = async_save(state, checkpoint_id=str(target), process_group=self._group)
         assert isinstance(future, Future)
-        self._pending, self._pending_dir = future, target
+        if self.rank == 0:
+            # Rank 0 is DCP's coordinator: its save completes after every rank's files and the
+            # metadata are written, so its completion is the checkpoint's.
+            marker, marked = self._marker_data(), threading.Event()
+            future.add_done_callback(lambda done: self._completed(done, target, marker, marked))
+            self._marked = marked
+        self._pending = future
         self._last_saved = step
         return target
 
+    def _completed(
+        self, done: Future[Any], target: Path, marker: dict[str, Any], marked: threading.Event
+    ) -> None:
+        try:
+            if done.exception() is not None:
+                logger.error("checkpoint %s failed: %s", target, done.exception())
+                return
+            _write_marker(target, marker)
+            self._prune()
+        finally:
+            marked.set()
+
     def wait(self) -> None:
-        """Block until the save in progress (if any) is complete, then mark it so."""
+        """Block until the save in progress (if any) is complete."""
         if self._pending is None:
             return
-        future, target = self._pending, self._pending_dir
-        self._pending = self._pending_dir = None
+        future, self._pending = self._pending, None
         future.result()
-        assert target is not None
-        dist.barrier(group=self._group)
-        if self.rank == 0:
-            _write_marker(target, self._marker_data())
-            self._prune()
-        dist.barrier(group=self._group)
+        if self._marked is not None:
+            self._marked.wait()  # callbacks run after result() returns elsewhere
+            self._marked = None
+        dist.barrier(group=self._group)  # rank 0's marker is written before anyone goes on
 
     def close(self, *, save: bool = True) -> None:
         """Call before the job ends: saves the last step too (unless ``save=False`` or it is
@@ -230,6 +260,13 @@ class Checkpointer:
             _set_rng_state(state[rng_key])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
+        self.restored = CheckpointInfo(
+            path=path,
+            step=self.model.step,
+            world_size=int(marker.get("world_size", 0)),
+            plan_digest=str(marker.get("plan_digest", "")),
+            model_fingerprint=saved,
+        )
         return self.model.step
 
 

@@ -31,13 +31,14 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import HashStore  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from autoplan.errors import InputError, PlanError
 from autoplan.graph import ModelGraph
@@ -68,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-_DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1e-3)
+DEFAULT_OPTIMIZER: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 # The process-group timeout when parallelize creates the group: torchtitan's default for the
 # first collectives (comm.init_timeout_seconds = 300); long enough for a first step that
@@ -82,7 +83,7 @@ def parallelize(
     plan: Plan | None = None,
     *,
     loss_fn: LossFn,
-    optimizer: OptimizerFactory = _DEFAULT_OPTIMIZER,
+    optimizer: OptimizerFactory = DEFAULT_OPTIMIZER,
     global_batch_size: int | None = None,
     search_constraints: Mapping[str, Any] | None = None,
     graph: ModelGraph | None = None,
@@ -168,7 +169,9 @@ def _parallelize(
     cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
     if plan is not None:
         _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
+    search_time_s: float | None = None
     if plan is None:
+        started = time.perf_counter()
         constraints = dict(search_constraints or {})
         if device.type == "cpu":
             constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
@@ -182,6 +185,7 @@ def _parallelize(
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
         # same plan, same verdict on every rank
         _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
+        search_time_s = time.perf_counter() - started
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
@@ -222,6 +226,7 @@ def _parallelize(
         device=device,
         timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
         fingerprint=graph.profile.fingerprint,
+        search_time_s=search_time_s,
     )
 
 
@@ -294,8 +299,36 @@ def _init_process_group(device: torch.device, timeout_s: float | None) -> bool:
         return True
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timeout)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+def _attempt_store(timeout: datetime.timedelta) -> Store | None:
+    """Under torchrun with the agent's store (torch's default), a store whose keys are this
+    restart attempt's own; None otherwise (``env://`` as usual).
+
+    Why: the elastic agent keeps its store (the rendezvous's) across restarts, and torch's
+    ``env://`` handler connects to it without a per-attempt prefix, so after a restart the
+    process group's rendezvous keys still hold the dead workers' addresses: gloo connects to
+    them ("connectFullMesh ... Connection refused") or waits. Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a clean namespace on the same server.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return PrefixStore(f"autoplan/attempt_{attempt}/", client)
 
 
 def _agree_on_plan(plan: Plan | None, device: torch.device) -> None:

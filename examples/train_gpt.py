@@ -2,14 +2,21 @@
 
     torchrun --nproc-per-node 4 examples/train_gpt.py [--steps 400] [--plan plan.yaml]
         [--checkpoint-dir ckpt --checkpoint-every 50]
+    python examples/train_gpt.py --ray 4 --checkpoint-dir /shared/ckpt [--max-failures 3]
 
-Every rank builds the model on the meta device (no memory), `autoplan.parallelize` finds a plan
+Every rank builds the model on the meta device (no memory), and `autoplan.Trainer` finds a plan
 for the running job (rank 0 searches and broadcasts it; or uses ``--plan``), materialises each
-rank's shard and trains. The corpus is CPython's bundled language reference (``pydoc_data``):
-no downloads. Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
+rank's shard and trains. The corpus is CPython's bundled language reference (``pydoc_data``): no
+downloads. Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
+
 With ``--checkpoint-dir`` the job saves every ``--checkpoint-every`` steps (in the background)
 and, started again, resumes from the latest complete checkpoint: the same batches, the same
-losses as a run that never stopped (under another plan or world size too, resharded).
+losses as a run that never stopped. Under ``torchrun --max-restarts N`` a worker that dies is
+restarted and resumes by itself; under an elastic ``--nnodes MIN:MAX`` a job that comes back
+on fewer or more workers searches a plan for them and reshards the checkpoint into it (it
+prints how long both took). ``--ray N`` runs the same `train` function on N Ray Train workers
+(a local Ray cluster; ``pip install 'torch-autoplan[ray]'``), restarted by Ray's
+``FailureConfig`` and resuming from the same checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +49,111 @@ def small_gpt(seq_len: int = 64) -> torch.nn.Module:
     `parallelize` materialises each rank's shards. The vocabulary (the corpus has 97 symbols)
     is padded to 128 so that any tensor-parallel degree up to 128 divides it."""
     return gpt(num_layers=4, hidden_size=64, num_heads=4, seq_len=seq_len, vocab_size=128)
+
+
+def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None = None) -> None:
+    """The training function: one call per rank, under torchrun or Ray Train (the process
+    group may exist already). ``config`` holds the command line's options by name."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("autoplan.trainer").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    corpus = load_corpus()
+    data = Batches(corpus, config["global_batch"], config["seq_len"], seed=0)  # same on all ranks
+    # No plan given: rank 0 runs autoplan.search for this job (Cluster.local, the running world)
+    # and broadcasts the plan; on CPU the search is limited to fp32 plans.
+    trainer = autoplan.Trainer(
+        small_gpt(config["seq_len"]),
+        loss_fn=loss_fn,
+        data=data,
+        optimizer=functools.partial(torch.optim.AdamW, lr=config["lr"], weight_decay=0.0),
+        plan=autoplan.Plan.from_yaml(config["plan"]) if config.get("plan") else None,
+        global_batch_size=config["global_batch"],
+        checkpoint_dir=config.get("checkpoint_dir"),
+        checkpoint_every=config.get("checkpoint_every", 50),
+        timeout_s=config.get("timeout"),
+    )
+    rank0 = dist.get_rank() == 0
+    console = Console()
+    if rank0:
+        plan = trainer.plan
+        console.print(
+            f"[bold]plan[/bold] for {dist.get_world_size()} processes: dp {plan.dp_degree} x "
+            f"tp {plan.tp_degree} x pp {plan.pp_degree}, schedule {plan.schedule}, "
+            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
+            f"ZeRO-{plan.zero_stage}, recompute "
+            f"{'/'.join(sorted({s.recompute for s in plan.stages}))}, {plan.dtype}"
+        )
+        console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
+        if trainer.setup.resumed is not None:
+            console.print(trainer.setup.describe(), soft_wrap=True, highlight=False)
+    first_step, losses = trainer.step, []
+    start = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]training"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not rank0 or bool(config.get("ray")),
+    ) as progress:
+        task = progress.add_task(
+            "train", total=config["steps"], completed=first_step, loss=float("nan")
+        )
+        for loss in trainer.steps(config["steps"]):
+            losses.append(loss)
+            if rank0 and config.get("loss_log"):
+                with open(config["loss_log"], "a") as log:
+                    log.write(f"{trainer.step} {loss!r}\n")
+            if on_step is not None:
+                on_step(trainer.step, loss)
+            progress.update(task, advance=1, loss=loss)
+    elapsed = time.perf_counter() - start
+    if rank0 and losses:
+        first = sum(losses[:10]) / min(10, len(losses))
+        last = sum(losses[-10:]) / min(10, len(losses))
+        console.print(
+            f"loss: start {losses[0]:.3f} (mean of first 10: {first:.3f}), end {losses[-1]:.3f} "
+            f"(mean of last 10: {last:.3f}); {len(losses)} steps in {elapsed:.0f} s"
+        )
+
+
+def _ray_worker(config: dict[str, Any]) -> None:
+    """`train` on one Ray Train worker: Ray made the process group; each step's loss goes to
+    Ray too (``result.metrics``)."""
+    import ray.train
+
+    train(config, on_step=lambda step, loss: ray.train.report({"step": step, "loss": loss}))
+
+
+def run_with_ray(config: dict[str, Any]) -> None:
+    """`train` on ``config["ray"]`` CPU workers of a local Ray cluster, gloo between them; a
+    worker that fails restarts the group (``FailureConfig(max_failures)``), which resumes from
+    the checkpoint folder (it must be storage every worker sees)."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not config.get("checkpoint_dir"):
+        raise SystemExit("--ray needs --checkpoint-dir: a restarted worker group resumes from it")
+    checkpoints = os.path.abspath(config["checkpoint_dir"])
+    config = {**config, "checkpoint_dir": checkpoints}
+    if config.get("loss_log"):
+        config["loss_log"] = os.path.abspath(config["loss_log"])
+    ray.init(num_cpus=config["ray"], include_dashboard=False)
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo", timeout_s=int(config.get("timeout") or 300)),
+        scaling_config=ScalingConfig(num_workers=config["ray"], use_gpu=False),
+        run_config=RunConfig(
+            name="train_gpt",
+            storage_path=os.path.join(checkpoints, "ray"),
+            failure_config=FailureConfig(max_failures=config["max_failures"]),
+        ),
+    )
+    result = trainer.fit()
+    print(f"ray: finished at step {result.metrics['step']}, loss {result.metrics['loss']:.3f}")
+    ray.shutdown()
 
 
 def _positive(text: str) -> int:
@@ -67,76 +182,20 @@ def main() -> None:
     parser.add_argument(
         "--loss-log", default=None, help="Append 'step loss' lines to this file (rank 0)."
     )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-
-    corpus = load_corpus()
-    model = small_gpt(args.seq_len)
-    # No plan given: rank 0 runs autoplan.search for this job (Cluster.local, the torchrun world)
-    # and broadcasts the plan; on CPU the search is limited to fp32 plans.
-    trainer = autoplan.parallelize(
-        model,
-        plan=autoplan.Plan.from_yaml(args.plan) if args.plan else None,
-        loss_fn=loss_fn,
-        optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0),
-        global_batch_size=args.global_batch,
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="Process-group timeout in seconds."
     )
-    rank0 = dist.get_rank() == 0
-    console = Console()
-    if rank0:
-        plan = trainer.plan
-        console.print(
-            f"[bold]plan[/bold] for {dist.get_world_size()} processes: dp {plan.dp_degree} x "
-            f"tp {plan.tp_degree} x pp {plan.pp_degree}, schedule {plan.schedule}, "
-            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
-            f"ZeRO-{plan.zero_stage}, recompute "
-            f"{'/'.join(sorted({s.recompute for s in plan.stages}))}, {plan.dtype}"
-        )
-        console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
-
-    data = Batches(corpus, args.global_batch, args.seq_len, seed=0)  # same batches on every rank
-    checkpointer = None
-    first_step = 0
-    if args.checkpoint_dir:
-        checkpointer = autoplan.Checkpointer(
-            args.checkpoint_dir, trainer, every=args.checkpoint_every, data=data
-        )
-        first_step = checkpointer.restore()
-        if rank0 and first_step:
-            console.print(f"resumed from {checkpointer.latest()} at step {first_step}")
-    losses: list[float] = []
-    start = time.perf_counter()
-    with Progress(
-        TextColumn("[bold]training"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not rank0,
-    ) as progress:
-        task = progress.add_task("train", total=args.steps, completed=first_step, loss=float("nan"))
-        for _ in range(first_step, args.steps):
-            inputs, targets = next(data)
-            losses.append(float(trainer.train_step(inputs, targets)))
-            if rank0 and args.loss_log:
-                with open(args.loss_log, "a") as log:
-                    log.write(f"{trainer.step} {losses[-1]!r}\n")
-            if checkpointer is not None:
-                checkpointer.after_step()
-            progress.update(task, advance=1, loss=losses[-1])
-    if checkpointer is not None:
-        checkpointer.close()
-    elapsed = time.perf_counter() - start
-    if rank0 and losses:
-        first = sum(losses[:10]) / min(10, len(losses))
-        last = sum(losses[-10:]) / min(10, len(losses))
-        console.print(
-            f"loss: start {losses[0]:.3f} (mean of first 10: {first:.3f}), end {losses[-1]:.3f} "
-            f"(mean of last 10: {last:.3f}); {len(losses)} steps in {elapsed:.0f} s"
-        )
-        sample = corpus.decode(inputs[0][:48])
-        console.print(f"a training window: {sample!r}")
+    parser.add_argument(
+        "--ray", type=int, default=0, metavar="N", help="Run on N local Ray Train workers."
+    )
+    parser.add_argument(
+        "--max-failures", type=int, default=3, help="With --ray: worker-group restarts allowed."
+    )
+    config = vars(parser.parse_args())
+    if config["ray"]:
+        run_with_ray(config)
+        return
+    train(config)
     dist.destroy_process_group()
 
 

@@ -191,9 +191,12 @@ class DistributedModel:
         device: torch.device,
         timeout_s: float | None = None,
         fingerprint: str = "",
+        search_time_s: float | None = None,
     ) -> None:
         self.plan = plan
         self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
+        # how long finding the plan took (rank 0's search and its broadcast); None: given
+        self.search_time_s = search_time_s
         self.mesh = mesh
         self.device = device
         self.pipeline = pipeline
