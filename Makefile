@@ -18,6 +18,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# The suite also runs the Ray Train launcher: the `ray` extra, installed for the tests only.
+$(BIN)/.installed-ray: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,ray]"
+	touch $@
+
 demo: setup
 	$(BIN)/python examples/demo.py
 
@@ -28,7 +33,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-pytest: setup
+pytest: $(BIN)/.installed-ray
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,11 +120,44 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
 
 
 def _ray_worker(config: dict[str, Any]) -> None:
-    """`train` on one Ray Train worker: Ray made the process group; each step's loss goes to
-    Ray too (``result.metrics``)."""
+    """`train` on one Ray Train worker (Ray made the process group). At every checkpoint and at
+    the end it reports the step and loss to Ray with a pointer to autoplan's newest complete
+    checkpoint, so ``result.checkpoint`` and ``result.metrics`` name it."""
+    import tempfile
+
     import ray.train
 
-    train(config, on_step=lambda step, loss: ray.train.report({"step": step, "loss": loss}))
+    def report(step: int, loss: float, folder: str | None) -> None:
+        if dist.get_rank() != 0 or folder is None:
+            ray.train.report({"step": step, "loss": loss})  # every worker calls it: a barrier
+            return
+        with tempfile.TemporaryDirectory() as pointer:
+            Path(pointer, "autoplan_checkpoint.json").write_text(json.dumps({"path": folder}))
+            ray.train.report(
+                {"step": step, "loss": loss},
+                checkpoint=ray.train.Checkpoint.from_directory(pointer),
+                checkpoint_dir_name=f"pointer_{step:08d}",
+            )
+
+    def latest() -> str | None:
+        found = _latest_checkpoint(config["checkpoint_dir"])
+        return None if found is None else str(found)
+
+    last: list[tuple[int, float]] = []
+
+    def on_step(step: int, loss: float) -> None:
+        last[:] = [(step, loss)]
+        if step % config["checkpoint_every"] == 0:
+            report(step, loss, latest())
+
+    train(config, on_step=on_step)
+    if last:  # the job saved its last step before train returned
+        report(*last[0], latest())
+
+
+def _latest_checkpoint(folder: str) -> Path | None:
+    complete = sorted(Path(folder).glob("step_*/autoplan.json"))
+    return complete[-1].parent if complete else None
 
 
 def run_with_ray(config: dict[str, Any]) -> None:
@@ -130,7 +165,7 @@ def run_with_ray(config: dict[str, Any]) -> None:
     worker that fails restarts the group (``FailureConfig(max_failures)``), which resumes from
     the checkpoint folder (it must be storage every worker sees)."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if not config.get("checkpoint_dir"):
@@ -139,7 +174,7 @@ def run_with_ray(config: dict[str, Any]) -> None:
     config = {**config, "checkpoint_dir": checkpoints}
     if config.get("loss_log"):
         config["loss_log"] = os.path.abspath(config["loss_log"])
-    ray.init(num_cpus=config["ray"], include_dashboard=False)
+    ray.init(num_cpus=config["ray"])
     trainer = TorchTrainer(
         _ray_worker,
         train_loop_config=config,
@@ -149,10 +184,16 @@ def run_with_ray(config: dict[str, Any]) -> None:
             name="train_gpt",
             storage_path=os.path.join(checkpoints, "ray"),
             failure_config=FailureConfig(max_failures=config["max_failures"]),
+            # the newest pointer only: older autoplan checkpoints are pruned (keep=2)
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
         ),
     )
     result = trainer.fit()
-    print(f"ray: finished at step {result.metrics['step']}, loss {result.metrics['loss']:.3f}")
+    pointer = Path(result.checkpoint.path, "autoplan_checkpoint.json")
+    print(
+        f"ray: finished at step {result.metrics['step']}, loss {result.metrics['loss']:.3f}; "
+        f"checkpoint {json.loads(pointer.read_text())['path']}"
+    )
     ray.shutdown()
 
 

@@ -23,6 +23,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
+BATCH = 16  # the example's default global batch
 
 
 def free_port() -> int:
@@ -176,3 +177,66 @@ def wait_for_step(path: Path, step: int, agents: list[Agent], timeout_s: float =
             raise RuntimeError("the job ended before step " + str(step))
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not reached in {timeout_s} s")
+
+
+def example_args(
+    tmp: Path, log: Path, *, steps: int, every: int, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The example's options: checkpoints in ``tmp/ckpt`` every ``every`` steps, losses to
+    ``log``, a 60 s process-group timeout."""
+    return [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(BATCH),
+        "--checkpoint-dir",
+        str(tmp / "ckpt"),
+        "--checkpoint-every",
+        str(every),
+        "--loss-log",
+        str(log),
+        "--timeout",
+        "60",
+        *extra,
+    ]
+
+
+def fixed_plan(tmp: Path, processes: int) -> Path:
+    """A pipeline plan for the example's model (p2p between every pair of neighbours), written
+    to ``tmp/plan.yaml``: runs given it compare bit for bit, whatever a search would pick."""
+    import autoplan
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt import small_gpt
+
+    plan = autoplan.manual_plan(
+        autoplan.trace(small_gpt()),
+        autoplan.Cluster.local(num_devices=processes),
+        pp=processes,
+        global_batch=BATCH,
+        micro_batch=4,
+        schedule="1f1b",
+        dtype="fp32",
+    )
+    path = tmp / "plan.yaml"
+    plan.to_yaml(path)
+    return path
+
+
+def run_uninterrupted(
+    tmp: Path, nproc: int, *, steps: int, every: int, extra: tuple[str, ...] = ()
+) -> dict[int, float]:
+    """The example run to the end without a fault (in ``tmp/uninterrupted``): step -> loss."""
+    folder = tmp / "uninterrupted"
+    folder.mkdir(exist_ok=True)
+    log = folder / "loss.log"
+    args = example_args(folder, log, steps=steps, every=every, extra=extra)
+    agent = start_agent(folder, args, nproc=nproc, port=free_port())
+    try:
+        code = agent.wait(600)
+    finally:
+        agent.stop()
+    records = losses(log)
+    if code != 0 or [step for step, _ in records] != list(range(1, steps + 1)):
+        raise RuntimeError(f"the uninterrupted run failed ({code}):\n{agent.output()[-3000:]}")
+    return dict(records)

@@ -17,65 +17,26 @@ from pathlib import Path
 
 import pytest
 
-import autoplan
-from tests.jobs import free_port, losses, start_agent, wait_for_step
+from tests.jobs import (
+    example_args,
+    fixed_plan,
+    free_port,
+    losses,
+    run_uninterrupted,
+    start_agent,
+    wait_for_step,
+)
 
 STEPS = 40  # the kill comes at step 10 or so: well before the end
 EVERY = 4
-BATCH = 16
-
-
-def _fixed_plan(tmp_path: Path, processes: int) -> Path:
-    """A pipeline plan (p2p between the ranks) so the runs compare bit for bit."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from train_gpt import small_gpt
-
-    plan = autoplan.manual_plan(
-        autoplan.trace(small_gpt()),
-        autoplan.Cluster.local(num_devices=processes),
-        pp=processes,
-        global_batch=BATCH,
-        micro_batch=4,
-        schedule="1f1b",
-        dtype="fp32",
-    )
-    path = tmp_path / "plan.yaml"
-    plan.to_yaml(path)
-    return path
 
 
 def _args(tmp_path: Path, log: Path, *extra: str) -> list[str]:
-    return [
-        "--steps",
-        str(STEPS),
-        "--global-batch",
-        str(BATCH),
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-        "--checkpoint-every",
-        str(EVERY),
-        "--loss-log",
-        str(log),
-        "--timeout",
-        "60",
-        *extra,
-    ]
+    return example_args(tmp_path, log, steps=STEPS, every=EVERY, extra=extra)
 
 
 def _run_uninterrupted(tmp_path: Path, nproc: int, *extra: str) -> dict[int, float]:
-    folder = tmp_path / "uninterrupted"
-    folder.mkdir()
-    log = folder / "loss.log"
-    agent = start_agent(folder, _args(folder, log, *extra), nproc=nproc, port=free_port())
-    try:
-        assert agent.wait(300) == 0, agent.output()[-3000:]
-    finally:
-        agent.stop()
-    records = losses(log)
-    assert [step for step, _ in records] == list(range(1, STEPS + 1))
-    return dict(records)
+    return run_uninterrupted(tmp_path, nproc, steps=STEPS, every=EVERY, extra=extra)
 
 
 def _resumed_step(output: str) -> int:
@@ -86,7 +47,7 @@ def _resumed_step(output: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_and_resumes_by_itself(tmp_path: Path) -> None:
-    plan = _fixed_plan(tmp_path, 2)
+    plan = fixed_plan(tmp_path, 2)
     expected = _run_uninterrupted(tmp_path, 2, "--plan", str(plan))
 
     log = tmp_path / "loss.log"
