@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from autoplan.errors import InputError
+from passes.progress import default_group_timeout
 from passes.runtime import DistributedModel
 
 __all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "Stateful"]
@@ -103,8 +104,9 @@ class Checkpointer:
         self.rank = dist.get_rank()
         _check_writable(self.directory, self.rank)
         # DCP's async writes gather their results in a thread: on a group of their own, so they
-        # never run concurrently with the training's collectives on the default group.
-        self._group = dist.new_group(backend="gloo")
+        # never run concurrently with the training's collectives on the default group; with
+        # its timeout, so a save waiting on a stopped peer fails as a training step would.
+        self._group = dist.new_group(backend="gloo", timeout=default_group_timeout())
         self._pending: Future[Any] | None = None
         self._marked: threading.Event | None = None
         self._last_saved: int | None = None

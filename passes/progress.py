@@ -12,12 +12,14 @@ Expects the default process group to be initialised; without a store it records 
 
 from __future__ import annotations
 
+import datetime
 import logging
 
+import torch
 import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-__all__ = ["StalledRankError", "StepProgress"]
+__all__ = ["StalledRankError", "StepProgress", "default_group_timeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +106,23 @@ def _default_store() -> Store | None:
     except Exception:
         return None
     return store
+
+
+def default_group_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout, for the groups made after it.
+
+    ``dist.new_group`` gives a new group torch's backend default (30 minutes on gloo), not the
+    default group's: a group made for checkpoints or tied gradients would then wait half an hour
+    on a stopped peer, and a thread blocked in it keeps its process from exiting. None when
+    this torch does not expose it (the backend default applies then).
+    """
+    if not dist.is_initialized():
+        return None
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        timeout = group._get_backend(device).options._timeout
+    except Exception:
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None

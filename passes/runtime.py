@@ -39,7 +39,7 @@ from autoplan.errors import PlanError
 from autoplan.plan import Plan
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
-from passes.progress import StepProgress
+from passes.progress import StepProgress, default_group_timeout
 from passes.split import SplitModel, TiedParameter, original_fqn
 
 __all__ = ["DistributedModel", "OptimizerFactory", "TiedGradientSync"]
@@ -103,12 +103,13 @@ class TiedGradientSync:
             return mesh.sub("pp").get_group()
         # One group per (dp, tp) coordinate; dist.new_group is collective over the world.
         stride = plan.axis_stride("pp")
+        timeout = default_group_timeout()
         mine: dist.ProcessGroup | None = None
         for base in range(plan.num_devices):
             if (base // stride) % plan.pp_degree != pp_ranks[0]:
                 continue
             ranks = [base + (p - pp_ranks[0]) * stride for p in pp_ranks]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if mesh.rank in ranks:
                 mine = group
         return mine
