@@ -1,8 +1,9 @@
-"""A torchrun job on 2 processes in which rank 1 stops itself (SIGSTOP) before step 3
-(tests/test_parallelize_runtime.py): rank 0 waits in step 3's first collective for the
-process-group timeout, then fails with a `StalledRankError` naming rank 1.
+"""A torchrun job in which rank 1 stops itself (SIGSTOP) before step 3
+(tests/test_parallelize_runtime.py): its peers wait in step 3's first collective with it for the
+process-group timeout, then fail with a `StalledRankError` naming rank 1.
 
-Usage: stall_job.py {dp,pp} TIMEOUT_S
+Usage: stall_job.py {dp,pp,dp2pp2} TIMEOUT_S (dp, pp: 2 processes; dp2pp2: 4, whose groups are
+sub-groups of the world)
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ if __name__ == "__main__":
     layout, timeout_s = sys.argv[1], float(sys.argv[2])
     torch.manual_seed(0)
     model = gpt(2, 64, 4, 32, 128)
-    cluster = autoplan.Cluster.local(num_devices=2)
-    degrees = {"dp": 2, "pp": 1} if layout == "dp" else {"dp": 1, "pp": 2}
+    cluster = autoplan.Cluster.local(num_devices=int(os.environ["WORLD_SIZE"]))
+    degrees = {"dp": {"dp": 2}, "pp": {"pp": 2}, "dp2pp2": {"dp": 2, "pp": 2}}[layout]
     plan = autoplan.manual_plan(
         autoplan.trace(model), cluster, global_batch=4, dtype="fp32", **degrees
     )

@@ -5,6 +5,7 @@ the job down, and a plan searched for the running job."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -554,32 +555,38 @@ def test_a_plan_error_under_torchrun_is_one_line_from_rank_zero() -> None:
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_is_named_when_the_timeout_ends_the_job() -> None:
-    # rank 1 SIGSTOPs itself before step 3; rank 0 waits in the pipeline's first transfer for
-    # the 10 s process-group timeout, then names rank 1 (torchrun then kills the stopped one)
-    import subprocess
-    import sys
+@pytest.mark.parametrize(("layout", "nproc"), [("pp", 2), ("dp2pp2", 4)])
+def test_a_stopped_rank_is_named_when_the_timeout_ends_the_job(
+    layout: str, nproc: int, tmp_path: Path
+) -> None:
+    # Rank 1 SIGSTOPs itself before step 3; its peers wait in their first collective with it
+    # for the 10 s process-group timeout, then name rank 1. Under dp2pp2 those collectives run
+    # on sub-groups of the world (the mesh's dp and pp groups), which must have that timeout
+    # too. Once a rank has said so the test ends the job (torchrun would stop the stopped
+    # process 30 s later: it cannot act on SIGTERM).
+    import time
 
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(Path(__file__).parent / "stall_job.py"),
-            "pp",
-            "10",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    from tests.jobs import free_port, start_agent
+
+    agent = start_agent(
+        tmp_path,
+        [layout, "10"],
+        nproc=nproc,
+        port=free_port(),
+        script=Path(__file__).parent / "stall_job.py",
     )
-    assert done.returncode != 0
-    assert (
-        "StalledRankError: rank 1 stopped making progress: last seen starting step 2, while rank "
-        "0 reached step 3 and waited for it for the process-group timeout (10 s); the "
-        "collective failed with: " in done.stderr
-    ), done.stderr
-    assert "Timed out waiting 10000ms" in done.stderr
+    pattern = re.compile(
+        r"StalledRankError: rank 1 stopped making progress: last seen starting step 2, while "
+        r"rank \d reached step 3 and waited for it for the process-group timeout \(10 s\); the "
+        r"collective failed with: "
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not pattern.search(agent.output()) and time.monotonic() < deadline:
+            assert agent.process.poll() is None, agent.output()[-3000:]
+            time.sleep(0.2)
+    finally:
+        agent.stop()
+    output = agent.output()
+    assert pattern.search(output), output[-3000:]
+    assert "Timed out waiting 10000ms" in output
