@@ -18,9 +18,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-# The suite also runs the Ray Train launcher: the `ray` extra, installed for the tests only.
-$(BIN)/.installed-ray: $(BIN)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev,ray]"
+# The suite also runs the Ray Train launcher and torchft replica groups: the `ray` and
+# `torchft` extras, installed for the tests only.
+$(BIN)/.installed-extras: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,ray,torchft]"
 	touch $@
 
 demo: setup
@@ -33,7 +34,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-pytest: $(BIN)/.installed-ray
+pytest: $(BIN)/.installed-extras
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from autoplan.planner.search import search
     from autoplan.sweep import whatif
     from autoplan.tracing import trace
+    from autoplan.replicas import TorchFTReplicas
     from autoplan.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -52,6 +53,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Checkpointer": ("autoplan.checkpoint", "Checkpointer"),
     "CheckpointError": ("autoplan.checkpoint", "CheckpointError"),
     "Trainer": ("autoplan.trainer", "Trainer"),
+    "TorchFTReplicas": ("autoplan.replicas", "TorchFTReplicas"),
 }
 
 
@@ -82,6 +84,7 @@ __all__ = [
     "PlanEstimate",
     "SchemaError",
     "StagePlan",
+    "TorchFTReplicas",
     "TraceError",
     "Trainer",
     "__version__",

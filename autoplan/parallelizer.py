@@ -312,14 +312,29 @@ def _attempt_store(timeout: datetime.timedelta) -> Store | None:
     """Under torchrun with the agent's store (torch's default), a store whose keys are this
     restart attempt's own; None otherwise (``env://`` as usual).
 
-    Why: the elastic agent keeps its store (the rendezvous's) across restarts, and torch's
-    ``env://`` handler connects to it without a per-attempt prefix, so after a restart the
-    process group's rendezvous keys still hold the dead workers' addresses: gloo connects to
-    them ("connectFullMesh ... Connection refused") or waits. Prefixing the keys with
-    ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a clean namespace on the same server.
+    Why: the rank-0 agent hosts one TCPStore for the whole job (`_shared_tcp_store_server` of
+    torch's c10d rendezvous) and the workers connect to it with no per-attempt prefix, so after
+    a restart the process group's keys still hold the dead workers' addresses: gloo connects to
+    them ("connectFullMesh ... Connection refused") or waits. ``TORCHELASTIC_RESTART_COUNT``
+    gives each attempt a clean namespace, but it is counted by each agent: the same on every
+    worker of a one-agent job, not always across agents (pytorch#135712). Multi-agent jobs that
+    restart need torch's opt-out, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
+    environment (a fresh store each round, hosted by worker rank 0): rank 0 warns without it.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    agents = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if agents > 1 and restarts > 0 and os.environ.get("RANK") == "0":
+        logger.warning(
+            "this job of %d torchrun agents may restart (--max-restarts %d), but its agents "
+            "share one store across restarts and count restarts apart, so a restart can read "
+            "the previous attempt's addresses and fail or hang; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node "
+            "(pytorch#135712)",
+            agents,
+            restarts,
+        )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = TCPStore(
         os.environ["MASTER_ADDR"],

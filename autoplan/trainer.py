@@ -36,6 +36,7 @@ from autoplan.checkpoint import Checkpointer, CheckpointInfo
 from autoplan.errors import PlanError
 from autoplan.parallelizer import DEFAULT_OPTIMIZER, LossFn, parallelize
 from autoplan.plan import Plan
+from autoplan.replicas import TorchFTReplicas
 from cost_model.hardware import Cluster
 from passes import log_rank0
 from passes.runtime import DistributedModel, OptimizerFactory
@@ -99,6 +100,10 @@ class Trainer:
     whatever world the job has, which is what an elastic job wants. ``global_batch_size`` and
     ``search_constraints`` are for that search. ``checkpoint_dir`` None: no checkpoints.
     ``timeout_s``: the process-group timeout when parallelize creates the group.
+    ``replicas``: this job is one of several replica groups that average gradients through
+    torchft and survive each other's failures (`autoplan.replicas`); ``global_batch_size`` is
+    then the batch over all groups, the plan (given or searched) each group's, and checkpoints
+    go to ``checkpoint_dir/replica_<group>``.
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class Trainer:
         keep: int | None = 2,
         timeout_s: float | None = None,
         seed: int = 0,
+        replicas: TorchFTReplicas | None = None,
     ) -> None:
         if plan is None and global_batch_size is None:
             raise PlanError(
@@ -124,6 +130,15 @@ class Trainer:
                 "or global_batch_size=... (an elastic job passes global_batch_size: every "
                 "world it restarts on plans for the same global batch)"
             )
+        if replicas is not None:
+            # Each replica group runs the plan on its own slice of the global batch.
+            if plan is not None:
+                replicas.check(plan)
+            if global_batch_size is not None:
+                global_batch_size = _per_group(global_batch_size, replicas.num_replica_groups)
+            search_constraints = {**(search_constraints or {}), "dp": 1, "tp": 1}
+            if checkpoint_dir is not None:
+                checkpoint_dir = os.path.join(checkpoint_dir, f"replica_{replicas.replica_group}")
         started = time.perf_counter()
         self.model: DistributedModel = parallelize(
             model,
@@ -136,6 +151,9 @@ class Trainer:
             seed=seed,
             timeout_s=timeout_s,
         )
+        self.replicas = None if replicas is None else replicas.connect(self.model)
+        if self.replicas is not None:
+            self.replicas.register("data", data.load_state_dict, data.state_dict)
         build_time_s = time.perf_counter() - started
         self.data = data
         self.checkpointer: Checkpointer | None = None
@@ -191,3 +209,12 @@ class Trainer:
         """Save the last step (if not saved yet) and wait for every write to finish."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+
+
+def _per_group(global_batch_size: int, groups: int) -> int:
+    if global_batch_size % groups:
+        raise PlanError(
+            f"global_batch_size = {global_batch_size} does not split over {groups} replica "
+            f"groups; use a multiple of {groups}"
+        )
+    return global_batch_size // groups

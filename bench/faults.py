@@ -26,8 +26,11 @@ Run: .venv/bin/python bench/faults.py [--steps 200] [--every 10] [--seed 0]
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
+import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,9 +110,7 @@ def _schedule(rng: random.Random, steps: int, every: int, count: int) -> list[Fa
 
 def _start(tmp: Path, log: Path, args: argparse.Namespace, nnodes: str) -> list[Agent]:
     port = free_port()
-    options = example_args(
-        tmp, log, steps=args.steps, every=args.every, extra=("--timeout", str(args.timeout))
-    )
+    options = example_args(tmp, log, steps=args.steps, every=args.every, timeout_s=args.timeout)
     return [
         start_agent(
             tmp,
@@ -207,6 +208,9 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="Process-group timeout, s.")
+    parser.add_argument("--torchft-steps", type=int, default=600)
+    parser.add_argument("--torchft-faults", type=int, default=4)
+    parser.add_argument("--skip-torchft", action="store_true", help="Only the torchrun part.")
     args = parser.parse_args()
     console = Console(width=110)
     faults = _schedule(random.Random(args.seed), args.steps, args.every, args.faults)
@@ -272,8 +276,149 @@ def main() -> None:
         f"(rel diff {abs(final[1] - expected[args.steps]) / expected[args.steps]:.1e}: "
         "re-planned for 2 processes, another summation order)"
     )
-    if recovered != len(outcomes) or not finished:
+    failed = recovered != len(outcomes) or not finished
+    if not args.skip_torchft:
+        failed |= not _torchft_part(args, console)
+    if failed:
         raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------- torchft
+
+
+@dataclass(slots=True)
+class GroupFault:
+    step: int  # injected once the target group has logged this step
+    kind: str  # "SIGKILL" or "SIGSTOP"
+    group: int
+    rank: int  # within the group
+    rejoin_s: float | None = None  # until the group healed and trained again
+    healed_to: int | None = None  # the step it healed to
+    survivor_rollback: int = 0  # steps the other group went back (0: none)
+    survivor_retried: int = 0  # steps the other group did twice (an all-reduce the fault broke)
+
+
+def _torchft_part(args: argparse.Namespace, console: Console) -> bool:
+    """Two replica groups of 2 processes (torchft, `autoplan.TorchFTReplicas`): faults in one
+    group, the other trains on; returns whether every group rejoined and the weights agree."""
+    rng = random.Random(args.seed + 1)
+    steps, count = args.torchft_steps, args.torchft_faults
+    spots = sorted(rng.sample(range(20, steps - 120), count))
+    faults = [
+        GroupFault(step=s, kind=rng.choice(["SIGKILL", "SIGSTOP"]), group=rng.randrange(2),
+                   rank=rng.randrange(NPROC))
+        for s in spots
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="autoplan-torchft-") as name:
+        tmp = Path(name)
+        port = free_port()
+        lighthouse = subprocess.Popen(
+            [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+             "--quorum_tick_ms", "100", "--join_timeout_ms", "1000", "--bind",
+             f"127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        env = {
+            "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        logs = [LossLog(tmp / f"group{g}" / "loss.log") for g in (0, 1)]
+        agents: list[Agent] = []
+        started = time.monotonic()
+        try:
+            for group in (0, 1):
+                folder = tmp / f"group{group}"
+                folder.mkdir()
+                options = [
+                    "--steps",
+                    str(steps),
+                    "--global-batch",
+                    "32",
+                    "--timeout",
+                    str(args.timeout),
+                    "--loss-log",
+                    str(logs[group].path),
+                    "--replica-groups",
+                    "2",
+                    "--replica-group",
+                    str(group),
+                ]
+                agent = start_agent(
+                    folder, options, nproc=NPROC, port=free_port(), max_restarts=50, env=env
+                )
+                agents.append(agent)
+            for number, fault in enumerate(faults, 1):
+                target, other = logs[fault.group], logs[1 - fault.group]
+                while target.last_step < fault.step:
+                    if any(agent.process.poll() is not None for agent in agents):
+                        raise RuntimeError("a replica group ended before all faults were made")
+                    target.poll()
+                    time.sleep(0.02)
+                seen_other = len(other.records)
+                fired = time.monotonic()
+                agents[fault.group].signal_rank(fault.rank, getattr(signal, fault.kind))
+                console.print(
+                    f"torchft fault {number}: {fault.kind} group {fault.group} rank "
+                    f"{fault.rank} at step {fault.step}"
+                )
+                before = target.last_step
+                heals_seen = agents[fault.group].output().count("healed from a peer")
+                while time.monotonic() - fired < HANG_S:
+                    target.poll()
+                    other.poll()
+                    text = agents[fault.group].output()
+                    if text.count("healed from a peer") > heals_seen and target.last_step > before:
+                        fault.rejoin_s = time.monotonic() - fired
+                        found = re.findall(r"healed from a peer: step \d+ -> (\d+)", text)
+                        fault.healed_to = int(found[-1])
+                        break
+                    time.sleep(0.05)
+                if fault.rejoin_s is None:
+                    console.print(f"[red]torchft fault {number}: no rejoin in {HANG_S:.0f} s")
+                    break
+                other.poll()
+                survivor = [step for _, step, _ in other.records[seen_other - 1 :]]
+                fault.survivor_rollback = max(
+                    (a - b for a, b in itertools.pairwise(survivor) if b < a),
+                    default=0,
+                )
+                fault.survivor_retried = sum(b == a for a, b in itertools.pairwise(survivor))
+            codes = [agent.wait(1200) for agent in agents]
+        finally:
+            for agent in agents:
+                agent.stop()
+            lighthouse.kill()
+        elapsed = time.monotonic() - started
+        digests = [
+            re.findall(rf"replica group {g}: step {steps}, weights (\w+)", agent.output())
+            for g, agent in enumerate(agents)
+        ]
+    table = Table(title=f"torchft: 2 replica groups of {NPROC} processes, {steps} steps", box=None)
+    for column in ("#", "fault", "at step", "rejoined", "healed to step", "rejoin s",
+                   "other group: steps lost", "retried"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "fault" else "right")
+    for number, fault in enumerate(faults, 1):
+        table.add_row(
+            str(number),
+            f"{fault.kind} group {fault.group} rank {fault.rank}",
+            str(fault.step),
+            "yes" if fault.rejoin_s is not None else "NO",
+            "-" if fault.healed_to is None else str(fault.healed_to),
+            "-" if fault.rejoin_s is None else f"{fault.rejoin_s:.1f}",
+            str(fault.survivor_rollback),
+            str(fault.survivor_retried),
+        )
+    console.print(table)
+    rejoined = sum(fault.rejoin_s is not None for fault in faults)
+    same = bool(digests[0]) and digests[0] == digests[1]
+    console.print(
+        f"torchft: {rejoined} of {len(faults)} groups rejoined by healing from a peer; steps "
+        f"lost by the group that kept training: {max(f.survivor_rollback for f in faults)}; "
+        f"both groups finished ({codes}) in {elapsed:.0f} s with "
+        f"{'the same weights' if same else 'DIFFERENT weights'} ({digests[0]} / {digests[1]})"
+    )
+    return rejoined == len(faults) and codes == [0, 0] and same
 
 
 if __name__ == "__main__":

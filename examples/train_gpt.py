@@ -16,13 +16,18 @@ restarted and resumes by itself; under an elastic ``--nnodes MIN:MAX`` a job tha
 on fewer or more workers searches a plan for them and reshards the checkpoint into it (it
 prints how long both took). ``--ray N`` runs the same `train` function on N Ray Train workers
 (a local Ray cluster; ``pip install 'torch-autoplan[ray]'``), restarted by Ray's
-``FailureConfig`` and resuming from the same checkpoints.
+``FailureConfig`` and resuming from the same checkpoints. ``--replica-groups N --replica-group
+R`` makes this torchrun job one of N torchft replica groups (``pip install
+'torch-autoplan[torchft]'``, a ``torchft_lighthouse`` at ``$TORCHFT_LIGHTHOUSE``): the groups
+average gradients every step, and one that dies drops out while the others go on; restarted,
+it heals from a peer and rejoins.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -58,6 +63,7 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
     group may exist already). ``config`` holds the command line's options by name."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("autoplan.trainer").setLevel(logging.INFO)
+    logging.getLogger("autoplan.replicas").setLevel(logging.INFO)
     torch.set_num_threads(1)
     corpus = load_corpus()
     data = Batches(corpus, config["global_batch"], config["seq_len"], seed=0)  # same on all ranks
@@ -73,14 +79,28 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
         checkpoint_dir=config.get("checkpoint_dir"),
         checkpoint_every=config.get("checkpoint_every", 50),
         timeout_s=config.get("timeout"),
+        replicas=(
+            autoplan.TorchFTReplicas(
+                replica_group=config["replica_group"],
+                num_replica_groups=config["replica_groups"],
+            )
+            if config.get("replica_groups")
+            else None
+        ),
     )
     rank0 = dist.get_rank() == 0
     console = Console()
     if rank0:
         plan = trainer.plan
+        group = (
+            f" (replica group {config['replica_group']} of {config['replica_groups']})"
+            if config.get("replica_groups")
+            else ""
+        )
         console.print(
-            f"[bold]plan[/bold] for {dist.get_world_size()} processes: dp {plan.dp_degree} x "
-            f"tp {plan.tp_degree} x pp {plan.pp_degree}, schedule {plan.schedule}, "
+            f"[bold]plan[/bold] for {dist.get_world_size()} processes{group}: "
+            f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}, "
+            f"schedule {plan.schedule}, "
             f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
             f"ZeRO-{plan.zero_stage}, recompute "
             f"{'/'.join(sorted({s.recompute for s in plan.stages}))}, {plan.dtype}"
@@ -117,6 +137,24 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
             f"loss: start {losses[0]:.3f} (mean of first 10: {first:.3f}), end {losses[-1]:.3f} "
             f"(mean of last 10: {last:.3f}); {len(losses)} steps in {elapsed:.0f} s"
         )
+    if trainer.replicas is not None:
+        # Replica groups hold the same weights at the same step: each prints their digest.
+        digest = _weights_digest(trainer.model)
+        if rank0:
+            console.print(
+                f"replica group {config['replica_group']}: step {trainer.step}, weights {digest}"
+            )
+
+
+def _weights_digest(model: Any) -> str:
+    """A hash of every rank's parameters, the same on every rank (a collective)."""
+    local = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        local.update(name.encode())
+        local.update(param.detach().cpu().contiguous().numpy().tobytes())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local.hexdigest())
+    return hashlib.sha256("".join(gathered).encode()).hexdigest()[:16]
 
 
 def _ray_worker(config: dict[str, Any]) -> None:
@@ -231,6 +269,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-failures", type=int, default=3, help="With --ray: worker-group restarts allowed."
+    )
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="This job is one of N torchft replica groups (lighthouse: $TORCHFT_LIGHTHOUSE).",
+    )
+    parser.add_argument(
+        "--replica-group", type=int, default=0, metavar="R", help="This job's group: 0..N-1."
     )
     config = vars(parser.parse_args())
     if config["ray"]:

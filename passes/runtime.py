@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,28 @@ class _LocalStage:
     optimizer: torch.optim.Optimizer
 
 
+class ReplicaSync(Protocol):
+    """Replica groups that average their gradients step by step and may drop out and rejoin
+    (torchft: `autoplan.replicas`). Each group runs the same plan on its own processes and
+    trains on its own slice of the global batch."""
+
+    index: int  # this group's slice of the global batch
+    count: int  # the replica groups the global batch is split over
+
+    def start_step(self) -> None:
+        """Before the forward pass: join this step's quorum (a rejoining group heals)."""
+
+    def average(self, grads: list[torch.Tensor]) -> None:
+        """Average these gradients in place over the groups taking part in the step."""
+
+    def commit(self) -> bool:
+        """Whether every group's step succeeded: step the optimizer only then."""
+
+    @property
+    def step(self) -> int:
+        """The steps committed so far (a healed group jumps to its peers')."""
+
+
 class DistributedModel:
     """This rank's stages of a model, its optimizers and the pipeline schedule; see the module
     docstring. Build it with `autoplan.parallelize`."""
@@ -193,8 +215,10 @@ class DistributedModel:
         timeout_s: float | None = None,
         fingerprint: str = "",
         search_time_s: float | None = None,
+        replicas: ReplicaSync | None = None,
     ) -> None:
         self.plan = plan
+        self.replicas = replicas  # set by autoplan.replicas when groups of replicas train
         self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
         # how long finding the plan took (rank 0's search and its broadcast); None: given
         self.search_time_s = search_time_s
@@ -263,14 +287,19 @@ class DistributedModel:
     # ------------------------------------------------------------------ training
 
     def _data_parallel_slice(self, batch: torch.Tensor, what: str) -> torch.Tensor:
-        if batch.size(0) != self.plan.global_batch_size:
+        groups = self.replicas.count if self.replicas is not None else 1
+        if batch.size(0) != self.plan.global_batch_size * groups:
             raise ValueError(
                 f"train_step got {what} with {batch.size(0)} sequences; the plan's global batch "
                 f"is {self.plan.global_batch_size} (micro_batch_size {self.plan.micro_batch_size}"
                 f" x num_micro_batches {self.plan.num_micro_batches} x dp_degree "
-                f"{self.plan.dp_degree}); pass the whole global batch on every rank"
+                f"{self.plan.dp_degree})"
+                + (f" x {groups} replica groups" if groups > 1 else "")
+                + "; pass the whole global batch on every rank"
             )
         start = self.mesh.dp_rank * self._local_batch
+        if self.replicas is not None:
+            start += self.replicas.index * self.plan.global_batch_size
         return batch[start : start + self._local_batch].to(self.device)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -302,12 +331,14 @@ class DistributedModel:
             if stalled is not None:
                 raise stalled from error
             raise
-        self.step += 1
+        self.step = self.replicas.step if self.replicas is not None else self.step + 1
         return loss
 
     def _train_step(self, local_inputs: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
         for stage in self._stages:
             stage.optimizer.zero_grad(set_to_none=True)
+        if self.replicas is not None:
+            self.replicas.start_step()
         losses: list[torch.Tensor] = []
         schedule = self.pipeline.schedule
         first, last = self.pipeline.is_first, self.pipeline.is_last
@@ -321,9 +352,26 @@ class DistributedModel:
             schedule.step(return_outputs=False)
         self._align_gradients()
         self.tied_sync()
+        if self.replicas is not None:
+            self.replicas.average(self._local_gradients())
+            if not self.replicas.commit():  # a group failed mid-step: nobody steps
+                return self._reduce_loss(losses)
         for stage in self._stages:
             stage.optimizer.step()
         return self._reduce_loss(losses)
+
+    def _local_gradients(self) -> list[torch.Tensor]:
+        """Every local gradient once (a DTensor's local shard: the same shard on the same rank
+        of every replica group), in parameter order."""
+        grads: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for stage in self._stages:
+            for param in stage.module.parameters():
+                if param.grad is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                grads.append(_local(param.grad))
+        return grads
 
     @torch.no_grad()
     def _align_gradients(self) -> None:
@@ -386,12 +434,31 @@ class DistributedModel:
         return key
 
     def load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
-        """Load what `state_dict` returned (e.g. after ``dcp.load`` filled it in place)."""
+        """Load what `state_dict` returned (e.g. after ``dcp.load`` filled it in place), at any
+        point of a step: the gradients computed so far are kept.
+
+        Why they are set aside while loading: an optimizer that has not stepped yet has no state
+        to load into, and torch's ``set_optimizer_state_dict`` creates it with a zero-gradient
+        step only when no gradient is present; with gradients present it loads no optimizer
+        state at all (Adam would restart its moments). A torchft replica group healing in the
+        middle of a step meets exactly that.
+        """
         for part in ("model", "optimizer"):
             if part not in state_dict:
                 raise ValueError(
                     f"state dict has keys {sorted(state_dict)}; expected 'model' and 'optimizer'"
                 )
+        params = [p for stage in self._stages for p in stage.module.parameters()]
+        grads = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            self._load_state_dict(state_dict)
+        finally:
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+
+    def _load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
         loaded: set[str] = set()
         for stage in self._stages:
             self._check_checkpointable(stage)

@@ -116,6 +116,7 @@ def start_agent(
     max_restarts: int = 0,
     rdzv_conf: str = "",
     script: Path = EXAMPLE,
+    env: dict[str, str] | None = None,
 ) -> Agent:
     """A torchrun agent with a c10d rendezvous on 127.0.0.1:``port``; node 0 hosts its store."""
     conf = f"is_host={1 if node == 0 else 0}" + (f",{rdzv_conf}" if rdzv_conf else "")
@@ -141,15 +142,34 @@ def start_agent(
         *example_args,
     ]
     log = tmp / f"agent{node}-{port}.log"
+    env = {**job_env(tmp), **(env or {})}
+    if nnodes != "1":
+        # several agents count their restarts apart: a fresh store each round instead of the
+        # agents' shared one (autoplan.parallelizer._attempt_store, pytorch#135712)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
             cwd=ROOT,
-            env=job_env(tmp),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    return Agent(process=process, node=node, log=log)
+    agent = Agent(process=process, node=node, log=log)
+    if node == 0:
+        _wait_listening(port, agent)
+    return agent
+
+
+def _wait_listening(port: int, agent: Agent, timeout_s: float = 60) -> None:
+    """Until the rendezvous store listens on ``port``: a port picked by `free_port` is free only
+    until someone binds it, so the next job's ports are picked after this one holds its own."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and agent.process.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
 
 
 def losses(path: Path) -> list[tuple[int, float]]:
@@ -180,10 +200,16 @@ def wait_for_step(path: Path, step: int, agents: list[Agent], timeout_s: float =
 
 
 def example_args(
-    tmp: Path, log: Path, *, steps: int, every: int, extra: tuple[str, ...] = ()
+    tmp: Path,
+    log: Path,
+    *,
+    steps: int,
+    every: int,
+    extra: tuple[str, ...] = (),
+    timeout_s: float = 60,
 ) -> list[str]:
     """The example's options: checkpoints in ``tmp/ckpt`` every ``every`` steps, losses to
-    ``log``, a 60 s process-group timeout."""
+    ``log``, the process-group timeout."""
     return [
         "--steps",
         str(steps),
@@ -196,12 +222,12 @@ def example_args(
         "--loss-log",
         str(log),
         "--timeout",
-        "60",
+        str(timeout_s),
         *extra,
     ]
 
 
-def fixed_plan(tmp: Path, processes: int) -> Path:
+def fixed_plan(tmp: Path, processes: int, global_batch: int = BATCH) -> Path:
     """A pipeline plan for the example's model (p2p between every pair of neighbours), written
     to ``tmp/plan.yaml``: runs given it compare bit for bit, whatever a search would pick."""
     import autoplan
@@ -213,7 +239,7 @@ def fixed_plan(tmp: Path, processes: int) -> Path:
         autoplan.trace(small_gpt()),
         autoplan.Cluster.local(num_devices=processes),
         pp=processes,
-        global_batch=BATCH,
+        global_batch=global_batch,
         micro_batch=4,
         schedule="1f1b",
         dtype="fp32",
