@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from autoplan.graph import ModelGraph
     from autoplan.parallelizer import parallelize
     from autoplan.planner.search import search
+    from autoplan.replicas import TorchFTReplicas
     from autoplan.sweep import whatif
     from autoplan.tracing import trace
-    from autoplan.replicas import TorchFTReplicas
     from autoplan.trainer import Trainer
 
 __version__ = "0.1.0"

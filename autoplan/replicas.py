@@ -127,9 +127,7 @@ class TorchFTSync(ReplicaSync):
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=model.device),
         )
 
-    def register(
-        self, key: str, load: Callable[[Any], None], state: Callable[[], Any]
-    ) -> None:
+    def register(self, key: str, load: Callable[[Any], None], state: Callable[[], Any]) -> None:
         """More state a healing group must receive (e.g. the data position)."""
         self.manager.register_state_dict_fn(key, load, state)
 
