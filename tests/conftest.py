@@ -1,10 +1,15 @@
-"""Shared test fixtures: the installed console script and an isolated local-cluster cache."""
+"""Shared test fixtures: the command line (in-process, or the installed console script) and an
+isolated local-cluster cache."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,20 +26,70 @@ def _no_local_calibration(
     monkeypatch.setenv("AUTOPLAN_LOCAL_CLUSTER", str(missing))
 
 
+@dataclass(frozen=True)
+class PipelineReference:
+    """The example run without a fault under a fixed 2-process pipeline plan."""
+
+    plan: Path
+    steps: int
+    every: int
+    losses: dict[int, float]  # step -> loss, exact
+
+
+@pytest.fixture(scope="session")
+def pipeline_reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineReference:
+    """Shared by the restart and Ray tests, which compare their runs with it bit for bit."""
+    from tests.jobs import fixed_plan, run_uninterrupted
+
+    tmp = tmp_path_factory.mktemp("pipeline-reference")
+    plan = fixed_plan(tmp, 2)
+    steps, every = 40, 4
+    losses = run_uninterrupted(tmp, 2, steps=steps, every=every, extra=("--plan", str(plan)))
+    return PipelineReference(plan=plan, steps=steps, every=every, losses=losses)
+
+
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 120
+    *args: str, cwd: Path | None = None, timeout: float = 120, real: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real ``autoplan`` console script; never raises on a non-zero exit."""
-    assert AUTOPLAN_SCRIPT.exists(), (
-        f"console script missing at {AUTOPLAN_SCRIPT}; pip install -e ."
-    )
-    env = dict(os.environ, COLUMNS="120", NO_COLOR="1")
-    return subprocess.run(
-        [str(AUTOPLAN_SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
+    """Run the ``autoplan`` command line; never raises on a non-zero exit.
+
+    By default in this process, through `autoplan.cli.main` (the console script's entry point):
+    each call then costs milliseconds instead of a Python start with torch's import (about
+    1.5 s here). An exception escaping `main` is what the console script would print as a
+    traceback: it is returned the same way, exit code 1 and the traceback on stderr.
+    ``real=True`` runs the installed console script in a subprocess (tests of the script
+    itself); ``timeout`` applies to it only.
+    """
+    if real:
+        assert AUTOPLAN_SCRIPT.exists(), (
+            f"console script missing at {AUTOPLAN_SCRIPT}; pip install -e ."
+        )
+        env = dict(os.environ, COLUMNS="120", NO_COLOR="1")
+        return subprocess.run(
+            [str(AUTOPLAN_SCRIPT), *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
+    from autoplan.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    previous = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+            except BaseException:
+                code = 1
+                err.write(traceback.format_exc())
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(["autoplan", *args], code, out.getvalue(), err.getvalue())

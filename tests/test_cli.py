@@ -1,4 +1,6 @@
-"""The real console script in a subprocess: exit codes, tables, JSON, one-line errors."""
+"""The command line: exit codes, tables, JSON, one-line errors (in-process through the console
+script's entry point; `test_version` and `test_the_console_script_runs` start the real
+script)."""
 
 from __future__ import annotations
 
@@ -27,9 +29,16 @@ def _assert_user_error(result: object, fragment: str) -> None:
 
 
 def test_version() -> None:
-    result = run_cli("--version")
+    result = run_cli("--version", real=True)
     assert result.returncode == 0
     assert __version__ in result.stdout
+
+
+def test_the_console_script_runs() -> None:
+    # the installed script, a user error: one line, exit code 2, no traceback
+    result = run_cli("estimate", "--model", "nosuch", "--cluster", "dgx-a100-80g",
+                     "--global-batch", "8", real=True)  # fmt: skip
+    _assert_user_error(result, "nosuch")
 
 
 def test_help_lists_only_working_commands() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.jobs import EXAMPLE, ROOT, example_args, fixed_plan, job_env, losses, run_uninterrupted
+from tests.conftest import PipelineReference
+from tests.jobs import EXAMPLE, ROOT, example_args, job_env, losses
 
 STEPS = 40
 EVERY = 4
@@ -31,13 +32,13 @@ def _ray_workers() -> list[psutil.Process]:
 
 @pytest.mark.slow
 def test_ray_train_restarts_the_workers_and_resumes_from_autoplans_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, pipeline_reference: PipelineReference
 ) -> None:
     # `make test` installs the extra; a missing one fails here rather than skipping unseen
     if importlib.util.find_spec("ray") is None:
         pytest.fail("Ray is not installed: pip install -e '.[ray]' (make test does)")
-    plan = fixed_plan(tmp_path, 2)
-    expected = run_uninterrupted(tmp_path, 2, steps=STEPS, every=EVERY, extra=("--plan", str(plan)))
+    plan, expected = pipeline_reference.plan, pipeline_reference.losses
+    assert (pipeline_reference.steps, pipeline_reference.every) == (STEPS, EVERY)
 
     log = tmp_path / "loss.log"
     args = example_args(tmp_path, log, steps=STEPS, every=EVERY, extra=("--plan", str(plan)))

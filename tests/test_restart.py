@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PipelineReference
 from tests.jobs import (
     example_args,
-    fixed_plan,
     free_port,
     losses,
     run_uninterrupted,
@@ -46,9 +46,11 @@ def _resumed_step(output: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_restarts_and_resumes_by_itself(tmp_path: Path) -> None:
-    plan = fixed_plan(tmp_path, 2)
-    expected = _run_uninterrupted(tmp_path, 2, "--plan", str(plan))
+def test_a_killed_worker_restarts_and_resumes_by_itself(
+    tmp_path: Path, pipeline_reference: PipelineReference
+) -> None:
+    plan, expected = pipeline_reference.plan, pipeline_reference.losses
+    assert (pipeline_reference.steps, pipeline_reference.every) == (STEPS, EVERY)
 
     log = tmp_path / "loss.log"
     agent = start_agent(
