@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -309,41 +310,70 @@ def _init_process_group(device: torch.device, timeout_s: float | None) -> bool:
 
 
 def _attempt_store(timeout: datetime.timedelta) -> Store | None:
-    """Under torchrun with the agent's store (torch's default), a store whose keys are this
-    restart attempt's own; None otherwise (``env://`` as usual).
+    """Under torchrun with the agent's store (torch's default), a store whose keys belong to this
+    start of the job alone; None otherwise (``env://`` as usual).
 
-    Why: the rank-0 agent hosts one TCPStore for the whole job (`_shared_tcp_store_server` of
-    torch's c10d rendezvous) and the workers connect to it with no per-attempt prefix, so after
-    a restart the process group's keys still hold the dead workers' addresses: gloo connects to
-    them ("connectFullMesh ... Connection refused") or waits. ``TORCHELASTIC_RESTART_COUNT``
-    gives each attempt a clean namespace, but it is counted by each agent: the same on every
-    worker of a one-agent job, not always across agents (pytorch#135712). Multi-agent jobs that
-    restart need torch's opt-out, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
-    environment (a fresh store each round, hosted by worker rank 0): rank 0 warns without it.
+    Why: the first node's agent hosts one TCPStore for the whole job (the c10d rendezvous's
+    shared store) and the workers build their process group on it with no per-start prefix, so
+    after a restart the group's keys still hold the dead workers' addresses: gloo connects to
+    them ("connectFullMesh ... Connection refused") or waits; NCCL reads a stale unique id
+    (pytorch#135712). ``TORCHELASTIC_RESTART_COUNT`` cannot name the start: each agent counts
+    its own restarts. So the workers agree on a fresh name through the store itself
+    (`_agree_on_attempt`). The agent's store is kept rather than torch's opt-out
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, a store hosted by worker rank 0): a stopped rank 0
+    would freeze that store and every rank waiting on it.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    agents = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if agents > 1 and restarts > 0 and os.environ.get("RANK") == "0":
-        logger.warning(
-            "this job of %d torchrun agents may restart (--max-restarts %d), but its agents "
-            "share one store across restarts and count restarts apart, so a restart can read "
-            "the previous attempt's addresses and fail or hang; set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node "
-            "(pytorch#135712)",
-            agents,
-            restarts,
-        )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     client = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout,
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout
     )
-    return PrefixStore(f"autoplan/attempt_{attempt}/", client)
+    attempt = _agree_on_attempt(client, rank, world, timeout)
+    return PrefixStore(f"autoplan/attempt/{attempt}/", client)
+
+
+_ATTEMPT = "autoplan/attempt"
+
+
+def _agree_on_attempt(store: Store, rank: int, world: int, timeout: datetime.timedelta) -> str:
+    """A name that every worker of this start of the job gets and no earlier start used.
+
+    Rank 0 draws it at random. Every other rank asks for it under a nonce of its own (key
+    ``ask/<rank>``, which an earlier start may have left with an old nonce) and waits for the
+    answer under ``reply/<nonce>``, a key only this start can have written; rank 0 answers every
+    nonce it sees, stale ones included (harmless), until all ``world - 1`` ranks have counted
+    themselves in under the fresh name. The workers of a start begin only after the agents have
+    stopped every worker of the previous one, so no stale rank asks again.
+    """
+    if world == 1:
+        return uuid.uuid4().hex
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_ATTEMPT}/ask/{rank}", nonce)
+        attempt = bytes(store.get(f"{_ATTEMPT}/reply/{nonce}")).decode()  # waits for rank 0
+        store.add(f"{_ATTEMPT}/{attempt}/joined", 1)
+        return attempt
+    attempt = uuid.uuid4().hex
+    joined = f"{_ATTEMPT}/{attempt}/joined"
+    answered: dict[int, str] = {}
+    deadline = time.monotonic() + timeout.total_seconds()
+    while int(store.add(joined, 0)) < world - 1:
+        for other in range(1, world):
+            key = f"{_ATTEMPT}/ask/{other}"
+            if store.check([key]):
+                nonce = bytes(store.get(key)).decode()
+                if answered.get(other) != nonce:
+                    store.set(f"{_ATTEMPT}/reply/{nonce}", attempt)
+                    answered[other] = nonce
+        if time.monotonic() > deadline:
+            missing = world - 1 - int(store.add(joined, 0))
+            raise TimeoutError(
+                f"rank 0 waited {timeout.total_seconds():.0f} s for {missing} of the job's "
+                f"{world} processes to join the process group's store; is every process running?"
+            )
+        time.sleep(0.01)
+    return attempt
 
 
 def _agree_on_plan(plan: Plan | None, device: torch.device) -> None:

@@ -9,9 +9,7 @@ comes back (torchrun restarts it), it heals: torchft sends it a live peer's mode
 data position and step, and it rejoins at the current step.
 
 Expects: a torchft lighthouse (``torchft_lighthouse --min_replicas 1``) whose address is given or
-in ``TORCHFT_LIGHTHOUSE``; every group started with the same model, plan and arguments; under
-torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` when a group may restart (torchft's manager
-keeps its address in the job's store, which torchrun otherwise shares across restarts).
+in ``TORCHFT_LIGHTHOUSE``; every group started with the same model, plan and arguments.
 
 Guarantees: the optimizer steps only when every group in the step's quorum succeeded
 (``should_commit``); the plan inside a group is a pipeline (dp 1, tp 1): the state torchft
@@ -35,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from autoplan.errors import PlanError
 from autoplan.plan import Plan
@@ -111,6 +110,17 @@ class TorchFTSync(ReplicaSync):
         self.count = config.num_replica_groups
         self._model = model
         timeout = datetime.timedelta(seconds=config.timeout_s)
+        # torchft's manager keeps its address in a store: one of this start of the group's
+        # own, hosted by rank 0 on a free port (the job's store outlives restarts, and a
+        # restarted group would read the dead manager's address from it).
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._store_server = (
+            TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            if dist.get_rank() == 0
+            else None
+        )
+        port: list[Any] = [self._store_server.port if self._store_server else None]
+        dist.broadcast_object_list(port, src=0)
         cuda = model.device.type == "cuda"
         pg = ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout)
         self.manager: Manager = Manager(
@@ -124,6 +134,8 @@ class TorchFTSync(ReplicaSync):
             quorum_timeout=timeout,
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
+            store_addr=host,
+            store_port=int(port[0]),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=model.device),
         )
 

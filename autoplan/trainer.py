@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -195,15 +195,6 @@ class Trainer:
                 self.checkpointer.after_step()
             yield loss
         self.close()
-
-    def fit(self, total: int, on_step: Callable[[int, float], None] | None = None) -> list[float]:
-        """`steps` as a list; ``on_step(step, loss)`` after each (``step`` counts from 1)."""
-        losses = []
-        for loss in self.steps(total):
-            losses.append(loss)
-            if on_step is not None:
-                on_step(self.model.step, loss)
-        return losses
 
     def close(self) -> None:
         """Save the last step (if not saved yet) and wait for every write to finish."""

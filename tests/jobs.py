@@ -143,10 +143,6 @@ def start_agent(
     ]
     log = tmp / f"agent{node}-{port}.log"
     env = {**job_env(tmp), **(env or {})}
-    if nnodes != "1":
-        # several agents count their restarts apart: a fresh store each round instead of the
-        # agents' shared one (autoplan.parallelizer._attempt_store, pytorch#135712)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
@@ -250,19 +246,31 @@ def fixed_plan(tmp: Path, processes: int, global_batch: int = BATCH) -> Path:
 
 
 def run_uninterrupted(
-    tmp: Path, nproc: int, *, steps: int, every: int, extra: tuple[str, ...] = ()
+    tmp: Path,
+    nproc: int,
+    *,
+    steps: int,
+    every: int,
+    extra: tuple[str, ...] = (),
+    nodes: int = 1,
 ) -> dict[int, float]:
-    """The example run to the end without a fault (in ``tmp/uninterrupted``): step -> loss."""
+    """The example run to the end without a fault (in ``tmp/uninterrupted``), on ``nodes``
+    agents of ``nproc`` processes (the same topology searches the same plan): step -> loss."""
     folder = tmp / "uninterrupted"
     folder.mkdir(exist_ok=True)
     log = folder / "loss.log"
     args = example_args(folder, log, steps=steps, every=every, extra=extra)
-    agent = start_agent(folder, args, nproc=nproc, port=free_port())
+    port = free_port()
+    agents = [
+        start_agent(folder, args, nproc=nproc, port=port, nnodes=str(nodes), node=node)
+        for node in range(nodes)
+    ]
     try:
-        code = agent.wait(600)
+        codes = [agent.wait(600) for agent in agents]
     finally:
-        agent.stop()
+        for agent in agents:
+            agent.stop()
     records = losses(log)
-    if code != 0 or [step for step, _ in records] != list(range(1, steps + 1)):
-        raise RuntimeError(f"the uninterrupted run failed ({code}):\n{agent.output()[-3000:]}")
+    if codes != [0] * nodes or [step for step, _ in records] != list(range(1, steps + 1)):
+        raise RuntimeError(f"the uninterrupted run failed ({codes}):\n{agents[0].output()[-3000:]}")
     return dict(records)

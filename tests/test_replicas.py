@@ -33,11 +33,7 @@ def test_a_replica_group_drops_out_and_heals_without_stopping_the_others(tmp_pat
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     plan = fixed_plan(tmp_path, 2, global_batch=16)  # each group's half of 32
-    env = {
-        "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}",
-        # a restarted group must not read its previous attempt's addresses (autoplan.replicas)
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    env = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
     agents = []
     try:
         for group in (0, 1):

@@ -35,8 +35,8 @@ def _args(tmp_path: Path, log: Path, *extra: str) -> list[str]:
     return example_args(tmp_path, log, steps=STEPS, every=EVERY, extra=extra)
 
 
-def _run_uninterrupted(tmp_path: Path, nproc: int, *extra: str) -> dict[int, float]:
-    return run_uninterrupted(tmp_path, nproc, steps=STEPS, every=EVERY, extra=extra)
+def _run_uninterrupted(tmp_path: Path, nproc: int, nodes: int = 1) -> dict[int, float]:
+    return run_uninterrupted(tmp_path, nproc, steps=STEPS, every=EVERY, nodes=nodes)
 
 
 def _resumed_step(output: str) -> int:
@@ -79,7 +79,7 @@ def test_a_killed_worker_restarts_and_resumes_by_itself(
 
 @pytest.mark.slow
 def test_a_job_that_loses_a_node_replans_and_reshards(tmp_path: Path) -> None:
-    expected = _run_uninterrupted(tmp_path, 4)
+    expected = _run_uninterrupted(tmp_path, 2, nodes=2)  # the topology the job starts on
 
     log = tmp_path / "loss.log"
     port = free_port()
