@@ -41,6 +41,7 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
+from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
@@ -393,6 +394,18 @@ class Plan:
         if data["model"] is None:
             del data["model"]
         return data
+
+    def checkpoint_problem(self) -> str | None:
+        """Why `torch.distributed.checkpoint` cannot save this plan's training state, or None
+        (`Strategy.checkpointable`; `Checkpointer`, `Trainer` and ``autoplan validate
+        --checkpoint`` refuse such plans before they run)."""
+        if Strategy.of(self).checkpointable:
+            return None
+        return (
+            "state_dict() is not supported with zero_stage 1 on DDP (ZeroRedundancyOptimizer "
+            "keeps optimizer state in a layout torch.distributed.checkpoint cannot save); use "
+            "zero_stage 2, which shards the optimizer state the same way"
+        )
 
     def digest(self) -> str:
         """A short hash of what the runtime runs (everything but the estimate): two ranks whose

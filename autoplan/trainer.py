@@ -130,6 +130,13 @@ class Trainer:
                 "or global_batch_size=... (an elastic job passes global_batch_size: every "
                 "world it restarts on plans for the same global batch)"
             )
+        if checkpoint_dir is not None:
+            # Refused before anything runs; a search avoids it (ZeRO-2 shards the same state).
+            problem = plan.checkpoint_problem() if plan is not None else None
+            if problem is not None:
+                raise PlanError(f"checkpoint_dir is set, but {problem}")
+            if plan is None and "zero" not in (search_constraints or {}):
+                search_constraints = {**(search_constraints or {}), "zero": (0, 2, 3)}
         if replicas is not None:
             # Each replica group runs the plan on its own slice of the global batch.
             if plan is not None:

@@ -166,6 +166,12 @@ class Strategy:
         return "fsdp" if self.zero_stage >= 1 else "replicate"
 
     @property
+    def checkpointable(self) -> bool:
+        """Whether torch.distributed.checkpoint can save this plan's optimizer state: not for
+        ZeRO-1 on DDP, whose ZeroRedundancyOptimizer keeps it in a layout of its own."""
+        return not (self.zero_stage == 1 and self.dp_wrapper == "ddp")
+
+    @property
     def runtime_zero_stage(self) -> int:
         """The ZeRO stage the runtime runs: ZeRO-1 outside DDP runs as FSDP2's ZeRO-2."""
         if self.zero_stage == 1 and self.dp_wrapper == "fsdp":

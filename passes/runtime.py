@@ -42,7 +42,12 @@ from passes.pipeline import Pipeline
 from passes.progress import StepProgress, default_group_timeout
 from passes.split import SplitModel, TiedParameter, original_fqn
 
-__all__ = ["DistributedModel", "OptimizerFactory", "TiedGradientSync"]
+__all__ = [
+    "DistributedModel",
+    "OptimizerFactory",
+    "ReplicaSync",
+    "TiedGradientSync",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -407,10 +412,10 @@ class DistributedModel:
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """``{"model": ..., "optimizer": ...}`` under the model's names, for DCP save/load."""
+        self.check_checkpointable()
         model_sd: dict[str, Any] = {}
         optim_sd: dict[str, Any] = {}
         for stage in self._stages:
-            self._check_checkpointable(stage)
             for key, value in get_model_state_dict(stage.wrapped, options=_OPTIONS).items():
                 model_sd.setdefault(self._checkpoint_key(key), value)
             optim = get_optimizer_state_dict(stage.wrapped, stage.optimizer, options=_OPTIONS)
@@ -459,9 +464,9 @@ class DistributedModel:
                 param.grad = grad
 
     def _load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
+        self.check_checkpointable()
         loaded: set[str] = set()
         for stage in self._stages:
-            self._check_checkpointable(stage)
             own_model = get_model_state_dict(stage.wrapped, options=_OPTIONS)
             own_optim = get_optimizer_state_dict(stage.wrapped, stage.optimizer, options=_OPTIONS)
             set_model_state_dict(
@@ -485,13 +490,6 @@ class DistributedModel:
 
     def check_checkpointable(self) -> None:
         """Raise `PlanError` if `state_dict` cannot save this plan's state (before training)."""
-        for stage in self._stages:
-            self._check_checkpointable(stage)
-
-    def _check_checkpointable(self, stage: _LocalStage) -> None:
-        if isinstance(stage.optimizer, ZeroRedundancyOptimizer):
-            raise PlanError(
-                "state_dict() is not supported with zero_stage 1 (ZeroRedundancyOptimizer keeps "
-                "optimizer state in a layout torch.distributed.checkpoint cannot save); use "
-                "zero_stage 2, which shards the optimizer state the same way"
-            )
+        problem = self.plan.checkpoint_problem()
+        if problem is not None:
+            raise PlanError(problem)

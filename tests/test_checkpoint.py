@@ -214,3 +214,34 @@ def test_bad_checkpoint_arguments_fail_before_training(tmp_path: Path) -> None:
         and "; this job's model has fingerprint " in (messages[4])
     )
     assert messages[5].startswith("state_dict() is not supported with zero_stage 1")
+
+
+def test_plans_that_cannot_be_checkpointed_are_refused_before_they_run(tmp_path: Path) -> None:
+    import autoplan
+    from autoplan.errors import PlanError
+    from tests.conftest import run_cli
+
+    graph = autoplan.trace(build_model("gpt"))
+    cluster = autoplan.Cluster.local(num_devices=2)
+    zero1 = autoplan.manual_plan(graph, cluster, dp=2, zero=1, global_batch=8, dtype="fp32")
+    zero2 = autoplan.manual_plan(graph, cluster, dp=2, zero=2, global_batch=8, dtype="fp32")
+    problem = zero1.checkpoint_problem()
+    assert problem is not None and problem.startswith("state_dict() is not supported with ")
+    assert zero2.checkpoint_problem() is None
+    # ZeRO-1 outside DDP runs as FSDP2's ZeRO-2, which saves
+    piped = autoplan.manual_plan(graph, cluster, pp=2, zero=1, global_batch=8, dtype="fp32")
+    assert piped.checkpoint_problem() is None
+    path = tmp_path / "zero1.yaml"
+    zero1.to_yaml(path)
+    assert run_cli("validate", str(path)).returncode == 0  # fine for a job without checkpoints
+    done = run_cli("validate", str(path), "--checkpoint")
+    assert done.returncode == 2 and done.stderr.startswith("autoplan: error: --checkpoint: state")
+    # the Trainer refuses it before parallelize runs (no process group is needed to say so)
+    with pytest.raises(PlanError, match="checkpoint_dir is set, but state_dict"):
+        autoplan.Trainer(
+            build_model("gpt"),
+            loss_fn=loss_fn,
+            data=CountingBatches(8),
+            plan=zero1,
+            checkpoint_dir=tmp_path / "ckpt",
+        )

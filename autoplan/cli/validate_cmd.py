@@ -13,6 +13,7 @@ from __future__ import annotations
 import click
 
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.errors import PlanError
 from autoplan.explanation import ExplainInputError, plan_cluster, plan_model_spec
 from autoplan.plan import Plan
 from cost_model.estimate import estimate
@@ -41,6 +42,12 @@ from cost_model.hardware import load_cluster
     is_flag=True,
     help="Warn instead of failing when the predicted peak memory exceeds the device's.",
 )
+@click.option(
+    "--checkpoint",
+    "checkpointed",
+    is_flag=True,
+    help="The job saves checkpoints: refuse plans whose state cannot be saved (ZeRO-1 on DDP).",
+)
 @json_option
 def validate(
     plan_path: str,
@@ -48,10 +55,13 @@ def validate(
     model_spec: str | None,
     allow_cross_node_tp: bool,
     allow_over_memory: bool,
+    checkpointed: bool,
     as_json: bool,
 ) -> None:
     """Check a plan file against a cluster and its model (memory included)."""
     plan = Plan.from_yaml(plan_path)
+    if checkpointed and (problem := plan.checkpoint_problem()) is not None:
+        raise PlanError(f"--checkpoint: {problem}")
     cluster_note = ""
     if cluster_spec is not None:
         target = load_cluster(cluster_spec)
