@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="Process-group timeout, s.")
-    parser.add_argument("--torchft-steps", type=int, default=600)
+    parser.add_argument("--torchft-steps", type=int, default=3000)
     parser.add_argument("--torchft-faults", type=int, default=4)
     parser.add_argument("--skip-torchft", action="store_true", help="Only the torchrun part.")
     args = parser.parse_args()
@@ -307,11 +307,13 @@ def _torchft_part(args: argparse.Namespace, console: Console) -> bool:
     group, the other trains on; returns whether every group rejoined and the weights agree."""
     rng = random.Random(args.seed + 1)
     steps, count = args.torchft_steps, args.torchft_faults
-    spots = sorted(rng.sample(range(20, steps - 120), count))
+    # Each fault comes a random 20-60 steps after the previous group rejoined (its step is set
+    # then): a group must have a live peer to heal from, and a stopped one is away for about
+    # 50 s (the process-group timeout, then torchrun's fixed 30 s before it kills it).
     faults = [
-        GroupFault(step=s, kind=rng.choice(["SIGKILL", "SIGSTOP"]), group=rng.randrange(2),
+        GroupFault(step=0, kind=rng.choice(["SIGKILL", "SIGSTOP"]), group=rng.randrange(2),
                    rank=rng.randrange(NPROC))
-        for s in spots
+        for _ in range(count)
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="autoplan-torchft-") as name:
         tmp = Path(name)
@@ -351,6 +353,11 @@ def _torchft_part(args: argparse.Namespace, console: Console) -> bool:
                 agents.append(agent)
             for number, fault in enumerate(faults, 1):
                 target, other = logs[fault.group], logs[1 - fault.group]
+                for log in logs:
+                    log.poll()
+                fault.step = max(log.last_step for log in logs) + rng.randint(20, 60)
+                if fault.step > steps - 600:  # a stopped group is away for ~500 steps
+                    raise RuntimeError(f"--torchft-steps {steps} leaves no room for fault {number}")
                 while target.last_step < fault.step:
                     if any(agent.process.poll() is not None for agent in agents):
                         raise RuntimeError("a replica group ended before all faults were made")
