@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,8 @@ def _ray_worker(config: dict[str, Any]) -> None:
             ray.train.report(
                 {"step": step, "loss": loss},
                 checkpoint=ray.train.Checkpoint.from_directory(pointer),
-                checkpoint_dir_name=f"pointer_{step:08d}",
+                # unique: a restarted group reports its steps again
+                checkpoint_dir_name=f"pointer_{step:08d}_{uuid.uuid4().hex[:8]}",
             )
 
     def latest() -> str | None:
@@ -185,7 +187,7 @@ def _ray_worker(config: dict[str, Any]) -> None:
 
     def on_step(step: int, loss: float) -> None:
         last[:] = [(step, loss)]
-        if step % config["checkpoint_every"] == 0:
+        if step % config["checkpoint_every"] == 0 and step < config["steps"]:
             report(step, loss, latest())
 
     train(config, on_step=on_step)
