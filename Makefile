@@ -34,8 +34,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# Single-process tests on both cores (pytest-xdist), then the multi-process ones (marked slow)
+# one at a time: each starts several processes of its own.
 pytest: $(BIN)/.installed-extras
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow" -n 2
+	$(BIN)/pytest -q -m slow
 
 test: lint typecheck pytest
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PipelineReference
+from tests.jobs import losses
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,26 +82,31 @@ def _run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
     )
 
 
-def _losses(path: Path) -> dict[int, str]:
-    steps = [line.split() for line in path.read_text().splitlines()]
-    return {int(step): loss for step, loss in steps}
-
-
 @pytest.mark.slow
-def test_train_gpt_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    whole, parts = tmp_path / "whole.log", tmp_path / "parts.log"
-    done = _run_example(tmp_path, "--steps", "10", "--loss-log", str(whole))
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_train_gpt_example_resumes_from_its_checkpoint(
+    tmp_path: Path, pipeline_reference: PipelineReference
+) -> None:
+    log = tmp_path / "parts.log"
+    plan = ["--plan", str(pipeline_reference.plan)]
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
     # The first job stops at step 6 (it saves 4, and its last step at the end) ...
-    first = _run_example(tmp_path, "--steps", "6", *ckpt, "--loss-log", str(parts))
+    first = _run_example(tmp_path, "--steps", "6", *plan, *ckpt, "--loss-log", str(log))
     assert first.returncode == 0, first.stderr[-3000:]
     # ... the second resumes at 6: the same batches and losses as the job that never stopped.
-    second = _run_example(tmp_path, "--steps", "10", *ckpt, "--loss-log", str(parts))
+    second = _run_example(tmp_path, "--steps", "10", *plan, *ckpt, "--loss-log", str(log))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed step 6 from {tmp_path / 'ckpt' / 'step_00000006'} in " in second.stdout
     assert "(same plan)" in second.stdout
-    assert _losses(parts) == _losses(whole)  # printed with repr: bit for bit
-    assert len(_losses(whole)) == 10
-    bad = _run_example(tmp_path, "--checkpoint-every", "0")
+    records = losses(log)
+    assert [step for step, _ in records] == list(range(1, 11))
+    for step, loss in records:  # printed with repr: bit for bit
+        assert loss == pipeline_reference.losses[step], step
+    # a bad interval stops the script before it starts any process group
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--checkpoint-every", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert bad.returncode != 0 and "0 must be >= 1 (steps between checkpoints)" in bad.stderr
