@@ -63,7 +63,6 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
     """The training function: one call per rank, under torchrun or Ray Train (the process
     group may exist already). ``config`` holds the command line's options by name."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("autoplan.trainer").setLevel(logging.INFO)
     logging.getLogger("autoplan.replicas").setLevel(logging.INFO)
     torch.set_num_threads(1)
     corpus = load_corpus()
@@ -107,8 +106,7 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
             f"{'/'.join(sorted({s.recompute for s in plan.stages}))}, {plan.dtype}"
         )
         console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
-        if trainer.setup.resumed is not None:
-            console.print(trainer.setup.describe(), soft_wrap=True, highlight=False)
+        console.print(trainer.setup.describe(), soft_wrap=True, highlight=False)
     first_step, losses = trainer.step, []
     start = time.perf_counter()
     with Progress(
