@@ -109,6 +109,11 @@ class TorchFTSync(ReplicaSync):
         self.index = config.replica_group
         self.count = config.num_replica_groups
         self._model = model
+        # torchft reads the state from its quorum thread while this one runs the step. The
+        # first state_dict() of an optimizer that has not stepped creates its state with a
+        # zero-learning-rate step, in place on the parameters, which would break the autograd
+        # graph of a step in flight ("modified by an inplace operation"): create it now.
+        model.state_dict()
         timeout = datetime.timedelta(seconds=config.timeout_s)
         # torchft's manager keeps its address in a store: one of this start of the group's
         # own, hosted by rank 0 on a free port (the job's store outlives restarts, and a

@@ -18,31 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_train_gpt_example_learns(tmp_path: Path) -> None:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        AUTOPLAN_LOCAL_CLUSTER=str(tmp_path / "no-calibration.yaml"),
-        COLUMNS="200",
-    )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "examples" / "train_gpt.py"),
-            "--steps",
-            "60",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _run_example(tmp_path, "--steps", "60")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "plan for 2 processes: dp " in out
