@@ -207,7 +207,7 @@ def _parallelize(
             sequence_parallel=plan.sequence_parallel,
             shared=split.shared_in_stage.get(stage.stage_idx, ()),
         )
-        apply_recompute(stage, plan.stages[stage.stage_idx].recompute)
+        apply_recompute(stage, plan.stages[stage.stage_idx].recompute, plan.decisions.recompute)
     num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
     if meta and uses_ddp(plan):
         # DDP broadcasts real parameters when built; it shards none, so this costs no memory.

@@ -41,7 +41,7 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
-from cost_model.strategy import Strategy
+from cost_model.strategy import Decisions, Strategy
 from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
@@ -395,11 +395,19 @@ class Plan:
             del data["model"]
         return data
 
+    @property
+    def decisions(self) -> Decisions:
+        """What autoplan's runtime does for this plan, decided once (`cost_model.strategy.decide`):
+        the data-parallel wrapper, the ZeRO stage that runs, whether its state checkpoints, the
+        torch schedule class and what recompute keeps. The passes carry it out; the cost model
+        prices it."""
+        return Strategy.of(self).decisions
+
     def checkpoint_problem(self) -> str | None:
         """Why `torch.distributed.checkpoint` cannot save this plan's training state, or None
         (`Strategy.checkpointable`; `Checkpointer`, `Trainer` and ``autoplan validate
         --checkpoint`` refuse such plans before they run)."""
-        if Strategy.of(self).checkpointable:
+        if self.decisions.checkpointable:
             return None
         return (
             "state_dict() is not supported with zero_stage 1 on DDP (ZeroRedundancyOptimizer "

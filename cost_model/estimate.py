@@ -60,13 +60,6 @@ from cost_model.strategy import (
 from cost_model.units import format_bytes
 from cost_model.workload import ModelProfile, OpProfile, UnitProfile
 
-# Ops that selective recompute re-runs: the cheap ones whose outputs it drops (the trace's
-# ``saved_bytes_selective_*``: everything but GEMM and attention outputs). Korthikanti et al.
-# 2022, section 5, recompute the cheap attention core and keep the GEMM outputs; with a fused
-# (flash) attention kernel the s^2 scores are never saved, so what is left to drop is the
-# element-wise and normalisation work, as torchtitan's op-level selective checkpointing does.
-SELECTIVE_RECOMPUTE_KINDS = ("elementwise", "reduction", "other")
-
 # Adam step memory traffic per locally-updated parameter (read grad, master weight, momentum,
 # variance; write master, momentum, variance and the low-precision copy), plus one read of the
 # gradients for the global-norm clip: 2+4+4+4 + 4+4+4+2 + 2 = 30 bytes in mixed precision,
@@ -876,13 +869,14 @@ def _compute_times(
     unit = profile.units[index]
     fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = weight = 0.0
     first_tail = len(unit.ops) - unit.recompute_skip_ops
+    policy = strategy.decisions.recompute
     for position, op in enumerate(unit.ops):
         ot = _op(op, cluster, strategy, profile.traced_dtype_bytes)
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s
         weight += ot.weight_backward_s
         flops += ot.forward_flops
-        if op.kind in SELECTIVE_RECOMPUTE_KINDS:
+        if policy.recomputes(op.kind, "selective"):
             selective_fwd += ot.forward_s
         elif op.kind == "matmul":
             gemm_fwd += ot.forward_s

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_model.strategy import DTYPE_BYTES, DataParallelWrapper, Strategy
+from cost_model.strategy import DTYPE_BYTES, RECOMPUTED_UNIT_KINDS, DataParallelWrapper, Strategy
 from cost_model.workload import UnitProfile
 
-# Units that activation recomputation applies to.
-RECOMPUTABLE_KINDS = ("block", "other")
+# Units that activation recomputation applies to (`decide`'s recompute policy).
+RECOMPUTABLE_KINDS = RECOMPUTED_UNIT_KINDS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,12 +21,15 @@ from typing import Literal, Protocol
 from cost_model.hardware import Cluster
 from cost_model.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD,
+    TORCH_SCHEDULE_CLASSES,
     V_SCHEDULES,
     Placement,
     ScheduleName,
     ScheduleSpec,
     stage_rank,
 )
+from cost_model.workload import OpKind, UnitKind
 
 Axis = Literal["pp", "dp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
@@ -141,42 +144,21 @@ class Strategy:
         return self.tp_degree * self.dp_degree * self.pp_degree
 
     @property
-    def dp_wrapper(self) -> DataParallelWrapper:
-        """The wrapper autoplan's runtime uses, the one rule the runtime and the cost model share.
-
-        - ``none``: fp32 on one data-parallel rank needs no wrapper;
-        - ``ddp``: bucketed DDP (+ ZeroRedundancyOptimizer for ZeRO-1) for fp32 ZeRO-0/1 over
-          several replicas without TP or PP. DDP is unsafe with TP and PP, has no
-          mixed-precision policy, and its reducer refuses GPipe's several forwards before a
-          backward (an internal assert);
-        - ``fsdp``: FSDP2 ``fully_shard`` per unit for ZeRO-1 (run as ZeRO-2) to ZeRO-3;
-        - ``replicate``: FSDP2 ``replicate`` per unit for ZeRO-0 otherwise.
-        """
-        if self.dp_degree == 1 and self.dtype == "fp32":
-            return "none"
-        if (
-            self.dp_degree > 1
-            and self.zero_stage <= 1
-            and self.tp_degree == 1
-            and self.pp_degree == 1
-            and self.dtype == "fp32"
-            and not (self.schedule == "gpipe" and self.num_micro_batches > 1)
-        ):
-            return "ddp"
-        return "fsdp" if self.zero_stage >= 1 else "replicate"
+    def decisions(self) -> Decisions:
+        """What autoplan's runtime does for this plan (`decide`)."""
+        return decide(self)
 
     @property
-    def checkpointable(self) -> bool:
-        """Whether torch.distributed.checkpoint can save this plan's optimizer state: not for
-        ZeRO-1 on DDP, whose ZeroRedundancyOptimizer keeps it in a layout of its own."""
-        return not (self.zero_stage == 1 and self.dp_wrapper == "ddp")
+    def dp_wrapper(self) -> DataParallelWrapper:
+        return self.decisions.dp_wrapper
 
     @property
     def runtime_zero_stage(self) -> int:
-        """The ZeRO stage the runtime runs: ZeRO-1 outside DDP runs as FSDP2's ZeRO-2."""
-        if self.zero_stage == 1 and self.dp_wrapper == "fsdp":
-            return 2
-        return self.zero_stage
+        return self.decisions.zero_stage
+
+    @property
+    def checkpointable(self) -> bool:
+        return self.decisions.checkpointable
 
     @property
     def num_stages(self) -> int:
@@ -310,3 +292,95 @@ def schedule_spec(schedule: ScheduleName, p: int, v: int, m: int) -> ScheduleSpe
     """``ScheduleSpec(schedule, p, v, m)``, memoised: the planner asks for the spec of every
     candidate, often more than once (raises `ScheduleError` if torch cannot run it)."""
     return ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime's decisions
+# --------------------------------------------------------------------------------------------
+
+# Outputs selective recompute keeps: GEMMs and attention, the expensive ops; the cheap ones between
+# them (norms, activations, residual adds, rotary embeddings) run again in backward. Korthikanti
+# et al. 2022, section 5, recompute the cheap attention core and keep the GEMM outputs; with a
+# fused (flash) attention kernel the s^2 scores are never saved, so what is left to drop is the
+# element-wise and normalisation work, as torchtitan's op-level selective checkpointing does.
+SELECTIVE_SAVED_KINDS: frozenset[OpKind] = frozenset({"matmul", "attention"})
+
+
+# Units that a stage's recompute applies to: blocks (and the units of a model traced without a
+# block structure); embedding and head units never, as in Megatron-LM and torchtitan.
+RECOMPUTED_UNIT_KINDS: frozenset[UnitKind] = frozenset({"block", "other"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecomputePolicy:
+    """What a recomputed unit keeps for backward; everything else runs again."""
+
+    unit_kinds: frozenset[UnitKind]  # the units a stage's recompute mode applies to
+    # op kinds (the trace's `OpKind`) whose outputs "selective" keeps
+    saved_kinds: frozenset[OpKind]
+    # collective outputs (tensor parallelism's) are kept too: recomputing one communicates again
+    keeps_collectives: bool
+
+    def recomputes(self, kind: OpKind, mode: RecomputeMode) -> bool:
+        """Whether an op of this kind runs again in backward under ``mode``."""
+        if mode == "none":
+            return False
+        return mode == "full" or kind not in self.saved_kinds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decisions:
+    """What autoplan's runtime does for a plan, decided once by `decide`: the passes carry it
+    out, the cost model prices it, `autoplan.Plan.decisions` shows it."""
+
+    dp_wrapper: DataParallelWrapper
+    zero_stage: int  # the ZeRO stage that runs (ZeRO-1 outside DDP runs as ZeRO-2)
+    checkpointable: bool  # torch.distributed.checkpoint can save the optimizer's state
+    schedule_class: str  # the torch.distributed.pipelining.schedules class that runs
+    split_backward: bool  # the schedule runs backward-input and backward-weight apart
+    recompute: RecomputePolicy
+
+
+_RECOMPUTE = RecomputePolicy(
+    unit_kinds=RECOMPUTED_UNIT_KINDS, saved_kinds=SELECTIVE_SAVED_KINDS, keeps_collectives=True
+)
+
+
+@lru_cache(maxsize=4096)
+def decide(strategy: Strategy) -> Decisions:
+    """The one function that decides, for a plan's outer choices, what the runtime runs.
+
+    The data-parallel wrapper:
+
+    - ``none``: fp32 on one data-parallel rank needs no wrapper;
+    - ``ddp``: bucketed DDP (+ ZeroRedundancyOptimizer for ZeRO-1) for fp32 ZeRO-0/1 over
+      several replicas without TP or PP. DDP is unsafe with TP and PP, has no mixed-precision
+      policy, and its reducer refuses GPipe's several forwards before a backward (an internal
+      assert);
+    - ``fsdp``: FSDP2 ``fully_shard`` per unit for ZeRO-1 (run as ZeRO-2) to ZeRO-3;
+    - ``replicate``: FSDP2 ``replicate`` per unit for ZeRO-0 otherwise.
+
+    ZeRO-1 on DDP keeps its optimizer state in ZeroRedundancyOptimizer's own layout, which
+    torch.distributed.checkpoint cannot save.
+    """
+    if strategy.dp_degree == 1 and strategy.dtype == "fp32":
+        wrapper: DataParallelWrapper = "none"
+    elif (
+        strategy.dp_degree > 1
+        and strategy.zero_stage <= 1
+        and strategy.tp_degree == 1
+        and strategy.pp_degree == 1
+        and strategy.dtype == "fp32"
+        and not (strategy.schedule == "gpipe" and strategy.num_micro_batches > 1)
+    ):
+        wrapper = "ddp"
+    else:
+        wrapper = "fsdp" if strategy.zero_stage >= 1 else "replicate"
+    return Decisions(
+        dp_wrapper=wrapper,
+        zero_stage=2 if strategy.zero_stage == 1 and wrapper == "fsdp" else strategy.zero_stage,
+        checkpointable=not (strategy.zero_stage == 1 and wrapper == "ddp"),
+        schedule_class=TORCH_SCHEDULE_CLASSES[strategy.schedule],
+        split_backward=strategy.schedule in SPLIT_BACKWARD,
+        recompute=_RECOMPUTE,
+    )

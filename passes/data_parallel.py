@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from autoplan.plan import Plan
-from cost_model.strategy import DataParallelWrapper, Strategy
+from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
 from passes.mesh import ParallelMesh
 from passes.split import StageModule
@@ -84,13 +84,13 @@ class DataParallelResult:
 
 def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> DataParallelResult:
     """Wrap ``stage`` for data parallelism in place (DDP returns a new wrapper module)."""
-    strategy = Strategy.of(plan)
-    wrapper = strategy.dp_wrapper  # the rule the cost model prices
+    decisions = plan.decisions  # what the cost model prices
+    wrapper = decisions.dp_wrapper
     if wrapper == "none":
         return DataParallelResult(
             stage_idx=stage.stage_idx, kind="none", module=stage.module, zero_stage=0, num_groups=0
         )
-    zero = strategy.runtime_zero_stage
+    zero = decisions.zero_stage
     if zero != plan.zero_stage:
         log_rank0(
             logger,
@@ -144,11 +144,11 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
 
 
 def uses_ddp(plan: Plan) -> bool:
-    """Whether the plan's data parallelism is DDP (`Strategy.dp_wrapper`: the cost model
+    """Whether the plan's data parallelism is DDP (`Plan.decisions`: the cost model
     prices the same rule). DDP needs real parameters (it broadcasts them when it is
     built): a meta model is materialised before this pass, at no cost in memory, since DDP
     shards no parameters."""
-    return Strategy.of(plan).dp_wrapper == "ddp"
+    return plan.decisions.dp_wrapper == "ddp"
 
 
 def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy) -> None:

@@ -8,9 +8,9 @@ placement; under the V placement of ``zbv`` and ``dualpipev``, rank ``r`` holds 
 
 Guarantees: one ``PipelineStage`` per local stage on the ``pp`` group (built here, not by
 ``pipeline()``'s ``build_stage``, which fails on gloo for the V schedules: a stage would send to
-its own rank), and the torch class the plan's schedule names (`SCHEDULE_CLASSES`, the table of
-`cost_model.schedules`): ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``,
-``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B``, ``interleaved-zb`` ->
+its own rank), and the torch class the plan's decisions name (`Plan.decisions.schedule_class`,
+from the table of `cost_model.schedules`): ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` ->
+``Schedule1F1B``, ``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B``, ``interleaved-zb`` ->
 ``ScheduleInterleavedZeroBubble``, ``zbv`` -> ``ScheduleZBVZeroBubble``, ``dualpipev`` ->
 ``ScheduleDualPipeV``. The torch class places the stages itself (the V schedules overwrite each
 stage's stage-to-rank map with torch's ``style="v"`` map); the stages given must be the ones the
@@ -50,21 +50,24 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from autoplan.errors import PlanError
-from autoplan.plan import Plan, Schedule, split_backward_conflict
+from autoplan.plan import Plan, split_backward_conflict
 from passes.mesh import ParallelMesh
 
 __all__ = ["SCHEDULE_CLASSES", "Pipeline", "build_pipeline"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The torch class each plan schedule runs as (the same table as cost_model.schedules').
-SCHEDULE_CLASSES: dict[Schedule, type[_PipelineSchedule]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "interleaved-zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+# The torch classes a plan's schedule may run as; which one is `Plan.decisions.schedule_class`.
+SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
+    cls.__name__: cls
+    for cls in (
+        ScheduleGPipe,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+        ScheduleDualPipeV,
+    )
 }
 
 
@@ -105,7 +108,7 @@ def build_pipeline(
         PipelineStage(module, idx, plan.num_stages, device, group=group)
         for module, idx in zip(modules, stage_indices, strict=True)
     )
-    cls = SCHEDULE_CLASSES[plan.schedule]
+    cls = SCHEDULE_CLASSES[plan.decisions.schedule_class]
     n = plan.num_micro_batches
     schedule: _PipelineSchedule
     if issubclass(cls, PipelineScheduleSingle):

@@ -1,21 +1,22 @@
 """Activation-recompute pass: checkpoint a stage's transformer blocks, as the plan says.
 
-Expects a `StageModule` (each unit a real submodule ``unit_<idx>`` of the stage module) and the
-stage's recompute mode from ``plan.stages[i].recompute``.
+Expects a `StageModule` (each unit a real submodule ``unit_<idx>`` of the stage module), the
+stage's recompute mode from ``plan.stages[i].recompute`` and the plan's recompute policy
+(`Plan.decisions.recompute`, the one the cost model prices).
 
 Guarantees:
 
-- ``"full"``: every block unit is wrapped in ``checkpoint_wrapper`` (non-reentrant
-  ``torch.utils.checkpoint``): only the block's inputs are kept; its forward runs again in
-  backward (Chen et al. 2016);
-- ``"selective"``: the same wrapper with a ``context_fn`` policy that saves the outputs of
-  matrix multiplications, attention kernels and collectives and recomputes the cheap ops between
-  them (norms, activations, softmax inputs, dropout, residual adds), after Korthikanti et al.
-  2022, section 4.2;
+- ``"full"``: every unit of the policy's kinds (blocks, and the units of a model traced without
+  blocks) is wrapped in ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``): only
+  its inputs are kept; its forward runs again in backward (Chen et al. 2016);
+- ``"selective"``: the same wrapper with a ``context_fn`` policy that saves the outputs of the op
+  categories the policy keeps (matrix multiplications, attention kernels) and of collectives,
+  and recomputes the cheap ops between them (norms, activations, softmax inputs, dropout,
+  residual adds), after Korthikanti et al. 2022, section 4.2;
 - ``"none"``: nothing changes.
 Embedding and head units are never checkpointed (as Megatron-LM and torchtitan). Gradients are
 unchanged (RNG state is restored for recomputed dropout). The count of wrapped units equals the
-stage's block count, checked.
+stage's count of those units, checked.
 """
 
 from __future__ import annotations
@@ -32,68 +33,47 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autoplan.ops import is_collective, op_category
 from autoplan.plan import Recompute
+from cost_model.strategy import RecomputePolicy
 from passes.split import StageModule
 
-__all__ = ["SAVED_OPS", "apply_recompute", "selective_policy"]
+__all__ = ["apply_recompute", "selective_policy"]
 
 
-def _ops(*names: str) -> set[Any]:
-    """The ATen/c10d overload packets that exist in this torch build, by ``namespace.op``."""
-    found: set[Any] = set()
-    for qualified in names:
-        namespace, op = qualified.split(".")
-        packet = getattr(getattr(torch.ops, namespace), op, None)
-        if packet is not None:
-            found.add(packet.default if hasattr(packet, "default") else packet)
-    return found
+def selective_policy(recompute: RecomputePolicy) -> Callable[..., CheckpointPolicy]:
+    """The checkpoint policy of ``recompute`` (`Plan.decisions.recompute`): keep the outputs of
+    the op categories it saves (and of collectives), recompute the rest. Ops are categorised
+    as the trace categorises them (`autoplan.ops`), so the cost model prices what runs again."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op_category(op) in recompute.saved_kinds or (
+            recompute.keeps_collectives and is_collective(op)
+        ):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-# Outputs worth keeping: expensive to recompute (GEMMs, attention) or needing communication.
-SAVED_OPS: frozenset[Any] = frozenset(
-    _ops(
-        "aten.mm",
-        "aten.addmm",
-        "aten.bmm",
-        "aten.baddbmm",
-        "aten._scaled_dot_product_flash_attention",
-        "aten._scaled_dot_product_flash_attention_for_cpu",
-        "aten._scaled_dot_product_efficient_attention",
-        "aten._scaled_dot_product_cudnn_attention",
-        "_c10d_functional.all_reduce",
-        "_c10d_functional.reduce_scatter_tensor",
-        "_c10d_functional.all_gather_into_tensor",
-    )
-)
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save GEMM/attention/collective outputs; recompute everything else."""
-    if op in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(selective_policy)  # type: ignore[no-untyped-call]
-
-
-def apply_recompute(stage: StageModule, mode: Recompute) -> int:
-    """Wrap ``stage``'s block units for ``mode`` in place; returns how many were wrapped."""
+def apply_recompute(stage: StageModule, mode: Recompute, recompute: RecomputePolicy) -> int:
+    """Wrap ``stage``'s units of the kinds ``recompute`` names for ``mode`` in place; returns
+    how many were wrapped."""
     if mode == "none":
         return 0
     wrap: Callable[[torch.nn.Module], torch.nn.Module]
     if mode == "full":
         wrap = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     elif mode == "selective":
+        policy = selective_policy(recompute)
         wrap = partial(
             checkpoint_wrapper,
             checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            context_fn=_selective_context,
+            context_fn=lambda: create_selective_checkpoint_contexts(policy),  # type: ignore[no-untyped-call]
         )
     else:  # pragma: no cover - Plan validates the mode
         raise ValueError(f"unknown recompute mode {mode!r}")
-    blocks = [unit for unit in stage.units if unit.profile.kind == "block"]
+    blocks = [unit for unit in stage.units if unit.profile.kind in recompute.unit_kinds]
     for unit in blocks:
         setattr(stage.module, unit.attr, wrap(stage.unit_module(unit)))
     wrapped = sum(isinstance(stage.unit_module(unit), CheckpointWrapper) for unit in blocks)

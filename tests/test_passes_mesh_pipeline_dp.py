@@ -3,6 +3,7 @@ groups: one process, no data moves)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -14,9 +15,13 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+import cost_model.strategy as strategy_module
 from autoplan.errors import PlanError
 from autoplan.plan import MeshAxis
 from autoplan.tracing import trace
+from cost_model.estimate import estimate
+from cost_model.hardware import Cluster
+from cost_model.strategy import Decisions, Strategy
 from passes import (
     apply_data_parallel,
     apply_tensor_parallel,
@@ -117,6 +122,63 @@ def test_zero1_is_ddp_without_tp_and_fsdp_with_tp(caplog: pytest.LogCaptureFixtu
         result = apply_data_parallel(split.stages[0], mesh, plan)
         assert result.kind == "fsdp" and result.zero_stage == 2
         assert "running FSDP2 without resharding after forward (ZeRO-2)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("plan_args", "world"),
+    [
+        ({"dp": 2, "zero": 0}, 2),
+        ({"dp": 2, "zero": 1}, 2),
+        ({"dp": 2, "zero": 2}, 2),
+        ({"dp": 2, "zero": 3}, 2),
+        ({"dp": 2, "tp": 2, "zero": 0}, 4),
+        ({"dp": 2, "tp": 2, "zero": 1}, 4),
+        ({"dp": 2, "pp": 2, "zero": 0}, 4),
+        ({"tp": 2}, 2),
+    ],
+)
+def test_the_pass_and_the_cost_model_read_one_decision(
+    plan_args: dict[str, int], world: int
+) -> None:
+    # The wrapper and the ZeRO stage the pass builds are what Plan.decisions says, and the cost
+    # model prices the same decision (its memory model charges the wrapper it names).
+    with fake_process_group(world):
+        plan, mesh, split = _stage(plan_args, world)
+        result = apply_data_parallel(split.stages[0], mesh, plan)
+    decisions = plan.decisions
+    assert result.kind == decisions.dp_wrapper
+    if result.kind != "none":
+        assert result.zero_stage == decisions.zero_stage
+    strategy = Strategy.of(plan)
+    assert (strategy.dp_wrapper, strategy.runtime_zero_stage) == (
+        decisions.dp_wrapper,
+        decisions.zero_stage,
+    )
+    assert isinstance(result.module, DistributedDataParallel) == (decisions.dp_wrapper == "ddp")
+
+
+def test_changing_the_decision_changes_both_the_runtime_and_the_price(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both read `decide`: a different decision for a dp2 ZeRO-0 plan (DDP) -- FSDP2 ZeRO-3 --
+    # makes the pass shard the parameters and the cost model price sharded state.
+    plan = make_plan(dp=2, zero=0)
+    graph = trace(build_model("gpt"))
+    cluster = Cluster.local(num_devices=2)
+    before = estimate(graph.profile, cluster, plan).peak_memory_bytes
+    real = strategy_module.decide
+
+    def sharded(strategy: Strategy) -> Decisions:
+        return dataclasses.replace(real(strategy), dp_wrapper="fsdp", zero_stage=3)
+
+    monkeypatch.setattr(strategy_module, "decide", sharded)
+    assert plan.decisions.dp_wrapper == "fsdp"
+    assert estimate(graph.profile, cluster, plan).peak_memory_bytes < before
+    with fake_process_group(2):
+        plan, mesh, split = _stage({"dp": 2, "zero": 0}, 2)
+        result = apply_data_parallel(split.stages[0], mesh, plan)
+    assert (result.kind, result.zero_stage) == ("fsdp", 3)
+    assert isinstance(split.stages[0].module, FSDPModule)
 
 
 def test_nothing_to_do_for_one_replica_in_fp32() -> None:

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoplan.ops import op_category
 from autoplan.plan import Recompute
 from autoplan.tracing import trace
 from passes import apply_recompute, split_stages
@@ -22,30 +23,39 @@ class _CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.by_op: Counter[Any] = Counter()  # by OpOverload
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.counts[str(func.overloadpacket.__name__)] += 1
+        self.by_op[func] += 1
         return func(*args, **(kwargs or {}))
 
 
 def _run(mode: Recompute) -> tuple[Counter[str], dict[str, torch.Tensor], int]:
+    counts, grads, wrapped, _ = _run_ops(mode)
+    return counts, grads, wrapped
+
+
+def _run_ops(
+    mode: Recompute,
+) -> tuple[Counter[str], dict[str, torch.Tensor], int, Counter[Any]]:
     model = build_model("gpt")
     split = split_stages(trace(model), make_plan(recompute=mode))
     (stage,) = split.stages
-    wrapped = apply_recompute(stage, mode)
+    wrapped = apply_recompute(stage, mode, make_plan().decisions.recompute)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, VOCAB, (2, 16), generator=generator)
     targets = torch.randint(0, VOCAB, (2, 16), generator=generator)
     with _CountOps() as counter:
         loss_fn(stage.module(inputs), targets).backward()
     grads = {name: p.grad.clone() for name, p in stage.module.named_parameters()}  # type: ignore[union-attr]
-    return counter.counts, grads, wrapped
+    return counter.counts, grads, wrapped, counter.by_op
 
 
 def test_only_blocks_are_wrapped() -> None:
     split = split_stages(trace(build_model("gpt")), make_plan(pp=2, recompute="full"))
     for stage in split.stages:
-        assert apply_recompute(stage, "full") == 1
+        assert apply_recompute(stage, "full", make_plan().decisions.recompute) == 1
         kinds = {
             unit.profile.kind: isinstance(stage.unit_module(unit), CheckpointWrapper)
             for unit in stage.units
@@ -88,12 +98,33 @@ def test_full_and_selective_recompute_rerun_what_they_should() -> None:
         torch.testing.assert_close(grads_selective[key], grad, rtol=0, atol=0)
 
 
+def test_selective_reruns_what_the_cost_model_prices_as_rerun() -> None:
+    # One decision (Plan.decisions.recompute): the runtime's policy keeps the op categories it
+    # saves, and the cost model prices the others as run again (RecomputePolicy.recomputes).
+    policy = make_plan().decisions.recompute
+    none = _run_ops("none")[3]
+    selective = _run_ops("selective")[3]
+    rerun = {op for op in selective if selective[op] > none[op] and "backward" not in str(op)}
+    assert rerun, "selective recompute re-ran nothing"
+    for op in rerun:
+        assert op_category(op) not in policy.saved_kinds, op
+    kept = [op for op in none if op_category(op) in policy.saved_kinds]
+    assert kept  # the GEMMs and the attention kernel
+    for op in kept:
+        assert selective[op] == none[op], op
+    # what the cost model counts as re-run for a traced block: exactly its ops of those kinds
+    block = next(u for u in trace(build_model("gpt")).profile.units if u.kind == "block")
+    traced = {op.kind for op in block.ops if policy.recomputes(op.kind, "selective")}
+    assert traced == {"elementwise", "reduction"}
+    assert {op_category(op) for op in rerun} <= {*traced, "view", "other"}
+
+
 @pytest.mark.parametrize("mode", ["none"])
 def test_no_recompute_changes_nothing(mode: Recompute) -> None:
     split = split_stages(trace(build_model("gpt")), make_plan())
     (stage,) = split.stages
     before = [type(stage.unit_module(u)) for u in stage.units]
-    assert apply_recompute(stage, mode) == 0
+    assert apply_recompute(stage, mode, make_plan().decisions.recompute) == 0
     assert [type(stage.unit_module(u)) for u in stage.units] == before
 
 

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.errors import TraceError
+from autoplan.ops import op_category
 
 __all__ = [
     "Gemm",
@@ -68,43 +69,6 @@ _FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.
 # `_MetaCalls`).
 SDPA_TARGETS: frozenset[object] = frozenset({aten.scaled_dot_product_attention.default})
 
-_GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "matmul"})
-_EMBEDDING_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
-_REDUCTION_OPS = frozenset(
-    {
-        "native_layer_norm",
-        "layer_norm",
-        "rms_norm",
-        "_fused_rms_norm",
-        "native_group_norm",
-        "native_batch_norm",
-        "_native_batch_norm_legit",
-        "_native_batch_norm_legit_no_training",
-        "_softmax",
-        "softmax",
-        "_safe_softmax",
-        "_log_softmax",
-        "log_softmax",
-        "sum",
-        "mean",
-        "amax",
-        "amin",
-        "max",
-        "min",
-        "var",
-        "var_mean",
-        "std",
-        "norm",
-        "linalg_vector_norm",
-        "cumsum",
-        "logsumexp",
-        "prod",
-        "argmax",
-        "argmin",
-        "any",
-        "all",
-    }
-)
 # Nonlinearities that make a linear -> op -> linear chain a Megatron column/row pair.
 _ACTIVATION_OPS = frozenset(
     {
@@ -263,20 +227,7 @@ def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
     is_view = bool(returns) and all(
         ret.alias_info is not None and not ret.alias_info.is_write for ret in returns
     )
-    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
-        category = "attention"
-    elif name in _GEMM_OPS:
-        category = "matmul"
-    elif name in _EMBEDDING_OPS:
-        category = "embedding"
-    elif name in _REDUCTION_OPS:
-        category = "reduction"
-    elif is_view:
-        category = "view"
-    elif torch.Tag.pointwise in func.tags:
-        category = "elementwise"
-    else:
-        category = "other"
+    category = op_category(func)
     return _OpInfo(name, category, is_view, name in _ACTIVATION_OPS, _flop_formula(func))
 
 
