@@ -1,8 +1,10 @@
 """Trace and profile any Transformer on the meta device: `trace(model) -> ModelGraph`.
 
-Private modules: ``tracer`` (torch.fx / torch.export front ends), ``profiler`` (per-node FLOPs,
-bytes, saved activations on meta tensors), ``units`` (pipeline units and TP structure),
-``fingerprint``, ``api`` (putting them together).
+Private modules, in the order `trace` runs them: ``tracer`` (torch.fx / torch.export front
+ends), ``measure`` (the traced graph, each distinct unit run once on meta), ``units`` (pipeline
+units and TP structure), ``profiler`` (per-node FLOPs, bytes, saved activations on meta
+tensors), ``unit_profiles`` (each unit's profile), ``assemble`` (the `ModelGraph`),
+``fingerprint``; ``api`` composes them.
 """
 
 from autoplan.graph import ModelGraph, NodeProfile

@@ -27,6 +27,7 @@ from autoplan.tracing.measure import (
 )
 from autoplan.tracing.profiler import INPUT, NodeMeasure, UnitMeasure
 from autoplan.tracing.units import Assignment, TpResult, UnitSpec, classify_tp, find_vocab
+from cost_model.strategy import SELECTIVE_SAVED_KINDS
 from cost_model.workload import GemmShape, OpKind, OpProfile, TpStructure, UnitProfile
 
 __all__ = [
@@ -525,7 +526,8 @@ def _saved_buckets(
     """Saved bytes per sample of a unit, by bucket.
 
     A storage is sharded when its producer runs inside the TP region (column linear, attention
-    core, activation); selective recompute drops what non-GEMM, non-attention nodes produced.
+    core, activation); selective recompute drops what nodes of kinds it does not keep produced
+    (`cost_model.strategy.SELECTIVE_SAVED_KINDS`, the runtime's and the cost model's rule).
     The unit's inputs (and model inputs) are replicated and always kept.
     """
     info = {
@@ -540,7 +542,7 @@ def _saved_buckets(
             replicated += size
             continue
         role, kind, _ = producer
-        cheap = kind not in ("matmul", "attention")
+        cheap = kind not in SELECTIVE_SAVED_KINDS
         if role in ("column", "sharded"):
             sharded += size
             selective_sharded += size if cheap else 0.0
