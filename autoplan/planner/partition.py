@@ -21,9 +21,12 @@ is below its own ``z``, which is at least the optimum of the model. Each round a
 strictly better step than the best partition simulated so far, so a round without a solution
 proves that partition optimal. Exact up to the integer scaling (see ``_RESOLUTION``).
 
-Formulations: element constraints on prefix sums at each cut (any units), or block counts per
+Formulations, one builder each (data, model, variables, constraints, objective, as in the
+OR-tools samples; each returns a record of its model, variables and read-back): `_cut_model`,
+element constraints on prefix sums at each cut (any units); `_count_model`, block counts per
 stage when the middle units are identical (embedding, blocks, head), which keeps the model
-small for 100-layer models.
+small for 100-layer models; `_peak_model`, either of them with the least peak memory as the
+objective (`min_peak_memory`, for the no-feasible-plan error).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ortools.sat.python import cp_model
 
@@ -253,16 +256,29 @@ def brute_force(problem: PartitionProblem) -> Partition | None:
     return best
 
 
-# ------------------------------------------------------------------------------ model
+# ------------------------------------------------------------------------------ results
+
+
+# OPTIMAL (proven), FEASIBLE (time or round limit: best found, not proven), INFEASIBLE
+# (memory), CUTOFF (nothing beats the cutoff), UNKNOWN (time limit, nothing found)
+SolveStatus = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "CUTOFF", "UNKNOWN"]
+# CP-SAT's own status of one solve
+SolverStatus = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN"]
+ModelKind = Literal["cut", "count"]
+
+
+class Cuts(NamedTuple):
+    """A partition before evaluation: where each stage starts and its recompute mode."""
+
+    stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
+    modes: tuple[Recompute, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveStats:
     """What one `solve` did."""
 
-    # OPTIMAL (proven), FEASIBLE (time or round limit: best found, not proven), INFEASIBLE
-    # (memory), CUTOFF (nothing beats the cutoff), UNKNOWN (time limit, nothing found)
-    status: str
+    status: SolveStatus
     wall_time_s: float
     num_variables: int
     rounds: int = 0  # CP-SAT solves (one per batch of path cuts)
@@ -270,192 +286,312 @@ class SolveStats:
     lower_bound_s: float = 0.0  # proven lower bound on the step time (inf if infeasible)
 
 
-@dataclass(frozen=True, slots=True)
-class _StageExprs:
-    """Per-stage model expressions (integer-scaled): F, B, W times, link time after the
-    stage, activation, retained and static bytes, tail terms."""
+class SolveResult(NamedTuple):
+    """What `solve` returns: the best partition (None if none fits or beats the cutoff)."""
 
-    forward: list[Expr]
-    backward: list[Expr]
-    weight: list[Expr]
-    transfer: list[Expr]
-    act: list[Expr]
-    kept: list[Expr]
-    static: list[Expr]
-    tail: list[list[Expr]]  # [term j][stage s]
+    partition: Partition | None
+    stats: SolveStats
 
 
-class _Model:
-    """The CP-SAT model of one problem: stages (by a formulation), rank tails, memory at every
-    candidate peak point, and the objective ``z`` bounded below by path cuts."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakMemory:
+    """What `min_peak_memory` found: the least per-device peak memory a partition needs, when
+    the solver found a partition at all."""
 
-    def __init__(self, problem: PartitionProblem) -> None:
-        self.problem = problem
-        spec = problem.spec
-        self.model = cp_model.CpModel()
-        self.mode_names: tuple[Recompute, ...] = tuple(problem.modes)
-        self._scale(problem)
-        S, p = spec.num_stages, spec.pp_degree
-        # use[s][k]: stage s runs recompute mode k (exactly one per stage)
-        self.use: list[list[Expr]] = []
-        for s in range(S):
-            if len(self.mode_names) == 1:
-                self.use.append([1])
-                continue
-            row = [self.model.new_bool_var(f"use[{s},{k}]") for k in self.mode_names]
-            self.model.add_exactly_one(row)
-            self.use.append(list(row))
-        self.stage = self._stage_exprs()
-        # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
-        self.tail = [self.model.new_int_var(0, self.time_bound, f"tail[{r}]") for r in range(p)]
-        for r in range(p):
-            stages = spec.rank_stages(r)
-            for j, constant in enumerate(self.tail_constants):
-                self.model.add(
-                    self.tail[r] >= sum(self.stage.tail[j][s] for s in stages) + constant
-                )
-        # memory: every candidate peak point of every rank fits
-        self.memory: list[list[Expr]] = []
-        for held in held_microbatches(spec):
-            static = sum(self.stage.static[s] for s in held.stages)
-            points = []
-            for point, sends in zip(held.points, held.sends, strict=True):
-                # (one expression: OR-tools' += may extend the shared `static` in place)
-                expr = (
-                    static
-                    + sends * self.send_int
-                    + sum(
-                        h * self.stage.act[s] + k * self.stage.kept[s]
-                        for (h, k), s in zip(point, held.stages, strict=True)
-                    )
-                )
-                self.model.add(expr <= self.memory_capacity)
-                points.append(expr)
-            self.memory.append(points)
-        # z: the objective, at least the length of every path cut added
-        self.z = self.model.new_int_var(0, self.path_bound, "z")
-        self.paths: list[CriticalPath] = []
-        self.path_keys: set[object] = set()
-        # ceiling: z may not exceed it (each round of `solve` sets its domain to one value)
-        self.ceiling = self.model.new_int_var(0, self.path_bound, "ceiling")
-        self.model.add(self.z <= self.ceiling)
+    status: SolverStatus  # OPTIMAL: ``least_bytes`` is proven least; FEASIBLE: the best found
+    least_bytes: float | None  # None: bound unknown (the solver found no partition in time)
 
-    def set_ceiling(self, value: int) -> None:
-        value = max(0, min(value, self.path_bound))
-        domain = self.ceiling.proto.domain  # a fixed variable: domain [value, value]
-        domain[0] = value
-        domain[1] = value
 
-    # ----------------------------------------------------------------- scaling to integers
+class ImproveResult(NamedTuple):
+    """What `improve` returns: the best partition that fits (its start if none does) and
+    every accepted one, the start first."""
 
-    def _scale(self, problem: PartitionProblem) -> None:
-        n, spec = problem.num_units, problem.spec
-        worst = sum(
-            max(c.forward_s[u] + c.backward_s[u] for c in problem.modes.values()) for u in range(n)
-        )
-        worst += sum(max(row) for row in problem.transfer_s) + 2 * sum(problem.message_s)
-        worst_tail = sum(
-            sum(max(abs(c.tail_s[j][u]) for c in problem.modes.values()) for u in range(n))
-            + abs(problem.tail_constants_s[j])
-            for j in range(problem.num_tail_terms)
-        )
-        self.time_unit_s = max(worst, worst_tail, 1e-30) / _RESOLUTION
-        self.time_bound = 4 * _RESOLUTION
+    best: Partition
+    accepted: list[Partition]
+
+
+class HeuristicResult(NamedTuple):
+    """What `heuristic` returns: the best partition that fits (None if none was found) and
+    every partition met on the way."""
+
+    best: Partition | None
+    seen: list[Partition]
+
+
+# ------------------------------------------------------------------------------ model data
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Scaled:
+    """A problem's tables as the model's integers: times in units of ``time_unit_s``, bytes in
+    units of ``byte_unit`` (per-mode tables are indexed [mode][unit])."""
+
+    mode_names: tuple[Recompute, ...]
+    time_unit_s: float
+    byte_unit: float
+    time_bound: int  # above any rank's tail
+    path_bound: int  # above any path's length
+    forward: Mapping[Recompute, tuple[int, ...]]
+    backward: Mapping[Recompute, tuple[int, ...]]
+    weight: Mapping[Recompute, tuple[int, ...]]  # zeros unless the schedule splits backwards
+    act: Mapping[Recompute, tuple[int, ...]]
+    kept: Mapping[Recompute, tuple[int, ...]]
+    static: tuple[int, ...]
+    send: int
+    tail: tuple[Mapping[Recompute, tuple[int, ...]], ...]  # [term j][mode][unit]
+    tail_constants: tuple[int, ...]
+    transfer: tuple[tuple[int, ...], ...]  # [stage][its last unit]
+    message: tuple[int, ...]
+    memory_capacity: int
+
+
+def _ints(values: Sequence[float], unit: float) -> tuple[int, ...]:
+    return tuple(round(value / unit) for value in values)
+
+
+def _scale(problem: PartitionProblem) -> _Scaled:
+    """The problem's tables rounded to integers so that the worst total over all units is
+    `_RESOLUTION` units (times and bytes separately)."""
+    n, spec = problem.num_units, problem.spec
+    modes = problem.modes
+    worst = sum(max(c.forward_s[u] + c.backward_s[u] for c in modes.values()) for u in range(n))
+    worst += sum(max(row) for row in problem.transfer_s) + 2 * sum(problem.message_s)
+    worst_tail = sum(
+        sum(max(abs(c.tail_s[j][u]) for c in modes.values()) for u in range(n))
+        + abs(problem.tail_constants_s[j])
+        for j in range(problem.num_tail_terms)
+    )
+    t = max(worst, worst_tail, 1e-30) / _RESOLUTION
+    b = max(_worst_bytes(problem), problem.memory_capacity_bytes, 1.0) / _RESOLUTION
+    time_bound = 4 * _RESOLUTION
+    split = spec.splits_backward
+    return _Scaled(
+        mode_names=tuple(modes),
+        time_unit_s=t,
+        byte_unit=b,
+        time_bound=time_bound,
         # a path runs at most every action and crossing once: m (2 or 3) actions per stage
-        self.path_bound = (3 * spec.num_micro_batches + 2) * self.time_bound
-        worst_bytes = _worst_bytes(problem)
-        self.byte_unit = max(worst_bytes, problem.memory_capacity_bytes, 1.0) / _RESOLUTION
-
-        def ints(values: Sequence[float], unit: float) -> list[int]:
-            return [round(value / unit) for value in values]
-
-        t, b = self.time_unit_s, self.byte_unit
-        modes = problem.modes
-        self.forward_int = {k: ints(c.forward_s, t) for k, c in modes.items()}
-        self.backward_int = {k: ints(c.backward_s, t) for k, c in modes.items()}
-        split = spec.splits_backward
-        self.weight_int = {
-            k: ints(c.weight_s if split else (0.0,) * n, t) for k, c in modes.items()
-        }
-        self.act_int = {k: ints(c.activation_bytes, b) for k, c in modes.items()}
-        self.kept_int = {k: ints(c.retained_bytes, b) for k, c in modes.items()}
-        self.static_int = ints(problem.static_bytes, b)
-        self.send_int = round(problem.send_bytes / b)
-        self.tail_int = [
-            {k: ints(c.tail_s[j], t) for k, c in modes.items()}
+        path_bound=(3 * spec.num_micro_batches + 2) * time_bound,
+        forward={k: _ints(c.forward_s, t) for k, c in modes.items()},
+        backward={k: _ints(c.backward_s, t) for k, c in modes.items()},
+        weight={k: _ints(c.weight_s if split else (0.0,) * n, t) for k, c in modes.items()},
+        act={k: _ints(c.activation_bytes, b) for k, c in modes.items()},
+        kept={k: _ints(c.retained_bytes, b) for k, c in modes.items()},
+        static=_ints(problem.static_bytes, b),
+        send=round(problem.send_bytes / b),
+        tail=tuple(
+            {k: _ints(c.tail_s[j], t) for k, c in modes.items()}
             for j in range(problem.num_tail_terms)
-        ]
-        self.tail_constants = [round(c / t) for c in problem.tail_constants_s]
-        self.transfer_int = [ints(row, t) for row in problem.transfer_s]
-        self.message_int = ints(problem.message_s, t)
-        self.memory_capacity = math.floor(problem.memory_capacity_bytes / b)
+        ),
+        tail_constants=_ints(problem.tail_constants_s, t),
+        transfer=tuple(_ints(row, t) for row in problem.transfer_s),
+        message=_ints(problem.message_s, t),
+        memory_capacity=math.floor(problem.memory_capacity_bytes / b),
+    )
 
-    # ----------------------------------------------------------------- paths
 
-    def add_path(self, path: CriticalPath) -> None:
-        """``z >= the path's length`` (a valid lower bound on every partition's step)."""
-        key = (
-            tuple(sorted(path.slots.items())),
-            tuple(sorted(path.transfers.items())),
-            path.tail_rank,
+def _worst_bytes(problem: PartitionProblem) -> float:
+    """An upper bound on any rank's memory under any partition: every unit's static bytes
+    and the most micro-batches any stage holds times every unit's activations, plus the most
+    pending sends."""
+    held = held_microbatches(problem.spec)
+    most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
+    sends = max((n for pr in held for n in pr.sends), default=0)
+    return (
+        sum(problem.static_bytes)
+        + sends * problem.send_bytes
+        + most
+        * sum(
+            max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
+            for u in range(problem.num_units)
         )
-        if key in self.path_keys:
-            return
-        self.path_keys.add(key)
-        self.paths.append(path)
-        self.model.add(self.z >= self.path_expr(path))
+    )
 
-    def path_expr(self, path: CriticalPath) -> Expr:
-        S = self.problem.num_stages
-        st = self.stage
-        expr: Expr = self.tail[path.tail_rank]
-        for slot, count in path.slots.items():
-            s, kind = divmod(slot, 4)
-            send_f = self.message_int[s]  # the forward posts its output's message
-            send_b = self.message_int[s - 1] if s > 0 else 0  # the backward its gradient's
-            if kind == 0:  # F
-                expr += count * (st.forward[s] + send_f)
-            elif kind == 1:  # B
-                expr += count * (st.backward[s] + send_b)
-            elif kind == 2:  # I: the backward without its weight half
-                expr += count * (st.backward[s] + send_b - st.weight[s])
-            else:  # W
-                expr += count * st.weight[s]
-        for boundary, count in path.transfers.items():
-            assert boundary < S - 1
-            expr += count * st.transfer[boundary]
-        return expr
 
-    # ----------------------------------------------------------------- formulation
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _StageSums:
+    """Each stage's sums under its chosen mode, as model expressions in scaled integers, indexed
+    [stage] (``tail`` [term j][stage])."""
 
-    def _stage_exprs(self) -> _StageExprs:
-        raise NotImplementedError
+    forward: list[Expr]  # one micro-batch's forward
+    backward: list[Expr]  # its backward, recompute included
+    weight: list[Expr]  # of backward, the deferred weight gradient (0 unless split)
+    transfer: list[Expr]  # link time of the boundary after the stage (0 after the last)
+    act: list[Expr]  # bytes held per in-flight micro-batch
+    kept: list[Expr]  # bytes held between a split backward's halves
+    static: list[Expr]  # weights, gradients, optimizer state
+    tail: list[list[Expr]]  # [term j][stage]: the stage's share of the rank's tail term j
 
-    def add_hint(self, stage_starts: Sequence[int], modes: Sequence[Recompute]) -> None:
+
+# ------------------------------------------------------------------------------ shared pieces
+
+
+def _new_mode_vars(
+    model: cp_model.CpModel, num_stages: int, mode_names: Sequence[Recompute]
+) -> list[list[Expr]]:
+    """use[s][k] for every stage: a new Boolean per mode, exactly one of them true per stage,
+    or the constant 1 with one mode."""
+    if len(mode_names) == 1:
+        return [[1] for _ in range(num_stages)]
+    use: list[list[Expr]] = []
+    for s in range(num_stages):
+        row = [model.new_bool_var(f"use[{s},{k}]") for k in mode_names]
+        model.add_exactly_one(row)
+        use.append(list(row))
+    return use
+
+
+def _add_rank_tails(
+    model: cp_model.CpModel,
+    spec: ScheduleSpec,
+    scaled: _Scaled,
+    stage: _StageSums,
+    tail: Sequence[Expr],
+) -> None:
+    """tail[r] >= each tail term summed over rank r's stages plus its constant (the simulated
+    tail is the max of 0 and these terms, see `rank_tails`)."""
+    for r in range(spec.pp_degree):
+        stages = spec.rank_stages(r)
+        for j, constant in enumerate(scaled.tail_constants):
+            model.add(tail[r] >= sum(stage.tail[j][s] for s in stages) + constant)
+
+
+def _add_memory(
+    model: cp_model.CpModel, spec: ScheduleSpec, scaled: _Scaled, stage: _StageSums
+) -> list[list[Expr]]:
+    """Every candidate peak point of every rank fits in memory (as `rank_memory` counts it);
+    returns each rank's bytes at each of its points, [rank][point]."""
+    memory: list[list[Expr]] = []
+    for held in held_microbatches(spec):
+        static = sum(stage.static[s] for s in held.stages)
+        points = []
+        for point, sends in zip(held.points, held.sends, strict=True):
+            # (one expression: OR-tools' += may extend the shared `static` in place)
+            expr = (
+                static
+                + sends * scaled.send
+                + sum(
+                    h * stage.act[s] + k * stage.kept[s]
+                    for (h, k), s in zip(point, held.stages, strict=True)
+                )
+            )
+            model.add(expr <= scaled.memory_capacity)
+            points.append(expr)
+        memory.append(points)
+    return memory
+
+
+def _hint_modes(
+    model: cp_model.CpModel,
+    use: Sequence[Sequence[Expr]],
+    mode_names: Sequence[Recompute],
+    modes: Sequence[Recompute],
+) -> None:
+    """Hint each stage's mode (nothing to hint with one mode)."""
+    if len(mode_names) == 1:
+        return
+    for s, mode in enumerate(modes):
+        for k_idx, k in enumerate(mode_names):
+            model.add_hint(use[s][k_idx], k == mode)
+
+
+def _read_modes(
+    solver: cp_model.CpSolver, use: Sequence[Sequence[Expr]], mode_names: Sequence[Recompute]
+) -> tuple[Recompute, ...]:
+    """Each stage's mode in the solver's solution."""
+    if len(mode_names) == 1:
+        return tuple(mode_names[0] for _ in use)
+    return tuple(
+        next(k for k_idx, k in enumerate(mode_names) if solver.value(row[k_idx])) for row in use
+    )
+
+
+# ------------------------------------------------------------------------------ formulations
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _CutModel:
+    """The cut formulation's model, variables and read-back (see `_cut_model`)."""
+
+    model: cp_model.CpModel
+    scaled: _Scaled
+    use: list[list[Expr]]  # [stage][mode]: the stage runs the mode
+    cut: list[Expr]  # [j]: the first unit of stage j (and n at j = S)
+    stage: _StageSums
+    tail: list[Expr]  # [rank]
+    memory: list[list[Expr]]  # [rank][candidate peak point]: the rank's bytes there
+    z: cp_model.IntVar
+    ceiling: cp_model.IntVar
+
+    def hint(self, cuts: Cuts) -> None:
+        """Replace the model's hint by ``cuts``."""
         self.model.clear_hints()  # type: ignore[no-untyped-call]
-        self._hint_cuts(stage_starts)
-        if len(self.mode_names) > 1:
-            for s, mode in enumerate(modes):
-                for k_idx, k in enumerate(self.mode_names):
-                    self.model.add_hint(self.use[s][k_idx], k == mode)
+        for j in range(1, len(self.cut) - 1):
+            self.model.add_hint(self.cut[j], cuts.stage_starts[j])
+        _hint_modes(self.model, self.use, self.scaled.mode_names, cuts.modes)
 
-    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
-        raise NotImplementedError
+    def read(self, solver: cp_model.CpSolver) -> Cuts:
+        """The partition of the solver's solution."""
+        starts = tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
+        return Cuts(starts, _read_modes(solver, self.use, self.scaled.mode_names))
 
-    def read(self, solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-        modes: list[Recompute] = []
-        for s in range(self.problem.num_stages):
-            if len(self.mode_names) == 1:
-                modes.append(self.mode_names[0])
-                continue
-            chosen = [
-                k for k_idx, k in enumerate(self.mode_names) if solver.value(self.use[s][k_idx])
-            ]
-            modes.append(chosen[0])
-        return self._read_starts(solver), tuple(modes)
 
-    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        raise NotImplementedError
+def _cut_model(problem: PartitionProblem) -> _CutModel:
+    """The cut formulation, for any units: one integer variable per cut, each stage's sums read
+    off prefix-sum tables by element constraints. Expects 1 <= stages <= units. Guarantees:
+    every partition that fits in memory is a solution (up to rounding), ``z`` is minimised and
+    bounded below by no path yet (`solve` adds them)."""
+    # Data.
+    n, S, p = problem.num_units, problem.num_stages, problem.spec.pp_degree
+    scaled = _scale(problem)
+    names = scaled.mode_names
+
+    # Model.
+    model = cp_model.CpModel()
+
+    # Variables, each family with the constraints that define it. (This order is the model's
+    # order of variables and of constraints, which steers CP-SAT among equal optima: keep it.)
+    # use[s][k]: stage s runs recompute mode k, exactly one per stage (1 with one mode)
+    use = _new_mode_vars(model, S, names)
+    # cut[j]: the first unit of stage j (cut[0] = 0 and cut[S] = n are constants); each stage
+    # needs at least one unit, so cut j lies in [j, n - (S - j)], and the cuts are in order
+    cut: list[Expr] = [0]
+    cut += [model.new_int_var(j, n - (S - j), f"cut[{j}]") for j in range(1, S)]
+    cut.append(n)
+    for j in range(1, S - 1):
+        model.add(cut[j] + 1 <= cut[j + 1])
+    # stage.<quantity>[s]: stage s's sum of a unit quantity under its mode, the difference of
+    # the quantity's prefix sums at the stage's two cuts (element constraints, `_element`)
+    stage = _cut_stage_sums(model, scaled, use, cut)
+    # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
+    tail: list[Expr] = [model.new_int_var(0, scaled.time_bound, f"tail[{r}]") for r in range(p)]
+
+    # Constraints.
+    # each rank's tail covers each of its tail terms (the simulation's rank tail)
+    _add_rank_tails(model, problem.spec, scaled, stage, tail)
+    # every candidate peak point of every rank fits in memory
+    memory = _add_memory(model, problem.spec, scaled, stage)
+
+    # Objective.
+    # z: the step's lower bound to minimise, at least the length of every path cut `solve`
+    # adds (each path is a lower bound on every partition's simulated step)
+    z = model.new_int_var(0, scaled.path_bound, "z")
+    # ceiling: z may not exceed it; each round of `solve` fixes it to one value, to demand a
+    # step better than its best so far
+    ceiling = model.new_int_var(0, scaled.path_bound, "ceiling")
+    model.add(z <= ceiling)
+    model.minimize(z)
+    return _CutModel(
+        model=model,
+        scaled=scaled,
+        use=use,
+        cut=cut,
+        stage=stage,
+        tail=tail,
+        memory=memory,
+        z=z,
+        ceiling=ceiling,
+    )
 
 
 def _prefix(values: Sequence[int]) -> list[int]:
@@ -465,168 +601,239 @@ def _prefix(values: Sequence[int]) -> list[int]:
     return out
 
 
-class _CutModel(_Model):
-    """Any units: one integer variable per cut, element constraints on prefix-sum tables."""
+def _element(model: cp_model.CpModel, table: Sequence[int], index: Expr) -> Expr:
+    """table[index] as a model expression (a constant when ``index`` or ``table`` is)."""
+    if isinstance(index, int):
+        return table[index]
+    if min(table) == max(table):
+        return table[0]
+    value = model.new_int_var(min(table), max(table), "")
+    model.add_element(index, list(table), value)
+    return value
 
-    def _stage_exprs(self) -> _StageExprs:
-        n, S = self.problem.num_units, self.problem.num_stages
-        # cut[j]: first unit of stage j (cut[0] = 0 and cut[S] = n are constants). Each stage
-        # needs at least one unit, so cut j lies in [j, n - (S - j)].
-        self.cut: list[Expr] = [0]
-        for j in range(1, S):
-            self.cut.append(self.model.new_int_var(j, n - (S - j), f"cut[{j}]"))
-        self.cut.append(n)
-        # stages are contiguous, in order, and non-empty
-        for j in range(1, S - 1):
-            self.model.add(self.cut[j] + 1 <= self.cut[j + 1])
-        self._reads: dict[tuple[int, int], Expr] = {}
 
-        def per_mode(tables: Mapping[Recompute, Sequence[int]], name: str) -> list[Expr]:
-            prefix = {k: _prefix(v) for k, v in tables.items()}
-            return [self._stage_value(prefix, s, f"{name}[{s}]") for s in range(S)]
+def _cut_stage_sums(
+    model: cp_model.CpModel, scaled: _Scaled, use: Sequence[Sequence[Expr]], cut: Sequence[Expr]
+) -> _StageSums:
+    """Each stage's sums between its cuts, under its chosen mode (see `_cut_model`)."""
+    S = len(cut) - 1
+    names = scaled.mode_names
 
-        static_prefix = _prefix(self.static_int)
-        act = per_mode(self.act_int, "act")
-        # transfer_table[s][c]: link time of stage s ending just before unit c (at unit c - 1)
-        transfer_table = [[0, *row] for row in self.transfer_int]
-        return _StageExprs(
-            forward=per_mode(self.forward_int, "fwd"),
-            backward=per_mode(self.backward_int, "bwd"),
-            weight=per_mode(self.weight_int, "wgt"),
-            transfer=[self._read(transfer_table[s], s + 1) if s < S - 1 else 0 for s in range(S)],
-            act=act,
-            kept=[act[0], *per_mode(self.kept_int, "kept")[1:]],  # (see `rank_memory`)
-            static=[
-                self._read(static_prefix, s + 1) - self._read(static_prefix, s) for s in range(S)
-            ],
-            tail=[per_mode(table, f"tail{j}") for j, table in enumerate(self.tail_int)],
-        )
-
-    def _read(self, table: Sequence[int], j: int) -> Expr:
-        """table[cut[j]] as a model expression (a constant at the fixed ends)."""
-        cut = self.cut[j]
-        if isinstance(cut, int):
-            return table[cut]
-        if min(table) == max(table):
-            return table[0]
-        value = self.model.new_int_var(min(table), max(table), "")
-        self.model.add_element(cut, list(table), value)
-        return value
-
-    def _stage_value(self, prefix: Mapping[Recompute, Sequence[int]], s: int, name: str) -> Expr:
+    def stage_value(prefix: Mapping[Recompute, Sequence[int]], s: int, name: str) -> Expr:
         """Stage s's sum of a per-unit quantity under the stage's chosen mode."""
         per_mode = [
-            self._read(prefix[k], s + 1) - self._read(prefix[k], s) for k in self.mode_names
+            _element(model, prefix[k], cut[s + 1]) - _element(model, prefix[k], cut[s])
+            for k in names
         ]
         if len(per_mode) == 1:
             return per_mode[0]
         low = min(min(t) for t in prefix.values())
         high = max(max(t) for t in prefix.values())
-        value = self.model.new_int_var(low - high, high - low, name)
+        value = model.new_int_var(low - high, high - low, name)
         for k_idx, expr in enumerate(per_mode):
-            self.model.add(value == expr).only_enforce_if(self.use[s][k_idx])
+            model.add(value == expr).only_enforce_if(use[s][k_idx])
         return value
 
-    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
-        for j in range(1, self.problem.num_stages):
-            self.model.add_hint(self.cut[j], stage_starts[j])
+    def per_mode(tables: Mapping[Recompute, Sequence[int]], name: str) -> list[Expr]:
+        prefix = {k: _prefix(v) for k, v in tables.items()}
+        return [stage_value(prefix, s, f"{name}[{s}]") for s in range(S)]
 
-    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        return tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
+    static_prefix = _prefix(scaled.static)
+    # transfer_table[s][c]: link time of stage s ending just before unit c (at unit c - 1)
+    transfer_table = [[0, *row] for row in scaled.transfer]
+    # (the order below fixes the order of the model's variables)
+    act = per_mode(scaled.act, "act")
+    forward = per_mode(scaled.forward, "fwd")
+    backward = per_mode(scaled.backward, "bwd")
+    weight = per_mode(scaled.weight, "wgt")
+    transfer = [
+        _element(model, transfer_table[s], cut[s + 1]) if s < S - 1 else 0 for s in range(S)
+    ]
+    kept = [act[0], *per_mode(scaled.kept, "kept")[1:]]  # (see `rank_memory`)
+    static = [
+        _element(model, static_prefix, cut[s + 1]) - _element(model, static_prefix, cut[s])
+        for s in range(S)
+    ]
+    tail = [per_mode(table, f"tail{j}") for j, table in enumerate(scaled.tail)]
+    return _StageSums(
+        forward=forward,
+        backward=backward,
+        weight=weight,
+        transfer=transfer,
+        act=act,
+        kept=kept,
+        static=static,
+        tail=tail,
+    )
 
 
-class _CountModel(_Model):
-    """First unit, a run of identical units, last unit (embedding, blocks, head): a partition
-    is the number of blocks per stage, so the model is linear in small integers and its size
-    does not grow with the number of units."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _CountModel:
+    """The count formulation's model, variables and read-back (see `_count_model`)."""
 
-    def _stage_exprs(self) -> _StageExprs:
-        n, S = self.problem.num_units, self.problem.num_stages
-        blocks = n - 2
-        last = S - 1
-        # count[s]: blocks in stage s. Stage 0 also holds unit 0 and stage S-1 unit n-1, so
-        # they may hold no block; every other stage needs at least one.
-        self.count: list[Expr] = [
-            self.model.new_int_var(0 if s in (0, last) else 1, blocks, f"count[{s}]")
-            for s in range(S)
-        ]
-        self.model.add(sum(self.count) == blocks)
-        # split[s][k]: blocks of stage s under mode k (all of them under its chosen mode)
-        split: list[list[Expr]] = []
-        for s in range(S):
-            if len(self.mode_names) == 1:
-                split.append([self.count[s]])
-                continue
-            row = [self.model.new_int_var(0, blocks, f"split[{s},{k}]") for k in self.mode_names]
-            self.model.add(sum(row) == self.count[s])
-            for k_idx, var in enumerate(row):
-                self.model.add(var == 0).only_enforce_if(self.use[s][k_idx].Not())
-            split.append(row)
+    model: cp_model.CpModel
+    scaled: _Scaled
+    use: list[list[Expr]]  # [stage][mode]: the stage runs the mode
+    count: list[Expr]  # [stage]: its blocks
+    split: list[list[Expr]]  # [stage][mode]: its blocks under the mode
+    stage: _StageSums
+    tail: list[Expr]  # [rank]
+    memory: list[list[Expr]]  # [rank][candidate peak point]: the rank's bytes there
+    z: cp_model.IntVar
+    ceiling: cp_model.IntVar
 
-        def per_mode(table: Mapping[Recompute, Sequence[int]], s: int) -> Expr:
-            expr: Expr = sum(
-                split[s][k_idx] * table[k][1] for k_idx, k in enumerate(self.mode_names)
-            )
-            for unit, stage in ((0, 0), (n - 1, last)):
-                if s == stage:
-                    expr += sum(
-                        self.use[s][k_idx] * table[k][unit]
-                        for k_idx, k in enumerate(self.mode_names)
-                    )
-            return expr
-
-        transfer: list[Expr] = []
-        for s in range(S):
-            if s == last:
-                transfer.append(0)
-            elif s > 0:
-                transfer.append(self.transfer_int[s][1])  # a middle stage ends with a block
-            else:
-                # stage 0 ends with a block if it holds any, else with unit 0
-                first, block = self.transfer_int[0][0], self.transfer_int[0][1]
-                if first == block:
-                    transfer.append(first)
-                    continue
-                has_block: Expr = self.model.new_bool_var("stage0_has_block")
-                self.model.add(self.count[0] >= 1).only_enforce_if(has_block)
-                self.model.add(self.count[0] == 0).only_enforce_if(has_block.Not())
-                transfer.append(first + has_block * (block - first))
-        static = []
-        for s in range(S):
-            expr = self.count[s] * self.static_int[1]
-            if s == 0:
-                expr += self.static_int[0]
-            if s == last:
-                expr += self.static_int[n - 1]
-            static.append(expr)
-
-        def stages(table: Mapping[Recompute, Sequence[int]]) -> list[Expr]:
-            return [per_mode(table, s) for s in range(S)]
-
-        act = stages(self.act_int)
-        return _StageExprs(
-            forward=stages(self.forward_int),
-            backward=stages(self.backward_int),
-            weight=stages(self.weight_int),
-            transfer=transfer,
-            act=act,
-            kept=[act[0], *stages(self.kept_int)[1:]],  # (see `rank_memory`)
-            static=static,
-            tail=[stages(table) for table in self.tail_int],
-        )
-
-    def _hint_cuts(self, stage_starts: Sequence[int]) -> None:
-        for s, count in enumerate(_block_counts(stage_starts, self.problem)):
+    def hint(self, cuts: Cuts) -> None:
+        """Replace the model's hint by ``cuts``."""
+        self.model.clear_hints()  # type: ignore[no-untyped-call]
+        num_units = len(self.scaled.static)
+        for s, count in enumerate(_block_counts(cuts.stage_starts, num_units)):
             self.model.add_hint(self.count[s], count)
+        _hint_modes(self.model, self.use, self.scaled.mode_names, cuts.modes)
 
-    def _read_starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        return _starts_from_counts([solver.value(c) for c in self.count])
+    def read(self, solver: cp_model.CpSolver) -> Cuts:
+        """The partition of the solver's solution."""
+        starts = _starts_from_counts([solver.value(c) for c in self.count])
+        return Cuts(starts, _read_modes(solver, self.use, self.scaled.mode_names))
 
 
-def _block_counts(stage_starts: Sequence[int], problem: PartitionProblem) -> list[int]:
+def _count_model(problem: PartitionProblem) -> _CountModel:
+    """The count formulation, for a first unit, a run of identical units and a last unit
+    (embedding, blocks, head): a partition is the number of blocks per stage, so the model is
+    linear in small integers and its size does not grow with the number of units. Expects
+    `_uniform_middle` (else it models a different problem). Guarantees as `_cut_model`."""
+    # Data.
+    n, S, p = problem.num_units, problem.num_stages, problem.spec.pp_degree
+    blocks = n - 2
+    last = S - 1
+    scaled = _scale(problem)
+    names = scaled.mode_names
+    # stage 0 ends with unit 0 if it holds no block: its link time may then differ
+    first_link, block_link = scaled.transfer[0][0], scaled.transfer[0][1]
+    first_varies = S > 1 and first_link != block_link
+
+    # Model.
+    model = cp_model.CpModel()
+
+    # Variables, each family with the constraints that define it (as in `_cut_model`).
+    # use[s][k]: stage s runs recompute mode k, exactly one per stage (1 with one mode)
+    use = _new_mode_vars(model, S, names)
+    # count[s]: blocks in stage s, all blocks in all. Stage 0 also holds unit 0 and stage S-1
+    # unit n-1, so they may hold no block; every other stage needs at least one.
+    count: list[Expr] = [
+        model.new_int_var(0 if s in (0, last) else 1, blocks, f"count[{s}]") for s in range(S)
+    ]
+    model.add(sum(count) == blocks)
+    # split[s][k]: blocks of stage s under mode k, all of them under its chosen mode
+    # (count[s] itself with one mode)
+    split: list[list[Expr]] = [[count[s]] for s in range(S)]
+    if len(names) > 1:
+        split = [[model.new_int_var(0, blocks, f"split[{s},{k}]") for k in names] for s in range(S)]
+        for s in range(S):
+            model.add(sum(split[s]) == count[s])
+            for k_idx, var in enumerate(split[s]):
+                model.add(var == 0).only_enforce_if(use[s][k_idx].Not())
+    # has_block: stage 0 holds a block, count[0] >= 1 (only when that changes its link time)
+    has_block: Expr = None
+    if first_varies:
+        has_block = model.new_bool_var("stage0_has_block")
+        model.add(count[0] >= 1).only_enforce_if(has_block)
+        model.add(count[0] == 0).only_enforce_if(has_block.Not())
+    # stage.<quantity>[s]: stage s's sum of a unit quantity under its mode, linear in the
+    # split counts and the mode choice (no variable of its own, `_count_stage_sums`)
+    stage = _count_stage_sums(scaled, use, count, split, has_block)
+    # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
+    tail: list[Expr] = [model.new_int_var(0, scaled.time_bound, f"tail[{r}]") for r in range(p)]
+
+    # Constraints.
+    # each rank's tail covers each of its tail terms (the simulation's rank tail)
+    _add_rank_tails(model, problem.spec, scaled, stage, tail)
+    # every candidate peak point of every rank fits in memory
+    memory = _add_memory(model, problem.spec, scaled, stage)
+
+    # Objective.
+    # z: the step's lower bound to minimise, at least the length of every path cut `solve`
+    # adds (each path is a lower bound on every partition's simulated step)
+    z = model.new_int_var(0, scaled.path_bound, "z")
+    # ceiling: z may not exceed it; each round of `solve` fixes it to one value, to demand a
+    # step better than its best so far
+    ceiling = model.new_int_var(0, scaled.path_bound, "ceiling")
+    model.add(z <= ceiling)
+    model.minimize(z)
+    return _CountModel(
+        model=model,
+        scaled=scaled,
+        use=use,
+        count=count,
+        split=split,
+        stage=stage,
+        tail=tail,
+        memory=memory,
+        z=z,
+        ceiling=ceiling,
+    )
+
+
+def _count_stage_sums(
+    scaled: _Scaled,
+    use: Sequence[Sequence[Expr]],
+    count: Sequence[Expr],
+    split: Sequence[Sequence[Expr]],
+    has_block: Expr,
+) -> _StageSums:
+    """Each stage's sums: its blocks under each mode times the block's value, plus unit 0 in
+    stage 0 and unit n - 1 in the last stage under the stage's mode (see `_count_model`;
+    ``has_block`` None when stage 0's link time does not depend on it)."""
+    S = len(count)
+    n = len(scaled.static)
+    last = S - 1
+    names = scaled.mode_names
+
+    def per_mode(table: Mapping[Recompute, Sequence[int]], s: int) -> Expr:
+        expr: Expr = sum(split[s][k_idx] * table[k][1] for k_idx, k in enumerate(names))
+        for unit, stage in ((0, 0), (n - 1, last)):
+            if s == stage:
+                expr += sum(use[s][k_idx] * table[k][unit] for k_idx, k in enumerate(names))
+        return expr
+
+    def stages(table: Mapping[Recompute, Sequence[int]]) -> list[Expr]:
+        return [per_mode(table, s) for s in range(S)]
+
+    transfer: list[Expr] = []
+    for s in range(S):
+        if s == last:
+            transfer.append(0)
+        elif s > 0:
+            transfer.append(scaled.transfer[s][1])  # a middle stage ends with a block
+        elif has_block is None:
+            transfer.append(scaled.transfer[0][0])  # the same whichever unit ends stage 0
+        else:  # stage 0 ends with a block if it holds any, else with unit 0
+            first, block = scaled.transfer[0][0], scaled.transfer[0][1]
+            transfer.append(first + has_block * (block - first))
+    static = []
+    for s in range(S):
+        expr = count[s] * scaled.static[1]
+        if s == 0:
+            expr += scaled.static[0]
+        if s == last:
+            expr += scaled.static[n - 1]
+        static.append(expr)
+    act = stages(scaled.act)
+    return _StageSums(
+        forward=stages(scaled.forward),
+        backward=stages(scaled.backward),
+        weight=stages(scaled.weight),
+        transfer=transfer,
+        act=act,
+        kept=[act[0], *stages(scaled.kept)[1:]],  # (see `rank_memory`)
+        static=static,
+        tail=[stages(table) for table in scaled.tail],
+    )
+
+
+def _block_counts(stage_starts: Sequence[int], num_units: int) -> list[int]:
     """Blocks per stage of a partition of [first unit, blocks..., last unit]."""
-    ends = (*stage_starts[1:], problem.num_units)
-    last = problem.num_stages - 1
+    ends = (*stage_starts[1:], num_units)
+    last = len(stage_starts) - 1
     return [
         b - a - (s == 0) - (s == last)
         for s, (a, b) in enumerate(zip(stage_starts, ends, strict=True))
@@ -634,6 +841,7 @@ def _block_counts(stage_starts: Sequence[int], problem: PartitionProblem) -> lis
 
 
 def _starts_from_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    """The stage starts of a partition with ``counts`` blocks per stage (see `_block_counts`)."""
     starts = [0]
     for s, count in enumerate(counts[:-1]):
         starts.append(starts[-1] + count + (s == 0))
@@ -658,18 +866,126 @@ def _uniform_middle(problem: PartitionProblem) -> bool:
     return all(len(set(row[1 : n - 1])) == 1 for row in rows)
 
 
-ModelKind = Literal["cut", "count"]
+# The step model of either formulation: `solve` reads only what both have.
+_StepModel = _CutModel | _CountModel
 
 
-def _build(problem: PartitionProblem, kind: ModelKind | None = None) -> _Model:
+def _step_model(problem: PartitionProblem, kind: ModelKind | None) -> _StepModel:
+    """The step model of ``problem`` in formulation ``kind``; by default the count formulation
+    when the middle units are identical, else the cut one."""
     if kind is None:
         kind = "count" if _uniform_middle(problem) else "cut"
-    return {"cut": _CutModel, "count": _CountModel}[kind](problem)
+    return _cut_model(problem) if kind == "cut" else _count_model(problem)
 
 
-def balanced_hint(
-    problem: PartitionProblem, mode: Recompute | None = None
-) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+def _path_key(path: CriticalPath) -> tuple[object, ...]:
+    """Equal for paths that give the same cut."""
+    return (
+        tuple(sorted(path.slots.items())),
+        tuple(sorted(path.transfers.items())),
+        path.tail_rank,
+    )
+
+
+def _path_length(built: _StepModel, path: CriticalPath) -> Expr:
+    """The path's length as a model expression: its actions' stage times (each with the host
+    time of the message it posts), its link crossings and its rank's tail. The path exists in
+    every partition's action graph, so it is a lower bound on every simulated step."""
+    st, message = built.stage, built.scaled.message
+    S = len(st.forward)
+    expr: Expr = built.tail[path.tail_rank]
+    for slot, count in path.slots.items():
+        s, kind = divmod(slot, 4)
+        send_f = message[s]  # the forward posts its output's message
+        send_b = message[s - 1] if s > 0 else 0  # the backward its gradient's
+        if kind == 0:  # F
+            expr += count * (st.forward[s] + send_f)
+        elif kind == 1:  # B
+            expr += count * (st.backward[s] + send_b)
+        elif kind == 2:  # I: the backward without its weight half
+            expr += count * (st.backward[s] + send_b - st.weight[s])
+        else:  # W
+            expr += count * st.weight[s]
+    for boundary, count in path.transfers.items():
+        assert boundary < S - 1
+        expr += count * st.transfer[boundary]
+    return expr
+
+
+def _add_path(built: _StepModel, path: CriticalPath, seen: set[tuple[object, ...]]) -> None:
+    """``z >= the path's length``, unless ``seen`` holds the path already (then adds it)."""
+    key = _path_key(path)
+    if key in seen:
+        return
+    seen.add(key)
+    built.model.add(built.z >= _path_length(built, path))
+
+
+def _set_ceiling(built: _StepModel, value: int) -> None:
+    """Fix ``ceiling`` to ``value`` clamped to [0, path bound]: z may not exceed it."""
+    value = max(0, min(value, built.scaled.path_bound))
+    domain = built.ceiling.proto.domain  # a fixed variable: domain [value, value]
+    domain[0] = value
+    domain[1] = value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _PeakModel:
+    """The least-peak-memory model: a step model with the peak as objective (see
+    `_peak_model`)."""
+
+    model: cp_model.CpModel
+    stages: _StepModel  # the formulation: its variables, stage sums and read-back
+    peak: cp_model.IntVar
+
+    def read(self, solver: cp_model.CpSolver) -> Cuts:
+        """The partition of the solver's solution."""
+        return self.stages.read(solver)
+
+
+def _peak_model(problem: PartitionProblem, kind: ModelKind | None) -> _PeakModel:
+    """The model of the least per-device peak memory of any partition of ``problem``, in
+    formulation ``kind`` (see `_step_model`). Guarantees every partition is a solution (the
+    capacity is lifted above any rank's bytes) and the peak is minimised."""
+    # Data: a capacity no partition exceeds (memory is the objective here, not a limit)
+    relaxed = replace(problem, memory_capacity_bytes=_worst_bytes(problem) * 1.01 + 1.0)
+
+    # Model: the formulation's (its ``z`` and path objective stay unused).
+    stages = _step_model(relaxed, kind)
+    model = stages.model
+
+    # Variables.
+    # peak: the most bytes any rank holds at any of its candidate peak points
+    peak = model.new_int_var(0, 2**60, "peak")
+
+    # Constraints.
+    # the peak covers every candidate peak point of every rank
+    for points in stages.memory:
+        for expr in points:
+            model.add(peak >= expr)
+
+    # Objective.
+    model.minimize(peak)
+    return _PeakModel(model=model, stages=stages, peak=peak)
+
+
+def _solver_status(status: cp_model.CpSolverStatus) -> SolverStatus:
+    """CP-SAT's name of ``status``."""
+    if status == cp_model.OPTIMAL:
+        return "OPTIMAL"
+    if status == cp_model.FEASIBLE:
+        return "FEASIBLE"
+    if status == cp_model.INFEASIBLE:
+        return "INFEASIBLE"
+    if status == cp_model.MODEL_INVALID:
+        return "MODEL_INVALID"
+    return "UNKNOWN"
+
+
+# ----------------------------------------------------------------------- hints and local search
+
+
+def balanced_hint(problem: PartitionProblem, mode: Recompute | None = None) -> Cuts:
     """Greedy cuts that split the work evenly over the stages under one mode (the solver's
     first hint and the source of its first critical path)."""
     k: Recompute = mode if mode is not None else next(iter(problem.modes))
@@ -689,12 +1005,10 @@ def balanced_hint(
     for j in range(S - 1, 0, -1):
         starts[j] = min(starts[j], n - (S - j))
         starts[j - 1] = min(starts[j - 1], starts[j] - 1)
-    return tuple(starts), tuple(k for _ in range(S))
+    return Cuts(tuple(starts), tuple(k for _ in range(S)))
 
 
-def rank_balanced_hint(
-    problem: PartitionProblem, mode: Recompute
-) -> tuple[tuple[int, ...], tuple[Recompute, ...]] | None:
+def rank_balanced_hint(problem: PartitionProblem, mode: Recompute) -> Cuts | None:
     """Cuts that split identical middle units (blocks) evenly over the stages AND over each
     rank's stages, under one mode; None unless the middle units are identical and there are
     enough of them.
@@ -731,7 +1045,7 @@ def rank_balanced_hint(
         stage = min(spec.rank_stages(rank), key=lambda s: (counts[s] + edges.get(s, 0.0), s))
         counts[stage] += 1
         load[rank] += 1
-    return _starts_from_counts(counts), tuple(mode for _ in range(S))
+    return Cuts(_starts_from_counts(counts), tuple(mode for _ in range(S)))
 
 
 def improve(
@@ -740,7 +1054,7 @@ def improve(
     *,
     max_evaluations: int,
     deadline: float = math.inf,
-) -> tuple[Partition, list[Partition]]:
+) -> ImproveResult:
     """Local search from ``start`` by single moves (one cut by one unit, or one stage's mode):
     while memory does not fit, the move that buys memory back cheapest (step added per byte
     of excess removed); then first-improvement descent of the simulated step among moves that
@@ -791,7 +1105,7 @@ def improve(
         current = choice[1]
         accepted.append(current)
     if current.peak_memory_bytes > capacity:
-        return start, accepted
+        return ImproveResult(start, accepted)
     improved = True
     while improved and budget > 0:  # descent
         improved = False
@@ -802,7 +1116,7 @@ def improve(
                 accepted.append(found)
                 improved = True
                 break
-    return current, accepted
+    return ImproveResult(current, accepted)
 
 
 def fastest_fitting(problem: PartitionProblem, found: Sequence[Partition]) -> Partition | None:
@@ -818,7 +1132,7 @@ def even_splits(problem: PartitionProblem) -> list[Partition]:
     for mode in problem.modes:
         found.append(evaluate(problem, *balanced_hint(problem, mode)))
         ranked = rank_balanced_hint(problem, mode)
-        if ranked is not None and ranked[0] != found[-1].stage_starts:
+        if ranked is not None and ranked.stage_starts != found[-1].stage_starts:
             found.append(evaluate(problem, *ranked))
     return found
 
@@ -828,7 +1142,7 @@ def heuristic(
     *,
     deadline: float = math.inf,
     splits: Sequence[Partition] | None = None,
-) -> tuple[Partition | None, list[Partition]]:
+) -> HeuristicResult:
     """A good partition fast, without a proof: the even splits under each mode (``splits``
     if they were evaluated already), then `improve` from the fastest one (repairing its
     memory) and from the best one that fits. Returns the best that fits (None if none was
@@ -850,7 +1164,7 @@ def heuristic(
             problem, best, max_evaluations=_LOCAL_EVALUATIONS, deadline=deadline
         )
         seeds.extend(accepted[1:])
-    return best, seeds
+    return HeuristicResult(best, seeds)
 
 
 # ------------------------------------------------------------------------------ solve
@@ -864,8 +1178,9 @@ def solve(
     model: ModelKind | None = None,
     cutoff_s: float | None = None,
     relative_gap: float = 0.0,
-) -> tuple[Partition | None, SolveStats]:
-    """The partition with the least simulated step that fits in memory, or None if none fits.
+) -> SolveResult:
+    """The partition with the least simulated step that fits in memory (None if none fits)
+    and what the solve did (its status, rounds and proven lower bound).
 
     ``cutoff_s``: only partitions faster than this are of interest (the search passes its
     incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``).
@@ -875,22 +1190,22 @@ def solve(
     one for the problem is used. See the module docstring for the method.
     """
     start = time.perf_counter()
-    built = _build(problem, model)
     spec = problem.spec
+    built = _step_model(problem, model)
+    seen: set[tuple[object, ...]] = set()  # the path cuts in the model
     for path in rank_paths(spec):
-        built.add_path(path)
+        _add_path(built, path, seen)
     best, seeds = heuristic(problem, deadline=start + time_limit_s)
     for seed in seeds:
         for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
-            built.add_path(path)
+            _add_path(built, path, seen)
     if best is not None:
-        built.add_hint(best.stage_starts, best.modes)
-    built.model.minimize(built.z)
+        built.hint(Cuts(best.stage_starts, best.modes))
     # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
     slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
-    unit = built.time_unit_s
+    unit = built.scaled.time_unit_s
     bound = 0.0  # proven: no partition's simulated step is below it
-    status = "UNKNOWN"
+    status: SolveStatus = "UNKNOWN"
     rounds = 0
     wall = 0.0
     while rounds < _MAX_ROUNDS:
@@ -912,8 +1227,11 @@ def solve(
         # that a candidate cannot beat the cutoff.
         solver.parameters.linearization_level = 2
         # demand a strictly better step than the limit (up to rounding)
-        built.set_ceiling(
-            math.floor(limit / unit) - 1 + slack if math.isfinite(limit) else built.path_bound
+        _set_ceiling(
+            built,
+            math.floor(limit / unit) - 1 + slack
+            if math.isfinite(limit)
+            else built.scaled.path_bound,
         )
         result = solver.solve(built.model)
         wall += solver.wall_time
@@ -930,8 +1248,8 @@ def solve(
             status = "FEASIBLE" if best is not None else "UNKNOWN"
             bound = max(bound, (solver.best_objective_bound - slack) * unit)
             break
-        starts, modes = built.read(solver)
-        found = evaluate(problem, starts, modes)
+        cuts = built.read(solver)
+        found = evaluate(problem, *cuts)
         if best is None or found.step_time_s < best.step_time_s:
             best = found
         lower = solver.objective_value * unit
@@ -943,9 +1261,9 @@ def solve(
                 break
         else:
             bound = max(bound, (solver.best_objective_bound - slack) * unit)
-        for path in _critical_paths_of(problem, starts, modes):
-            built.add_path(path)
-        built.add_hint(best.stage_starts, best.modes)
+        for path in _critical_paths_of(problem, *cuts):
+            _add_path(built, path, seen)
+        built.hint(Cuts(best.stage_starts, best.modes))
     else:
         status = "FEASIBLE" if best is not None else "UNKNOWN"
     stats = SolveStats(
@@ -953,14 +1271,14 @@ def solve(
         wall_time_s=wall,
         num_variables=len(built.model.proto.variables),
         rounds=rounds,
-        num_paths=len(built.paths),
+        num_paths=len(seen),
         lower_bound_s=bound,
     )
     if best is not None and cutoff_s is not None and best.step_time_s >= cutoff_s:
         best = None
     if status in ("INFEASIBLE", "CUTOFF", "UNKNOWN"):
         best = None
-    return best, stats
+    return SolveResult(best, stats)
 
 
 def _critical_paths_of(
@@ -977,41 +1295,22 @@ def _critical_paths_of(
     return [critical_path(spec, sim, rank) for rank in range(spec.pp_degree)]
 
 
-def _worst_bytes(problem: PartitionProblem) -> float:
-    """An upper bound on any rank's memory under any partition: every unit's static bytes
-    and the most micro-batches any stage holds times every unit's activations, plus the most
-    pending sends."""
-    held = held_microbatches(problem.spec)
-    most = max((h + k for pr in held for pt in pr.points for h, k in pt), default=1)
-    sends = max((n for pr in held for n in pr.sends), default=0)
-    return (
-        sum(problem.static_bytes)
-        + sends * problem.send_bytes
-        + most
-        * sum(
-            max(max(c.activation_bytes[u], c.retained_bytes[u]) for c in problem.modes.values())
-            for u in range(problem.num_units)
-        )
-    )
-
-
 def min_peak_memory(
     problem: PartitionProblem, *, time_limit_s: float = 10.0, model: ModelKind | None = None
-) -> float | None:
-    """The least per-device peak memory any partition of this problem needs (bytes), or None
-    if the solver could not finish in ``time_limit_s``."""
-    bound = _worst_bytes(problem)
-    built = _build(replace(problem, memory_capacity_bytes=bound * 1.01 + 1.0), model)
-    peak = built.model.new_int_var(0, 2**60, "peak")
-    for points in built.memory:
-        for expr in points:
-            built.model.add(peak >= expr)
-    built.model.minimize(peak)
+) -> PeakMemory:
+    """The least per-device peak memory any partition of ``problem`` needs, whatever the
+    solver's status (``time_limit_s`` may be 0). ``least_bytes`` is the simulated peak of the
+    partition CP-SAT found (proven least when the status is OPTIMAL), or None when it found
+    none: the bound is then unknown (a time limit, or a model the rounding made infeasible)."""
+    built = _peak_model(problem, model)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     status = solver.solve(built.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    starts, modes = built.read(solver)
-    return evaluate(problem, starts, modes).peak_memory_bytes
+        return PeakMemory(status=_solver_status(status), least_bytes=None)
+    cuts = built.read(solver)
+    return PeakMemory(
+        status=_solver_status(status),
+        least_bytes=evaluate(problem, *cuts).peak_memory_bytes,
+    )

@@ -358,7 +358,7 @@ def search_plans(
     if not best:
         stats.total_s = time.perf_counter() - start
         raise _no_feasible_plan(
-            profile, cluster, global_batch, memory_infeasible, space, cache, stats
+            profile, cluster, global_batch, memory_infeasible, space, cache, stats, time_limit_s
         )
     if unproven:
         worst = -best[0][0]
@@ -804,6 +804,7 @@ def _no_feasible_plan(
     space: SearchSpace,
     cache: _CostCache,
     stats: SearchStats,
+    time_limit_s: float,
 ) -> NoFeasiblePlanError:
     gib = 2.0**30
     capacity = cluster.device.memory_bytes
@@ -824,15 +825,27 @@ def _no_feasible_plan(
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
     needs = []
     for c in candidates[:5]:
-        least_bytes = min_peak_memory(_problem(c, cluster))
-        if least_bytes is not None:
-            needs.append((c.constants.total_bytes(least_bytes), c.strategy))
-    if not needs:  # the solver timed out on all of them: report the bound instead
-        needs = [
-            (c.constants.total_bytes(c.memory_lower_bound_bytes), c.strategy)
-            for c in candidates[:5]
-        ]
-    least, best = min(needs, key=lambda item: item[0])
+        peak = min_peak_memory(_problem(c, cluster), time_limit_s=time_limit_s)
+        if peak.least_bytes is not None:
+            needs.append((c.constants.total_bytes(peak.least_bytes), c.strategy))
+    least: float | None = None
+    if needs:
+        least, best = min(needs, key=lambda item: item[0])
+        amount = (
+            f"{least / gib:.1f} GiB (e.g. tp={best.tp_degree} pp={best.pp_degree} dp="
+            f"{best.dp_degree} micro_batch={best.micro_batch_size} zero={best.zero_stage})"
+        )
+    else:  # the solver found no partition of any of them in time: their floors, if finite
+        floor = min(c.constants.total_bytes(c.memory_lower_bound_bytes) for c in candidates[:5])
+        unknown = (
+            f"bound unknown (CP-SAT found no partition within time_limit_s={time_limit_s:g} s, "
+            "raise it for the least)"
+        )
+        amount = (
+            f"at least {floor / gib:.1f} GiB, {unknown}"
+            if math.isfinite(floor)
+            else f"not known, {unknown}"
+        )
     # A proven floor on the devices any plan needs: one copy of the weights, gradients and
     # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
@@ -853,10 +866,8 @@ def _no_feasible_plan(
     )
     return NoFeasiblePlanError(
         f"no plan for {profile.name!r} fits {cluster.name!r}: the least memory per device any of "
-        f"the {stats.candidates} candidate plans needs is {least / gib:.1f} GiB (e.g. tp="
-        f"{best.tp_degree} pp={best.pp_degree} dp={best.dp_degree} micro_batch="
-        f"{best.micro_batch_size} zero={best.zero_stage}), the device has {capacity / gib:.1f} "
-        f"GiB{devices}; {_memory_fixes(space)}",
+        f"the {stats.candidates} candidate plans needs is {amount}, the device has "
+        f"{capacity / gib:.1f} GiB{devices}; {_memory_fixes(space)}",
         least_memory_bytes=least,
         capacity_bytes=float(capacity),
     )
