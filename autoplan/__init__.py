@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from autoplan.errors import (
+from autoplan.contract.errors import (
     ClusterError,
     InputError,
     ModelSpecError,
@@ -19,21 +19,20 @@ from autoplan.errors import (
     SchemaError,
     TraceError,
 )
-from autoplan.plan import ModelRef, Plan, PlanEstimate, StagePlan
+from autoplan.contract.plan import ModelRef, Plan, PlanEstimate, StagePlan
 from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 
 if TYPE_CHECKING:
     from autoplan import models
-    from autoplan.api import estimate, manual_plan
-    from autoplan.checkpoint import Checkpointer, CheckpointError
-    from autoplan.explanation import explain
-    from autoplan.graph import ModelGraph
-    from autoplan.parallelizer import parallelize
-    from autoplan.planner.search import search
-    from autoplan.replicas import TorchFTReplicas
-    from autoplan.sweep import whatif
+    from autoplan.analysis.explain import explain
+    from autoplan.analysis.whatif import whatif
+    from autoplan.api import estimate, manual_plan, search
+    from autoplan.contract.graph import ModelGraph
+    from autoplan.runtime.checkpoint import Checkpointer, CheckpointError
+    from autoplan.runtime.parallelizer import parallelize
+    from autoplan.runtime.replicas import TorchFTReplicas
+    from autoplan.runtime.trainer import Trainer
     from autoplan.tracing import trace
-    from autoplan.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -43,17 +42,17 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str | None]] = {
     "models": ("autoplan.models", None),
     "trace": ("autoplan.tracing", "trace"),
-    "ModelGraph": ("autoplan.graph", "ModelGraph"),
+    "ModelGraph": ("autoplan.contract.graph", "ModelGraph"),
     "manual_plan": ("autoplan.api", "manual_plan"),
     "estimate": ("autoplan.api", "estimate"),
-    "search": ("autoplan.planner.search", "search"),
-    "parallelize": ("autoplan.parallelizer", "parallelize"),
-    "whatif": ("autoplan.sweep", "whatif"),
-    "explain": ("autoplan.explanation", "explain"),
-    "Checkpointer": ("autoplan.checkpoint", "Checkpointer"),
-    "CheckpointError": ("autoplan.checkpoint", "CheckpointError"),
-    "Trainer": ("autoplan.trainer", "Trainer"),
-    "TorchFTReplicas": ("autoplan.replicas", "TorchFTReplicas"),
+    "search": ("autoplan.api", "search"),
+    "parallelize": ("autoplan.runtime.parallelizer", "parallelize"),
+    "whatif": ("autoplan.analysis.whatif", "whatif"),
+    "explain": ("autoplan.analysis.explain", "explain"),
+    "Checkpointer": ("autoplan.runtime.checkpoint", "Checkpointer"),
+    "CheckpointError": ("autoplan.runtime.checkpoint", "CheckpointError"),
+    "Trainer": ("autoplan.runtime.trainer", "Trainer"),
+    "TorchFTReplicas": ("autoplan.runtime.replicas", "TorchFTReplicas"),
 }
 
 

@@ -9,28 +9,28 @@ devices, a TP degree that does not divide the heads, a batch that does not divid
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
-from autoplan.errors import PlanError
-from autoplan.plan import (
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import (
     MESH_AXES,
     DTypeName,
     MeshAxis,
     ModelRef,
     Plan,
-    PlanEstimate,
     Recompute,
     Schedule,
     even_stages,
+    plan_estimate,
 )
+from autoplan.planner.search import DEFAULT_BUDGET_S, SearchProgress, search_plans
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.workload import ModelProfile
 
-__all__ = ["default_dp", "estimate", "manual_plan", "plan_estimate", "profile_of"]
+__all__ = ["default_dp", "estimate", "manual_plan", "profile_of", "search"]
 
 
 def profile_of(model_or_graph: Any) -> ModelProfile:
@@ -41,10 +41,13 @@ def profile_of(model_or_graph: Any) -> ModelProfile:
     profile = getattr(model_or_graph, "profile", None)
     if isinstance(profile, ModelProfile):
         return profile
+    # Tracing imports torch (seconds): only when given a module, so the CLI's file commands and
+    # `import autoplan` stay fast.
     import torch
 
+    from autoplan.tracing import trace
+
     if isinstance(model_or_graph, torch.nn.Module):
-        trace = importlib.import_module("autoplan.tracing").trace
         graph = trace(model_or_graph)
         traced: ModelProfile = graph.profile
         return traced
@@ -170,16 +173,62 @@ def estimate(
     return _estimate(profile, cluster, plan)
 
 
-def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
-    """The summary a `Plan` file records (informational)."""
-    return PlanEstimate(
-        cluster=cluster.name,
-        num_devices=result.num_devices,
-        step_time_s=result.step_time_s,
-        tokens_per_s=result.tokens_per_s,
-        model_tflops_per_device=result.model_tflops_per_device,
-        mfu=result.mfu,
-        peak_memory_bytes=int(result.peak_memory_bytes),
-        memory_reserve_bytes=int(result.peak_rank.memory.reserve_bytes),
-        memory_capacity_bytes=int(result.memory_capacity_bytes),
+@overload
+def search(
+    model_or_graph: Any,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    top_k: None = None,
+    time_limit_s: float = ...,
+    budget_s: float | None = ...,
+    progress: Callable[[SearchProgress], None] | None = ...,
+    **constraints: Any,
+) -> Plan: ...
+
+
+@overload
+def search(
+    model_or_graph: Any,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    top_k: int,
+    time_limit_s: float = ...,
+    budget_s: float | None = ...,
+    progress: Callable[[SearchProgress], None] | None = ...,
+    **constraints: Any,
+) -> list[Plan]: ...
+
+
+def search(
+    model_or_graph: Any,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    top_k: int | None = None,
+    time_limit_s: float = 10.0,
+    budget_s: float | None = DEFAULT_BUDGET_S,
+    progress: Callable[[SearchProgress], None] | None = None,
+    **constraints: Any,
+) -> Plan | list[Plan]:
+    """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
+
+    ``model_or_graph``: an ``nn.Module`` (traced on the fly), a ``ModelGraph`` or a
+    ``ModelProfile``. Keyword constraints fix or bound any dimension: ``tp``, ``pp``, ``dp``,
+    ``micro_batch`` (an int or a collection of allowed values), ``max_tp``, ``max_pp``,
+    ``max_micro_batch``, ``virtual_stages``, ``schedules``, ``zero``, ``recompute``,
+    ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
+    ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
+    """
+    result = search_plans(
+        profile_of(model_or_graph),
+        as_cluster(cluster),
+        global_batch=global_batch,
+        top_k=top_k or 1,
+        time_limit_s=time_limit_s,
+        budget_s=budget_s,
+        progress=progress,
+        **constraints,
     )
+    return list(result.plans) if top_k is not None else result.plans[0]

@@ -50,8 +50,8 @@ TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
 def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from autoplan.parallelizer import parallelize
-    from autoplan.plan import Plan
+    from autoplan.contract.plan import Plan
+    from autoplan.runtime.parallelizer import parallelize
     from tests.live_bytes import LiveBytes
 
     plan = Plan.from_data(plan_data)
@@ -73,7 +73,7 @@ def measure_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dic
 def _plans(world: int, profile: Any, cluster: Any) -> list[Any]:
     """Plans covering schedules, ZeRO levels, recompute modes, TP and SP for ``world``."""
     from autoplan.api import manual_plan
-    from autoplan.errors import InputError
+    from autoplan.contract.errors import InputError
 
     options: list[dict[str, Any]] = []
     for zero, recompute in itertools.product((0, 1, 2, 3), ("none", "selective", "full")):
@@ -178,7 +178,7 @@ def cuda_main() -> int:
         print("skipped: bench/memory.py --cuda needs a CUDA device; this machine has none")
         return 0
     from autoplan.api import manual_plan
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
     from autoplan.tracing import trace
     from cost_model.estimate import estimate
     from cost_model.hardware import Cluster

@@ -232,8 +232,8 @@ def _handwritten(plan: Any, model: Any) -> Any:
 def overhead_worker(
     rank: int, world_size: int, plan_data: dict[str, Any], steps: int
 ) -> dict[str, Any]:
-    from autoplan.parallelizer import parallelize
-    from autoplan.plan import Plan
+    from autoplan.contract.plan import Plan
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     ours = parallelize(
@@ -367,8 +367,8 @@ def measure_worker(
 ) -> dict[str, Any]:
     import psutil
 
-    from autoplan.parallelizer import parallelize
-    from autoplan.plan import Plan
+    from autoplan.contract.plan import Plan
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     seq, vocab = spec["seq_len"], spec["vocab_size"]
@@ -431,8 +431,8 @@ def _median_errors(
 def part_bc(
     world_sizes: list[int], global_batch: int, steps: int, max_plans: int
 ) -> dict[str, Any]:
-    from autoplan.errors import NoFeasiblePlanError
-    from autoplan.plan import SCHEDULES
+    from autoplan.contract.errors import NoFeasiblePlanError
+    from autoplan.contract.plan import SCHEDULES
     from autoplan.planner.search import search_plans
     from autoplan.planner.space import ConstraintError
     from autoplan.tracing import trace
@@ -678,7 +678,7 @@ def main() -> None:
         report["a_overhead"] = part_a(args.steps * 2, args.only)
     if args.part in ("b", "all"):
         if args.calibrate or not calibrated_path().exists():
-            from autoplan.calibrate import calibrate
+            from autoplan.calibration.machine import calibrate
 
             _, path, _ = calibrate()
             print(f"calibrated this machine: {path}", flush=True)

@@ -6,7 +6,7 @@ and reports the proven optimality gap, so each case runs with 90% of its target 
 and again with 60 s: the chosen steps side by side show what the short budget loses. Prints the
 candidates considered, how they were pruned, solver calls, the time split, and for each chosen
 plan its estimate beside the schedule simulation re-run from the written plan
-(`autoplan.timeline.timeline_of`): they must agree.
+(`autoplan.analysis.timeline.timeline_of`): they must agree.
 The trace of each model (a few seconds, see bench/trace.py) and the one-time import of torch's
 pipelining package (printed) are not part of the search time.
 
@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 import autoplan
+from autoplan.analysis.timeline import timeline_of
 from autoplan.planner.search import search_plans
-from autoplan.timeline import timeline_of
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 

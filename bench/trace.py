@@ -25,7 +25,7 @@ def child(model: str) -> None:
     start = time.perf_counter()
     import torch  # noqa: F401  (import time reported apart)
 
-    from autoplan.model_spec import build_model
+    from autoplan.models.spec import build_model
     from autoplan.tracing import trace
 
     imported = time.perf_counter()

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from autoplan.api import manual_plan
-from autoplan.plan import Plan, StagePlan
+from autoplan.contract.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
 from cost_model.hardware import Cluster

@@ -33,7 +33,7 @@ from validate_published import (
     unfused_attention_efficiency,
 )
 
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
 
 # Seconds each search may visit before it returns its best with the proven gap ("gap").

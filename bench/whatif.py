@@ -40,11 +40,11 @@ from rich.table import Table
 
 import autoplan
 from autoplan._format import fmt_bytes, fmt_time
+from autoplan.analysis.explain import describe_plan
+from autoplan.analysis.whatif import whatif
 from autoplan.cli.whatif_cmd import whatif_table
-from autoplan.explanation import describe_plan
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
-from autoplan.sweep import whatif
 from cost_model.hardware import Cluster
 
 MODEL = "gpt3-175b"
@@ -155,7 +155,7 @@ def main() -> int:
         f"{'met' if ok else 'MISSED'}); per size {per_size}"
     )
     if args.plot:
-        from autoplan.plots import save_figure, whatif_figure
+        from autoplan.analysis.plots import save_figure, whatif_figure
 
         save_figure(whatif_figure(result), args.plot)
         console.print(f"wrote {args.plot}")

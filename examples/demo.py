@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import autoplan
+from autoplan.analysis.plots import save_figure, timeline_figure, whatif_figure
+from autoplan.analysis.timeline import timeline_of
 from autoplan.cli.common import console as cli_console
 from autoplan.cli.plan_cmd import ranked_table
 from autoplan.cli.trace_cmd import trace_data, trace_table
 from autoplan.cli.whatif_cmd import scaling_note, whatif_table
-from autoplan.plots import save_figure, timeline_figure, whatif_figure
-from autoplan.timeline import timeline_of
 
 HERE = Path(__file__).resolve().parent
 OUT = Path(os.environ.get("AUTOPLAN_DEMO_DIR", "demo-output"))

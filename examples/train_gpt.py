@@ -63,7 +63,7 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
     """The training function: one call per rank, under torchrun or Ray Train (the process
     group may exist already). ``config`` holds the command line's options by name."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("autoplan.replicas").setLevel(logging.INFO)
+    logging.getLogger("autoplan.runtime.replicas").setLevel(logging.INFO)
     torch.set_num_threads(1)
     corpus = load_corpus()
     data = Batches(corpus, config["global_batch"], config["seq_len"], seed=0)  # same on all ranks

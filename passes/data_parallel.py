@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
 from passes.mesh import ParallelMesh

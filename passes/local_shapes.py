@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 
 __all__ = ["LocalShapesResult", "localize_shapes"]
 

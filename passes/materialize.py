@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 from passes.split import SplitModel, StageModule, original_fqn
 from passes.tensor_parallel import is_norm
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoplan.errors import PlanError
-from autoplan.plan import MeshAxis, Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import MeshAxis, Plan
 from passes.progress import default_group_timeout
 
 __all__ = ["ParallelMesh", "build_mesh"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 
 __all__ = ["ModuleCallsResult", "restore_module_calls"]
 

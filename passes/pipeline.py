@@ -21,7 +21,8 @@ inputs and computes the loss), and rank ``pp_degree - 1`` holds the two middle s
 hands their activations and gradients over locally).
 The zero-bubble schedules split each backward into backward-input and backward-weight
 (torch's ``stage_backward_input`` / ``stage_backward_weight``); the combinations that split
-cannot run (ZeRO-3, activation recompute: `autoplan.plan.split_backward_conflict`) are refused.
+cannot run (ZeRO-3, activation recompute: `autoplan.contract.plan.split_backward_conflict`)
+are refused.
 ``scale_grads=True``: with a mean loss per micro-batch the accumulated gradients equal the
 whole batch's. With ``pp_degree == 1`` the single stage is both first and last (plain gradient
 accumulation over the micro-batches, through the same schedule code).
@@ -49,8 +50,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from autoplan.errors import PlanError
-from autoplan.plan import Plan, split_backward_conflict
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan, split_backward_conflict
 from passes.mesh import ParallelMesh
 
 __all__ = ["SCHEDULE_CLASSES", "Pipeline", "build_pipeline"]

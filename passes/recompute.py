@@ -33,8 +33,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoplan.ops import is_collective, op_category
-from autoplan.plan import Recompute
+from autoplan.contract.ops import is_collective, op_category
+from autoplan.contract.plan import Recompute
 from cost_model.strategy import RecomputePolicy
 from passes.split import StageModule
 
@@ -44,7 +44,8 @@ __all__ = ["apply_recompute", "selective_policy"]
 def selective_policy(recompute: RecomputePolicy) -> Callable[..., CheckpointPolicy]:
     """The checkpoint policy of ``recompute`` (`Plan.decisions.recompute`): keep the outputs of
     the op categories it saves (and of collectives), recompute the rest. Ops are categorised
-    as the trace categorises them (`autoplan.ops`), so the cost model prices what runs again."""
+    as the trace categorises them (`autoplan.contract.ops`), so the cost model prices what runs
+    again."""
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op_category(op) in recompute.saved_kinds or (

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import PlanError
-from autoplan.plan import Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
 from passes.progress import StepProgress, default_group_timeout
@@ -183,7 +183,7 @@ class _LocalStage:
 
 class ReplicaSync(Protocol):
     """Replica groups that average their gradients step by step and may drop out and rejoin
-    (torchft: `autoplan.replicas`). Each group runs the same plan on its own processes and
+    (torchft: `autoplan.runtime.replicas`). Each group runs the same plan on its own processes and
     trains on its own slice of the global batch."""
 
     index: int  # this group's slice of the global batch
@@ -223,7 +223,7 @@ class DistributedModel:
         replicas: ReplicaSync | None = None,
     ) -> None:
         self.plan = plan
-        self.replicas = replicas  # set by autoplan.replicas when groups of replicas train
+        self.replicas = replicas  # set by autoplan.runtime.replicas when groups of replicas train
         self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
         # how long finding the plan took (rank 0's search and its broadcast); None: given
         self.search_time_s = search_time_s

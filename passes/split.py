@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from autoplan.errors import PlanError
-from autoplan.graph import ModelGraph
-from autoplan.plan import Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.graph import ModelGraph
+from autoplan.contract.plan import Plan
 from cost_model.workload import UnitProfile
 from passes.module_calls import restore_module_calls
 

@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 from passes.local_shapes import localize_shapes
 from passes.split import StageModule, UnitModule
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan.models import gpt
-from autoplan.parallelizer import parallelize
+from autoplan.runtime.parallelizer import parallelize
 
 if __name__ == "__main__":
     model = gpt(2, 64, 4, 32, 128)

@@ -51,7 +51,7 @@ def _context() -> BaseContext:
         ctx = mp.get_context("forkserver")
         # The server imports these once; every rank forks from it with torch already loaded.
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "autoplan.parallelizer", "tests.dist_utils"]
+            ["torch", "torch.distributed", "autoplan.runtime.parallelizer", "tests.dist_utils"]
         )
         _CONTEXT = ctx
     return _CONTEXT

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autoplan.parallelizer import parallelize
+from autoplan.runtime.parallelizer import parallelize
 from tests.numerics import STEPS, batch, build_model, loss_fn, make_plan, optimizer_factory
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan import Plan, Recompute, Schedule, even_stages
+from autoplan.contract.plan import Plan, Recompute, Schedule, even_stages
 
 VOCAB = 64
 SEQ = 16
@@ -192,7 +192,7 @@ def train_worker(
     num_blocks: int = NUM_BLOCKS,
 ) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """Train with autoplan for ``steps`` steps; per step: the loss and this rank's gradients."""
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     model = build_model(model_name, num_blocks=num_blocks)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan.models import gpt
-from autoplan.parallelizer import parallelize
+from autoplan.runtime.parallelizer import parallelize
 
 if __name__ == "__main__":
     layout, timeout_s = sys.argv[1], float(sys.argv[2])

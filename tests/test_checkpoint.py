@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from tests.dist_utils import run_distributed
 from tests.numerics import batch, build_model, loss_fn, make_plan, optimizer_factory
 
@@ -53,7 +53,7 @@ def _resume_worker(
     rank: int, world_size: int, first: dict[str, Any], second: dict[str, Any], folder: str
 ) -> dict[str, Any]:
     from autoplan import Checkpointer
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     def build(plan_data: dict[str, Any], perturb: bool = False) -> Any:
         model = build_model("gpt")
@@ -140,9 +140,9 @@ def test_a_stopped_job_resumes_as_if_it_never_stopped(
 
 def _bad_input_worker(rank: int, world_size: int, folder: str, blocker: str) -> list[str]:
     from autoplan import Checkpointer
-    from autoplan.checkpoint import CheckpointError
-    from autoplan.errors import PlanError
-    from autoplan.parallelizer import parallelize
+    from autoplan.contract.errors import PlanError
+    from autoplan.runtime.checkpoint import CheckpointError
+    from autoplan.runtime.parallelizer import parallelize
 
     messages = []
     job = parallelize(
@@ -218,7 +218,7 @@ def test_bad_checkpoint_arguments_fail_before_training(tmp_path: Path) -> None:
 
 def test_plans_that_cannot_be_checkpointed_are_refused_before_they_run(tmp_path: Path) -> None:
     import autoplan
-    from autoplan.errors import PlanError
+    from autoplan.contract.errors import PlanError
     from tests.conftest import run_cli
 
     graph = autoplan.trace(build_model("gpt"))

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from autoplan import __version__
-from autoplan.plan import Plan, even_stages
+from autoplan.contract.plan import Plan, even_stages
 from tests.conftest import run_cli
 
 SMALL_MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,seq_len=32,vocab_size=128"
@@ -211,7 +211,7 @@ def test_models_lists_the_presets_with_their_sizes() -> None:
 
 
 def test_a_plan_estimate_prints_as_a_sentence() -> None:
-    from autoplan.plan import PlanEstimate
+    from autoplan.contract.plan import PlanEstimate
 
     estimate = PlanEstimate(
         cluster="dgx-a100-80g",

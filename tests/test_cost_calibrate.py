@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from autoplan.calibrate import (
+from autoplan.calibration.machine import (
     CommMeasurement,
     MatmulMeasurement,
     Measurements,
@@ -157,7 +157,7 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
     those constants back (it inverts `estimate` on the reference plans)."""
     import dataclasses
 
-    from autoplan.calibrate_runtime import (
+    from autoplan.calibration.host_overheads import (
         HOST_CONSTANTS,
         RuntimeMeasurement,
         calibration_profile,
@@ -202,7 +202,7 @@ def test_fit_host_overheads_recovers_the_constants_behind_step_times() -> None:
 
 
 def test_rates_measured_by_workers_sharing_cores_become_one_workers() -> None:
-    from autoplan.calibrate import one_worker_rates
+    from autoplan.calibration.machine import one_worker_rates
 
     cluster = Cluster.preset_file("local")
     assert one_worker_rates(cluster, 1.0) == cluster
@@ -233,8 +233,8 @@ def test_a_silent_measurement_job_is_stopped_with_one_line(
     line with a hint. (A loaded machine can only make the verdict come later, not sooner.)"""
     import importlib
 
-    from autoplan._workers import join_workers
-    from autoplan.errors import CalibrationError
+    from autoplan.calibration._workers import join_workers
+    from autoplan.contract.errors import CalibrationError
 
     start: Any = importlib.import_module("torch.multiprocessing.spawn").start_processes
     context = start(_silent_worker, args=(600.0,), nprocs=2, join=False, start_method="spawn")

@@ -14,7 +14,7 @@ from autoplan import Plan, PlanError, StagePlan
 from autoplan._format import fmt_memory
 from autoplan.api import estimate as api_estimate
 from autoplan.api import manual_plan
-from autoplan.plan import Recompute, even_stages
+from autoplan.contract.plan import Recompute, even_stages
 from cost_model.compute import op_time
 from cost_model.estimate import (
     MemoryCapacityError,

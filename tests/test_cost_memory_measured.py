@@ -100,8 +100,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _measured_peak(rank: int, world_size: int, plan_data: dict[str, Any]) -> tuple[int, int]:
     """This rank's pipeline rank and its peak live tensor bytes over one training step, after
     a first step has made the optimizer state (bench/memory.py measures the same way)."""
-    from autoplan.parallelizer import parallelize
-    from autoplan.plan import Plan
+    from autoplan.contract.plan import Plan
+    from autoplan.runtime.parallelizer import parallelize
     from tests.live_bytes import LiveBytes
 
     trainer = parallelize(_gpt("meta"), plan=Plan.from_data(plan_data), loss_fn=_loss)

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoplan.analysis.explain import explain
+from autoplan.analysis.plots import KIND_COLOURS, KIND_LABELS, save_figure, timeline_figure
+from autoplan.analysis.timeline import Timeline, simulate_timeline, timeline_of
 from autoplan.api import manual_plan
 from autoplan.cli.common import trace_spec
-from autoplan.explanation import explain
-from autoplan.plan import Plan, PlanEstimate
+from autoplan.contract.plan import Plan, PlanEstimate
 from autoplan.planner.search import search_plans
-from autoplan.plots import KIND_COLOURS, KIND_LABELS, save_figure, timeline_figure
-from autoplan.timeline import Timeline, simulate_timeline, timeline_of
 from cost_model.hardware import Cluster, load_cluster
 from cost_model.schedules import (
     SCHEDULES,

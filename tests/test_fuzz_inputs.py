@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import autoplan
 from autoplan.cli import main
-from autoplan.errors import InputError
-from autoplan.plan import Plan
+from autoplan.contract.errors import InputError
+from autoplan.contract.plan import Plan
 
 MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,seq_len=32,vocab_size=128"
 CLUSTER = "dgx-a100-80g"

@@ -1,13 +1,13 @@
-"""`autoplan.model_spec`: ``NAME[:key=value,...]`` to zoo models, and one-line errors."""
+"""`autoplan.models.spec`: ``NAME[:key=value,...]`` to zoo models, and one-line errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from autoplan.errors import InputError, ModelSpecError
-from autoplan.model_spec import build_model, parse_model_spec, valid_keys
+from autoplan.contract.errors import InputError, ModelSpecError
 from autoplan.models import GPT, Llama, list_presets
+from autoplan.models.spec import build_model, parse_model_spec, valid_keys
 
 
 def test_presets_and_overrides() -> None:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import PlanError
-from autoplan.plan import ModelRef, Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import ModelRef, Plan
 from passes import init_full_model_
 from tests.dist_utils import DistributedTestError, run_distributed
 from tests.numerics import (
@@ -51,7 +51,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 def meta_worker(
     rank: int, world_size: int, plan_data: dict[str, Any], model_name: str = "gpt"
 ) -> dict[str, Any]:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     model = build_model(model_name, device="meta")
@@ -126,7 +126,7 @@ def test_meta_model_is_materialised_shard_by_shard(tmp_path: Path, case: str) ->
 def checkpoint_worker(
     rank: int, world_size: int, plan_data: dict[str, Any], checkpoint_dir: str
 ) -> dict[str, list[float]]:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     first = parallelize(
@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_continues_identically(
 
 
 def bad_plan_worker(rank: int, world_size: int, model_name: str, plan_data: dict[str, Any]) -> str:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     try:
@@ -207,7 +207,7 @@ def bad_plan_worker(rank: int, world_size: int, model_name: str, plan_data: dict
 
 def _heads3(rank: int, world_size: int, plan_data: dict[str, Any]) -> str:
     from autoplan.models import gpt
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     try:
         parallelize(
@@ -249,7 +249,7 @@ def test_tp_degree_that_does_not_divide_the_heads_fails_on_every_rank(tmp_path: 
 
 
 def test_tp_plan_for_gpt2s_fused_conv1d_is_refused_before_any_collective() -> None:
-    from autoplan.parallelizer import _check_tensor_parallel
+    from autoplan.runtime.parallelizer import _check_tensor_parallel
     from autoplan.tracing import trace
 
     model = build_model("hf-gpt2")
@@ -260,7 +260,7 @@ def test_tp_plan_for_gpt2s_fused_conv1d_is_refused_before_any_collective() -> No
 
 
 def _hf_llama_plan(rank: int, world_size: int, plan_data: dict[str, Any]) -> str:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     try:
         parallelize(build_model("hf-llama"), plan=Plan.from_data(plan_data), loss_fn=loss_fn)
@@ -290,7 +290,7 @@ def _failing_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def failing_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> None:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     dist_model = parallelize(build_model("gpt"), plan=plan, loss_fn=_failing_loss)
@@ -325,7 +325,7 @@ def test_a_rank_failing_mid_step_takes_the_job_down(tmp_path: Path) -> None:
 
 
 def search_worker(rank: int, world_size: int) -> dict[str, Any]:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     dist_model = parallelize(
         build_model("gpt"), loss_fn=loss_fn, optimizer=optimizer_factory(), global_batch_size=4
@@ -381,7 +381,7 @@ def reshard_worker(
     load_plan: dict[str, Any],
     checkpoint_dir: str,
 ) -> dict[str, list[float]]:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     first_plan, second_plan = Plan.from_data(save_plan), Plan.from_data(load_plan)
     first = parallelize(
@@ -441,7 +441,7 @@ def test_a_checkpoint_loads_under_another_plan(
 def _over_memory(rank: int, world_size: int, plan_data: dict[str, Any], check: bool) -> str:
     import logging
 
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
     from cost_model.estimate import MemoryCapacityError
     from cost_model.hardware import Cluster
 
@@ -457,7 +457,7 @@ def _over_memory(rank: int, world_size: int, plan_data: dict[str, Any], check: b
         def emit(self, record: logging.LogRecord) -> None:
             warnings.append(record.getMessage())
 
-    logging.getLogger("autoplan.parallelizer").addHandler(Keep(logging.WARNING))
+    logging.getLogger("autoplan.runtime.parallelizer").addHandler(Keep(logging.WARNING))
     try:
         dist_model = parallelize(
             build_model("gpt"),
@@ -489,7 +489,7 @@ def test_a_plan_over_memory_is_refused_on_every_rank_unless_overridden(tmp_path:
 
 
 def _given_plans(rank: int, world_size: int, plans: list[dict[str, Any] | None]) -> str:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     data = plans[rank]
     try:
@@ -549,8 +549,9 @@ def test_a_plan_error_under_torchrun_is_one_line_from_rank_zero() -> None:
         "2; launch 8 processes or make a plan for 2 (every one of the 2 ranks stopped)"
     ], done.stderr
     # no rank printed its traceback (torchrun's own summary follows, as always)
-    assert "autoplan.errors.PlanError" not in done.stderr and 'bad_plan_job.py", line' not in (
-        done.stderr
+    assert (
+        "autoplan.contract.errors.PlanError" not in done.stderr
+        and 'bad_plan_job.py", line' not in (done.stderr)
     ), done.stderr
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from autoplan.errors import NoFeasiblePlanError
+from autoplan.contract.errors import NoFeasiblePlanError
 from autoplan.planner.partition import (
     ModeCosts,
     PartitionProblem,

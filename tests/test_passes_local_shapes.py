@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 from passes.local_shapes import localize_shapes
 from passes.module_calls import restore_module_calls
 

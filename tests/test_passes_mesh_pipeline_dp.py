@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import cost_model.strategy as strategy_module
-from autoplan.errors import PlanError
-from autoplan.plan import MeshAxis
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import MeshAxis
 from autoplan.tracing import trace
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster

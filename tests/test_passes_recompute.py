@@ -10,8 +10,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.ops import op_category
-from autoplan.plan import Recompute
+from autoplan.contract.ops import op_category
+from autoplan.contract.plan import Recompute
 from autoplan.tracing import trace
 from passes import apply_recompute, split_stages
 from tests.numerics import VOCAB, build_model, loss_fn, make_plan

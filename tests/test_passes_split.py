@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoplan.errors import PlanError
+from autoplan.contract.errors import PlanError
 from autoplan.tracing import trace
 from passes import split_stages
 from tests.numerics import SEQ, VOCAB, build_model, make_plan

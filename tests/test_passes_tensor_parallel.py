@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autoplan.errors import PlanError
-from autoplan.graph import ModelGraph
+from autoplan.contract.errors import PlanError
+from autoplan.contract.graph import ModelGraph
 from autoplan.tracing import trace
 from cost_model.workload import TpLinear
 from passes import apply_tensor_parallel, build_mesh, split_stages

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from autoplan.errors import PlanError
-from autoplan.plan import Plan, split_backward_conflict
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan, split_backward_conflict
 from autoplan.tracing import trace
 from cost_model.hardware import Cluster
 from cost_model.schedules import (
@@ -160,7 +160,7 @@ def test_split_backward_in_bf16_matches_interleaved_1f1b(tmp_path: Path) -> None
 def meta_worker(
     rank: int, world_size: int, plan_data: dict[str, Any]
 ) -> list[tuple[float, dict[str, torch.Tensor]]]:
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     plan = Plan.from_data(plan_data)
     model = build_model("gpt", num_blocks=plan.num_units - 2, device="meta")
@@ -272,7 +272,7 @@ def order_worker(
     schedule runs on this rank, in order: (stage, F / B / I / W, micro-batch)."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from autoplan.parallelizer import parallelize
+    from autoplan.runtime.parallelizer import parallelize
 
     ran: list[tuple[int, str, int]] = []
     forward = _PipelineStageBase.forward_one_chunk

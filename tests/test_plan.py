@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoplan import Cluster, ModelRef, Plan, PlanError, PlanEstimate, StagePlan
-from autoplan.plan import RECOMPUTE_MODES, SCHEDULES, even_stages
+from autoplan.contract.plan import RECOMPUTE_MODES, SCHEDULES, even_stages
 from cost_model.workload import ModelProfile, OpProfile, TpStructure, UnitProfile
 
 

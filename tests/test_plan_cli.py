@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from autoplan import Cluster
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from tests.conftest import run_cli
 
 MODEL = "gpt:num_layers=4,hidden_size=256,num_heads=8,seq_len=128,vocab_size=4096"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from autoplan import Plan, PlanError
-from autoplan.plan import even_stages
+from autoplan.contract.plan import even_stages
 
 
 def _plan_data(**edit: Any) -> dict[str, Any]:

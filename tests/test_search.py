@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from autoplan.errors import NoFeasiblePlanError
-from autoplan.plan import Plan, StagePlan
+from autoplan.contract.errors import NoFeasiblePlanError
+from autoplan.contract.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
 from autoplan.planner.search import (
     SearchStats,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from autoplan.errors import InputError, TraceError
+from autoplan.contract.errors import InputError, TraceError
+from autoplan.contract.plan import even_stages
 from autoplan.models import gpt
-from autoplan.plan import even_stages
 from autoplan.tracing import trace
 
 

@@ -13,12 +13,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from autoplan.cli import cli
-from autoplan.cli.common import trace_spec
-from autoplan.errors import InputError, NoFeasiblePlanError
-from autoplan.planner.search import search_plans
-from autoplan.plots import save_figure, whatif_figure
-from autoplan.sweep import (
+from autoplan.analysis.plots import save_figure, whatif_figure
+from autoplan.analysis.whatif import (
     WhatIfInputError,
     WhatIfProgress,
     WhatIfResult,
@@ -28,6 +24,10 @@ from autoplan.sweep import (
     split_cluster_specs,
     whatif,
 )
+from autoplan.cli import cli
+from autoplan.cli.common import trace_spec
+from autoplan.contract.errors import InputError, NoFeasiblePlanError
+from autoplan.planner.search import search_plans
 from cost_model.errors import ClusterError
 from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile

@@ -24,7 +24,7 @@ from autoplan.cli.plan_cmd import plan_cmd
 from autoplan.cli.trace_cmd import trace
 from autoplan.cli.validate_cmd import validate
 from autoplan.cli.whatif_cmd import whatif_cmd
-from autoplan.errors import InputError
+from autoplan.contract.errors import InputError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,8 +7,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autoplan._format import fmt_bandwidth, fmt_flops, fmt_time
-from autoplan._workers import DEFAULT_STALL_S
-from autoplan.calibrate import calibrate
+from autoplan.calibration._workers import DEFAULT_STALL_S
+from autoplan.calibration.machine import calibrate
 from autoplan.cli.common import console, emit_json, json_option
 
 

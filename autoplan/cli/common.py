@@ -34,7 +34,7 @@ def load_model(spec: str) -> Any:
 
     Imported on use: torch takes seconds to import and the file commands do not need it.
     """
-    build_model = importlib.import_module("autoplan.model_spec").build_model
+    build_model = importlib.import_module("autoplan.models.spec").build_model
     return build_model(spec)
 
 

@@ -15,7 +15,7 @@ from autoplan._format import (
 )
 from autoplan.api import default_dp, estimate, manual_plan
 from autoplan.cli.common import console, dtype_option, emit_json, json_option, trace_spec
-from autoplan.plan import DTypeName, Recompute, Schedule
+from autoplan.contract.plan import DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.hardware import load_cluster
 

@@ -15,11 +15,18 @@ from rich.padding import Padding
 from rich.table import Table
 
 from autoplan._format import collapse_runs, compact_table, fmt_gib, fmt_time
+from autoplan.analysis.explain import (
+    Explanation,
+    describe_plan,
+    explain,
+    plan_cluster,
+    plan_model_spec,
+)
+from autoplan.analysis.timeline import timeline_of
 from autoplan.cli.common import console, emit_json, finite_seconds, json_option, trace_spec
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.whatif_cmd import check_picture_path
-from autoplan.explanation import Explanation, describe_plan, explain, plan_cluster, plan_model_spec
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
 from cost_model.hardware import load_cluster
 
 
@@ -111,8 +118,8 @@ def explain_cmd(
         )
     timeline: dict[str, Any] | None = None
     if timeline_path is not None:
-        from autoplan.plots import save_figure, timeline_figure
-        from autoplan.timeline import timeline_of
+        # matplotlib takes about a second to import: only when a picture is asked for.
+        from autoplan.analysis.plots import save_figure, timeline_figure
 
         simulated = timeline_of(result.estimate, plan)
         save_figure(timeline_figure(simulated), timeline_path)

@@ -8,10 +8,12 @@ import click
 from rich.table import Table
 
 from autoplan.cli.common import console, emit_json, json_option
-from autoplan.models import list_presets, preset, preset_config
 
 
 def _row(name: str) -> dict[str, Any]:
+    # The zoo imports torch (seconds): here, so the CLI's other commands stay fast.
+    from autoplan.models import preset, preset_config
+
     config = preset_config(name)
     model = preset(name)  # on meta: no memory
     params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once
@@ -34,6 +36,8 @@ def _row(name: str) -> dict[str, Any]:
 def models_cmd(as_json: bool) -> None:
     """List the model presets and their sizes. Pass a name to --model, with overrides as
     NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:... and llama:..."""
+    from autoplan.models import list_presets  # imports torch, as in _row
+
     rows = [_row(name) for name in list_presets()]
     if as_json:
         emit_json(rows)

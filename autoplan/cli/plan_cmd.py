@@ -29,7 +29,8 @@ from autoplan.cli.common import (
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
-from autoplan.plan import Plan
+from autoplan.contract.plan import Plan
+from autoplan.planner.search import SearchProgress, search_plans
 from cost_model.hardware import load_cluster
 
 
@@ -70,8 +71,6 @@ def plan_cmd(
     **options: Any,
 ) -> None:
     """Search the fastest plan that fits and show it with its ranked alternatives."""
-    from autoplan.planner.search import SearchProgress, search_plans
-
     constraints = search_constraints(options)
     target = load_cluster(cluster_spec)
     if output is not None:

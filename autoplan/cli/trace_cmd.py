@@ -16,7 +16,7 @@ from autoplan._format import compact_table, fmt_count
 from autoplan.cli.common import console, emit_json, json_option
 
 if TYPE_CHECKING:
-    from autoplan.graph import ModelGraph
+    from autoplan.contract.graph import ModelGraph
 
 _MIB = 2.0**20
 
@@ -56,7 +56,7 @@ def trace(
     """Trace a model on the meta device and show its pipeline units (identical blocks as one
     row, figures per unit; --all lists every unit)."""
     # Imported here: torch takes seconds to import, and other commands do not need it.
-    from autoplan.model_spec import build_model
+    from autoplan.models.spec import build_model
     from autoplan.tracing import trace as trace_model
 
     model = build_model(model_spec)

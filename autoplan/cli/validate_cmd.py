@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import click
 
+from autoplan.analysis.explain import ExplainInputError, plan_cluster, plan_model_spec
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
-from autoplan.errors import PlanError
-from autoplan.explanation import ExplainInputError, plan_cluster, plan_model_spec
-from autoplan.plan import Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan
 from cost_model.estimate import estimate
 from cost_model.hardware import load_cluster
 

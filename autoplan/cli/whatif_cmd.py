@@ -22,16 +22,7 @@ from autoplan._format import (
     fmt_recompute,
     fmt_time,
 )
-from autoplan.cli.common import (
-    budget_s,
-    console,
-    emit_json,
-    json_option,
-    search_constraints,
-    search_options,
-    trace_spec,
-)
-from autoplan.sweep import (
+from autoplan.analysis.whatif import (
     WhatIfInputError,
     WhatIfProgress,
     WhatIfResult,
@@ -40,6 +31,15 @@ from autoplan.sweep import (
     parse_cost_inputs,
     split_cluster_specs,
     whatif,
+)
+from autoplan.cli.common import (
+    budget_s,
+    console,
+    emit_json,
+    json_option,
+    search_constraints,
+    search_options,
+    trace_spec,
 )
 
 PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
@@ -167,7 +167,8 @@ def whatif_cmd(
             "devices with more memory or a smaller global batch"
         )
     if plot_path is not None:
-        from autoplan.plots import save_figure, whatif_figure
+        # matplotlib takes about a second to import: only when a picture is asked for.
+        from autoplan.analysis.plots import save_figure, whatif_figure
 
         save_figure(whatif_figure(result), plot_path)
     if as_json:

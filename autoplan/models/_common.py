@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 # The project-wide error type (an `InputError`, so a `ValueError`): one class, whichever of
 # `autoplan.ModelSpecError` or `autoplan.models.ModelSpecError` a caller catches.
-from autoplan.errors import ModelSpecError as ModelSpecError
+from autoplan.contract.errors import ModelSpecError as ModelSpecError
 
 # ---------------------------------------------------------------------------------------------
 # Config validation (called from the config dataclasses' __post_init__)

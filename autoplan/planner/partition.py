@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple
 
 from ortools.sat.python import cp_model
 
-from autoplan.plan import Recompute
+from autoplan.contract.plan import Recompute
 from cost_model.schedules import (
     CriticalPath,
     ScheduleSpec,

@@ -40,11 +40,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import Any
 
-from autoplan.api import plan_estimate, profile_of
-from autoplan.errors import NoFeasiblePlanError
-from autoplan.plan import ModelRef, Plan, Recompute, StagePlan
+from autoplan.contract.errors import NoFeasiblePlanError
+from autoplan.contract.plan import ModelRef, Plan, Recompute, StagePlan, plan_estimate
 from autoplan.planner.bounds import pipeline_factor, share_range
 from autoplan.planner.partition import (
     ModeCosts,
@@ -70,7 +69,7 @@ from cost_model.estimate import (
     unit_classes,
     unit_costs,
 )
-from cost_model.hardware import Cluster, as_cluster
+from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
@@ -890,67 +889,3 @@ def _memory_fixes(space: SearchSpace) -> str:
     if space.dtype == "fp32":
         fixes.append("train in bf16")
     return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
-
-
-# ------------------------------------------------------------------------------ public API
-
-
-@overload
-def search(
-    model_or_graph: Any,
-    cluster: Cluster | str,
-    *,
-    global_batch: int,
-    top_k: None = None,
-    time_limit_s: float = ...,
-    budget_s: float | None = ...,
-    progress: Callable[[SearchProgress], None] | None = ...,
-    **constraints: Any,
-) -> Plan: ...
-
-
-@overload
-def search(
-    model_or_graph: Any,
-    cluster: Cluster | str,
-    *,
-    global_batch: int,
-    top_k: int,
-    time_limit_s: float = ...,
-    budget_s: float | None = ...,
-    progress: Callable[[SearchProgress], None] | None = ...,
-    **constraints: Any,
-) -> list[Plan]: ...
-
-
-def search(
-    model_or_graph: Any,
-    cluster: Cluster | str,
-    *,
-    global_batch: int,
-    top_k: int | None = None,
-    time_limit_s: float = 10.0,
-    budget_s: float | None = DEFAULT_BUDGET_S,
-    progress: Callable[[SearchProgress], None] | None = None,
-    **constraints: Any,
-) -> Plan | list[Plan]:
-    """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
-
-    ``model_or_graph``: an ``nn.Module`` (traced on the fly), a ``ModelGraph`` or a
-    ``ModelProfile``. Keyword constraints fix or bound any dimension: ``tp``, ``pp``, ``dp``,
-    ``micro_batch`` (an int or a collection of allowed values), ``max_tp``, ``max_pp``,
-    ``max_micro_batch``, ``virtual_stages``, ``schedules``, ``zero``, ``recompute``,
-    ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
-    ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
-    """
-    result = search_plans(
-        profile_of(model_or_graph),
-        as_cluster(cluster),
-        global_batch=global_batch,
-        top_k=top_k or 1,
-        time_limit_s=time_limit_s,
-        budget_s=budget_s,
-        progress=progress,
-        **constraints,
-    )
-    return list(result.plans) if top_k is not None else result.plans[0]

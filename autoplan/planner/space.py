@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.errors import InputError
-from autoplan.plan import (
+from autoplan.contract.errors import InputError
+from autoplan.contract.plan import (
     MESH_AXES,
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -265,7 +265,7 @@ def strategies(
 
 def recompute_modes(space: SearchSpace, schedule: Schedule) -> tuple[Recompute, ...]:
     """The recompute modes the search may give the stages of ``schedule``: a split backward
-    runs without recompute (`autoplan.plan.split_backward_conflict`)."""
+    runs without recompute (`autoplan.contract.plan.split_backward_conflict`)."""
     return _allowed_modes(tuple(space.recompute), schedule)
 
 

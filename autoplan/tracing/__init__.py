@@ -7,7 +7,7 @@ tensors), ``unit_profiles`` (each unit's profile), ``assemble`` (the `ModelGraph
 ``fingerprint``; ``api`` composes them.
 """
 
-from autoplan.graph import ModelGraph, NodeProfile
+from autoplan.contract.graph import ModelGraph, NodeProfile
 from autoplan.tracing.api import trace
 
 __all__ = ["ModelGraph", "NodeProfile", "trace"]

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from autoplan.errors import TraceError
-from autoplan.graph import ModelGraph
-from autoplan.model_spec import spec_of as model_spec_of
+from autoplan.contract.errors import TraceError
+from autoplan.contract.graph import ModelGraph
+from autoplan.models.spec import spec_of as model_spec_of
 from autoplan.tracing.assemble import config_int, model_graph
 from autoplan.tracing.measure import measure_units, traced_graph
 from autoplan.tracing.profiler import profile_unit

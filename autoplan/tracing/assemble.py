@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from autoplan.graph import ModelGraph, NodeProfile
+from autoplan.contract.graph import ModelGraph, NodeProfile
 from autoplan.tracing.fingerprint import fingerprint
 from autoplan.tracing.measure import Measurements, TracedGraph, first_spec, target_name
 from autoplan.tracing.unit_profiles import NodeCopy, ProfiledUnits, TpAnalysis, UnitParams

@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from autoplan.errors import TraceError
-from autoplan.ops import op_category
+from autoplan.contract.errors import TraceError
+from autoplan.contract.ops import op_category
 
 __all__ = [
     "Gemm",

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx, nn
 
-from autoplan.errors import TraceError
-from autoplan.graph import FrontEnd
+from autoplan.contract.errors import TraceError
+from autoplan.contract.graph import FrontEnd
 from autoplan.tracing.units import module_structure
 
 if TYPE_CHECKING:

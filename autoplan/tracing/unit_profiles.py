@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor, fx, nn
 
-from autoplan.graph import NodeProfile
+from autoplan.contract.graph import NodeProfile
 from autoplan.tracing.measure import (
     Measurements,
     TracedGraph,

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from autoplan.errors import InputError
+from autoplan.contract.errors import InputError
 from passes.progress import default_group_timeout
 from passes.runtime import DistributedModel
 

@@ -24,8 +24,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from autoplan.sweep import WhatIfResult
-from autoplan.timeline import EVENT_KINDS, EventKind, Timeline
+from autoplan.analysis.timeline import EVENT_KINDS, EventKind, Timeline
+from autoplan.analysis.whatif import WhatIfResult
 
 __all__ = ["KIND_COLOURS", "KIND_LABELS", "save_figure", "timeline_figure", "whatif_figure"]
 

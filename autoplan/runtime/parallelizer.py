@@ -41,9 +41,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from autoplan.errors import InputError, PlanError
-from autoplan.graph import ModelGraph
-from autoplan.plan import Plan
+from autoplan.contract.errors import InputError, PlanError
+from autoplan.contract.graph import ModelGraph
+from autoplan.contract.plan import Plan
+from autoplan.planner.search import search_plans
+from autoplan.tracing import trace
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster, as_cluster
 from passes import (
@@ -418,8 +420,6 @@ def _job_cluster(world_size: int, local_world: int) -> Cluster:
 
 
 def _trace(model: nn.Module, plan: Plan | None) -> ModelGraph:
-    from autoplan.tracing import trace
-
     # The micro-batch size: a graph from torch.export (Hugging Face models) has its shapes fixed.
     batch = plan.micro_batch_size if plan is not None else 1
     return trace(model, batch_size=batch)
@@ -541,10 +541,9 @@ def _search(
     global_batch_size: int,
     constraints: Mapping[str, Any],
 ) -> Plan:
-    from autoplan.planner.search import search
-
-    plan: Plan = search(graph, cluster, global_batch=global_batch_size, **constraints)
-    return plan
+    return search_plans(
+        graph.profile, cluster, global_batch=global_batch_size, **constraints
+    ).plans[0]
 
 
 def _describe(plan: Plan) -> str:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from autoplan.errors import PlanError, SchemaError
+from autoplan._format import fmt_memory, fmt_time
+from autoplan.contract.errors import PlanError, SchemaError
+from cost_model.estimate import Estimate
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
@@ -128,8 +130,6 @@ class PlanEstimate:
     def __str__(self) -> str:
         """One sentence: "on 64 dgx-a100-80g devices: a step takes 3.99 s (131,539 tokens/s,
         MFU 57.4%); peak memory predicted 70.8 GiB + 5.5 GiB reserve/margin of 80 GiB"."""
-        from autoplan._format import fmt_memory, fmt_time
-
         fits = ""
         if self.memory_capacity_bytes:
             fits = (
@@ -497,3 +497,18 @@ def even_stages(
         stages.append(StagePlan(first_unit=first, last_unit=first + size - 1, recompute=recompute))
         first += size
     return tuple(stages)
+
+
+def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
+    """The summary a `Plan` file records (informational)."""
+    return PlanEstimate(
+        cluster=cluster.name,
+        num_devices=result.num_devices,
+        step_time_s=result.step_time_s,
+        tokens_per_s=result.tokens_per_s,
+        model_tflops_per_device=result.model_tflops_per_device,
+        mfu=result.mfu,
+        peak_memory_bytes=int(result.peak_memory_bytes),
+        memory_reserve_bytes=int(result.peak_rank.memory.reserve_bytes),
+        memory_capacity_bytes=int(result.memory_capacity_bytes),
+    )

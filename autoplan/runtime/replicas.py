@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from autoplan.errors import PlanError
-from autoplan.plan import Plan
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan
 from passes.runtime import DistributedModel, ReplicaSync
 
 if TYPE_CHECKING:

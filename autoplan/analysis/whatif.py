@@ -1,8 +1,5 @@
 """`autoplan.whatif`: the best plan, speed and cost of one model across cluster sizes and types.
 
-(The module is `autoplan.sweep`, not ``autoplan.whatif``: a submodule named like the public
-function would replace it on the package once imported; see docs/design.md.)
-
 Expects a model (an ``nn.Module``, a ``ModelGraph`` or a ``ModelProfile``), one or more cluster
 types (a preset or spec ``NAME[:key=value,...]``, a cluster YAML path, or a `Cluster` used as a
 template for its node), device counts, a global batch and optionally a token count and a price
@@ -37,8 +34,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.errors import InputError, NoFeasiblePlanError
-from autoplan.plan import Plan
+from autoplan import api
+from autoplan.contract.errors import InputError, NoFeasiblePlanError
+from autoplan.contract.plan import Plan
+from autoplan.planner.search import search_plans
+from autoplan.planner.space import ConstraintError, SearchSpace
 from cost_model.hardware import Cluster, load_cluster
 from cost_model.workload import ModelProfile
 
@@ -395,8 +395,6 @@ def whatif(
     most one per search; 1 runs them here, one after another). ``time_limit_s`` and
     ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
     """
-    from autoplan.api import profile_of
-
     start = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
@@ -418,12 +416,9 @@ def whatif(
             raise WhatIfInputError(f"cluster type {label!r} is given twice")
     for kind in types:
         kind.check_devices(sizes)
-    # Unknown or contradictory constraints fail before any search. (The planner imports OR-tools:
-    # imported here so that importing this module and the CLI stay fast.)
-    from autoplan.planner.space import SearchSpace
-
+    # Unknown or contradictory constraints fail before any search.
     SearchSpace.from_constraints(**constraints)
-    profile = profile_of(model_or_graph)
+    profile = api.profile_of(model_or_graph)
 
     jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]
     total = len(jobs)
@@ -501,11 +496,10 @@ class _Found:
 
 
 def _warm_worker() -> None:
-    """Load what every search needs once per worker process (the planner, OR-tools and
-    torch's pipeline schedules, about 2 s), so that each size's search time is its own."""
+    """Load what every search needs once per worker process (torch's pipeline schedules, which
+    the schedule simulator imports on first use, about 2 s), so that each size's search time is
+    its own."""
     import torch.distributed.pipelining.schedules  # noqa: F401
-
-    import autoplan.planner.search  # noqa: F401
 
 
 def _best_plan(
@@ -516,9 +510,6 @@ def _best_plan(
     limits: tuple[float, float | None],
     constraints: Mapping[str, Any],
 ) -> _Found:
-    from autoplan.planner.search import search_plans
-    from autoplan.planner.space import ConstraintError
-
     t0 = time.perf_counter()
     try:
         result = search_plans(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.errors import ModelSpecError
+from autoplan.contract.errors import ModelSpecError
 from autoplan.models import GPTConfig, LlamaConfig, gpt, list_presets, llama, preset, preset_config
 
 __all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "spec_of", "valid_keys"]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autoplan.errors import CalibrationError
+from autoplan.contract.errors import CalibrationError
 
 __all__ = ["DEFAULT_STALL_S", "beat", "join_workers"]
 

@@ -15,7 +15,7 @@ send/recv time for small and large messages. From them it fits the cluster's con
   (`cost_model.communication.all_reduce_time_s`).
 
 - host overheads of the training stack (DTensor, FSDP2 wrappers) from a few real training jobs
-  (`autoplan.calibrate_runtime`).
+  (`autoplan.calibration.host_overheads`).
 
 Compute rates are measured in every worker process at once, as a training job loads the
 machine. On CPU, ``dp_overlap_fraction`` is 0: gloo moves the bytes with the worker's only core.
@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoplan._workers import DEFAULT_STALL_S, beat, join_workers
-from autoplan.calibrate_runtime import (
+from autoplan.calibration._workers import DEFAULT_STALL_S, beat, join_workers
+from autoplan.calibration.host_overheads import (
     RuntimeMeasurement,
     calibration_profile,
     fit_host_overheads,
     measure_runtime,
 )
-from autoplan.errors import CalibrationError
+from autoplan.contract.errors import CalibrationError
 from cost_model.communication import ring_half_collective_time_s
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
@@ -92,7 +92,7 @@ class Measurements:
     kernel_overhead_s: float
     comm: tuple[CommMeasurement, ...]
     backend: str
-    # Step times of real training jobs (`autoplan.calibrate_runtime`); empty when skipped.
+    # Step times of real training jobs (`autoplan.calibration.host_overheads`); empty when skipped.
     runtime: tuple[RuntimeMeasurement, ...] = ()
 
 
@@ -504,10 +504,11 @@ def calibrate(
     ``output`` defaults to `cost_model.local_machine.calibrated_path()`, which `Cluster.local()`
     reads. ``world_size`` (2-4) defaults to the number of cores, at least 2 and at most 4.
     With ``training``, the host overheads of the training stack are then fitted to real
-    training steps through `autoplan.parallelize` (`autoplan.calibrate_runtime`, ~8 s). The
+    training steps through `autoplan.parallelize` (`autoplan.calibration.host_overheads`, ~8 s). The
     measurements take as long as the machine needs; a job that reports no progress for
     ``stall_s`` seconds is stopped with a `CalibrationError`.
     """
+    # Imports torch (seconds): here, so the CLI's other commands stay fast.
     from cost_model import local_machine
 
     if world_size is None:

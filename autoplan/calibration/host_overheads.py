@@ -1,14 +1,14 @@
 """Fit the training stack's host overheads from real training steps on this machine.
 
-Expects a cluster whose device rates and links `autoplan.calibrate` has just measured. Runs a
-few short training jobs of a small zoo GPT through `autoplan.parallelize` on ``world_size``
-local processes (gloo on CPU, NCCL with one GPU per process), one job per reference plan, and
-fits the host-time constants of `cost_model.calibration.Calibration` that the device and link
-measurements cannot see:
+Expects a cluster whose device rates and links `autoplan.calibration.machine` has just
+measured. Runs a few short training jobs of a small zoo GPT through `autoplan.parallelize` on
+``world_size`` local processes (gloo on CPU, NCCL with one GPU per process), one job per
+reference plan, and fits the host-time constants of `cost_model.calibration.Calibration` that
+the device and link measurements cannot see:
 
 - ``kernel_overhead_s`` (per op, forward or backward) from a plain DDP plan: a training step
   records autograd and runs the backward engine for every op, which the bare tiny kernel that
-  `autoplan.calibrate` times does not;
+  `autoplan.calibration.machine` times does not;
 - ``dp_unit_overhead_s`` (per unit per micro-batch) and ``sharded_optimizer_unit_overhead_s``
   (per unit per step) from two ZeRO-3 plans with 1 and 2 micro-batches per step;
 - ``tp_module_overhead_s`` (per sharded module per micro-batch) from a tensor-parallel plan;
@@ -44,8 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from autoplan._workers import DEFAULT_STALL_S, beat, join_workers
+from autoplan.api import manual_plan
+from autoplan.calibration._workers import DEFAULT_STALL_S, beat, join_workers
+from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
+from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile
 
@@ -93,6 +96,7 @@ class RuntimeMeasurement:
 
 def _reference_model() -> Any:
     """The reference GPT on the meta device (tied embedding and head)."""
+    # Imports torch (seconds): here, so the CLI's other commands stay fast.
     from autoplan.models import gpt
 
     spec = CALIBRATION_MODEL
@@ -109,6 +113,7 @@ def _reference_model() -> Any:
 
 def calibration_profile() -> ModelProfile:
     """The traced profile of the reference model (meta device, no real memory)."""
+    # Imports torch (seconds): here, so the CLI's other commands stay fast.
     from autoplan.tracing import trace
 
     return trace(_reference_model()).profile
@@ -118,8 +123,6 @@ def reference_plans(
     profile: ModelProfile, cluster: Cluster
 ) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
     """(name, plan data, fitted constants) of the reference jobs on ``cluster``'s devices."""
-    from autoplan.api import manual_plan
-
     batch = SAMPLES_PER_DEVICE * cluster.num_devices
     zero3 = ("dp_unit_overhead_s", "sharded_optimizer_unit_overhead_s")
     specs: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
@@ -150,11 +153,11 @@ def _runtime_worker(
     plans: list[dict[str, Any]],
     heartbeat: str,
 ) -> None:
+    # A worker process: torch and the runtime load here, not in the process that fits.
     import torch
     import torch.distributed as dist
 
-    from autoplan.parallelizer import parallelize
-    from autoplan.plan import Plan
+    from autoplan.runtime.parallelizer import parallelize
 
     torch.set_num_threads(1)
     os.environ.update(
@@ -248,9 +251,6 @@ def predicted_step_s(
     profile: ModelProfile, cluster: Cluster, calibration: Calibration, plan: dict[str, Any]
 ) -> float:
     """The cost model's step time for ``plan`` with ``calibration`` in place of the cluster's."""
-    from autoplan.plan import Plan
-    from cost_model.estimate import estimate
-
     probe = dataclasses.replace(cluster, calibration=calibration)
     return estimate(profile, probe, Plan.from_data(plan)).step_time_s
 

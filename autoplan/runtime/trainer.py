@@ -32,11 +32,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from autoplan.checkpoint import Checkpointer, CheckpointInfo
-from autoplan.errors import PlanError
-from autoplan.parallelizer import DEFAULT_OPTIMIZER, LossFn, parallelize
-from autoplan.plan import Plan
-from autoplan.replicas import TorchFTReplicas
+from autoplan.contract.errors import PlanError
+from autoplan.contract.plan import Plan
+from autoplan.runtime.checkpoint import Checkpointer, CheckpointInfo
+from autoplan.runtime.parallelizer import DEFAULT_OPTIMIZER, LossFn, parallelize
+from autoplan.runtime.replicas import TorchFTReplicas
 from cost_model.hardware import Cluster
 from passes import log_rank0
 from passes.runtime import DistributedModel, OptimizerFactory
@@ -101,9 +101,9 @@ class Trainer:
     ``search_constraints`` are for that search. ``checkpoint_dir`` None: no checkpoints.
     ``timeout_s``: the process-group timeout when parallelize creates the group.
     ``replicas``: this job is one of several replica groups that average gradients through
-    torchft and survive each other's failures (`autoplan.replicas`); ``global_batch_size`` is
-    then the batch over all groups, the plan (given or searched) each group's, and checkpoints
-    go to ``checkpoint_dir/replica_<group>``.
+    torchft and survive each other's failures (`autoplan.runtime.replicas`);
+    ``global_batch_size`` is then the batch over all groups, the plan (given or searched) each
+    group's, and checkpoints go to ``checkpoint_dir/replica_<group>``.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """`autoplan.explain`: why a plan is as fast as it is, and what the alternatives would cost.
 
-(The module is `autoplan.explanation`: a submodule named ``explain`` would replace the public
+(The module is `autoplan.analysis.explain`: a submodule named ``explain`` would replace the public
 function on the package once imported; see docs/design.md.)
 
 Expects a `Plan`, the model it was made for (an ``nn.Module``, ``ModelGraph`` or
@@ -38,10 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from autoplan import api
 from autoplan._format import fmt_time
-from autoplan.errors import InputError, ModelSpecError, NoFeasiblePlanError
-from autoplan.plan import MESH_AXES, Plan
-from autoplan.sweep import cluster_type, infeasible_reason
+from autoplan.analysis.whatif import cluster_type, infeasible_reason
+from autoplan.contract.errors import InputError, ModelSpecError, NoFeasiblePlanError
+from autoplan.contract.plan import MESH_AXES, Plan
+from autoplan.planner.search import search_plans
+from autoplan.planner.space import ConstraintError
 from cost_model.errors import ClusterError
 from cost_model.estimate import Estimate
 from cost_model.hardware import Cluster
@@ -239,11 +242,8 @@ def explain(
     visits candidates for at most ``budget_s`` seconds (None: until every one is proven), as
     `autoplan.search`.
     """
-    from autoplan.api import estimate as checked_estimate
-    from autoplan.api import profile_of
-
-    profile = profile_of(model_or_graph)
-    result = checked_estimate(profile, cluster, plan)
+    profile = api.profile_of(model_or_graph)
+    result = api.estimate(profile, cluster, plan)
     notes: list[str] = []
     if not result.fits:
         notes.append(f"this plan does not fit: {result.memory_report()}")
@@ -384,9 +384,6 @@ def _search_alternatives(
     notes: list[str],
     progress: Callable[[str], None] | None,
 ) -> list[Alternative]:
-    from autoplan.planner.search import search_plans
-    from autoplan.planner.space import ConstraintError
-
     if progress is not None:
         progress(f"searching the top {top_k} plans for comparison")
     try:
@@ -425,9 +422,6 @@ def _constrained(
     **constraints: Any,
 ) -> Alternative:
     """The planner's best plan of a family (fixed degrees), or why there is none."""
-    from autoplan.planner.search import search_plans
-    from autoplan.planner.space import ConstraintError
-
     try:
         best = search_plans(
             profile,
@@ -559,7 +553,7 @@ def plan_model_spec(plan: Plan, source: str) -> tuple[str, str]:
     """The ``--model`` spec a plan file records (``model.name``) and a note saying so."""
     if plan.model is None:
         raise ExplainInputError(f"{source} has no model section; pass --model NAME[:key=value,...]")
-    from autoplan.model_spec import parse_model_spec  # imports torch: only when needed
+    from autoplan.models.spec import parse_model_spec  # imports torch: only when needed
 
     name = plan.model.name
     try:
