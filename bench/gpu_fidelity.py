@@ -45,7 +45,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime import _batch, loss_fn  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu_fidelity.json"
 GIB = 2.0**30
@@ -55,16 +57,6 @@ RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
 # Micro-batches per step for single-device plans: enough that the step is not one kernel.
 ACCUMULATION = 4
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _batch(global_batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=generator)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +173,7 @@ def _run_rank(spec: str, plan_data: dict[str, Any], steps: int, warmup: int) -> 
     device = torch.device("cuda", torch.cuda.current_device())
     config = model.config  # type: ignore[attr-defined]
     inputs, targets = (
-        t.to(device) for t in _batch(plan.global_batch_size, config.seq_len, config.vocab_size)
+        t.to(device) for t in _batch(plan.global_batch_size, config.seq_len, config.vocab_size, 0)
     )
     for _ in range(warmup):
         trainer.train_step(inputs, targets)
