@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,23 @@ def _plan(**changes: Any) -> Plan:
     )
     fields.update(changes)
     return Plan(**fields)
+
+
+def test_a_plan_says_when_its_zero_stage_runs_as_another() -> None:
+    """The ZeRO stage in summaries is the one that runs (`Plan.decisions`), not only the named one:
+    ZeRO-1 with TP or PP runs under FSDP2, which shards gradients too; plain fp32 data parallelism
+    runs it with DDP and ZeroRedundancyOptimizer, as named."""
+    assert _plan(zero_stage=1).zero_text == "ZeRO-1 (runs as ZeRO-2)"
+    plain = _plan(
+        dp_degree=8,
+        tp_degree=1,
+        pp_degree=1,
+        stages=even_stages(6, 1),
+        global_batch_size=32,
+        dtype="fp32",
+    )
+    assert dataclasses.replace(plain, zero_stage=1).zero_text == "ZeRO-1"
+    assert _plan(zero_stage=3).zero_text == "ZeRO-3"
 
 
 def test_group_ranks_follow_the_layout() -> None:

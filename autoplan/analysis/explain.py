@@ -330,7 +330,7 @@ def describe_plan(plan: Plan) -> str:
     modes = "+".join(sorted({s.recompute for s in plan.stages}))
     text = (
         f"tp={plan.tp_degree} pp={plan.pp_degree} dp={plan.dp_degree}, micro-batch "
-        f"{plan.micro_batch_size} x {plan.num_micro_batches}, {schedule}, ZeRO-{plan.zero_stage}, "
+        f"{plan.micro_batch_size} x {plan.num_micro_batches}, {schedule}, {plan.zero_text}, "
         f"recompute {modes}" + (", SP" if plan.sequence_parallel else "")
     )
     if plan.pp_degree > 1:

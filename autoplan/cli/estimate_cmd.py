@@ -102,7 +102,7 @@ def estimate_cmd(
         f"[bold]{profile.name}[/] on {target.name} ({target.num_devices} devices): "
         f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree} "
         f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
-        f"{plan.num_micro_batches}, {plan.schedule}, ZeRO-{plan.zero_stage}, {plan.dtype}"
+        f"{plan.num_micro_batches}, {plan.schedule}, {plan.zero_text}, {plan.dtype}"
         + (", sequence parallel" if plan.sequence_parallel else "")
     )
     out.print(stage_table(result))

@@ -403,6 +403,14 @@ class Plan:
         prices it."""
         return Strategy.of(self).decisions
 
+    @property
+    def zero_text(self) -> str:
+        """``ZeRO-2``; ``ZeRO-1 (runs as ZeRO-2)`` when the runtime runs another stage than the
+        plan names (ZeRO-1 outside DDP: FSDP2 shards gradients too)."""
+        run = self.decisions.zero_stage
+        suffix = "" if run == self.zero_stage else f" (runs as ZeRO-{run})"
+        return f"ZeRO-{self.zero_stage}{suffix}"
+
     def checkpoint_problem(self) -> str | None:
         """Why `torch.distributed.checkpoint` cannot save this plan's training state, or None
         (`Strategy.checkpointable`; `Checkpointer`, `Trainer` and ``autoplan validate

@@ -555,6 +555,6 @@ def _describe(plan: Plan) -> str:
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
         f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
         f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
-        f"ZeRO-{plan.zero_stage}, SP {'on' if plan.sequence_parallel else 'off'}, "
+        f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
         f"{plan.dtype}, stages {stages}"
     )
