@@ -68,4 +68,4 @@ def export_plan(
         )
     dims = model if isinstance(model, ModelDims) else model_dims(plan_model_spec(plan, model))
     launch = Launch(num_devices=plan.num_devices, devices_per_node=devices_per_node)
-    return _EXPORTERS[framework](plan, dims, launch)  # type: ignore[index]
+    return _EXPORTERS[framework](plan, dims, launch)

@@ -40,6 +40,7 @@ from autoplan.export._common import (
     Export,
     ExportError,
     ExportProblem,
+    Framework,
     Launch,
     ModelDims,
     effective_layout,
@@ -50,7 +51,7 @@ from autoplan.export._common import (
     units_problem,
 )
 
-FRAMEWORK = "deepspeed"
+FRAMEWORK: Framework = "deepspeed"
 CONFIG_FILE = "ds_config.json"
 PIPELINE_FILE = "pipeline_module.json"
 
@@ -111,7 +112,10 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                     "deepspeed's PipelineEngine runs one schedule, TrainSchedule (1F1B, one "
                     "stage per rank; deepspeed/runtime/pipe/schedule.py)"
                 ),
-                fix="use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... --schedules 1f1b",
+                fix=(
+                    "use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... "
+                    "--schedules 1f1b"
+                ),
             )
         )
     elif pipelined:

@@ -10,13 +10,13 @@ Plan field -> flag:
 
 - ``tp_degree`` -> ``--tensor-model-parallel-size``, ``pp_degree`` ->
   ``--pipeline-model-parallel-size`` (``ModelParallelConfig`` fields).
-- ``stages`` and ``virtual_stages`` -> ``--pipeline-model-parallel-layout`` (``_add_distributed_args``):
-  one ``|``-separated entry per stage in stage order, ``E`` the embedding, ``t`` a block, ``L``
-  the output layer and loss; stage ``i`` runs on pipeline rank ``i % pp`` and the virtual
-  stage count is the number of entries / pp (``validate_args``; parsed by megatron-core's
-  ``PipelineParallelLayerLayout``). It states any cut exactly, so uneven plans need neither
-  ``--decoder-first/last-pipeline-num-layers`` (first and last stage only) nor
-  ``--num-virtual-stages-per-pipeline-rank`` (even split); it is mutually exclusive with both.
+- ``stages`` and ``virtual_stages`` -> ``--pipeline-model-parallel-layout``
+  (``_add_distributed_args``): one ``|``-separated entry per stage in stage order, ``E`` the
+  embedding, ``t`` a block, ``L`` the output layer and loss. Stage ``i`` runs on pipeline rank
+  ``i % pp``, and the virtual stage count is the number of entries / pp (``validate_args``;
+  parsed by megatron-core's ``PipelineParallelLayerLayout``). It states any cut exactly, so
+  uneven plans need neither ``--decoder-first/last-pipeline-num-layers`` (first and last
+  stage only) nor ``--num-virtual-stages-per-pipeline-rank`` (even split); it excludes both.
 - ``schedule``: Megatron picks it from the degrees (``get_forward_backward_func`` in
   ``megatron/core/pipeline_parallel/schedules.py``): no pipelining for pp = 1, 1F1B for
   pp > 1, interleaved 1F1B with virtual stages. GPipe and the zero-bubble schedules have no
@@ -50,6 +50,7 @@ from autoplan.export._common import (
     Export,
     ExportError,
     ExportProblem,
+    Framework,
     Launch,
     ModelDims,
     effective_layout,
@@ -61,7 +62,7 @@ from autoplan.export._common import (
     units_problem,
 )
 
-FRAMEWORK = "megatron-lm"
+FRAMEWORK: Framework = "megatron-lm"
 ARGS_FILE = "megatron_args.txt"
 
 # Megatron's rank orders, outermost first (initialize.py: 'tp-cp-ep-dp-pp' read innermost first)

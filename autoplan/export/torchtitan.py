@@ -23,8 +23,8 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   is torchtitan's, the same as autoplan's.
 - ``schedule`` -> ``pipeline_parallel_schedule``: torch's schedule names
   (``torch.distributed.pipelining.schedules.get_schedule_class``).
-- ``micro_batch_size`` / ``num_micro_batches`` / ``global_batch_size`` -> ``training.local_batch_size``
-  (per data-parallel rank per accumulation step; with PP split into
+- ``micro_batch_size`` / ``num_micro_batches`` / ``global_batch_size`` ->
+  ``training.local_batch_size`` (per data-parallel rank per accumulation step; with PP split into
   ``pipeline_parallel_microbatch_size`` micro-batches) and ``training.global_batch_size``
   (``TrainingConfig``; accumulation steps = global / (local x dp)).
 - ``stages[*].recompute`` (one mode for all) -> ``activation_checkpoint``: ``SelectiveAC.Config()``,
@@ -46,6 +46,7 @@ from autoplan.export._common import (
     Export,
     ExportError,
     ExportProblem,
+    Framework,
     Launch,
     ModelDims,
     effective_layout,
@@ -57,7 +58,7 @@ from autoplan.export._common import (
     units_problem,
 )
 
-FRAMEWORK = "torchtitan"
+FRAMEWORK: Framework = "torchtitan"
 MODULE = "autoplan_torchtitan"
 CONFIG_FUNCTION = "autoplan_plan"
 
@@ -196,6 +197,8 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         local_batch = plan.micro_batch_size  # the micro-batches are accumulation steps
     replicate, shard = (plan.dp_degree, 1) if plan.zero_stage == 0 else (1, plan.dp_degree)
     reshard = {0: "default", 1: "never", 2: "never", 3: "always"}[plan.zero_stage]
+    # torchtitan's default (True) is harmless without TP
+    sequence_parallel = plan.sequence_parallel or plan.tp_degree == 1
     recompute = uniform_recompute(plan)
     activation_checkpoint = {
         "none": "None",
@@ -227,14 +230,14 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         f"    parallelism.data_parallel_shard_degree = {shard}",
         f'    parallelism.fsdp_reshard_after_forward = "{reshard}"',
         f"    parallelism.tensor_parallel_degree = {plan.tp_degree}",
-        f"    parallelism.enable_sequence_parallel = {plan.sequence_parallel or plan.tp_degree == 1}",
+        f"    parallelism.enable_sequence_parallel = {sequence_parallel}",
         f"    parallelism.pipeline_parallel_degree = {plan.pp_degree}",
     ]
     if plan.pp_degree > 1:
         lines += [
             f'    parallelism.pipeline_parallel_schedule = "{SCHEDULE_NAMES[plan.schedule]}"',
             f"    parallelism.pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
-            f"    parallelism.pipeline_parallel_layers_per_stage = None",
+            "    parallelism.pipeline_parallel_layers_per_stage = None",
             "    parallelism.module_fqns_per_model_part = [",
             *(f"        {names!r}," for names in module_fqns(plan, dims)),
             "    ]",
@@ -260,7 +263,7 @@ def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         "--config",
         CONFIG_FUNCTION,
     )
-    notes = (
+    notes: tuple[str, ...] = (
         f"put {MODULE}.py on PYTHONPATH (the launch line imports it by name)",
         "the baseline's hf_assets_path and dataset are torchtitan's defaults: point them at "
         "your tokenizer and data",
