@@ -196,7 +196,15 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
 
 def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
     args = megatron_args(plan, dims)
+    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP before Blackwell, unless
+    # Megatron-FSDP runs (which wants it unset)
+    env = (
+        ("env", "CUDA_DEVICE_MAX_CONNECTIONS=1")
+        if plan.tp_degree > 1 and plan.zero_stage < 2
+        else ()
+    )
     command = (
+        *env,
         "torchrun",
         f"--nnodes={launch.nodes}",
         f"--nproc-per-node={launch.procs_per_node}",
