@@ -34,7 +34,9 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   master weights either way). It has no float16.
 - ``rank_layout``: torchtitan's mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
   first, ``torchtitan/distributed/parallel_dims.py``): [pp, dp, tp].
-- ``model.seq_len`` -> ``training.seq_len``. The model itself is a registered flavor.
+- ``model.seq_len`` -> ``training.seq_len``. With PP, ``training.disable_cuda_graphs`` (the
+  trainer refuses CUDA graphs with pipeline parallelism, ``torchtitan/trainer.py``). The model
+  itself is a registered flavor.
 """
 
 from __future__ import annotations
@@ -235,6 +237,9 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
     ]
     if plan.pp_degree > 1:
         lines += [
+            # Trainer.Config._validate_cuda_graphs (torchtitan/trainer.py): "CUDA graphs do
+            # not support pipeline parallelism yet"
+            "    config.training.disable_cuda_graphs = True",
             f'    parallelism.pipeline_parallel_schedule = "{SCHEDULE_NAMES[plan.schedule]}"',
             f"    parallelism.pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
             "    parallelism.pipeline_parallel_layers_per_stage = None",
