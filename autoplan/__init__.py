@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from autoplan.analysis.whatif import whatif
     from autoplan.api import estimate, manual_plan, search
     from autoplan.contract.graph import ModelGraph
+    from autoplan.export import export_plan
     from autoplan.runtime.checkpoint import Checkpointer, CheckpointError
     from autoplan.runtime.parallelizer import parallelize
     from autoplan.runtime.replicas import TorchFTReplicas
@@ -49,6 +50,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "parallelize": ("autoplan.runtime.parallelizer", "parallelize"),
     "whatif": ("autoplan.analysis.whatif", "whatif"),
     "explain": ("autoplan.analysis.explain", "explain"),
+    "export_plan": ("autoplan.export", "export_plan"),
     "Checkpointer": ("autoplan.runtime.checkpoint", "Checkpointer"),
     "CheckpointError": ("autoplan.runtime.checkpoint", "CheckpointError"),
     "Trainer": ("autoplan.runtime.trainer", "Trainer"),
@@ -89,6 +91,7 @@ __all__ = [
     "__version__",
     "estimate",
     "explain",
+    "export_plan",
     "manual_plan",
     "models",
     "parallelize",

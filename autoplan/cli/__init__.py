@@ -19,6 +19,7 @@ from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
 from autoplan.cli.explain_cmd import explain_cmd
+from autoplan.cli.export_cmd import export_cmd
 from autoplan.cli.models_cmd import models_cmd
 from autoplan.cli.plan_cmd import plan_cmd
 from autoplan.cli.trace_cmd import trace
@@ -42,6 +43,7 @@ cli.add_command(plan_cmd)
 cli.add_command(calibrate_cmd)
 cli.add_command(whatif_cmd)
 cli.add_command(explain_cmd)
+cli.add_command(export_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

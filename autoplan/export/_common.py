@@ -1,0 +1,202 @@
+"""What the three exporters share: the error, the model's sizes, the stages as layers, and the
+launch line.
+
+Pipeline units are the trace's: unit 0 is the embedding, units 1..L the transformer blocks,
+unit L + 1 the final norm and the head (docs/plan-format.md, ``stages``). Frameworks count
+transformer layers and place the embedding and the head by rule or by name, so each stage is
+read back as (embedding?, number of blocks, head?).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from autoplan.contract.errors import InputError
+from autoplan.contract.plan import MeshAxis, Plan, Recompute
+
+Framework = Literal["megatron-lm", "torchtitan", "deepspeed"]
+FRAMEWORKS: tuple[Framework, ...] = ("megatron-lm", "torchtitan", "deepspeed")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportProblem:
+    """One plan field a framework cannot express: the field and its value, the framework
+    option that falls short, and the nearest plan it can run."""
+
+    field: str
+    value: str
+    option: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field} = {self.value}: {self.option}; {self.fix}"
+
+
+class ExportError(InputError):
+    """A plan (or its model) that a framework cannot express; ``problems`` lists every one."""
+
+    def __init__(self, framework: str, problems: Sequence[ExportProblem]) -> None:
+        self.framework = framework
+        self.problems = tuple(problems)
+        if len(self.problems) == 1:
+            body = str(self.problems[0])
+        else:
+            body = " ".join(f"({idx}) {p};" for idx, p in enumerate(self.problems, 1))[:-1]
+        super().__init__(f"cannot export this plan to {framework}: {body}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelDims:
+    """The architecture a launch config must restate (from the zoo config of the plan's
+    ``model.name``)."""
+
+    spec: str
+    family: Literal["gpt", "llama"]
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    seq_len: int
+    vocab_size: int
+    tie_embeddings: bool
+    dropout: float = 0.0
+    rope_theta: float | None = None  # llama only
+    norm_eps: float = 1e-5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageLayers:
+    """One pipeline stage in a framework's terms."""
+
+    embedding: bool
+    num_layers: int  # transformer blocks
+    head: bool
+    first_layer: int  # index of its first block among the blocks (0-based)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Launch:
+    """How many processes where: ``devices_per_node`` is None when unknown (placeholders)."""
+
+    num_devices: int
+    devices_per_node: int | None = None
+
+    @property
+    def nodes(self) -> str:
+        if self.devices_per_node is None:
+            return "$NNODES"
+        return str(max(1, self.num_devices // self.devices_per_node))
+
+    @property
+    def procs_per_node(self) -> str:
+        if self.devices_per_node is None:
+            return "$NPROC_PER_NODE"
+        return str(min(self.devices_per_node, self.num_devices))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Export:
+    """What launches a plan on a framework: files (name -> text), the command line that starts
+    it (one process per device, run on every node) and notes on what the user still supplies."""
+
+    framework: Framework
+    files: Mapping[str, str]
+    command: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def command_line(self) -> str:
+        return " ".join(_quote(part) for part in self.command)
+
+
+def _quote(part: str) -> str:
+    if part.startswith("$") or all(c.isalnum() or c in "-_=./:,+" for c in part):
+        return part
+    return "'" + part.replace("'", "'\\''") + "'"
+
+
+def stage_layers(plan: Plan, dims: ModelDims) -> tuple[StageLayers, ...]:
+    """Each stage as (embedding?, blocks, head?); the model must have ``num_layers + 2`` units."""
+    last_unit = dims.num_layers + 1
+    stages = []
+    for stage in plan.stages:
+        blocks = [u for u in stage.unit_range if 1 <= u <= dims.num_layers]
+        stages.append(
+            StageLayers(
+                embedding=stage.first_unit == 0,
+                num_layers=len(blocks),
+                head=stage.last_unit == last_unit,
+                first_layer=(blocks[0] - 1) if blocks else max(0, stage.first_unit - 1),
+            )
+        )
+    return tuple(stages)
+
+
+def units_problem(plan: Plan, dims: ModelDims) -> ExportProblem | None:
+    """The plan's stages must cover the model's units: the embedding, each block, the head."""
+    expected = dims.num_layers + 2
+    if plan.num_units == expected:
+        return None
+    return ExportProblem(
+        field="stages",
+        value=f"units 0..{plan.num_units - 1}",
+        option=(
+            f"model {dims.spec!r} has {expected} pipeline units (embedding, {dims.num_layers} "
+            "blocks, head)"
+        ),
+        fix="export a plan made for this model, or pass the model it was made for (--model)",
+    )
+
+
+def uniform_recompute(plan: Plan) -> Recompute | None:
+    """The one recompute mode of every stage, or None when the stages mix modes."""
+    modes = {stage.recompute for stage in plan.stages}
+    return next(iter(modes)) if len(modes) == 1 else None
+
+
+_STRENGTH: dict[Recompute, int] = {"none": 0, "selective": 1, "full": 2}
+
+
+def recompute_mix_problem(plan: Plan, option: str, framework: str) -> ExportProblem:
+    """A plan whose stages mix recompute modes, for a framework with one global setting: the
+    nearest plan recomputes every stage as its most-recomputing stage does (memory still fits;
+    a weaker mode could overflow the stages that needed the stronger one)."""
+    modes = sorted({s.recompute for s in plan.stages}, key=_STRENGTH.__getitem__)
+    strongest = modes[-1]
+    per_stage = ", ".join(s.recompute for s in plan.stages)
+    return ExportProblem(
+        field="stages[*].recompute",
+        value=f"[{per_stage}]",
+        option=(
+            f"{framework} has one recompute setting for all layers ({option}); this plan mixes "
+            f"{' and '.join(modes)} over its stages"
+        ),
+        fix=(
+            f"use recompute={strongest} on every stage (the nearest plan that still fits), e.g. "
+            f"autoplan plan ... --recompute {strongest}, or edit the plan file"
+        ),
+    )
+
+
+def effective_layout(plan: Plan) -> tuple[MeshAxis, ...]:
+    """The plan's rank layout restricted to the axes of degree > 1 (outermost first): the only
+    part of the layout that changes which ranks talk to which."""
+    return tuple(axis for axis in plan.rank_layout if plan.degree(axis) > 1)
+
+
+def is_subsequence(axes: Sequence[str], order: Sequence[str]) -> bool:
+    """``axes`` appear in ``order`` in the same relative order."""
+    position = iter(order)
+    return all(axis in position for axis in axes)
+
+
+def layout_problem(plan: Plan, framework: str, options: str, allowed: str) -> ExportProblem:
+    return ExportProblem(
+        field="rank_layout",
+        value=f"[{', '.join(plan.rank_layout)}]",
+        option=f"{framework} orders its process groups {options}",
+        fix=f"use rank_layout {allowed}",
+    )

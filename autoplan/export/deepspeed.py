@@ -1,0 +1,239 @@
+"""DeepSpeed: a ``ds_config.json``, the ``deepspeed.pipe.PipelineModule`` arguments and the
+launcher line that run a plan.
+
+DeepSpeed itself (not the Megatron-DeepSpeed fork, whose arguments are Megatron-LM's) is the
+target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release):
+
+- ``global_batch_size``, ``micro_batch_size``, ``num_micro_batches`` -> ``train_batch_size``,
+  ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``
+  (``deepspeed/runtime/config.py``, which checks train = micro x accumulation x data-parallel
+  size); under pipeline parallelism the accumulation steps are the pipeline's micro-batches
+  (``deepspeed/runtime/pipe/engine.py``).
+- ``zero_stage`` -> ``zero_optimization.stage`` (``deepspeed/runtime/zero/config.py``). With
+  pipeline parallelism only 0 and 1: ``PipelineEngine`` asserts "ZeRO-2 and ZeRO-3 are
+  incompatible with pipeline parallelism" (``deepspeed/runtime/pipe/engine.py``).
+- ``dtype`` -> ``bf16.enabled`` / ``fp16.enabled`` (``deepspeed/runtime/precision_config.py``).
+- ``pp_degree`` and ``stages`` -> ``PipelineModule(num_stages=..., partition_method="uniform")``
+  (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head: DeepSpeed
+  places layers by rule (``uniform``, ``parameters``, ``type:<regex>``), and ``uniform``
+  (``partition_uniform`` in ``deepspeed/runtime/utils.py``) is autoplan's even split, so only
+  that cut is expressible. One schedule, ``TrainSchedule`` (1F1B, one stage per rank,
+  ``deepspeed/runtime/pipe/schedule.py``).
+- ``stages[*].recompute``: ``full`` -> ``PipelineModule(activation_checkpoint_interval=1)`` (the
+  model's blocks under ``deepspeed.checkpointing``); DeepSpeed has no selective recompute.
+- ``tp_degree`` -> ``tensor_parallel.autotp_size`` (AutoTP training,
+  ``deepspeed/runtime/tensor_parallel/config.py``) for a model without pipeline parallelism;
+  AutoTP shards a Hugging Face-style model in ``DeepSpeedEngine`` and ``PipelineEngine`` has no
+  path for it. No Megatron-style sequence parallelism (DeepSpeed's ``sequence_parallel_size``
+  is Ulysses, which splits attention heads, a different technique).
+- ``rank_layout``: ``PipeModelDataParallelTopology`` orders ``pipe, data, model`` (outermost
+  first, ``deepspeed/runtime/pipe/topology.py``): [pp, dp, tp].
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from autoplan.contract.plan import Plan, even_stages
+from autoplan.export._common import (
+    Export,
+    ExportError,
+    ExportProblem,
+    Framework,
+    Launch,
+    ModelDims,
+    effective_layout,
+    is_subsequence,
+    layout_problem,
+    recompute_mix_problem,
+    uniform_recompute,
+    units_problem,
+)
+
+FRAMEWORK: Framework = "deepspeed"
+CONFIG_FILE = "ds_config.json"
+PIPELINE_FILE = "pipeline_module.json"
+
+
+def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    if (units := units_problem(plan, dims)) is not None:
+        return [units]
+    problems: list[ExportProblem] = []
+    pipelined = plan.pp_degree > 1
+    if pipelined and plan.tp_degree > 1:
+        problems.append(
+            ExportProblem(
+                field="tp_degree",
+                value=str(plan.tp_degree),
+                option=(
+                    "deepspeed's tensor parallelism for training (tensor_parallel.autotp_size) "
+                    "shards a model in DeepSpeedEngine, not a PipelineModule "
+                    "(deepspeed/runtime/pipe/engine.py has no AutoTP path)"
+                ),
+                fix=(
+                    "use tp_degree 1 with pipeline parallelism, or pp_degree 1 with TP, e.g. "
+                    "autoplan plan ... --tp 1; Megatron-DeepSpeed runs both (export to "
+                    "megatron-lm)"
+                ),
+            )
+        )
+    if plan.sequence_parallel:
+        problems.append(
+            ExportProblem(
+                field="sequence_parallel",
+                value="true",
+                option=(
+                    "deepspeed has no Megatron-style sequence parallelism (sequence_parallel_size "
+                    "is Ulysses attention-head parallelism, deepspeed/sequence)"
+                ),
+                fix="set sequence_parallel: false",
+            )
+        )
+    if pipelined and plan.zero_stage >= 2:
+        problems.append(
+            ExportProblem(
+                field="zero_stage",
+                value=str(plan.zero_stage),
+                option=(
+                    "deepspeed's PipelineEngine asserts 'ZeRO-2 and ZeRO-3 are incompatible with "
+                    "pipeline parallelism' (zero_optimization.stage <= 1; "
+                    "deepspeed/runtime/pipe/engine.py)"
+                ),
+                fix="use zero_stage 1, e.g. autoplan plan ... --zero 0,1",
+            )
+        )
+    if pipelined and (plan.schedule != "1f1b" or plan.virtual_stages != 1):
+        problems.append(
+            ExportProblem(
+                field="schedule",
+                value=f"{plan.schedule} (virtual_stages {plan.virtual_stages})",
+                option=(
+                    "deepspeed's PipelineEngine runs one schedule, TrainSchedule (1F1B, one "
+                    "stage per rank; deepspeed/runtime/pipe/schedule.py)"
+                ),
+                fix=(
+                    "use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... "
+                    "--schedules 1f1b"
+                ),
+            )
+        )
+    elif pipelined:
+        uniform = even_stages(plan.num_units, plan.num_stages)
+        cuts = [(s.first_unit, s.last_unit) for s in plan.stages]
+        if cuts != [(s.first_unit, s.last_unit) for s in uniform]:
+            problems.append(
+                ExportProblem(
+                    field="stages",
+                    value=_cuts_text(cuts),
+                    option=(
+                        "deepspeed's PipelineModule places layers by partition_method (uniform, "
+                        "parameters or type:<regex>; deepspeed/runtime/pipe/module.py), not by "
+                        "explicit cuts"
+                    ),
+                    fix=(
+                        "use the uniform split "
+                        f"{_cuts_text([(s.first_unit, s.last_unit) for s in uniform])} "
+                        "(autoplan.manual_plan's even stages)"
+                    ),
+                )
+            )
+    recompute = uniform_recompute(plan)
+    if recompute is None:
+        problems.append(
+            recompute_mix_problem(plan, "PipelineModule activation_checkpoint_interval", FRAMEWORK)
+        )
+    elif recompute == "selective":
+        problems.append(
+            ExportProblem(
+                field="stages[*].recompute",
+                value="selective",
+                option=(
+                    "deepspeed recomputes whole layers (PipelineModule "
+                    "activation_checkpoint_interval, deepspeed.checkpointing); it has no "
+                    "selective recompute"
+                ),
+                fix="use recompute=full on every stage, e.g. autoplan plan ... --recompute full",
+            )
+        )
+    if not is_subsequence(effective_layout(plan), ("pp", "dp", "tp")):
+        problems.append(
+            layout_problem(
+                plan,
+                FRAMEWORK,
+                "pipe, data, model (outermost first; PipeModelDataParallelTopology in "
+                "deepspeed/runtime/pipe/topology.py)",
+                "[pp, dp, tp]",
+            )
+        )
+    return problems
+
+
+def _cuts_text(cuts: list[tuple[int, int]]) -> str:
+    return "[" + ", ".join(f"{a}-{b}" for a, b in cuts) + "]"
+
+
+def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
+    """The ``ds_config.json`` of ``plan``; raises `ExportError` listing every problem."""
+    problems = _problems(plan, dims)
+    if problems:
+        raise ExportError(FRAMEWORK, problems)
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "zero_optimization": {"stage": plan.zero_stage},
+        "bf16": {"enabled": plan.dtype == "bf16"},
+        "fp16": {"enabled": plan.dtype == "fp16"},
+    }
+    if plan.tp_degree > 1:
+        config["tensor_parallel"] = {"autotp_size": plan.tp_degree}
+    if uniform_recompute(plan) == "full":
+        # deepspeed.checkpointing's settings (deepspeed/runtime/activation_checkpointing/config.py)
+        config["activation_checkpointing"] = {
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+        }
+    return config
+
+
+def pipeline_module_args(plan: Plan) -> dict[str, Any]:
+    """Keyword arguments of ``deepspeed.pipe.PipelineModule`` (besides ``layers`` and
+    ``loss_fn``): the layer list is the embedding, each block, then the final norm and head."""
+    return {
+        "num_stages": plan.pp_degree,
+        "partition_method": "uniform",
+        "activation_checkpoint_interval": 1 if uniform_recompute(plan) == "full" else 0,
+    }
+
+
+def export_deepspeed(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
+    config = deepspeed_config(plan, dims)
+    files = {CONFIG_FILE: json.dumps(config, indent=2) + "\n"}
+    notes = [
+        "replace train.py with your training script; it calls deepspeed.initialize(..., "
+        f"config='{CONFIG_FILE}') and adds the optimizer and data",
+    ]
+    if plan.pp_degree > 1:
+        files[PIPELINE_FILE] = json.dumps(pipeline_module_args(plan), indent=2) + "\n"
+        notes.append(
+            f"build the model as deepspeed.pipe.PipelineModule(layers=[embedding, "
+            f"{dims.num_layers} blocks, norm + head], loss_fn=..., **{PIPELINE_FILE})"
+        )
+    elif uniform_recompute(plan) == "full":
+        notes.append(
+            "recompute: run each block under deepspeed.checkpointing.checkpoint (configured by "
+            "the activation_checkpointing section)"
+        )
+    # the DeepSpeed launcher (deepspeed/launcher/runner.py: --num_nodes, --num_gpus)
+    command = (
+        "deepspeed",
+        f"--num_nodes={launch.nodes}",
+        f"--num_gpus={launch.procs_per_node}",
+        "train.py",
+        "--deepspeed",
+        "--deepspeed_config",
+        CONFIG_FILE,
+    )
+    return Export(framework=FRAMEWORK, files=files, command=command, notes=tuple(notes))

@@ -1,0 +1,233 @@
+"""Megatron-LM: the ``pretrain_gpt.py`` arguments that run a plan.
+
+Flags are those of Megatron-LM's ``megatron/training/arguments.py`` (NVIDIA/Megatron-LM at
+d98e8a6, 2026-08-22). Many of them are generated from megatron-core dataclasses by
+``ArgumentGroupFactory`` (``--field-name`` for each field of ``TransformerConfig`` and
+``ModelParallelConfig``), so the flag, its dataclass field and megatron-core's check are one
+thing; the rest are ``group.add_argument`` calls, cited by function below.
+
+Plan field -> flag:
+
+- ``tp_degree`` -> ``--tensor-model-parallel-size``, ``pp_degree`` ->
+  ``--pipeline-model-parallel-size`` (``ModelParallelConfig`` fields).
+- ``stages`` and ``virtual_stages`` -> ``--pipeline-model-parallel-layout``
+  (``_add_distributed_args``): one ``|``-separated entry per stage in stage order, ``E`` the
+  embedding, ``t`` a block, ``L`` the output layer and loss. Stage ``i`` runs on pipeline rank
+  ``i % pp``, and the virtual stage count is the number of entries / pp (``validate_args``;
+  parsed by megatron-core's ``PipelineParallelLayerLayout``). It states any cut exactly, so
+  uneven plans need neither ``--decoder-first/last-pipeline-num-layers`` (first and last
+  stage only) nor ``--num-virtual-stages-per-pipeline-rank`` (even split); it excludes both.
+- ``schedule``: Megatron picks it from the degrees (``get_forward_backward_func`` in
+  ``megatron/core/pipeline_parallel/schedules.py``): no pipelining for pp = 1, 1F1B for
+  pp > 1, interleaved 1F1B with virtual stages. GPipe and the zero-bubble schedules have no
+  flag.
+- ``micro_batch_size`` -> ``--micro-batch-size``; ``global_batch_size`` ->
+  ``--global-batch-size`` (Megatron derives the micro-batches per step as
+  global / (micro x data-parallel size), ``megatron/core/num_microbatches_calculator.py``).
+- ``sequence_parallel`` -> ``--sequence-parallel`` (``ModelParallelConfig``).
+- ``stages[*].recompute`` (one mode for all) -> ``--recompute-granularity selective`` (which
+  recomputes core attention, ``recompute_modules`` default ``["core_attn"]``, as autoplan's
+  selective keeps the matmul outputs) or ``full`` with ``--recompute-method uniform
+  --recompute-num-layers 1`` (every layer checkpointed; ``TransformerConfig``).
+- ``zero_stage``: 1 -> ``--use-distributed-optimizer`` (optimizer state sharded over the
+  data-parallel group, ``_add_distributed_args``); 2 and 3 -> Megatron-FSDP,
+  ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
+  with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
+- ``dtype`` -> ``--bf16`` / ``--fp16`` (``_add_mixed_precision_args``; fp32 is the default).
+- ``rank_layout``: Megatron orders ranks ``tp-cp-ep-dp-pp`` (innermost first), or
+  ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping`` (``megatron/training/initialize.py``,
+  ``initialize_model_parallel(order=...)``): [pp, dp, tp] or [dp, pp, tp] outermost first.
+- The model: ``--num-layers --hidden-size --ffn-hidden-size --num-attention-heads``
+  (``TransformerConfig``), ``--group-query-attention --num-query-groups``, ``--seq-length``,
+  ``--max-position-embeddings``, and for Llama ``--normalization RMSNorm --swiglu
+  --position-embedding-type rope --rotary-base --disable-bias-linear`` (``_add_network_size_args``).
+"""
+
+from __future__ import annotations
+
+from autoplan.contract.plan import Plan
+from autoplan.export._common import (
+    Export,
+    ExportError,
+    ExportProblem,
+    Framework,
+    Launch,
+    ModelDims,
+    effective_layout,
+    is_subsequence,
+    layout_problem,
+    recompute_mix_problem,
+    stage_layers,
+    uniform_recompute,
+    units_problem,
+)
+
+FRAMEWORK: Framework = "megatron-lm"
+ARGS_FILE = "megatron_args.txt"
+
+# Megatron's rank orders, outermost first (initialize.py: 'tp-cp-ep-dp-pp' read innermost first)
+_DEFAULT_ORDER = ("pp", "dp", "tp")
+_TP_PP_DP_ORDER = ("dp", "pp", "tp")  # --use-tp-pp-dp-mapping
+
+
+def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
+    """The Megatron-LM arguments of ``plan`` on model ``dims``; raises `ExportError` listing
+    every field Megatron-LM cannot express."""
+    problems = _problems(plan, dims)
+    if problems:
+        raise ExportError(FRAMEWORK, problems)
+    args: list[str] = []
+    args += _model_args(dims)
+    args += ["--tensor-model-parallel-size", str(plan.tp_degree)]
+    args += ["--pipeline-model-parallel-size", str(plan.pp_degree)]
+    if plan.num_stages > 1:
+        args += ["--pipeline-model-parallel-layout", pipeline_layout(plan, dims)]
+    if plan.sequence_parallel:
+        args += ["--sequence-parallel"]
+    if effective_layout(plan) and not is_subsequence(effective_layout(plan), _DEFAULT_ORDER):
+        args += ["--use-tp-pp-dp-mapping"]
+    args += ["--micro-batch-size", str(plan.micro_batch_size)]
+    args += ["--global-batch-size", str(plan.global_batch_size)]
+    recompute = uniform_recompute(plan)
+    if recompute == "selective":
+        args += ["--recompute-granularity", "selective"]
+    elif recompute == "full":
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        args += ["--recompute-num-layers", "1"]
+    if plan.zero_stage == 1:
+        args += ["--use-distributed-optimizer"]
+    elif plan.zero_stage >= 2:
+        strategy = "optim_grads" if plan.zero_stage == 2 else "optim_grads_params"
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+        args += ["--ckpt-format", "fsdp_dtensor"]
+    if plan.dtype == "bf16":
+        args += ["--bf16"]
+    elif plan.dtype == "fp16":
+        args += ["--fp16"]
+    return tuple(args)
+
+
+def _model_args(dims: ModelDims) -> list[str]:
+    args = [
+        "--num-layers", str(dims.num_layers),
+        "--hidden-size", str(dims.hidden_size),
+        "--ffn-hidden-size", str(dims.ffn_hidden_size),
+        "--num-attention-heads", str(dims.num_heads),
+        "--seq-length", str(dims.seq_len),
+        "--max-position-embeddings", str(dims.seq_len),
+    ]  # fmt: skip
+    if dims.num_kv_heads != dims.num_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(dims.num_kv_heads)]
+    if dims.family == "llama":
+        args += ["--normalization", "RMSNorm", "--norm-epsilon", repr(dims.norm_eps)]
+        args += ["--swiglu", "--disable-bias-linear"]
+        args += ["--position-embedding-type", "rope"]
+        # --rotary-base is an int flag (type=int in _add_network_size_args)
+        args += ["--rotary-base", str(round(dims.rope_theta or 10000.0))]
+    else:
+        # GPT-2/3: LayerNorm, GeLU, biases and learned positions are Megatron's defaults
+        args += ["--norm-epsilon", repr(dims.norm_eps)]
+    # Megatron's dropouts default to 0.1 (TransformerConfig hidden_dropout / attention_dropout)
+    args += ["--attention-dropout", repr(dims.dropout), "--hidden-dropout", repr(dims.dropout)]
+    if not dims.tie_embeddings:
+        args += ["--untie-embeddings-and-output-weights"]
+    return args
+
+
+def pipeline_layout(plan: Plan, dims: ModelDims) -> str:
+    """``--pipeline-model-parallel-layout`` of the plan's stages, e.g. ``Et*3|t*4|t*4|t*3L``."""
+    entries = []
+    for stage in stage_layers(plan, dims):
+        blocks = "t" * stage.num_layers if stage.num_layers <= 2 else f"t*{stage.num_layers}"
+        entries.append(("E" if stage.embedding else "") + blocks + ("L" if stage.head else ""))
+    return "|".join(entries)
+
+
+def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    problems: list[ExportProblem] = []
+    if (units := units_problem(plan, dims)) is not None:
+        return [units]
+    if plan.pp_degree > 1:
+        if plan.schedule == "gpipe":
+            problems.append(
+                ExportProblem(
+                    field="schedule",
+                    value="gpipe",
+                    option=(
+                        "megatron-lm runs 1F1B, or interleaved 1F1B with virtual stages, chosen "
+                        "from the degrees (megatron/core/pipeline_parallel/schedules.py "
+                        "get_forward_backward_func); it has no GPipe schedule"
+                    ),
+                    fix="use schedule 1f1b (the same stages; fewer micro-batches in flight)",
+                )
+            )
+        elif plan.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+            problems.append(
+                ExportProblem(
+                    field="schedule",
+                    value=plan.schedule,
+                    option=(
+                        "megatron-lm has no zero-bubble schedule (no flag; "
+                        "get_forward_backward_func picks 1F1B or interleaved 1F1B)"
+                    ),
+                    fix=(
+                        "use schedule interleaved-1f1b with the same virtual_stages"
+                        if plan.schedule == "interleaved-zb"
+                        else "use schedule interleaved-1f1b (virtual_stages 2; the V's stages "
+                        "become loop-placed), e.g. autoplan plan ... --schedules interleaved-1f1b"
+                    ),
+                )
+            )
+    if uniform_recompute(plan) is None:
+        problems.append(recompute_mix_problem(plan, "--recompute-granularity", FRAMEWORK))
+    layout = effective_layout(plan)
+    if not (is_subsequence(layout, _DEFAULT_ORDER) or is_subsequence(layout, _TP_PP_DP_ORDER)):
+        problems.append(
+            layout_problem(
+                plan,
+                FRAMEWORK,
+                "tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping (innermost "
+                "first; megatron/training/initialize.py), so TP is innermost",
+                "[pp, dp, tp] or [dp, pp, tp]",
+            )
+        )
+    return problems
+
+
+def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
+    args = megatron_args(plan, dims)
+    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP before Blackwell, unless
+    # Megatron-FSDP runs (which wants it unset)
+    env = (
+        ("env", "CUDA_DEVICE_MAX_CONNECTIONS=1")
+        if plan.tp_degree > 1 and plan.zero_stage < 2
+        else ()
+    )
+    command = (
+        *env,
+        "torchrun",
+        f"--nnodes={launch.nodes}",
+        f"--nproc-per-node={launch.procs_per_node}",
+        "pretrain_gpt.py",
+        *args,
+    )
+    text = " \\\n".join(_arg_lines(args)) + "\n"
+    notes = (
+        "add your data and tokenizer flags (--data-path, --tokenizer-type, ...), optimizer and "
+        "schedule (--lr, --train-iters, ...); Megatron pads the vocabulary to a multiple of "
+        f"--make-vocab-size-divisible-by x TP (128 x {plan.tp_degree} by default), "
+        f"{dims.vocab_size} in the plan's model",
+        "run from a Megatron-LM checkout (flags checked against NVIDIA/Megatron-LM d98e8a6)",
+    )
+    return Export(framework=FRAMEWORK, files={ARGS_FILE: text}, command=command, notes=notes)
+
+
+def _arg_lines(args: tuple[str, ...]) -> list[str]:
+    """One flag (with its value) a line, for the arguments file."""
+    lines: list[str] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append(arg)
+        else:
+            lines[-1] += " " + (arg if "|" not in arg and "*" not in arg else f"'{arg}'")
+    return lines

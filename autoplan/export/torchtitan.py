@@ -1,0 +1,281 @@
+"""torchtitan: a config module (a function returning ``Trainer.Config``) that runs a plan.
+
+torchtitan 0.3 describes a run by a Python function returning a full ``Trainer.Config``,
+selected with ``--module`` and ``--config`` (``torchtitan/config/README.md``;
+``ConfigManager._load_config`` in ``torchtitan/config/manager.py`` imports any module path);
+the TOML job files of torchtitan 0.1/0.2 are gone. The exported module starts from the
+model's baseline in ``torchtitan/models/llama3/config_registry.py`` (``llama3_8b`` ...; data,
+optimizer and checkpointing as torchtitan ships them) and sets the plan's fields. Names are
+those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
+
+- ``dp_degree`` and ``zero_stage`` -> ``parallelism.data_parallel_replicate_degree`` /
+  ``data_parallel_shard_degree`` and ``fsdp_reshard_after_forward``
+  (``torchtitan/config/configs.py`` ``ParallelismConfig``): ZeRO-0 replicates (DDP), ZeRO-3 is
+  FSDP resharding after forward (``"always"``), ZeRO-2 FSDP keeping parameters gathered
+  (``"never"``). torchtitan has no ZeRO-1; it runs as ZeRO-2, as autoplan's own runtime runs it
+  under FSDP2 (``Plan.decisions``).
+- ``tp_degree`` -> ``tensor_parallel_degree``; ``sequence_parallel`` ->
+  ``enable_sequence_parallel``.
+- ``pp_degree`` -> ``pipeline_parallel_degree``; ``stages`` and ``virtual_stages`` ->
+  ``module_fqns_per_model_part`` (one list of module names per stage: ``tok_embeddings``,
+  ``layers.<i>``, ``norm``, ``lm_head``; ``torchtitan/distributed/pipeline_parallel.py``),
+  which states any cut exactly; stage placement (loop, or V for ZBVZeroBubble and DualPipeV)
+  is torchtitan's, the same as autoplan's.
+- ``schedule`` -> ``pipeline_parallel_schedule``: torch's schedule names
+  (``torch.distributed.pipelining.schedules.get_schedule_class``).
+- ``micro_batch_size`` / ``num_micro_batches`` / ``global_batch_size`` ->
+  ``training.local_batch_size`` (per data-parallel rank per accumulation step; with PP split into
+  ``pipeline_parallel_microbatch_size`` micro-batches) and ``training.global_batch_size``
+  (``TrainingConfig``; accumulation steps = global / (local x dp)).
+- ``stages[*].recompute`` (one mode for all) -> ``activation_checkpoint``: ``SelectiveAC.Config()``,
+  ``FullAC.Config()`` or ``None`` (``torchtitan/distributed/activation_checkpoint.py``; the
+  llama3 parallelize applies it when not None).
+- ``dtype`` -> ``training.mixed_precision_param`` (``"bfloat16"`` or ``"float32"``; fp32
+  master weights either way). It has no float16.
+- ``rank_layout``: torchtitan's mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
+  first, ``torchtitan/distributed/parallel_dims.py``): [pp, dp, tp].
+- ``model.seq_len`` -> ``training.seq_len``. With PP, ``training.disable_cuda_graphs`` (the
+  trainer refuses CUDA graphs with pipeline parallelism, ``torchtitan/trainer.py``). The model
+  itself is a registered flavor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.contract.plan import Plan
+from autoplan.export._common import (
+    Export,
+    ExportError,
+    ExportProblem,
+    Framework,
+    Launch,
+    ModelDims,
+    effective_layout,
+    is_subsequence,
+    layout_problem,
+    recompute_mix_problem,
+    stage_layers,
+    uniform_recompute,
+    units_problem,
+)
+
+FRAMEWORK: Framework = "torchtitan"
+MODULE = "autoplan_torchtitan"
+CONFIG_FUNCTION = "autoplan_plan"
+
+# torch.distributed.pipelining's names for autoplan's schedules (get_schedule_class)
+SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "interleaved-zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Flavor:
+    """A torchtitan llama3 flavor and its baseline config function."""
+
+    name: str
+    baseline: str  # function in torchtitan.models.llama3.config_registry
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+
+# torchtitan 0.3.0 torchtitan/models/llama3/__init__.py (llama3_configs: _8b, _70b, _405b; FFN
+# from compute_ffn_hidden_dim) and config_registry.py (llama3_8b, llama3_70b, llama3_405b).
+FLAVORS = (
+    Flavor(name="8B", baseline="llama3_8b", num_layers=32, hidden_size=4096, num_heads=32,
+           num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256),
+    Flavor(name="70B", baseline="llama3_70b", num_layers=80, hidden_size=8192, num_heads=64,
+           num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256),
+    Flavor(name="405B", baseline="llama3_405b", num_layers=126, hidden_size=16384, num_heads=128,
+           num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256),
+)  # fmt: skip
+
+
+def flavor_of(dims: ModelDims) -> Flavor | None:
+    """The torchtitan llama3 flavor with exactly the model's sizes, if any."""
+    for flavor in FLAVORS:
+        if dims.family == "llama" and (
+            flavor.num_layers,
+            flavor.hidden_size,
+            flavor.num_heads,
+            flavor.num_kv_heads,
+            flavor.ffn_hidden_size,
+            flavor.vocab_size,
+        ) == (
+            dims.num_layers,
+            dims.hidden_size,
+            dims.num_heads,
+            dims.num_kv_heads,
+            dims.ffn_hidden_size,
+            dims.vocab_size,
+        ):
+            return flavor
+    return None
+
+
+def module_fqns(plan: Plan, dims: ModelDims) -> list[list[str]]:
+    """``module_fqns_per_model_part``: the module names of each stage, in stage order."""
+    parts = []
+    for stage in stage_layers(plan, dims):
+        names = ["tok_embeddings"] if stage.embedding else []
+        names += [
+            f"layers.{i}" for i in range(stage.first_layer, stage.first_layer + stage.num_layers)
+        ]
+        names += ["norm", "lm_head"] if stage.head else []
+        parts.append(names)
+    return parts
+
+
+def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    if (units := units_problem(plan, dims)) is not None:
+        return [units]
+    problems: list[ExportProblem] = []
+    if flavor_of(dims) is None:
+        sizes = ", ".join(
+            f"{f.name} ({f.num_layers} layers, hidden {f.hidden_size}, {f.num_heads} heads)"
+            for f in FLAVORS
+        )
+        problems.append(
+            ExportProblem(
+                field="model",
+                value=dims.spec,
+                option=(
+                    "torchtitan builds a registered model flavor (model_registry in "
+                    f"torchtitan/models/llama3/__init__.py); none has this model's sizes: {sizes}"
+                ),
+                fix=(
+                    "export a plan made for llama3-8b, llama3-70b or llama3-405b, or register a "
+                    "flavor with these sizes in torchtitan and adapt the exported module"
+                ),
+            )
+        )
+    if uniform_recompute(plan) is None:
+        problems.append(recompute_mix_problem(plan, "activation_checkpoint", FRAMEWORK))
+    if plan.dtype == "fp16":
+        problems.append(
+            ExportProblem(
+                field="dtype",
+                value="fp16",
+                option=(
+                    "torchtitan's training.mixed_precision_param is bfloat16 or float32 "
+                    "(torchtitan/config/configs.py TrainingConfig)"
+                ),
+                fix="use dtype bf16, e.g. autoplan plan ... --dtype bf16",
+            )
+        )
+    if not is_subsequence(effective_layout(plan), ("pp", "dp", "tp")):
+        problems.append(
+            layout_problem(
+                plan,
+                FRAMEWORK,
+                "pp, dp_replicate, dp_shard, cp, tp (outermost first; "
+                "torchtitan/distributed/parallel_dims.py)",
+                "[pp, dp, tp]",
+            )
+        )
+    return problems
+
+
+def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
+    """The text of the config module; raises `ExportError` listing every problem."""
+    problems = _problems(plan, dims)
+    if problems:
+        raise ExportError(FRAMEWORK, problems)
+    flavor = flavor_of(dims)
+    assert flavor is not None  # checked in _problems
+    if plan.pp_degree > 1:
+        local_batch = plan.micro_batch_size * plan.num_micro_batches
+    else:
+        local_batch = plan.micro_batch_size  # the micro-batches are accumulation steps
+    replicate, shard = (plan.dp_degree, 1) if plan.zero_stage == 0 else (1, plan.dp_degree)
+    reshard = {0: "default", 1: "never", 2: "never", 3: "always"}[plan.zero_stage]
+    # torchtitan's default (True) is harmless without TP
+    sequence_parallel = plan.sequence_parallel or plan.tp_degree == 1
+    recompute = uniform_recompute(plan)
+    activation_checkpoint = {
+        "none": "None",
+        "selective": "SelectiveAC.Config()",
+        "full": "FullAC.Config()",
+    }[recompute or "none"]
+    lines = [
+        f'"""torchtitan config for an autoplan plan (digest {plan.digest()}) of {dims.spec}.',
+        "",
+        "Written by `autoplan export --to torchtitan`; run it with",
+        f"    torchrun ... -m torchtitan.train --module {MODULE} --config {CONFIG_FUNCTION}",
+        "from the directory holding this file (or with it on PYTHONPATH).",
+        '"""',
+        "",
+        "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
+        f"from torchtitan.models.llama3.config_registry import {flavor.baseline}",
+        "from torchtitan.trainer import Trainer",
+        "",
+        "",
+        f"def {CONFIG_FUNCTION}() -> Trainer.Config:",
+        f"    config = {flavor.baseline}()  # model flavor {flavor.name}: data, optimizer, ...",
+        f"    config.training.seq_len = {dims.seq_len}",
+        f"    config.training.local_batch_size = {local_batch}",
+        f"    config.training.global_batch_size = {plan.global_batch_size}",
+        f"    config.training.mixed_precision_param = "
+        f'"{"bfloat16" if plan.dtype == "bf16" else "float32"}"',
+        "    parallelism = config.parallelism",
+        f"    parallelism.data_parallel_replicate_degree = {replicate}",
+        f"    parallelism.data_parallel_shard_degree = {shard}",
+        f'    parallelism.fsdp_reshard_after_forward = "{reshard}"',
+        f"    parallelism.tensor_parallel_degree = {plan.tp_degree}",
+        f"    parallelism.enable_sequence_parallel = {sequence_parallel}",
+        f"    parallelism.pipeline_parallel_degree = {plan.pp_degree}",
+    ]
+    if plan.pp_degree > 1:
+        lines += [
+            # Trainer.Config._validate_cuda_graphs (torchtitan/trainer.py): "CUDA graphs do
+            # not support pipeline parallelism yet"
+            "    config.training.disable_cuda_graphs = True",
+            f'    parallelism.pipeline_parallel_schedule = "{SCHEDULE_NAMES[plan.schedule]}"',
+            f"    parallelism.pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
+            "    parallelism.pipeline_parallel_layers_per_stage = None",
+            "    parallelism.module_fqns_per_model_part = [",
+            *(f"        {names!r}," for names in module_fqns(plan, dims)),
+            "    ]",
+        ]
+    lines += [
+        f"    config.activation_checkpoint = {activation_checkpoint}",
+        "    return config",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
+    text = torchtitan_module(plan, dims)
+    command = (
+        "torchrun",
+        f"--nnodes={launch.nodes}",
+        f"--nproc-per-node={launch.procs_per_node}",
+        "-m",
+        "torchtitan.train",
+        "--module",
+        MODULE,
+        "--config",
+        CONFIG_FUNCTION,
+    )
+    notes: tuple[str, ...] = (
+        f"put {MODULE}.py on PYTHONPATH (the launch line imports it by name)",
+        "the baseline's hf_assets_path and dataset are torchtitan's defaults: point them at "
+        "your tokenizer and data",
+    )
+    if plan.zero_stage == 1:
+        notes += (
+            "zero_stage 1 runs as ZeRO-2 (FSDP, parameters kept gathered): torchtitan has no "
+            "ZeRO-1, and autoplan's own runtime does the same (Plan.decisions)",
+        )
+    return Export(framework=FRAMEWORK, files={f"{MODULE}.py": text}, command=command, notes=notes)
