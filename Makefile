@@ -19,9 +19,12 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 # The suite also runs the Ray Train launcher and torchft replica groups: the `ray` and
-# `torchft` extras, installed for the tests only.
+# `torchft` extras, installed for the tests only. DeepSpeed (its config class checks
+# `autoplan export --to deepspeed`) is an sdist whose build imports torch: built against the
+# venv's torch (no build isolation, which would fetch another torch), about 15 s.
 $(BIN)/.installed-extras: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev,ray,torchft]"
+	$(BIN)/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
 	touch $@
 
 demo: setup
