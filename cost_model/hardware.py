@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
+
+from cost_model import this_machine
 
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
@@ -35,6 +38,31 @@ DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
+class PeakFlops(Mapping[str, float]):
+    """Peak FLOP/s by dtype: a read-only, hashable mapping (a `Cluster` is a value, usable as
+    a key), read like the dict it is built from (``peak_flops["bf16"]``) and equal to it."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, flops: Mapping[str, float]) -> None:
+        self._items = dict(flops)
+
+    def __getitem__(self, dtype: str) -> float:
+        return self._items[dtype]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     """One accelerator (or one CPU worker process): memory and datasheet peaks."""
@@ -42,11 +70,14 @@ class DeviceSpec:
     name: str
     kind: Literal["gpu", "cpu"] = "gpu"
     memory_bytes: int = unit_field("bytes")
-    # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted.
-    peak_flops: dict[str, float] = unit_field("flops")
+    # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted. Given as
+    # any mapping, kept as a `PeakFlops` (read-only, hashable).
+    peak_flops: Mapping[str, float] = unit_field("flops")
     memory_bandwidth_bytes_per_s: float = unit_field("bandwidth")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.peak_flops, PeakFlops):
+            object.__setattr__(self, "peak_flops", PeakFlops(self.peak_flops))
         if self.memory_bytes <= 0:
             raise ValueError(f"device.memory_bytes = {self.memory_bytes!r} must be positive")
         if self.memory_bandwidth_bytes_per_s <= 0:
@@ -122,7 +153,7 @@ class Cluster:
     # CPU worker processes that share a node's cores (the test rig, not a GPU cluster): how
     # many cores the node's devices share. None: every device computes on its own (GPUs, or
     # one worker per core). The cost model then stretches whatever runs concurrently
-    # (`cost_model.estimate.oversubscription_factors`).
+    # (`cost_model.parts.core_sharing`).
     shared_cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
@@ -229,9 +260,7 @@ class Cluster:
         ``num_devices`` sets the number of worker processes (e.g. a torchrun world on CPU
         that oversubscribes the cores); CPU memory is divided among them.
         """
-        from cost_model import local_machine  # deferred: imports torch
-
-        return local_machine.detect(num_devices)
+        return local_cluster(this_machine.facts(), num_devices)
 
     def with_overrides(self, nodes: int | None = None, **overrides: object) -> Cluster:
         """A copy with flat-key overrides applied (values may carry units, e.g. '80GiB')."""
@@ -367,3 +396,53 @@ def load_cluster(spec: str) -> Cluster:
     return Cluster.preset(
         name, nodes=_override_value("nodes", nodes, "number", int) if nodes else 1, **overrides
     )
+
+
+# ----------------------------------------------------------------------------- this machine
+
+# GPU name fragment -> preset whose device describes it.
+_GPU_PRESETS: tuple[tuple[str, str], ...] = (
+    ("H100", "dgx-h100-80g"),
+    ("A100-SXM4-80GB", "dgx-a100-80g"),
+    ("A100 80GB", "dgx-a100-80g"),
+    ("A100", "dgx-a100-40g"),
+    ("V100-SXM3", "dgx2-v100-32g"),
+    ("V100", "p3.16xlarge"),
+)
+
+
+def local_cluster(machine: this_machine.MachineFacts, num_devices: int | None = None) -> Cluster:
+    """``machine`` as a one-node cluster of ``num_devices`` (default: all) devices: its CUDA
+    GPUs (see `cost_model.local_machine`), else CPU worker processes."""
+    if machine.cuda is not None:
+        return _cuda_cluster(machine.cuda, machine.cuda.count if num_devices is None else num_devices)
+    cores = machine.cpu_cores
+    workers = num_devices if num_devices is not None else cores
+    base = _cpu_base(machine.calibrated_path)
+    memory = machine.ram_bytes // max(workers, 1)
+    device = dataclasses.replace(base.device, memory_bytes=memory)
+    return dataclasses.replace(
+        base,
+        name="local",
+        devices_per_node=workers,
+        device=device,
+        shared_cores_per_node=cores if workers > cores else None,
+    )
+
+
+def _cpu_base(calibrated: Path) -> Cluster:
+    if calibrated.exists():
+        logger.info("using the calibrated local cluster in %s", calibrated)
+        return Cluster.from_yaml(calibrated)
+    return Cluster.preset_file("local")
+
+
+def _cuda_cluster(cuda: this_machine.CudaDevices, count: int) -> Cluster:
+    preset = next((p for frag, p in _GPU_PRESETS if frag in cuda.name), None)
+    base = Cluster.preset_file(preset or "dgx-a100-80g")
+    device = dataclasses.replace(base.device, name=cuda.name, memory_bytes=cuda.memory_bytes)
+    if preset is None:
+        logger.warning(
+            "no preset matches GPU %r; using A100 peak rates: run `autoplan calibrate`", cuda.name
+        )
+    return dataclasses.replace(base, name="local", devices_per_node=count, device=device)
