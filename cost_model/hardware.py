@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cost_model import this_machine
-
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
 from cost_model.schema import (
@@ -415,7 +414,9 @@ def local_cluster(machine: this_machine.MachineFacts, num_devices: int | None = 
     """``machine`` as a one-node cluster of ``num_devices`` (default: all) devices: its CUDA
     GPUs (see `cost_model.local_machine`), else CPU worker processes."""
     if machine.cuda is not None:
-        return _cuda_cluster(machine.cuda, machine.cuda.count if num_devices is None else num_devices)
+        return _cuda_cluster(
+            machine.cuda, machine.cuda.count if num_devices is None else num_devices
+        )
     cores = machine.cpu_cores
     workers = num_devices if num_devices is not None else cores
     base = _cpu_base(machine.calibrated_path)
