@@ -21,6 +21,7 @@ from cost_model.compute import OpTime, op_time
 from cost_model.errors import ClusterError, InputError, SchemaError
 from cost_model.estimate import (
     Boundary,
+    CostModel,
     Estimate,
     MemoryBreakdown,
     MemoryCapacityError,
@@ -78,6 +79,7 @@ __all__ = [
     "Calibration",
     "Cluster",
     "ClusterError",
+    "CostModel",
     "CriticalPath",
     "DeviceSpec",
     "Estimate",
