@@ -302,7 +302,6 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
     fitting = [
         e
         for e in pending
-        if (c := _candidate(e.strategy, e.modes, cache)).memory_lower_bound_bytes
-        <= c.usable_bytes
+        if (c := _candidate(e.strategy, e.modes, cache)).memory_lower_bound_bytes <= c.usable_bytes
     ]
     assert len(popped) == len(fitting)
