@@ -30,6 +30,7 @@ one for its whole search.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 from cost_model.errors import InputError
@@ -76,7 +77,7 @@ from cost_model.results import (
 from cost_model.schedules import ScheduleName, ScheduleSpec, StageTimes, held_microbatches, simulate
 from cost_model.strategy import GroupPlacement, PlanLike, Strategy, group_placements
 from cost_model.unit_cost import UnitCost
-from cost_model.workload import ModelProfile, UnitProfile
+from cost_model.workload import ModelProfile, OpProfile, UnitProfile
 
 # Defined here, and the parts and records it composes (importable from here as before the split)
 __all__ = [
@@ -493,10 +494,18 @@ def boundary_costs(
     return _stretched_boundary(raw, oversubscription_factors(strategy, cluster))
 
 
-def _unit_key(unit: UnitProfile) -> UnitProfile:
-    """A unit's content without its names (op names carry the block index)."""
-    ops = tuple(dataclasses.replace(op, name="") for op in unit.ops)
-    return dataclasses.replace(unit, name="", ops=ops)
+# A unit's content: every field but the names (op names carry the block index).
+_op_content = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(OpProfile) if f.name != "name")
+)
+_unit_content = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(UnitProfile) if f.name not in ("name", "ops"))
+)
+
+
+def _unit_key(unit: UnitProfile) -> tuple[object, ...]:
+    """A unit's content without its names, as a hashable value."""
+    return (_unit_content(unit), tuple(_op_content(op) for op in unit.ops))
 
 
 def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
@@ -505,7 +514,7 @@ def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     `CostModel.unit_costs` returns the same object for units of one class, so callers can work
     per class. Unit 0 is kept apart: the tied-gradient sync of the whole model is charged to it.
     """
-    first: dict[UnitProfile, int] = {}
+    first: dict[tuple[object, ...], int] = {}
     classes = []
     for index, unit in enumerate(profile.units):
         classes.append(index if index == 0 else first.setdefault(_unit_key(unit), index))
