@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -37,31 +36,6 @@ DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
-class PeakFlops(Mapping[str, float]):
-    """Peak FLOP/s by dtype: a read-only, hashable mapping (a `Cluster` is a value, usable as
-    a key), read like the dict it is built from (``peak_flops["bf16"]``) and equal to it."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, flops: Mapping[str, float]) -> None:
-        self._items = dict(flops)
-
-    def __getitem__(self, dtype: str) -> float:
-        return self._items[dtype]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(frozenset(self._items.items()))
-
-    def __repr__(self) -> str:
-        return repr(self._items)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     """One accelerator (or one CPU worker process): memory and datasheet peaks."""
@@ -69,14 +43,24 @@ class DeviceSpec:
     name: str
     kind: Literal["gpu", "cpu"] = "gpu"
     memory_bytes: int = unit_field("bytes")
-    # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted. Given as
-    # any mapping, kept as a `PeakFlops` (read-only, hashable).
-    peak_flops: Mapping[str, float] = unit_field("flops")
+    # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted.
+    peak_flops: dict[str, float] = unit_field("flops")
     memory_bandwidth_bytes_per_s: float = unit_field("bandwidth")
 
+    def __hash__(self) -> int:
+        # A device (and the Cluster holding it) is a value: equal devices hash equal whatever
+        # order their dtypes were given in. (The dataclass's own hash would hash the dict.)
+        return hash(
+            (
+                self.name,
+                self.kind,
+                self.memory_bytes,
+                frozenset(self.peak_flops.items()),
+                self.memory_bandwidth_bytes_per_s,
+            )
+        )
+
     def __post_init__(self) -> None:
-        if not isinstance(self.peak_flops, PeakFlops):
-            object.__setattr__(self, "peak_flops", PeakFlops(self.peak_flops))
         if self.memory_bytes <= 0:
             raise ValueError(f"device.memory_bytes = {self.memory_bytes!r} must be positive")
         if self.memory_bandwidth_bytes_per_s <= 0:
