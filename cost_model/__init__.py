@@ -4,6 +4,13 @@ Pure functions of plain data (a `ModelProfile`, a `Cluster`, a plan); no process
 one piece of torch it reads is the action order of torch's pipeline schedule classes
 (`schedules.pipeline_order`), so the simulated schedule is the one the runtime runs. Imports
 neither `autoplan` nor `passes`.
+
+Layout: the inputs (`workload`: the model profile; `hardware`: the cluster, both hashable
+values; `strategy`: a plan's outer choices and `decide`, what the runtime runs for them), the
+formulas (`compute`, `communication`, `memory`, `schedules`), one part per technique
+(`parts/`), and their composition: `estimate.CostModel(profile, cluster)` sums the parts into a
+`unit_cost.UnitCost` per unit, and assembles stages, ranks (`rank_memory`) and the step into
+the records of `results`; `estimate(profile, cluster, plan)` is one fresh `CostModel`'s answer.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from cost_model.compute import OpTime, op_time
 from cost_model.errors import ClusterError, InputError, SchemaError
 from cost_model.estimate import (
     Boundary,
+    CostModel,
     Estimate,
     MemoryBreakdown,
     MemoryCapacityError,
@@ -78,6 +86,7 @@ __all__ = [
     "Calibration",
     "Cluster",
     "ClusterError",
+    "CostModel",
     "CriticalPath",
     "DeviceSpec",
     "Estimate",

@@ -32,7 +32,6 @@ MPICH", ring algorithms; Patarasuk & Yuan 2009 for the bandwidth-optimal ring al
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -147,36 +146,14 @@ def collective_time_s(
 ) -> float:
     """Time of a collective that every group of an axis runs at once: the slowest placement."""
     cal = cluster.calibration
-    return _collective_time_s(
-        kind,
-        size_bytes,
-        tuple(placements),
-        link_rate(cluster, cross_node=False),
-        link_rate(cluster, cross_node=True),
-        cal.all_gather_efficiency,
-        cal.reduce_scatter_efficiency,
-    )
-
-
-@functools.lru_cache(maxsize=65536)
-def _collective_time_s(
-    kind: CollectiveKind,
-    size_bytes: float,
-    placements: tuple[GroupPlacement, ...],
-    intra: LinkRate,
-    inter: LinkRate,
-    all_gather_efficiency: float,
-    reduce_scatter_efficiency: float,
-) -> float:
-    # Memoised on the link rates (not the Cluster, which is unhashable): the planner asks for
-    # the same few collectives across thousands of strategies.
+    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
     times = []
     for p in placements:
         if kind == "all_reduce":
             times.append(_all_reduce_s(size_bytes, p, intra, inter))
         else:
             efficiency = (
-                all_gather_efficiency if kind == "all_gather" else reduce_scatter_efficiency
+                cal.all_gather_efficiency if kind == "all_gather" else cal.reduce_scatter_efficiency
             )
             times.append(_ring_half_s(size_bytes, p, intra, inter, efficiency))
     return max(times, default=0.0)

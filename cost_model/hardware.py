@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from cost_model import this_machine
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
 from cost_model.schema import (
@@ -45,6 +46,19 @@ class DeviceSpec:
     # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted.
     peak_flops: dict[str, float] = unit_field("flops")
     memory_bandwidth_bytes_per_s: float = unit_field("bandwidth")
+
+    def __hash__(self) -> int:
+        # A device (and the Cluster holding it) is a value: equal devices hash equal whatever
+        # order their dtypes were given in. (The dataclass's own hash would hash the dict.)
+        return hash(
+            (
+                self.name,
+                self.kind,
+                self.memory_bytes,
+                frozenset(self.peak_flops.items()),
+                self.memory_bandwidth_bytes_per_s,
+            )
+        )
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -122,7 +136,7 @@ class Cluster:
     # CPU worker processes that share a node's cores (the test rig, not a GPU cluster): how
     # many cores the node's devices share. None: every device computes on its own (GPUs, or
     # one worker per core). The cost model then stretches whatever runs concurrently
-    # (`cost_model.estimate.oversubscription_factors`).
+    # (`cost_model.parts.core_sharing`).
     shared_cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
@@ -229,9 +243,7 @@ class Cluster:
         ``num_devices`` sets the number of worker processes (e.g. a torchrun world on CPU
         that oversubscribes the cores); CPU memory is divided among them.
         """
-        from cost_model import local_machine  # deferred: imports torch
-
-        return local_machine.detect(num_devices)
+        return local_cluster(this_machine.facts(), num_devices)
 
     def with_overrides(self, nodes: int | None = None, **overrides: object) -> Cluster:
         """A copy with flat-key overrides applied (values may carry units, e.g. '80GiB')."""
@@ -367,3 +379,55 @@ def load_cluster(spec: str) -> Cluster:
     return Cluster.preset(
         name, nodes=_override_value("nodes", nodes, "number", int) if nodes else 1, **overrides
     )
+
+
+# ----------------------------------------------------------------------------- this machine
+
+# GPU name fragment -> preset whose device describes it.
+_GPU_PRESETS: tuple[tuple[str, str], ...] = (
+    ("H100", "dgx-h100-80g"),
+    ("A100-SXM4-80GB", "dgx-a100-80g"),
+    ("A100 80GB", "dgx-a100-80g"),
+    ("A100", "dgx-a100-40g"),
+    ("V100-SXM3", "dgx2-v100-32g"),
+    ("V100", "p3.16xlarge"),
+)
+
+
+def local_cluster(machine: this_machine.MachineFacts, num_devices: int | None = None) -> Cluster:
+    """``machine`` as a one-node cluster of ``num_devices`` (default: all) devices: its CUDA
+    GPUs (see `cost_model.local_machine`), else CPU worker processes."""
+    if machine.cuda is not None:
+        return _cuda_cluster(
+            machine.cuda, machine.cuda.count if num_devices is None else num_devices
+        )
+    cores = machine.cpu_cores
+    workers = num_devices if num_devices is not None else cores
+    base = _cpu_base(machine.calibrated_path)
+    memory = machine.ram_bytes // max(workers, 1)
+    device = dataclasses.replace(base.device, memory_bytes=memory)
+    return dataclasses.replace(
+        base,
+        name="local",
+        devices_per_node=workers,
+        device=device,
+        shared_cores_per_node=cores if workers > cores else None,
+    )
+
+
+def _cpu_base(calibrated: Path) -> Cluster:
+    if calibrated.exists():
+        logger.info("using the calibrated local cluster in %s", calibrated)
+        return Cluster.from_yaml(calibrated)
+    return Cluster.preset_file("local")
+
+
+def _cuda_cluster(cuda: this_machine.CudaDevices, count: int) -> Cluster:
+    preset = next((p for frag, p in _GPU_PRESETS if frag in cuda.name), None)
+    base = Cluster.preset_file(preset or "dgx-a100-80g")
+    device = dataclasses.replace(base.device, name=cuda.name, memory_bytes=cuda.memory_bytes)
+    if preset is None:
+        logger.warning(
+            "no preset matches GPU %r; using A100 peak rates: run `autoplan calibrate`", cuda.name
+        )
+    return dataclasses.replace(base, name="local", devices_per_node=count, device=device)

@@ -20,8 +20,8 @@ from autoplan.contract.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
 from autoplan.planner.search import (
     SearchStats,
+    _BoundTables,
     _candidate,
-    _CostCache,
     _Frontier,
     _Pending,
     _problem,
@@ -29,7 +29,7 @@ from autoplan.planner.search import (
     search_plans,
 )
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
-from cost_model.estimate import estimate
+from cost_model.estimate import CostModel, estimate
 from cost_model.hardware import Cluster
 from cost_model.schedules import SCHEDULES
 from cost_model.strategy import Strategy
@@ -84,14 +84,14 @@ def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
 
 def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[no-untyped-def]
     space = SearchSpace.from_constraints(**constraints)
-    cache = _CostCache(profile, cluster)
+    cache = _BoundTables(CostModel(profile, cluster))
     best = math.inf
     checked = 0
     # every outer choice, the dominated ones (GPipe beside 1F1B, ZeRO-1 beside ZeRO-2, layouts
     # that cannot differ) included: skipping them must lose nothing
     for strategy in strategies(space, profile, cluster, global_batch, skip_dominated=False):
-        candidate = _candidate(strategy, recompute_modes(space, strategy.schedule), cache, cluster)
-        problem = _problem(candidate, cluster)
+        candidate = _candidate(strategy, recompute_modes(space, strategy.schedule), cache)
+        problem = _problem(candidate, cache.model)
         n, num_stages = problem.num_units, problem.num_stages
         for cuts in itertools.combinations(range(1, n), num_stages - 1):
             allowed = recompute_modes(space, strategy.schedule)
@@ -275,18 +275,18 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
     for every choice, against random partitions' simulated steps."""
     profile, cluster, global_batch, constraints = _random_case(seed)
     space = SearchSpace.from_constraints(**constraints)
-    cache = _CostCache(profile, cluster)
+    cache = _BoundTables(CostModel(profile, cluster))
     rng = random.Random(seed)
     pending = []
     for index, strategy in enumerate(strategies(space, profile, cluster, global_batch)):
         modes = recompute_modes(space, strategy.schedule)
         order_floor, time_floor = cache.floors(strategy, modes)
-        candidate = _candidate(strategy, modes, cache, cluster)
+        candidate = _candidate(strategy, modes, cache)
         pending.append(_Pending(order_floor, time_floor, index, strategy, modes))
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             continue  # dropped as it is costed
         assert order_floor <= candidate.order_key_s * (1 + 1e-12)
-        problem = _problem(candidate, cluster)
+        problem = _problem(candidate, cache.model)
         n, S = problem.num_units, problem.num_stages
         for _ in range(3):
             cuts = sorted(rng.sample(range(1, n), S - 1))
@@ -294,7 +294,7 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
             step = evaluate(problem, (0, *cuts), chosen).step_time_s
             assert time_floor <= step * (1 + 1e-12)
     # the lazy frontier pops in the order of the order key, as costing all up front would
-    frontier = _Frontier(pending, cache, cluster, SearchStats(), [])
+    frontier = _Frontier(pending, cache, SearchStats(), [])
     popped = []
     while (entry := frontier.pop(math.inf)) is not None:
         popped.append(entry[1].order_key_s)
@@ -302,7 +302,6 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
     fitting = [
         e
         for e in pending
-        if (c := _candidate(e.strategy, e.modes, cache, cluster)).memory_lower_bound_bytes
-        <= c.usable_bytes
+        if (c := _candidate(e.strategy, e.modes, cache)).memory_lower_bound_bytes <= c.usable_bytes
     ]
     assert len(popped) == len(fitting)

@@ -58,20 +58,15 @@ from autoplan.planner.partition import (
 )
 from autoplan.planner.space import SearchSpace, recompute_modes, strategies
 from cost_model.estimate import (
+    CostModel,
     MemoryConstants,
     UnitCost,
-    boundary_costs,
     boundary_send_bytes,
-    estimate,
     memory_constants,
-    oversubscription_factors,
-    step_overhead_s,
-    unit_classes,
-    unit_costs,
 )
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
-from cost_model.schedules import ScheduleName, least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.schedules import least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -199,7 +194,8 @@ def search_plans(
     stats = SearchStats()
     start = time.perf_counter()
 
-    cache = _CostCache(profile, cluster)
+    model = CostModel(profile, cluster)
+    tables = _BoundTables(model)
     # Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
     # (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
     # dtype): a proven lower bound on its step, and a floor under its order key. Per-unit
@@ -211,13 +207,13 @@ def search_plans(
     for strategy in strategies(space, profile, cluster, global_batch):
         stats.candidates += 1
         modes = tuple(recompute_modes(space, strategy.schedule))
-        if cache.memory_bound(strategy, modes) > capacity:
+        if tables.memory_bound(strategy, modes) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
-        order_floor, time_floor = cache.floors(strategy, modes)
+        order_floor, time_floor = tables.floors(strategy, modes)
         pending.append(_Pending(order_floor, time_floor, stats.candidates, strategy, modes))
-    frontier = _Frontier(pending, cache, cluster, stats, memory_infeasible)
+    frontier = _Frontier(pending, tables, stats, memory_infeasible)
     stats.enumerate_s = time.perf_counter() - start
     deadline = math.inf if budget_s is None else start + budget_s
 
@@ -258,7 +254,7 @@ def search_plans(
         if entry is None:
             break
         order, candidate = entry
-        problem = problems[order] = _problem(candidate, cluster)
+        problem = problems[order] = _problem(candidate, model)
         splits[order] = even_splits(problem)
         found = fastest_fitting(problem, splits[order])
         if found is not None:
@@ -309,7 +305,7 @@ def search_plans(
             stats.unvisited = len(rest)
             unproven.extend(rest)
             break
-        problem = problems.pop(order) if order in problems else _problem(candidate, cluster)
+        problem = problems.pop(order) if order in problems else _problem(candidate, model)
         key = problem.content_key()
         t0 = time.perf_counter()
         if key in solved:
@@ -357,13 +353,13 @@ def search_plans(
     if not best:
         stats.total_s = time.perf_counter() - start
         raise _no_feasible_plan(
-            profile, cluster, global_batch, memory_infeasible, space, cache, stats, time_limit_s
+            profile, cluster, global_batch, memory_infeasible, space, tables, stats, time_limit_s
         )
     if unproven:
         worst = -best[0][0]
         stats.optimality_gap = max(0.0, max((worst - low) / worst for low in unproven))
     ranked = sorted(best, key=lambda e: (-e[0], e[1]))
-    plans = tuple(_to_plan(profile, cluster, c, p, global_batch) for _, _, c, p in ranked)
+    plans = tuple(_to_plan(model, c, p, global_batch) for _, _, c, p in ranked)
     stats.total_s = time.perf_counter() - start
     return SearchResult(plans=plans, stats=stats)
 
@@ -393,15 +389,14 @@ class _Frontier:
     def __init__(
         self,
         pending: list[_Pending],
-        cache: _CostCache,
-        cluster: Cluster,
+        tables: _BoundTables,
         stats: SearchStats,
         infeasible: list[Strategy],
     ) -> None:
         # popped from the end: largest floor first in the list
         self._pending = sorted(pending, key=lambda e: (e.order_floor_s, e.index), reverse=True)
         self._ready: list[tuple[float, int, Candidate]] = []  # heap on the order key
-        self._cache, self._cluster = cache, cluster
+        self._tables = tables
         self._stats, self._infeasible = stats, infeasible
 
     def pop(self, cutoff: float) -> tuple[int, Candidate] | None:
@@ -413,7 +408,7 @@ class _Frontier:
                 self._stats.pruned_bound += 1
                 continue
             t0 = time.perf_counter()
-            candidate = _candidate(entry.strategy, entry.modes, self._cache, self._cluster)
+            candidate = _candidate(entry.strategy, entry.modes, self._tables)
             self._stats.costs_s += time.perf_counter() - t0
             if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
                 self._stats.pruned_memory += 1
@@ -438,21 +433,24 @@ class _Frontier:
 # ------------------------------------------------------------------------------ cost tables
 
 
-class _CostCache:
-    """Per-unit costs by (strategy, recompute mode); identical requests are computed once."""
+class _BoundTables:
+    """The search's bounds (memory, compute floors) for one model on one cluster, over the
+    `CostModel` that prices them; each table is keyed by the strategy fields it reads."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
-        self.profile = profile
-        self.cluster = cluster
-        self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self.profile = profile = model.profile
+        self.cluster = cluster = model.cluster
         self._params: dict[tuple[int, bool], float] = {}
         self._least_act: dict[tuple[object, ...], float] = {}
         self._memory: dict[tuple[object, ...], tuple[float, float]] = {}
-        # the cluster without core sharing: `floors` applies each strategy's own stretch
-        self._apart = replace(cluster, shared_cores_per_node=None)
+        # the cost model without core sharing: `floors` applies each strategy's own stretch
+        self._apart = model
+        if cluster.shared_cores_per_node is not None:
+            self._apart = CostModel(profile, replace(cluster, shared_cores_per_node=None))
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         # representative unit -> how many units share its content
-        self.class_counts = Counter(unit_classes(profile))
+        self.class_counts = Counter(model.classes)
         # per sample at the traced dtype: the smallest tensor a pipeline stage can send
         self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
 
@@ -550,7 +548,7 @@ class _CostCache:
                 schedule="1f1b",
                 zero_stage=0,
             )
-            by_mode = [unit_costs(self.profile, self._apart, alone, mode) for mode in modes]
+            by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
             order_work = order_largest = compute_work = compute_largest = 0.0
             for rep, count in self.class_counts.items():
                 full = min(costs[rep].time_s for costs in by_mode)
@@ -566,39 +564,21 @@ class _CostCache:
                 compute_largest = max(compute_largest, compute)
             work = (order_work, order_largest, compute_work, compute_largest)
             self._floor_work[key] = work
-        stretch, _ = oversubscription_factors(strategy, self.cluster)
+        stretch = self.model.sharing(strategy).pipeline
         order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)
         p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-        fixed = step_overhead_s(strategy, self.cluster)
+        fixed = self.model.step_overhead_s(strategy)
         share = max(order_work / p, order_largest)
         order_floor = (m - 1 / v) * share + order_work / v + fixed
         spec = strategy.schedule_spec
         time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
         return order_floor, time_floor
 
-    def costs(self, strategy: Strategy, mode: str) -> tuple[UnitCost, ...]:
-        # A unit's costs depend on the schedule only through its placement (which ranks share
-        # the tied embedding) and, on shared-core CPUs, through the waves of its pipeline.
-        shared = self.cluster.shared_cores_per_node is not None
-        canonical = strategy
-        if strategy.schedule_placement == "loop":
-            # (GPipe decides the data-parallel wrapper on one pipeline rank: kept apart)
-            v = strategy.virtual_stages if shared else 1
-            schedule: ScheduleName = "gpipe" if strategy.schedule == "gpipe" else "1f1b"
-            canonical = replace(strategy, schedule=schedule, virtual_stages=v)
-        key = (canonical, mode)
-        found = self._costs.get(key)
-        if found is None:
-            found = unit_costs(self.profile, self.cluster, strategy, mode)
-            self._costs[key] = found
-        return found
 
-
-def _candidate(
-    strategy: Strategy, modes: Sequence[Recompute], cache: _CostCache, cluster: Cluster
-) -> Candidate:
+def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTables) -> Candidate:
     """Per-unit costs of one outer choice and lower bounds on its step time and memory."""
-    by_mode = {mode: cache.costs(strategy, mode) for mode in modes}
+    model, cluster = tables.model, tables.cluster
+    by_mode = {mode: model.unit_costs(strategy, mode) for mode in modes}
     first = next(iter(by_mode.values()))
     p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
     constants = memory_constants(first, cluster, strategy)
@@ -607,7 +587,7 @@ def _candidate(
     overlap = cluster.calibration.dp_overlap_fraction
     largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
     classes: list[tuple[int, list[tuple[float, float]]]] = []  # (count, [(bytes, time)])
-    for rep, count in cache.class_counts.items():
+    for rep, count in tables.class_counts.items():
         per_mode = [costs[rep] for costs in by_mode.values()]
         largest = max(largest, min(c.time_s for c in per_mode))
         tail_a += count * min(c.post_sync_s + c.optimizer_s for c in per_mode)
@@ -635,16 +615,16 @@ def _candidate(
     # (every crossing boundary posts its messages at the same host cost: count them)
     crossings = boundary_crossings(strategy)
     if crossings:
-        total += 2 * crossings * boundary_costs(first[0], cluster, strategy, 0).message_s
+        total += 2 * crossings * model.boundary(first[0], strategy, 0).message_s
     # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
     # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
     # (the busiest rank's at least the average).
-    fixed = step_overhead_s(strategy, cluster)
+    fixed = model.step_overhead_s(strategy)
     time_bound = max(
         pipeline_lower_bound_s(spec, total, largest) + fixed,
         m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
     )
-    units = [costs[rep] for costs in by_mode.values() for rep in cache.class_counts]
+    units = [costs[rep] for costs in by_mode.values() for rep in tables.class_counts]
     forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
     weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
     # Visiting order: evenly cut stages, ``(m - 1/v) T + p T / v`` with T the rank's share
@@ -709,13 +689,14 @@ def _least_time_within(
     return time if excess <= 1e-9 * max(held, 1.0) else math.inf
 
 
-def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
+def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
     """The stage-partition problem of a candidate, in the cost model's own terms."""
+    cluster = model.cluster
     strategy = candidate.strategy
     spec = strategy.schedule_spec
     overlap = cluster.calibration.dp_overlap_fraction
     first = next(iter(candidate.by_mode.values()))
-    fixed = step_overhead_s(strategy, cluster)
+    fixed = model.step_overhead_s(strategy)
     # rank tail = max(0, sync - overlap * backward) + post + optimizer (+ the fixed overhead)
     #           = max(0, post + opt, post + opt + sync - overlap * backward): two tail terms
     tables = {
@@ -736,8 +717,7 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
         for mode, costs in candidate.by_mode.items()
     }
     boundaries = [
-        tuple(boundary_costs(c, cluster, strategy, s) for c in first)
-        for s in range(spec.num_stages)
+        tuple(model.boundary(c, strategy, s) for c in first) for s in range(spec.num_stages)
     ]
     return PartitionProblem(
         spec=spec,
@@ -755,12 +735,12 @@ def _problem(candidate: Candidate, cluster: Cluster) -> PartitionProblem:
 
 
 def _to_plan(
-    profile: ModelProfile,
-    cluster: Cluster,
+    model: CostModel,
     candidate: Candidate,
     partition: Partition,
     global_batch: int,
 ) -> Plan:
+    profile, cluster = model.profile, model.cluster
     s = candidate.strategy
     ends = (*partition.stage_starts[1:], profile.num_units)
     stages = tuple(
@@ -783,7 +763,7 @@ def _to_plan(
         dtype=s.dtype,  # type: ignore[arg-type]
         rank_layout=s.rank_layout,
     )
-    result = estimate(profile, cluster, plan)
+    result = model.estimate(plan)
     # The solver kept every rank within memory by the same numbers `require_fits` checks.
     assert result.fits, result.memory_problem()
     # The solver optimised the cost model's own simulation: the two must agree.
@@ -801,7 +781,7 @@ def _no_feasible_plan(
     global_batch: int,
     infeasible: list[Strategy],
     space: SearchSpace,
-    cache: _CostCache,
+    tables: _BoundTables,
     stats: SearchStats,
     time_limit_s: float,
 ) -> NoFeasiblePlanError:
@@ -816,15 +796,15 @@ def _no_feasible_plan(
     # The least memory any plan needs: solve exactly for the outer choices whose bounds are
     # lowest (weights and optimizer state first, then the full per-unit bound).
     infeasible.sort(
-        key=lambda s: cache.memory_bound(s, recompute_modes(space, s.schedule)),
+        key=lambda s: tables.memory_bound(s, recompute_modes(space, s.schedule)),
     )
     candidates = [
-        _candidate(s, recompute_modes(space, s.schedule), cache, cluster) for s in infeasible[:20]
+        _candidate(s, recompute_modes(space, s.schedule), tables) for s in infeasible[:20]
     ]
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
     needs = []
     for c in candidates[:5]:
-        peak = min_peak_memory(_problem(c, cluster), time_limit_s=time_limit_s)
+        peak = min_peak_memory(_problem(c, tables.model), time_limit_s=time_limit_s)
         if peak.least_bytes is not None:
             needs.append((c.constants.total_bytes(peak.least_bytes), c.strategy))
     least: float | None = None

@@ -1,0 +1,192 @@
+"""Data parallelism and ZeRO: a unit's gradient sync (ZeRO 0-2, overlappable with the last
+backward), its ZeRO-1/2 weight all-gather after the step, its ZeRO-3 gathers and
+reduce-scatters around every micro-batch (and how much of them the unit's compute hides), and
+the runtime's real grouping of those collectives (`grouped_dp_sync`: DDP's buckets, FSDP2's
+root group).
+
+Expects the parameters a device stores for the unit and the strategy's decisions
+(`cost_model.strategy.decide`: the wrapper and the ZeRO stage that runs). Guarantees: zero
+with one data-parallel rank or no parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_model.communication import collective_time_s
+from cost_model.hardware import Cluster
+from cost_model.strategy import GroupPlacement, Strategy
+from cost_model.workload import UnitKind
+
+# torch DDP's gradient buckets: the first holds 1 MiB (torch.distributed's
+# _DEFAULT_FIRST_BUCKET_BYTES, so the all-reduce starts early in the backward), the rest
+# bucket_cap_mb = 25 MiB each; each bucket is one all-reduce.
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+def grad_reduce_bytes(dtype: str) -> int:
+    """Bytes per gradient element that data-parallel (and tied-weight) collectives move.
+
+    bf16 training reduces gradients in fp32: Megatron-LM forces its fp32 main-grad buffers
+    for bf16 (``accumulate_allreduce_grads_in_fp32``), torchtitan's FSDP2 policy and
+    autoplan's (`passes/data_parallel.py`) set ``reduce_dtype=float32``. fp16 reduces fp16
+    gradients, Megatron-LM's default for fp16 (autoplan's runtime reduces those in fp32 too,
+    which this under-prices by half). fp32 and tf32 train in fp32 throughout.
+    """
+    return 2 if dtype == "fp16" else 4
+
+
+def runs_ddp(strategy: Strategy) -> bool:
+    """Whether autoplan's runtime runs this plan's data parallelism under bucketed DDP (the
+    decision's wrapper, `cost_model.strategy.decide`)."""
+    return strategy.decisions.dp_wrapper == "ddp"
+
+
+def per_unit_dp_groups(strategy: Strategy) -> bool:
+    """Whether every unit is its own data-parallel group with per-unit hooks (FSDP2's
+    ``fully_shard`` or ``replicate``: the decision's wrapper)."""
+    return strategy.decisions.dp_wrapper in ("fsdp", "replicate")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataParallelCost:
+    """One unit's data-parallel communication."""
+
+    grad_bytes: float  # the unit's gradients a device reduces (unsharded)
+    param_bytes: float  # its weights unsharded (what ZeRO-3 gathers, ZeRO-1/2 re-gathers)
+    # --- per micro-batch (ZeRO-3)
+    zero3_forward_s: float  # parameter all-gather before the forward
+    zero3_backward_s: float  # all-gather + gradient reduce-scatter of the backward
+    zero3_forward_exposed_s: float  # of the forward's, what the unit's compute does not hide
+    zero3_backward_exposed_s: float
+    # --- per step (ZeRO 0-2)
+    sync_s: float  # gradient sync that may overlap the last backward
+    post_sync_s: float  # the ZeRO-1/2 weight all-gather after the optimizer (no overlap)
+
+    @property
+    def zero3_exposed_s(self) -> float:
+        return self.zero3_forward_exposed_s + self.zero3_backward_exposed_s
+
+
+def data_parallel_cost(
+    local_params: float,
+    strategy: Strategy,
+    cluster: Cluster,
+    dp_groups: Sequence[GroupPlacement],
+    *,
+    forward_window_s: float,
+    backward_window_s: float,
+) -> DataParallelCost:
+    """The data-parallel collectives of a unit whose device stores ``local_params`` parameters
+    (before data-parallel sharding); ZeRO-3's hide behind the unit's forward and backward
+    compute (``forward_window_s``, ``backward_window_s``: recompute included)."""
+    dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
+    param_bytes = local_params * strategy.dtype_bytes  # unsharded (ZeRO-3 gathers this)
+    grad_bytes = local_params * grad_reduce_bytes(strategy.dtype)
+    zero3_fwd = zero3_bwd = 0.0
+    sync = post_sync = 0.0
+    if dp > 1 and local_params > 0:
+        if zero >= 3:
+            # FSDP / ZeRO-3 (Rajbhandari et al. 2020, section 7.2.2): all-gather weights
+            # before the forward and again before the backward, reduce-scatter gradients
+            # after it, every micro-batch; prefetching hides them behind this unit's compute.
+            gather = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
+            scatter = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
+            zero3_fwd = gather
+            zero3_bwd = gather + scatter
+        elif zero >= 1:
+            # ZeRO-1/2: reduce-scatter gradients (overlappable), all-gather the updated
+            # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
+            sync = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
+            post_sync = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
+        else:
+            sync = collective_time_s("all_reduce", grad_bytes, dp_groups, cluster)
+    cal = cluster.calibration
+    overlap = cal.dp_overlap_fraction
+    slowdown = cal.overlapped_comm_slowdown
+    return DataParallelCost(
+        grad_bytes=grad_bytes,
+        param_bytes=param_bytes,
+        zero3_forward_s=zero3_fwd,
+        zero3_backward_s=zero3_bwd,
+        zero3_forward_exposed_s=exposed_s(zero3_fwd, overlap * forward_window_s, slowdown),
+        zero3_backward_exposed_s=exposed_s(zero3_bwd, overlap * backward_window_s, slowdown),
+        sync_s=sync,
+        post_sync_s=post_sync,
+    )
+
+
+def exposed_s(comm_s: float, window_s: float, slowdown: float) -> float:
+    """Time a collective adds to the compute it may hide behind: what outlasts the window is
+    exposed, and what hides still slows that compute by the calibrated interference (the
+    collective's kernels share the device)."""
+    return max(0.0, comm_s - window_s) + slowdown * min(comm_s, window_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DpSyncShare:
+    """A unit's share of a merged data-parallel collective (`grouped_dp_sync`)."""
+
+    unit_idx: int
+    sync_s: float
+    post_sync_s: float | None  # None: the unit keeps its own
+
+
+def grouped_dp_sync(
+    kinds: Sequence[UnitKind],
+    dp_costs: Sequence[DataParallelCost],
+    cluster: Cluster,
+    strategy: Strategy,
+    dp_groups: Sequence[GroupPlacement],
+) -> tuple[DpSyncShare, ...]:
+    """Price ZeRO-0/1/2 gradient sync by the runtime's real collectives, not one per unit.
+
+    DDP (`per_unit_dp_groups` false) all-reduces the whole model's gradients in buckets
+    (`DDP_FIRST_BUCKET_BYTES`, then `DDP_BUCKET_CAP_BYTES`); FSDP2 gives each block its own
+    group and puts the embedding and head in the stage's group, so with one pipeline stage
+    they share one collective. Each merged collective's time goes to its units in proportion
+    to their bytes, which keeps the per-unit costs additive for the planner's ILP. Collective
+    time is latency plus bytes over bandwidth, so merging saves only latencies. Empty when
+    every unit keeps its own (ZeRO-3, one data-parallel rank, several stages).
+    """
+    if strategy.dp_degree == 1 or strategy.runtime_zero_stage >= 3:
+        return ()
+    if not per_unit_dp_groups(strategy):
+        # DDP runs only without TP and PP: every unit is on the one stage.
+        grads = [c.grad_bytes for c in dp_costs]
+        total = sum(grads)
+        buckets = [min(total, DDP_FIRST_BUCKET_BYTES)]
+        rest = total - buckets[0]
+        while rest > 0:
+            buckets.append(min(rest, DDP_BUCKET_CAP_BYTES))
+            rest -= buckets[-1]
+        sync = sum(collective_time_s("all_reduce", b, dp_groups, cluster) for b in buckets)
+        return tuple(
+            DpSyncShare(unit_idx=i, sync_s=g / total * sync if total > 0 else 0.0, post_sync_s=None)
+            for i, g in enumerate(grads)
+        )
+    if strategy.num_stages > 1:
+        return ()
+    merged = [i for i, kind in enumerate(kinds) if kind != "block" and dp_costs[i].grad_bytes > 0]
+    if len(merged) < 2:
+        return ()
+    grad_total = sum(dp_costs[i].grad_bytes for i in merged)
+    param_total = sum(dp_costs[i].param_bytes for i in merged)
+    if strategy.runtime_zero_stage >= 1:
+        sync = collective_time_s("reduce_scatter", grad_total, dp_groups, cluster)
+        gather = collective_time_s("all_gather", param_total, dp_groups, cluster)
+    else:
+        sync = collective_time_s("all_reduce", grad_total, dp_groups, cluster)
+        gather = 0.0
+    # With one stage there are no tied-weight all-reduces: a merged unit's post-sync is only
+    # its ZeRO-1/2 weight all-gather, now its share of the group's.
+    return tuple(
+        DpSyncShare(
+            unit_idx=i,
+            sync_s=dp_costs[i].grad_bytes / grad_total * sync,
+            post_sync_s=dp_costs[i].param_bytes / param_total * gather,
+        )
+        for i in merged
+    )

@@ -1,0 +1,36 @@
+"""Host overhead: the time the parallel wrappers spend on the CPU, which the device waits for
+(DTensor dispatch of TP modules, FSDP2's per-unit hooks, the sharded optimizer's per-unit
+work). Calibrated constants (`Calibration.tp_module_overhead_s` and the like)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model.calibration import Calibration
+from cost_model.parts.data_parallel import per_unit_dp_groups
+from cost_model.parts.tensor_parallel import tp_module_count
+from cost_model.strategy import Strategy
+from cost_model.workload import UnitProfile
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostCost:
+    """One unit's wrapper host time."""
+
+    microbatch_s: float  # per micro-batch, forward + backward (split evenly between them)
+    optimizer_s: float  # per step, in the optimizer step
+
+
+def host_cost(
+    unit: UnitProfile, local_params: float, strategy: Strategy, cal: Calibration
+) -> HostCost:
+    """The wrappers' host time for ``unit``, whose device stores ``local_params`` parameters."""
+    microbatch_s = 0.0
+    if strategy.tp_degree > 1:
+        microbatch_s += tp_module_count(unit, strategy.sequence_parallel) * cal.tp_module_overhead_s
+    if unit.num_params > 0 and per_unit_dp_groups(strategy):
+        microbatch_s += cal.dp_unit_overhead_s
+    optimizer_s = 0.0
+    if local_params > 0 and (strategy.tp_degree > 1 or per_unit_dp_groups(strategy)):
+        optimizer_s = cal.sharded_optimizer_unit_overhead_s
+    return HostCost(microbatch_s=microbatch_s, optimizer_s=optimizer_s)

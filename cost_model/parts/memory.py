@@ -1,0 +1,79 @@
+"""Memory: the bytes one unit puts on its device: weights, gradients and optimizer state after
+ZeRO sharding, the activations each in-flight micro-batch holds under the unit's recompute
+mode, its backward working set, and the tensor it sends to the next stage.
+
+The formulas are `cost_model.memory`'s; a rank's total at the schedule's peak is
+`cost_model.rank_memory`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model.memory import (
+    RECOMPUTABLE_KINDS,
+    activation_bytes,
+    activation_scale,
+    static_bytes,
+    weight_grad_input_bytes,
+    working_bytes,
+)
+from cost_model.strategy import Strategy
+from cost_model.workload import UnitProfile
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitBytes:
+    """One unit's bytes on one device (see `cost_model.unit_cost.UnitCost` for each)."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    loss_bytes: float
+    retained_bytes: float
+    working_bytes: float
+    extra_bytes: float
+    output_bytes: float
+
+
+def unit_bytes(
+    unit: UnitProfile,
+    strategy: Strategy,
+    recompute: str,
+    traced_dtype_bytes: int,
+    *,
+    local_params: float,
+    loss_saved_bytes: float,
+) -> UnitBytes:
+    """The bytes of ``unit`` under ``recompute`` (its own mode), whose device stores
+    ``local_params`` parameters before data-parallel sharding; ``loss_saved_bytes``: what the
+    loss after it keeps for the backward (`cost_model.parts.compute.loss_cost`)."""
+    state = static_bytes(
+        local_params,
+        strategy.dtype,
+        strategy.runtime_zero_stage,
+        strategy.dp_degree,
+        strategy.dp_wrapper,
+    )
+    scale = activation_scale(strategy, traced_dtype_bytes)
+    boundary_div = strategy.tp_degree if strategy.sequence_parallel else 1
+    held = activation_bytes(unit, strategy, recompute, traced_dtype_bytes) + loss_saved_bytes
+    working = working_bytes(unit, strategy, traced_dtype_bytes) + loss_saved_bytes
+    retained = (
+        activation_bytes(unit, strategy, "none", traced_dtype_bytes)
+        + weight_grad_input_bytes(unit, strategy, traced_dtype_bytes)
+        + loss_saved_bytes
+    )
+    return UnitBytes(
+        param_bytes=state.param_bytes,
+        grad_bytes=state.grad_bytes,
+        optimizer_bytes=state.optimizer_bytes,
+        activation_bytes=held,
+        loss_bytes=loss_saved_bytes,
+        retained_bytes=retained,
+        working_bytes=working,
+        # the embedding's and head's working sets travel with those units
+        extra_bytes=0.0 if unit.kind in RECOMPUTABLE_KINDS else working,
+        output_bytes=unit.output_bytes * scale / boundary_div,
+    )

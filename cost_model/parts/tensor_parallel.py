@@ -1,0 +1,117 @@
+"""Tensor parallelism: the Megatron collectives of a unit's forward and backward (and those a
+full recompute re-runs), and the modules TP wraps (their host time is `host.host_cost`'s).
+
+Expects a unit, the strategy and the placements of its TP groups. Guarantees: per micro-batch
+on one device; zero without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_model.calibration import Calibration
+from cost_model.communication import collective_time_s
+from cost_model.hardware import Cluster
+from cost_model.memory import activation_scale
+from cost_model.strategy import GroupPlacement, Strategy
+from cost_model.workload import UnitProfile
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TpCost:
+    """TP collectives of one unit per micro-batch."""
+
+    forward_s: float
+    backward_s: float  # the backward's, and the forward's again when full recompute re-runs it
+
+
+def tp_cost(
+    unit: UnitProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    traced_dtype_bytes: int,
+    tp_groups: Sequence[GroupPlacement],
+    recompute: str,
+) -> TpCost:
+    """The unit's TP collectives under ``recompute`` (the unit's own mode)."""
+    forward_s, backward_s = _tp_times(unit, strategy, cluster, traced_dtype_bytes, tp_groups)
+    if recompute == "full":
+        # Re-run the forward, its TP all-reduces included (Megatron recomputes through the
+        # f/g operators), less those of the row-parallel linears an early stop skips.
+        cal: Calibration = cluster.calibration
+        backward_s += forward_s * (1.0 - cal.full_recompute_early_stop * tail_tp_share(unit))
+    return TpCost(forward_s=forward_s, backward_s=backward_s)
+
+
+def _tp_times(
+    unit: UnitProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    traced_dtype_bytes: int,
+    tp_groups: Sequence[GroupPlacement],
+) -> tuple[float, float]:
+    if strategy.tp_degree == 1:
+        return 0.0, 0.0
+    n_fwd, n_bwd = tp_collective_counts(unit)
+    size = _hidden_bytes_per_sample(unit) * activation_scale(strategy, traced_dtype_bytes)
+    if strategy.sequence_parallel:
+        # Korthikanti et al. 2022, section 4.2.2: each all-reduce becomes a reduce-scatter and
+        # an all-gather of the same buffer (same bytes, twice the latency).
+        one = collective_time_s("reduce_scatter", size, tp_groups, cluster) + collective_time_s(
+            "all_gather", size, tp_groups, cluster
+        )
+    else:
+        one = collective_time_s("all_reduce", size, tp_groups, cluster)
+    return n_fwd * one, n_bwd * one
+
+
+def _hidden_bytes_per_sample(unit: UnitProfile) -> float:
+    """The activation a TP collective of this unit moves: the hidden state (b, s, h)."""
+    return unit.input_bytes if unit.kind == "head" else unit.output_bytes
+
+
+def tp_collective_counts(unit: UnitProfile) -> tuple[int, int]:
+    """(forward, backward) all-reduces a unit needs under Megatron tensor parallelism.
+
+    Shoeybi et al. 2019, section 3 (f and g operators): every column...row region ends with an
+    all-reduce in the forward (g) and starts with one in the backward (f): 2 + 2 per transformer
+    layer. The vocab-parallel embedding all-reduces its output (forward); the vocab-parallel
+    head's input needs the backward all-reduce.
+    """
+    linears = unit.tp.linears
+    if linears:
+        rows = sum(1 for lin in linears if lin.style == "row")
+        embeds = sum(1 for lin in linears if lin.style == "vocab_embedding")
+        heads = sum(1 for lin in linears if lin.style == "vocab_head")
+        return rows + embeds, rows + heads
+    rows = sum(1 for op in unit.ops if op.tp == "row" and op.kind == "matmul")
+    vocab = sum(1 for op in unit.ops if op.tp == "vocab")
+    if unit.kind == "head":
+        return 0, max(rows, 1) if unit.num_params_tp_sharded else 0
+    return rows + min(vocab, 1), rows
+
+
+def tp_module_count(unit: UnitProfile, sequence_parallel: bool) -> int:
+    """Modules tensor parallelism wraps in this unit: linears, embedding and head, and with
+    sequence parallelism the norms too (they run on sequence-sharded distributed tensors)."""
+    if unit.tp.linears:
+        count = len(unit.tp.linears)
+    else:
+        count = sum(
+            1 for op in unit.ops if op.tp in ("column", "row", "vocab") and op.param_bytes_read
+        )
+    if sequence_parallel:
+        count += sum(1 for op in unit.ops if op.kind == "reduction" and op.param_bytes_read)
+    return count
+
+
+def tail_tp_share(unit: UnitProfile) -> float:
+    """Share of the unit's forward TP collectives that follow ops in its recompute tail (one
+    per row-parallel linear there)."""
+    if not unit.recompute_skip_ops:
+        return 0.0
+    n_fwd, _ = tp_collective_counts(unit)
+    tail = unit.ops[len(unit.ops) - unit.recompute_skip_ops :]
+    rows = sum(1 for op in tail if op.tp == "row" and op.kind == "matmul")
+    return min(1.0, rows / n_fwd) if n_fwd else 0.0
