@@ -48,6 +48,7 @@ from autoplan.calibration.host_overheads import (
     measure_runtime,
 )
 from autoplan.contract.errors import CalibrationError
+from cost_model import local_machine
 from cost_model.communication import ring_half_collective_time_s
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
@@ -508,9 +509,6 @@ def calibrate(
     measurements take as long as the machine needs; a job that reports no progress for
     ``stall_s`` seconds is stopped with a `CalibrationError`.
     """
-    # Imports torch (seconds): here, so the CLI's other commands stay fast.
-    from cost_model import local_machine
-
     if world_size is None:
         world_size = min(4, max(2, len(os.sched_getaffinity(0))))
     base = local_machine.detect()
