@@ -93,6 +93,11 @@ def manual_plan(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+    if isinstance(rank_layout, str) or not isinstance(rank_layout, Sequence):
+        raise PlanError(
+            f"rank_layout = {rank_layout!r} must be a list of the axes pp, dp, tp, outermost "
+            f"first, e.g. {list(MESH_AXES)}"
+        )
     if dp is None:
         dp = default_dp(cluster, tp, pp)
     elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:

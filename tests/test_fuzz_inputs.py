@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import autoplan
 from autoplan.cli import main
-from autoplan.contract.errors import InputError
+from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.plan import Plan
 
 MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,seq_len=32,vocab_size=128"
@@ -210,6 +210,13 @@ def test_generated_command_lines(in_tmp_dir: Path, data: st.DataObject) -> None:
 @pytest.fixture(scope="module")
 def graph() -> Any:
     return autoplan.trace(autoplan.models.gpt(2, 64, 4, 32, 128))
+
+
+@pytest.mark.parametrize("layout", [3, "dp", None, 1.5])
+def test_a_rank_layout_that_is_not_a_list_is_a_plan_error(graph: Any, layout: Any) -> None:
+    # Found by test_generated_api_calls: an int layout raised TypeError from manual_plan.
+    with pytest.raises(PlanError, match=r"rank_layout = .* must be a list of the axes"):
+        autoplan.manual_plan(graph, CLUSTER, global_batch=8, rank_layout=layout)
 
 
 API_VALUES = WORDS | JUNK | st.sampled_from([0, -1, 3, 2**40, math.nan, math.inf, 1.5, None])
