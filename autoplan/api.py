@@ -27,6 +27,7 @@ from autoplan.contract.plan import (
 from autoplan.planner.search import DEFAULT_BUDGET_S, SearchProgress, search_plans
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
+from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.workload import ModelProfile
 
@@ -74,13 +75,15 @@ def manual_plan(
     dtype: DTypeName | None = None,
     rank_layout: Sequence[MeshAxis] = MESH_AXES,
     allow_cross_node_tp: bool = False,
+    framework: str = DEFAULT_FRAMEWORK,
 ) -> Plan:
     """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
 
     ``dp`` defaults to ``cluster.num_devices / (tp * pp)``, ``dtype`` to the device's fastest
     (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
-    string (`as_cluster`).
+    string (`as_cluster`). ``framework``: the training stack the plan is priced for (autoplan's
+    runtime, or one of `autoplan export`'s; `cost_model.frameworks`), recorded in the plan.
     """
     profile = profile_of(model_or_graph)
     cluster = as_cluster(cluster)
@@ -137,6 +140,7 @@ def manual_plan(
         sequence_parallel=sequence_parallel,
         dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
         rank_layout=tuple(rank_layout),  # type: ignore[arg-type]
+        framework=framework,
     )
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
@@ -188,6 +192,7 @@ def search(
     time_limit_s: float = ...,
     budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
+    framework: str = ...,
     **constraints: Any,
 ) -> Plan: ...
 
@@ -202,6 +207,7 @@ def search(
     time_limit_s: float = ...,
     budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
+    framework: str = ...,
     **constraints: Any,
 ) -> list[Plan]: ...
 
@@ -215,6 +221,7 @@ def search(
     time_limit_s: float = 10.0,
     budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
+    framework: str = DEFAULT_FRAMEWORK,
     **constraints: Any,
 ) -> Plan | list[Plan]:
     """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
@@ -225,6 +232,7 @@ def search(
     ``max_micro_batch``, ``virtual_stages``, ``schedules``, ``zero``, ``recompute``,
     ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
     ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
+    ``framework``: price the plans for that training stack (`manual_plan`).
     """
     result = search_plans(
         profile_of(model_or_graph),
@@ -234,6 +242,7 @@ def search(
         time_limit_s=time_limit_s,
         budget_s=budget_s,
         progress=progress,
+        framework=framework,
         **constraints,
     )
     return list(result.plans) if top_k is not None else result.plans[0]

@@ -34,6 +34,7 @@ import operator
 from collections.abc import Sequence
 
 from cost_model.errors import InputError
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
@@ -124,9 +125,13 @@ class CostModel:
     builds a fresh one per call.
     """
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
+    def __init__(
+        self, profile: ModelProfile, cluster: Cluster, framework: str = DEFAULT_FRAMEWORK
+    ) -> None:
         self.profile = profile
-        self.cluster = cluster
+        self.framework = framework
+        # the cluster as the framework's stack runs on it (`cost_model.frameworks`)
+        self.cluster = framework_profile(framework).cluster_for(profile, cluster)
         # for each unit, the first unit with the same content (its own if unique)
         self.classes = unit_classes(profile)
         # (unit, tp, sequence parallel, micro-batch, dtype) -> the unit's compute
@@ -322,6 +327,11 @@ class CostModel:
     def estimate(self, plan: PlanLike) -> Estimate:
         """Step time, throughput, MFU and per-device memory of ``plan`` (see `estimate`)."""
         profile, cluster = self.profile, self.cluster
+        if plan.framework != self.framework:
+            raise InputError(
+                f"plan is for framework {plan.framework!r}; this cost model prices "
+                f"{self.framework!r}"
+            )
         strategy = Strategy.of(plan)
         stages = tuple(plan.stages)
         if len(stages) != strategy.num_stages:
@@ -459,7 +469,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimat
     The step time is the simulation of the schedule's own orders (`cost_model.schedules`) with
     the units' costs, so the planner, ``explain`` and the timeline all see one number.
     """
-    return CostModel(profile, cluster).estimate(plan)
+    return CostModel(profile, cluster, plan.framework).estimate(plan)
 
 
 def unit_costs(

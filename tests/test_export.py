@@ -45,7 +45,7 @@ MEGATRON_FLAGS = {
     "--micro-batch-size", "--global-batch-size", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--bf16",
-    "--fp16",
+    "--fp16", "--overlap-grad-reduce",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.

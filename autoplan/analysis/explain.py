@@ -47,6 +47,7 @@ from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError
 from cost_model.errors import ClusterError
 from cost_model.estimate import Estimate
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile
 
@@ -235,13 +236,18 @@ def explain(
     time_limit_s: float = 10.0,
     budget_s: float | None = 10.0,
     progress: Callable[[str], None] | None = None,
+    framework: str | None = None,
 ) -> Explanation:
     """Explain ``plan`` on ``cluster`` (module docstring); ``top_k`` search alternatives.
 
     ``alternatives=False`` skips the searches (breakdown and critical path only); each search
     visits candidates for at most ``budget_s`` seconds (None: until every one is proven), as
-    `autoplan.search`.
+    `autoplan.search`. ``framework``: price the plan (and its alternatives) for that training
+    stack instead of the one it records.
     """
+    if framework is not None and framework != plan.framework:
+        framework_profile(framework)  # an unknown name fails here, naming the known ones
+        plan = dataclasses.replace(plan, framework=framework, estimate=None)
     profile = api.profile_of(model_or_graph)
     result = api.estimate(profile, cluster, plan)
     notes: list[str] = []
@@ -333,6 +339,8 @@ def describe_plan(plan: Plan) -> str:
         f"{plan.micro_batch_size} x {plan.num_micro_batches}, {schedule}, {plan.zero_text}, "
         f"recompute {modes}" + (", SP" if plan.sequence_parallel else "")
     )
+    if plan.framework != DEFAULT_FRAMEWORK:
+        text += f", for {plan.framework}"
     if plan.pp_degree > 1:
         sizes = [s.num_units for s in plan.stages]
         text += (
@@ -393,6 +401,7 @@ def _search_alternatives(
             global_batch=plan.global_batch_size,
             top_k=top_k + 1,
             dtype=plan.dtype,
+            framework=plan.framework,
             time_limit_s=limits.time_limit_s,
             budget_s=limits.budget_s,
         ).plans
@@ -428,6 +437,7 @@ def _constrained(
             cluster,
             global_batch=plan.global_batch_size,
             dtype=plan.dtype,
+            framework=plan.framework,
             time_limit_s=limits.time_limit_s,
             budget_s=limits.budget_s,
             **constraints,

@@ -39,6 +39,7 @@ from autoplan.contract.errors import InputError, NoFeasiblePlanError
 from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, load_cluster
 from cost_model.workload import ModelProfile
 
@@ -384,6 +385,7 @@ def whatif(
     budget_s: float | None = 10.0,
     progress: Callable[[WhatIfProgress], None] | None = None,
     workers: int | None = None,
+    framework: str = DEFAULT_FRAMEWORK,
     **constraints: Any,
 ) -> WhatIfResult:
     """The best plan and its speed and cost for every cluster type and device count.
@@ -394,6 +396,7 @@ def whatif(
     ``workers``: searches run in this many processes at once (default: one per CPU core, at
     most one per search; 1 runs them here, one after another). ``time_limit_s`` and
     ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
+    ``framework``: price every plan for that training stack (`autoplan.search`).
     """
     start = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -416,8 +419,10 @@ def whatif(
             raise WhatIfInputError(f"cluster type {label!r} is given twice")
     for kind in types:
         kind.check_devices(sizes)
-    # Unknown or contradictory constraints fail before any search.
+    # Unknown or contradictory constraints, or an unknown framework, fail before any search.
     SearchSpace.from_constraints(**constraints)
+    framework_profile(framework)
+    constraints = {**constraints, "framework": framework}
     profile = api.profile_of(model_or_graph)
 
     jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]

@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 
 from autoplan._format import WIDTH
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 from cost_model.schema import check_writable
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
@@ -69,6 +70,16 @@ def trace_spec(spec: str) -> Any:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# --framework: the training stack plans are priced for (cost_model.frameworks)
+framework_option = click.option(
+    "--framework",
+    type=click.Choice(list(FRAMEWORKS)),
+    default=DEFAULT_FRAMEWORK,
+    show_default=True,
+    help="Training stack to price the plan for (autoplan's runtime, or an export target).",
+)
 
 
 # --dtype, as every planning command takes it

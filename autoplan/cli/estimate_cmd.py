@@ -14,9 +14,17 @@ from autoplan._format import (
     fmt_time,
 )
 from autoplan.api import default_dp, estimate, manual_plan
-from autoplan.cli.common import console, dtype_option, emit_json, json_option, trace_spec
+from autoplan.cli.common import (
+    console,
+    dtype_option,
+    emit_json,
+    framework_option,
+    json_option,
+    trace_spec,
+)
 from autoplan.contract.plan import DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
+from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
 
 
@@ -51,6 +59,7 @@ from cost_model.hardware import load_cluster
 )
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
 @dtype_option
+@framework_option
 @json_option
 def estimate_cmd(
     model_spec: str,
@@ -66,6 +75,7 @@ def estimate_cmd(
     virtual_stages: int,
     sequence_parallel: bool,
     dtype: DTypeName | None,
+    framework: str,
     as_json: bool,
 ) -> None:
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""
@@ -89,6 +99,7 @@ def estimate_cmd(
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
+        framework=framework,
     )
     result = estimate(profile, target, plan)
     if as_json:
@@ -104,6 +115,7 @@ def estimate_cmd(
         f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
         f"{plan.num_micro_batches}, {plan.schedule}, {plan.zero_text}, {plan.dtype}"
         + (", sequence parallel" if plan.sequence_parallel else "")
+        + (f", priced for {plan.framework}" if plan.framework != DEFAULT_FRAMEWORK else "")
     )
     out.print(stage_table(result))
     out.print(summary_line(result))

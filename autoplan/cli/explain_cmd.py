@@ -23,10 +23,17 @@ from autoplan.analysis.explain import (
     plan_model_spec,
 )
 from autoplan.analysis.timeline import timeline_of
-from autoplan.cli.common import console, emit_json, finite_seconds, json_option, trace_spec
+from autoplan.cli.common import (
+    console,
+    emit_json,
+    finite_seconds,
+    json_option,
+    trace_spec,
+)
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.whatif_cmd import check_picture_path
 from autoplan.contract.plan import Plan
+from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import load_cluster
 
 
@@ -75,6 +82,12 @@ from cost_model.hardware import load_cluster
     show_default=True,
     help="Seconds each comparison search may visit candidates (0: until every one is proven).",
 )
+@click.option(
+    "--framework",
+    type=click.Choice(list(FRAMEWORKS)),
+    default=None,
+    help="Training stack to price the plan for [the one the plan records].",
+)
 @json_option
 def explain_cmd(
     plan_path: str,
@@ -85,6 +98,7 @@ def explain_cmd(
     no_alternatives: bool,
     time_limit: float,
     budget: float,
+    framework: str | None,
     as_json: bool,
 ) -> None:
     """Explain a plan: where its step time goes and what the alternatives would cost."""
@@ -115,6 +129,7 @@ def explain_cmd(
             time_limit_s=time_limit,
             budget_s=budget if budget > 0 else None,
             progress=None if status is None else status.update,
+            framework=framework,
         )
     timeline: dict[str, Any] | None = None
     if timeline_path is not None:
@@ -149,7 +164,7 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
         out.print(f"[dim]using {note}[/]")
     out.print(
         f"[bold]{result.model}[/] on {result.cluster} ({result.num_devices} devices): "
-        f"{describe_plan(plan)}, {plan.dtype}"
+        f"{describe_plan(result.plan)}, {plan.dtype}"
     )
     out.print(stage_table(result.estimate))
     out.print(memory_table(result))

@@ -23,6 +23,7 @@ from autoplan.cli.common import (
     check_output_path,
     console,
     emit_json,
+    framework_option,
     json_option,
     search_constraints,
     search_options,
@@ -59,6 +60,7 @@ from cost_model.hardware import load_cluster
     help="How many ranked plans to show.",
 )
 @search_options()
+@framework_option
 @json_option
 def plan_cmd(
     model_spec: str,
@@ -66,6 +68,7 @@ def plan_cmd(
     global_batch: int,
     output: str | None,
     top_k: int,
+    framework: str,
     as_json: bool,
     time_limit: float,
     **options: Any,
@@ -99,6 +102,7 @@ def plan_cmd(
             time_limit_s=time_limit,
             budget_s=budget_s(options),
             progress=report,
+            framework=framework,
             **constraints,
         )
     best = result.plans[0]

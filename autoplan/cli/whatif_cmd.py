@@ -36,6 +36,7 @@ from autoplan.cli.common import (
     budget_s,
     console,
     emit_json,
+    framework_option,
     json_option,
     search_constraints,
     search_options,
@@ -91,6 +92,7 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     help="Cluster override for every type, key=value, e.g. inter_node_bandwidth=100GB/s.",
 )
 @search_options(with_dp=False)
+@framework_option
 @json_option
 def whatif_cmd(
     model_spec: str,
@@ -103,6 +105,7 @@ def whatif_cmd(
     plot_path: str | None,
     set_items: tuple[str, ...],
     time_limit: float,
+    framework: str,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -158,6 +161,7 @@ def whatif_cmd(
             time_limit_s=time_limit,
             budget_s=budget_s(options),
             progress=report,
+            framework=framework,
             **constraints,
         )
     if not result.feasible_rows:

@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 from autoplan._format import fmt_memory, fmt_time
 from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
@@ -166,6 +167,9 @@ class Plan:
     sequence_parallel: bool = False
     dtype: DTypeName = "bf16"
     rank_layout: tuple[MeshAxis, MeshAxis, MeshAxis] = ("pp", "dp", "tp")
+    # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
+    # or a stack `autoplan export` writes a launch config for.
+    framework: str = DEFAULT_FRAMEWORK
     estimate: PlanEstimate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +198,10 @@ class Plan:
             raise PlanError(f"schedule = {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel = {self.sequence_parallel!r} must be true or false")
+        if not isinstance(self.framework, str) or self.framework not in FRAMEWORKS:
+            raise PlanError(
+                f"framework = {self.framework!r} must be one of {', '.join(FRAMEWORKS)}"
+            )
         if not isinstance(self.stages, tuple) or not all(
             isinstance(stage, StagePlan) for stage in self.stages
         ):
@@ -408,6 +416,9 @@ class Plan:
         """``ZeRO-2``; ``ZeRO-1 (runs as ZeRO-2)`` when the runtime runs another stage than the
         plan names (ZeRO-1 outside DDP: FSDP2 shards gradients too)."""
         run = self.decisions.zero_stage
+        # `decide` is autoplan's runtime: other stacks run the stage the plan names
+        if self.framework != DEFAULT_FRAMEWORK:
+            run = self.zero_stage
         suffix = "" if run == self.zero_stage else f" (runs as ZeRO-{run})"
         return f"ZeRO-{self.zero_stage}{suffix}"
 

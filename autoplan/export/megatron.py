@@ -34,6 +34,9 @@ Plan field -> flag:
   ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
   with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
 - ``dtype`` -> ``--bf16`` / ``--fp16`` (``_add_mixed_precision_args``; fp32 is the default).
+- data parallelism -> ``--overlap-grad-reduce`` (bucketed gradient reduction during the
+  backward, ``_add_distributed_args``; off by default), as the ``megatron-lm`` framework
+  profile prices it.
 - ``rank_layout``: Megatron orders ranks ``tp-cp-ep-dp-pp`` (innermost first), or
   ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping`` (``megatron/training/initialize.py``,
   ``initialize_model_parallel(order=...)``): [pp, dp, tp] or [dp, pp, tp] outermost first.
@@ -94,6 +97,9 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     elif recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
         args += ["--recompute-num-layers", "1"]
+    if plan.dp_degree > 1:
+        # the overlap the megatron-lm framework profile prices (cost_model.frameworks)
+        args += ["--overlap-grad-reduce"]
     if plan.zero_stage == 1:
         args += ["--use-distributed-optimizer"]
     elif plan.zero_stage >= 2:

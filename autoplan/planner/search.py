@@ -64,6 +64,7 @@ from cost_model.estimate import (
     boundary_send_bytes,
     memory_constants,
 )
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import least_held, pipeline_lower_bound_s, sends_at_end
@@ -168,10 +169,14 @@ def search_plans(
     time_limit_s: float = 10.0,
     budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
+    framework: str = DEFAULT_FRAMEWORK,
     **constraints: Any,
 ) -> SearchResult:
     """The ``top_k`` fastest plans that fit (see the module docstring). ``time_limit_s`` caps
-    one stage-partition solve; ``budget_s`` the whole visit (None: visit until proven)."""
+    one stage-partition solve; ``budget_s`` the whole visit (None: visit until proven).
+    ``framework``: the training stack the plans are priced for (`cost_model.frameworks`)."""
+    # Every bound, floor and table below reads the cluster as the framework's stack runs on it.
+    cluster = framework_profile(framework).cluster_for(profile, cluster)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise NoFeasiblePlanError(f"global_batch={global_batch!r} must be a whole number >= 1")
     if global_batch > MAX_GLOBAL_BATCH:
@@ -194,7 +199,7 @@ def search_plans(
     stats = SearchStats()
     start = time.perf_counter()
 
-    model = CostModel(profile, cluster)
+    model = CostModel(profile, cluster, framework)
     tables = _BoundTables(model)
     # Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
     # (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
@@ -447,7 +452,9 @@ class _BoundTables:
         # the cost model without core sharing: `floors` applies each strategy's own stretch
         self._apart = model
         if cluster.shared_cores_per_node is not None:
-            self._apart = CostModel(profile, replace(cluster, shared_cores_per_node=None))
+            self._apart = CostModel(
+                profile, replace(cluster, shared_cores_per_node=None), model.framework
+            )
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         # representative unit -> how many units share its content
         self.class_counts = Counter(model.classes)
@@ -762,6 +769,7 @@ def _to_plan(
         sequence_parallel=s.sequence_parallel,
         dtype=s.dtype,  # type: ignore[arg-type]
         rank_layout=s.rank_layout,
+        framework=model.framework,
     )
     result = model.estimate(plan)
     # The solver kept every rank within memory by the same numbers `require_fits` checks.

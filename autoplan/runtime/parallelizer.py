@@ -47,6 +47,7 @@ from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
 from autoplan.tracing import trace
 from cost_model.estimate import estimate
+from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
 from passes import (
     DistributedModel,
@@ -465,7 +466,16 @@ def _check_before_launch(
 
 def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> None:
     """The memory check of `autoplan validate` and the search (`Estimate.require_fits`), from
-    the plan alone: the same verdict on every rank, before anything is allocated."""
+    the plan alone: the same verdict on every rank, before anything is allocated. A plan
+    priced for another training stack is checked as this runtime runs it."""
+    if plan.framework != DEFAULT_FRAMEWORK:
+        logger.warning(
+            "the plan is priced for %s; autoplan's runtime runs it (and checks its memory) as "
+            "its own (`autoplan export` launches it on %s)",
+            plan.framework,
+            plan.framework,
+        )
+        plan = dataclasses.replace(plan, framework=DEFAULT_FRAMEWORK, estimate=None)
     result = estimate(graph.profile, cluster, plan)
     if result.fits:
         return

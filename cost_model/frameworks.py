@@ -1,0 +1,223 @@
+"""Framework profiles: what a training stack does that changes step time or memory.
+
+A plan runs on one stack: autoplan's own runtime (the default), or a plan exported to Megatron-LM,
+DeepSpeed or torchtitan (`autoplan export`). The stacks differ in behaviour the hardware does not
+decide: the attention kernel, how far full recompute re-runs the forward, which op outputs
+selective recompute keeps, whether data-parallel gradient sync overlaps the backward, whether
+the pipeline keeps the activations it sent, and the bytes the loss keeps. A `FrameworkProfile`
+names each behaviour with its source; `FrameworkProfile.cluster_for` writes it into the
+cluster's `Calibration`, whose fields the cost model's parts read. A field left ``None`` keeps
+the cluster's own value, so the ``autoplan`` profile is the identity: a cluster's calibration
+(presets, `autoplan calibrate`) describes autoplan's runtime.
+
+Applying a profile twice equals applying it once (every field is a replacement, and the
+overlap a minimum), so a cluster that already carries a profile may be passed again.
+
+Not yet described per stack (the cost model prices these as autoplan's runtime runs them):
+DeepSpeed's per-parameter ZeRO-3 gathers with prefetch buckets, DeepSpeed's pipeline engine
+with its BF16_Optimizer, fused or distributed optimizers, fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from cost_model.errors import InputError
+from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+
+AttentionKernel = Literal["fused", "unfused"]
+
+DEFAULT_FRAMEWORK = "autoplan"
+
+
+class FrameworkError(InputError):
+    """An unknown framework name."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrameworkProfile:
+    """A training stack's behaviour; ``None``: as the cluster's calibration says."""
+
+    name: str
+    # The releases whose behaviour this describes (behaviour changed at the stated versions).
+    version: str
+    summary: str
+    # fused: one flash/memory-efficient kernel (the trace's SDPA op, at the calibration's
+    # attention efficiency); unfused: Q K^T, softmax, dropout and x V with the s x s scores in
+    # memory (`unfused_attention_efficiency`).
+    attention: AttentionKernel | None = None
+    # `Calibration.full_recompute_early_stop`: 1 when full recompute stops once every saved
+    # tensor is back (torch's non-reentrant checkpoint since 2.1), 0 when it re-runs the
+    # whole forward (reentrant checkpointing).
+    full_recompute_early_stop: float | None = None
+    # `Calibration.selective_gemm_recompute_fraction`: the share of forward GEMM work that
+    # selective recompute re-runs.
+    selective_gemm_recompute_fraction: float | None = None
+    # Whether gradient sync overlaps the backward (1) or follows it (0); the cluster's
+    # `dp_overlap_fraction` still bounds it (a CPU worker's one core cannot overlap).
+    dp_overlap: float | None = None
+    # `Calibration.pipeline_boundary_retention`: 1 keeps every sent activation until its
+    # backward (torch.distributed.pipelining), 0 frees it once sent.
+    pipeline_boundary_retention: float | None = None
+    # `Calibration.loss_saved_bytes_per_logit`.
+    loss_saved_bytes_per_logit: float | None = None
+    sources: tuple[str, ...] = ()
+
+    def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
+        """``cluster`` with this stack's behaviour in its calibration."""
+        cal = cluster.calibration
+        changes: dict[str, float] = {}
+        if self.attention == "unfused" and profile.num_heads:
+            head_dim = profile.hidden_size // profile.num_heads
+            changes["attention_efficiency"] = unfused_attention_efficiency(cluster, head_dim)
+        for name in (
+            "full_recompute_early_stop",
+            "selective_gemm_recompute_fraction",
+            "pipeline_boundary_retention",
+            "loss_saved_bytes_per_logit",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value
+        if self.dp_overlap is not None:
+            changes["dp_overlap_fraction"] = min(cal.dp_overlap_fraction, self.dp_overlap)
+        if not changes:
+            return cluster
+        return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
+
+
+def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:
+    """Effective efficiency of an unfused attention core (Q K^T, softmax, dropout, x V: Megatron-LM
+    2019-2022's CoreAttention with FusedScaleMaskSoftmax), in the terms of the fused attention op
+    the trace records.
+
+    Per head and sample (forward): 4 s^2 d GEMM FLOPs at the GEMM efficiency, and the s x s score
+    matrix written by Q K^T, read and written by the softmax, read and written by dropout with its
+    1-byte mask, read by the second bmm: ~7 s^2 16-bit elements = 14 s^2 bytes at the memory
+    efficiency. The backward has the same FLOP-to-byte ratio. So
+    ``eff = 1 / (1 / e_gemm + 14 peak / (4 d bandwidth))``: datasheet and calibration only.
+    """
+    cal = cluster.calibration
+    peak = cluster.device.peak_flops_for("bf16")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
+    return min(1.0, 1.0 / (1.0 / cal.gemm_efficiency + 14.0 * peak / (4.0 * head_dim * bandwidth)))
+
+
+FRAMEWORKS: dict[str, FrameworkProfile] = {
+    profile.name: profile
+    for profile in (
+        FrameworkProfile(
+            name="autoplan",
+            version="this project (torch >= 2.13)",
+            summary=(
+                "autoplan's runtime: SDPA attention, torch's non-reentrant checkpoint, "
+                "torch.distributed.pipelining, DDP/FSDP2 overlapped gradient sync"
+            ),
+            sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
+        ),
+        FrameworkProfile(
+            name="megatron-lm",
+            version="Megatron-Core 0.5 and later (2024-), as `autoplan export` launches it",
+            summary=(
+                "Megatron-LM with Transformer Engine's fused attention, reentrant full "
+                "recompute, outputs freed once sent, --overlap-grad-reduce"
+            ),
+            attention="fused",
+            # CheckpointFunction is a reentrant torch.autograd.Function: the backward re-runs
+            # the block's whole forward (megatron/core/tensor_parallel/random.py).
+            full_recompute_early_stop=0.0,
+            # --recompute-granularity selective re-runs the attention core only (softmax,
+            # dropout, the two bmm), keeping every projection GEMM's output
+            # (megatron/core/transformer/attention.py, checkpoint_core_attention).
+            selective_gemm_recompute_fraction=0.0,
+            # schedules.py deallocate_output_tensor frees a stage output once sent, and the
+            # p2p layer waits for each batch of sends (p2p_communication.py, wait_on_reqs).
+            pipeline_boundary_retention=0.0,
+            # --overlap-grad-reduce (set by the export): bucketed all-reduce/reduce-scatter
+            # during the backward (megatron/core/distributed/distributed_data_parallel.py).
+            dp_overlap=1.0,
+            sources=(
+                "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
+                "NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py",
+                "NVIDIA/Megatron-LM megatron/training/arguments.py (--overlap-grad-reduce)",
+            ),
+        ),
+        FrameworkProfile(
+            name="megatron-lm-2021",
+            version="Megatron-LM 2.x-3.0 (2020-2022: before flash attention and Megatron-Core)",
+            summary=(
+                "Megatron-LM as in Narayanan et al. 2021 and Korthikanti et al. 2022: unfused "
+                "attention core, reentrant full recompute, outputs freed once sent, local DDP "
+                "(gradient all-reduce after the backward)"
+            ),
+            attention="unfused",
+            full_recompute_early_stop=0.0,
+            selective_gemm_recompute_fraction=0.0,
+            pipeline_boundary_retention=0.0,
+            # --DDP-impl defaulted to 'local': one all-reduce of the contiguous gradient buffer
+            # after the backward (megatron/arguments.py, megatron/model/distributed.py).
+            dp_overlap=0.0,
+            sources=(
+                "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
+                "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
+            ),
+        ),
+        FrameworkProfile(
+            name="deepspeed",
+            version="DeepSpeed 0.10 and later, as `autoplan export` launches it",
+            summary=(
+                "DeepSpeed's engine: the model's own attention, reentrant activation "
+                "checkpointing, PipelineEngine frees sent activations, ZeRO's bucketed "
+                "gradient reduction"
+            ),
+            # deepspeed.checkpointing.CheckpointFunction is reentrant
+            # (deepspeed/runtime/activation_checkpointing/checkpointing.py).
+            full_recompute_early_stop=0.0,
+            # PipelineEngine sends an activation and drops its reference once the next stage
+            # holds it (deepspeed/runtime/pipe/engine.py, _exec_send_activations).
+            pipeline_boundary_retention=0.0,
+            # ZeRO reduces gradients in buckets as they are produced (reduce_bucket_size;
+            # deepspeed/runtime/zero/stage_1_and_2.py).
+            dp_overlap=1.0,
+            sources=(
+                "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
+                "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",
+            ),
+        ),
+        FrameworkProfile(
+            name="torchtitan",
+            version="torchtitan 0.1 and later",
+            summary=(
+                "torchtitan: SDPA/flex attention, op-level selective activation checkpointing "
+                "(every second mm re-run), torch.distributed.pipelining, FSDP2"
+            ),
+            attention="fused",
+            full_recompute_early_stop=1.0,
+            # selective_ac_option = "op" (its llama3 configs' default): "Saves output of all
+            # compute ops, except every second mm" (torchtitan parallelize_llama.py,
+            # _custom_policy).
+            selective_gemm_recompute_fraction=0.5,
+            pipeline_boundary_retention=1.0,
+            dp_overlap=1.0,
+            # cross_entropy on the fp32 logits (torchtitan/components/loss.py).
+            loss_saved_bytes_per_logit=4.0,
+            sources=(
+                "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
+                "pytorch/torchtitan torchtitan/components/loss.py",
+            ),
+        ),
+    )
+}
+
+
+def framework_profile(name: str) -> FrameworkProfile:
+    """The profile named ``name``; `FrameworkError` lists the known ones."""
+    if isinstance(name, str) and name in FRAMEWORKS:
+        return FRAMEWORKS[name]
+    raise FrameworkError(
+        f"unknown framework {name!r}; use one of {', '.join(FRAMEWORKS)} "
+        f"(default {DEFAULT_FRAMEWORK})"
+    )

@@ -1,0 +1,157 @@
+"""Framework profiles (cost_model.frameworks): a plan priced for the training stack it runs on.
+
+Each profile changes exactly the calibration fields it names (and applying it twice changes
+nothing more); ``autoplan``'s is the identity, so every plan made before the field existed keeps
+its estimate. The framework is recorded in the plan file, selectable in the API and every
+planning command, and an unknown name is refused naming the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import autoplan
+from autoplan.contract.errors import InputError, PlanError
+from autoplan.contract.plan import Plan
+from cost_model.calibration import Calibration
+from cost_model.frameworks import (
+    DEFAULT_FRAMEWORK,
+    FRAMEWORKS,
+    FrameworkError,
+    framework_profile,
+    unfused_attention_efficiency,
+)
+from tests.conftest import run_cli
+
+CLUSTER = "dgx-a100-80g:nodes=2"
+MODEL = "gpt:num_layers=8,hidden_size=1024,num_heads=16,seq_len=2048,vocab_size=51200"
+
+
+@pytest.fixture(scope="module")
+def graph() -> Any:
+    return autoplan.trace(
+        autoplan.models.gpt(8, 1024, 16, 2048, 51200)  # MODEL's GPT, on meta
+    )
+
+
+def _changed(a: Calibration, b: Calibration) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) -> None:
+    cluster = autoplan.Cluster.preset("dgx-a100-80g")
+    names = {
+        "attention": "attention_efficiency",
+        "dp_overlap": "dp_overlap_fraction",
+    }
+    assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
+                               "torchtitan"}  # fmt: skip
+    for profile in FRAMEWORKS.values():
+        assert profile.sources and profile.version and profile.summary, profile.name
+        once = profile.cluster_for(graph.profile, cluster)
+        twice = profile.cluster_for(graph.profile, once)
+        assert twice == once, profile.name
+        set_fields = {
+            names.get(f.name, f.name)
+            for f in dataclasses.fields(profile)
+            if f.name not in ("name", "version", "summary", "sources")
+            and getattr(profile, f.name) is not None
+        }
+        assert _changed(cluster.calibration, once.calibration) <= set_fields, profile.name
+        assert once.device == cluster.device and once.inter_node == cluster.inter_node
+    assert FRAMEWORKS[DEFAULT_FRAMEWORK].cluster_for(graph.profile, cluster) is cluster
+
+
+def test_unfused_attention_is_slower_than_the_fused_kernel_and_grows_with_head_size() -> None:
+    cluster = autoplan.Cluster.preset("dgx-a100-80g")
+    fused = cluster.calibration.attention_efficiency
+    assert unfused_attention_efficiency(cluster, 64) < unfused_attention_efficiency(cluster, 128)
+    assert unfused_attention_efficiency(cluster, 128) < fused
+
+
+def test_a_plan_without_the_field_is_autoplans_and_keeps_its_estimate(graph: Any) -> None:
+    plan = autoplan.manual_plan(graph, CLUSTER, tp=2, pp=2, global_batch=32)
+    data = plan.to_data()
+    assert data["framework"] == "autoplan"
+    del data["framework"]  # a plan file written before the field existed
+    old = Plan.from_data(data)
+    assert old.framework == DEFAULT_FRAMEWORK
+    assert autoplan.estimate(graph, CLUSTER, old) == autoplan.estimate(graph, CLUSTER, plan)
+
+
+def test_megatron_profiles_price_what_those_stacks_do(graph: Any) -> None:
+    def step(framework: str, **kwargs: Any) -> Any:
+        plan = autoplan.manual_plan(graph, CLUSTER, global_batch=64, framework=framework, **kwargs)
+        return autoplan.estimate(graph, CLUSTER, plan)
+
+    full = {"tp": 2, "pp": 2, "recompute": "full"}
+    # Reentrant full recompute re-runs each block's whole forward: slower than early stop.
+    assert step("megatron-lm", **full).step_time_s > step("autoplan", **full).step_time_s
+    # ... and the 2021 stack's unfused attention core is slower still.
+    assert step("megatron-lm-2021", **full).step_time_s > step("megatron-lm", **full).step_time_s
+    # Megatron frees a stage's output once sent (torch's pipelining keeps it until its
+    # backward): the first pipeline rank, which sends the most, holds less.
+    pp = {"pp": 4, "micro_batch": 1}
+    held = step("autoplan", **pp).ranks[0].memory.total_bytes
+    assert step("megatron-lm", **pp).ranks[0].memory.total_bytes < held
+    # torchtitan's op-level SAC re-runs every second matmul: slower than keeping them all.
+    selective = {"tp": 2, "recompute": "selective"}
+    assert step("torchtitan", **selective).step_time_s > step("autoplan", **selective).step_time_s
+
+
+def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_path: Path) -> None:
+    plans = autoplan.search(
+        graph, CLUSTER, global_batch=64, top_k=2, framework="megatron-lm", budget_s=2.0
+    )
+    for plan in plans:
+        assert plan.framework == "megatron-lm"
+        estimate = autoplan.estimate(graph, CLUSTER, plan)
+        assert plan.estimate is not None
+        assert plan.estimate.step_time_s == estimate.step_time_s
+        path = tmp_path / "plan.yaml"
+        plan.to_yaml(path)
+        assert yaml.safe_load(path.read_text())["framework"] == "megatron-lm"
+        assert Plan.from_yaml(path) == plan
+
+
+def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_path: Path) -> None:
+    known = "autoplan, megatron-lm, megatron-lm-2021, deepspeed, torchtitan"
+    with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
+        framework_profile("nemo")
+    with pytest.raises(PlanError, match=f"framework = 'nemo' must be one of {known}"):
+        autoplan.manual_plan(graph, CLUSTER, global_batch=64, framework="nemo")
+    with pytest.raises(InputError, match="unknown framework 'nemo'"):
+        autoplan.search(graph, CLUSTER, global_batch=64, framework="nemo")
+    data = autoplan.manual_plan(graph, CLUSTER, global_batch=64).to_data()
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({**data, "framework": 3}))
+    with pytest.raises(PlanError, match="framework: expected a string, got 3"):
+        Plan.from_yaml(path)
+
+
+def test_every_planning_command_takes_the_framework(tmp_path: Path) -> None:
+    common = ("--model", MODEL, "--cluster", CLUSTER, "--global-batch", "64")
+    done = run_cli("estimate", *common, "--tp", "2", "--framework", "megatron-lm")
+    assert done.returncode == 0, done.stderr
+    assert "priced for megatron-lm" in done.stdout
+    plan_path = tmp_path / "plan.yaml"
+    done = run_cli("plan", *common, "--framework", "torchtitan", "--budget", "2",
+                   "-o", str(plan_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert Plan.from_yaml(plan_path).framework == "torchtitan"
+    done = run_cli("explain", str(plan_path), "--no-alternatives", "--framework", "deepspeed")
+    assert done.returncode == 0, done.stderr
+    assert "for deepspeed" in done.stdout
+    done = run_cli("whatif", "--model", MODEL, "--cluster", "dgx-a100-80g", "--num-devices",
+                   "16", "--global-batch", "64", "--budget", "1", "--framework",
+                   "megatron-lm-2021", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"framework": "megatron-lm-2021"' in done.stdout
+    done = run_cli("estimate", *common, "--framework", "nemo")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "'nemo' is not one of 'autoplan', 'megatron-lm'" in done.stderr
