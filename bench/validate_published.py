@@ -36,6 +36,7 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
+from cost_model.frameworks import unfused_attention_efficiency
 from cost_model.hardware import Cluster
 from cost_model.schedules import StageTimes, simulate
 from cost_model.strategy import (
@@ -286,24 +287,6 @@ def layer_balanced_stages(
         last = profile.num_units - 1 if s == num_stages - 1 else blocks[(s + 1) * per - 1]
         stages.append(StagePlan(first_unit=first, last_unit=last, recompute=recompute))  # type: ignore[arg-type]
     return tuple(stages)
-
-
-def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:
-    """Effective efficiency of Megatron-LM's unfused attention core (2019-2022: baddbmm for
-    Q K^T, FusedScaleMaskSoftmax, dropout, bmm with V; megatron/model/transformer.py
-    CoreAttention), in the terms of the flash-attention op the trace records.
-
-    Per head and sample (forward): 4 s^2 d GEMM FLOPs at the GEMM efficiency, and the s^2
-    score matrix written by Q K^T, read and written by the softmax, read and written by dropout
-    with its 1-byte mask, read by the second bmm: ~7 s^2 16-bit elements = 14 s^2 bytes at the
-    memory efficiency. The backward has the same FLOP-to-byte ratio. So
-    ``eff = 1 / (1 / e_gemm + 14 peak / (4 d bandwidth))``. Not fitted: datasheet and preset
-    calibration only.
-    """
-    cal = cluster.calibration
-    peak = cluster.device.peak_flops_for("bf16")
-    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    return 1.0 / (1.0 / cal.gemm_efficiency + 14.0 * peak / (4.0 * head_dim * bandwidth))
 
 
 def predict(case: Case, cluster: Cluster | None = None) -> Result:
