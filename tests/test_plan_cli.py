@@ -202,3 +202,29 @@ def test_each_device_defaults_to_its_fastest_dtype() -> None:
     done = run_cli("plan", "--model", MODEL, "--cluster", "local", "--global-batch", "4", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["plans"][0]["dtype"] == "fp32"
+
+
+def test_the_ranked_table_shows_rank_layouts_when_they_tell_plans_apart() -> None:
+    from rich.console import Console
+
+    import autoplan
+    from autoplan.cli.plan_cmd import ranked_table
+
+    graph = autoplan.trace(autoplan.models.gpt(2, 64, 4, 32, 128))
+    same = [
+        autoplan.manual_plan(graph, "dgx-a100-80g", pp=2, global_batch=64, micro_batch=m)
+        for m in (1, 2)
+    ]
+    apart = [
+        autoplan.manual_plan(graph, "dgx-a100-80g", pp=2, global_batch=64, rank_layout=layout)
+        for layout in (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+    ]
+
+    def text(plans: list[autoplan.Plan]) -> str:
+        console = Console(width=100, record=True)
+        console.print(ranked_table(tuple(plans)))
+        return console.export_text()
+
+    assert "layout" not in text(same)
+    shown = text(apart)
+    assert "layout" in shown and "pp/dp/tp" in shown and "dp/pp/tp" in shown

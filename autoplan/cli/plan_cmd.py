@@ -136,9 +136,11 @@ def plan_cmd(
 
 
 def ranked_table(plans: tuple[Plan, ...]) -> Table:
-    """The ranked plans, one line each (the chosen plan's layout and split are in its stage
-    table)."""
+    """The ranked plans, one line each, with their rank layouts (outermost axis first) when
+    they differ (the chosen plan's split is in its stage table)."""
     table = compact_table("best plans (rank 1 is chosen)", caption=MEMORY_CELL_CAPTION)
+    # The rank layout only when the plans differ in it: then it may be all that tells two apart.
+    layouts = len({plan.rank_layout for plan in plans}) > 1
     for name in (
         "#",
         "tp",
@@ -150,11 +152,13 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
         "ZeRO",
         "SP",
         "recompute",
+        *(("layout",) if layouts else ()),
         "step",
         "MFU",
         "memory",
     ):
-        table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
+        left = name in ("schedule", "recompute", "layout")
+        table.add_column(name, justify="left" if left else "right")
     for rank, plan in enumerate(plans, start=1):
         e = plan.estimate
         assert e is not None
@@ -169,6 +173,7 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             str(plan.zero_stage),
             "yes" if plan.sequence_parallel else "no",
             fmt_recompute(s.recompute for s in plan.stages),
+            *(("/".join(plan.rank_layout),) if layouts else ()),
             fmt_time(e.step_time_s),
             f"{e.mfu:.1%}",
             fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
