@@ -43,6 +43,7 @@ WORDS = st.sampled_from(
         "1e400", "999999999999", "abc", "80GiB", "5us", "x=1", ",", ":", "gpt", "llama",
         "gpt3-175b", "/", "/dev/null", "/no/such/file.yaml", "☃", "0x10", "true", "none",
         "fp8", "zigzag", "local", "dgx-a100-80g:nodes=0", "dgx-a100-80g:nodes=1e12",
+        "megatron-lm", "torchtitan", "deepspeed",
     ]
 )  # fmt: skip
 JUNK: st.SearchStrategy[Any] = st.recursive(
@@ -153,17 +154,18 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "plan": (
         ("--model", "--cluster", "--global-batch", "--tp", "--pp", "--dp", "--micro-batch",
          "--max-tp", "--max-pp", "--zero", "--recompute", "--schedules", "--dtype",
-         "--time-limit", "--top", "-o"),
+         "--time-limit", "--top", "-o", "--framework"),
         ("--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8", "--budget", "1"),
     ),
     "estimate": (
         ("--model", "--cluster", "--global-batch", "--tp", "--pp", "--dp", "--micro-batch",
-         "--recompute", "--zero", "--schedule", "--virtual-stages", "--dtype"),
+         "--recompute", "--zero", "--schedule", "--virtual-stages", "--dtype", "--framework"),
         ("--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8"),
     ),
     "whatif": (
         ("--model", "--cluster", "--num-devices", "--global-batch", "--tokens",
-         "--price-per-device-hour", "--currency", "--set", "--plot", "--max-tp", "--zero"),
+         "--price-per-device-hour", "--currency", "--set", "--plot", "--max-tp", "--zero",
+         "--framework"),
         ("--model", MODEL, "--cluster", CLUSTER, "--num-devices", "8", "--global-batch", "8",
          "--budget", "1"),
     ),
@@ -229,12 +231,14 @@ def test_generated_api_calls(graph: Any, data: st.DataObject) -> None:
     call = data.draw(st.sampled_from(["manual_plan", "search", "Plan", "estimate"]))
     keys = {
         "manual_plan": ["tp", "pp", "dp", "micro_batch", "global_batch", "recompute", "zero",
-                        "schedule", "virtual_stages", "sequence_parallel", "dtype", "rank_layout"],
+                        "schedule", "virtual_stages", "sequence_parallel", "dtype", "rank_layout",
+                        "framework"],
         "search": ["global_batch", "tp", "pp", "dp", "micro_batch", "zero", "recompute",
-                   "schedules", "dtype", "max_tp", "max_pp", "top_k", "time_limit_s"],
+                   "schedules", "dtype", "max_tp", "max_pp", "top_k", "time_limit_s",
+                   "framework"],
         "Plan": ["dp_degree", "tp_degree", "pp_degree", "micro_batch_size", "num_micro_batches",
                  "global_batch_size", "schedule", "zero_stage", "dtype", "virtual_stages",
-                 "sequence_parallel", "rank_layout"],
+                 "sequence_parallel", "rank_layout", "framework"],
         "estimate": [],
     }[call]  # fmt: skip
     bad = {key: data.draw(API_VALUES) for key in data.draw(st.sets(st.sampled_from(keys or ["_"])))}
