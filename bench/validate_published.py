@@ -36,7 +36,7 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
-from cost_model.frameworks import unfused_attention_efficiency
+from cost_model.frameworks import DEFAULT_FRAMEWORK, unfused_attention_efficiency
 from cost_model.hardware import Cluster
 from cost_model.schedules import StageTimes, simulate
 from cost_model.strategy import (
@@ -207,6 +207,8 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         virtual_stages=v,
         sequence_parallel=bool(merged.get("sequence_parallel")),
         dtype=merged.get("dtype") or fam["dtype"],
+        # the training stack that ran the row (cost_model.frameworks)
+        framework=fam.get("framework", DEFAULT_FRAMEWORK),
     )
     return Case(
         run_id=run_id,

@@ -209,6 +209,30 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "pytorch/torchtitan torchtitan/components/loss.py",
             ),
         ),
+        FrameworkProfile(
+            name="llm-foundry",
+            version="MosaicML llm-foundry with Composer, torch 2.0 (its 2023 throughput tables)",
+            summary=(
+                "llm-foundry's MPT on Composer/FSDP: flash attention, torch 2.0's "
+                "checkpointing (no early stop), flash-attn's fused cross-entropy, overlapped FSDP"
+            ),
+            attention="fused",
+            # Its benchmark sweep pins mosaicml/pytorch:2.0.1 (scripts/train/benchmarking/
+            # sweep.sh): torch's non-reentrant checkpoint re-ran the whole forward before 2.1
+            # (the early stop is pytorch PR #96866).
+            full_recompute_early_stop=0.0,
+            # MPT's loss_fn defaults to flash-attn's CrossEntropyLoss, which saves the bf16
+            # logits (and a log-sum-exp per row) for its backward
+            # (llmfoundry/models/mpt/modeling_mpt.py; flash_attn/ops/triton/cross_entropy.py).
+            loss_saved_bytes_per_logit=2.0,
+            # Composer's FSDP overlaps gradient reduce-scatter with the backward.
+            dp_overlap=1.0,
+            sources=(
+                "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
+                "mosaicml/llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn)",
+                "Dao-AILab/flash-attention flash_attn/ops/triton/cross_entropy.py",
+            ),
+        ),
     )
 }
 
