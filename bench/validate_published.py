@@ -36,7 +36,7 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan, StagePlan
 from cost_model.communication import collective_time_s, p2p_time_s
 from cost_model.estimate import Estimate, estimate, tied_pair_placement, unit_costs
-from cost_model.frameworks import DEFAULT_FRAMEWORK, unfused_attention_efficiency
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.schedules import StageTimes, simulate
 from cost_model.strategy import (
@@ -77,7 +77,6 @@ class Case:
     plan_args: dict[str, Any]
     cluster: Cluster
     published_step_s: float
-    unfused_attention: bool  # the framework materialised the attention scores (pre-flash)
     runtime: str  # "" (autoplan's model as is) or a training stack the bench adapts it to
     # the peak memory the source prints (torchtitan: max_reserved, the caching allocator's
     # segments), in bytes, if it prints one
@@ -174,9 +173,6 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     overrides.update(fam.get("cluster", {}))
     overrides.update(fam.get("gpu_cluster", {}).get(gpu_name, {}))
     overrides.update(extra.pop("cluster", {}))
-    overlap = extra.pop("dp_overlap_fraction", None)
-    if overlap is not None:
-        overrides["dp_overlap_fraction"] = overlap
     base = Cluster.preset(gpu["preset"])
     per_node = min(base.devices_per_node, row["num_gpus"])
     cluster = Cluster.preset(
@@ -185,6 +181,10 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         devices_per_node=per_node,
         **overrides,
     )
+    framework = fam.get("framework", DEFAULT_FRAMEWORK)
+    options = extra.pop("framework_options", None)
+    if options:
+        framework = f"{framework}:{options}"
     how = extra.pop("throughput", fam["throughput"])
     reason = extra.pop("reason", "")
     memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
@@ -207,8 +207,9 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         virtual_stages=v,
         sequence_parallel=bool(merged.get("sequence_parallel")),
         dtype=merged.get("dtype") or fam["dtype"],
-        # the training stack that ran the row (cost_model.frameworks)
-        framework=fam.get("framework", DEFAULT_FRAMEWORK),
+        # the training stack that ran the row, with the flags the run states
+        # (cost_model.frameworks; e.g. megatron-lm-2021:ddp=torch)
+        framework=framework,
     )
     return Case(
         run_id=run_id,
@@ -222,7 +223,6 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
         plan_args=plan_args,
         cluster=cluster,
         published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
-        unfused_attention=fam.get("attention") == "unfused",
         runtime=fam.get("runtime", ""),
         published_memory_bytes=None if published_gib is None else float(published_gib) * 2**30,
         memory_note=memory_note,
@@ -293,11 +293,6 @@ def layer_balanced_stages(
 
 def predict(case: Case, cluster: Cluster | None = None) -> Result:
     cluster = cluster or case.cluster
-    if case.unfused_attention:
-        head_dim = case.dims.hidden_size // case.dims.num_heads
-        cluster = cluster.with_overrides(
-            attention_efficiency=unfused_attention_efficiency(cluster, head_dim)
-        )
     profile = profile_for(case.dims)
     plan: Plan = manual_plan(profile, cluster, **case.plan_args)
     balanced = layer_balanced_stages(profile, plan.num_stages, case.plan_args["recompute"])
@@ -306,7 +301,8 @@ def predict(case: Case, cluster: Cluster | None = None) -> Result:
     est = estimate(profile, cluster, plan)
     step = est.step_time_s
     if case.runtime == "deepspeed-pipe-bf16":
-        step = deepspeed_pipe_bf16_step_s(profile, cluster, plan, est)
+        stack = framework_profile(plan.framework).cluster_for(profile, cluster)
+        step = deepspeed_pipe_bf16_step_s(profile, stack, plan, est)
     elif case.runtime:
         raise ValueError(f"unknown runtime {case.runtime!r} for {case.run_id}")
     return Result(case=case, estimate=est, step_time_s=step)

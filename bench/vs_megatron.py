@@ -30,7 +30,6 @@ from validate_published import (
     load,
     predict,
     profile_for,
-    unfused_attention_efficiency,
 )
 
 from autoplan.contract.plan import Plan
@@ -98,19 +97,14 @@ def main() -> int:
         case = build_case(row, assumptions)
         assert isinstance(case, Case), case
         published = predict(case)
-        cluster = case.cluster
-        if case.unfused_attention:
-            head_dim = case.dims.hidden_size // case.dims.num_heads
-            cluster = cluster.with_overrides(
-                attention_efficiency=unfused_attention_efficiency(cluster, head_dim)
-            )
         profile = profile_for(case.dims)
         start = time.perf_counter()
         result = search_plans(
             profile,
-            cluster,
+            case.cluster,
             global_batch=case.plan_args["global_batch"],
             dtype=case.plan_args["dtype"],
+            framework=case.plan_args["framework"],
             budget_s=BUDGET_S,
         )
         elapsed = time.perf_counter() - start

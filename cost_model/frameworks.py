@@ -21,7 +21,8 @@ with its BF16_Optimizer, fused or distributed optimizers, fp8.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from cost_model.errors import InputError
@@ -65,6 +66,9 @@ class FrameworkProfile:
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
     sources: tuple[str, ...] = ()
+    # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
+    # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
+    options: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
 
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
         """``cluster`` with this stack's behaviour in its calibration."""
@@ -137,8 +141,12 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # p2p layer waits for each batch of sends (p2p_communication.py, wait_on_reqs).
             pipeline_boundary_retention=0.0,
             # --overlap-grad-reduce (set by the export): bucketed all-reduce/reduce-scatter
-            # during the backward (megatron/core/distributed/distributed_data_parallel.py).
+            # during the backward (megatron/core/distributed/distributed_data_parallel.py);
+            # without it (Megatron's default) the reduction follows the backward.
             dp_overlap=1.0,
+            options={
+                "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}}
+            },
             sources=(
                 "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
                 "NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py",
@@ -158,8 +166,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             selective_gemm_recompute_fraction=0.0,
             pipeline_boundary_retention=0.0,
             # --DDP-impl defaulted to 'local': one all-reduce of the contiguous gradient buffer
-            # after the backward (megatron/arguments.py, megatron/model/distributed.py).
+            # after the backward (megatron/arguments.py, megatron/model/distributed.py);
+            # 'torch' is torch's DDP, whose buckets overlap the backward.
             dp_overlap=0.0,
+            options={"ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}}},
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -237,11 +247,29 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
 }
 
 
-def framework_profile(name: str) -> FrameworkProfile:
-    """The profile named ``name``; `FrameworkError` lists the known ones."""
-    if isinstance(name, str) and name in FRAMEWORKS:
-        return FRAMEWORKS[name]
-    raise FrameworkError(
-        f"unknown framework {name!r}; use one of {', '.join(FRAMEWORKS)} "
-        f"(default {DEFAULT_FRAMEWORK})"
-    )
+def framework_profile(spec: str) -> FrameworkProfile:
+    """The profile ``NAME[:option=value,...]`` names (``megatron-lm-2021:ddp=torch``);
+    `FrameworkError` lists the known names, or the options the profile has."""
+    name, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not isinstance(spec, str) or name not in FRAMEWORKS:
+        raise FrameworkError(
+            f"unknown framework {spec!r}; use one of {', '.join(FRAMEWORKS)} "
+            f"(default {DEFAULT_FRAMEWORK})"
+        )
+    profile = FRAMEWORKS[name]
+    changes: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, _, value = item.partition("=")
+        choices = profile.options.get(key.strip(), {})
+        if value.strip() not in choices:
+            known = "; ".join(
+                f"{option}={'|'.join(values)}" for option, values in profile.options.items()
+            )
+            raise FrameworkError(
+                f"framework {spec!r}: {name} has no option {item!r}; "
+                + (f"its options: {known}" if known else "it takes no options")
+            )
+        changes.update(choices[value.strip()])
+    if not rest:
+        return profile
+    return dataclasses.replace(profile, name=spec, **changes)  # type: ignore[arg-type]

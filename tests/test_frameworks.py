@@ -104,6 +104,28 @@ def test_megatron_profiles_price_what_those_stacks_do(graph: Any) -> None:
     assert step("torchtitan", **selective).step_time_s > step("autoplan", **selective).step_time_s
 
 
+def test_a_stacks_own_flags_are_options_of_its_profile(graph: Any) -> None:
+    """Megatron-LM 2021's --DDP-impl: local (one all-reduce after the backward, its default) or
+    torch (DDP's buckets overlap the backward)."""
+    assert framework_profile("megatron-lm-2021:ddp=torch").dp_overlap == 1.0
+    assert framework_profile("megatron-lm-2021:ddp=local") == dataclasses.replace(
+        framework_profile("megatron-lm-2021"), name="megatron-lm-2021:ddp=local"
+    )
+
+    def step(framework: str) -> float:
+        plan = autoplan.manual_plan(graph, CLUSTER, tp=2, global_batch=64, framework=framework)
+        assert plan.framework == framework
+        return autoplan.estimate(graph, CLUSTER, plan).step_time_s
+
+    assert step("megatron-lm-2021:ddp=torch") < step("megatron-lm-2021")
+    with pytest.raises(
+        FrameworkError, match=r"has no option 'ddp=apex'; its options: ddp=local\|torch"
+    ):
+        framework_profile("megatron-lm-2021:ddp=apex")
+    with pytest.raises(FrameworkError, match="torchtitan has no option 'ddp=torch'; it takes no"):
+        framework_profile("torchtitan:ddp=torch")
+
+
 def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_path: Path) -> None:
     plans = autoplan.search(
         graph, CLUSTER, global_batch=64, top_k=2, framework="megatron-lm", budget_s=2.0
@@ -123,7 +145,9 @@ def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_p
     known = "autoplan, megatron-lm, megatron-lm-2021, deepspeed, torchtitan, llm-foundry"
     with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
         framework_profile("nemo")
-    with pytest.raises(PlanError, match=f"framework = 'nemo' must be one of {known}"):
+    with pytest.raises(
+        PlanError, match=f"framework = 'nemo': unknown framework 'nemo'; use one of {known}"
+    ):
         autoplan.manual_plan(graph, CLUSTER, global_batch=64, framework="nemo")
     with pytest.raises(InputError, match="unknown framework 'nemo'"):
         autoplan.search(graph, CLUSTER, global_batch=64, framework="nemo")
@@ -154,4 +178,4 @@ def test_every_planning_command_takes_the_framework(tmp_path: Path) -> None:
     assert '"framework": "megatron-lm-2021"' in done.stdout
     done = run_cli("estimate", *common, "--framework", "nemo")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "'nemo' is not one of 'autoplan', 'megatron-lm'" in done.stderr
+    assert "unknown framework 'nemo'; use one of autoplan, megatron-lm" in done.stderr

@@ -75,10 +75,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 # --framework: the training stack plans are priced for (cost_model.frameworks)
 framework_option = click.option(
     "--framework",
-    type=click.Choice(list(FRAMEWORKS)),
     default=DEFAULT_FRAMEWORK,
     show_default=True,
-    help="Training stack to price the plan for (autoplan's runtime, or an export target).",
+    help=(
+        f"Training stack to price the plan for: {', '.join(FRAMEWORKS)}; options as "
+        "NAME:key=value (megatron-lm-2021:ddp=torch)."
+    ),
 )
 
 

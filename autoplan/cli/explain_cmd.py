@@ -84,9 +84,8 @@ from cost_model.hardware import load_cluster
 )
 @click.option(
     "--framework",
-    type=click.Choice(list(FRAMEWORKS)),
     default=None,
-    help="Training stack to price the plan for [the one the plan records].",
+    help=f"Training stack to price the plan for ({', '.join(FRAMEWORKS)}) [the plan's].",
 )
 @json_option
 def explain_cmd(

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 from autoplan._format import fmt_memory, fmt_time
 from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
-from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
@@ -198,10 +198,10 @@ class Plan:
             raise PlanError(f"schedule = {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel = {self.sequence_parallel!r} must be true or false")
-        if not isinstance(self.framework, str) or self.framework not in FRAMEWORKS:
-            raise PlanError(
-                f"framework = {self.framework!r} must be one of {', '.join(FRAMEWORKS)}"
-            )
+        try:
+            framework_profile(self.framework)
+        except FrameworkError as error:
+            raise PlanError(f"framework = {self.framework!r}: {error}") from None
         if not isinstance(self.stages, tuple) or not all(
             isinstance(stage, StagePlan) for stage in self.stages
         ):
