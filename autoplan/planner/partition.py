@@ -509,6 +509,41 @@ def _read_modes(
 # ------------------------------------------------------------------------------ formulations
 
 
+class _StepObjective(NamedTuple):
+    tail: list[Expr]  # [rank]
+    memory: list[list[Expr]]  # [rank][candidate peak point]
+    z: cp_model.IntVar
+    ceiling: cp_model.IntVar
+
+
+def _step_objective(
+    model: cp_model.CpModel, spec: ScheduleSpec, scaled: _Scaled, stage: _StageSums
+) -> _StepObjective:
+    """What both step formulations share once their stage sums exist: each rank's tail, the
+    memory of every candidate peak point, and the objective ``z`` under its ``ceiling``."""
+    # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
+    tail: list[Expr] = [
+        model.new_int_var(0, scaled.time_bound, f"tail[{r}]") for r in range(spec.pp_degree)
+    ]
+
+    # Constraints.
+    # each rank's tail covers each of its tail terms (the simulation's rank tail)
+    _add_rank_tails(model, spec, scaled, stage, tail)
+    # every candidate peak point of every rank fits in memory
+    memory = _add_memory(model, spec, scaled, stage)
+
+    # Objective.
+    # z: the step's lower bound to minimise, at least the length of every path cut `solve`
+    # adds (each path is a lower bound on every partition's simulated step)
+    z = model.new_int_var(0, scaled.path_bound, "z")
+    # ceiling: z may not exceed it; each round of `solve` fixes it to one value, to demand a
+    # step better than its best so far
+    ceiling = model.new_int_var(0, scaled.path_bound, "ceiling")
+    model.add(z <= ceiling)
+    model.minimize(z)
+    return _StepObjective(tail, memory, z, ceiling)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _CutModel:
     """The cut formulation's model, variables and read-back (see `_cut_model`)."""
@@ -542,7 +577,7 @@ def _cut_model(problem: PartitionProblem) -> _CutModel:
     every partition that fits in memory is a solution (up to rounding), ``z`` is minimised and
     bounded below by no path yet (`solve` adds them)."""
     # Data.
-    n, S, p = problem.num_units, problem.num_stages, problem.spec.pp_degree
+    n, S = problem.num_units, problem.num_stages
     scaled = _scale(problem)
     names = scaled.mode_names
 
@@ -563,24 +598,7 @@ def _cut_model(problem: PartitionProblem) -> _CutModel:
     # stage.<quantity>[s]: stage s's sum of a unit quantity under its mode, the difference of
     # the quantity's prefix sums at the stage's two cuts (element constraints, `_element`)
     stage = _cut_stage_sums(model, scaled, use, cut)
-    # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
-    tail: list[Expr] = [model.new_int_var(0, scaled.time_bound, f"tail[{r}]") for r in range(p)]
-
-    # Constraints.
-    # each rank's tail covers each of its tail terms (the simulation's rank tail)
-    _add_rank_tails(model, problem.spec, scaled, stage, tail)
-    # every candidate peak point of every rank fits in memory
-    memory = _add_memory(model, problem.spec, scaled, stage)
-
-    # Objective.
-    # z: the step's lower bound to minimise, at least the length of every path cut `solve`
-    # adds (each path is a lower bound on every partition's simulated step)
-    z = model.new_int_var(0, scaled.path_bound, "z")
-    # ceiling: z may not exceed it; each round of `solve` fixes it to one value, to demand a
-    # step better than its best so far
-    ceiling = model.new_int_var(0, scaled.path_bound, "ceiling")
-    model.add(z <= ceiling)
-    model.minimize(z)
+    tail, memory, z, ceiling = _step_objective(model, problem.spec, scaled, stage)
     return _CutModel(
         model=model,
         scaled=scaled,
@@ -702,7 +720,7 @@ def _count_model(problem: PartitionProblem) -> _CountModel:
     linear in small integers and its size does not grow with the number of units. Expects
     `_uniform_middle` (else it models a different problem). Guarantees as `_cut_model`."""
     # Data.
-    n, S, p = problem.num_units, problem.num_stages, problem.spec.pp_degree
+    n, S = problem.num_units, problem.num_stages
     blocks = n - 2
     last = S - 1
     scaled = _scale(problem)
@@ -741,24 +759,7 @@ def _count_model(problem: PartitionProblem) -> _CountModel:
     # stage.<quantity>[s]: stage s's sum of a unit quantity under its mode, linear in the
     # split counts and the mode choice (no variable of its own, `_count_stage_sums`)
     stage = _count_stage_sums(scaled, use, count, split, has_block)
-    # tail[r]: rank r's work after its last action, max(0, max_j (terms + constant j))
-    tail: list[Expr] = [model.new_int_var(0, scaled.time_bound, f"tail[{r}]") for r in range(p)]
-
-    # Constraints.
-    # each rank's tail covers each of its tail terms (the simulation's rank tail)
-    _add_rank_tails(model, problem.spec, scaled, stage, tail)
-    # every candidate peak point of every rank fits in memory
-    memory = _add_memory(model, problem.spec, scaled, stage)
-
-    # Objective.
-    # z: the step's lower bound to minimise, at least the length of every path cut `solve`
-    # adds (each path is a lower bound on every partition's simulated step)
-    z = model.new_int_var(0, scaled.path_bound, "z")
-    # ceiling: z may not exceed it; each round of `solve` fixes it to one value, to demand a
-    # step better than its best so far
-    ceiling = model.new_int_var(0, scaled.path_bound, "ceiling")
-    model.add(z <= ceiling)
-    model.minimize(z)
+    tail, memory, z, ceiling = _step_objective(model, problem.spec, scaled, stage)
     return _CountModel(
         model=model,
         scaled=scaled,
