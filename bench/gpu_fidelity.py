@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -81,18 +82,26 @@ class Case:
 # ----------------------------------------------------------------------------- the plans
 
 
+@functools.cache
+def _graph(spec: str) -> Any:
+    """The traced graph of a model spec (on meta), once per spec: plans and scores share it."""
+    import autoplan
+    from autoplan.models.spec import build_model
+
+    return autoplan.trace(build_model(spec))
+
+
 def _medium(memory_bytes: int) -> str:
     return "gpt3-1.3b" if memory_bytes >= 40 * GIB else "gpt2-medium"
 
 
 def single_device_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
     import autoplan
-    from autoplan.models.spec import build_model
 
     for name in ("gpt2-small", _medium(cluster.device.memory_bytes)):
         for seq in SEQ_LENS:
             spec = f"{name}:seq_len={seq}"
-            graph = autoplan.trace(build_model(spec))
+            graph = _graph(spec)
             for micro, recompute, dtype in itertools.product(MICRO_BATCHES, RECOMPUTE, DTYPES):
                 plan = autoplan.manual_plan(
                     graph,
@@ -111,11 +120,10 @@ def single_device_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
 
 def parallel_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
     import autoplan
-    from autoplan.models.spec import build_model
 
     n = cluster.num_devices
     spec = f"{_medium(cluster.device.memory_bytes)}:seq_len=1024"
-    graph = autoplan.trace(build_model(spec))
+    graph = _graph(spec)
     shapes: list[dict[str, Any]] = [
         {"dp": n, "zero": 0},
         {"dp": n, "zero": 2},
@@ -241,9 +249,8 @@ def measure(case: Case, steps: int, warmup: int) -> list[dict[str, Any]]:
 
 def score(case: Case, ranks: Sequence[dict[str, Any]], clusters: dict[str, Any]) -> dict[str, Any]:
     import autoplan
-    from autoplan.models.spec import build_model
 
-    graph = autoplan.trace(build_model(case.model_spec))
+    graph = _graph(case.model_spec)
     measured_s = statistics.median(t for r in ranks for t in r["step_s"])
     row: dict[str, Any] = {
         "group": case.group,
