@@ -37,6 +37,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import autoplan  # noqa: E402
+from autoplan.calibration.machine import calibrate  # noqa: E402
+from autoplan.contract.plan import Plan  # noqa: E402
+from autoplan.models.spec import build_model  # noqa: E402
+from autoplan.runtime.parallelizer import parallelize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime import _batch, loss_fn  # noqa: E402
@@ -85,8 +93,6 @@ class Case:
 @functools.cache
 def _graph(spec: str) -> Any:
     """The traced graph of a model spec (on meta), once per spec: plans and scores share it."""
-    import autoplan
-    from autoplan.models.spec import build_model
 
     return autoplan.trace(build_model(spec))
 
@@ -96,7 +102,6 @@ def _medium(memory_bytes: int) -> str:
 
 
 def single_device_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
-    import autoplan
 
     for name in ("gpt2-small", _medium(cluster.device.memory_bytes)):
         for seq in SEQ_LENS:
@@ -119,7 +124,6 @@ def single_device_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
 
 
 def parallel_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
-    import autoplan
 
     n = cluster.num_devices
     spec = f"{_medium(cluster.device.memory_bytes)}:seq_len=1024"
@@ -159,7 +163,6 @@ def parallel_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
 
 
 def _fits(graph: Any, cluster: Any, plan: Any) -> bool:
-    import autoplan
 
     return bool(autoplan.estimate(graph, cluster, plan).fits)
 
@@ -169,12 +172,6 @@ def _fits(graph: Any, cluster: Any, plan: Any) -> bool:
 
 def _run_rank(spec: str, plan_data: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     """This rank's measurements of one plan: step times (s) and peak memory (bytes)."""
-    import time
-
-    from autoplan.contract.plan import Plan
-    from autoplan.models.spec import build_model
-    from autoplan.runtime.parallelizer import parallelize
-
     plan = Plan.from_data(plan_data)
     model = build_model(spec)
     trainer = parallelize(model, plan=plan, loss_fn=loss_fn)
@@ -228,8 +225,6 @@ def measure(case: Case, steps: int, warmup: int) -> list[dict[str, Any]]:
     world = case.plan.num_devices
     if world == 1:
         return [_run_rank(case.model_spec, case.plan.to_data(), steps, warmup)]
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -248,7 +243,6 @@ def measure(case: Case, steps: int, warmup: int) -> list[dict[str, Any]]:
 
 
 def score(case: Case, ranks: Sequence[dict[str, Any]], clusters: dict[str, Any]) -> dict[str, Any]:
-    import autoplan
 
     graph = _graph(case.model_spec)
     measured_s = statistics.median(t for r in ranks for t in r["step_s"])
@@ -304,9 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("skipped: bench/gpu_fidelity.py needs CUDA GPUs; this machine has none")
         return 0
-    import autoplan
-    from autoplan.calibration.machine import calibrate
-
     count = torch.cuda.device_count()
     clusters: dict[str, Any] = {"preset": autoplan.Cluster.local(num_devices=count)}
     if args.calibrate:
