@@ -107,8 +107,26 @@ class Skipped:
 
 
 def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    rows = yaml.safe_load((DATA / "published_runs.yaml").read_text())
-    assumptions = yaml.safe_load((DATA / "validation_assumptions.yaml").read_text())
+    """Every row of `published_runs*.yaml` and the merged `validation_assumptions*.yaml`.
+
+    Each source's rows may live in a file of their own (`published_runs_<name>.yaml`, with its
+    `validation_assumptions_<name>.yaml`); a run id or family defined twice is an error.
+    """
+    rows: list[dict[str, Any]] = []
+    for path in sorted(DATA.glob("published_runs*.yaml")):
+        rows.extend(yaml.safe_load(path.read_text()) or [])
+    ids = [r["id"] for r in rows]
+    if dupes := sorted({i for i in ids if ids.count(i) > 1}):
+        raise ValueError(f"run ids defined twice in {DATA}: {dupes}")
+    assumptions: dict[str, Any] = {"gpu_presets": {}, "families": {}, "rows": {}}
+    for path in sorted(DATA.glob("validation_assumptions*.yaml")):
+        part = yaml.safe_load(path.read_text()) or {}
+        for key, table in part.items():
+            if key not in assumptions:
+                raise ValueError(f"{path.name}: unknown section {key!r}")
+            if twice := sorted(set(table) & set(assumptions[key])):
+                raise ValueError(f"{path.name}: {key} {twice} already defined in another file")
+            assumptions[key].update(table)
     return rows, assumptions
 
 
