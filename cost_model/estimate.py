@@ -55,6 +55,7 @@ from cost_model.parts.data_parallel import (
     grouped_dp_sync,
     runs_ddp,
 )
+from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_bf16_step_s
 from cost_model.parts.host import host_cost
 from cost_model.parts.memory import unit_bytes
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
@@ -130,8 +131,9 @@ class CostModel:
     ) -> None:
         self.profile = profile
         self.framework = framework
+        self.stack = framework_profile(framework)
         # the cluster as the framework's stack runs on it (`cost_model.frameworks`)
-        self.cluster = framework_profile(framework).cluster_for(profile, cluster)
+        self.cluster = self.stack.cluster_for(profile, cluster)
         # for each unit, the first unit with the same content (its own if unique)
         self.classes = unit_classes(profile)
         # (unit, tp, sequence parallel, micro-batch, dtype) -> the unit's compute
@@ -326,6 +328,15 @@ class CostModel:
 
     def estimate(self, plan: PlanLike) -> Estimate:
         """Step time, throughput, MFU and per-device memory of ``plan`` (see `estimate`)."""
+        est = self._estimate(plan)
+        if self.stack.engine == "deepspeed-pipe-bf16":
+            strategy = Strategy.of(plan)
+            costs = self.unit_costs(strategy, plan.stages[0].recompute)
+            step = deepspeed_pipe_bf16_step_s(self.profile, self.cluster, strategy, est, costs)
+            est = est.with_step_time(step)
+        return est
+
+    def _estimate(self, plan: PlanLike) -> Estimate:
         profile, cluster = self.profile, self.cluster
         if plan.framework != self.framework:
             raise InputError(

@@ -14,8 +14,7 @@ Applying a profile twice equals applying it once (every field is a replacement, 
 overlap a minimum), so a cluster that already carries a profile may be passed again.
 
 Not yet described per stack (the cost model prices these as autoplan's runtime runs them):
-DeepSpeed's per-parameter ZeRO-3 gathers with prefetch buckets, DeepSpeed's pipeline engine
-with its BF16_Optimizer, fused or distributed optimizers, fp8.
+fused or distributed optimizers, fp8.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
+# A training engine that re-times the whole step (`cost_model.parts.deepspeed_pipeline`).
+Engine = Literal["deepspeed-pipe-bf16"]
 
 DEFAULT_FRAMEWORK = "autoplan"
 
@@ -65,6 +66,9 @@ class FrameworkProfile:
     pipeline_boundary_retention: float | None = None
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
+    # An engine whose accumulation, gradient sync and optimizer step differ from autoplan's
+    # runtime as a whole (``None``: priced part by part as above).
+    engine: Engine | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -173,6 +177,28 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
+            ),
+        ),
+        FrameworkProfile(
+            name="megatron-deepspeed",
+            version="Megatron-DeepSpeed with DeepSpeed's pipeline engine and BF16_Optimizer (2022)",
+            summary=(
+                "Megatron-DeepSpeed as BigScience trained BLOOM: Megatron's unfused attention "
+                "core, reentrant full recompute, DeepSpeed's PipelineEngine with BF16_Optimizer "
+                "(fp32 gradient accumulation, fp32 all-reduce after the flush, ZeRO-1 weight "
+                "all-gather, 1/t-sliced stage transfers)"
+            ),
+            attention="unfused",
+            full_recompute_early_stop=0.0,
+            selective_gemm_recompute_fraction=0.0,
+            pipeline_boundary_retention=0.0,
+            dp_overlap=0.0,
+            engine="deepspeed-pipe-bf16",
+            sources=(
+                "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
+                "deepspeedai/DeepSpeed deepspeed/runtime/bf16_optimizer.py (2022)",
+                "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py (2022)",
+                "bigscience-workshop/bigscience train/tr11-176B-ml/README.md",
             ),
         ),
         FrameworkProfile(

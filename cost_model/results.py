@@ -127,6 +127,18 @@ class Estimate:
         """Plain data for JSON output."""
         return dataclasses.asdict(self)
 
+    def with_step_time(self, step_time_s: float) -> Estimate:
+        """This estimate with another step time (a stack whose engine re-times the step,
+        `cost_model.frameworks`), and the throughput and MFU that follow from it."""
+        scale = self.step_time_s / step_time_s
+        return dataclasses.replace(
+            self,
+            step_time_s=step_time_s,
+            tokens_per_s=self.tokens_per_s * scale,
+            model_tflops_per_device=self.model_tflops_per_device * scale,
+            mfu=self.mfu * scale,
+        )
+
     def memory_report(self) -> str:
         """One line per pipeline rank: its memory against the device capacity."""
         gib = 2.0**30

@@ -50,7 +50,7 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         "dp_overlap": "dp_overlap_fraction",
     }
     assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
-                               "torchtitan", "llm-foundry"}  # fmt: skip
+                               "megatron-deepspeed", "torchtitan", "llm-foundry"}  # fmt: skip
     for profile in FRAMEWORKS.values():
         assert profile.sources and profile.version and profile.summary, profile.name
         once = profile.cluster_for(graph.profile, cluster)
@@ -142,7 +142,7 @@ def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_pat
 
 
 def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_path: Path) -> None:
-    known = "autoplan, megatron-lm, megatron-lm-2021, deepspeed, torchtitan, llm-foundry"
+    known = "autoplan, megatron-lm, megatron-lm-2021, megatron-deepspeed, deepspeed, torchtitan, llm-foundry"
     with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
         framework_profile("nemo")
     with pytest.raises(
@@ -179,3 +179,21 @@ def test_every_planning_command_takes_the_framework(tmp_path: Path) -> None:
     done = run_cli("estimate", *common, "--framework", "nemo")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown framework 'nemo'; use one of autoplan, megatron-lm" in done.stderr
+
+
+def test_deepspeed_pipeline_engine_re_times_the_step_and_keeps_throughput_consistent(
+    graph: Any,
+) -> None:
+    """megatron-deepspeed differs from megatron-lm-2021 only by its engine: fp32 accumulation
+    every micro-batch, an fp32 all-reduce and a weight all-gather after the flush. Those only
+    add time, and the throughput and MFU follow the new step time."""
+    cluster = autoplan.Cluster.preset("dgx-a100-80g", nodes=2)
+    args = dict(tp=2, pp=2, dp=4, micro_batch=1, global_batch=32, zero=1, dtype="bf16")
+    plain = autoplan.manual_plan(graph, cluster, framework="megatron-lm-2021", **args)
+    engine = autoplan.manual_plan(graph, cluster, framework="megatron-deepspeed", **args)
+    assert plain.estimate is not None and engine.estimate is not None
+    assert engine.estimate.step_time_s > plain.estimate.step_time_s
+    tokens = 32 * graph.profile.seq_len
+    assert engine.estimate.tokens_per_s * engine.estimate.step_time_s == pytest.approx(tokens)
+    ratio = plain.estimate.mfu / engine.estimate.mfu
+    assert ratio == pytest.approx(engine.estimate.step_time_s / plain.estimate.step_time_s)
