@@ -51,6 +51,7 @@ from cost_model.parts.data_parallel import (
     DDP_FIRST_BUCKET_BYTES,
     DataParallelCost,
     data_parallel_cost,
+    deepspeed_zero3_gathers,
     grad_reduce_bytes,
     grouped_dp_sync,
     runs_ddp,
@@ -248,6 +249,20 @@ class CostModel:
             )
         return stretched(costs, self.sharing(strategy))
 
+    def _zero3_gathers(self, index: int, tp_degree: int) -> int:
+        """ZeRO-3 all-gathers a pass over unit ``index`` under this stack (FSDP2: one)."""
+        if self.stack.zero3_gathers != "per-module":
+            return 1
+        unit = self.profile.units[index]
+        width = self.profile.traced_dtype_bytes
+        # a module's weight elements on this device: TP splits the sharded ones
+        numels = [
+            op.param_bytes_read / width / (tp_degree if op.tp != "replicated" else 1)
+            for op in unit.ops
+            if op.param_bytes_read > 0
+        ]
+        return max(1, deepspeed_zero3_gathers(numels))
+
     def _unit_cost(
         self,
         strategy: Strategy,
@@ -274,6 +289,7 @@ class CostModel:
             dp_groups,
             forward_window_s=compute.forward_s,
             backward_window_s=compute.backward_s + rerun_s,
+            zero3_gathers=self._zero3_gathers(index, strategy.tp_degree),
         )
         tied = tied_grad_sync(profile, index, strategy, cluster, pair)
         optimizer = optimizer_cost(n_local, strategy, cluster)
@@ -329,8 +345,12 @@ class CostModel:
     def estimate(self, plan: PlanLike) -> Estimate:
         """Step time, throughput, MFU and per-device memory of ``plan`` (see `estimate`)."""
         est = self._estimate(plan)
-        if self.stack.engine == "deepspeed-pipe-bf16":
-            strategy = Strategy.of(plan)
+        strategy = Strategy.of(plan)
+        if (
+            self.stack.engine == "deepspeed-pipe-bf16"
+            and strategy.dtype == "bf16"
+            and strategy.zero_stage < 3
+        ):
             costs = self.unit_costs(strategy, plan.stages[0].recompute)
             step = deepspeed_pipe_bf16_step_s(self.profile, self.cluster, strategy, est, costs)
             est = est.with_step_time(step)

@@ -31,6 +31,9 @@ from cost_model.workload import ModelProfile
 AttentionKernel = Literal["fused", "unfused"]
 # A training engine that re-times the whole step (`cost_model.parts.deepspeed_pipeline`).
 Engine = Literal["deepspeed-pipe-bf16"]
+# How ZeRO-3 gathers weights: one collective per unit (FSDP2's fully_shard per block) or one
+# per prefetch bucket of modules (DeepSpeed, `cost_model.parts.data_parallel`).
+Zero3Gathers = Literal["per-unit", "per-module"]
 
 DEFAULT_FRAMEWORK = "autoplan"
 
@@ -67,8 +70,11 @@ class FrameworkProfile:
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
     # An engine whose accumulation, gradient sync and optimizer step differ from autoplan's
-    # runtime as a whole (``None``: priced part by part as above).
+    # runtime as a whole (``None``: priced part by part as above). DeepSpeed's BF16_Optimizer
+    # runs bf16 plans below ZeRO-3 (deepspeed/runtime/engine.py, _configure_optimizer); ZeRO-3
+    # and fp16 plans use its other optimizers, priced part by part.
     engine: Engine | None = None
+    zero3_gathers: Zero3Gathers | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -192,8 +198,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             full_recompute_early_stop=0.0,
             selective_gemm_recompute_fraction=0.0,
             pipeline_boundary_retention=0.0,
-            dp_overlap=0.0,
+            # ZeRO's reduce buckets and ZeRO-3's prefetch overlap the backward; the pipeline
+            # engine's after-flush all-reduce is its own (the engine re-times it).
+            dp_overlap=1.0,
             engine="deepspeed-pipe-bf16",
+            zero3_gathers="per-module",
             sources=(
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/bf16_optimizer.py (2022)",
@@ -218,6 +227,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # ZeRO reduces gradients in buckets as they are produced (reduce_bucket_size;
             # deepspeed/runtime/zero/stage_1_and_2.py).
             dp_overlap=1.0,
+            # ZeRO-3 gathers module by module, coalesced up to stage3_prefetch_bucket_size
+            # (deepspeed/runtime/zero/partitioned_param_coordinator.py).
+            zero3_gathers="per-module",
             sources=(
                 "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",

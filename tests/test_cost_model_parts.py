@@ -148,3 +148,37 @@ def test_cost_model_layering() -> None:
         assert not outside, f"{path} imports {sorted(outside)}: cost_model imports neither"
     hardware = _imports(COST_MODEL / "hardware.py")
     assert not any("local_machine" in name for name in hardware)
+
+
+def test_deepspeed_zero3_gathers_skip_persistent_params_and_pack_prefetch_buckets() -> None:
+    """Modules under 1e5 elements stay whole (never gathered); the rest pack in order into
+    buckets of 5e7 elements, one collective each; a larger module is a bucket of its own."""
+    from cost_model.parts.data_parallel import deepspeed_zero3_gathers
+
+    assert deepspeed_zero3_gathers([]) == 0
+    assert deepspeed_zero3_gathers([4096.0, 8192.0]) == 0  # norms: persistent
+    # llama3-8b block: q, k, v, o (16.8M, 4.2M, 4.2M, 16.8M) fill one bucket (42M); gate, up
+    # and down (58.7M each) exceed it: 1 + 3 collectives
+    q, kv, mlp = 4096.0 * 4096, 4096.0 * 1024, 4096.0 * 14336
+    assert deepspeed_zero3_gathers([4096.0, q, kv, kv, q, 4096.0, mlp, mlp, mlp]) == 4
+    # two 30M modules do not share a 50M bucket
+    assert deepspeed_zero3_gathers([3e7, 3e7]) == 2
+
+
+def test_per_module_zero3_gathers_add_one_latency_each() -> None:
+    """Same bytes, k collectives: the gather time grows by (k - 1) one-byte gathers."""
+    from cost_model.communication import collective_time_s
+    from cost_model.parts.data_parallel import data_parallel_cost
+    from cost_model.strategy import Strategy, group_placements
+
+    cluster = Cluster.preset("dgx-a100-80g", nodes=4)
+    strategy = Strategy(dp_degree=32, tp_degree=1, pp_degree=1, micro_batch_size=1,
+                        num_micro_batches=1, zero_stage=3)  # fmt: skip
+    groups = group_placements(strategy, cluster, "dp")
+    kwargs = dict(forward_window_s=0.0, backward_window_s=0.0)
+    one = data_parallel_cost(1e9, strategy, cluster, groups, **kwargs)
+    five = data_parallel_cost(1e9, strategy, cluster, groups, zero3_gathers=5, **kwargs)
+    latency = collective_time_s("all_gather", 1.0, groups, cluster)
+    assert latency > 0
+    assert five.zero3_forward_s == pytest.approx(one.zero3_forward_s + 4 * latency)
+    assert five.zero3_backward_s == pytest.approx(one.zero3_backward_s + 4 * latency)

@@ -70,6 +70,32 @@ class DataParallelCost:
         return self.zero3_forward_exposed_s + self.zero3_backward_exposed_s
 
 
+# DeepSpeed ZeRO-3's defaults (deepspeed/runtime/zero/config.py): parameters below
+# stage3_param_persistence_threshold elements are never partitioned (so never gathered), and
+# the coordinator prefetches upcoming modules' parameters in one coalesced all-gather of up to
+# stage3_prefetch_bucket_size elements (partitioned_param_coordinator.py, __all_gather_params_).
+DEEPSPEED_PERSISTENCE_THRESHOLD_PARAMS = 1e5
+DEEPSPEED_PREFETCH_BUCKET_PARAMS = 5e7
+
+
+def deepspeed_zero3_gathers(module_params: Sequence[float]) -> int:
+    """All-gathers DeepSpeed's ZeRO-3 issues for one pass over a unit whose parameterised
+    modules hold ``module_params`` elements each (device-local, in execution order): the
+    partitioned ones (above the persistence threshold) packed greedily, in order, into
+    prefetch buckets; a module larger than a bucket is a collective of its own. FSDP2 issues
+    one per unit."""
+    gathers, bucket = 0, 0.0
+    for numel in module_params:
+        if numel < DEEPSPEED_PERSISTENCE_THRESHOLD_PARAMS:
+            continue
+        if bucket and bucket + numel <= DEEPSPEED_PREFETCH_BUCKET_PARAMS:
+            bucket += numel
+            continue
+        gathers += 1
+        bucket = numel
+    return gathers
+
+
 def data_parallel_cost(
     local_params: float,
     strategy: Strategy,
@@ -78,10 +104,14 @@ def data_parallel_cost(
     *,
     forward_window_s: float,
     backward_window_s: float,
+    zero3_gathers: int = 1,
 ) -> DataParallelCost:
     """The data-parallel collectives of a unit whose device stores ``local_params`` parameters
     (before data-parallel sharding); ZeRO-3's hide behind the unit's forward and backward
-    compute (``forward_window_s``, ``backward_window_s``: recompute included)."""
+    compute (``forward_window_s``, ``backward_window_s``: recompute included). Under ZeRO-3
+    the unit's weights are gathered in ``zero3_gathers`` collectives a pass (FSDP2: one;
+    DeepSpeed: `deepspeed_zero3_gathers`): the bytes are the same, each extra collective adds
+    its latency (the ring's steps over the group, `cost_model.communication`)."""
     dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
     param_bytes = local_params * strategy.dtype_bytes  # unsharded (ZeRO-3 gathers this)
     grad_bytes = local_params * grad_reduce_bytes(strategy.dtype)
@@ -93,6 +123,9 @@ def data_parallel_cost(
             # before the forward and again before the backward, reduce-scatter gradients
             # after it, every micro-batch; prefetching hides them behind this unit's compute.
             gather = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
+            if zero3_gathers > 1:
+                one_byte = collective_time_s("all_gather", 1.0, dp_groups, cluster)
+                gather += (zero3_gathers - 1) * one_byte
             scatter = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
             zero3_fwd = gather
             zero3_bwd = gather + scatter
