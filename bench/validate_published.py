@@ -34,6 +34,7 @@ import yaml
 
 from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan, StagePlan
+from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster
@@ -61,6 +62,7 @@ class Case:
 
     run_id: str
     source: str  # the table the row is from (its citation)
+    source_id: str  # the publication (a family's `source`): the unit of leave-one-source-out
     compiled: bool  # the run used torch.compile
     status: str  # fit | held_out | unscored
     note: str
@@ -110,12 +112,20 @@ def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ids = [r["id"] for r in rows]
     if dupes := sorted({i for i in ids if ids.count(i) > 1}):
         raise ValueError(f"run ids defined twice in {DATA}: {dupes}")
-    assumptions: dict[str, Any] = {"gpu_presets": {}, "families": {}, "rows": {}}
+    assumptions: dict[str, Any] = {
+        "gpu_presets": {},
+        "families": {},
+        "rows": {},
+        "fitted_constants": [],
+    }
     for path in sorted(DATA.glob("validation_assumptions*.yaml")):
         part = yaml.safe_load(path.read_text()) or {}
         for key, table in part.items():
             if key not in assumptions:
                 raise ValueError(f"{path.name}: unknown section {key!r}")
+            if isinstance(assumptions[key], list):
+                assumptions[key].extend(table)
+                continue
             if twice := sorted(set(table) & set(assumptions[key])):
                 raise ValueError(f"{path.name}: {key} {twice} already defined in another file")
             assumptions[key].update(table)
@@ -153,7 +163,66 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
     raise ValueError(f"unknown throughput kind {how!r}")
 
 
-def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipped:
+# What a family or row may say of its cluster: the hardware its source states (sizes, links,
+# a link's achieved rate). Calibration constants come only from `fitted_constants`.
+STATED_HARDWARE_KEYS = frozenset(
+    {
+        "memory",
+        "memory_bandwidth",
+        "peak_flops_fp16",
+        "peak_flops_bf16",
+        "intra_node_bandwidth",
+        "inter_node_bandwidth",
+        "inter_node_comm_efficiency",
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FittedConstant:
+    """A calibration constant the bench fits: its name, the GPUs it applies to, its shipped
+    value and the rows it was fitted to."""
+
+    name: str
+    gpus: tuple[str, ...]
+    value: float
+    rows: tuple[str, ...]
+    low: float
+    high: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}[{','.join(self.gpus)}]"
+
+
+def fitted_constants(assumptions: dict[str, Any]) -> tuple[FittedConstant, ...]:
+    return tuple(
+        FittedConstant(
+            name=c["name"],
+            gpus=tuple(c["gpus"]),
+            value=float(c["value"]),
+            rows=tuple(c["rows"]),
+            low=float(c["range"][0]),
+            high=float(c["range"][1]),
+        )
+        for c in assumptions.get("fitted_constants", [])
+    )
+
+
+def constant_overrides(
+    gpu: str, constants: Iterable[FittedConstant], values: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The cluster overrides of the constants that apply to ``gpu`` (``values`` by key replace
+    the shipped ones)."""
+    values = values or {}
+    return {c.name: values.get(c.key, c.value) for c in constants if gpu in c.gpus}
+
+
+def build_case(
+    row: dict[str, Any], assumptions: dict[str, Any], values: dict[str, float] | None = None
+) -> Case | Skipped:
+    """``row`` as a plan on its stated cluster, with the fitted constants (``values`` by
+    `FittedConstant.key` replace the shipped values)."""
     run_id = row["id"]
     extra = dict(assumptions["rows"].get(run_id) or {})
     family = _family(run_id, assumptions["families"])
@@ -180,9 +249,14 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     gpu_name = extra.pop("gpu", row["gpu"])
     gpu = assumptions["gpu_presets"][gpu_name]
     overrides = dict(gpu.get("overrides", {}))
-    overrides.update(fam.get("cluster", {}))
-    overrides.update(fam.get("gpu_cluster", {}).get(gpu_name, {}))
-    overrides.update(extra.pop("cluster", {}))
+    stated = {**fam.get("cluster", {}), **extra.pop("cluster", {})}
+    if unstated := sorted(set(stated) - STATED_HARDWARE_KEYS):
+        raise ValueError(
+            f"{run_id}: cluster keys {unstated} are not stated hardware; a calibration constant "
+            "belongs in fitted_constants (per GPU, named with its rows)"
+        )
+    overrides.update(stated)
+    overrides.update(constant_overrides(gpu_name, fitted_constants(assumptions), values))
     base = Cluster.preset(gpu["preset"])
     per_node = min(base.devices_per_node, row["num_gpus"])
     cluster = Cluster.preset(
@@ -224,6 +298,7 @@ def build_case(row: dict[str, Any], assumptions: dict[str, Any]) -> Case | Skipp
     return Case(
         run_id=run_id,
         source=row["source"],
+        source_id=fam.get("source", family),
         compiled=bool(merged.get("torch_compile")),
         status=status,
         note=reason,
@@ -575,6 +650,116 @@ def fit_gemm_efficiency(cases: list[Case]) -> dict[str, float]:
     return best
 
 
+def fit_constant(constant: FittedConstant, cases: list[Case], values: dict[str, float]) -> float:
+    """The value of ``constant`` within its range that minimises the largest |error| over
+    ``cases`` (the other constants at ``values``): golden-section search, as each row's
+    |error| is V-shaped in one constant, so their maximum has one minimum."""
+
+    def worst(x: float) -> float:
+        trial = {**values, constant.key: x}
+        errs = []
+        for case in cases:
+            overrides = {constant.name: x}
+            for c in FITTED:
+                if c.key != constant.key and case.gpu in c.gpus and c.key in trial:
+                    overrides[c.name] = trial[c.key]
+            errs.append(abs(predict(case, case.cluster.with_overrides(**overrides)).error))
+        return max(errs)
+
+    lo, hi = constant.low, constant.high
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = worst(a), worst(b)
+    while hi - lo > 1e-3 * max(1.0, abs(hi)):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = worst(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = worst(b)
+    return (lo + hi) / 2
+
+
+# set by main(): the constants of the assumptions being run
+FITTED: tuple[FittedConstant, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldOutSource:
+    """One source scored with the constants fitted without it."""
+
+    source_id: str
+    values: dict[str, float]  # refitted constants (key -> value); the rest as shipped
+    results: list[Result]
+
+
+def leave_one_source_out(
+    rows: list[dict[str, Any]], assumptions: dict[str, Any], results: list[Result]
+) -> list[HeldOutSource]:
+    """For each source: re-fit the constants whose fit rows include it on their other rows
+    (a constant left without rows takes Calibration's default), then score every scored row
+    of the source (its fit rows too) with those values."""
+    defaults = Calibration()
+    by_id = {r.case.run_id: r for r in results}
+    row_of = {row["id"]: row for row in rows}
+    scored = [r for r in results if r.case.status in ("fit", "held_out")]
+    out = []
+    for source_id in sorted({r.case.source_id for r in scored}):
+        values: dict[str, float] = {}
+        for constant in FITTED:
+            own = [by_id[i].case.source_id == source_id for i in constant.rows]
+            if not any(own):
+                continue
+            others = [by_id[i].case for i, mine in zip(constant.rows, own, strict=True) if not mine]
+            if others:
+                values[constant.key] = fit_constant(constant, others, values)
+            else:
+                values[constant.key] = float(getattr(defaults, constant.name))
+        touched = {g for c in FITTED if c.key in values for g in c.gpus}
+        mine = []
+        for r in scored:
+            if r.case.source_id != source_id:
+                continue
+            if r.case.gpu not in touched:
+                mine.append(r)
+                continue
+            case = build_case(row_of[r.case.run_id], assumptions, values)
+            assert isinstance(case, Case)
+            mine.append(predict(case))
+        out.append(HeldOutSource(source_id=source_id, values=values, results=mine))
+    return out
+
+
+def loso_report(held: list[HeldOutSource], results: list[Result]) -> str:
+    scored = [r for r in results if r.case.status in ("fit", "held_out")]
+    total = len(scored)
+    lines = [
+        "",
+        "leave-one-source-out (constants re-fitted without the source, then its rows scored):",
+        f"  {'source':16s} {'rows':>4s} {'share':>6s} {'in-sample':>10s} {'held out':>9s} "
+        f"{'max':>7s}  re-fitted constants",
+    ]
+    for h in held:
+        mine_in = [abs(r.error) for r in scored if r.case.source_id == h.source_id]
+        mine_out = [abs(r.error) for r in h.results]
+        refit = ", ".join(f"{k} {v:.3g}" for k, v in h.values.items()) or "-"
+        lines.append(
+            f"  {h.source_id:16s} {len(mine_out):4d} {len(mine_out) / total:6.1%} "
+            f"{statistics.median(mine_in):10.1%} {statistics.median(mine_out):9.1%} "
+            f"{max(mine_out):7.1%}  {refit}"
+        )
+    every = [abs(r.error) for h in held for r in h.results]
+    lines.append(
+        f"  all {len(every)} rows: median |error| {statistics.median(every):.1%}, max "
+        f"{max(every):.1%}; worst source median "
+        f"{max(statistics.median([abs(r.error) for r in h.results]) for h in held):.1%}; "
+        f"largest source {max(len(h.results) for h in held) / total:.0%} of the rows"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -582,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
     args = parser.parse_args(argv)
     rows, assumptions = load()
+    global FITTED
+    FITTED = fitted_constants(assumptions)
     prefixes = tuple(p for p in args.only.split(",") if p)
     cases: list[Case] = []
     skipped: list[Skipped] = []
@@ -619,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(report(results, skipped))
+        if not prefixes:
+            print(loso_report(leave_one_source_out(rows, assumptions, results), results))
     return 0
 
 
