@@ -162,3 +162,25 @@ def test_source_contradictions_follow_the_two_rules_beyond_the_noise() -> None:
         "s512mb8", gpus=8, seq=512, micro_batch=8, accumulation=2, tokens_per_s_per_gpu=800
     )
     assert source_contradictions([long, short_mb]) == []
+
+
+def test_fitting_a_constant_on_its_own_rows_recovers_its_shipped_value() -> None:
+    """Leave-one-source-out re-fits constants with `fit_constant`; on the constant's own fit
+    rows it must land where the shipped value was fitted (within the search's tolerance and
+    the shipped value's rounding)."""
+    published, assumptions = validate_published.load()
+    validate_published.FITTED = validate_published.fitted_constants(assumptions)
+    constant = next(
+        c for c in validate_published.FITTED if c.name == "gemm_efficiency" and "h100-96g" in c.gpus
+    )
+    rows = {r["id"]: r for r in published}
+    cases = [validate_published.build_case(rows[i], assumptions) for i in constant.rows]
+    assert all(isinstance(c, Case) for c in cases)
+    fitted = validate_published.fit_constant(constant, cases, {})  # type: ignore[arg-type]
+    assert fitted == pytest.approx(constant.value, abs=0.005)
+    # and every fitted row is listed with status fit, every fit row under a constant
+    fit_rows = {i for c in validate_published.FITTED for i in c.rows}
+    statuses = {i: (assumptions["rows"].get(i) or {}).get("status") for i in fit_rows}
+    assert set(statuses.values()) == {"fit"}, statuses
+    declared_fit = {i for i, a in assumptions["rows"].items() if (a or {}).get("status") == "fit"}
+    assert declared_fit == fit_rows
