@@ -158,6 +158,8 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
         return eq3_flops(dims, batch) / (float(tflops) * 1e12 * gpus)
     if how == "eq7_mfu":
         return eq7_flops(dims, batch) / (float(measured["mfu"]) * A100_PEAK_FLOPS * gpus)
+    if how == "samples_per_gpu":
+        return batch / (float(measured["samples_per_s_per_gpu"]) * gpus)
     if how == "tokens_per_gpu":
         return batch * dims.seq_len / (float(measured["tokens_per_s"]) * gpus)
     raise ValueError(f"unknown throughput kind {how!r}")
