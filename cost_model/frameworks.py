@@ -4,17 +4,29 @@ A plan runs on one stack: autoplan's own runtime (the default), or a plan export
 DeepSpeed or torchtitan (`autoplan export`). The stacks differ in behaviour the hardware does not
 decide: the attention kernel, how far full recompute re-runs the forward, which op outputs
 selective recompute keeps, whether data-parallel gradient sync overlaps the backward, whether
-the pipeline keeps the activations it sent, and the bytes the loss keeps. A `FrameworkProfile`
-names each behaviour with its source; `FrameworkProfile.cluster_for` writes it into the
-cluster's `Calibration`, whose fields the cost model's parts read. A field left ``None`` keeps
+the pipeline keeps the activations it sent, the bytes the loss keeps, how ZeRO-3 gathers
+weights (FSDP2 per block, DeepSpeed per module in prefetch buckets), and a pipeline engine that
+re-times the whole step (DeepSpeed's with BF16_Optimizer). A `FrameworkProfile`
+names each behaviour with its source; `FrameworkProfile.cluster_for` writes the calibration
+ones into the cluster's `Calibration`, whose fields the cost model's parts read, and
+`cost_model.estimate.CostModel` reads the ZeRO-3 gathers and the engine. A field left ``None`` keeps
 the cluster's own value, so the ``autoplan`` profile is the identity: a cluster's calibration
 (presets, `autoplan calibrate`) describes autoplan's runtime.
 
 Applying a profile twice equals applying it once (every field is a replacement, and the
 overlap a minimum), so a cluster that already carries a profile may be passed again.
 
-Not yet described per stack (the cost model prices these as autoplan's runtime runs them):
-fused or distributed optimizers, fp8.
+Described alike for every stack, with the reason:
+- the optimizer: each profiled stack runs a fused or multi-tensor Adam (Megatron-Core: Transformer
+  Engine's or apex's FusedAdam, megatron/core/optimizer/__init__.py; DeepSpeed: its FusedAdam,
+  deepspeed/runtime/engine.py; torchtitan: ``implementation = "fused"``, its default,
+  torchtitan/components/optimizer/optimizer.py; autoplan: torch's AdamW, foreach on CUDA), which
+  `cost_model.parts.optimizer` prices as one memory-bound pass. Megatron-LM's distributed
+  optimizer is the plan's ZeRO-1 (`autoplan export` writes ``--use-distributed-optimizer``).
+- a fixed time per step (data loading, logging, timers): no source separates it for any stack,
+  so it is `Calibration.step_overhead_s`, zero in the presets (the validation bench fits one for
+  Megatron-LM 2019 on V100, named with its rows).
+Not described: fp8 training.
 """
 
 from __future__ import annotations
