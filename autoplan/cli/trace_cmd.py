@@ -95,26 +95,25 @@ def trace_data(graph: ModelGraph) -> dict[str, Any]:
     units = []
     for idx, unit in enumerate(profile.units):
         row: dict[str, Any] = {
-                "index": idx,
-                "name": unit.name,
-                "kind": unit.kind,
-                "num_params": unit.num_params,
-                "num_params_shared": unit.num_params_shared,
-                "num_params_tp_sharded": unit.num_params_tp_sharded,
-                "param_bytes": unit.param_bytes,
-                "forward_flops": unit.forward_flops * batch,
-                "backward_flops": unit.backward_flops * batch,
-                "saved_activation_bytes": unit.saved_bytes * batch,
-                "input_bytes": unit.input_bytes * batch,
-                "cut_bytes": unit.output_bytes * batch,
-                "tp": {
-                    "linears": [
-                        {"path": t.path, "style": t.style, "fused": t.fused}
-                        for t in unit.tp.linears
-                    ],
-                    **unit.tp.divisible_counts(),
-                },
-            }
+            "index": idx,
+            "name": unit.name,
+            "kind": unit.kind,
+            "num_params": unit.num_params,
+            "num_params_shared": unit.num_params_shared,
+            "num_params_tp_sharded": unit.num_params_tp_sharded,
+            "param_bytes": unit.param_bytes,
+            "forward_flops": unit.forward_flops * batch,
+            "backward_flops": unit.backward_flops * batch,
+            "saved_activation_bytes": unit.saved_bytes * batch,
+            "input_bytes": unit.input_bytes * batch,
+            "cut_bytes": unit.output_bytes * batch,
+            "tp": {
+                "linears": [
+                    {"path": t.path, "style": t.style, "fused": t.fused} for t in unit.tp.linears
+                ],
+                **unit.tp.divisible_counts(),
+            },
+        }
         layers = graph.unit_moe_layers(idx)
         if layers:  # dense units keep exactly the keys above
             row["moe"] = [_moe_data(layer, batch) for layer in layers]

@@ -47,7 +47,7 @@ from autoplan.models._common import (
     normal_,
     residual_init_std,
 )
-from autoplan.models.llama import Attention, LlamaConfig, MLP, default_ffn_hidden_size
+from autoplan.models.llama import MLP, Attention, LlamaConfig, default_ffn_hidden_size
 
 __all__ = [
     "GroupedExperts",
@@ -251,7 +251,7 @@ class _AttachAuxLoss(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor, Tensor]:
         grad_aux = torch.ones(
@@ -264,7 +264,7 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 def attach_aux_loss(x: Tensor, aux_loss: Tensor) -> Tensor:
     """``x``, with ``aux_loss`` added to the objective in backward (gradient weight 1)."""
-    out: Tensor = _AttachAuxLoss.apply(x, aux_loss)
+    out: Tensor = _AttachAuxLoss.apply(x, aux_loss)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -349,7 +349,8 @@ class MoEFeedForward(nn.Module):
         if self.aux_loss_coef > 0:
             aux = load_balancing_loss(probs, num_tokens_per_expert, self.aux_loss_coef)
             y = attach_aux_loss(y, aux)
-        return y.view_as(x)  # (B, T, H)
+        out: Tensor = y.view_as(x)  # (B, T, H)
+        return out
 
 
 class MoEBlock(nn.Module):

@@ -11,4 +11,4 @@ units of work), ``assemble`` (the `ModelGraph`),
 from autoplan.contract.graph import ModelGraph, MoELayerProfile, NodeProfile
 from autoplan.tracing.api import trace
 
-__all__ = ["ModelGraph", "MoELayerProfile", "NodeProfile", "trace"]
+__all__ = ["MoELayerProfile", "ModelGraph", "NodeProfile", "trace"]

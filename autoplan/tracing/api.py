@@ -10,7 +10,8 @@ units (same ops, same input shapes) are measured once and their figures reused.
 `trace` runs the steps in order: resolve the inputs and the unit layout, trace the graph
 (`tracer`), assign nodes to units (`units`), measure each distinct unit on meta tensors
 (`measure`), classify TP, collect parameters and profile units (`unit_profiles`), find the
-mixture-of-experts layers (`experts`), then build the graph (`assemble`). Each step takes the records it needs and returns a frozen one.
+mixture-of-experts layers (`experts`), then build the graph (`assemble`). Each step takes the
+records it needs and returns a frozen one.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def find_blocks(model: nn.Module) -> BlockRun | None:
         children = list(container.named_children())
         if not children:
             continue
-        keys: list[Hashable] = (
+        keys: list[object] = (
             [type(child) for _, child in children]
             if isinstance(container, nn.ModuleList)
             else [module_structure(child, with_attributes=False) for _, child in children]
