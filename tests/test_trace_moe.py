@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from autoplan.cli.trace_cmd import moe_lines, trace_data
 from autoplan.contract.graph import ModelGraph, MoELayerProfile
 from autoplan.models import MoEConfig, moe, preset, preset_config
 from autoplan.models.moe import num_params_closed_form
 from autoplan.tracing import trace
+from autoplan.tracing.units import find_blocks
 
 TINY: dict[str, Any] = dict(
     num_layers=3,
@@ -180,3 +182,20 @@ def test_moe_layer_profile_is_frozen_plain_data() -> None:
                                experts_path=layer.experts_path,
                                experts_node=layer.experts_node) == layer  # fmt: skip
     assert hash(layer) == hash(dataclasses.replace(layer))
+
+
+def test_find_blocks_groups_one_class_in_a_module_list() -> None:
+    # A ModuleList of one block class whose first child differs (DeepSeekMoE's dense layer 0)
+    # is one run; a Sequential needs identical structure, and other classes break a run.
+    model = moe(**TINY)
+    run = find_blocks(model)
+    assert run is not None and run.paths == ("blocks.0", "blocks.1", "blocks.2")
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.Conv1d(2, 2, 1), nn.Linear(2, 2)])
+
+    found = find_blocks(Holder())
+    assert found is not None and found.paths == ("steps.1", "steps.2")
