@@ -33,6 +33,7 @@ from autoplan.models import (
 )
 from autoplan.models.moe import (
     GroupedExperts,
+    attach_aux_loss,
     balanced_counts,
     load_balancing_loss,
     num_params_closed_form,
@@ -317,6 +318,17 @@ def test_fx_graph_with_experts_as_a_leaf_runs_like_the_model() -> None:
     torch.testing.assert_close(gm(ids), model(ids), rtol=0, atol=0)
     targets = [n.target for n in graph.nodes if n.op == "call_module"]
     assert "blocks.1.mlp.experts" in targets and "blocks.2.mlp.experts" in targets
+    # The aux loss is one call in the graph, and backward through the graph adds its gradient
+    # exactly as the eager model does (the passes run this graph, split into stages).
+    assert [n.target for n in graph.nodes if n.op == "call_function"].count(attach_aux_loss) == 2
+    gm(ids).sum().backward()
+    graph_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    model(ids).sum().backward()
+    eager_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(graph_grads) == len(eager_grads) == len(list(model.parameters()))
+    for got, expected in zip(graph_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
