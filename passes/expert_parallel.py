@@ -1,11 +1,12 @@
 """Expert-parallel pass: shard the routed experts of MoE layers over an ep group, with
 all-to-all dispatch and combine.
 
-Expects MoE layers in the zoo's interface (autoplan/models/moe.py), found by their attributes
-(passes never import the zoo): a module with ``router``, ``num_experts``, ``top_k`` and
-``experts``, where ``experts`` holds ``w_gate``, ``w_up`` (E, F, H) and ``w_down`` (E, H, F) and
-is called as ``experts(x_sorted (N, H), num_tokens_per_expert (E,)) -> (N, H)`` with the rows
-grouped by expert id in increasing order. The weights must be real and equal on every ep rank
+Expects the routed experts of MoE layers in the zoo's interface (autoplan/models/moe.py),
+found by their attributes (passes never import the zoo): a module with ``num_experts`` and
+parameters ``w_gate``, ``w_up`` (E, F, H) and ``w_down`` (E, H, F), called by its MoE layer as
+``experts(x_sorted (N, H), num_tokens_per_expert (E,)) -> (N, H)`` with the rows grouped by
+expert id in increasing order. Works on the eager model and on traced units (the zoo's tracer
+keeps ``GroupedExperts`` a leaf module). The weights must be real and equal on every ep rank
 (the same seed or checkpoint), or all meta (the slices stay meta for `materialize`).
 
 Guarantees:
@@ -55,7 +56,7 @@ __all__ = [
     "ExpertParallelResult",
     "apply_expert_parallel",
     "check_expert_parallel",
-    "find_moe_layers",
+    "find_grouped_experts",
     "reduce_gradients",
 ]
 
@@ -76,20 +77,19 @@ def check_expert_parallel(num_experts: int, ep_degree: int) -> None:
         )
 
 
-def _is_moe_layer(module: nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
+def _is_grouped_experts(module: nn.Module) -> bool:
     return (
-        isinstance(experts, nn.Module)
-        and hasattr(module, "router")
-        and hasattr(module, "num_experts")
-        and hasattr(module, "top_k")
-        and all(hasattr(experts, name) for name in _EXPERT_WEIGHTS)
+        hasattr(module, "num_experts")
+        and not isinstance(module, ExpertParallelExperts)
+        and all(isinstance(getattr(module, name, None), nn.Parameter) for name in _EXPERT_WEIGHTS)
     )
 
 
-def find_moe_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, layer) of every MoE layer (the interface in the module docstring)."""
-    return [(path, sub) for path, sub in module.named_modules() if _is_moe_layer(sub)]
+def find_grouped_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every routed-experts module (``w_gate``/``w_up``/``w_down``
+    parameters and ``num_experts``), in an eager model or in traced units, where the zoo's
+    tracer keeps ``GroupedExperts`` a leaf but flattens the ``MoEFeedForward`` around it."""
+    return [(path, sub) for path, sub in module.named_modules() if _is_grouped_experts(sub)]
 
 
 def _grouped_swiglu(
@@ -176,7 +176,7 @@ class ExpertParallelResult:
 
     ep_degree: int
     ep_rank: int
-    moe_layers: tuple[str, ...]  # paths of the MoE layers whose experts were sharded
+    expert_modules: tuple[str, ...]  # paths of the routed-experts modules now sharded
     expert_parameters: tuple[str, ...]  # names of the sharded (DTensor) expert weights
 
     def is_expert_parameter(self, name: str) -> bool:
@@ -204,39 +204,34 @@ def apply_expert_parallel(
         ep_degree = ep.size()
     else:
         ep_degree = dist.get_world_size(ep)
-    layers = find_moe_layers(module)
-    if not layers and ep_degree > 1:
+    found = find_grouped_experts(module)
+    if not found and ep_degree > 1:
         raise PlanError(
             f"expert parallelism (ep_degree {ep_degree}) on {type(module).__name__}, which has "
-            "no MoE layer (a module with router, num_experts, top_k and experts holding "
-            "w_gate/w_up/w_down): a MoE plan for a dense model; use ep_degree 1"
+            "no routed experts (a module with num_experts and w_gate/w_up/w_down parameters, "
+            "as the zoo's GroupedExperts): a MoE plan for a dense model; use ep_degree 1"
         )
-    for path, layer in layers:
-        experts = layer.experts
-        assert isinstance(experts, nn.Module)
+    for path, experts in found:
         num_experts = _weight(experts, "w_gate").size(0)
-        if num_experts != layer.num_experts:
+        if num_experts != experts.num_experts:
             raise PlanError(
-                f"{path}: num_experts {layer.num_experts} but w_gate holds {num_experts} experts"
+                f"{path}: num_experts {experts.num_experts} but w_gate holds {num_experts} experts"
             )
         check_expert_parallel(num_experts, ep_degree)
     if ep_degree == 1:
-        return ExpertParallelResult(ep_degree=1, ep_rank=0, moe_layers=(), expert_parameters=())
+        return ExpertParallelResult(ep_degree=1, ep_rank=0, expert_modules=(), expert_parameters=())
     mesh = _as_mesh(ep, device_type)
-    names: list[str] = []
-    for path, layer in layers:
-        full = layer.experts
-        assert isinstance(full, nn.Module)
-        layer.experts = ExpertParallelExperts(full, mesh)
-        names.extend(
-            f"{path}.experts.{name}" if path else f"experts.{name}" for name in _EXPERT_WEIGHTS
-        )
-    logger.debug("expert parallel %d: %d MoE layers", ep_degree, len(layers))
+    for path, experts in found:
+        parent_path, _, attr = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        setattr(parent, attr, ExpertParallelExperts(experts, mesh))
+    names = tuple(f"{path}.{name}" for path, _ in found for name in _EXPERT_WEIGHTS)
+    logger.debug("expert parallel %d: %d expert modules", ep_degree, len(found))
     return ExpertParallelResult(
         ep_degree=ep_degree,
         ep_rank=mesh.get_local_rank(),
-        moe_layers=tuple(path for path, _ in layers),
-        expert_parameters=tuple(names),
+        expert_modules=tuple(path for path, _ in found),
+        expert_parameters=names,
     )
 
 

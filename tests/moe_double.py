@@ -61,7 +61,8 @@ class MoEFeedForward(nn.Module):
         k = self.top_k
         x_flat = x.reshape(-1, self.hidden_size)  # (N, H)
         probs = F.softmax(self.router(x_flat).float(), dim=-1)  # (N, E)
-        top_probs, top_ids = torch.topk(probs, k, dim=-1)
+        top = torch.topk(probs, k, dim=-1)
+        top_probs, top_ids = top[0], top[1]  # (indexing, not unpacking: fx-traceable)
         top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)  # Mixtral renormalises
         flat_ids = top_ids.reshape(-1)  # (N k,)
         counts = flat_ids.new_zeros(self.num_experts).scatter_add_(

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -32,7 +32,7 @@ from passes.expert_parallel import (
     reduce_gradients,
 )
 from tests.dist_utils import fake_process_group, run_distributed
-from tests.moe_double import NUM_EXPERTS, tiny_moe
+from tests.moe_double import NUM_EXPERTS, GroupedExperts, tiny_moe
 from tests.numerics import (
     STEPS,
     Reference,
@@ -77,13 +77,22 @@ def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
     return Reference(records=records, aliases=list(names_of.values()))
 
 
-def _ep_worker(rank: int, world_size: int, ep_degree: int) -> Records:
+class _ExpertsLeafTracer(fx.Tracer):
+    """As the zoo's tracer: GroupedExperts (host-side split sizes) stays one call_module."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, GroupedExperts) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _ep_worker(rank: int, world_size: int, ep_degree: int, traced: bool) -> Records:
     edp = world_size // ep_degree
     mesh = init_device_mesh("cpu", (edp, ep_degree), mesh_dim_names=("edp", "ep"))
-    model = tiny_moe()
+    model: nn.Module = tiny_moe()
+    if traced:  # the runtime's path: passes run on fx units, not on the eager model
+        model = fx.GraphModule(model, _ExpertsLeafTracer().trace(model))
     result = apply_expert_parallel(model, mesh["ep"])
-    assert result.moe_layers == ("blocks.1.mlp", "blocks.2.mlp")
-    experts = model.blocks[1].mlp.experts  # type: ignore[union-attr]
+    assert result.expert_modules == ("blocks.1.mlp.experts", "blocks.2.mlp.experts")
+    experts = model.get_submodule("blocks.1.mlp.experts")
     assert isinstance(experts, ExpertParallelExperts)
     assert isinstance(experts.w_gate, DTensor) and experts.w_gate.placements == (Shard(0),)
     assert experts.w_gate.to_local().size(0) == NUM_EXPERTS // ep_degree
@@ -107,11 +116,17 @@ def _ep_worker(rank: int, world_size: int, ep_degree: int) -> Records:
     return records
 
 
-@pytest.mark.parametrize(("world_size", "ep_degree"), [(2, 2), (4, 2)], ids=["ep2", "ep2xdp2"])
+@pytest.mark.parametrize(
+    ("world_size", "ep_degree", "traced"),
+    [(2, 2, False), (2, 2, True), (4, 2, False)],
+    ids=["ep2", "ep2-traced", "ep2xdp2"],
+)
 def test_expert_parallel_matches_one_process(
-    world_size: int, ep_degree: int, tmp_path: Path
+    world_size: int, ep_degree: int, traced: bool, tmp_path: Path
 ) -> None:
-    results = run_distributed(_ep_worker, ep_degree, world_size=world_size, tmp_path=tmp_path)
+    results = run_distributed(
+        _ep_worker, ep_degree, traced, world_size=world_size, tmp_path=tmp_path
+    )
     assert_matches(results, _reference(tiny_moe, world_size))
 
 
