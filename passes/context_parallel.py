@@ -52,12 +52,15 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import _attention as torch_cp
+from torch.distributed.tensor.parallel import parallelize_module
 
 from autoplan.contract.errors import PlanError
 
 __all__ = [
     "ContextParallelResult",
     "RingAttention",
+    "TorchContextParallelCore",
     "apply_context_parallel",
     "average_gradients",
     "check_context_parallel",
@@ -357,29 +360,38 @@ class RingAttention(nn.Module):
         return f"cp_degree={dist.get_world_size(self.group)}, local_seq_len={self.local_seq_len}"
 
 
-class _TorchContextParallelCore(nn.Module):
-    """Causal GQA SDPA, for torch's ``_ContextParallel`` style (CUDA only: the CPU flash SDPA
-    has no DTensor sharding strategy in torch 2.13; untested here)."""
+class _CausalSDPA(nn.Module):
+    """Causal SDPA on equal head counts: the module torch's ``_ContextParallel`` wraps."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        n_rep = q.size(1) // k.size(1)
-        k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _torch_core(cp_mesh: DeviceMesh) -> nn.Module:
-    """torchtitan's apply_cp (torchtitan/distributed/context_parallel.py): enable torch's CP
-    dispatcher, wrap the SDPA module with ``_ContextParallel(seq_dim=2, SDPA)``; load balancing
-    on, as ``_context_parallel_shard`` with a ``_HeadTailLoadBalancer`` sets it."""
-    from torch.distributed.tensor.experimental import _attention as torch_cp
-    from torch.distributed.tensor.parallel import parallelize_module
+class TorchContextParallelCore(nn.Module):
+    """The CUDA attention core: GQA repeat on local tensors, then torch's ring attention.
 
-    torch_cp._enable_context_parallel_dispatcher()
-    torch_cp._cp_options.enable_load_balance = True
-    style = torch_cp._ContextParallel(
-        seq_dim=2, attention_type=torch_cp._ContextParallel.AttentionType.SDPA
-    )
-    return parallelize_module(_TorchContextParallelCore(), cp_mesh, style)
+    torchtitan's apply_cp (torchtitan/distributed/context_parallel.py): enable torch's CP
+    dispatcher and wrap the SDPA module with ``_ContextParallel(seq_dim=2, SDPA)``, which turns
+    q/k/v into DTensors ``Shard(2)`` over the cp mesh and dispatches SDPA to ring attention over
+    the CUDA flash / efficient / cuDNN kernels. Load balancing on, as ``_context_parallel_shard``
+    with a ``_HeadTailLoadBalancer`` sets it (the layout of `shard_sequence`). Not testable on
+    this CPU-only machine: the CPU SDPA kernel has no DTensor sharding strategy in torch 2.13
+    (/work/shared/notes/torch-2.13-distributed-on-cpu.md); only its construction is tested.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        torch_cp._enable_context_parallel_dispatcher()
+        torch_cp._cp_options.enable_load_balance = True
+        style = torch_cp._ContextParallel(
+            seq_dim=2, attention_type=torch_cp._ContextParallel.AttentionType.SDPA
+        )
+        self.sdpa = parallelize_module(_CausalSDPA(), cp_mesh, style)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n_rep = q.size(1) // k.size(1)
+        out: Tensor = self.sdpa(q, _expand_kv(k, n_rep), _expand_kv(v, n_rep))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,7 +566,7 @@ def apply_context_parallel(
     def make_core() -> nn.Module:
         if backend == "torch":
             assert isinstance(cp, DeviceMesh)
-            return _torch_core(cp)
+            return TorchContextParallelCore(cp)
         return RingAttention(group, local)
 
     rope = _shard_position_buffers(module, position_buffers, positions)

@@ -32,6 +32,7 @@ from passes.context_parallel import (
 )
 from tests.dist_utils import fake_process_group, run_distributed
 from tests.numerics import (
+    HIDDEN,
     SEQ,
     STEPS,
     assert_matches,
@@ -185,3 +186,28 @@ def _cp_tp_worker(rank: int, world_size: int) -> list[tuple[float, dict[str, tor
 def test_cp2_tp2_llama_matches_one_process(tmp_path: Path) -> None:
     results = run_distributed(_cp_tp_worker, world_size=4, tmp_path=tmp_path)
     assert_matches(results, reference("llama", GLOBAL_BATCH))
+
+
+def test_cuda_backend_wraps_sdpa_with_torchs_context_parallel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Construction only: torch's ring attention needs the CUDA SDPA kernels (module docs)."""
+    from torch.distributed.tensor.experimental._attention import (
+        _disable_context_parallel_dispatcher,
+    )
+
+    from passes.context_parallel import TorchContextParallelCore
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        model = build_model("llama")
+        try:
+            result = apply_context_parallel(model, mesh, seq_len=SEQ)
+        finally:
+            _disable_context_parallel_dispatcher()
+        assert result.backend == "torch"
+        core = model.blocks[0].attn.attention_core  # type: ignore[union-attr,index]
+        assert isinstance(core, TorchContextParallelCore)
+        assert core.sdpa._forward_pre_hooks and core.sdpa._forward_hooks  # DTensor in, local out
+        assert model.rope_cos.shape == (SEQ // 2, HIDDEN // 4)
