@@ -112,6 +112,18 @@ PUBLISHED: dict[str, tuple[int, int]] = {
     "llama3-8b": (8_030_261_248, 0),
     "llama3-70b": (70_553_706_496, 0),
     "llama3-405b": (405_853_388_800, 0),
+    # Long-context variants: the same architectures at 32K-128K tokens (RoPE tables are buffers,
+    # not parameters), so the same exact counts.
+    "llama3-8b-32k": (8_030_261_248, 0),
+    "llama3-8b-64k": (8_030_261_248, 0),
+    "llama3-8b-128k": (8_030_261_248, 0),
+    "llama3-70b-128k": (70_553_706_496, 0),
+    "llama3-405b-128k": (405_853_388_800, 0),
+    # Mixtral 8x7B: "each token has access to 47B parameters" (Jiang et al. 2024, abstract),
+    # two significant figures. Exact count: test_moe_model.py (closed form, 46,702,792,704).
+    "mixtral-8x7b": (47_000_000_000, 500_000_000),
+    # DeepSeekMoE 16B: "16.4B parameters" (github.com/deepseek-ai/DeepSeek-MoE README).
+    "deepseek-moe-16b": (16_400_000_000, 50_000_000),
 }
 
 

@@ -12,14 +12,15 @@ from autoplan.cli.common import console, emit_json, json_option
 
 def _row(name: str) -> dict[str, Any]:
     # The zoo imports torch (seconds): here, so the CLI's other commands stay fast.
-    from autoplan.models import preset, preset_config
+    from autoplan.models import MoEConfig, preset, preset_config
 
     config = preset_config(name)
     model = preset(name)  # on meta: no memory
     params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once
-    return {
+    family = type(config).__name__.removesuffix("Config").lower()  # gpt, llama, moe
+    row: dict[str, Any] = {
         "name": name,
-        "family": "llama" if hasattr(config, "num_kv_heads") else "gpt",
+        "family": family,
         "num_params": params,
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
@@ -29,13 +30,20 @@ def _row(name: str) -> dict[str, Any]:
         "seq_len": config.seq_len,
         "vocab_size": config.vocab_size,
     }
+    if isinstance(config, MoEConfig):
+        row["num_experts"] = config.num_experts
+        row["top_k"] = config.top_k
+        row["moe_ffn_hidden_size"] = config.moe_ffn_hidden_size
+        row["num_shared_experts"] = config.num_shared_experts
+    return row
 
 
 @click.command("models")
 @json_option
 def models_cmd(as_json: bool) -> None:
     """List the model presets and their sizes. Pass a name to --model, with overrides as
-    NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:... and llama:..."""
+    NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:..., llama:... and
+    moe:... (ffn shows a MoE's experts as experts x top-k x expert size)."""
     from autoplan.models import list_presets  # imports torch, as in _row
 
     rows = [_row(name) for name in list_presets()]
@@ -52,7 +60,11 @@ def models_cmd(as_json: bool) -> None:
             str(r["num_layers"]),
             str(r["hidden_size"]),
             f"{r['num_heads']} ({r['num_kv_heads']})",
-            str(r["ffn_hidden_size"]),
+            (
+                f"{r['num_experts']}x{r['top_k']}x{r['moe_ffn_hidden_size']}"
+                if r["family"] == "moe"
+                else str(r["ffn_hidden_size"])
+            ),
             str(r["seq_len"]),
             str(r["vocab_size"]),
         )

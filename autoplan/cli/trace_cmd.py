@@ -3,6 +3,8 @@
 Figures are for the whole batch (``--batch-size`` sequences of ``--seq-len`` tokens) at the
 model's dtype; parameters are counted per unit (a head tied to the embedding shows the shared
 matrix) and once in the total. ``--json`` gives the same figures in base units (FLOP, bytes).
+A unit with mixture-of-experts layers also lists them (``moe``: experts, top-k, parameters and
+FLOPs per expert, expected tokens per expert and all-to-all bytes for the traced batch).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from autoplan._format import compact_table, fmt_count
 from autoplan.cli.common import console, emit_json, json_option
 
 if TYPE_CHECKING:
-    from autoplan.contract.graph import ModelGraph
+    from autoplan.contract.graph import ModelGraph, MoELayerProfile
 
 _MIB = 2.0**20
 
@@ -75,6 +77,8 @@ def trace(
     )
     out.print(trace_table(data, collapse=not show_all))
     out.print(LEGEND, markup=False)
+    for line in moe_lines(data):
+        out.print(line, markup=False, soft_wrap=True)
     shared = [u for u in data["units"] if u["num_params_shared"]]
     for unit in shared:
         out.print(
@@ -90,29 +94,30 @@ def trace_data(graph: ModelGraph) -> dict[str, Any]:
     batch = graph.batch_size
     units = []
     for idx, unit in enumerate(profile.units):
-        units.append(
-            {
-                "index": idx,
-                "name": unit.name,
-                "kind": unit.kind,
-                "num_params": unit.num_params,
-                "num_params_shared": unit.num_params_shared,
-                "num_params_tp_sharded": unit.num_params_tp_sharded,
-                "param_bytes": unit.param_bytes,
-                "forward_flops": unit.forward_flops * batch,
-                "backward_flops": unit.backward_flops * batch,
-                "saved_activation_bytes": unit.saved_bytes * batch,
-                "input_bytes": unit.input_bytes * batch,
-                "cut_bytes": unit.output_bytes * batch,
-                "tp": {
-                    "linears": [
-                        {"path": t.path, "style": t.style, "fused": t.fused}
-                        for t in unit.tp.linears
-                    ],
-                    **unit.tp.divisible_counts(),
-                },
-            }
-        )
+        row: dict[str, Any] = {
+            "index": idx,
+            "name": unit.name,
+            "kind": unit.kind,
+            "num_params": unit.num_params,
+            "num_params_shared": unit.num_params_shared,
+            "num_params_tp_sharded": unit.num_params_tp_sharded,
+            "param_bytes": unit.param_bytes,
+            "forward_flops": unit.forward_flops * batch,
+            "backward_flops": unit.backward_flops * batch,
+            "saved_activation_bytes": unit.saved_bytes * batch,
+            "input_bytes": unit.input_bytes * batch,
+            "cut_bytes": unit.output_bytes * batch,
+            "tp": {
+                "linears": [
+                    {"path": t.path, "style": t.style, "fused": t.fused} for t in unit.tp.linears
+                ],
+                **unit.tp.divisible_counts(),
+            },
+        }
+        layers = graph.unit_moe_layers(idx)
+        if layers:  # dense units keep exactly the keys above
+            row["moe"] = [_moe_data(layer, batch) for layer in layers]
+        units.append(row)
     return {
         "model": profile.name,
         "front_end": graph.front_end,
@@ -133,6 +138,49 @@ def trace_data(graph: ModelGraph) -> dict[str, Any]:
             "saved_activation_bytes": sum(u.saved_bytes for u in profile.units) * batch,
         },
     }
+
+
+def _moe_data(layer: MoELayerProfile, batch: int) -> dict[str, Any]:
+    return {
+        "path": layer.path,
+        "num_experts": layer.num_experts,
+        "top_k": layer.top_k,
+        "expert_ffn_hidden_size": layer.expert_ffn_hidden_size,
+        "num_params_per_expert": layer.num_params_per_expert,
+        "num_shared_expert_params": layer.num_shared_expert_params,
+        "forward_flops_per_token_per_expert": layer.forward_flops_per_token_per_expert,
+        "tokens_per_expert": layer.tokens_per_expert(batch),
+        "dispatch_bytes": layer.dispatch_bytes(batch),
+        "combine_bytes": layer.dispatch_bytes(batch),
+    }
+
+
+def moe_lines(data: dict[str, Any]) -> list[str]:
+    """One line per distinct mixture-of-experts layer shape, naming the units that have it."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for unit in data["units"]:
+        for layer in unit.get("moe", ()):
+            key = tuple(v for k, v in layer.items() if k != "path")
+            groups.setdefault(key, []).append(unit["name"])
+    lines = []
+    for names in groups.values():
+        unit = next(u for u in data["units"] if u["name"] == names[0])
+        layer = unit["moe"][0]
+        where = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} (x{len(names)})"
+        shared = (
+            f", shared expert {fmt_count(layer['num_shared_expert_params'])} params"
+            if layer["num_shared_expert_params"]
+            else ""
+        )
+        lines.append(
+            f"experts in {where}: {layer['num_experts']} experts, top-{layer['top_k']}, "
+            f"{fmt_count(layer['num_params_per_expert'])} params and "
+            f"{layer['forward_flops_per_token_per_expert'] / 1e6:,.1f} MFLOP per routed token "
+            f"each{shared}; per batch (balanced routing) {layer['tokens_per_expert']:,.1f} "
+            f"tokens per expert, all-to-all dispatch and combine "
+            f"{_number(layer['dispatch_bytes'] / _MIB)} MiB each"
+        )
+    return lines
 
 
 LEGEND = (

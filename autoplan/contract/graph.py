@@ -3,7 +3,9 @@
 It carries the `ModelProfile` (all the cost model and the search read, per sample), the fx
 `GraphModule` it was measured on, which pipeline unit every fx node belongs to (so the passes can
 `torch.fx.passes.split_module` by unit or stage: node names are kept as traced), a profile of
-every node, and `unit_graph()`, a networkx view of the units and the bytes that cross each cut.
+every node, `unit_graph()`, a networkx view of the units and the bytes that cross each cut, and
+for a mixture-of-experts model one `MoELayerProfile` per expert layer (the experts as units of
+work: their parameters, FLOPs per routed token, tokens per expert, all-to-all bytes).
 
 Per-sample means one sequence of ``profile.seq_len`` tokens; tensor shapes in ``node.meta`` and
 `NodeProfile.shape` are at the traced batch size (``batch_size``).
@@ -23,7 +25,7 @@ from cost_model.workload import GemmShape, ModelProfile, OpKind, TpRole
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-__all__ = ["FrontEnd", "ModelGraph", "NodeProfile"]
+__all__ = ["FrontEnd", "MoELayerProfile", "ModelGraph", "NodeProfile"]
 
 FrontEnd = Literal["fx", "export"]
 
@@ -60,6 +62,60 @@ class NodeProfile:
     gemm: GemmShape | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoELayerProfile:
+    """One mixture-of-experts layer: its routed experts as units of work.
+
+    Per sample means one sequence of ``seq_len`` tokens. Token counts assume balanced routing:
+    each of the ``num_experts`` experts gets the expected share ``seq_len * top_k / num_experts``
+    of a sample's ``seq_len * top_k`` token-expert assignments (what the trace measured on meta
+    tensors; real routing is uneven, which a cost model prices as an imbalance factor). FLOPs
+    are measured on the traced experts call, per (token, expert) assignment. The dispatch
+    all-to-all sends every assignment's hidden vector to its expert and the combine sends the
+    expert's output back: each moves ``seq_len * top_k * hidden_size`` elements per sample
+    (under expert parallelism of degree ep, the (ep - 1) / ep of them bound for other ranks
+    cross the network). The router, the shared expert and attention are ordinary ops of the
+    unit (``UnitProfile.ops``); the experts call is one op there too, named ``experts_node``.
+    """
+
+    unit: int  # index into profile.units
+    path: str  # the MoEFeedForward module, e.g. "blocks.3.mlp"
+    experts_path: str  # its GroupedExperts, e.g. "blocks.3.mlp.experts"
+    experts_node: str  # the fx node that runs the experts (a call_module)
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_ffn_hidden_size: int
+    num_params_per_expert: int
+    param_bytes_per_expert: int
+    num_router_params: int
+    num_shared_expert_params: int  # 0 without a shared expert
+    forward_flops_per_token_per_expert: float  # one routed token through one expert
+    backward_flops_per_token_per_expert: float
+    routed_tokens_per_sample: int  # seq_len * top_k token-expert assignments
+    dtype_bytes: int  # element size of the dispatched hidden vectors, as traced
+
+    @property
+    def tokens_per_expert_per_sample(self) -> float:
+        """Expected assignments per expert per sample: seq_len * top_k / num_experts."""
+        return self.routed_tokens_per_sample / self.num_experts
+
+    def tokens_per_expert(self, micro_batch_size: int) -> float:
+        """Expected tokens each expert processes per micro-batch (balanced routing)."""
+        return micro_batch_size * self.tokens_per_expert_per_sample
+
+    def expert_forward_flops(self, micro_batch_size: int) -> float:
+        """Forward FLOPs of one expert per micro-batch (balanced routing)."""
+        return self.tokens_per_expert(micro_batch_size) * self.forward_flops_per_token_per_expert
+
+    def dispatch_bytes(self, micro_batch_size: int, dtype_bytes: int | None = None) -> float:
+        """Bytes one all-to-all dispatch moves per micro-batch, all ranks together: tokens *
+        top_k * hidden_size * element size (the traced one unless given). The combine moves
+        the same."""
+        size = self.dtype_bytes if dtype_bytes is None else dtype_bytes
+        return float(micro_batch_size * self.routed_tokens_per_sample * self.hidden_size * size)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ModelGraph:
     """A traced model: profile, fx graph, node -> unit map and per-node profiles.
@@ -76,6 +132,11 @@ class ModelGraph:
     unit_modules: tuple[tuple[str, ...], ...]  # module paths each unit runs, in first-use order
     batch_size: int  # batch size the graph was traced and propagated at
     exported_program: ExportedProgram | None = None
+    moe_layers: tuple[MoELayerProfile, ...] = ()  # in unit order; empty for a dense model
+
+    def unit_moe_layers(self, unit: int) -> tuple[MoELayerProfile, ...]:
+        """The mixture-of-experts layers of ``unit`` (none for a dense unit)."""
+        return tuple(layer for layer in self.moe_layers if layer.unit == unit)
 
     def unit_of(self, node: fx.Node | str) -> int:
         """Index of the unit a node belongs to (a `split_module` callback)."""

@@ -1,7 +1,7 @@
 """Model specs of the command line: ``NAME[:key=value,...]`` to a zoo model on the meta device.
 
 ``NAME`` is a preset (``gpt3-175b``, ``llama3-8b``, ...; see `autoplan.models.list_presets`)
-or a builder (``gpt``, ``llama``) that needs its sizes as keys. Keys are the fields of the
+or a builder (``gpt``, ``llama``, ``moe``) that needs its sizes as keys. Keys are the fields of the
 model's config (``num_layers``, ``hidden_size``, ``seq_len``, ...) plus ``dtype`` (fp32, bf16,
 fp16); values are parsed to the field's type. Examples::
 
@@ -25,13 +25,24 @@ import torch
 from torch import nn
 
 from autoplan.contract.errors import ModelSpecError
-from autoplan.models import GPTConfig, LlamaConfig, gpt, list_presets, llama, preset, preset_config
+from autoplan.models import (
+    GPTConfig,
+    LlamaConfig,
+    MoEConfig,
+    gpt,
+    list_presets,
+    llama,
+    moe,
+    preset,
+    preset_config,
+)
 
 __all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "spec_of", "valid_keys"]
 
 BUILDERS: dict[str, tuple[Callable[..., nn.Module], type[Any]]] = {
     "gpt": (gpt, GPTConfig),
     "llama": (llama, LlamaConfig),
+    "moe": (moe, MoEConfig),
 }
 _DTYPES = {
     "fp32": torch.float32,

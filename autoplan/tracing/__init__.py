@@ -3,11 +3,12 @@
 Private modules, in the order `trace` runs them: ``tracer`` (torch.fx / torch.export front
 ends), ``measure`` (the traced graph, each distinct unit run once on meta), ``units`` (pipeline
 units and TP structure), ``profiler`` (per-node FLOPs, bytes, saved activations on meta
-tensors), ``unit_profiles`` (each unit's profile), ``assemble`` (the `ModelGraph`),
+tensors), ``unit_profiles`` (each unit's profile), ``experts`` (mixture-of-experts layers as
+units of work), ``assemble`` (the `ModelGraph`),
 ``fingerprint``; ``api`` composes them.
 """
 
-from autoplan.contract.graph import ModelGraph, NodeProfile
+from autoplan.contract.graph import ModelGraph, MoELayerProfile, NodeProfile
 from autoplan.tracing.api import trace
 
-__all__ = ["ModelGraph", "NodeProfile", "trace"]
+__all__ = ["MoELayerProfile", "ModelGraph", "NodeProfile", "trace"]

@@ -9,8 +9,9 @@ units (same ops, same input shapes) are measured once and their figures reused.
 
 `trace` runs the steps in order: resolve the inputs and the unit layout, trace the graph
 (`tracer`), assign nodes to units (`units`), measure each distinct unit on meta tensors
-(`measure`), classify TP, collect parameters and profile units (`unit_profiles`), then build
-the graph (`assemble`). Each step takes the records it needs and returns a frozen one.
+(`measure`), classify TP, collect parameters and profile units (`unit_profiles`), find the
+mixture-of-experts layers (`experts`), then build the graph (`assemble`). Each step takes the
+records it needs and returns a frozen one.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from torch.utils._pytree import tree_map
 
 from autoplan.contract.errors import TraceError
 from autoplan.contract.graph import ModelGraph
+from autoplan.models.moe import GroupedExperts
 from autoplan.models.spec import spec_of as model_spec_of
 from autoplan.tracing.assemble import config_int, model_graph
+from autoplan.tracing.experts import moe_layers
 from autoplan.tracing.measure import measure_units, traced_graph
 from autoplan.tracing.profiler import profile_unit
 from autoplan.tracing.tracer import LeafSpec, trace_model
@@ -46,6 +49,10 @@ __all__ = ["ExampleInputs", "trace"]
 logger = logging.getLogger(__name__)
 
 _SEQ_LEN_KEYS = ("seq_len", "max_position_embeddings", "n_positions")
+# Modules fx always keeps as single calls: the zoo's routed experts split their rows by the
+# values of the routing counts, which a symbolic trace does not have (on meta tensors they assume
+# balanced routing; see `autoplan.models.moe`).
+_ALWAYS_LEAVES: tuple[LeafSpec, ...] = (GroupedExperts,)
 
 
 ExampleInputs = Tensor | Sequence[Any] | Mapping[str, Any] | None
@@ -89,7 +96,7 @@ def trace(
             inputs.args,
             inputs.kwargs,
             blocks=layout.anchors if layout.mode == "blocks" else (),
-            leaf_modules=leaf_modules,
+            leaf_modules=(*leaf_modules, *_ALWAYS_LEAVES),
         )
         graph = traced_graph(model, traced, batch_size=inputs.batch_size, seq_len=inputs.seq_len)
         assignment = assign_units(
@@ -112,6 +119,7 @@ def trace(
             params,
             profiled,
             name=name or _default_name(model),
+            moe_layers=moe_layers(graph, assignment, measured),
         )
 
 

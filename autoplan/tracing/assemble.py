@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from autoplan.contract.graph import ModelGraph, NodeProfile
+from autoplan.contract.graph import ModelGraph, MoELayerProfile, NodeProfile
 from autoplan.tracing.fingerprint import fingerprint
 from autoplan.tracing.measure import Measurements, TracedGraph, first_spec, target_name
 from autoplan.tracing.unit_profiles import NodeCopy, ProfiledUnits, TpAnalysis, UnitParams
@@ -45,6 +45,7 @@ def model_graph(
     profiled: ProfiledUnits,
     *,
     name: str,
+    moe_layers: tuple[MoELayerProfile, ...] = (),
 ) -> ModelGraph:
     """The `ModelProfile` (model dimensions, fingerprint) and the `ModelGraph` around it.
 
@@ -82,6 +83,7 @@ def model_graph(
         unit_modules=tuple(_collapse([p for p in owners if p]) for owners in params.owners),
         batch_size=graph.batch_size,
         exported_program=graph.traced.exported_program,
+        moe_layers=moe_layers,
     )
 
 

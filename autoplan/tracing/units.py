@@ -137,10 +137,12 @@ class BlockRun:
 
 
 def find_blocks(model: nn.Module) -> BlockRun | None:
-    """The run of structurally identical consecutive children covering the most parameters.
+    """The run of consecutive blocks covering the most parameters.
 
-    Ties go to the longer run, then to the one found first (the shallowest). A run of one is a
-    block only in a ``ModuleList`` (a one-layer model) and only if no longer run exists.
+    Blocks are structurally identical children of a ``Sequential``, or children of one class in
+    a ``ModuleList`` (a mixture-of-experts model's dense first layers and expert layers are one
+    run). Ties go to the longer run, then to the one found first (the shallowest). A run of one
+    is a block only in a ``ModuleList`` (a one-layer model) and only if no longer run exists.
     """
     best: tuple[int, int, int] | None = None
     found: BlockRun | None = None
@@ -150,7 +152,11 @@ def find_blocks(model: nn.Module) -> BlockRun | None:
         children = list(container.named_children())
         if not children:
             continue
-        keys = [module_structure(child, with_attributes=False) for _, child in children]
+        keys: list[object] = (
+            [type(child) for _, child in children]
+            if isinstance(container, nn.ModuleList)
+            else [module_structure(child, with_attributes=False) for _, child in children]
+        )
         start = 0
         while start < len(children):
             end = start + 1
@@ -160,8 +166,9 @@ def find_blocks(model: nn.Module) -> BlockRun | None:
             # A lone child counts only in a ModuleList (a one-layer model), and loses to any
             # real run; a Sequential's lone children are steps (Linear, GeLU), not blocks.
             if length >= 2 or isinstance(container, nn.ModuleList):
-                per_block = sum(p.numel() for p in children[start][1].parameters())
-                score = (int(length >= 2), length * per_block, length)
+                sizes = [sum(p.numel() for p in c.parameters()) for _, c in children[start:end]]
+                per_block = sizes[0]
+                score = (int(length >= 2), sum(sizes), length)
                 if per_block and (best is None or score > best):
                     best = score
                     prefix = f"{path}." if path else ""
