@@ -1,12 +1,15 @@
 """Expert parallelism (passes/expert_parallel.py) against one process, on CPU/gloo.
 
-A tiny MoE language model (4 experts, top-2, one dense block, one MoE block with a shared
-expert, one without) trains 3 AdamW steps under ep2 (2 ranks, each with its own tokens) and
+The zoo's MoE model (tests/numerics.py "moe": a dense layer, then 2 MoE layers of 4 experts,
+top-2, a shared expert, the load-balancing loss) trains 3 AdamW steps under ep2 (2 ranks, each
+with its own tokens; on the eager model and on the traced, split units the runtime uses),
 ep2 x dp2 (4 ranks: the experts sharded over ep, each expert replicated over the 2-rank
-expert-data-parallel group). Each rank's loss (the mean over the data-parallel world) and
-every gradient (expert weights gathered from their DTensor shards) must equal a single-process
-reference that accumulates the same per-rank mean losses / dp_world over the same shards of
-the global batch (tolerances: tests/numerics.py; the all-to-alls only move rows, so the
+expert-data-parallel group) and cp2 x ep2 (the experts sharded over the cp ranks, which hold
+different tokens of the same sequences). Each rank's loss (the mean over the data-parallel
+world) and every gradient (expert weights gathered from their DTensor shards) must equal a
+single-process reference that accumulates the same per-rank mean losses / dp_world over the
+same shards of the global batch: the load-balancing loss is a statistic of each rank's tokens,
+as in Megatron-LM (tolerances: tests/numerics.py; the all-to-alls only move rows, so the
 differences are reduction order only; a gradient summed over the wrong group or scaled by edp
 instead of dp_world is off by a factor of 2). Bad input fails with `PlanError` before any
 collective.
@@ -20,11 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.contract.errors import PlanError
+from autoplan.tracing import trace
+from passes import original_fqn, split_stages
+from passes.context_parallel import apply_context_parallel, shard_sequence
 from passes.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
@@ -32,8 +38,9 @@ from passes.expert_parallel import (
     reduce_gradients,
 )
 from tests.dist_utils import fake_process_group, run_distributed
-from tests.moe_double import NUM_EXPERTS, GroupedExperts, tiny_moe
 from tests.numerics import (
+    NUM_BLOCKS,
+    SEQ,
     STEPS,
     Reference,
     assert_matches,
@@ -41,10 +48,14 @@ from tests.numerics import (
     build_model,
     full_grads,
     loss_fn,
+    make_plan,
     optimizer_factory,
+    reference,
 )
 
 MICRO_BATCH = 2  # sequences per data-parallel rank
+NUM_EXPERTS = 4
+NUM_UNITS = NUM_BLOCKS + 1 + 2  # embedding, 3 blocks, head
 
 Records = list[tuple[float, dict[str, torch.Tensor]]]
 
@@ -54,7 +65,10 @@ def _shard(tensor: torch.Tensor, dp_rank: int) -> torch.Tensor:
 
 
 def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
-    """One process, the same per-rank losses: sum over the dp shards of loss / dp_world."""
+    """One process, the same per-rank losses: the gradient of each dp shard's loss, summed,
+    divided by dp_world (the MoE layers attach their load-balancing loss with weight 1 whatever
+    scales the logits' loss, so the division comes after backward, as in the data-parallel
+    average)."""
     model = build()
     names_of: dict[int, set[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -66,9 +80,12 @@ def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for dp_rank in range(dp_world):
-            loss = loss_fn(model(_shard(inputs, dp_rank)), _shard(targets, dp_rank)) / dp_world
+            loss = loss_fn(model(_shard(inputs, dp_rank)), _shard(targets, dp_rank))
             loss.backward()  # type: ignore[no-untyped-call]
-            total += loss.item()
+            total += loss.item() / dp_world
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.div_(dp_world)
         grads = {
             n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
         }
@@ -77,22 +94,19 @@ def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
     return Reference(records=records, aliases=list(names_of.values()))
 
 
-class _ExpertsLeafTracer(fx.Tracer):
-    """As the zoo's tracer: GroupedExperts (host-side split sizes) stays one call_module."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, GroupedExperts) or super().is_leaf_module(m, module_qualified_name)
-
-
 def _ep_worker(rank: int, world_size: int, ep_degree: int, traced: bool) -> Records:
     edp = world_size // ep_degree
     mesh = init_device_mesh("cpu", (edp, ep_degree), mesh_dim_names=("edp", "ep"))
-    model: nn.Module = tiny_moe()
-    if traced:  # the runtime's path: passes run on fx units, not on the eager model
-        model = fx.GraphModule(model, _ExpertsLeafTracer().trace(model))
+    model = build_model("moe")
+    if traced:  # the runtime's path: passes run on the split units, GroupedExperts a leaf
+        (stage,) = split_stages(trace(model), make_plan(num_units=NUM_UNITS)).stages
+        model = stage.module
     result = apply_expert_parallel(model, mesh["ep"])
-    assert result.expert_modules == ("blocks.1.mlp.experts", "blocks.2.mlp.experts")
-    experts = model.get_submodule("blocks.1.mlp.experts")
+    assert [p.rpartition("blocks.")[2] for p in result.expert_modules] == [
+        "1.mlp.experts",
+        "2.mlp.experts",
+    ]
+    experts = model.get_submodule(result.expert_modules[0])
     assert isinstance(experts, ExpertParallelExperts)
     assert isinstance(experts.w_gate, DTensor) and experts.w_gate.placements == (Shard(0),)
     assert experts.w_gate.to_local().size(0) == NUM_EXPERTS // ep_degree
@@ -111,7 +125,8 @@ def _ep_worker(rank: int, world_size: int, ep_degree: int, traced: bool) -> Reco
         )
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        records.append((mean_loss.item() / world_size, full_grads(model.named_parameters())))
+        named = ((original_fqn(n), p) for n, p in model.named_parameters())
+        records.append((mean_loss.item() / world_size, full_grads(named)))
         optimizer.step()
     return records
 
@@ -127,7 +142,36 @@ def test_expert_parallel_matches_one_process(
     results = run_distributed(
         _ep_worker, ep_degree, traced, world_size=world_size, tmp_path=tmp_path
     )
-    assert_matches(results, _reference(tiny_moe, world_size))
+    assert_matches(results, _reference(lambda: build_model("moe"), world_size))
+
+
+def _cp_ep_worker(rank: int, world_size: int) -> Records:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = build_model("moe-noaux")
+    apply_context_parallel(model, mesh, seq_len=SEQ)
+    apply_expert_parallel(model, mesh)  # ep over the cp ranks (torchtitan lets ep span cp)
+    optimizer = optimizer_factory()(model.parameters())
+    records = []
+    for step in range(STEPS):
+        inputs, targets = batch(MICRO_BATCH, step)
+        optimizer.zero_grad(set_to_none=True)
+        local_inputs, local_targets = (
+            shard_sequence(t, world_size, rank) for t in (inputs, targets)
+        )
+        loss = loss_fn(model(local_inputs), local_targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        # cp ranks are data-parallel for weight gradients (passes/context_parallel.py).
+        reduce_gradients(model, dp_group=dist.group.WORLD, expert_dp_group=None, dp_world_size=2)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        records.append((mean_loss.item() / world_size, full_grads(model.named_parameters())))
+        optimizer.step()
+    return records
+
+
+def test_cp2_ep2_moe_matches_one_process(tmp_path: Path) -> None:
+    results = run_distributed(_cp_ep_worker, world_size=2, tmp_path=tmp_path)
+    assert_matches(results, reference("moe-noaux", MICRO_BATCH))
 
 
 def test_ep_not_dividing_experts_is_a_plan_error() -> None:
@@ -138,7 +182,7 @@ def test_ep_not_dividing_experts_is_a_plan_error() -> None:
         fake_process_group(3),
         pytest.raises(PlanError, match="ep_degree 3 does not divide num_experts 4"),
     ):
-        apply_expert_parallel(tiny_moe(), dist.group.WORLD)
+        apply_expert_parallel(build_model("moe"), dist.group.WORLD)
 
 
 def test_expert_parallel_on_a_dense_model_is_a_plan_error() -> None:
