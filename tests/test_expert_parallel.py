@@ -4,8 +4,9 @@ The zoo's MoE model (tests/numerics.py "moe": a dense layer, then 2 MoE layers o
 top-2, a shared expert, the load-balancing loss) trains 3 AdamW steps under ep2 (2 ranks, each
 with its own tokens; on the eager model and on the traced, split units the runtime uses),
 ep2 x dp2 (4 ranks: the experts sharded over ep, each expert replicated over the 2-rank
-expert-data-parallel group) and cp2 x ep2 (the experts sharded over the cp ranks, which hold
-different tokens of the same sequences). Each rank's loss (the mean over the data-parallel
+expert-data-parallel group), cp2 x ep2 (the experts sharded over the cp ranks, which hold
+different tokens of the same sequences) and pp2 x ep2 (the repo's split, pipeline pass and 1F1B
+schedule; each stage's 2 ranks split its experts, ep on the plan's dp axis). Each rank's loss (the mean over the data-parallel
 world) and every gradient (expert weights gathered from their DTensor shards) must equal a
 single-process reference that accumulates the same per-rank mean losses / dp_world over the
 same shards of the global batch: the load-balancing loss is a statistic of each rank's tokens,
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.contract.errors import PlanError
 from autoplan.tracing import trace
-from passes import original_fqn, split_stages
+from passes import build_mesh, build_pipeline, original_fqn, split_stages
 from passes.context_parallel import apply_context_parallel, shard_sequence
 from passes.expert_parallel import (
     ExpertParallelExperts,
@@ -60,11 +61,13 @@ NUM_UNITS = NUM_BLOCKS + 1 + 2  # embedding, 3 blocks, head
 Records = list[tuple[float, dict[str, torch.Tensor]]]
 
 
-def _shard(tensor: torch.Tensor, dp_rank: int) -> torch.Tensor:
-    return tensor[dp_rank * MICRO_BATCH : (dp_rank + 1) * MICRO_BATCH]
+def _shard(tensor: torch.Tensor, dp_rank: int, size: int = MICRO_BATCH) -> torch.Tensor:
+    return tensor[dp_rank * size : (dp_rank + 1) * size]
 
 
-def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
+def _reference(
+    build: Callable[[], nn.Module], dp_world: int, shard_size: int = MICRO_BATCH
+) -> Reference:
     """One process, the same per-rank losses: the gradient of each dp shard's loss, summed,
     divided by dp_world (the MoE layers attach their load-balancing loss with weight 1 whatever
     scales the logits' loss, so the division comes after backward, as in the data-parallel
@@ -76,11 +79,12 @@ def _reference(build: Callable[[], nn.Module], dp_world: int) -> Reference:
     optimizer = optimizer_factory()(model.parameters())
     records = []
     for step in range(STEPS):
-        inputs, targets = batch(MICRO_BATCH * dp_world, step)
+        inputs, targets = batch(shard_size * dp_world, step)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for dp_rank in range(dp_world):
-            loss = loss_fn(model(_shard(inputs, dp_rank)), _shard(targets, dp_rank))
+            x, y = _shard(inputs, dp_rank, shard_size), _shard(targets, dp_rank, shard_size)
+            loss = loss_fn(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             total += loss.item() / dp_world
         for param in model.parameters():
@@ -188,3 +192,52 @@ def test_ep_not_dividing_experts_is_a_plan_error() -> None:
 def test_expert_parallel_on_a_dense_model_is_a_plan_error() -> None:
     with fake_process_group(2), pytest.raises(PlanError, match="a MoE plan for a dense model"):
         apply_expert_parallel(build_model("llama"), dist.group.WORLD)
+
+
+def _pp_ep_worker(rank: int, world_size: int) -> Records:
+    """pp2 x ep2: each pipeline stage's 2 ranks split its experts (ep borrows the dp axis)."""
+    plan = make_plan(pp=2, dp=2, num_micro_batches=2, num_units=NUM_UNITS, schedule="1f1b")
+    mesh = build_mesh(plan, "cpu")
+    model = build_model("moe")
+    (stage,) = split_stages(trace(model), plan, stage_indices=[mesh.pp_rank]).stages
+    result = apply_expert_parallel(stage.module, mesh.sub("dp"))
+    assert len(result.expert_modules) == 1  # blocks 1 and 2 are in different stages
+    pipeline = build_pipeline(
+        [stage.module], [mesh.pp_rank], plan, mesh, loss_fn, torch.device("cpu")
+    )
+    dp_group = mesh.sub("dp").get_group()
+    optimizer = optimizer_factory()(stage.module.parameters())
+    records = []
+    for step in range(STEPS):
+        inputs, targets = batch(plan.global_batch_size, step)
+        local = plan.global_batch_size // plan.dp_degree
+        x, y = _shard(inputs, mesh.dp_rank, local), _shard(targets, mesh.dp_rank, local)
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if pipeline.is_first:
+            pipeline.schedule.step(x, return_outputs=False)
+        else:
+            pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
+        # scale_grads: each rank's gradients are its micro-batches' mean; then the dp mean.
+        reduce_gradients(
+            stage.module, dp_group=dp_group, expert_dp_group=None, dp_world_size=plan.dp_degree
+        )
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        dist.all_reduce(loss)  # the last stage's 2 ranks hold the losses
+        named = ((original_fqn(n), p) for n, p in stage.module.named_parameters())
+        records.append((loss.item() / plan.dp_degree, full_grads(named)))
+        optimizer.step()
+    return records
+
+
+def test_pp2_ep2_moe_matches_one_process(tmp_path: Path) -> None:
+    results = run_distributed(_pp_ep_worker, world_size=4, tmp_path=tmp_path)
+    # 4 sequences: 2 dp ranks x 2 micro-batches of 1, each a shard of the reference
+    reference_ = _reference(lambda: build_model("moe"), dp_world=4, shard_size=1)
+    # Loss: only the last stage's ranks see it; the first stage's report their gradients only.
+    last = [records for rank, records in enumerate(results) if rank >= 2]
+    first = [
+        [(reference_.records[step][0], grads) for step, (_, grads) in enumerate(records)]
+        for records in results[:2]
+    ]
+    assert_matches(last + first, reference_)
