@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
@@ -146,16 +147,22 @@ def _train(
     return records
 
 
-def _cp_worker(rank: int, world_size: int) -> list[tuple[float, dict[str, torch.Tensor]]]:
+def _cp_worker(
+    rank: int, world_size: int, recompute: bool
+) -> list[tuple[float, dict[str, torch.Tensor]]]:
     model = build_model("llama")
     result = apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
     assert result.attention_sites == ("blocks.0.attn", "blocks.1.attn")
     assert result.position_buffers == ("rope_cos", "rope_sin")
+    if recompute:  # the ring's forward (and its K/V shifts) runs again inside backward
+        for block in model.blocks:  # type: ignore[union-attr]
+            checkpoint(block)
     return _train(model, model, dist.group.WORLD, rank, model.named_parameters)
 
 
-def test_cp2_llama_matches_one_process(tmp_path: Path) -> None:
-    results = run_distributed(_cp_worker, world_size=2, tmp_path=tmp_path)
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_cp2_llama_matches_one_process(recompute: bool, tmp_path: Path) -> None:
+    results = run_distributed(_cp_worker, recompute, world_size=2, tmp_path=tmp_path)
     assert_matches(results, reference("llama", GLOBAL_BATCH))
 
 
