@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.contract.errors import PlanError
@@ -241,3 +242,42 @@ def test_pp2_ep2_moe_matches_one_process(tmp_path: Path) -> None:
         for records in results[:2]
     ]
     assert_matches(last + first, reference_)
+
+
+def _ep_fsdp_worker(rank: int, world_size: int) -> Records:
+    """ep2 x dp2 with FSDP2 (ZeRO-3) as torchtitan composes them: the experts fully sharded
+    over the edp mesh, every block and the root over the 4-rank dp mesh (edp x ep flattened).
+    FSDP averages the experts' gradients over edp; they need / dp_world (module docs), so a
+    further / ep. torchtitan sets ``set_gradient_divide_factor(dp_world)`` on the experts
+    instead, which reduces with PREMUL_SUM: not in gloo, so here the shards are divided."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    dp_mesh = mesh["edp", "ep"]._flatten("dp")
+    model = build_model("moe")
+    result = apply_expert_parallel(model, mesh["ep"])
+    expert_params = []
+    for path in result.expert_modules:
+        experts = fully_shard(model.get_submodule(path), mesh=mesh["edp"])
+        expert_params.extend(experts.parameters())
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = optimizer_factory()(model.parameters())
+    records = []
+    for step in range(STEPS):
+        inputs, targets = batch(MICRO_BATCH * world_size, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(_shard(inputs, rank)), _shard(targets, rank))
+        loss.backward()  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            for param in expert_params:
+                param.grad.to_local().div_(result.ep_degree)  # type: ignore[union-attr]
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        records.append((mean_loss.item() / world_size, full_grads(model.named_parameters())))
+        optimizer.step()
+    return records
+
+
+def test_ep2_dp2_fsdp_matches_one_process(tmp_path: Path) -> None:
+    results = run_distributed(_ep_fsdp_worker, world_size=4, tmp_path=tmp_path)
+    assert_matches(results, _reference(lambda: build_model("moe"), 4))
