@@ -33,6 +33,7 @@ from autoplan.models import (
 )
 from autoplan.models.moe import (
     GroupedExperts,
+    attach_aux_loss,
     balanced_counts,
     load_balancing_loss,
     num_params_closed_form,
@@ -317,6 +318,17 @@ def test_fx_graph_with_experts_as_a_leaf_runs_like_the_model() -> None:
     torch.testing.assert_close(gm(ids), model(ids), rtol=0, atol=0)
     targets = [n.target for n in graph.nodes if n.op == "call_module"]
     assert "blocks.1.mlp.experts" in targets and "blocks.2.mlp.experts" in targets
+    # The aux loss is one call in the graph, and backward through the graph adds its gradient
+    # exactly as the eager model does (the passes run this graph, split into stages).
+    assert [n.target for n in graph.nodes if n.op == "call_function"].count(attach_aux_loss) == 2
+    gm(ids).sum().backward()
+    graph_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    model(ids).sum().backward()
+    eager_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(graph_grads) == len(eager_grads) == len(list(model.parameters()))
+    for got, expected in zip(graph_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -392,3 +404,79 @@ def test_long_context_presets_build_on_meta(name: str, base: str, seq_len: int) 
     assert isinstance(model, Llama) and model.rope_cos.shape == (seq_len, config.head_dim)
     assert all(p.is_meta for p in model.parameters())
     assert spec_of(preset(name, num_layers=1)) == f"{name}:num_layers=1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with Hugging Face's Mixtral (built from a config, nothing downloaded)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_matches_hf_mixtral_logits_gradients_and_aux_loss() -> None:
+    transformers = pytest.importorskip("transformers")
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    torch.manual_seed(0)
+    # No aux loss in our backward: HF adds its own (pooled over layers) only to a labelled loss.
+    zoo = tiny_moe(
+        num_layers=2, num_shared_experts=0, num_dense_layers=0, rope_theta=1e6, top_k=2,
+        router_aux_loss_coef=0.0,
+    ).eval()  # fmt: skip
+    zoo.init_weights(seed=0)
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=24, vocab_size=VOCAB, max_position_embeddings=SEQ_LEN,
+        num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+    hf = transformers.MixtralForCausalLM(config).eval()
+    assert num_params(zoo) == num_params(hf)
+    names = {  # ours -> theirs
+        "tok_emb": "model.embed_tokens", "norm": "model.norm", "blocks": "model.layers",
+        "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+        "attn": "self_attn", "router": "gate",
+    }  # fmt: skip
+    state: dict[str, Tensor] = {}
+    for key, value in zoo.state_dict().items():
+        if key.endswith("experts.w_gate") or key.endswith("experts.w_up"):
+            continue
+        if key.endswith("experts.w_down"):
+            prefix = ".".join(names.get(p, p) for p in key.split(".")[:-1])
+            experts = zoo.get_submodule(key.rpartition(".")[0])
+            assert isinstance(experts, GroupedExperts)
+            # HF packs gate and up along the output features, gate first: (E, 2F, H).
+            state[f"{prefix}.gate_up_proj"] = torch.cat((experts.w_gate, experts.w_up), dim=1)
+            state[f"{prefix}.down_proj"] = value
+            continue
+        state[".".join(names.get(part, part) for part in key.split("."))] = value
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    x = tokens()
+    ours = zoo(x)
+    out = hf(x, output_router_logits=True)
+    # Same float32 ops up to summation order: default float32 tolerances of assert_close.
+    torch.testing.assert_close(ours, out.logits)
+    # HF's aux loss pools every layer's router outputs: E * sum_e (count_e / N) P_e over all
+    # layers' N tokens, which is top_k times ours without the coefficient (ours counts the
+    # fraction of the N * top_k assignments) on the same pooled probabilities and counts.
+    hf_aux = mixtral.load_balancing_loss_func(out.router_logits, 4, 2)
+    pooled_probs, pooled_counts = [], []
+    hidden = zoo.tok_emb(x)
+    with torch.no_grad():
+        for block in zoo.blocks:
+            hidden = hidden + block.attn(block.attn_norm(hidden), zoo.rope_cos, zoo.rope_sin)
+            layer = block.mlp
+            assert isinstance(layer, MoEFeedForward)
+            probs = F.softmax(layer.router(block.mlp_norm(hidden).reshape(-1, 32)).float(), -1)
+            ids = probs.topk(2, dim=-1).indices.reshape(-1)
+            pooled_probs.append(probs)
+            pooled_counts.append(torch.bincount(ids, minlength=4))
+            hidden = hidden + layer(block.mlp_norm(hidden))
+    ours_aux = load_balancing_loss(torch.cat(pooled_probs), sum(pooled_counts), 1.0)
+    torch.testing.assert_close(2 * ours_aux, hf_aux)
+    ours.square().mean().backward()
+    out.logits.square().mean().backward()
+    torch.testing.assert_close(zoo.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad)
+    for ours_block, hf_layer in zip(zoo.blocks, hf.model.layers, strict=True):
+        layer = ours_block.mlp
+        assert isinstance(layer, MoEFeedForward) and layer.router.weight.grad is not None
+        torch.testing.assert_close(layer.router.weight.grad, hf_layer.mlp.gate.weight.grad)
+        torch.testing.assert_close(layer.experts.w_down.grad, hf_layer.mlp.experts.down_proj.grad)

@@ -14,12 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from autoplan.cli.trace_cmd import moe_lines, trace_data
 from autoplan.contract.graph import ModelGraph, MoELayerProfile
 from autoplan.models import MoEConfig, moe, preset, preset_config
 from autoplan.models.moe import num_params_closed_form
 from autoplan.tracing import trace
+from autoplan.tracing.units import find_blocks
+from passes import split_stages
+from tests.numerics import make_plan
 
 TINY: dict[str, Any] = dict(
     num_layers=3,
@@ -180,3 +184,33 @@ def test_moe_layer_profile_is_frozen_plain_data() -> None:
                                experts_path=layer.experts_path,
                                experts_node=layer.experts_node) == layer  # fmt: skip
     assert hash(layer) == hash(dataclasses.replace(layer))
+
+
+def test_find_blocks_groups_one_class_in_a_module_list() -> None:
+    # A ModuleList of one block class whose first child differs (DeepSeekMoE's dense layer 0)
+    # is one run; a Sequential needs identical structure, and other classes break a run.
+    model = moe(**TINY)
+    run = find_blocks(model)
+    assert run is not None and run.paths == ("blocks.0", "blocks.1", "blocks.2")
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.Conv1d(2, 2, 1), nn.Linear(2, 2)])
+
+    found = find_blocks(Holder())
+    assert found is not None and found.paths == ("steps.1", "steps.2")
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_moe_graph_splits_into_stages_that_compute_the_model(pp: int) -> None:
+    model = moe(**{**TINY, "num_layers": 4}, device="cpu")
+    graph = trace(model, batch_size=2)
+    split = split_stages(graph, make_plan(pp=pp, num_micro_batches=4, num_units=6))
+    ids = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"]))
+    value: object = ids
+    for stage in split.stages:
+        value = stage.module(*value) if isinstance(value, tuple) else stage.module(value)
+    # Same ops on the same tensors in the same order (experts included): bit-identical.
+    assert isinstance(value, torch.Tensor) and torch.equal(value, model(ids))

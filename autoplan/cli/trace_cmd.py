@@ -175,7 +175,7 @@ def moe_lines(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"experts in {where}: {layer['num_experts']} experts, top-{layer['top_k']}, "
             f"{fmt_count(layer['num_params_per_expert'])} params and "
-            f"{layer['forward_flops_per_token_per_expert'] / 1e6:,.1f} MFLOP per routed token "
+            f"{_number(layer['forward_flops_per_token_per_expert'] / 1e6)} MFLOP per routed token "
             f"each{shared}; per batch (balanced routing) {layer['tokens_per_expert']:,.1f} "
             f"tokens per expert, all-to-all dispatch and combine "
             f"{_number(layer['dispatch_bytes'] / _MIB)} MiB each"

@@ -19,7 +19,12 @@ Guarantees, relied on by the tracer, the cost model and the parallel passes:
   of the N * top_k token-expert assignments that go to expert e and P_e the mean router
   probability of e over the N tokens; 1 * coef under perfectly balanced routing. It is attached
   to the layer's output by an identity autograd function, so `forward` returns logits only and
-  backward adds d(aux)/d(params) (weight 1) to whatever loss the logits feed;
+  backward adds d(aux)/d(params) (weight 1) to whatever loss the logits feed. It is computed
+  per forward call (per micro-batch, per data-parallel rank), as Megatron-LM does; a runtime
+  that averages the main loss over n micro-batches sets each layer's `aux_loss_coef` to
+  coef / n to keep the same objective;
+- with no dense layer, no shared expert and `norm_topk_prob=True`, logits equal Hugging Face's
+  MixtralForCausalLM's with the same weights (it packs w_gate and w_up as `gate_up_proj`);
 - torch.fx: every op but the experts' is shape-static. `GroupedExperts` splits its rows by the
   values of `num_tokens_per_expert`, so the tracer keeps it a leaf module; on meta tensors, where
   there are no values, it assumes balanced routing (N / E rows per expert, the remainder spread

@@ -3,9 +3,10 @@
 Expects a model (for its module hierarchy) and its traced fx graph whose nodes carry module
 ownership (``call_module`` targets and ``nn_module_stack``). Guarantees:
 
-- `find_blocks`: the largest run of structurally identical children of a ``ModuleList`` or
-  ``Sequential`` (by parameters covered, then length; a one-layer ``ModuleList`` counts), or
-  None.
+- `find_blocks`: the largest run of blocks (children of one class in a ``ModuleList``, so a
+  mixture-of-experts model's dense first layers join its expert layers; structurally identical
+  children of a ``Sequential``), by parameters covered, then length (a one-layer
+  ``ModuleList`` counts), or None.
 - `assign_units`: every node gets a unit; units are contiguous ranges of the graph's execution
   order, so every edge goes from a unit to itself or a later one (cuts between units are valid
   pipeline cuts). Nodes before the first block form the ``embedding`` unit, nodes after the last
