@@ -1,7 +1,7 @@
 """Context parallelism (passes/context_parallel.py) against one process, on CPU/gloo.
 
 Layout: the head-tail sharding equals torch's `_HeadTailLoadBalancer` and unshards back.
-Ring attention: output and q/k/v gradients equal causal SDPA on the full sequence (cp2, cp4,
+Ring attention: output and q/k/v gradients equal causal SDPA on the full sequence (cp2, cp3, cp4,
 grouped-query heads). Training: the zoo's llama under cp2 and cp2 x tp2 (the repo's
 tensor-parallel pass on a traced, split model) trains 3 AdamW steps with the loss (averaged
 over cp) and every gradient equal to a single-process reference's (tests/numerics.py).
@@ -98,7 +98,7 @@ def _attention_worker(rank: int, world_size: int, seq_len: int) -> dict[str, tor
     return {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, 3, 4])
 def test_ring_attention_matches_causal_sdpa(cp: int, tmp_path: Path) -> None:
     seq_len = 8 * cp
     results = run_distributed(_attention_worker, seq_len, world_size=cp, tmp_path=tmp_path)
