@@ -479,26 +479,28 @@ def _rewrite_graph(graph_module: fx.GraphModule, path: str, make_core: Any) -> l
 def _shard_position_buffers(
     module: nn.Module, names: Sequence[str], positions: Tensor
 ) -> tuple[str, ...]:
-    """Replace every buffer called one of ``names`` by its rows ``positions``; shared stays
-    shared."""
+    """Replace every buffer called one of ``names`` by its rows ``positions`` (all checked
+    first, so a failure changes nothing); a buffer shared by several owners stays shared."""
+    found = [
+        (path, owner, name, buffer)
+        for path, owner in module.named_modules(remove_duplicate=False)
+        for name, buffer in owner._buffers.items()
+        if name in names and buffer is not None
+    ]
+    needed = int(positions.max()) + 1
+    for path, _, name, buffer in found:
+        if buffer.size(0) < needed:
+            raise PlanError(
+                f"context parallelism: RoPE table {path + '.' if path else ''}{name} has "
+                f"{buffer.size(0)} rows, fewer than the sequence length {needed}: build the "
+                "model with seq_len >= the training sequence length"
+            )
     replaced: dict[int, Tensor] = {}
-    paths = []
-    for path, owner in module.named_modules(remove_duplicate=False):
-        for name, buffer in list(owner._buffers.items()):
-            if name not in names or buffer is None:
-                continue
-            if id(buffer) not in replaced:
-                if buffer.size(0) < int(positions.max()) + 1:
-                    raise PlanError(
-                        f"context parallelism: RoPE table {path + '.' if path else ''}{name} has "
-                        f"{buffer.size(0)} rows, fewer than the sequence length "
-                        f"{int(positions.max()) + 1}: build the model with seq_len >= the "
-                        "training sequence length"
-                    )
-                replaced[id(buffer)] = buffer.index_select(0, positions.to(buffer.device))
-            owner._buffers[name] = replaced[id(buffer)]
-            paths.append(f"{path}.{name}" if path else name)
-    return tuple(paths)
+    for _, owner, name, buffer in found:
+        if id(buffer) not in replaced:
+            replaced[id(buffer)] = buffer.index_select(0, positions.to(buffer.device))
+        owner._buffers[name] = replaced[id(buffer)]
+    return tuple(f"{path}.{name}" if path else name for path, _, name, _ in found)
 
 
 def apply_context_parallel(
@@ -537,6 +539,16 @@ def apply_context_parallel(
     graphs = [
         (path, sub) for path, sub in module.named_modules() if isinstance(sub, fx.GraphModule)
     ]
+    done = [
+        path
+        for path, sub in module.named_modules()
+        if isinstance(sub, RingAttention | TorchContextParallelCore)
+    ]
+    if done:
+        raise PlanError(
+            f"context parallelism is already applied to {type(module).__name__} ({done[0]}); "
+            "applying it twice would shard the sequence and the RoPE tables twice"
+        )
     if not eager and not any(_graph_attention_nodes(g) for _, g in graphs):
         raise PlanError(
             f"context parallelism found no attention in {type(module).__name__}: it needs "

@@ -204,6 +204,12 @@ def apply_expert_parallel(
         ep_degree = ep.size()
     else:
         ep_degree = dist.get_world_size(ep)
+    done = [path for path, sub in module.named_modules() if isinstance(sub, ExpertParallelExperts)]
+    if done:
+        raise PlanError(
+            f"expert parallelism is already applied to {type(module).__name__} ({done[0]}); "
+            "apply it once, on the unsharded model"
+        )
     found = find_grouped_experts(module)
     if not found and ep_degree > 1:
         raise PlanError(

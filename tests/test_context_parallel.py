@@ -218,3 +218,12 @@ def test_cuda_backend_wraps_sdpa_with_torchs_context_parallel(
         assert isinstance(core, TorchContextParallelCore)
         assert core.sdpa._forward_pre_hooks and core.sdpa._forward_hooks  # DTensor in, local out
         assert model.rope_cos.shape == (SEQ // 2, HIDDEN // 4)
+
+
+def test_applying_twice_is_a_plan_error() -> None:
+    with fake_process_group(2):
+        model = build_model("llama")
+        apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        with pytest.raises(PlanError, match="already applied"):
+            apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        assert model.rope_cos.size(0) == SEQ // 2  # sharded once

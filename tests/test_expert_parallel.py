@@ -281,3 +281,11 @@ def _ep_fsdp_worker(rank: int, world_size: int) -> Records:
 def test_ep2_dp2_fsdp_matches_one_process(tmp_path: Path) -> None:
     results = run_distributed(_ep_fsdp_worker, world_size=4, tmp_path=tmp_path)
     assert_matches(results, _reference(lambda: build_model("moe"), 4))
+
+
+def test_applying_twice_is_a_plan_error() -> None:
+    with fake_process_group(2):
+        model = build_model("moe")
+        apply_expert_parallel(model, dist.group.WORLD)
+        with pytest.raises(PlanError, match="already applied"):
+            apply_expert_parallel(model, dist.group.WORLD)
