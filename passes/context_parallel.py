@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -418,6 +418,23 @@ class ContextParallelResult:
             )
         return shard_sequence(x, self.cp_degree, self.cp_rank, seq_dim=seq_dim)
 
+    def shard_buffer_values(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``values`` (buffer name -> full value, as `meta_buffer_values` returns them) with
+        the RoPE tables the pass replaced cut to this rank's rows: what `materialize` must copy
+        into the buffers when the pass ran on a meta model."""
+        leaves = {path.rpartition(".")[2] for path in self.position_buffers}
+        if self.cp_degree == 1 or not leaves:
+            return dict(values)
+        positions = load_balanced_positions(self.seq_len, self.cp_degree, self.cp_rank)
+        return {
+            name: (
+                value.index_select(0, positions.to(value.device))
+                if name.rpartition(".")[2] in leaves
+                else value
+            )
+            for name, value in values.items()
+        }
+
 
 def _as_group(cp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     if isinstance(cp, DeviceMesh):
@@ -516,9 +533,10 @@ def apply_context_parallel(
     ``cp``: the 1-D cp sub-mesh (or its process group). ``backend``: "ring" (this module's
     P2P ring attention, any device), "torch" (torch's ``_ContextParallel``, CUDA only, needs a
     DeviceMesh); default "torch" when CUDA is available and ``cp`` is a mesh, else "ring".
-    Run it after the model is materialised (it replaces the RoPE buffers by their local rows:
-    an ``init_weights`` afterwards would rebuild full tables) and after tensor parallelism (the
-    ring sees the local heads). A no-op on a 1-rank group. Feed the model `shard_sequence`d
+    Run it after tensor parallelism (the ring sees the local heads). It replaces the RoPE
+    buffers by their local rows, so on a meta model give `materialize` the values
+    ``result.shard_buffer_values(buffers)``; an ``init_weights`` afterwards would rebuild full
+    tables (and fail on the shapes). A no-op on a 1-rank group. Feed the model `shard_sequence`d
     ids and compute the loss against `shard_sequence`d labels.
     """
     group = _as_group(cp)

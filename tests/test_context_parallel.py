@@ -220,10 +220,14 @@ def test_cuda_backend_wraps_sdpa_with_torchs_context_parallel(
         assert model.rope_cos.shape == (SEQ // 2, HIDDEN // 4)
 
 
-def test_applying_twice_is_a_plan_error() -> None:
+def test_applying_twice_is_a_plan_error_and_buffer_values_follow() -> None:
     with fake_process_group(2):
         model = build_model("llama")
-        apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        full = {name: b.clone() for name, b in model.named_buffers()}
+        result = apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        local = result.shard_buffer_values(full)  # what materialize copies after a meta build
+        for name, buffer in model.named_buffers():
+            torch.testing.assert_close(local[name], buffer, rtol=0, atol=0)
         with pytest.raises(PlanError, match="already applied"):
             apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
         assert model.rope_cos.size(0) == SEQ // 2  # sharded once
