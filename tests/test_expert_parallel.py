@@ -289,3 +289,16 @@ def test_applying_twice_is_a_plan_error() -> None:
         apply_expert_parallel(model, dist.group.WORLD)
         with pytest.raises(PlanError, match="already applied"):
             apply_expert_parallel(model, dist.group.WORLD)
+
+
+def test_meta_model_stays_meta_with_local_shapes() -> None:
+    """The runtime applies passes to a meta model and materialises shards afterwards."""
+    with fake_process_group(2):
+        model = build_model("moe", device="meta")
+        cp = apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        ep = apply_expert_parallel(model, dist.group.WORLD)
+        w_gate = model.get_submodule(ep.expert_modules[0]).w_gate
+        assert isinstance(w_gate, DTensor) and w_gate.to_local().is_meta
+        assert w_gate.shape[0] == NUM_EXPERTS and w_gate.to_local().shape[0] == NUM_EXPERTS // 2
+        assert model.rope_cos.is_meta and model.rope_cos.size(0) == SEQ // 2
+        assert cp.position_buffers == ("rope_cos", "rope_sin")
