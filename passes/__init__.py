@@ -6,13 +6,36 @@ Passes run in this order, each with typed input and output and a check of its ow
 ZeRO) -> `materialize` (meta model to real shards) -> `build_pipeline` (``PipelineStage`` and
 torch's schedules) -> `DistributedModel` (the runtime). `build_mesh` creates the one device mesh.
 
+Building blocks for long context and MoE (issue 21), tested on their own and not yet called by
+the parallelizer: `apply_context_parallel` (load-balanced sequence sharding, ring attention)
+and `apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine).
+
 Imports only autoplan's plan, graph and error types (never the search or the cost model).
 """
 
 from __future__ import annotations
 
 from passes._log import is_rank0, log_rank0
+from passes.context_parallel import (
+    ContextParallelResult,
+    RingAttention,
+    apply_context_parallel,
+    average_gradients,
+    check_context_parallel,
+    load_balanced_positions,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
 from passes.data_parallel import DataParallelResult, apply_data_parallel, uses_ddp
+from passes.expert_parallel import (
+    ExpertParallelExperts,
+    ExpertParallelResult,
+    apply_expert_parallel,
+    check_expert_parallel,
+    find_grouped_experts,
+    reduce_gradients,
+)
 from passes.materialize import (
     has_meta_tensors,
     init_full_model_,
@@ -37,10 +60,14 @@ from passes.split import (
 from passes.tensor_parallel import TensorParallelResult, apply_tensor_parallel
 
 __all__ = [
+    "ContextParallelResult",
     "DataParallelResult",
     "DistributedModel",
+    "ExpertParallelExperts",
+    "ExpertParallelResult",
     "ParallelMesh",
     "Pipeline",
+    "RingAttention",
     "SplitModel",
     "StageModule",
     "TensorParallelResult",
@@ -48,21 +75,32 @@ __all__ = [
     "TiedGradientSync",
     "TiedParameter",
     "UnitModule",
+    "apply_context_parallel",
     "apply_data_parallel",
+    "apply_expert_parallel",
     "apply_recompute",
     "apply_tensor_parallel",
+    "average_gradients",
     "build_mesh",
     "build_pipeline",
+    "check_context_parallel",
+    "check_expert_parallel",
+    "find_grouped_experts",
     "has_meta_tensors",
     "init_full_model_",
     "is_rank0",
+    "load_balanced_positions",
     "log_rank0",
     "materialize",
     "meta_buffer_values",
     "norm_parameter_names",
     "original_fqn",
+    "reduce_gradients",
     "retarget_devices",
+    "ring_attention",
     "selective_policy",
+    "shard_sequence",
     "split_stages",
+    "unshard_sequence",
     "uses_ddp",
 ]

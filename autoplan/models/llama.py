@@ -16,6 +16,7 @@ Guarantees, relied on by the tracer, the cost model and the tensor-parallel pass
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,15 @@ from autoplan.models._common import (
     residual_init_std,
 )
 
-__all__ = ["Llama", "LlamaConfig", "default_ffn_hidden_size", "llama", "num_params_closed_form"]
+__all__ = [
+    "Attention",
+    "Llama",
+    "LlamaConfig",
+    "causal_attention",
+    "default_ffn_hidden_size",
+    "llama",
+    "num_params_closed_form",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,8 +141,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal SDPA with grouped-query heads: q (B, nh, T, hd), k and v (B, nkv, T, hd).
+
+    The default `Attention.attention_core`. Query head i uses kv head i // n_rep, n_rep from
+    the local shapes (q heads / kv heads), not the config, so column-sharded heads work.
+    """
+    n_rep = q.size(1) // k.size(1)
+    k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+    v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE; separate q/k/v/o projections, no biases."""
+    """Causal grouped-query self-attention with RoPE; separate q/k/v/o projections, no biases.
+
+    `attention_core(q, k, v)` is a hook: `causal_attention` by default (a plain function, so a
+    trace inlines it and nothing changes); the context-parallel pass replaces it with ring
+    attention over the cp group (passes/context_parallel.py), which receives the kv heads
+    before the GQA repeat and so sends only those around the ring.
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -143,6 +170,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(h, config.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, h, bias=False)
+        self.attention_core: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
         B, T = x.size(0), x.size(1)
@@ -154,11 +182,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: query head i uses kv head i // n_rep; n_rep from the local shapes, not the config.
-        n_rep = q.size(1) // k.size(1)
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        y = self.attention_core(q, k, v)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         out: Tensor = self.o_proj(y)  # (B, T, H)
         return out

@@ -1,0 +1,272 @@
+"""Expert-parallel pass: shard the routed experts of MoE layers over an ep group, with
+all-to-all dispatch and combine.
+
+Expects the routed experts of MoE layers in the zoo's interface (autoplan/models/moe.py),
+found by their attributes (passes never import the zoo): a module with ``num_experts`` and
+parameters ``w_gate``, ``w_up`` (E, F, H) and ``w_down`` (E, H, F), called by its MoE layer as
+``experts(x_sorted (N, H), num_tokens_per_expert (E,)) -> (N, H)`` with the rows grouped by
+expert id in increasing order. Works on the eager model and on traced units (the zoo's tracer
+keeps ``GroupedExperts`` a leaf module). The weights must be real and equal on every ep rank
+(the same seed or checkpoint), or all meta (the slices stay meta for `materialize`).
+
+Guarantees:
+- each ``experts`` becomes an `ExpertParallelExperts` with the same call contract, holding this
+  rank's ``E / ep`` consecutive experts (rank j: experts j E/ep .. (j+1) E/ep - 1) as DTensors
+  ``Shard(0)`` over the ep mesh (``full_tensor()`` gives the full weights back; torchtitan's
+  ExpertParallel shards them the same way, torchtitan/distributed/expert_parallel.py);
+- forward: per-expert token counts are exchanged (``all_to_all_single`` of the counts), then
+  the tokens (``all_to_all_single_autograd``, whose backward is the reverse all-to-all; it runs
+  on gloo in torch 2.13), regrouped by local expert, run through the local experts (the same
+  SwiGLU per row as GroupedExperts), put back in arrival order and returned by the reverse
+  all-to-all: the output equals the unsharded module's (tests/test_expert_parallel.py);
+- bad input (``num_experts % ep != 0``, no MoE layer with ep > 1, a non-1-D mesh) raises
+  `PlanError` before any collective.
+
+Composition with data parallelism (Megatron-LM's expert-data-parallel groups,
+megatron/core/parallel_state.py: ``_EXPERT_MODEL`` splits the experts over a group,
+``_EXPERT_DATA`` replicates each expert over the ranks holding the same experts). Expert
+parallelism borrows ranks from data parallelism: every ep rank has its own tokens, so the
+dense parameters are replicated over the whole data-parallel world (dp_total = edp x ep ranks,
+each a per-rank mean loss) and averaged over it; an expert's parameters live on the edp =
+dp_total / ep ranks with the same ep rank, and their gradient already sums the contributions
+of all ep ranks' tokens through the all-to-all backward, so it is summed over the edp group
+and divided by dp_total, not by edp (Megatron-LM's
+megatron/core/distributed/distributed_data_parallel.py: ``gradient_scaling_factor`` and
+``expert_gradient_scaling_factor`` are both 1 / data-parallel size). `reduce_gradients` does
+exactly this.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from autoplan.contract.errors import PlanError
+
+__all__ = [
+    "ExpertParallelExperts",
+    "ExpertParallelResult",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "find_grouped_experts",
+    "reduce_gradients",
+]
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def check_expert_parallel(num_experts: int, ep_degree: int) -> None:
+    """Raise `PlanError` unless ``ep_degree`` divides ``num_experts``."""
+    if ep_degree < 1:
+        raise PlanError(f"ep_degree must be >= 1, got {ep_degree}")
+    if num_experts % ep_degree:
+        raise PlanError(
+            f"expert parallelism: ep_degree {ep_degree} does not divide num_experts "
+            f"{num_experts}; each ep rank holds num_experts / ep_degree whole experts: pick an "
+            f"ep_degree among the divisors of {num_experts}"
+        )
+
+
+def _is_grouped_experts(module: nn.Module) -> bool:
+    return (
+        hasattr(module, "num_experts")
+        and not isinstance(module, ExpertParallelExperts)
+        and all(isinstance(getattr(module, name, None), nn.Parameter) for name in _EXPERT_WEIGHTS)
+    )
+
+
+def find_grouped_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every routed-experts module (``w_gate``/``w_up``/``w_down``
+    parameters and ``num_experts``), in an eager model or in traced units, where the zoo's
+    tracer keeps ``GroupedExperts`` a leaf but flattens the ``MoEFeedForward`` around it."""
+    return [(path, sub) for path, sub in module.named_modules() if _is_grouped_experts(sub)]
+
+
+def _grouped_swiglu(
+    x: Tensor, counts: list[int], w_gate: Tensor, w_up: Tensor, w_down: Tensor
+) -> Tensor:
+    """Expert e's SwiGLU down_e(silu(gate_e x) * up_e x) on its block of rows (counts[e] rows)."""
+    outputs = []
+    for e, x_e in enumerate(torch.split(x, counts, dim=0)):  # x_e (n_e, H)
+        hidden = F.silu(x_e @ w_gate[e].t()) * (x_e @ w_up[e].t())  # (n_e, F)
+        outputs.append(hidden @ w_down[e].t())  # (n_e, H)
+    return torch.cat(outputs, dim=0)  # (N, H)
+
+
+def _weight(experts: nn.Module, name: str) -> Tensor:
+    weight = getattr(experts, name)
+    assert isinstance(weight, Tensor), f"{name} of {type(experts).__name__} is not a tensor"
+    return weight
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's experts of one MoE layer, with all-to-all dispatch and combine.
+
+    Same call contract as GroupedExperts: ``forward(x_sorted (N, H), num_tokens_per_expert
+    (E,)) -> (N, H)``, rows grouped by global expert id; ``num_experts`` is the global E.
+    """
+
+    w_gate: DTensor  # (E / ep, F, H) local, Shard(0) over the ep mesh
+    w_up: DTensor  # (E / ep, F, H)
+    w_down: DTensor  # (E / ep, H, F)
+
+    def __init__(self, full: nn.Module, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        ep_degree, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        self.num_experts: int = _weight(full, "w_gate").size(0)
+        self.num_local_experts = self.num_experts // ep_degree
+        self.ep_degree, self.ep_rank = ep_degree, ep_rank
+        self.group = ep_mesh.get_group()
+        first = ep_rank * self.num_local_experts
+        for name in _EXPERT_WEIGHTS:
+            weight = _weight(full, name)
+            local = weight.detach()[first : first + self.num_local_experts].clone()
+            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            self.register_parameter(name, nn.Parameter(dtensor, requires_grad=weight.requires_grad))
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        ep, local_e = self.ep_degree, self.num_local_experts
+        counts = num_tokens_per_expert.to(torch.int64)
+        # counts_out[j, l]: my tokens for expert l of ep rank j; counts_in[i, l]: rank i's tokens
+        # for my expert l (one small all-to-all; the splits must be known on the host).
+        counts_out = counts.view(ep, local_e)
+        counts_in = torch.empty_like(counts_out)
+        dist.all_to_all_single(counts_in, counts_out, group=self.group)
+        send_splits = counts_out.sum(1).tolist()
+        recv_splits = counts_in.sum(1).tolist()
+        # Dispatch: rows for ep rank j are contiguous (rows are sorted by global expert id).
+        x_in = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)  # (M, H)
+        # Arrival order is (source rank i, local expert l); the experts want (l, i).
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local_e, device=x.device).repeat(ep), counts_in.flatten().to(x.device)
+        )  # (M,)
+        order = torch.argsort(expert_of_row, stable=True)
+        y_local = _grouped_swiglu(
+            x_in.index_select(0, order),
+            counts_in.sum(0).tolist(),
+            self.w_gate.to_local(),
+            self.w_up.to_local(),
+            self.w_down.to_local(),
+        )  # (M, H), grouped by local expert
+        y_in = y_local.index_select(0, torch.argsort(order))  # (M, H), arrival order
+        # Combine: the reverse all-to-all brings every row back to the rank it came from.
+        y: Tensor = all_to_all_single_autograd(y_in, send_splits, recv_splits, self.group)
+        return y  # (N, H)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local experts {self.ep_rank * self.num_local_experts}"
+            f"..{(self.ep_rank + 1) * self.num_local_experts - 1} of ep {self.ep_degree}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertParallelResult:
+    """What `apply_expert_parallel` changed."""
+
+    ep_degree: int
+    ep_rank: int
+    expert_modules: tuple[str, ...]  # paths of the routed-experts modules now sharded
+    expert_parameters: tuple[str, ...]  # names of the sharded (DTensor) expert weights
+
+    def is_expert_parameter(self, name: str) -> bool:
+        return name in self.expert_parameters
+
+
+def _as_mesh(ep: DeviceMesh | dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    if isinstance(ep, DeviceMesh):
+        if ep.ndim != 1:
+            raise PlanError(f"expert parallelism needs a 1-D ep mesh, got {ep.ndim} dims")
+        return ep
+    return DeviceMesh.from_group(ep, device_type)
+
+
+def apply_expert_parallel(
+    module: nn.Module, ep: DeviceMesh | dist.ProcessGroup, *, device_type: str = "cpu"
+) -> ExpertParallelResult:
+    """Shard every MoE layer's experts of ``module`` over ``ep`` (the 1-D ep sub-mesh or its
+    group) in place. Run it before data parallelism wraps the model; afterwards reduce
+    gradients with `reduce_gradients` (or give the expert weights to FSDP over the edp mesh,
+    as torchtitan does). A no-op on a 1-rank group, but the checks still run."""
+    if isinstance(ep, DeviceMesh):
+        if ep.ndim != 1:
+            raise PlanError(f"expert parallelism needs a 1-D ep mesh, got {ep.ndim} dims")
+        ep_degree = ep.size()
+    else:
+        ep_degree = dist.get_world_size(ep)
+    done = [path for path, sub in module.named_modules() if isinstance(sub, ExpertParallelExperts)]
+    if done:
+        raise PlanError(
+            f"expert parallelism is already applied to {type(module).__name__} ({done[0]}); "
+            "apply it once, on the unsharded model"
+        )
+    found = find_grouped_experts(module)
+    if not found and ep_degree > 1:
+        raise PlanError(
+            f"expert parallelism (ep_degree {ep_degree}) on {type(module).__name__}, which has "
+            "no routed experts (a module with num_experts and w_gate/w_up/w_down parameters, "
+            "as the zoo's GroupedExperts): a MoE plan for a dense model; use ep_degree 1"
+        )
+    for path, experts in found:
+        num_experts = _weight(experts, "w_gate").size(0)
+        if num_experts != experts.num_experts:
+            raise PlanError(
+                f"{path}: num_experts {experts.num_experts} but w_gate holds {num_experts} experts"
+            )
+        check_expert_parallel(num_experts, ep_degree)
+    if ep_degree == 1:
+        return ExpertParallelResult(ep_degree=1, ep_rank=0, expert_modules=(), expert_parameters=())
+    mesh = _as_mesh(ep, device_type)
+    for path, experts in found:
+        parent_path, _, attr = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        setattr(parent, attr, ExpertParallelExperts(experts, mesh))
+    names = tuple(f"{path}.{name}" for path, _ in found for name in _EXPERT_WEIGHTS)
+    logger.debug("expert parallel %d: %d expert modules", ep_degree, len(found))
+    return ExpertParallelResult(
+        ep_degree=ep_degree,
+        ep_rank=mesh.get_local_rank(),
+        expert_modules=tuple(path for path, _ in found),
+        expert_parameters=names,
+    )
+
+
+def reduce_gradients(
+    module: nn.Module,
+    *,
+    dp_group: dist.ProcessGroup | None,
+    expert_dp_group: dist.ProcessGroup | None,
+    dp_world_size: int,
+) -> None:
+    """Average gradients of per-rank mean losses over the data-parallel world (module docs).
+
+    Dense gradients: all-reduce over ``dp_group`` (every rank holding the same dense weights:
+    ep and edp ranks together), divide by ``dp_world_size``. Expert gradients (the
+    `ExpertParallelExperts` DTensors): all-reduce over ``expert_dp_group`` (ranks holding the
+    same experts; None if there is one), divide by ``dp_world_size`` too.
+    """
+    expert_ids = {
+        id(p)
+        for sub in module.modules()
+        if isinstance(sub, ExpertParallelExperts)
+        for p in sub.parameters()
+    }
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            group = expert_dp_group if id(param) in expert_ids else dp_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(grad, group=group)
+            grad.div_(dp_world_size)
