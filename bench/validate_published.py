@@ -158,6 +158,14 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
         return eq3_flops(dims, batch) / (float(tflops) * 1e12 * gpus)
     if how == "eq7_mfu":
         return eq7_flops(dims, batch) / (float(measured["mfu"]) * A100_PEAK_FLOPS * gpus)
+    if how == "eq3_model":
+        # eq. 3 without the recompute forward (3/4 of it): the model FLOPs of the same count
+        tflops = measured.get("tflops_per_gpu") or measured.get("derived_tflops_per_gpu")
+        return 0.75 * eq3_flops(dims, batch) / (float(tflops) * 1e12 * gpus)
+    if how == "eq7_tflops":
+        return eq7_flops(dims, batch) / (float(measured["tflops_per_gpu"]) * 1e12 * gpus)
+    if how == "tokens_aggregate":
+        return batch * dims.seq_len / float(measured["aggregate_tokens_per_s"])
     if how == "samples_per_gpu":
         return batch / (float(measured["samples_per_s_per_gpu"]) * gpus)
     if how == "tokens_per_gpu":
