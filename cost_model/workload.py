@@ -89,6 +89,65 @@ class TpStructure:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MoELayerFacts:
+    """The routed experts of one mixture-of-experts layer, as the cost model prices them.
+
+    Contract with the trace (a unit's ``moe``): the unit's ``num_params`` include the routed
+    experts' ``num_experts * params_per_expert`` parameters (none of them in
+    ``num_params_tp_sharded``: experts are split by expert parallelism, not by TP), but its
+    ``ops`` and saved-activation figures leave the routed experts' work out (the router, any
+    shared expert, attention and norms stay in the ops). The cost model adds the experts' work
+    per rank from these facts (`cost_model.parts.expert_parallel`): ``routed_tokens_per_sample
+    * top_k`` token-expert pairs per sample, each ``flops_per_routed_token`` forward FLOPs in
+    ``num_gemms`` equal GEMMs (SwiGLU: gate, up, down), keeping ``saved_bytes_per_routed_token``
+    for the backward (at the traced dtype).
+    """
+
+    num_experts: int
+    top_k: int
+    params_per_expert: int
+    flops_per_routed_token: float  # forward FLOPs of one token through one expert
+    hidden_size: int
+    routed_tokens_per_sample: int  # tokens of one sample that enter the router (seq_len)
+    num_gemms: int = 3  # GEMMs per expert (SwiGLU: gate, up, down)
+    # per routed token: the expert's saved input and intermediates (0: from the shapes,
+    # (hidden + num_gemms x expert hidden) elements, SwiGLU's input, gate, up and activation)
+    saved_bytes_per_routed_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_experts",
+            "top_k",
+            "params_per_expert",
+            "hidden_size",
+            "routed_tokens_per_sample",
+            "num_gemms",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoELayerFacts.{name} = {getattr(self, name)} must be >= 1")
+        # (top_k > num_experts is a plan-validation error naming the fix: `Plan.validate`)
+
+    @property
+    def expert_hidden_size(self) -> float:
+        """The expert's inner width F: each of its GEMMs has hidden x F weights."""
+        return self.params_per_expert / (self.num_gemms * self.hidden_size)
+
+    @property
+    def expert_params(self) -> int:
+        return self.num_experts * self.params_per_expert
+
+    @property
+    def forward_flops_per_sample(self) -> float:
+        return self.routed_tokens_per_sample * self.top_k * self.flops_per_routed_token
+
+    def saved_bytes_per_token(self, traced_dtype_bytes: int) -> float:
+        """Bytes one routed token keeps for the backward, at the traced dtype."""
+        if self.saved_bytes_per_routed_token > 0:
+            return self.saved_bytes_per_routed_token
+        return (self.hidden_size + self.num_gemms * self.expert_hidden_size) * traced_dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class UnitProfile:
     """A pipeline unit (embedding, one block, or final norm + head): the smallest thing a stage
     boundary can fall between. Activation figures are per sample at the traced dtype."""
@@ -116,6 +175,8 @@ class UnitProfile:
     # is back (torch's non-reentrant checkpoint): those after the last tensor autograd saves,
     # e.g. a pre-LN block's last GEMM and residual add.
     recompute_skip_ops: int = 0
+    # The routed experts of a mixture-of-experts block (None: a dense unit).
+    moe: MoELayerFacts | None = None
 
     def __post_init__(self) -> None:
         if self.num_params_tp_sharded > self.num_params:
@@ -128,11 +189,14 @@ class UnitProfile:
 
     @property
     def forward_flops(self) -> float:
-        return sum(op.forward_flops for op in self.ops)
+        """Forward FLOPs per sample, the routed experts' included."""
+        routed = self.moe.forward_flops_per_sample if self.moe is not None else 0.0
+        return sum(op.forward_flops for op in self.ops) + routed
 
     @property
     def backward_flops(self) -> float:
-        return sum(op.backward_flops for op in self.ops)
+        routed = 2.0 * self.moe.forward_flops_per_sample if self.moe is not None else 0.0
+        return sum(op.backward_flops for op in self.ops) + routed
 
     @property
     def saved_bytes(self) -> float:
@@ -170,6 +234,11 @@ class ModelProfile:
     @property
     def forward_flops_per_sample(self) -> float:
         return sum(unit.forward_flops for unit in self.units)
+
+    @property
+    def moe_layers(self) -> tuple[MoELayerFacts, ...]:
+        """The routed-expert facts of every mixture-of-experts unit (empty: a dense model)."""
+        return tuple(unit.moe for unit in self.units if unit.moe is not None)
 
     def tp_divisible_counts(self) -> dict[str, int]:
         """Every count that a tensor-parallel degree must divide, over all units."""
