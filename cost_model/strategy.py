@@ -13,6 +13,7 @@ degrees, the layout and the cluster's node shape.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,8 +104,12 @@ def plan_cp_ep(plan: object) -> tuple[int, int]:
 
 def valid_layout(layout: Sequence[str]) -> bool:
     """Whether ``layout`` orders pp, dp, tp once each, with cp once or left out."""
-    names = sorted(map(str, layout))
-    return names in (sorted(AXES), sorted(LEGACY_AXES))
+    return tuple(layout) in _VALID_LAYOUTS
+
+
+_VALID_LAYOUTS = frozenset(itertools.permutations(AXES)) | frozenset(
+    itertools.permutations(LEGACY_AXES)
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -296,47 +301,63 @@ def group_placements(
 ) -> tuple[GroupPlacement, ...]:
     """Every distinct placement among the ``axis`` groups of the mesh (usually one); ``axis``
     may also name a group spanning several axes (`GroupName`, `mesh_groups`)."""
-    return _group_placements(
-        mesh_groups(strategy, axis), strategy.num_devices, cluster.devices_per_node
-    )
+    inside, outside = mesh_groups(strategy, axis)
+    return _group_placements(inside, outside, cluster.devices_per_node)
 
 
-def mesh_groups(strategy: Strategy, group: GroupName) -> tuple[tuple[int, int], ...]:
-    """The group as (stride, size) factors: its ranks are ``base + sum_i c_i * stride_i`` for
-    ``0 <= c_i < size_i``. Expert parallelism splits the dp axis into ep (inner: ep consecutive
-    data-parallel ranks, Megatron-LM's ``tp-cp-ep-dp-pp`` order) and the expert-data-parallel
-    rest (outer)."""
+# The pieces of the mesh each group spans: expert parallelism splits dp into ep (inner: ep
+# consecutive data-parallel ranks, Megatron-LM's ``tp-cp-ep-dp-pp`` order) and edp (outer).
+_GROUP_PIECES: dict[str, frozenset[str]] = {
+    "pp": frozenset({"pp"}),
+    "dp": frozenset({"ep", "edp"}),
+    "cp": frozenset({"cp"}),
+    "tp": frozenset({"tp"}),
+    "dp_cp": frozenset({"ep", "edp", "cp"}),
+    "ep": frozenset({"ep"}),
+    "edp_cp": frozenset({"edp", "cp"}),
+}
+
+
+def mesh_groups(
+    strategy: Strategy, group: GroupName
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The ``group`` as (stride, size) factors, and the rest of the mesh likewise: the ranks of
+    one group are ``base + sum_i c_i stride_i`` (``0 <= c_i < size_i`` over its factors), its
+    bases the same sums over the rest. Factors of size 1 are left out."""
     stride = strategy.axis_stride
-    factors: tuple[tuple[int, int], ...]
-    if group in ("pp", "dp", "cp", "tp"):
-        factors = ((stride(group), strategy.degree(group)),)
-    elif group == "dp_cp":
-        factors = ((stride("dp"), strategy.dp_degree), (stride("cp"), strategy.cp_degree))
-    elif group == "ep":
-        factors = ((stride("dp"), strategy.ep_degree),)
-    else:  # "edp_cp"
-        ep = strategy.ep_degree
-        factors = (
-            (stride("dp") * ep, strategy.dp_degree // ep),
-            (stride("cp"), strategy.cp_degree),
-        )
-    return tuple(sorted(f for f in factors if f[1] > 1))
+    dp_stride, ep = stride("dp"), strategy.ep_degree
+    pieces = {
+        "pp": (stride("pp"), strategy.pp_degree),
+        "ep": (dp_stride, ep),
+        "edp": (dp_stride * ep, strategy.dp_degree // ep),
+        "cp": (stride("cp"), strategy.cp_degree),
+        "tp": (stride("tp"), strategy.tp_degree),
+    }
+    names = _GROUP_PIECES[group]
+    inside = tuple(sorted(f for name, f in pieces.items() if name in names and f[1] > 1))
+    outside = tuple(sorted(f for name, f in pieces.items() if name not in names and f[1] > 1))
+    return inside, outside
 
 
 @lru_cache(maxsize=4096)
 def _group_placements(
-    factors: tuple[tuple[int, int], ...], num_devices: int, devices_per_node: int
+    inside: tuple[tuple[int, int], ...],
+    outside: tuple[tuple[int, int], ...],
+    devices_per_node: int,
 ) -> tuple[GroupPlacement, ...]:
-    size = math.prod(s for _, s in factors)
+    size = math.prod(count for _, count in inside)
     if size == 1:
         return (GroupPlacement(size=1, num_nodes=1, ranks_per_node=1),)
     offsets = [0]
-    for step, count in factors:
+    for step, count in inside:
         offsets = [o + i * step for o in offsets for i in range(count)]
+    # A group's spread over nodes depends only on where its base falls within a node: the
+    # residues of the bases modulo the node size (at most devices_per_node of them).
+    residues = {0}
+    for step, count in outside:
+        residues = {(r + i * step) % devices_per_node for r in residues for i in range(count)}
     found: set[GroupPlacement] = set()
-    for base in range(num_devices):
-        if any((base // step) % count for step, count in factors):
-            continue  # not the first rank of its group
+    for base in residues:
         counts: dict[int, int] = {}
         for offset in offsets:
             node = (base + offset) // devices_per_node

@@ -92,27 +92,27 @@ class TpStructure:
 class MoELayerFacts:
     """The routed experts of one mixture-of-experts layer, as the cost model prices them.
 
-    Contract with the trace (a unit's ``moe``): the unit's ``num_params`` include the routed
-    experts' ``num_experts * params_per_expert`` parameters (none of them in
-    ``num_params_tp_sharded``: experts are split by expert parallelism, not by TP), but its
-    ``ops`` and saved-activation figures leave the routed experts' work out (the router, any
-    shared expert, attention and norms stay in the ops). The cost model adds the experts' work
-    per rank from these facts (`cost_model.parts.expert_parallel`): ``routed_tokens_per_sample
-    * top_k`` token-expert pairs per sample, each ``flops_per_routed_token`` forward FLOPs in
-    ``num_gemms`` equal GEMMs (SwiGLU: gate, up, down), keeping ``saved_bytes_per_routed_token``
-    for the backward (at the traced dtype).
+    Contract with the trace (a unit's ``moe``; `autoplan.contract.graph.MoELayerProfile` has
+    the same facts): the unit's ``ops`` include the routed experts as ONE op named
+    ``experts_op`` (the traced ``GroupedExperts`` call, at balanced routing), and its
+    ``num_params`` include the ``num_experts * params_per_expert`` expert parameters, none of
+    them in ``num_params_tp_sharded`` (experts split by expert parallelism, not by TP). The
+    router, any shared expert, attention and norms are ordinary ops. The cost model prices
+    the experts op itself (`cost_model.parts.expert_parallel`: its GEMMs at the per-expert token
+    count, the all-to-alls, the routing imbalance) and leaves it out of the unit's own compute;
+    its saved activations stay in the unit's saved bytes (balanced routing).
+    ``routed_tokens_per_sample`` counts token-expert assignments, ``seq_len * top_k``.
     """
 
+    experts_op: str
     num_experts: int
     top_k: int
-    params_per_expert: int
-    flops_per_routed_token: float  # forward FLOPs of one token through one expert
     hidden_size: int
-    routed_tokens_per_sample: int  # tokens of one sample that enter the router (seq_len)
+    expert_ffn_hidden_size: int
+    params_per_expert: int
+    flops_per_routed_token: float  # forward FLOPs of one assignment (one token, one expert)
+    routed_tokens_per_sample: int  # token-expert assignments per sample: seq_len * top_k
     num_gemms: int = 3  # GEMMs per expert (SwiGLU: gate, up, down)
-    # per routed token: the expert's saved input and intermediates (0: from the shapes,
-    # (hidden + num_gemms x expert hidden) elements, SwiGLU's input, gate, up and activation)
-    saved_bytes_per_routed_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -120,6 +120,7 @@ class MoELayerFacts:
             "top_k",
             "params_per_expert",
             "hidden_size",
+            "expert_ffn_hidden_size",
             "routed_tokens_per_sample",
             "num_gemms",
         ):
@@ -128,23 +129,8 @@ class MoELayerFacts:
         # (top_k > num_experts is a plan-validation error naming the fix: `Plan.validate`)
 
     @property
-    def expert_hidden_size(self) -> float:
-        """The expert's inner width F: each of its GEMMs has hidden x F weights."""
-        return self.params_per_expert / (self.num_gemms * self.hidden_size)
-
-    @property
     def expert_params(self) -> int:
         return self.num_experts * self.params_per_expert
-
-    @property
-    def forward_flops_per_sample(self) -> float:
-        return self.routed_tokens_per_sample * self.top_k * self.flops_per_routed_token
-
-    def saved_bytes_per_token(self, traced_dtype_bytes: int) -> float:
-        """Bytes one routed token keeps for the backward, at the traced dtype."""
-        if self.saved_bytes_per_routed_token > 0:
-            return self.saved_bytes_per_routed_token
-        return (self.hidden_size + self.num_gemms * self.expert_hidden_size) * traced_dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,14 +175,11 @@ class UnitProfile:
 
     @property
     def forward_flops(self) -> float:
-        """Forward FLOPs per sample, the routed experts' included."""
-        routed = self.moe.forward_flops_per_sample if self.moe is not None else 0.0
-        return sum(op.forward_flops for op in self.ops) + routed
+        return sum(op.forward_flops for op in self.ops)
 
     @property
     def backward_flops(self) -> float:
-        routed = 2.0 * self.moe.forward_flops_per_sample if self.moe is not None else 0.0
-        return sum(op.backward_flops for op in self.ops) + routed
+        return sum(op.backward_flops for op in self.ops)
 
     @property
     def saved_bytes(self) -> float:

@@ -5,25 +5,27 @@ Expects a unit's `MoELayerFacts` (already local to one cp rank: `context_paralle
 the strategy and the placements of its ep groups. Guarantees: per micro-batch on one device;
 with ``ep_degree == 1`` no all-to-all, and every rank runs all experts on its own tokens.
 
-Per micro-batch, a rank holds ``T = micro_batch x routed_tokens_per_sample`` tokens (divided by
-TP when sequence parallelism splits them along the sequence; without it every TP rank routes
-the same tokens), so ``T x top_k`` token-expert pairs:
+Per micro-batch, a rank routes ``A = micro_batch x routed_tokens_per_sample`` token-expert
+assignments (``seq_len x top_k`` per sample, divided by cp; divided by TP too when sequence
+parallelism splits the tokens along the sequence; without it every TP rank routes the same
+tokens):
 
 - dispatch and combine (`all_to_all_time_s` over the ep group's real placement): each moves
-  ``T x top_k x hidden x dtype bytes`` per rank, ``(ep - 1) / ep`` of which leaves it; two in
+  ``A x hidden x dtype bytes`` per rank, ``(ep - 1) / ep`` of which leaves it; two in
   the forward, two in the backward (the gradients travel the same way back), two more in the
   backward when full recompute re-runs the forward. Megatron-LM's ``MoEAlltoAllTokenDispatcher``
   and torchtitan's expert-parallel dispatch both move exactly this.
 - expert GEMMs at the per-expert token count: a rank holds ``E / ep`` experts and receives
-  ``T x top_k`` pairs, ``T x top_k x ep / E`` per expert when routing is balanced. Each expert
+  ``A`` assignments, ``A x ep / E`` per expert when routing is balanced. Each expert
   runs ``num_gemms`` GEMMs of that many rows (`cost_model.compute.op_time`: the saturating
   efficiency by size and depth, so small per-expert batches run below the dense GEMM rate).
 - routing imbalance: the busiest rank waits for its experts' largest load. A factor
-  ``imbalance >= 1`` scales its pairs (its GEMM rows, the bytes it receives and the
-  activations it keeps). ``BALANCED_ROUTING = 1.0`` (the default: what the load-balancing loss
-  aims at, and what dropless routing of a balanced router gives); ``SWITCH_CAPACITY_FACTOR``
-  is the training capacity factor of Switch/ST-MoE (Fedus et al. 2021; Zoph et al. 2022,
-  1.25; DeepSpeed-MoE's ``train_capacity_factor`` examples use it too), the imbalance that
+  ``imbalance >= 1`` scales its assignments (its GEMM rows, the bytes it receives, and the
+  activations it keeps beyond the balanced ones the trace counted in the unit's saved
+  bytes). ``BALANCED_ROUTING = 1.0`` is the default: what the load-balancing loss aims at,
+  and what dropless routing of a balanced router gives. ``SWITCH_CAPACITY_FACTOR = 1.25`` is
+  the training capacity factor of Switch/ST-MoE (Fedus et al. 2021; Zoph et al. 2022;
+  DeepSpeed-MoE's ``train_capacity_factor`` examples use it too), the imbalance that
   capacity-based routers provision for.
 - expert weights, gradients and optimizer states: ``E / ep`` experts per rank, ZeRO-sharded
   and gradient-reduced over the expert-data-parallel group (dp x cp / ep ranks holding the
@@ -57,20 +59,23 @@ class ExpertCost:
     all_to_all_backward_s: float  # their gradients (and the forward's again under full)
     tokens_per_expert: float  # rows of each local expert's GEMMs (imbalance included)
     local_params: float  # expert parameters this device stores (E / ep experts)
-    activation_bytes: float  # kept for the backward under the unit's recompute mode
-    all_activation_bytes: float  # kept without recompute (working set, retained)
+    # kept for the backward beyond the unit's traced (balanced) saved bytes, under the unit's
+    # recompute mode / without recompute (working set, retained)
+    activation_bytes: float
+    all_activation_bytes: float
 
 
-def rank_tokens(facts: MoELayerFacts, strategy: Strategy) -> float:
-    """Tokens a device routes per micro-batch (``facts`` local to its cp rank)."""
-    tokens = strategy.micro_batch_size * facts.routed_tokens_per_sample
-    return tokens / (strategy.tp_degree if strategy.sequence_parallel else 1)
+def rank_assignments(facts: MoELayerFacts, strategy: Strategy) -> float:
+    """Token-expert assignments a device routes per micro-batch (``facts`` local to its cp
+    rank)."""
+    routed = strategy.micro_batch_size * facts.routed_tokens_per_sample
+    return routed / (strategy.tp_degree if strategy.sequence_parallel else 1)
 
 
 def expert_gemms(facts: MoELayerFacts, rows: float, dtype_bytes: int) -> tuple[OpProfile, ...]:
     """One expert's GEMMs on ``rows`` tokens, as ops at the training dtype: ``num_gemms - 1``
     of (hidden -> F) and the last (F -> hidden), SwiGLU's gate, up and down."""
-    h, f = facts.hidden_size, facts.expert_hidden_size
+    h, f = facts.hidden_size, facts.expert_ffn_hidden_size
     flops = 2.0 * rows * h * f
     m = max(1, round(rows))
     shapes = [(f, h)] * (facts.num_gemms - 1) + [(h, f)]
@@ -83,7 +88,7 @@ def expert_gemms(facts: MoELayerFacts, rows: float, dtype_bytes: int) -> tuple[O
             backward_flops=2.0 * flops,
             activation_bytes=rows * (n + k) * dtype_bytes,
             param_bytes_read=h * f * dtype_bytes,
-            gemm=GemmShape(m_per_sample=m, n=round(n), k=round(k)),
+            gemm=GemmShape(m_per_sample=m, n=n, k=k),
         )
         for i, (n, k) in enumerate(shapes)
     )
@@ -104,7 +109,7 @@ def expert_cost(
         raise ValueError(f"routing imbalance = {imbalance} must be >= 1 (1: balanced)")
     ep, experts = strategy.ep_degree, facts.num_experts
     local_experts = experts // ep
-    pairs = rank_tokens(facts, strategy) * facts.top_k
+    pairs = rank_assignments(facts, strategy)
     rows = pairs * ep / experts * imbalance
     width = strategy.dtype_bytes
     forward = backward = weight = 0.0
@@ -124,8 +129,10 @@ def expert_cost(
     one = max((all_to_all_time_s(message, g, cluster) for g in ep_groups), default=0.0)
     a2a_forward = 2.0 * one
     a2a_backward = 2.0 * one + (a2a_forward if recompute == "full" else 0.0)
-    saved = pairs * imbalance * facts.saved_bytes_per_token(traced_dtype_bytes)
-    saved *= width / traced_dtype_bytes
+    # the busiest rank's assignments beyond the balanced share, each keeping its input and
+    # the GEMM outputs (hidden + num_gemms x F elements)
+    per_assignment = (facts.hidden_size + facts.num_gemms * facts.expert_ffn_hidden_size) * width
+    saved = pairs * (imbalance - 1.0) * per_assignment
     return ExpertCost(
         forward_compute_s=forward,
         backward_compute_s=backward,
