@@ -141,6 +141,8 @@ class CostModel:
         self._compute: dict[tuple[int, int, bool, int, str, int], ComputeTimes] = {}
         # (unit, cp) -> the unit as one context-parallel rank runs it
         self._local: dict[tuple[int, int], UnitProfile] = {}
+        # (unit, what expert parallelism reads of the strategy, mode, ep placements) -> cost
+        self._experts: dict[tuple[object, ...], ExpertCost] = {}
         # (strategy up to what unit costs read, recompute mode) -> every unit's costs
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
         # (p, v, m, dp x tp) -> core-sharing factors
@@ -156,6 +158,41 @@ class CostModel:
         if found is None:
             found = local_unit(self.profile.units[unit_idx], cp_degree)
             self._local[key] = found
+        return found
+
+    def expert_cost(
+        self,
+        strategy: Strategy,
+        unit_idx: int,
+        recompute: str,
+        ep_groups: tuple[GroupPlacement, ...],
+    ) -> ExpertCost:
+        """The routed experts of MoE unit ``unit_idx`` on one device
+        (`cost_model.parts.expert_parallel.expert_cost`)."""
+        key = (
+            unit_idx,
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.dtype,
+            strategy.cp_degree,
+            strategy.ep_degree,
+            recompute,
+            ep_groups,
+        )
+        found = self._experts.get(key)
+        if found is None:
+            unit = self.local_unit(unit_idx, strategy.cp_degree)
+            assert unit.moe is not None, unit.name
+            found = expert_cost(
+                unit.moe,
+                strategy,
+                self.cluster,
+                ep_groups,
+                recompute,
+                self.profile.traced_dtype_bytes,
+            )
+            self._experts[key] = found
         return found
 
     def compute_times(self, strategy: Strategy, unit_idx: int) -> ComputeTimes:
@@ -313,7 +350,7 @@ class CostModel:
         ring = ring_attention_cost(unit, profile, strategy, cluster, groups.cp, mode)
         experts = _no_experts
         if unit.moe is not None:
-            experts = expert_cost(unit.moe, strategy, cluster, groups.ep, mode, traced)
+            experts = self.expert_cost(strategy, index, mode, groups.ep)
         rerun_s += recompute_expert_s(experts, mode)
         forward_compute_s = compute.forward_s + experts.forward_compute_s
         backward_compute_s = compute.backward_s + experts.backward_compute_s
@@ -510,6 +547,8 @@ class CostModel:
                     optimizer_bytes=sum(u.optimizer_bytes for u in units),
                     activation_bytes=inflight * sum(u.activation_bytes for u in units),
                     inflight_microbatches=float(inflight),
+                    cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
+                    ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
                 )
 
         step = sim.step_time_s

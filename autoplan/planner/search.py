@@ -67,7 +67,6 @@ from cost_model.estimate import (
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
-from cost_model.parts.expert_parallel import expert_cost
 from cost_model.schedules import least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
@@ -550,9 +549,7 @@ class _BoundTables:
                 least_act += count * min(
                     activation_bytes(unit, strategy, mode, traced)
                     + (
-                        expert_cost(
-                            unit.moe, strategy, self.cluster, (), mode, traced
-                        ).activation_bytes
+                        self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
                         if unit.moe is not None
                         else 0.0
                     )
