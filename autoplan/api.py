@@ -116,9 +116,11 @@ def manual_plan(
         raise PlanError(f"dp = {dp!r} must be a whole number >= 1")
     elif dp * tp * pp * cp != cluster.num_devices:
         default_dp(cluster, tp, pp * cp)  # tp x pp (x cp) must divide the devices first
-        with_cp = f" x cp {cp}" if cp > 1 else ""
+        names, values = "dp x tp x pp", [dp, tp, pp]
+        if cp > 1:
+            names, values = names + " x cp", [*values, cp]
         raise PlanError(
-            f"dp x tp x pp{with_cp} = {dp * tp * pp * cp}, but cluster "
+            f"{names} = {' x '.join(map(str, values))} = {dp * tp * pp * cp}, but cluster "
             f"{cluster.name!r} has {cluster.num_devices} devices; with tp = {tp} and pp = {pp}"
             f"{f' and cp = {cp}' if cp > 1 else ''} use dp = "
             f"{cluster.num_devices // (tp * pp * cp)} (or leave dp out)"
