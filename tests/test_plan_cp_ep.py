@@ -186,3 +186,23 @@ def test_parallelize_refuses_cp_and_ep_for_now() -> None:
     graph = dataclasses.make_dataclass("G", [("profile", object)])(MOE)
     with pytest.raises(PlanError, match="does not run context or expert parallelism yet"):
         _check_plan(plan, graph, CLUSTER, 4)  # type: ignore[arg-type]
+
+
+def test_expert_groups_split_dp() -> None:
+    """dp 4 = ep 2 x edp 2, cp 2, tp 2 (layout pp, dp, cp, tp: dp stride 4, cp stride 2)."""
+    plan = _plan(
+        dp_degree=4,
+        cp_degree=2,
+        tp_degree=2,
+        ep_degree=2,
+        rank_layout=("pp", "dp", "cp", "tp"),
+        global_batch_size=8,
+    )
+    assert plan.group_ranks("dp", 0) == (0, 4, 8, 12)
+    assert plan.ep_group_ranks(0) == (0, 4) and plan.ep_group_ranks(9) == (9, 13)
+    # same experts: dp ranks 0 and 2 (positions 0 of their ep groups), both cp ranks
+    assert plan.expert_data_group_ranks(0) == (0, 2, 8, 10)
+    assert plan.expert_data_group_ranks(13) == (5, 7, 13, 15)
+    for rank in range(plan.num_devices):
+        assert rank in plan.ep_group_ranks(rank) and rank in plan.expert_data_group_ranks(rank)
+        assert len(plan.expert_data_group_ranks(rank)) == 4

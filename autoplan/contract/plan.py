@@ -328,6 +328,31 @@ class Plan:
         base = rank - ((rank // stride) % degree) * stride
         return tuple(base + i * stride for i in range(degree))
 
+    def ep_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks of the expert-parallel group that contains ``rank``: ``ep_degree``
+        consecutive data-parallel ranks (same pp, cp and tp coordinates), which split the experts
+        among them and exchange tokens by all-to-all."""
+        stride = self.axis_stride("dp")
+        d = (rank // stride) % self.dp_degree
+        base = rank - (d % self.ep_degree) * stride
+        return tuple(base + i * stride for i in range(self.ep_degree))
+
+    def expert_data_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks that hold the same experts as ``rank`` (same pp and tp coordinates, the
+        same position in their expert-parallel group, any cp coordinate): the group over which
+        expert gradients reduce, ``dp_degree x cp_degree / ep_degree`` ranks."""
+        dp_stride, cp_stride = self.axis_stride("dp"), self.axis_stride("cp")
+        d = (rank // dp_stride) % self.dp_degree
+        c = (rank // cp_stride) % self.cp_degree
+        base = rank - (d - d % self.ep_degree) * dp_stride - c * cp_stride
+        return tuple(
+            sorted(
+                base + block * self.ep_degree * dp_stride + k * cp_stride
+                for block in range(self.dp_degree // self.ep_degree)
+                for k in range(self.cp_degree)
+            )
+        )
+
     @property
     def schedule_spec(self) -> ScheduleSpec:
         """The pipeline schedule with its degrees (`cost_model.schedules`)."""
@@ -362,17 +387,10 @@ class Plan:
         if conflict is not None:
             raise PlanError(conflict)
         if self.num_devices != cluster.num_devices:
-            names, values = (
-                "dp_degree x tp_degree x pp_degree",
-                [
-                    self.dp_degree,
-                    self.tp_degree,
-                    self.pp_degree,
-                ],
-            )
+            names = "dp_degree x tp_degree x pp_degree"
+            values = [self.dp_degree, self.tp_degree, self.pp_degree]
             if self.cp_degree > 1:
-                names += " x cp_degree"
-                values.append(self.cp_degree)
+                names, values = names + " x cp_degree", [*values, self.cp_degree]
             raise PlanError(
                 f"{names} = {' x '.join(map(str, values))} = {self.num_devices} devices, but "
                 f"cluster {cluster.name!r} has "
