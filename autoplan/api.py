@@ -76,7 +76,7 @@ def manual_plan(
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
     dtype: DTypeName | None = None,
-    rank_layout: Sequence[MeshAxis] | None = None,
+    rank_layout: Sequence[MeshAxis] = MESH_AXES,
     allow_cross_node_tp: bool = False,
     framework: str = DEFAULT_FRAMEWORK,
 ) -> Plan:
@@ -103,8 +103,8 @@ def manual_plan(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
-    if rank_layout is None:
-        rank_layout = MESH_AXES if cp == 1 else CP_RANK_LAYOUT
+    if cp > 1 and rank_layout is MESH_AXES:
+        rank_layout = CP_RANK_LAYOUT  # the default layout, with cp placed
     if isinstance(rank_layout, str) or not isinstance(rank_layout, Sequence):
         raise PlanError(
             f"rank_layout = {rank_layout!r} must be a list of the axes pp, dp, tp, outermost "

@@ -342,6 +342,13 @@ class CostModel:
         # routed experts apart (`parts.expert_parallel`).
         n_local = local_num_params(unit, strategy.tp_degree, count_shared=strategy.pp_degree > 1)
         if unit.moe is not None:
+            if unit.num_params - unit.num_params_tp_sharded < unit.moe.expert_params:
+                raise InputError(
+                    f"unit {unit.name!r}: its {unit.moe.expert_params:,} routed-expert "
+                    f"parameters must be among its {unit.num_params - unit.num_params_tp_sharded:,}"
+                    " parameters tensor parallelism does not split (MoELayerFacts: experts are "
+                    "split by expert parallelism); fix the trace's TP roles"
+                )
             n_local -= unit.moe.expert_params
 
         compute = self.compute_times(strategy, index)

@@ -104,7 +104,10 @@ def plan_cp_ep(plan: object) -> tuple[int, int]:
 
 def valid_layout(layout: Sequence[str]) -> bool:
     """Whether ``layout`` orders pp, dp, tp once each, with cp once or left out."""
-    return tuple(layout) in _VALID_LAYOUTS
+    try:
+        return tuple(layout) in _VALID_LAYOUTS
+    except TypeError:  # unhashable entries: not axis names
+        return False
 
 
 _VALID_LAYOUTS = frozenset(itertools.permutations(AXES)) | frozenset(

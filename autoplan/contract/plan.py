@@ -227,8 +227,13 @@ class Plan:
         ):
             raise PlanError("stages must be a tuple of StagePlan")
         if not isinstance(self.rank_layout, tuple) or not valid_layout(self.rank_layout):
+            shown = (
+                list(self.rank_layout)
+                if isinstance(self.rank_layout, (tuple, list))
+                else repr(self.rank_layout)
+            )
             raise PlanError(
-                f"rank_layout = {list(self.rank_layout)} must order each of pp, dp, tp once, "
+                f"rank_layout = {shown} must order each of pp, dp, tp once, "
                 "and cp once or not at all (outermost first), e.g. [pp, dp, tp] or "
                 "[pp, dp, cp, tp]"
             )
