@@ -15,6 +15,7 @@ import pytest
 import autoplan
 from autoplan import Plan, PlanError
 from autoplan.contract.plan import even_stages
+from autoplan.export import ExportError, export_plan
 from autoplan.runtime.parallelizer import _check_plan
 from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
 
@@ -206,3 +207,12 @@ def test_expert_groups_split_dp() -> None:
     for rank in range(plan.num_devices):
         assert rank in plan.ep_group_ranks(rank) and rank in plan.expert_data_group_ranks(rank)
         assert len(plan.expert_data_group_ranks(rank)) == 4
+
+
+def test_export_refuses_cp_and_ep_naming_the_options() -> None:
+    plan = _plan(
+        dp_degree=2, cp_degree=2, rank_layout=("pp", "dp", "cp", "tp"), global_batch_size=4
+    )
+    # refused before the model is even looked at
+    with pytest.raises(ExportError, match=r"cp_degree = 2(.|\n)*--context-parallel-size"):
+        export_plan(plan, "megatron-lm", model="llama3-8b")
