@@ -14,6 +14,7 @@ from typing import Any, overload
 
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import (
+    CP_RANK_LAYOUT,
     MESH_AXES,
     DTypeName,
     MeshAxis,
@@ -65,6 +66,8 @@ def manual_plan(
     tp: int = 1,
     pp: int = 1,
     dp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
     micro_batch: int = 1,
     global_batch: int,
     recompute: Recompute = "none",
@@ -79,7 +82,9 @@ def manual_plan(
 ) -> Plan:
     """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
 
-    ``dp`` defaults to ``cluster.num_devices / (tp * pp)``, ``dtype`` to the device's fastest
+    ``dp`` defaults to ``cluster.num_devices / (tp * pp * cp)``; ``cp`` is the context-parallel
+    degree, ``ep`` the expert-parallel one (carved out of dp). ``rank_layout`` defaults to
+    ``[pp, dp, tp]``, or ``[pp, dp, cp, tp]`` when cp > 1. ``dtype`` to the device's fastest
     (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
     string (`as_cluster`). ``framework``: the training stack the plan is priced for (autoplan's
@@ -90,27 +95,35 @@ def manual_plan(
     for name, value in (
         ("tp", tp),
         ("pp", pp),
+        ("cp", cp),
+        ("ep", ep),
         ("micro_batch", micro_batch),
         ("global_batch", global_batch),
         ("virtual_stages", virtual_stages),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+    if cp > 1 and rank_layout is MESH_AXES:
+        rank_layout = CP_RANK_LAYOUT  # the default layout, with cp placed
     if isinstance(rank_layout, str) or not isinstance(rank_layout, Sequence):
         raise PlanError(
             f"rank_layout = {rank_layout!r} must be a list of the axes pp, dp, tp, outermost "
             f"first, e.g. {list(MESH_AXES)}"
         )
     if dp is None:
-        dp = default_dp(cluster, tp, pp)
+        dp = default_dp(cluster, tp, pp * cp)
     elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise PlanError(f"dp = {dp!r} must be a whole number >= 1")
-    elif dp * tp * pp != cluster.num_devices:
-        default_dp(cluster, tp, pp)  # tp x pp must divide the devices first
+    elif dp * tp * pp * cp != cluster.num_devices:
+        default_dp(cluster, tp, pp * cp)  # tp x pp (x cp) must divide the devices first
+        names, values = "dp x tp x pp", [dp, tp, pp]
+        if cp > 1:
+            names, values = names + " x cp", [*values, cp]
         raise PlanError(
-            f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but cluster "
-            f"{cluster.name!r} has {cluster.num_devices} devices; with tp = {tp} and pp = {pp} "
-            f"use dp = {cluster.num_devices // (tp * pp)} (or leave dp out)"
+            f"{names} = {' x '.join(map(str, values))} = {dp * tp * pp * cp}, but cluster "
+            f"{cluster.name!r} has {cluster.num_devices} devices; with tp = {tp} and pp = {pp}"
+            f"{f' and cp = {cp}' if cp > 1 else ''} use dp = "
+            f"{cluster.num_devices // (tp * pp * cp)} (or leave dp out)"
         )
     per_step = micro_batch * dp
     if global_batch % per_step != 0:
@@ -130,6 +143,8 @@ def manual_plan(
         dp_degree=dp,
         tp_degree=tp,
         pp_degree=pp,
+        cp_degree=cp,
+        ep_degree=ep,
         virtual_stages=virtual_stages,
         stages=even_stages(profile.num_units, pp * virtual_stages, recompute),
         micro_batch_size=micro_batch,
@@ -139,7 +154,7 @@ def manual_plan(
         zero_stage=zero,
         sequence_parallel=sequence_parallel,
         dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
-        rank_layout=tuple(rank_layout),  # type: ignore[arg-type]
+        rank_layout=tuple(rank_layout),
         framework=framework,
     )
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)

@@ -1,7 +1,20 @@
-"""Search speed on large problems: gpt3-175b on 128 DGX A100 nodes (1024 GPUs, batch 1536) and
-llama3-405b on 2048 DGX H100 nodes (16384 GPUs, batch 2048), full search space.
+"""Search speed on large problems, full search space: gpt3-175b on 128 DGX A100 nodes (1024
+GPUs, batch 1536); llama3-405b on 2048 DGX H100 nodes (16384 GPUs, batch 2048); llama3-405b at
+sequence length 131072 on the same 16384 GPUs (batch 128 sequences: the 16M tokens per batch
+of Llama 3's long-context stage, TP 8 x CP 16 x PP 16, Balaji, SC'24, tabled at
+https://glennklockwood.com/garden/llama-3.1), where the search adds context parallelism; and a
+64-expert mixture of experts on 128 DGX H100 nodes (1024 GPUs, batch 1024 sequences of 4096
+tokens, a batch we chose), where it adds expert parallelism.
 
-Targets (issue 15): gpt3-175b <= 1 s, llama3-405b <= 5 s. The search stops at its visit budget
+The mixture of experts has DeepSeekMoE 16B's shape (deepseek-ai/deepseek-moe-16b-base
+config.json, as autoplan's deepseek-moe-16b preset cites it: 28 layers, hidden 2048, 16 heads,
+64 routed experts of width 1408, top-6, 2 shared experts, vocab 102400, seq 4096), built here
+as a traced llama of that shape whose MLP is the shared experts (2 x 1408) with the routed
+experts added to every block (`tests.cost_profiles.with_routed_experts`; the preset's dense
+first layer is a MoE layer here): the profile the cost model reads, until the MoE trace lands.
+
+Targets (issue 15): gpt3-175b <= 1 s, llama3-405b <= 5 s; (issue 21) llama3-405b at 128K and
+the 64-expert MoE <= 5 s each. The search stops at its visit budget
 and reports the proven optimality gap, so each case runs with 90% of its target as the budget
 and again with 60 s: the chosen steps side by side show what the short budget loses. Prints the
 candidates considered, how they were pruned, solver calls, the time split, and for each chosen
@@ -16,7 +29,9 @@ Run: .venv/bin/python bench/search.py
 from __future__ import annotations
 
 import itertools
+import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -26,6 +41,13 @@ from autoplan.analysis.timeline import timeline_of
 from autoplan.planner.search import search_plans
 from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
+from cost_model.workload import ModelProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.cost_profiles import with_routed_experts  # noqa: E402
 
 # Each case runs twice: with 90% of its target as the visit budget, then with this one; the
 # steps side by side show what the short budget costs, the gaps what each has proven.
@@ -33,7 +55,29 @@ LONG_BUDGET_S = 60.0
 CASES = (
     ("gpt3-175b", "dgx-a100-80g", 128, 1536, 1.0),
     ("llama3-405b", "dgx-h100-80g", 2048, 2048, 5.0),
+    ("llama3-405b@128k", "dgx-h100-80g", 2048, 128, 5.0),
+    ("moe-64x6 (deepseek-moe-16b shape)", "dgx-h100-80g", 128, 1024, 5.0),
 )
+
+
+def model_profile(name: str) -> ModelProfile:
+    """The traced profile of a case's model (see the module docstring)."""
+    if name == "llama3-405b@128k":
+        return autoplan.trace(autoplan.models.preset("llama3-405b", seq_len=131072)).profile
+    if name.startswith("moe-64x6"):
+        base = autoplan.trace(
+            autoplan.models.llama(
+                num_layers=28,
+                hidden_size=2048,
+                num_heads=16,
+                num_kv_heads=16,
+                ffn_hidden_size=2 * 1408,
+                seq_len=4096,
+                vocab_size=102400,
+            )
+        ).profile
+        return with_routed_experts(base, num_experts=64, top_k=6, expert_ffn=1408, name=name)
+    return autoplan.trace(autoplan.models.preset(name)).profile
 
 
 def main() -> int:
@@ -72,7 +116,7 @@ def main() -> int:
     ):
         # the budget bounds the visit; reading the best plan back (its estimate) follows it
         budget = budget or 0.9 * target
-        profile = autoplan.trace(autoplan.models.preset(model_name)).profile
+        profile = model_profile(model_name)
         cluster = Cluster.preset(preset, nodes=nodes)
         start = time.perf_counter()
         result = search_plans(profile, cluster, global_batch=batch, budget_s=budget)
@@ -110,6 +154,7 @@ def main() -> int:
         recompute = "+".join(sorted({st.recompute for st in plan.stages}))
         console.print(
             f"{model_name}: tp={plan.tp_degree} pp={plan.pp_degree} dp={plan.dp_degree} "
+            f"cp={plan.cp_degree} ep={plan.ep_degree} "
             f"micro_batch={plan.micro_batch_size} x {plan.num_micro_batches} {plan.schedule}"
             f" v={plan.virtual_stages} zero={plan.zero_stage} sp={plan.sequence_parallel} "
             f"recompute={recompute}: estimate {e.step_time_s:.3f} s, simulation "

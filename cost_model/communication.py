@@ -138,6 +138,23 @@ def p2p_time_s(size_bytes: float, cluster: Cluster, *, cross_node: bool) -> floa
     return link.latency_s + size_bytes / link.bandwidth_bytes_per_s
 
 
+def all_to_all_time_s(size_bytes: float, placement: GroupPlacement, cluster: Cluster) -> float:
+    """All-to-all in which each rank holds ``size_bytes`` and sends ``size_bytes / size`` to
+    every member (itself included): ``(size - 1) / size`` of it leaves the rank, to the
+    ``k - 1`` members on its node over NVLink and to the ``size - k`` elsewhere over its own
+    NIC, all at once (NCCL's all-to-all is one group of sends and receives to every peer, so
+    the two links work in parallel and one latency of the slowest link is paid)."""
+    if placement.size <= 1 or size_bytes <= 0:
+        return 0.0
+    intra, inter = link_rate(cluster, cross_node=False), link_rate(cluster, cross_node=True)
+    size, k = placement.size, placement.ranks_per_node
+    share = size_bytes / size
+    intra_s = (k - 1) * share / intra.bandwidth_bytes_per_s
+    inter_s = (size - k) * share / inter.bandwidth_bytes_per_s
+    latency = inter.latency_s if placement.crosses_nodes else intra.latency_s
+    return max(intra_s, inter_s) + latency
+
+
 def collective_time_s(
     kind: CollectiveKind,
     size_bytes: float,

@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cost_model.errors import InputError
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
-from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params
+from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params, static_bytes
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
+from cost_model.parts.context_parallel import local_unit, ring_attention_cost
 from cost_model.parts.core_sharing import (
     SharingFactors,
     loop_overhead_s,
@@ -57,6 +59,7 @@ from cost_model.parts.data_parallel import (
     runs_ddp,
 )
 from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_bf16_step_s
+from cost_model.parts.expert_parallel import ExpertCost, expert_cost, recompute_expert_s
 from cost_model.parts.host import host_cost
 from cost_model.parts.memory import unit_bytes
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
@@ -137,8 +140,12 @@ class CostModel:
         self.cluster = self.stack.cluster_for(profile, cluster)
         # for each unit, the first unit with the same content (its own if unique)
         self.classes = unit_classes(profile)
-        # (unit, tp, sequence parallel, micro-batch, dtype) -> the unit's compute
-        self._compute: dict[tuple[int, int, bool, int, str], ComputeTimes] = {}
+        # (unit, tp, sequence parallel, micro-batch, dtype, cp) -> the unit's compute
+        self._compute: dict[tuple[int, int, bool, int, str, int], ComputeTimes] = {}
+        # (unit, cp) -> the unit as one context-parallel rank runs it
+        self._local: dict[tuple[int, int], UnitProfile] = {}
+        # (unit, what expert parallelism reads of the strategy, mode, ep placements) -> cost
+        self._experts: dict[tuple[object, ...], ExpertCost] = {}
         # (strategy up to what unit costs read, recompute mode) -> every unit's costs
         self._costs: dict[tuple[Strategy, str], tuple[UnitCost, ...]] = {}
         # (p, v, m, dp x tp) -> core-sharing factors
@@ -146,18 +153,65 @@ class CostModel:
 
     # ------------------------------------------------------------------------- tables
 
-    def compute_times(self, strategy: Strategy, unit_idx: int) -> ComputeTimes:
-        """The compute of unit ``unit_idx`` (`cost_model.parts.compute.compute_times`)."""
+    def local_unit(self, unit_idx: int, cp_degree: int) -> UnitProfile:
+        """Unit ``unit_idx`` on one context-parallel rank (`parts.context_parallel.local_unit`:
+        the unit itself when cp = 1)."""
+        key = (unit_idx, cp_degree)
+        found = self._local.get(key)
+        if found is None:
+            found = local_unit(self.profile.units[unit_idx], cp_degree)
+            self._local[key] = found
+        return found
+
+    def expert_cost(
+        self,
+        strategy: Strategy,
+        unit_idx: int,
+        recompute: str,
+        ep_groups: tuple[GroupPlacement, ...],
+    ) -> ExpertCost:
+        """The routed experts of MoE unit ``unit_idx`` on one device
+        (`cost_model.parts.expert_parallel.expert_cost`)."""
         key = (
             unit_idx,
             strategy.tp_degree,
             strategy.sequence_parallel,
             strategy.micro_batch_size,
             strategy.dtype,
+            strategy.cp_degree,
+            strategy.ep_degree,
+            recompute,
+            ep_groups,
+        )
+        found = self._experts.get(key)
+        if found is None:
+            unit = self.local_unit(unit_idx, strategy.cp_degree)
+            assert unit.moe is not None, unit.name
+            found = expert_cost(
+                unit.moe,
+                strategy,
+                self.cluster,
+                ep_groups,
+                recompute,
+                self.profile.traced_dtype_bytes,
+            )
+            self._experts[key] = found
+        return found
+
+    def compute_times(self, strategy: Strategy, unit_idx: int) -> ComputeTimes:
+        """The compute of unit ``unit_idx`` (`cost_model.parts.compute.compute_times`) on one
+        context-parallel rank, without the routed experts (`parts.expert_parallel`)."""
+        key = (
+            unit_idx,
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.dtype,
+            strategy.cp_degree,
         )
         found = self._compute.get(key)
         if found is None:
-            unit = self.profile.units[unit_idx]
+            unit = self.local_unit(unit_idx, strategy.cp_degree)
             found = compute_times(unit, self.cluster, strategy, self.profile.traced_dtype_bytes)
             self._compute[key] = found
         return found
@@ -200,8 +254,9 @@ class CostModel:
 
     def unit_compute_s(self, strategy: Strategy, recompute: str) -> tuple[float, ...]:
         """Per-unit compute time of one micro-batch (forward, backward and recompute, without
-        any communication): a lower bound on `UnitCost.time_s` that depends only on the
-        strategy's TP degree, sequence parallelism, micro-batch and dtype."""
+        any communication, and without the routed experts): a lower bound on `UnitCost.time_s`
+        that depends only on the strategy's TP degree, sequence parallelism, micro-batch, dtype
+        and cp degree."""
         cal = self.cluster.calibration
         out: list[float] = []
         for index, unit in enumerate(self.profile.units):
@@ -210,7 +265,8 @@ class CostModel:
                 continue
             mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
             times = self.compute_times(strategy, index)
-            out.append(times.forward_s + times.backward_s + recompute_s(unit, mode, cal, times))
+            local = self.local_unit(index, strategy.cp_degree)
+            out.append(times.forward_s + times.backward_s + recompute_s(local, mode, cal, times))
         return tuple(out)
 
     def boundary(self, last_unit: UnitCost, strategy: Strategy, stage_idx: int) -> Boundary:
@@ -225,28 +281,48 @@ class CostModel:
     def _unit_costs(self, strategy: Strategy, recompute: str) -> tuple[UnitCost, ...]:
         """The composition: each unit's parts, then the parts across units (the runtime's
         grouping of data-parallel collectives, core sharing)."""
-        tp_groups = group_placements(strategy, self.cluster, "tp")
-        dp_groups = group_placements(strategy, self.cluster, "dp")
+        groups = _Groups(
+            tp=group_placements(strategy, self.cluster, "tp"),
+            # dense weights reduce over dp x cp (`Strategy.weights_view`)
+            dp=group_placements(strategy, self.cluster, "dp_cp"),
+            cp=group_placements(strategy, self.cluster, "cp"),
+            ep=group_placements(strategy, self.cluster, "ep"),
+            edp=group_placements(strategy, self.cluster, "edp_cp"),
+        )
         pair = tied_pair_placement(strategy, self.cluster)
         costs: list[UnitCost] = []
         dp_costs: list[DataParallelCost] = []
+        # per unit: the routed experts' per-step data-parallel sync (after the dense grouping)
+        expert_sync: list[DataParallelCost | None] = []
         for index, unit in enumerate(self.profile.units):
             if self.classes[index] != index:
                 # Identical to an earlier unit (repeated blocks): the same costs object.
                 costs.append(costs[self.classes[index]])
                 dp_costs.append(dp_costs[self.classes[index]])
+                expert_sync.append(expert_sync[self.classes[index]])
                 continue
             mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-            cost, dp = self._unit_cost(strategy, index, mode, tp_groups, dp_groups, pair)
+            cost, dp, experts = self._unit_cost(strategy, index, mode, groups, pair)
             costs.append(cost)
             dp_costs.append(dp)
+            expert_sync.append(experts)
         kinds = [unit.kind for unit in self.profile.units]
-        for share in grouped_dp_sync(kinds, dp_costs, self.cluster, strategy, dp_groups):
+        weights = strategy.weights_view
+        for share in grouped_dp_sync(kinds, dp_costs, self.cluster, weights, groups.dp):
             own = costs[share.unit_idx]
             post = own.post_sync_s if share.post_sync_s is None else share.post_sync_s
             costs[share.unit_idx] = dataclasses.replace(
                 own, dp_sync_s=share.sync_s, post_sync_s=post
             )
+        for index, experts in enumerate(expert_sync):
+            if experts is not None and (experts.sync_s or experts.post_sync_s):
+                # the expert gradients reduce over their own group, after the dense ones
+                own = costs[index]
+                costs[index] = dataclasses.replace(
+                    own,
+                    dp_sync_s=own.dp_sync_s + experts.sync_s,
+                    post_sync_s=own.post_sync_s + experts.post_sync_s,
+                )
         return stretched(costs, self.sharing(strategy))
 
     def _zero3_gathers(self, index: int, tp_degree: int) -> int:
@@ -268,77 +344,134 @@ class CostModel:
         strategy: Strategy,
         index: int,
         mode: str,
-        tp_groups: Sequence[GroupPlacement],
-        dp_groups: Sequence[GroupPlacement],
+        groups: _Groups,
         pair: GroupPlacement | None,
-    ) -> tuple[UnitCost, DataParallelCost]:
-        """One unit's cost under its own recompute ``mode``: the sum of its parts."""
+    ) -> tuple[UnitCost, DataParallelCost, DataParallelCost | None]:
+        """One unit's cost under its own recompute ``mode``: the sum of its parts; with it,
+        its dense weights' data-parallel cost and its routed experts' (None: a dense unit)."""
         profile, cluster, cal = self.profile, self.cluster, self.cluster.calibration
-        unit: UnitProfile = profile.units[index]
+        # the unit on one context-parallel rank (itself when cp = 1)
+        unit: UnitProfile = self.local_unit(index, strategy.cp_degree)
         traced = profile.traced_dtype_bytes
-        # Parameters this device stores: TP-local; tied weights once per device (pp = 1).
+        # dense weights: data parallel over dp x cp
+        weights = strategy.weights_view
+        # Parameters this device stores: TP-local; tied weights once per device (pp = 1); the
+        # routed experts apart (`parts.expert_parallel`).
         n_local = local_num_params(unit, strategy.tp_degree, count_shared=strategy.pp_degree > 1)
+        if unit.moe is not None:
+            if unit.num_params - unit.num_params_tp_sharded < unit.moe.expert_params:
+                raise InputError(
+                    f"unit {unit.name!r}: its {unit.moe.expert_params:,} routed-expert "
+                    f"parameters must be among its {unit.num_params - unit.num_params_tp_sharded:,}"
+                    " parameters tensor parallelism does not split (MoELayerFacts: experts are "
+                    "split by expert parallelism); fix the trace's TP roles"
+                )
+            n_local -= unit.moe.expert_params
 
         compute = self.compute_times(strategy, index)
         rerun_s = recompute_s(unit, mode, cal, compute)
-        tp = tp_cost(unit, strategy, cluster, traced, tp_groups, mode)
+        tp = tp_cost(unit, strategy, cluster, traced, tp_groups=groups.tp, recompute=mode)
+        ring = ring_attention_cost(unit, profile, strategy, cluster, groups.cp, mode)
+        experts = _no_experts
+        if unit.moe is not None:
+            experts = self.expert_cost(strategy, index, mode, groups.ep)
+        rerun_s += recompute_expert_s(experts, mode)
+        forward_compute_s = compute.forward_s + experts.forward_compute_s
+        backward_compute_s = compute.backward_s + experts.backward_compute_s
         dp = data_parallel_cost(
             n_local,
-            strategy,
+            weights,
             cluster,
-            dp_groups,
-            forward_window_s=compute.forward_s,
-            backward_window_s=compute.backward_s + rerun_s,
+            groups.dp,
+            forward_window_s=forward_compute_s,
+            backward_window_s=backward_compute_s + rerun_s,
             zero3_gathers=self._zero3_gathers(index, strategy.tp_degree),
         )
+        expert_dp: DataParallelCost | None = None
+        expert_optimizer_s = 0.0
+        expert_state = static_bytes(0.0, strategy.dtype, 0, 1)
+        if unit.moe is not None:
+            # routed experts: E / ep per device, data parallel over dp x cp / ep
+            view = strategy.expert_view
+            expert_dp = data_parallel_cost(
+                experts.local_params,
+                view,
+                cluster,
+                groups.edp,
+                forward_window_s=forward_compute_s,
+                backward_window_s=backward_compute_s + rerun_s,
+            )
+            expert_optimizer_s = optimizer_cost(experts.local_params, view, cluster).step_s
+            expert_state = static_bytes(
+                experts.local_params,
+                strategy.dtype,
+                view.runtime_zero_stage,
+                view.dp_degree,
+                view.dp_wrapper,
+            )
+        zero3_forward_exposed_s = dp.zero3_forward_exposed_s
+        zero3_backward_exposed_s = dp.zero3_backward_exposed_s
+        if expert_dp is not None:
+            zero3_forward_exposed_s += expert_dp.zero3_forward_exposed_s
+            zero3_backward_exposed_s += expert_dp.zero3_backward_exposed_s
         tied = tied_grad_sync(profile, index, strategy, cluster, pair)
-        optimizer = optimizer_cost(n_local, strategy, cluster)
-        host = host_cost(unit, n_local, strategy, cal)
+        optimizer = optimizer_cost(n_local, weights, cluster)
+        host = host_cost(unit, n_local + experts.local_params, strategy, cal)
         loss = loss_cost(unit, strategy, cluster, traced)
         memory = unit_bytes(
-            unit, strategy, mode, traced, local_params=n_local, loss_saved_bytes=loss.saved_bytes
+            unit, weights, mode, traced, local_params=n_local, loss_saved_bytes=loss.saved_bytes
         )
         cost = UnitCost(
             kind=unit.kind,
             recompute=mode,
-            forward_compute_s=compute.forward_s,
-            backward_compute_s=compute.backward_s,
+            forward_compute_s=forward_compute_s,
+            backward_compute_s=backward_compute_s,
             recompute_s=rerun_s,
             tp_forward_s=tp.forward_s,
             tp_backward_s=tp.backward_s,
-            zero3_forward_s=dp.zero3_forward_s,
-            zero3_backward_s=dp.zero3_backward_s,
-            zero3_exposed_s=dp.zero3_exposed_s,
+            zero3_forward_s=dp.zero3_forward_s + (expert_dp.zero3_forward_s if expert_dp else 0),
+            zero3_backward_s=(
+                dp.zero3_backward_s + (expert_dp.zero3_backward_s if expert_dp else 0)
+            ),
+            zero3_exposed_s=zero3_forward_exposed_s + zero3_backward_exposed_s,
             forward_s=(
-                compute.forward_s
+                forward_compute_s
                 + tp.forward_s
-                + dp.zero3_forward_exposed_s
+                + ring.forward_s
+                + experts.all_to_all_forward_s
+                + zero3_forward_exposed_s
                 + host.microbatch_s / 2
             ),
             backward_s=(
-                compute.backward_s
+                backward_compute_s
                 + rerun_s
                 + tp.backward_s
-                + dp.zero3_backward_exposed_s
+                + ring.backward_s
+                + experts.all_to_all_backward_s
+                + zero3_backward_exposed_s
                 + host.microbatch_s / 2
             ),
-            weight_s=compute.weight_backward_s,
+            weight_s=compute.weight_backward_s + experts.weight_backward_s,
             dp_sync_s=dp.sync_s,
             post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s,
-            optimizer_s=optimizer.step_s + host.optimizer_s,
-            param_bytes=memory.param_bytes,
-            grad_bytes=memory.grad_bytes,
-            optimizer_bytes=memory.optimizer_bytes,
-            local_params=n_local,
-            activation_bytes=memory.activation_bytes,
+            optimizer_s=optimizer.step_s + expert_optimizer_s + host.optimizer_s,
+            param_bytes=memory.param_bytes + expert_state.param_bytes,
+            grad_bytes=memory.grad_bytes + expert_state.grad_bytes,
+            optimizer_bytes=memory.optimizer_bytes + expert_state.optimizer_bytes,
+            local_params=n_local + experts.local_params,
+            activation_bytes=memory.activation_bytes + experts.activation_bytes,
             loss_bytes=memory.loss_bytes,
-            retained_bytes=memory.retained_bytes,
-            working_bytes=memory.working_bytes,
+            retained_bytes=memory.retained_bytes + experts.all_activation_bytes,
+            working_bytes=memory.working_bytes + experts.all_activation_bytes,
             extra_bytes=memory.extra_bytes,
             output_bytes=memory.output_bytes,
-            forward_flops=compute.forward_flops,
+            forward_flops=compute.forward_flops + experts.forward_flops,
+            cp_forward_s=ring.forward_s,
+            cp_backward_s=ring.backward_s,
+            ep_forward_s=experts.all_to_all_forward_s,
+            ep_backward_s=experts.all_to_all_backward_s,
         )
-        return cost, dp
+        return cost, dp, expert_dp
 
     # ------------------------------------------------------------------------- estimate
 
@@ -452,6 +585,8 @@ class CostModel:
                     optimizer_bytes=sum(u.optimizer_bytes for u in units),
                     activation_bytes=inflight * sum(u.activation_bytes for u in units),
                     inflight_microbatches=float(inflight),
+                    cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
+                    ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
                 )
 
         step = sim.step_time_s
@@ -482,6 +617,32 @@ class CostModel:
             stages=tuple(s for s in stage_estimates if s is not None),
             ranks=tuple(ranks),
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Groups:
+    """The placements of a strategy's communication groups (`cost_model.strategy.mesh_groups`)."""
+
+    tp: tuple[GroupPlacement, ...]
+    dp: tuple[GroupPlacement, ...]  # of the dense weights: dp x cp
+    cp: tuple[GroupPlacement, ...]
+    ep: tuple[GroupPlacement, ...]
+    edp: tuple[GroupPlacement, ...]  # of the routed experts: dp x cp / ep
+
+
+# a dense unit's routed experts: none
+_no_experts = ExpertCost(
+    forward_compute_s=0.0,
+    backward_compute_s=0.0,
+    weight_backward_s=0.0,
+    forward_flops=0.0,
+    all_to_all_forward_s=0.0,
+    all_to_all_backward_s=0.0,
+    tokens_per_expert=0.0,
+    local_params=0.0,
+    activation_bytes=0.0,
+    all_activation_bytes=0.0,
+)
 
 
 def _stretched_boundary(raw: Boundary, factors: SharingFactors) -> Boundary:

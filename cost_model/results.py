@@ -85,6 +85,10 @@ class StageEstimate:
     optimizer_bytes: float
     activation_bytes: float  # held at the peak (in-flight micro-batches included)
     inflight_microbatches: float
+    # m x the exposed ring exchanges of context parallelism, and the all-to-alls of expert
+    # parallelism (0 without them)
+    cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

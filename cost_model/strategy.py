@@ -12,6 +12,8 @@ degrees, the layout and the cluster's node shape.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,8 +33,17 @@ from cost_model.schedules import (
 )
 from cost_model.workload import OpKind, UnitKind
 
-Axis = Literal["pp", "dp", "tp"]
-AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
+Axis = Literal["pp", "dp", "cp", "tp"]
+# The axes a rank layout orders. A layout may leave out "cp" (the three-axis layouts of plans
+# written before context parallelism): a missing axis has degree 1 and no place.
+AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")
+LEGACY_AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
+# Communication groups of the mesh, named by the axes they span: a mesh axis, the
+# data-parallel group of dense weights under context parallelism ("dp_cp": their gradients
+# reduce over dp x cp, as torchtitan's dp_shard_cp mesh), and the expert-parallel split of dp
+# ("ep": ep consecutive dp ranks; "edp_cp": the ranks that hold the same experts, over which
+# expert gradients reduce). See `mesh_groups`.
+GroupName = Literal["pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp"]
 RecomputeMode = Literal["none", "selective", "full"]
 RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
 # How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.
@@ -86,6 +97,24 @@ class PlanLike(Protocol):
     def framework(self) -> str: ...
 
 
+def plan_cp_ep(plan: object) -> tuple[int, int]:
+    """(cp_degree, ep_degree) of a plan-like object; 1 for plans (or stand-ins) without them."""
+    return int(getattr(plan, "cp_degree", 1)), int(getattr(plan, "ep_degree", 1))
+
+
+def valid_layout(layout: Sequence[str]) -> bool:
+    """Whether ``layout`` orders pp, dp, tp once each, with cp once or left out."""
+    try:
+        return tuple(layout) in _VALID_LAYOUTS
+    except TypeError:  # unhashable entries: not axis names
+        return False
+
+
+_VALID_LAYOUTS = frozenset(itertools.permutations(AXES)) | frozenset(
+    itertools.permutations(LEGACY_AXES)
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
     """A plan's outer choices: degrees, batching, schedule, sharding, dtype and rank layout."""
@@ -100,13 +129,20 @@ class Strategy:
     zero_stage: int = 0
     sequence_parallel: bool = False
     dtype: str = "bf16"
-    rank_layout: tuple[Axis, Axis, Axis] = ("pp", "dp", "tp")
+    rank_layout: tuple[Axis, ...] = ("pp", "dp", "tp")
+    # Context parallel (ring attention over the sequence) and expert parallel (experts split
+    # over ep consecutive data-parallel ranks): see `cost_model.parts.context_parallel` and
+    # `cost_model.parts.expert_parallel`.
+    cp_degree: int = 1
+    ep_degree: int = 1
 
     def __post_init__(self) -> None:
         for name in (
             "tp_degree",
             "dp_degree",
             "pp_degree",
+            "cp_degree",
+            "ep_degree",
             "virtual_stages",
             "micro_batch_size",
             "num_micro_batches",
@@ -115,8 +151,16 @@ class Strategy:
                 raise ValueError(f"strategy.{name} = {getattr(self, name)} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"strategy.zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
-        if sorted(self.rank_layout) != sorted(AXES):
-            raise ValueError(f"strategy.rank_layout = {self.rank_layout} must order pp, dp, tp")
+        if not valid_layout(self.rank_layout):
+            raise ValueError(
+                f"strategy.rank_layout = {self.rank_layout} must order pp, dp, (cp,) tp"
+            )
+        if self.cp_degree > 1 and "cp" not in self.rank_layout:
+            raise ValueError(f"strategy.rank_layout = {self.rank_layout} must place cp")
+        if self.dp_degree % self.ep_degree:
+            raise ValueError(
+                f"strategy.ep_degree = {self.ep_degree} must divide dp_degree = {self.dp_degree}"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
 
@@ -124,10 +168,13 @@ class Strategy:
     def of(cls, plan: PlanLike) -> Strategy:
         """The outer choices of ``plan``."""
         layout = tuple(plan.rank_layout)
-        assert len(layout) == 3 and all(a in AXES for a in layout), layout
+        assert valid_layout(layout), layout
         schedule = plan.schedule
         assert schedule in SCHEDULES, schedule
+        cp, ep = plan_cp_ep(plan)
         return cls(
+            cp_degree=cp,
+            ep_degree=ep,
             tp_degree=plan.tp_degree,
             dp_degree=plan.dp_degree,
             pp_degree=plan.pp_degree,
@@ -143,7 +190,7 @@ class Strategy:
 
     @property
     def num_devices(self) -> int:
-        return self.tp_degree * self.dp_degree * self.pp_degree
+        return self.tp_degree * self.dp_degree * self.pp_degree * self.cp_degree
 
     @property
     def decisions(self) -> Decisions:
@@ -175,17 +222,51 @@ class Strategy:
         return DTYPE_BYTES[self.dtype]
 
     def degree(self, axis: Axis) -> int:
-        return {"pp": self.pp_degree, "dp": self.dp_degree, "tp": self.tp_degree}[axis]
+        return {
+            "pp": self.pp_degree,
+            "dp": self.dp_degree,
+            "cp": self.cp_degree,
+            "tp": self.tp_degree,
+        }[axis]
 
     def axis_stride(self, axis: Axis) -> int:
-        """Distance in global rank between neighbours along ``axis`` (as `autoplan.Plan`)."""
+        """Distance in global rank between neighbours along ``axis`` (as `autoplan.Plan`); an
+        axis the layout leaves out (cp of degree 1) has stride 1."""
+        if axis not in self.rank_layout:
+            return 1
         idx = self.rank_layout.index(axis)
         return math.prod(self.degree(a) for a in self.rank_layout[idx + 1 :])
 
-    def global_rank(self, *, pp: int, dp: int, tp: int) -> int:
-        """Global rank of the device at mesh coordinates (pp, dp, tp)."""
-        coords = {"pp": pp, "dp": dp, "tp": tp}
-        return sum(coords[a] * self.axis_stride(a) for a in AXES)
+    def global_rank(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """Global rank of the device at mesh coordinates (pp, dp, cp, tp)."""
+        coords = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        return sum(coords[a] * self.axis_stride(a) for a in self.rank_layout)
+
+    @property
+    def weight_dp_degree(self) -> int:
+        """Ranks over which a dense weight's gradients reduce (and ZeRO shards): dp x cp."""
+        return self.dp_degree * self.cp_degree
+
+    @property
+    def expert_dp_degree(self) -> int:
+        """Ranks that hold the same experts, over which their gradients reduce: dp x cp / ep
+        (Megatron-LM's expert-data-parallel group, with cp folded in)."""
+        return self.dp_degree * self.cp_degree // self.ep_degree
+
+    @property
+    def weights_view(self) -> Strategy:
+        """The strategy as the data-parallel parts see dense weights: data parallel over
+        dp x cp (their gradients reduce, and ZeRO shards, over both), no cp or ep. ``self``
+        when cp = ep = 1."""
+        if self.cp_degree == 1 and self.ep_degree == 1:
+            return self
+        return dataclasses.replace(self, dp_degree=self.weight_dp_degree, cp_degree=1, ep_degree=1)
+
+    @property
+    def expert_view(self) -> Strategy:
+        """The strategy as the data-parallel parts see routed-expert weights: data parallel
+        over the expert-data-parallel group (dp x cp / ep ranks)."""
+        return dataclasses.replace(self, dp_degree=self.expert_dp_degree, cp_degree=1, ep_degree=1)
 
     @property
     def schedule_spec(self) -> ScheduleSpec:
@@ -219,33 +300,70 @@ class GroupPlacement:
 
 
 def group_placements(
-    strategy: Strategy, cluster: Cluster, axis: Axis
+    strategy: Strategy, cluster: Cluster, axis: GroupName
 ) -> tuple[GroupPlacement, ...]:
-    """Every distinct placement among the ``axis`` groups of the mesh (usually one)."""
-    return _group_placements(
-        strategy.degree("pp"),
-        strategy.degree("dp"),
-        strategy.degree("tp"),
-        strategy.rank_layout,
-        axis,
-        cluster.devices_per_node,
-    )
+    """Every distinct placement among the ``axis`` groups of the mesh (usually one); ``axis``
+    may also name a group spanning several axes (`GroupName`, `mesh_groups`)."""
+    inside, outside = mesh_groups(strategy, axis)
+    return _group_placements(inside, outside, cluster.devices_per_node)
+
+
+# The pieces of the mesh each group spans: expert parallelism splits dp into ep (inner: ep
+# consecutive data-parallel ranks, Megatron-LM's ``tp-cp-ep-dp-pp`` order) and edp (outer).
+_GROUP_PIECES: dict[str, frozenset[str]] = {
+    "pp": frozenset({"pp"}),
+    "dp": frozenset({"ep", "edp"}),
+    "cp": frozenset({"cp"}),
+    "tp": frozenset({"tp"}),
+    "dp_cp": frozenset({"ep", "edp", "cp"}),
+    "ep": frozenset({"ep"}),
+    "edp_cp": frozenset({"edp", "cp"}),
+}
+
+
+def mesh_groups(
+    strategy: Strategy, group: GroupName
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The ``group`` as (stride, size) factors, and the rest of the mesh likewise: the ranks of
+    one group are ``base + sum_i c_i stride_i`` (``0 <= c_i < size_i`` over its factors), its
+    bases the same sums over the rest. Factors of size 1 are left out."""
+    stride = strategy.axis_stride
+    dp_stride, ep = stride("dp"), strategy.ep_degree
+    pieces = {
+        "pp": (stride("pp"), strategy.pp_degree),
+        "ep": (dp_stride, ep),
+        "edp": (dp_stride * ep, strategy.dp_degree // ep),
+        "cp": (stride("cp"), strategy.cp_degree),
+        "tp": (stride("tp"), strategy.tp_degree),
+    }
+    names = _GROUP_PIECES[group]
+    inside = tuple(sorted(f for name, f in pieces.items() if name in names and f[1] > 1))
+    outside = tuple(sorted(f for name, f in pieces.items() if name not in names and f[1] > 1))
+    return inside, outside
 
 
 @lru_cache(maxsize=4096)
 def _group_placements(
-    pp: int, dp: int, tp: int, layout: tuple[Axis, Axis, Axis], axis: Axis, devices_per_node: int
+    inside: tuple[tuple[int, int], ...],
+    outside: tuple[tuple[int, int], ...],
+    devices_per_node: int,
 ) -> tuple[GroupPlacement, ...]:
-    strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, rank_layout=layout)
-    stride = strategy.axis_stride(axis)
-    size = strategy.degree(axis)
+    size = math.prod(count for _, count in inside)
+    if size == 1:
+        return (GroupPlacement(size=1, num_nodes=1, ranks_per_node=1),)
+    offsets = [0]
+    for step, count in inside:
+        offsets = [o + i * step for o in offsets for i in range(count)]
+    # A group's spread over nodes depends only on where its base falls within a node: the
+    # residues of the bases modulo the node size (at most devices_per_node of them).
+    residues = {0}
+    for step, count in outside:
+        residues = {(r + i * step) % devices_per_node for r in residues for i in range(count)}
     found: set[GroupPlacement] = set()
-    for base in range(strategy.num_devices):
-        if (base // stride) % size != 0:
-            continue  # not the first rank of its group
+    for base in residues:
         counts: dict[int, int] = {}
-        for i in range(size):
-            node = (base + i * stride) // devices_per_node
+        for offset in offsets:
+            node = (base + offset) // devices_per_node
             counts[node] = counts.get(node, 0) + 1
         found.add(
             GroupPlacement(size=size, num_nodes=len(counts), ranks_per_node=max(counts.values()))
@@ -263,6 +381,7 @@ def pipeline_link_crosses_nodes(
         strategy.pp_degree,
         strategy.dp_degree,
         strategy.tp_degree,
+        strategy.cp_degree,
         strategy.rank_layout,
         cluster.devices_per_node,
         from_pp_rank,
@@ -275,16 +394,18 @@ def _pipeline_link(
     pp: int,
     dp: int,
     tp: int,
-    layout: tuple[Axis, Axis, Axis],
+    cp: int,
+    layout: tuple[Axis, ...],
     devices_per_node: int,
     a: int,
     b: int,
 ) -> bool:
-    strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, rank_layout=layout)
+    strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, cp_degree=cp, rank_layout=layout)
     return any(
-        strategy.global_rank(pp=a, dp=d, tp=t) // devices_per_node
-        != strategy.global_rank(pp=b, dp=d, tp=t) // devices_per_node
+        strategy.global_rank(pp=a, dp=d, tp=t, cp=c) // devices_per_node
+        != strategy.global_rank(pp=b, dp=d, tp=t, cp=c) // devices_per_node
         for d in range(dp)
+        for c in range(cp)
         for t in range(tp)
     )
 
@@ -365,10 +486,12 @@ def decide(strategy: Strategy) -> Decisions:
     ZeRO-1 on DDP keeps its optimizer state in ZeroRedundancyOptimizer's own layout, which
     torch.distributed.checkpoint cannot save.
     """
-    if strategy.dp_degree == 1 and strategy.dtype == "fp32":
+    # the data-parallel group of the weights: dp x cp (context-parallel ranks hold replicas)
+    replicas = strategy.weight_dp_degree
+    if replicas == 1 and strategy.dtype == "fp32":
         wrapper: DataParallelWrapper = "none"
     elif (
-        strategy.dp_degree > 1
+        replicas > 1
         and strategy.zero_stage <= 1
         and strategy.tp_degree == 1
         and strategy.pp_degree == 1

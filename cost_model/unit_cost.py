@@ -48,6 +48,12 @@ class UnitCost:
     extra_bytes: float  # the working set counted with this unit (embedding and head only)
     output_bytes: float  # the tensor sent to the next stage per micro-batch, per device
     forward_flops: float  # per micro-batch on this device (model work, no recompute)
+    # --- of forward_s / backward_s: context parallel's ring exchanges not hidden behind the
+    # attention (`parts.context_parallel`), expert parallel's all-to-alls (`parts.expert_parallel`)
+    cp_forward_s: float = 0.0
+    cp_backward_s: float = 0.0
+    ep_forward_s: float = 0.0
+    ep_backward_s: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -89,6 +89,51 @@ class TpStructure:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MoELayerFacts:
+    """The routed experts of one mixture-of-experts layer, as the cost model prices them.
+
+    Contract with the trace (a unit's ``moe``; `autoplan.contract.graph.MoELayerProfile` has
+    the same facts): the unit's ``ops`` include the routed experts as ONE op named
+    ``experts_op`` (the traced ``GroupedExperts`` call, at balanced routing), and its
+    ``num_params`` include the ``num_experts * params_per_expert`` expert parameters, none of
+    them in ``num_params_tp_sharded`` (experts split by expert parallelism, not by TP). The
+    router, any shared expert, attention and norms are ordinary ops. The cost model prices
+    the experts op itself (`cost_model.parts.expert_parallel`: its GEMMs at the per-expert token
+    count, the all-to-alls, the routing imbalance) and leaves it out of the unit's own compute;
+    its saved activations stay in the unit's saved bytes (balanced routing).
+    ``routed_tokens_per_sample`` counts token-expert assignments, ``seq_len * top_k``.
+    """
+
+    experts_op: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_ffn_hidden_size: int
+    params_per_expert: int
+    flops_per_routed_token: float  # forward FLOPs of one assignment (one token, one expert)
+    routed_tokens_per_sample: int  # token-expert assignments per sample: seq_len * top_k
+    num_gemms: int = 3  # GEMMs per expert (SwiGLU: gate, up, down)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_experts",
+            "top_k",
+            "params_per_expert",
+            "hidden_size",
+            "expert_ffn_hidden_size",
+            "routed_tokens_per_sample",
+            "num_gemms",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoELayerFacts.{name} = {getattr(self, name)} must be >= 1")
+        # (top_k > num_experts is a plan-validation error naming the fix: `Plan.validate`)
+
+    @property
+    def expert_params(self) -> int:
+        return self.num_experts * self.params_per_expert
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class UnitProfile:
     """A pipeline unit (embedding, one block, or final norm + head): the smallest thing a stage
     boundary can fall between. Activation figures are per sample at the traced dtype."""
@@ -116,6 +161,8 @@ class UnitProfile:
     # is back (torch's non-reentrant checkpoint): those after the last tensor autograd saves,
     # e.g. a pre-LN block's last GEMM and residual add.
     recompute_skip_ops: int = 0
+    # The routed experts of a mixture-of-experts block (None: a dense unit).
+    moe: MoELayerFacts | None = None
 
     def __post_init__(self) -> None:
         if self.num_params_tp_sharded > self.num_params:
@@ -170,6 +217,11 @@ class ModelProfile:
     @property
     def forward_flops_per_sample(self) -> float:
         return sum(unit.forward_flops for unit in self.units)
+
+    @property
+    def moe_layers(self) -> tuple[MoELayerFacts, ...]:
+        """The routed-expert facts of every mixture-of-experts unit (empty: a dense model)."""
+        return tuple(unit.moe for unit in self.units if unit.moe is not None)
 
     def tp_divisible_counts(self) -> dict[str, int]:
         """Every count that a tensor-parallel degree must divide, over all units."""

@@ -12,11 +12,14 @@ FLOPs: 2 s h (3h) for q/k/v, 4 s^2 h for the attention core, 2 s h h for the out
 
 from __future__ import annotations
 
+import dataclasses
+
 from cost_model.calibration import Calibration
 from cost_model.hardware import Cluster, DeviceSpec, LinkSpec
 from cost_model.workload import (
     GemmShape,
     ModelProfile,
+    MoELayerFacts,
     OpProfile,
     TpLinear,
     TpStructure,
@@ -201,4 +204,66 @@ def round_cluster(
             inter_node_comm_efficiency=0.5,
             kernel_overhead_s=0.0,
         ),
+    )
+
+
+def with_routed_experts(
+    profile: ModelProfile,
+    *,
+    num_experts: int,
+    top_k: int,
+    expert_ffn: int,
+    name: str | None = None,
+) -> ModelProfile:
+    """``profile`` with a routed-experts op added to every block, as the trace records a
+    mixture-of-experts block (`cost_model.workload.MoELayerFacts`): one ``experts`` op of
+    ``seq_len x top_k`` assignments through SwiGLU experts of width ``expert_ffn`` (3 GEMMs,
+    ``6 h F`` forward FLOPs per assignment), its parameters in ``num_params`` (not TP-sharded)
+    and its saved input and intermediates, ``(h + 3F)`` elements per assignment, in the
+    replicated saved bytes. The block's own MLP stays (as a shared expert)."""
+    e = profile.traced_dtype_bytes
+    h, s = profile.hidden_size, profile.seq_len
+    per_expert = 3 * h * expert_ffn
+    assignments = s * top_k
+    flops = 6.0 * h * expert_ffn
+    units = []
+    for unit in profile.units:
+        if unit.kind != "block":
+            units.append(unit)
+            continue
+        experts = OpProfile(
+            name="experts",
+            kind="matmul",
+            tp="replicated",
+            forward_flops=assignments * flops,
+            backward_flops=2.0 * assignments * flops,
+            activation_bytes=float(assignments * (2 * h + 3 * expert_ffn) * e),
+            param_bytes_read=float(num_experts * per_expert * e),
+        )
+        router = _linear("router", "replicated", s, num_experts, h, e, bias=False)
+        units.append(
+            dataclasses.replace(
+                unit,
+                ops=(*unit.ops, router, experts),
+                num_params=unit.num_params + num_experts * per_expert + h * num_experts,
+                param_bytes=unit.param_bytes + (num_experts * per_expert + h * num_experts) * e,
+                saved_bytes_replicated=unit.saved_bytes_replicated
+                + assignments * (h + 3 * expert_ffn) * e,
+                moe=MoELayerFacts(
+                    experts_op="experts",
+                    num_experts=num_experts,
+                    top_k=top_k,
+                    hidden_size=h,
+                    expert_ffn_hidden_size=expert_ffn,
+                    params_per_expert=per_expert,
+                    flops_per_routed_token=flops,
+                    routed_tokens_per_sample=assignments,
+                ),
+            )
+        )
+    return dataclasses.replace(
+        profile,
+        name=name or f"{profile.name}-moe{num_experts}x{top_k}",
+        units=tuple(units),
+        fingerprint="",
     )

@@ -92,10 +92,18 @@ class CriticalPath:
     tail_s: float  # what the ranks' tails add after the pipeline ends (DP sync, optimizer)
     tail_rank: int  # the rank with that tail
     dominant: str  # the largest share: compute, communication, bubble or tail
+    cp_comm_s: float = 0.0  # of busy: context parallel's ring exchanges not hidden
+    ep_comm_s: float = 0.0  # of busy: expert parallel's all-to-alls
 
     @property
     def communication_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.zero3_exposed_s
+        return (
+            self.tp_comm_s
+            + self.pp_comm_s
+            + self.zero3_exposed_s
+            + self.cp_comm_s
+            + self.ep_comm_s
+        )
 
     def summary(self) -> str:
         step = self.step_time_s
@@ -111,6 +119,8 @@ class CriticalPath:
             for name, seconds in (
                 ("TP comm", self.tp_comm_s),
                 ("PP comm", self.pp_comm_s),
+                ("CP ring", self.cp_comm_s),
+                ("EP all-to-all", self.ep_comm_s),
                 ("exposed ZeRO-3 gathers", self.zero3_exposed_s),
             )
             if seconds > 0
@@ -295,8 +305,11 @@ def critical_path(result: Estimate) -> CriticalPath:
     compute = sum(s.compute_s for s in stages)
     tp = sum(s.tp_comm_s for s in stages)
     pp = sum(s.pp_comm_s for s in stages)
-    # forward_s/backward_s = compute + TP + exposed ZeRO-3 (cost_model.estimate.unit_costs)
-    zero3 = bottleneck.busy_s - compute - tp - pp
+    cp = sum(s.cp_comm_s for s in stages)
+    ep = sum(s.ep_comm_s for s in stages)
+    # forward_s/backward_s = compute + TP + CP ring + EP all-to-all + exposed ZeRO-3
+    # (cost_model.estimate.unit_costs)
+    zero3 = bottleneck.busy_s - compute - tp - pp - cp - ep
     bubble = result.pipeline_time_s - bottleneck.busy_s
     # What the ranks' tails add after the pipeline's last action (each tail starts when its
     # own rank is done, so a rank that finishes early hides some of its tail).
@@ -309,7 +322,7 @@ def critical_path(result: Estimate) -> CriticalPath:
     tail_rank = max(result.ranks, key=lambda r: (r.tail_s, -r.pp_rank))
     shares = {
         "compute": compute,
-        "communication": tp + pp + zero3,
+        "communication": tp + pp + cp + ep + zero3,
         "the pipeline bubble": bubble,
         "the tail after the flush": tail,
     }
@@ -322,6 +335,8 @@ def critical_path(result: Estimate) -> CriticalPath:
         tp_comm_s=tp,
         pp_comm_s=pp,
         zero3_exposed_s=zero3,
+        cp_comm_s=cp,
+        ep_comm_s=ep,
         bubble_s=bubble,
         tail_s=tail,
         tail_rank=tail_rank.pp_rank,
@@ -335,7 +350,7 @@ def describe_plan(plan: Plan) -> str:
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
     modes = "+".join(sorted({s.recompute for s in plan.stages}))
     text = (
-        f"tp={plan.tp_degree} pp={plan.pp_degree} dp={plan.dp_degree}, micro-batch "
+        f"tp={plan.tp_degree} pp={plan.pp_degree} dp={plan.dp_degree}{_cp_ep(plan)}, micro-batch "
         f"{plan.micro_batch_size} x {plan.num_micro_batches}, {schedule}, {plan.zero_text}, "
         f"recompute {modes}" + (", SP" if plan.sequence_parallel else "")
     )
@@ -351,6 +366,13 @@ def describe_plan(plan: Plan) -> str:
         if plan.rank_layout != MESH_AXES:
             text += f", layout {','.join(plan.rank_layout)}"
     return text
+
+
+def _cp_ep(plan: Plan) -> str:
+    """`` cp=16``, `` ep=8``: the context- and expert-parallel degrees when above 1."""
+    return (f" cp={plan.cp_degree}" if plan.cp_degree > 1 else "") + (
+        f" ep={plan.ep_degree}" if plan.ep_degree > 1 else ""
+    )
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

@@ -105,6 +105,17 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             if with_dp
             else []
         ),
+        click.option(
+            "--cp",
+            callback=int_list,
+            help="Allowed context-parallel degrees [1 below 16K tokens, else those leaving "
+            ">= 2048 tokens per rank].",
+        ),
+        click.option(
+            "--ep",
+            callback=int_list,
+            help="Allowed expert-parallel degrees [divisors of dp and of the experts].",
+        ),
         click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes."),
         click.option(
             "--max-tp",

@@ -33,7 +33,13 @@ from cost_model.hardware import load_cluster
 @click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
-@click.option("--dp", type=int, default=None, help="Data-parallel degree [devices / (tp x pp)].")
+@click.option(
+    "--dp", type=int, default=None, help="Data-parallel degree [devices / (tp x pp x cp)]."
+)
+@click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel degree.")
+@click.option(
+    "--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (within dp)."
+)
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Micro-batch size.")
 @click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step.")
 @click.option(
@@ -67,6 +73,8 @@ def estimate_cmd(
     tp: int,
     pp: int,
     dp: int | None,
+    cp: int,
+    ep: int,
     micro_batch: int,
     global_batch: int,
     recompute: Recompute,
@@ -81,7 +89,7 @@ def estimate_cmd(
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""
     target = load_cluster(cluster_spec)
     if dp is None:
-        dp = default_dp(target, tp, pp)  # fail before the (slower) model trace
+        dp = default_dp(target, tp, pp * cp)  # fail before the (slower) model trace
     profile = trace_spec(model_spec).profile
     if schedule is None:
         schedule = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
@@ -91,6 +99,8 @@ def estimate_cmd(
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
+        ep=ep,
         micro_batch=micro_batch,
         global_batch=global_batch,
         recompute=recompute,
@@ -112,7 +122,9 @@ def estimate_cmd(
     out.print(
         f"[bold]{profile.name}[/] on {target.name} ({target.num_devices} devices): "
         f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree} "
-        f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
+        + (f"cp={plan.cp_degree} " if plan.cp_degree > 1 else "")
+        + (f"ep={plan.ep_degree} " if plan.ep_degree > 1 else "")
+        + f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
         f"{plan.num_micro_batches}, {plan.schedule}, {plan.zero_text}, {plan.dtype}"
         + (", sequence parallel" if plan.sequence_parallel else "")
         + (f", priced for {plan.framework}" if plan.framework != DEFAULT_FRAMEWORK else "")

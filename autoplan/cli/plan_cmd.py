@@ -141,11 +141,16 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
     table = compact_table("best plans (rank 1 is chosen)", caption=MEMORY_CELL_CAPTION)
     # The rank layout only when the plans differ in it: then it may be all that tells two apart.
     layouts = len({plan.rank_layout for plan in plans}) > 1
+    # cp and ep columns only when a plan uses them
+    cp = any(plan.cp_degree > 1 for plan in plans)
+    ep = any(plan.ep_degree > 1 for plan in plans)
     for name in (
         "#",
         "tp",
         "pp",
         "dp",
+        *(("cp",) if cp else ()),
+        *(("ep",) if ep else ()),
         "mb x n",
         "schedule",
         "v",
@@ -167,6 +172,8 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             str(plan.tp_degree),
             str(plan.pp_degree),
             str(plan.dp_degree),
+            *((str(plan.cp_degree),) if cp else ()),
+            *((str(plan.ep_degree),) if ep else ()),
             f"{plan.micro_batch_size} x {plan.num_micro_batches}",
             plan.schedule,
             str(plan.virtual_stages),

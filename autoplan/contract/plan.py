@@ -11,6 +11,20 @@ stages are furthest apart, as in Megatron-LM. Stage ``i`` of ``pp_degree * virtu
 stages runs where the schedule puts it (`cost_model.schedules`): pipeline rank ``i % pp_degree``
 (torch's "loop" placement) for all but the V schedules (``zbv``, ``dualpipev``), which put
 stages ``r`` and ``2 pp_degree - 1 - r`` on rank ``r``.
+
+Context and expert parallelism: ``cp_degree`` splits every sequence over a ring of ranks (ring
+attention, torch's load-balanced causal sharding into ``2 cp_degree`` chunks); the layout
+then orders four axes, e.g. ``("pp", "dp", "cp", "tp")`` (Megatron-LM's ``tp-cp-ep-dp-pp``,
+innermost first). A three-axis layout (plans written before cp) means cp = 1. ``ep_degree``
+splits the experts of a mixture-of-experts model over ``ep_degree`` consecutive data-parallel
+ranks: expert-data parallelism, dp = ep x edp for the expert weights, as DeepSpeed's
+expert-data-parallel groups and Megatron-LM's expert rank generator (megatron/core/
+parallel_state.py, ``initialize_model_parallel``: ``expert_data_parallel_size =
+decoder_world_size // (expert_tensor_parallel_size * expert_model_parallel_size *
+pipeline_model_parallel_size)``, so ep x edp = dp x cp there). Megatron-LM lets ep span dp x
+cp; autoplan keeps ep inside dp (ep divides dp_degree), so the all-to-all never mixes ranks
+that hold different chunks of one sequence. Both default to 1, and a plan with cp = ep = 1
+writes neither field: older plan files load and save byte for byte.
 """
 
 from __future__ import annotations
@@ -44,18 +58,20 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
-from cost_model.strategy import Decisions, Strategy
+from cost_model.strategy import Decisions, Strategy, valid_layout
 from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
 
 Schedule = ScheduleName
 Recompute = Literal["none", "selective", "full"]
-MeshAxis = Literal["pp", "dp", "tp"]
+MeshAxis = Literal["pp", "dp", "cp", "tp"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
+# The four-axis layout a context-parallel plan uses by default (cp between dp and tp).
+CP_RANK_LAYOUT: tuple[MeshAxis, ...] = ("pp", "dp", "cp", "tp")
 DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16")
 
 
@@ -157,6 +173,8 @@ class Plan:
     dp_degree: int
     tp_degree: int
     pp_degree: int
+    cp_degree: int = 1
+    ep_degree: int = 1
     virtual_stages: int = 1
     stages: tuple[StagePlan, ...]
     micro_batch_size: int
@@ -166,7 +184,7 @@ class Plan:
     zero_stage: int = 0
     sequence_parallel: bool = False
     dtype: DTypeName = "bf16"
-    rank_layout: tuple[MeshAxis, MeshAxis, MeshAxis] = ("pp", "dp", "tp")
+    rank_layout: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
     # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
     # or a stack `autoplan export` writes a launch config for.
     framework: str = DEFAULT_FRAMEWORK
@@ -182,6 +200,8 @@ class Plan:
             "dp_degree",
             "tp_degree",
             "pp_degree",
+            "cp_degree",
+            "ep_degree",
             "virtual_stages",
             "micro_batch_size",
             "num_micro_batches",
@@ -206,12 +226,27 @@ class Plan:
             isinstance(stage, StagePlan) for stage in self.stages
         ):
             raise PlanError("stages must be a tuple of StagePlan")
-        if not isinstance(self.rank_layout, tuple) or sorted(map(str, self.rank_layout)) != sorted(
-            MESH_AXES
-        ):
+        if not isinstance(self.rank_layout, tuple) or not valid_layout(self.rank_layout):
+            shown = (
+                list(self.rank_layout)
+                if isinstance(self.rank_layout, (tuple, list))
+                else repr(self.rank_layout)
+            )
             raise PlanError(
-                f"rank_layout = {list(self.rank_layout)} must order each of pp, dp, tp once "
-                "(outermost first), e.g. [pp, dp, tp]"
+                f"rank_layout = {shown} must order each of pp, dp, tp once, "
+                "and cp once or not at all (outermost first), e.g. [pp, dp, tp] or "
+                "[pp, dp, cp, tp]"
+            )
+        if self.cp_degree > 1 and "cp" not in self.rank_layout:
+            raise PlanError(
+                f"cp_degree = {self.cp_degree} needs 'cp' in rank_layout = "
+                f"{list(self.rank_layout)}; place it, e.g. [pp, dp, cp, tp]"
+            )
+        if self.dp_degree % self.ep_degree:
+            raise PlanError(
+                f"ep_degree = {self.ep_degree} does not divide dp_degree = {self.dp_degree}: "
+                "expert parallelism splits the experts over ep of the data-parallel ranks "
+                "(dp = ep x expert-data-parallel); use an ep_degree that divides dp_degree"
             )
         self._check_batching()
         self._check_schedule()
@@ -260,7 +295,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return self.dp_degree * self.tp_degree * self.pp_degree
+        return self.dp_degree * self.tp_degree * self.pp_degree * self.cp_degree
 
     @property
     def num_stages(self) -> int:
@@ -271,7 +306,12 @@ class Plan:
         return self.stages[-1].last_unit + 1
 
     def degree(self, axis: MeshAxis) -> int:
-        return {"pp": self.pp_degree, "dp": self.dp_degree, "tp": self.tp_degree}[axis]
+        return {
+            "pp": self.pp_degree,
+            "dp": self.dp_degree,
+            "cp": self.cp_degree,
+            "tp": self.tp_degree,
+        }[axis]
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -279,7 +319,10 @@ class Plan:
         return tuple(self.degree(axis) for axis in self.rank_layout)
 
     def axis_stride(self, axis: MeshAxis) -> int:
-        """Distance in global rank between neighbours along ``axis``."""
+        """Distance in global rank between neighbours along ``axis`` (1 for an axis the layout
+        leaves out: cp of degree 1)."""
+        if axis not in self.rank_layout:
+            return 1
         idx = self.rank_layout.index(axis)
         return math.prod(self.degree(a) for a in self.rank_layout[idx + 1 :])
 
@@ -289,6 +332,31 @@ class Plan:
         degree = self.degree(axis)
         base = rank - ((rank // stride) % degree) * stride
         return tuple(base + i * stride for i in range(degree))
+
+    def ep_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks of the expert-parallel group that contains ``rank``: ``ep_degree``
+        consecutive data-parallel ranks (same pp, cp and tp coordinates), which split the experts
+        among them and exchange tokens by all-to-all."""
+        stride = self.axis_stride("dp")
+        d = (rank // stride) % self.dp_degree
+        base = rank - (d % self.ep_degree) * stride
+        return tuple(base + i * stride for i in range(self.ep_degree))
+
+    def expert_data_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks that hold the same experts as ``rank`` (same pp and tp coordinates, the
+        same position in their expert-parallel group, any cp coordinate): the group over which
+        expert gradients reduce, ``dp_degree x cp_degree / ep_degree`` ranks."""
+        dp_stride, cp_stride = self.axis_stride("dp"), self.axis_stride("cp")
+        d = (rank // dp_stride) % self.dp_degree
+        c = (rank // cp_stride) % self.cp_degree
+        base = rank - (d - d % self.ep_degree) * dp_stride - c * cp_stride
+        return tuple(
+            sorted(
+                base + block * self.ep_degree * dp_stride + k * cp_stride
+                for block in range(self.dp_degree // self.ep_degree)
+                for k in range(self.cp_degree)
+            )
+        )
 
     @property
     def schedule_spec(self) -> ScheduleSpec:
@@ -324,9 +392,13 @@ class Plan:
         if conflict is not None:
             raise PlanError(conflict)
         if self.num_devices != cluster.num_devices:
+            names = "dp_degree x tp_degree x pp_degree"
+            values = [self.dp_degree, self.tp_degree, self.pp_degree]
+            if self.cp_degree > 1:
+                names, values = names + " x cp_degree", [*values, self.cp_degree]
             raise PlanError(
-                f"dp_degree x tp_degree x pp_degree = {self.dp_degree} x {self.tp_degree} x "
-                f"{self.pp_degree} = {self.num_devices} devices, but cluster {cluster.name!r} has "
+                f"{names} = {' x '.join(map(str, values))} = {self.num_devices} devices, but "
+                f"cluster {cluster.name!r} has "
                 f"{cluster.num_devices} ({cluster.num_nodes} node(s) x "
                 f"{cluster.devices_per_node}); change the degrees so they multiply to "
                 f"{cluster.num_devices}"
@@ -362,6 +434,7 @@ class Plan:
                     f"tp_degree = {self.tp_degree} does not divide {name} = {count} of model "
                     f"{profile.name!r}; use a tp_degree that divides {count}"
                 )
+        self._validate_cp_ep(profile)
         if self.sequence_parallel:
             if self.tp_degree == 1:
                 raise PlanError(
@@ -373,6 +446,49 @@ class Plan:
                     f"sequence_parallel needs tp_degree = {self.tp_degree} to divide seq_len = "
                     f"{profile.seq_len}; change tp_degree or turn sequence_parallel off"
                 )
+
+    def _validate_cp_ep(self, profile: ModelProfile) -> None:
+        """Context and expert parallelism against the model (issue 21's rules)."""
+        cp = self.cp_degree
+        if cp > 1:
+            if profile.seq_len % (2 * cp):
+                raise PlanError(
+                    f"cp_degree = {cp}: 2 x cp_degree = {2 * cp} must divide seq_len = "
+                    f"{profile.seq_len} of model {profile.name!r} (torch's load-balanced causal "
+                    f"sharding cuts each sequence into 2 x cp chunks, chunks i and 2cp-1-i per "
+                    f"rank); use a cp_degree with 2 x cp_degree dividing {profile.seq_len}"
+                )
+            if profile.num_heads is None or not any(
+                op.kind == "attention" for unit in profile.units for op in unit.ops
+            ):
+                raise PlanError(
+                    f"cp_degree = {cp} but model {profile.name!r} has no attention the trace "
+                    "recognises (context parallelism shards attention along the sequence); "
+                    "set cp_degree to 1"
+                )
+        layers = profile.moe_layers
+        for facts in layers:
+            if facts.top_k > facts.num_experts:
+                raise PlanError(
+                    f"model {profile.name!r} routes each token to top_k = {facts.top_k} experts "
+                    f"of num_experts = {facts.num_experts}; top_k must be <= num_experts: lower "
+                    "top_k or add experts"
+                )
+        ep = self.ep_degree
+        if ep > 1:
+            if not layers:
+                raise PlanError(
+                    f"ep_degree = {ep} but model {profile.name!r} is dense (no mixture-of-experts "
+                    "layer): expert parallelism needs experts to split; set ep_degree to 1"
+                )
+            for facts in layers:
+                if facts.num_experts % ep:
+                    raise PlanError(
+                        f"ep_degree = {ep} does not divide num_experts = {facts.num_experts} of "
+                        f"model {profile.name!r} (each expert-parallel rank holds num_experts / "
+                        "ep whole experts); use an ep_degree that divides "
+                        f"{facts.num_experts} and dp_degree = {self.dp_degree}"
+                    )
 
     # ----------------------------------------------------------------------------- files
 
@@ -401,6 +517,11 @@ class Plan:
             del data["estimate"]
         if data["model"] is None:
             del data["model"]
+        # cp and ep at their default are left out: a plan without them reads and writes as
+        # before they existed (golden files, digests)
+        for name in ("cp_degree", "ep_degree"):
+            if data[name] == 1:
+                del data[name]
         return data
 
     @property

@@ -66,6 +66,22 @@ def export_plan(
         raise InputError(
             f"unknown framework {framework!r}; valid frameworks: {', '.join(FRAMEWORKS)}"
         )
+    unsupported = [
+        ExportProblem(
+            field=name,
+            value=str(value),
+            option=(
+                "autoplan export does not translate context or expert parallelism yet "
+                "(Megatron-LM's --context-parallel-size / --expert-model-parallel-size, "
+                "torchtitan's context_parallel_degree / expert_parallel_degree)"
+            ),
+            fix=f"set {name} to 1, or pass the option by hand",
+        )
+        for name, value in (("cp_degree", plan.cp_degree), ("ep_degree", plan.ep_degree))
+        if value > 1
+    ]
+    if unsupported:
+        raise ExportError(framework, unsupported)
     dims = model if isinstance(model, ModelDims) else model_dims(plan_model_spec(plan, model))
     launch = Launch(num_devices=plan.num_devices, devices_per_node=devices_per_node)
     return _EXPORTERS[framework](plan, dims, launch)

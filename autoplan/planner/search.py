@@ -460,6 +460,8 @@ class _BoundTables:
         self.class_counts = Counter(model.classes)
         # per sample at the traced dtype: the smallest tensor a pipeline stage can send
         self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
+        # the routed experts' parameters (stored E / ep per device)
+        self._expert_params = sum(facts.expert_params for facts in profile.moe_layers)
 
     def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
         """A lower bound on the device memory of any plan with these outer choices, plus the
@@ -480,6 +482,8 @@ class _BoundTables:
             strategy.dp_degree,
             strategy.zero_stage,
             strategy.dp_wrapper,  # (GPipe with several micro-batches runs no DDP)
+            strategy.cp_degree,
+            strategy.ep_degree,
         )
         found = self._memory.get(whole)
         if found is None:
@@ -494,6 +498,7 @@ class _BoundTables:
         if any(sends):
             scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
             scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+            scale /= strategy.cp_degree
             size = self._smallest_output * scale * cal.pipeline_boundary_retention
             per_rank = max(per_rank, (state + sum(sends) * size) / p, max(sends) * size)
         return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
@@ -509,27 +514,49 @@ class _BoundTables:
                 for unit in self.profile.units
             )
             self._params[key] = params
+        # as `CostModel` stores them: dense weights data-parallel over dp x cp, the routed
+        # experts E / ep per device over dp x cp / ep
+        # (the weights' view decides as the strategy: `Strategy.weights_view`)
         state = static_bytes(
-            params,
+            params - self._expert_params,
             strategy.dtype,
             strategy.runtime_zero_stage,
-            strategy.dp_degree,
+            strategy.weight_dp_degree,
             strategy.dp_wrapper,
+        ).total_bytes
+        if self._expert_params:
+            experts = strategy.expert_view
+            state += static_bytes(
+                self._expert_params / strategy.ep_degree,
+                strategy.dtype,
+                experts.runtime_zero_stage,
+                experts.dp_degree,
+                experts.dp_wrapper,
+            ).total_bytes
+        act_key = (
+            strategy.tp_degree,
+            strategy.sequence_parallel,
+            strategy.micro_batch_size,
+            strategy.cp_degree,
+            strategy.ep_degree,
         )
-        act_key = (strategy.tp_degree, strategy.sequence_parallel, strategy.micro_batch_size)
         least_act = self._least_act.get((*act_key, strategy.dtype, tuple(modes)))
         if least_act is None:
             traced = self.profile.traced_dtype_bytes
-            least_act = sum(
-                count
-                * min(
-                    activation_bytes(self.profile.units[rep], strategy, mode, traced)
+            least_act = 0.0
+            for rep, count in self.class_counts.items():
+                unit = self.model.local_unit(rep, strategy.cp_degree)
+                least_act += count * min(
+                    activation_bytes(unit, strategy, mode, traced)
+                    + (
+                        self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
+                        if unit.moe is not None
+                        else 0.0
+                    )
                     for mode in modes
                 )
-                for rep, count in self.class_counts.items()
-            )
             self._least_act[(*act_key, strategy.dtype, tuple(modes))] = least_act
-        return state.total_bytes, least_act
+        return state, least_act
 
     def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
         """(a floor under the order key, a proven lower bound on the step) from the units'
@@ -543,12 +570,16 @@ class _BoundTables:
             strategy.micro_batch_size,
             strategy.dtype,
             modes,
+            strategy.cp_degree,
+            strategy.ep_degree,
         )
         work = self._floor_work.get(key)
         if work is None:
+            # (dp = ep: the experts split as in the strategy, their all-to-all on the nearest
+            # ranks; the cp ring on the strategy's own cp degree, its ranks the nearest too)
             alone = replace(
                 strategy,
-                dp_degree=1,
+                dp_degree=strategy.ep_degree,
                 pp_degree=1,
                 virtual_stages=1,
                 num_micro_batches=1,
@@ -759,6 +790,8 @@ def _to_plan(
         dp_degree=s.dp_degree,
         tp_degree=s.tp_degree,
         pp_degree=s.pp_degree,
+        cp_degree=s.cp_degree,
+        ep_degree=s.ep_degree,
         virtual_stages=s.virtual_stages,
         stages=stages,
         micro_batch_size=s.micro_batch_size,

@@ -9,6 +9,19 @@ rules hold (`cost_model.schedules.ScheduleSpec`: torch's own). Dominated choices
 ZeRO-1 when ZeRO-2 is allowed (same time, less memory), ZeRO levels and layouts that cannot
 differ when dp = 1, GPipe on one pipeline rank (1F1B runs the same actions and holds less).
 With several pipeline ranks GPipe is not dominated: with uneven stages either can be faster.
+
+Context parallelism (cp) is enumerated only for long sequences, ``seq_len >=
+SearchSpace.cp_min_seq_len`` (16384 by default), up to the degree that leaves
+``cp_min_local_tokens`` (2048) tokens per rank, or as the ``cp`` constraint names degrees:
+Llama 3 405B trained its 8K-token stage on 16,384 H100s with TP 8, CP 1, PP 16 and turned CP 16
+on only for the 128K stage (Balaji, SC'24, "Herding Llamas", as tabled at
+https://glennklockwood.com/garden/llama-3.1). Below that, TP with sequence parallelism and PP
+already divide the activations, and cp's ring only adds communication, so the search of dense
+short-sequence models is the one it was before cp existed (same candidates, same result).
+A cp degree must divide the devices left by tp x pp and, with torch's load-balanced causal
+sharding, ``2 cp`` must divide the sequence. Expert parallelism (ep) is enumerated for models
+with mixture-of-experts units: every divisor of dp that divides each layer's expert count.
+The rank layouts with cp > 1 place cp just outside tp (`with_cp`).
 """
 
 from __future__ import annotations
@@ -22,7 +35,6 @@ from typing import Any
 
 from autoplan.contract.errors import InputError
 from autoplan.contract.plan import (
-    MESH_AXES,
     RECOMPUTE_MODES,
     SCHEDULES,
     MeshAxis,
@@ -32,12 +44,20 @@ from autoplan.contract.plan import (
 )
 from cost_model.hardware import Cluster
 from cost_model.schedules import V_SCHEDULES, ScheduleError
-from cost_model.strategy import Strategy, schedule_spec
+from cost_model.strategy import Strategy, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
 
-Layout = tuple[MeshAxis, MeshAxis, MeshAxis]
+Layout = tuple[MeshAxis, ...]
 DEFAULT_LAYOUTS: tuple[Layout, ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 MAX_VIRTUAL_STAGES = 8
+# The shortest sequence for which the search tries context parallelism by itself (see the
+# module docstring: Llama 3 trained 8K sequences without it).
+CP_MIN_SEQ_LEN = 16384
+# The fewest tokens of a sequence the search leaves on one cp rank (seq_len / cp): Llama 3
+# 405B at 128K kept 8192 (CP 16, same source). With fewer, each ring step's block attention
+# (quadratic in the chunk) is too short to hide the K/V exchange (linear in it) on any link,
+# and the tokens per rank no longer fill a GEMM; the ``cp`` constraint may ask for more.
+CP_MIN_LOCAL_TOKENS = 2048
 
 
 class ConstraintError(InputError):
@@ -51,6 +71,11 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    # cp > 1 is tried by itself only from this sequence length on (module docstring)
+    cp_min_seq_len: int = CP_MIN_SEQ_LEN
+    cp_min_local_tokens: int = CP_MIN_LOCAL_TOKENS
     micro_batch: tuple[int, ...] | None = None
     max_tp: int | None = None
     max_pp: int | None = None
@@ -141,6 +166,23 @@ class SearchSpace:
             raise ConstraintError(
                 f"dp={_show(self.dp)} does not divide global_batch={global_batch}"
             )
+        if self.cp is not None and all(c > 1 and profile.seq_len % (2 * c) for c in self.cp):
+            raise ConstraintError(
+                f"cp={_show(self.cp)}: 2 x cp must divide seq_len={profile.seq_len} of "
+                f"{profile.name!r} (torch's load-balanced causal sharding)"
+            )
+        if self.ep is not None and max(self.ep) > 1:
+            layers = profile.moe_layers
+            if not layers:
+                raise ConstraintError(
+                    f"ep={_show(self.ep)}: {profile.name!r} is dense (no mixture-of-experts "
+                    "layer); drop the ep constraint"
+                )
+            experts = math.gcd(*(facts.num_experts for facts in layers))
+            if all(experts % e for e in self.ep):
+                raise ConstraintError(
+                    f"ep={_show(self.ep)} does not divide the {experts} experts of {profile.name!r}"
+                )
         counts = profile.tp_divisible_counts()
         if self.tp is not None and all(any(c % t for c in counts.values()) for t in self.tp):
             raise ConstraintError(
@@ -158,7 +200,7 @@ def _show(values: Sequence[object]) -> str:
 
 def _normalise(key: str, value: Any) -> Any:
     """Accept a scalar or a collection for set-valued constraints, check the values."""
-    if key in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "zero"):
+    if key in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "zero"):
         values = _as_tuple(key, value)
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero" else 1):
@@ -166,7 +208,7 @@ def _normalise(key: str, value: Any) -> Any:
         if key == "zero" and any(v > 3 for v in values):
             raise ConstraintError(f"zero={value!r}: ZeRO levels are 0, 1, 2, 3")
         return values
-    if key in ("max_tp", "max_pp", "max_micro_batch"):
+    if key in ("max_tp", "max_pp", "max_micro_batch", "cp_min_seq_len", "cp_min_local_tokens"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConstraintError(f"{key}={value!r} must be a whole number >= 1")
         return value
@@ -192,8 +234,11 @@ def _normalise(key: str, value: Any) -> Any:
     if key == "rank_layouts":
         layouts = tuple(tuple(layout) for layout in value)
         for layout in layouts:
-            if sorted(layout) != sorted(MESH_AXES):
-                raise ConstraintError(f"rank_layouts: {list(layout)} must order pp, dp, tp once")
+            if not valid_layout(layout):
+                raise ConstraintError(
+                    f"rank_layouts: {list(layout)} must order pp, dp, tp once (and cp once or "
+                    "not at all)"
+                )
         return layouts
     if key == "allow_cross_node_tp":
         return bool(value)
@@ -252,15 +297,54 @@ def strategies(
                 continue
             if space.max_pp is not None and pp > space.max_pp:
                 continue
-            dp = n // (tp * pp)
-            if (space.dp is not None and dp not in space.dp) or global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            for b in _divisors(per_replica, space.max_micro_batch):
-                if space.micro_batch is not None and b not in space.micro_batch:
+            for cp in cp_choices(space, profile, n // (tp * pp)):
+                dp = n // (tp * pp * cp)
+                if (space.dp is not None and dp not in space.dp) or global_batch % dp:
                     continue
-                m = per_replica // b
-                yield from _schedules(space, profile, tp, pp, dp, b, m, skip_dominated)
+                per_replica = global_batch // dp
+                for ep in ep_choices(space, profile, dp):
+                    for b in _divisors(per_replica, space.max_micro_batch):
+                        if space.micro_batch is not None and b not in space.micro_batch:
+                            continue
+                        m = per_replica // b
+                        yield from _schedules(
+                            space, profile, tp, pp, dp, b, m, skip_dominated, cp=cp, ep=ep
+                        )
+
+
+def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[int]:
+    """Context-parallel degrees to try on ``devices`` (what tp x pp leave): divisors with
+    ``2 cp | seq_len``; only 1 below ``cp_min_seq_len``, and none leaving fewer than
+    ``cp_min_local_tokens`` tokens per rank, unless the ``cp`` constraint names them."""
+    if space.cp is None and profile.seq_len < space.cp_min_seq_len:
+        return [1]
+    return [
+        cp
+        for cp in _divisors(devices)
+        if (cp == 1 or profile.seq_len % (2 * cp) == 0)
+        and (
+            cp in space.cp
+            if space.cp is not None
+            else cp == 1 or profile.seq_len // cp >= space.cp_min_local_tokens
+        )
+    ]
+
+
+def ep_choices(space: SearchSpace, profile: ModelProfile, dp: int) -> list[int]:
+    """Expert-parallel degrees to try with ``dp`` data-parallel ranks: 1 for a dense model,
+    else the divisors of dp that divide every layer's expert count."""
+    layers = profile.moe_layers
+    experts = math.gcd(*(facts.num_experts for facts in layers)) if layers else 1
+    return [ep for ep in _divisors(math.gcd(dp, experts)) if space.ep is None or ep in space.ep]
+
+
+def with_cp(layout: Layout, cp_degree: int) -> Layout:
+    """``layout`` with cp placed just outside tp when cp > 1 and the layout leaves it out
+    (Megatron-LM's ``tp-cp-ep-dp-pp`` order, innermost first); else ``layout``."""
+    if cp_degree == 1 or "cp" in layout:
+        return layout
+    idx = layout.index("tp")
+    return (*layout[:idx], "cp", *layout[idx:])
 
 
 def recompute_modes(space: SearchSpace, schedule: Schedule) -> tuple[Recompute, ...]:
@@ -283,7 +367,12 @@ def _schedules(
     b: int,
     m: int,
     skip_dominated: bool,
+    *,
+    cp: int = 1,
+    ep: int = 1,
 ) -> Iterator[Strategy]:
+    # ranks holding replicas of the weights (dp x cp): ZeRO levels differ only with several
+    replicas = dp * cp
     dtype = space.dtype
     assert dtype is not None  # resolved by `strategies`
     options: list[tuple[Schedule, int]] = []
@@ -311,7 +400,9 @@ def _schedules(
     sp_choices = [
         sp for sp in space.sequence_parallel if not sp or (tp > 1 and profile.seq_len % tp == 0)
     ]
-    zero_choices = [z for z in space.zero if dp > 1 or z == min(space.zero) or not skip_dominated]
+    zero_choices = [
+        z for z in space.zero if replicas > 1 or z == min(space.zero) or not skip_dominated
+    ]
     if skip_dominated and 1 in zero_choices and 2 in zero_choices:
         # ZeRO-1 and ZeRO-2 communicate alike (gradients reduce-scattered, weights all-gathered
         # after the step) and ZeRO-2 also shards the gradients: same time, less memory.
@@ -319,6 +410,7 @@ def _schedules(
     layouts = space.rank_layouts
     if skip_dominated and not (dp > 1 and pp > 1):
         layouts = layouts[:1]
+    layouts = tuple(with_cp(layout, cp) for layout in layouts)
     for schedule, v in options:
         if not recompute_modes(space, schedule):
             continue
@@ -339,4 +431,6 @@ def _schedules(
                         sequence_parallel=sp,
                         dtype=dtype,
                         rank_layout=layout,
+                        cp_degree=cp,
+                        ep_degree=ep,
                     )

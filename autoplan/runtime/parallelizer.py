@@ -428,6 +428,13 @@ def _trace(model: nn.Module, plan: Plan | None) -> ModelGraph:
 
 def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int) -> None:
     """Every check that needs no communication: raised identically on every rank."""
+    if plan.cp_degree > 1 or plan.ep_degree > 1:
+        raise PlanError(
+            f"cp_degree = {plan.cp_degree}, ep_degree = {plan.ep_degree}: autoplan's runtime "
+            "does not run context or expert parallelism yet (the cost model and the search "
+            "price them); set cp_degree and ep_degree to 1 to train, or use the plan with "
+            "`autoplan estimate` / `autoplan explain`"
+        )
     if plan.num_devices != world_size:
         raise PlanError(
             f"the plan needs dp x tp x pp = {plan.dp_degree} x {plan.tp_degree} x "

@@ -4,6 +4,9 @@ composes them into a `UnitCost` per unit.
 
 - `compute`: forward, backward, the parts recompute re-runs, the loss after the head;
 - `tensor_parallel`: Megatron TP collectives (and those full recompute re-runs);
+- `context_parallel`: a unit on one cp rank, ring attention's exposed K/V exchanges;
+- `expert_parallel`: routed experts' GEMMs at the per-expert token count, all-to-alls, routing
+  imbalance, expert weights over ep;
 - `data_parallel`: gradient sync, ZeRO-1/2 weight gathers, ZeRO-3 gathers and how much of
   them compute hides, the runtime's grouping of those collectives (DDP buckets, FSDP2 groups);
 - `pipeline`: the boundary after a stage, tied-embedding gradient all-reduces;
@@ -16,6 +19,7 @@ composes them into a `UnitCost` per unit.
 from __future__ import annotations
 
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
+from cost_model.parts.context_parallel import RingAttentionCost, local_unit, ring_attention_cost
 from cost_model.parts.core_sharing import (
     SharingFactors,
     loop_overhead_s,
@@ -31,6 +35,7 @@ from cost_model.parts.data_parallel import (
     per_unit_dp_groups,
     runs_ddp,
 )
+from cost_model.parts.expert_parallel import ExpertCost, expert_cost
 from cost_model.parts.host import HostCost, host_cost
 from cost_model.parts.memory import UnitBytes, unit_bytes
 from cost_model.parts.optimizer import OptimizerCost, optimizer_cost
@@ -48,9 +53,11 @@ __all__ = [
     "ComputeTimes",
     "DataParallelCost",
     "DpSyncShare",
+    "ExpertCost",
     "HostCost",
     "LossCost",
     "OptimizerCost",
+    "RingAttentionCost",
     "SharingFactors",
     "TiedGradSync",
     "TpCost",
@@ -58,15 +65,18 @@ __all__ = [
     "boundary",
     "compute_times",
     "data_parallel_cost",
+    "expert_cost",
     "grad_reduce_bytes",
     "grouped_dp_sync",
     "host_cost",
+    "local_unit",
     "loop_overhead_s",
     "loss_cost",
     "optimizer_cost",
     "oversubscription_factors",
     "per_unit_dp_groups",
     "recompute_s",
+    "ring_attention_cost",
     "runs_ddp",
     "stretched",
     "tied_grad_sync",

@@ -59,14 +59,19 @@ def compute_times(
     """Forward, backward, forward FLOPs and the forward parts recompute modes re-run or skip,
     of one unit's ops and loss, per micro-batch.
 
-    Depends only on the unit, the device and the strategy's TP degree, sequence parallelism,
-    micro-batch and dtype, so the planner's many strategies share one computation
-    (`cost_model.estimate.CostModel` keeps them).
+    Leaves out a mixture-of-experts unit's routed experts (`UnitProfile.moe`), which
+    `cost_model.parts.expert_parallel` prices. Depends only on the unit, the device and the
+    strategy's TP degree, sequence parallelism, micro-batch and dtype, so the planner's many
+    strategies share one computation (`cost_model.estimate.CostModel` keeps them).
     """
     fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = weight = 0.0
     first_tail = len(unit.ops) - unit.recompute_skip_ops
     policy = strategy.decisions.recompute
+    # the routed experts' op is priced apart (`parts.expert_parallel`)
+    experts_op = unit.moe.experts_op if unit.moe is not None else None
     for position, op in enumerate(unit.ops):
+        if op.name == experts_op:
+            continue
         ot = op_cost(op, cluster, strategy, traced_dtype_bytes)
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s

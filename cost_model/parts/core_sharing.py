@@ -56,7 +56,7 @@ def oversubscription_factors(strategy: Strategy, cluster: Cluster) -> SharingFac
     if cluster.shared_cores_per_node is None:
         return NOT_SHARED
     p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
-    replicas = strategy.dp_degree * strategy.tp_degree
+    replicas = strategy.dp_degree * strategy.cp_degree * strategy.tp_degree
     workers = p * replicas
     nodes = max(1, -(-workers // cluster.devices_per_node))  # nodes the job occupies
     cores = float(cluster.shared_cores_per_node * nodes)
@@ -71,7 +71,7 @@ def sharing_key(strategy: Strategy) -> tuple[int, int, int, int]:
         strategy.pp_degree,
         strategy.virtual_stages,
         strategy.num_micro_batches,
-        strategy.dp_degree * strategy.tp_degree,
+        strategy.dp_degree * strategy.cp_degree * strategy.tp_degree,
     )
 
 

@@ -1,0 +1,87 @@
+"""The search over context and expert parallelism: what it enumerates, and that what it returns
+is no slower than any even-split plan a user could write by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import autoplan
+from autoplan.contract.errors import InputError
+from autoplan.planner.search import search_plans
+from autoplan.planner.space import CP_MIN_LOCAL_TOKENS, SearchSpace, strategies
+from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
+
+CLUSTER = round_cluster(num_nodes=2, devices_per_node=8)
+
+
+def test_short_dense_models_search_as_before() -> None:
+    """Below cp_min_seq_len, and for a dense model, every candidate has cp = ep = 1 and a
+    three-axis layout: the space is the one before cp and ep existed."""
+    profile = gpt_profile(num_layers=4, s=2048, h=256, a=8, e=2)
+    found = list(strategies(SearchSpace(), profile, CLUSTER, 32))
+    assert found
+    assert all(s.cp_degree == 1 and s.ep_degree == 1 for s in found)
+    assert all(len(s.rank_layout) == 3 for s in found)
+
+
+def test_long_sequences_enumerate_cp() -> None:
+    profile = gpt_profile(num_layers=4, s=16384, h=256, a=8, e=2)
+    found = list(strategies(SearchSpace(), profile, CLUSTER, 32))
+    degrees = {s.cp_degree for s in found}
+    # 16 devices; 16384 / cp >= 2048 tokens per rank: cp <= 8
+    assert degrees == {1, 2, 4, 8}
+    assert 16384 // max(degrees) >= CP_MIN_LOCAL_TOKENS
+    for s in found:
+        assert s.num_devices == 16
+        assert ("cp" in s.rank_layout) == (s.cp_degree > 1)
+    # ZeRO levels still differ when only cp replicates the weights (dp = 1)
+    zeros = {s.zero_stage for s in found if s.dp_degree == 1 and s.cp_degree > 1}
+    assert len(zeros) > 1
+    # the cp constraint names degrees beyond the default floor
+    asked = {s.cp_degree for s in strategies(SearchSpace(cp=(16,)), profile, CLUSTER, 32)}
+    assert asked == {16}
+
+
+def test_moe_models_enumerate_ep() -> None:
+    profile = with_routed_experts(
+        gpt_profile(num_layers=2, s=1024, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
+    )
+    found = list(strategies(SearchSpace(), profile, CLUSTER, 32))
+    assert {s.ep_degree for s in found} == {1, 2, 4}
+    assert all(s.dp_degree % s.ep_degree == 0 and 4 % s.ep_degree == 0 for s in found)
+
+
+def test_constraints_name_bad_cp_and_ep() -> None:
+    dense = gpt_profile(num_layers=2, s=1000, h=256, a=8, e=2)
+    with pytest.raises(InputError, match="is dense"):
+        search_plans(dense, CLUSTER, global_batch=16, ep=2)
+    with pytest.raises(InputError, match="2 x cp must divide seq_len=1000"):
+        search_plans(dense, CLUSTER, global_batch=16, cp=8)
+
+
+def test_search_beats_every_even_split_plan() -> None:
+    """The searched plan's step is at most that of every even-split plan over tp, cp and ep
+    (pp = 1, micro-batch 1, no recompute, ZeRO 0) that fits: the search covers these choices."""
+    profile = with_routed_experts(
+        gpt_profile(num_layers=2, s=16384, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
+    )
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    result = search_plans(profile, cluster, global_batch=8, budget_s=None, time_limit_s=10.0)
+    best = result.plans[0]
+    assert best.estimate is not None
+    assert autoplan.estimate(profile, cluster, best).step_time_s == pytest.approx(
+        best.estimate.step_time_s
+    )
+    for tp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+        if tp * cp > 8:
+            continue
+        dp = 8 // (tp * cp)
+        for ep in (e for e in (1, 2, 4) if dp % e == 0):
+            plan = autoplan.manual_plan(
+                profile, cluster, tp=tp, cp=cp, ep=ep, global_batch=8, micro_batch=1
+            )
+            assert plan.estimate is not None
+            if plan.estimate.peak_memory_bytes <= plan.estimate.memory_capacity_bytes:
+                assert best.estimate.step_time_s <= plan.estimate.step_time_s * (1 + 1e-6)
