@@ -98,11 +98,7 @@ class CriticalPath:
     @property
     def communication_s(self) -> float:
         return (
-            self.tp_comm_s
-            + self.pp_comm_s
-            + self.zero3_exposed_s
-            + self.cp_comm_s
-            + self.ep_comm_s
+            self.tp_comm_s + self.pp_comm_s + self.zero3_exposed_s + self.cp_comm_s + self.ep_comm_s
         )
 
     def summary(self) -> str:
