@@ -17,6 +17,7 @@ records it needs and returns a frozen one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from autoplan.contract.errors import TraceError
-from autoplan.contract.graph import ModelGraph
+from autoplan.contract.graph import ModelGraph, MoELayerProfile
 from autoplan.models.moe import GroupedExperts
 from autoplan.models.spec import spec_of as model_spec_of
 from autoplan.tracing.assemble import config_int, model_graph
@@ -37,12 +38,14 @@ from autoplan.tracing.measure import measure_units, traced_graph
 from autoplan.tracing.profiler import profile_unit
 from autoplan.tracing.tracer import LeafSpec, trace_model
 from autoplan.tracing.unit_profiles import (
+    ProfiledUnits,
     classify_units,
     collect_params,
     cut_bytes,
     profile_units,
 )
 from autoplan.tracing.units import assign_units, find_blocks
+from cost_model.workload import MoELayerFacts
 
 __all__ = ["ExampleInputs", "trace"]
 
@@ -111,16 +114,45 @@ def trace(
         params = collect_params(graph, assignment, measured.rep_of)
         cuts = cut_bytes(graph, assignment, measured.specs)
         profiled = profile_units(graph, assignment, measured, tp, params, cuts)
+        layers = moe_layers(graph, assignment, measured)
         return model_graph(
             graph,
             assignment,
             measured,
             tp,
             params,
-            profiled,
+            _with_expert_facts(profiled, layers),
             name=name or _default_name(model),
-            moe_layers=moe_layers(graph, assignment, measured),
+            moe_layers=layers,
         )
+
+
+def _with_expert_facts(
+    profiled: ProfiledUnits, layers: tuple[MoELayerProfile, ...]
+) -> ProfiledUnits:
+    """The units with the cost model's record of their routed experts (`MoELayerFacts`)."""
+    if not layers:
+        return profiled
+    by_unit = {layer.unit: layer for layer in layers}
+    units = tuple(
+        dataclasses.replace(
+            unit,
+            moe=MoELayerFacts(
+                experts_op=layer.experts_node,
+                num_experts=layer.num_experts,
+                top_k=layer.top_k,
+                hidden_size=layer.hidden_size,
+                expert_ffn_hidden_size=layer.expert_ffn_hidden_size,
+                params_per_expert=layer.num_params_per_expert,
+                flops_per_routed_token=layer.forward_flops_per_token_per_expert,
+                routed_tokens_per_sample=layer.routed_tokens_per_sample,
+            ),
+        )
+        if (layer := by_unit.get(i)) is not None
+        else unit
+        for i, unit in enumerate(profiled.units)
+    )
+    return dataclasses.replace(profiled, units=units)
 
 
 @contextlib.contextmanager
