@@ -214,3 +214,30 @@ def test_moe_graph_splits_into_stages_that_compute_the_model(pp: int) -> None:
         value = stage.module(*value) if isinstance(value, tuple) else stage.module(value)
     # Same ops on the same tensors in the same order (experts included): bit-identical.
     assert isinstance(value, torch.Tensor) and torch.equal(value, model(ids))
+
+
+def test_the_cost_model_reads_the_traced_experts() -> None:
+    """Every MoE unit of the profile carries its layer's facts (the dense layer none), and
+    expert parallelism changes the price through them: on one node ep = 8 spreads the experts'
+    weights, so the memory of a rank falls, and the all-to-alls add time."""
+    import autoplan
+
+    graph = traced_preset("deepseek-moe-16b")
+    layers = {layer.unit: layer for layer in graph.moe_layers}
+    for i, unit in enumerate(graph.profile.units):
+        layer = layers.get(i)
+        if layer is None:
+            assert unit.moe is None
+            continue
+        assert unit.moe is not None
+        assert unit.moe.experts_op == layer.experts_node
+        assert unit.moe.num_experts == layer.num_experts == 64
+        assert unit.moe.params_per_expert == layer.num_params_per_expert
+        assert unit.moe.routed_tokens_per_sample == layer.routed_tokens_per_sample
+    assert graph.profile.units[1].moe is None  # DeepSeekMoE's first layer is dense
+    cluster = autoplan.Cluster.preset("dgx-h100-80g")
+    args = dict(tp=1, pp=1, dp=8, micro_batch=1, global_batch=8, zero=1, recompute="full")
+    one = autoplan.estimate(graph, cluster, autoplan.manual_plan(graph, cluster, **args))
+    eight = autoplan.estimate(graph, cluster, autoplan.manual_plan(graph, cluster, ep=8, **args))
+    assert eight.peak_memory_bytes < one.peak_memory_bytes
+    assert eight.stages[0].ep_comm_s > 0 == one.stages[0].ep_comm_s
