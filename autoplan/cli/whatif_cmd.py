@@ -249,8 +249,11 @@ def _plan_cell(row: WhatIfRow) -> str:
     if plan is None:
         return f"no plan: {row.reason}"
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    extra = (f" c{plan.cp_degree}" if plan.cp_degree > 1 else "") + (
+        f" e{plan.ep_degree}" if plan.ep_degree > 1 else ""
+    )
     return (
-        f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree} mb{plan.micro_batch_size}x"
+        f"t{plan.tp_degree} p{plan.pp_degree} d{plan.dp_degree}{extra} mb{plan.micro_batch_size}x"
         f"{plan.num_micro_batches} {schedule} Z{plan.zero_stage} "
         + fmt_recompute(s.recompute for s in plan.stages)
         + (" SP" if plan.sequence_parallel else "")
@@ -284,8 +287,8 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
             f"best plan per size: {cluster} ({rows[0].devices_per_node} devices per node, "
             f"{fmt_bytes(rows[0].memory_capacity_bytes)} each)",
             caption=(
-                "plan: t/p/d = tensor/pipeline/data-parallel degrees, mb = micro-batch size x "
-                "count, Z = ZeRO level; memory: the peak device's predicted tensors, framework "
+                "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
+                "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: the peak device's predicted tensors, framework "
                 "reserve and allocator margin, of its capacity; gap: a plan up to this much "
                 "faster may exist (the search's budget ended before it proved otherwise)"
             )
