@@ -616,3 +616,70 @@ def test_bad_sizes_raise_with_the_value(build: Any, match: str) -> None:
     with pytest.raises(ModelSpecError, match=match) as info:
         build()
     assert isinstance(info.value, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit head_dim (Qwen3: heads are not hidden / num_heads wide)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_explicit_head_dim_shapes_params_and_forward() -> None:
+    # Qwen3-30B-A3B's attention at 1/64 scale: hidden 32, 8 heads of 8 (not 32 / 8 = 4), 2 kv
+    # heads, so q_proj is 32 -> 64, k/v 32 -> 16 and o_proj 64 -> 32.
+    model = llama(2, 32, 8, SEQ_LEN, VOCAB, num_kv_heads=2, head_dim=8, device="cpu")
+    config = model.config
+    assert config.head_dim == 8
+    attn = model.blocks[0].attn
+    assert attn.q_proj.weight.shape == (64, 32) and attn.o_proj.weight.shape == (32, 64)
+    assert attn.k_proj.weight.shape == (16, 32) == attn.v_proj.weight.shape
+    assert model.rope_cos.shape == (SEQ_LEN, 8)
+    assert num_params(model) == llama_closed_form(config)
+    logits = model(torch.randint(0, VOCAB, (2, SEQ_LEN)))
+    assert logits.shape == (2, SEQ_LEN, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_default_head_dim_is_resolved_and_equal_to_an_explicit_one() -> None:
+    default = llama(2, 64, 4, SEQ_LEN, VOCAB).config
+    assert default.head_dim == 16
+    assert default == llama(2, 64, 4, SEQ_LEN, VOCAB, head_dim=16).config
+    # a preset of hidden / num_heads heads keeps that rule under new sizes
+    assert preset_config("llama3-8b", hidden_size=2048).head_dim == 64  # type: ignore[union-attr]
+    assert preset_config("llama3-8b", head_dim=64).head_dim == 64  # type: ignore[union-attr]
+
+
+def test_explicit_head_dim_lifts_the_divisibility_rule() -> None:
+    # GPT-OSS: hidden 2880, 64 heads of 64 (2880 / 64 = 45 is not a head size)
+    config = llama(1, 2880, 64, 8, VOCAB, num_kv_heads=8, head_dim=64).config
+    assert config.head_dim == 64
+    with pytest.raises(ModelSpecError, match=r"head_dim = 7 must be even"):
+        llama(1, 32, 4, 8, VOCAB, head_dim=7)
+    with pytest.raises(ModelSpecError, match=r"head_dim must be a positive int, got 0"):
+        llama(1, 32, 4, 8, VOCAB, head_dim=0)
+
+
+def test_explicit_head_dim_hand_sharded_heads_sum_to_full_attention() -> None:
+    torch.manual_seed(0)
+    tp = 2
+    model = llama(1, 32, 8, 16, VOCAB, num_kv_heads=2, head_dim=8, device="cpu")
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 16, 32)  # (B, T, H)
+    full = attn(x, model.rope_cos, model.rope_sin)
+    shards = [shard_module(attn, rank, tp) for rank in range(tp)]
+    assert shards[0].q_proj.out_features == 8 // tp * 8 and shards[0].k_proj.out_features == 8
+    partial = [shard(x, model.rope_cos, model.rope_sin) for shard in shards]
+    torch.testing.assert_close(sum(partial), full)
+
+
+def test_explicit_head_dim_spec_round_trip() -> None:
+    from autoplan.models.spec import build_model, spec_of
+
+    model = llama(2, 32, 8, SEQ_LEN, VOCAB, num_kv_heads=2, head_dim=8)
+    spec = spec_of(model)
+    assert spec is not None and "head_dim=8" in spec
+    rebuilt = build_model(spec)
+    assert isinstance(rebuilt, Llama) and rebuilt.config == model.config
+    # a head_dim of hidden / num_heads is left out of a builder spec (as before head_dim existed)
+    plain = spec_of(llama(2, 32, 8, SEQ_LEN, VOCAB))
+    assert plain is not None and "head_dim" not in plain
+    tweaked = spec_of(preset("llama3-8b", head_dim=64, num_layers=2))
+    assert tweaked == "llama3-8b:num_layers=2,head_dim=64"

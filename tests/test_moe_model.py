@@ -480,3 +480,50 @@ def test_matches_hf_mixtral_logits_gradients_and_aux_loss() -> None:
         assert isinstance(layer, MoEFeedForward) and layer.router.weight.grad is not None
         torch.testing.assert_close(layer.router.weight.grad, hf_layer.mlp.gate.weight.grad)
         torch.testing.assert_close(layer.experts.w_down.grad, hf_layer.mlp.experts.down_proj.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit head_dim (Qwen3-MoE)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_explicit_head_dim_shapes_params_trace_and_spec() -> None:
+    # Qwen3-30B-A3B's shape at small scale: 8 heads of 8 over hidden 32 (q 32 -> 64, o 64 -> 32)
+    model = tiny_moe(num_heads=8, num_kv_heads=2, head_dim=8)
+    config = model.config
+    assert config.head_dim == 8 and config.llama_view().head_dim == 8
+    for block in model.blocks:
+        attn = block.attn
+        assert attn.q_proj.weight.shape == (64, 32) and attn.o_proj.weight.shape == (32, 64)
+        assert attn.k_proj.weight.shape == (16, 32) == attn.v_proj.weight.shape
+    assert model.rope_cos.shape == (SEQ_LEN, 8)
+    assert num_params(model) == num_params_closed_form(config)
+    logits = model(tokens())
+    assert logits.shape == (2, SEQ_LEN, VOCAB) and torch.isfinite(logits).all()
+    spec = spec_of(model)
+    assert spec is not None and "head_dim=8" in spec
+    rebuilt = build_model(spec)
+    assert isinstance(rebuilt, MoE) and rebuilt.config == config
+    # the trace sees the q/o projections' real widths (2 x 32 x 64 FLOPs per token each)
+    from autoplan.tracing import trace
+
+    meta = tiny_moe(device="meta", num_heads=8, num_kv_heads=2, head_dim=8)
+    profile = trace(meta).profile
+    assert profile.num_params == num_params_closed_form(config)
+    default = trace(tiny_moe(device="meta", num_heads=8, num_kv_heads=2)).profile
+    blocks = [u for u in profile.units if u.kind == "block"]
+    blocks_default = [u for u in default.units if u.kind == "block"]
+    assert profile.num_heads == 8 and profile.num_kv_heads == 2
+    # wider heads: more projection and attention-core FLOPs than the default head_dim 4
+    delta = blocks[0].forward_flops - blocks_default[0].forward_flops
+    assert delta > 0
+
+
+def test_qwen3_30b_a3b_closed_form() -> None:
+    # Qwen3-30B-A3B (NVIDIA/NeMo qwen3.py Qwen3Config30B_A3B: 48 layers, hidden 2048, 32 heads of
+    # kv_channels 128, 4 query groups, 128 experts top-8 of 768, vocab 151936): per layer
+    # q/o 2*2048*4096 + k/v 2*2048*512 + norms 2*2048 + router 2048*128 + experts
+    # 128*3*2048*768; untied embeddings 2*151936*2048, final norm 2048 (Qwen3's q/k norms,
+    # 2 x 128 weights per layer, are not modelled).
+    model = moe(48, 2048, 32, 4096, 151936, 128, 8, 768, num_kv_heads=4, head_dim=128)
+    assert num_params(model) == num_params_closed_form(model.config) == 30_532_110_336

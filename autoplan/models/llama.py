@@ -17,7 +17,8 @@ Guarantees, relied on by the tracer, the cost model and the tensor-parallel pass
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Size of one attention head. None (the default) resolves to hidden_size // num_heads at
+    # construction, so a built config always holds an int; set it when a model's heads are not
+    # hidden / num_heads wide (Qwen3-30B-A3B: hidden 2048, 32 heads of 128, see `resolve_head_dim`).
+    head_dim: int = field(default=cast(int, None))
 
     def __post_init__(self) -> None:
         check_positive_ints(
@@ -76,14 +81,7 @@ class LlamaConfig:
                 ("ffn_hidden_size", self.ffn_hidden_size),
             ],
         )
-        check_divisible(
-            "LlamaConfig",
-            "hidden_size",
-            self.hidden_size,
-            "num_heads",
-            self.num_heads,
-            "so that every head has the same head_dim",
-        )
+        resolve_head_dim(self, "LlamaConfig")
         check_divisible(
             "LlamaConfig",
             "num_heads",
@@ -92,11 +90,6 @@ class LlamaConfig:
             self.num_kv_heads,
             "so that each kv head serves the same number of query heads (GQA)",
         )
-        if self.head_dim % 2:
-            raise ModelSpecError(
-                f"LlamaConfig: head_dim = hidden_size / num_heads = {self.head_dim} must be even "
-                f"for RoPE (it rotates pairs of dims); change hidden_size or num_heads"
-            )
         check_positive_float("LlamaConfig", "rope_theta", self.rope_theta)
         check_positive_float("LlamaConfig", "norm_eps", self.norm_eps)
         if not isinstance(self.tie_embeddings, bool):
@@ -104,9 +97,39 @@ class LlamaConfig:
                 f"LlamaConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}"
             )
 
+
+class _HasHeads(Protocol):
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def resolve_head_dim(config: _HasHeads, owner: str) -> None:
+    """Set ``config.head_dim`` (a frozen dataclass, in its ``__post_init__``) to
+    hidden_size // num_heads when it is None, after checking that the heads divide the hidden
+    size; check an explicit one is a positive int. Either way it must be even (RoPE)."""
+    if config.head_dim is None:
+        check_divisible(
+            owner,
+            "hidden_size",
+            config.hidden_size,
+            "num_heads",
+            config.num_heads,
+            "so that every head has the same head_dim (or set head_dim explicitly)",
+        )
+        object.__setattr__(config, "head_dim", config.hidden_size // config.num_heads)
+        what = f"head_dim = hidden_size / num_heads = {config.head_dim}"
+        fix = "change hidden_size or num_heads, or set head_dim"
+    else:
+        check_positive_ints(owner, [("head_dim", config.head_dim)])
+        what, fix = f"head_dim = {config.head_dim}", "use an even head_dim"
+    if config.head_dim % 2:
+        raise ModelSpecError(
+            f"{owner}: {what} must be even for RoPE (it rotates pairs of dims); {fix}"
+        )
 
 
 def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
@@ -119,12 +142,14 @@ def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
 def num_params_closed_form(config: LlamaConfig) -> int:
     """Parameter count in closed form, which the model matches exactly.
 
-    Per block: q and o 2h^2, k and v 2 h (kv_heads * head_dim), SwiGLU 3 h f, two RMSNorms 2h.
-    Embedding V h, untied head V h, final RMSNorm h. No biases anywhere.
+    Per block: q and o 2 h (heads * head_dim) (2h^2 when head_dim = h / heads), k and v
+    2 h (kv_heads * head_dim), SwiGLU 3 h f, two RMSNorms 2h. Embedding V h, untied head V h,
+    final RMSNorm h. No biases anywhere.
     """
     h, f = config.hidden_size, config.ffn_hidden_size
+    q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
-    per_block = 2 * h * h + 2 * h * kv_dim + 3 * h * f + 2 * h
+    per_block = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * f + 2 * h
     head = 0 if config.tie_embeddings else config.vocab_size * h
     return config.num_layers * per_block + config.vocab_size * h + head + h
 
@@ -311,13 +336,15 @@ def llama(
     rope_theta: float = 10000.0,
     norm_eps: float = 1e-5,
     tie_embeddings: bool = False,
+    head_dim: int | None = None,
     device: torch.device | str = "meta",
     dtype: torch.dtype = torch.float32,
 ) -> Llama:
     """Build a Llama on `device` (meta by default: no memory); on a real device it is initialised.
 
     `num_kv_heads` defaults to `num_heads` (no GQA); `ffn_hidden_size` to
-    `default_ffn_hidden_size(hidden_size)` (Meta's 2/3 * 4h rounded up to a multiple of 256).
+    `default_ffn_hidden_size(hidden_size)` (Meta's 2/3 * 4h rounded up to a multiple of 256);
+    `head_dim` to hidden_size / num_heads.
     """
     config = LlamaConfig(
         num_layers=num_layers,
@@ -332,5 +359,6 @@ def llama(
         rope_theta=rope_theta,
         norm_eps=norm_eps,
         tie_embeddings=tie_embeddings,
+        head_dim=cast(int, head_dim),  # None: resolved by LlamaConfig
     )
     return build(lambda: Llama(config), device, dtype)

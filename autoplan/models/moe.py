@@ -33,7 +33,8 @@ Guarantees, relied on by the tracer, the cost model and the parallel passes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,13 @@ from autoplan.models._common import (
     normal_,
     residual_init_std,
 )
-from autoplan.models.llama import MLP, Attention, LlamaConfig, default_ffn_hidden_size
+from autoplan.models.llama import (
+    MLP,
+    Attention,
+    LlamaConfig,
+    default_ffn_hidden_size,
+    resolve_head_dim,
+)
 
 __all__ = [
     "GroupedExperts",
@@ -91,6 +98,9 @@ class MoEConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Size of one attention head; None (the default) resolves to hidden_size // num_heads at
+    # construction, as `LlamaConfig.head_dim` (Qwen3-30B-A3B: hidden 2048, 32 heads of 128).
+    head_dim: int = field(default=cast(int, None))
 
     def __post_init__(self) -> None:
         owner = "MoEConfig"
@@ -127,14 +137,7 @@ class MoEConfig:
                 f"({self.num_layers}) so that at least one layer has experts; lower it, or use "
                 "the llama builder for a dense model"
             )
-        check_divisible(
-            owner,
-            "hidden_size",
-            self.hidden_size,
-            "num_heads",
-            self.num_heads,
-            "so that every head has the same head_dim",
-        )
+        resolve_head_dim(self, owner)
         check_divisible(
             owner,
             "num_heads",
@@ -143,11 +146,6 @@ class MoEConfig:
             self.num_kv_heads,
             "so that each kv head serves the same number of query heads (GQA)",
         )
-        if self.head_dim % 2:
-            raise ModelSpecError(
-                f"{owner}: head_dim = hidden_size / num_heads = {self.head_dim} must be even "
-                "for RoPE (it rotates pairs of dims); change hidden_size or num_heads"
-            )
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < 1e3:
             raise ModelSpecError(
@@ -162,10 +160,6 @@ class MoEConfig:
         ):
             if not isinstance(flag, bool):
                 raise ModelSpecError(f"{owner}.{name} must be a bool, got {flag!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def num_moe_layers(self) -> int:
@@ -193,19 +187,22 @@ class MoEConfig:
             rope_theta=self.rope_theta,
             norm_eps=self.norm_eps,
             tie_embeddings=self.tie_embeddings,
+            head_dim=self.head_dim,
         )
 
 
 def num_params_closed_form(config: MoEConfig) -> int:
     """Parameter count in closed form, which the model matches exactly.
 
-    Every block: q and o 2h^2, k and v 2 h (kv_heads * head_dim), two RMSNorms 2h. A dense
+    Every block: q and o 2 h (heads * head_dim) (2h^2 when head_dim = h / heads), k and v
+    2 h (kv_heads * head_dim), two RMSNorms 2h. A dense
     block adds its SwiGLU 3 h f; a MoE block the router h E, E experts of 3 h f_e each and the
     shared expert 3 h (S f_e). Embedding V h, untied head V h, final RMSNorm h. No biases.
     """
     h = config.hidden_size
+    q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
-    attention = 2 * h * h + 2 * h * kv_dim + 2 * h
+    attention = 2 * h * q_dim + 2 * h * kv_dim + 2 * h
     dense = attention + 3 * h * config.ffn_hidden_size
     moe_block = (
         attention
@@ -485,13 +482,14 @@ def moe(
     rope_theta: float = 10000.0,
     norm_eps: float = 1e-5,
     tie_embeddings: bool = False,
+    head_dim: int | None = None,
     device: torch.device | str = "meta",
     dtype: torch.dtype = torch.float32,
 ) -> MoE:
     """Build a MoE on `device` (meta by default: no memory); on a real device it is initialised.
 
     `num_kv_heads` defaults to `num_heads`; `ffn_hidden_size` (the dense layers') to
-    `default_ffn_hidden_size(hidden_size)`, as `llama()`.
+    `default_ffn_hidden_size(hidden_size)`, as `llama()`; `head_dim` to hidden_size / num_heads.
     """
     config = MoEConfig(
         num_layers=num_layers,
@@ -513,5 +511,6 @@ def moe(
         rope_theta=rope_theta,
         norm_eps=norm_eps,
         tie_embeddings=tie_embeddings,
+        head_dim=cast(int, head_dim),  # None: resolved by MoEConfig
     )
     return build(lambda: MoE(config), device, dtype)

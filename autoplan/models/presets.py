@@ -234,6 +234,14 @@ def _resolve(name: str, overrides: dict[str, Any], extra_keys: tuple[str, ...]) 
             f"unknown override key(s) {unknown} for preset {name!r} "
             f"({type(config).__name__}); valid keys: {', '.join([*fields, *extra_keys])}"
         )
+    if (
+        "head_dim" in fields
+        and "head_dim" not in overrides
+        and {"hidden_size", "num_heads"} & set(overrides)
+        and config.head_dim == config.hidden_size // config.num_heads
+    ):
+        # a preset whose heads are hidden / num_heads wide keeps that rule under new sizes
+        overrides = {**overrides, "head_dim": None}
     return dataclasses.replace(config, **overrides)
 
 

@@ -214,8 +214,11 @@ def spec_of(model: nn.Module) -> str | None:
         for count, name, diff in candidates[:1]
         if count <= 3
     ]
+    # every field, bar a head_dim of hidden / num_heads (the builders' default)
+    default_head = getattr(config, "head_dim", None) == config.hidden_size // config.num_heads
+    keys = [k for k in fields if not (k == "head_dim" and default_head)]
     options.append(
-        f"{builder}:" + ",".join([f"{k}={_text(getattr(config, k))}" for k in fields] + extra)
+        f"{builder}:" + ",".join([f"{k}={_text(getattr(config, k))}" for k in keys] + extra)
     )
     for spec in options:
         try:
