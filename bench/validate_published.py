@@ -46,7 +46,10 @@ A100_PEAK_FLOPS = 312e12  # the peak the papers divide by (Korthikanti et al. 20
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelDims:
-    family: str  # gpt | llama
+    """A row's model: gpt, llama, or (with num_experts) a mixture-of-experts decoder built by
+    `autoplan.models.moe` (Llama attention; families qwen3-moe, mixtral)."""
+
+    family: str  # gpt | llama | qwen3-moe | mixtral | ...
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -54,6 +57,17 @@ class ModelDims:
     ffn_hidden_size: int | None
     seq_len: int
     vocab_size: int
+    head_dim: int | None = None  # None: hidden_size / num_heads
+    # mixture of experts (model.moe of published_runs_moe.yaml); None for a dense model
+    num_experts: int | None = None
+    top_k: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +91,9 @@ class Case:
     published_memory_bytes: float | None = None
     # why the run fits although the prediction does not (from its source), if it does not
     memory_note: str = ""
+    # Megatron-LM's --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split:
+    # the embedding and the loss each count as a layer when the blocks are split over stages
+    embedding_and_loss_as_layers: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,6 +165,36 @@ def eq7_flops(dims: ModelDims, batch: int) -> float:
     return 72.0 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
 
 
+def megatron_flops(dims: ModelDims, batch: int) -> float:
+    """Megatron-LM's num_floating_point_operations for one global batch of a GQA (or MHA) model,
+    dense or MoE, without MTP (megatron/training/training.py, `transformer_flops`, read at
+    NVIDIA/Megatron-LM d98e8a64dd):
+
+        F = 6 B s [h (3 f n_dense + 3 (f_moe k + f_shared) n_moe) + l (2 h q + 2 h kv) + h V]
+            + 6 B s^2 q l,
+
+    q = heads x kv_channels, kv = query_groups x kv_channels; 3 for SwiGLU (every model here);
+    the router GEMM not counted; causal core attention counted half; V the padded vocabulary
+    (each row's vocab_size is already a multiple of Megatron's padding)."""
+    b, s, h, v = batch, dims.seq_len, dims.hidden_size, dims.vocab_size
+    layers = dims.num_layers
+    q = dims.num_heads * dims.kv_channels
+    kv = (dims.num_kv_heads or dims.num_heads) * dims.kv_channels
+    if dims.num_experts is None:
+        assert dims.ffn_hidden_size is not None
+        mlp = 3 * dims.ffn_hidden_size * layers
+    else:
+        assert dims.top_k is not None and dims.moe_ffn_hidden_size is not None
+        n_moe = layers - dims.num_dense_layers
+        shared = dims.num_shared_experts * dims.moe_ffn_hidden_size
+        mlp = (
+            3 * (dims.ffn_hidden_size or 0) * dims.num_dense_layers
+            + 3 * (dims.moe_ffn_hidden_size * dims.top_k + shared) * n_moe
+        )
+    linear = h * mlp + layers * (2 * h * q + 2 * h * kv) + h * v
+    return 6.0 * b * s * linear + 6.0 * b * s * s * q * layers
+
+
 def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int) -> float:
     measured = row["measured"]
     gpus = int(row["num_gpus"])
@@ -170,6 +217,8 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
         return batch / (float(measured["samples_per_s_per_gpu"]) * gpus)
     if how == "tokens_per_gpu":
         return batch * dims.seq_len / (float(measured["tokens_per_s"]) * gpus)
+    if how == "megatron_tflops":
+        return megatron_flops(dims, batch) / (float(measured["tflops_per_gpu"]) * 1e12 * gpus)
     raise ValueError(f"unknown throughput kind {how!r}")
 
 
@@ -245,6 +294,8 @@ def build_case(
         return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"))
     assert family is not None, run_id
     model, config = row["model"], dict(row["config"])
+    check_expressible(row)
+    moe = model.get("moe") or {}
     dims = ModelDims(
         family=model["family"],
         num_layers=model["num_layers"],
@@ -254,6 +305,12 @@ def build_case(
         ffn_hidden_size=extra.pop("ffn_hidden_size", model.get("ffn_hidden_size")),
         seq_len=model["seq_len"],
         vocab_size=extra.pop("vocab_size", model.get("vocab_size")),
+        head_dim=model.get("head_dim"),
+        num_experts=moe.get("num_experts"),
+        top_k=moe.get("top_k"),
+        moe_ffn_hidden_size=moe.get("moe_ffn_hidden_size"),
+        num_shared_experts=moe.get("num_shared_experts") or 0,
+        num_dense_layers=moe.get("num_dense_layers") or 0,
     )
     # A row whose GPU the source does not name may be assumed to run on one (unscored rows).
     gpu_name = extra.pop("gpu", row["gpu"])
@@ -281,11 +338,15 @@ def build_case(
         framework = f"{framework}:{options}"
     how = extra.pop("throughput", fam["throughput"])
     reason = extra.pop("reason", "")
+    split = extra.pop("pipeline_split", fam.get("pipeline_split", "blocks"))
+    if split not in ("blocks", "embedding_and_loss_as_layers"):
+        raise ValueError(f"{run_id}: unknown pipeline_split {split!r}")
     memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
     published_gib = row["measured"].get("peak_memory_gib")
     merged = {**{k: v for k, v in config.items() if v is not None}, **extra}
     tp, pp = merged.get("tp", 1), merged.get("pp", 1)
-    dp = row["num_gpus"] // (tp * pp)
+    cp, ep = merged.get("cp") or 1, merged.get("ep") or 1
+    dp = row["num_gpus"] // (tp * pp * cp)
     micro_batch = merged.get("micro_batch", 1)
     v = merged.get("virtual_stages") or 1
     schedule = merged.get("schedule") or ("interleaved-1f1b" if v > 1 else "1f1b")
@@ -293,6 +354,8 @@ def build_case(
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
+        ep=ep,
         micro_batch=micro_batch,
         global_batch=merged["global_batch"],
         recompute=merged.get("recompute") or "none",
@@ -320,7 +383,43 @@ def build_case(
         published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
         published_memory_bytes=None if published_gib is None else float(published_gib) * 2**30,
         memory_note=memory_note,
+        embedding_and_loss_as_layers=split == "embedding_and_loss_as_layers",
     )
+
+
+def check_expressible(row: dict[str, Any]) -> None:
+    """Raise if a row that is to be predicted needs what autoplan's zoo or plan cannot say (its
+    assumptions entry must then be `skip`, with the reason)."""
+    model, config = row["model"], row["config"]
+    why = []
+    if model.get("mla"):
+        why.append("multi-head latent attention (model.mla)")
+    if model.get("attention_window") or model.get("attention_sinks"):
+        why.append("sliding-window attention / attention sinks")
+    moe = model.get("moe") or {}
+    if moe.get("capacity_factor") is not None:
+        why.append("a capacity factor (token dropping / padding)")
+    ep = config.get("ep") or 1
+    # Megatron-LM's default expert tensor parallel size is the dense tp (megatron/training/
+    # arguments.py at d98e8a64dd: "if args.expert_tensor_parallel_size is None:
+    # args.expert_tensor_parallel_size = args.tensor_model_parallel_size"); autoplan never
+    # splits an expert over TP ranks (etp = 1).
+    etp = config.get("etp") or config.get("tp") or 1
+    if moe and etp != 1:
+        why.append(f"expert tensor parallelism etp = {etp} (autoplan's experts are not TP-split)")
+    dp = row["num_gpus"] // (
+        (config.get("tp") or 1) * (config.get("pp") or 1) * (config.get("cp") or 1)
+    )
+    if ep > 1 and dp % ep:
+        why.append(
+            f"ep = {ep} does not divide dp = {dp} (Megatron-LM folds tp (etp 1) and cp ranks into "
+            "the expert-parallel group; autoplan keeps ep inside dp)"
+        )
+    if why:
+        raise ValueError(
+            f"{row['id']}: not expressible as an autoplan plan ({'; '.join(why)}); "
+            "give it status skip with this reason"
+        )
 
 
 def _default_skip_reason(row: dict[str, Any]) -> str:
@@ -345,8 +444,25 @@ def profile_for(dims: ModelDims) -> ModelProfile:
     from autoplan import models
     from autoplan.tracing import trace
 
-    if dims.family == "llama":
-        model: Any = models.llama(
+    if dims.num_experts is not None:
+        assert dims.top_k is not None and dims.moe_ffn_hidden_size is not None
+        model: Any = models.moe(
+            dims.num_layers,
+            dims.hidden_size,
+            dims.num_heads,
+            dims.seq_len,
+            dims.vocab_size,
+            dims.num_experts,
+            dims.top_k,
+            dims.moe_ffn_hidden_size,
+            num_kv_heads=dims.num_kv_heads,
+            ffn_hidden_size=dims.ffn_hidden_size,
+            num_shared_experts=dims.num_shared_experts,
+            num_dense_layers=dims.num_dense_layers,
+            head_dim=dims.head_dim,
+        )
+    elif dims.family == "llama":
+        model = models.llama(
             dims.num_layers,
             dims.hidden_size,
             dims.num_heads,
@@ -354,8 +470,10 @@ def profile_for(dims: ModelDims) -> ModelProfile:
             dims.vocab_size,
             num_kv_heads=dims.num_kv_heads,
             ffn_hidden_size=dims.ffn_hidden_size,
+            head_dim=dims.head_dim,
         )
     else:
+        assert dims.head_dim is None, "gpt rows have hidden / num_heads heads"
         model = models.gpt(
             dims.num_layers,
             dims.hidden_size,
@@ -369,18 +487,30 @@ def profile_for(dims: ModelDims) -> ModelProfile:
 
 
 def layer_balanced_stages(
-    profile: ModelProfile, num_stages: int, recompute: str
+    profile: ModelProfile,
+    num_stages: int,
+    recompute: str,
+    embedding_and_loss_as_layers: bool = False,
 ) -> tuple[StagePlan, ...] | None:
     """Megatron-LM's split: blocks evenly, the embedding with the first stage and the head with
-    the last (None when the blocks do not divide evenly)."""
+    the last (None when the blocks do not divide evenly). With ``embedding_and_loss_as_layers``
+    (Megatron-LM's --account-for-embedding-in-pipeline-split and
+    --account-for-loss-in-pipeline-split) the embedding and the loss count as one layer each: the
+    first and last stages hold one block fewer."""
     blocks = [i for i, u in enumerate(profile.units) if u.kind == "block"]
-    if not blocks or len(blocks) % num_stages:
+    slots = len(blocks) + (2 if embedding_and_loss_as_layers else 0)
+    if not blocks or slots % num_stages:
         return None
-    per = len(blocks) // num_stages
+    per = slots // num_stages
+    # block index (into `blocks`) that starts stage s
+    shift = 1 if embedding_and_loss_as_layers else 0
+    starts = [0] + [s * per - shift for s in range(1, num_stages)]
+    if embedding_and_loss_as_layers and per < 2 and num_stages > 1:
+        return None  # a first or last stage without a block: not modelled
     stages = []
     for s in range(num_stages):
-        first = 0 if s == 0 else blocks[s * per]
-        last = profile.num_units - 1 if s == num_stages - 1 else blocks[(s + 1) * per - 1]
+        first = 0 if s == 0 else blocks[starts[s]]
+        last = profile.num_units - 1 if s == num_stages - 1 else blocks[starts[s + 1] - 1]
         stages.append(StagePlan(first_unit=first, last_unit=last, recompute=recompute))  # type: ignore[arg-type]
     return tuple(stages)
 
@@ -389,7 +519,9 @@ def predict(case: Case, cluster: Cluster | None = None) -> Result:
     cluster = cluster or case.cluster
     profile = profile_for(case.dims)
     plan: Plan = manual_plan(profile, cluster, **case.plan_args)
-    balanced = layer_balanced_stages(profile, plan.num_stages, case.plan_args["recompute"])
+    balanced = layer_balanced_stages(
+        profile, plan.num_stages, case.plan_args["recompute"], case.embedding_and_loss_as_layers
+    )
     if balanced is not None:
         plan = dataclasses.replace(plan, stages=balanced, estimate=None)
     est = estimate(profile, cluster, plan)
@@ -443,6 +575,8 @@ def accumulation_steps(case: Case) -> int:
 _LAYOUT_KEYS = (
     "tp",
     "pp",
+    "cp",
+    "ep",
     "recompute",
     "zero",
     "dtype",
@@ -517,7 +651,10 @@ def source_contradictions(
 def _config(case: Case) -> str:
     a = case.plan_args
     return (
-        f"t{a['tp']} p{a['pp']} d{a['dp']} mb{a['micro_batch']} v{a['virtual_stages']} "
+        f"t{a['tp']} p{a['pp']} d{a['dp']}"
+        + (f" c{a['cp']}" if a["cp"] > 1 else "")
+        + (f" e{a['ep']}" if a["ep"] > 1 else "")
+        + f" mb{a['micro_batch']} v{a['virtual_stages']} "
         f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''} z{a['zero']}"
     )
 
