@@ -9,7 +9,7 @@ the last) and compares the cost model's step time with the published one.
 
     python bench/validate_published.py            # every row, then median / max |error|
     python bench/validate_published.py --json     # machine-readable
-    python bench/validate_published.py --fit      # re-fit the GEMM efficiency per GPU
+    python bench/validate_published.py --fit      # re-fit each fitted constant on its rows
 
 Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
 The report ends with the published rows that contradict a sibling in their own table by a rule
@@ -643,23 +643,6 @@ def memory_report(results: list[Result]) -> list[str]:
     return lines
 
 
-def fit_gemm_efficiency(cases: list[Case]) -> dict[str, float]:
-    """Per GPU: the GEMM efficiency that minimises the largest |error| over its fitted rows."""
-    best: dict[str, float] = {}
-    for gpu in sorted({c.gpu for c in cases if c.status == "fit"}):
-        fit_rows = [c for c in cases if c.status == "fit" and c.gpu == gpu]
-        candidates = [x / 200 for x in range(40, 201)]
-        scores = []
-        for eff in candidates:
-            errs = []
-            for case in fit_rows:
-                cluster = case.cluster.with_overrides(gemm_efficiency=eff)
-                errs.append(abs(predict(case, cluster).error))
-            scores.append((max(errs), eff))
-        best[gpu] = min(scores)[1]
-    return best
-
-
 def fit_constant(constant: FittedConstant, cases: list[Case], values: dict[str, float]) -> float:
     """The value of ``constant`` within its range that minimises the largest |error| over
     ``cases`` (the other constants at ``values``): golden-section search, as each row's
@@ -773,7 +756,9 @@ def loso_report(held: list[HeldOutSource], results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--fit", action="store_true", help="re-fit gemm_efficiency per GPU")
+    parser.add_argument(
+        "--fit", action="store_true", help="re-fit every fitted constant on its own rows"
+    )
     parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
     args = parser.parse_args(argv)
     rows, assumptions = load()
@@ -788,7 +773,13 @@ def main(argv: list[str] | None = None) -> int:
         built = build_case(row, assumptions)
         (skipped if isinstance(built, Skipped) else cases).append(built)  # type: ignore[arg-type]
     if args.fit:
-        print(json.dumps(fit_gemm_efficiency(cases), indent=2))
+        by_id = {c.run_id: c for c in cases}
+        fitted = {
+            c.key: fit_constant(c, [by_id[i] for i in c.rows if i in by_id], {})
+            for c in FITTED
+            if any(i in by_id for i in c.rows)
+        }
+        print(json.dumps(fitted, indent=2))
         return 0
     results = [predict(c) for c in cases]
     if args.json:
