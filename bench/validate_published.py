@@ -760,6 +760,9 @@ def main(argv: list[str] | None = None) -> int:
         "--fit", action="store_true", help="re-fit every fitted constant on its own rows"
     )
     parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
+    parser.add_argument(
+        "--scored", action="store_true", help="predict only the scored rows (fit, held out)"
+    )
     args = parser.parse_args(argv)
     rows, assumptions = load()
     global FITTED
@@ -781,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(fitted, indent=2))
         return 0
+    # the published numbers' own contradictions need every row, scored or not
+    contradictions = source_contradictions(cases)
+    if args.scored:
+        cases = [c for c in cases if c.status in ("fit", "held_out")]
     results = [predict(c) for c in cases]
     if args.json:
         print(
@@ -800,14 +807,14 @@ def main(argv: list[str] | None = None) -> int:
                         for r in results
                     ],
                     "skipped": [dataclasses.asdict(s) for s in skipped],
-                    "contradictions": [dataclasses.asdict(c) for c in source_contradictions(cases)],
+                    "contradictions": [dataclasses.asdict(c) for c in contradictions],
                 },
                 indent=2,
             )
         )
     else:
         print(report(results, skipped))
-        if not prefixes:
+        if not prefixes and not args.scored:
             print(loso_report(leave_one_source_out(rows, assumptions, results), results))
     return 0
 
