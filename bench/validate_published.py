@@ -188,6 +188,13 @@ STATED_HARDWARE_KEYS = frozenset(
 )
 
 
+# What a family may say: its publication, default status, how it reports throughput, its dtype,
+# the framework profile that ran it, stated hardware, and a note on memory.
+FAMILY_KEYS = frozenset(
+    {"source", "status", "throughput", "dtype", "framework", "cluster", "memory_note"}
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FittedConstant:
     """A calibration constant the bench fits: its name, the GPUs it applies to, its shipped
@@ -237,6 +244,8 @@ def build_case(
     extra = dict(assumptions["rows"].get(run_id) or {})
     family = _family(run_id, assumptions["families"])
     fam = assumptions["families"][family] if family is not None else {}
+    if unknown := sorted(set(fam) - FAMILY_KEYS):
+        raise ValueError(f"family {family}: unknown keys {unknown}; known: {sorted(FAMILY_KEYS)}")
     # A family may give its rows a default status (the row's own entry overrides it).
     status = extra.pop("status", fam.get("status"))
     if status is None:
