@@ -38,9 +38,9 @@ torchtitan uses ``set_gradient_divide_factor`` instead, whose ``PREMUL_SUM`` glo
 whose sum-only fallback divides twice on a one-rank mesh (torch 2.13). DDP reduces every
 parameter over one group: under expert parallelism it is told to ignore the expert weights
 (``_set_params_and_buffers_to_ignore_for_model``; under context parallelism the buffers too,
-which DDP would otherwise overwrite with rank 0's RoPE rows), and `ExpertGradientReduce` (the result's
-``finish``, called by the runtime after every backward) all-reduces them over edp x cp and
-divides by dp x cp, as passes/expert_parallel.py's ``reduce_gradients``. Either way the
+which DDP would otherwise overwrite with rank 0's RoPE rows), and `ExpertGradientReduce` (the
+result's ``finish``, called by the runtime after every backward) all-reduces them over
+edp x cp and divides by dp x cp, as passes/expert_parallel.py's ``reduce_gradients``. Either way the
 wrapper is the plan's decision (`cost_model.strategy.decide`), which the cost model prices.
 
 A wrapped module never returns a view that requires grad: FSDP2 hooks its outputs for the
@@ -165,7 +165,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
                 divisor=mesh.dense_dp.size(),
             )
         if ignored:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
                 stage.module, ignored
             )
         ddp = DistributedDataParallel(
@@ -191,10 +191,10 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     shared_ids = _shared_param_ids(stage.module)
     groups = 0
     if mesh.ep_degree > 1:
-        for _, experts in _expert_modules(stage.module):
-            _wrap(experts, mesh.expert_dp, zero, mp)
-            assert isinstance(experts, FSDPModule)
-            experts.set_all_reduce_hook(functools.partial(_divide, divisor=mesh.ep_degree))
+        for _, expert_module in _expert_modules(stage.module):
+            _wrap(expert_module, mesh.expert_dp, zero, mp)
+            assert isinstance(expert_module, FSDPModule)
+            expert_module.set_all_reduce_hook(functools.partial(_divide, divisor=mesh.ep_degree))
             groups += 1
     for unit in stage.units:
         module = stage.unit_module(unit)

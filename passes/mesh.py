@@ -18,7 +18,8 @@ this rank's coordinates come with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -48,18 +49,23 @@ class ParallelMesh:
     cp_rank: int = 0
     cp_degree: int = 1
     ep_degree: int = 1
+    # flattened sub-meshes by name (``dp`` under ep, ``dp_cp``, ``edp_cp``), kept here: torch
+    # deprecates slicing them back out of the root mesh
+    flattened: Mapping[str, DeviceMesh] = field(default_factory=dict)
 
     def sub(self, axis: MeshAxis | MeshGroup) -> DeviceMesh:
         """The 1-D sub-mesh along ``axis`` that contains this rank: a mesh axis, ``dp`` (also
         when expert parallelism splits it), ``ep`` or ``edp``, or a flattened data-parallel
         group (``dp_cp``, ``edp_cp``)."""
+        if axis in self.flattened:
+            return self.flattened[axis]
         return self.mesh[axis]
 
     @property
     def dense_dp(self) -> DeviceMesh:
         """The data-parallel mesh of the dense weights: dp x cp ranks (each cp rank's loss is
         the mean over its own tokens, so the cp ranks average gradients like replicas)."""
-        return self.mesh["dp_cp" if self.cp_degree > 1 else "dp"]
+        return self.sub("dp_cp" if self.cp_degree > 1 else "dp")
 
     @property
     def expert_dp(self) -> DeviceMesh:
@@ -67,7 +73,7 @@ class ParallelMesh:
         ranks, those holding the same experts (`Plan.expert_data_group_ranks`)."""
         if self.ep_degree == 1:
             return self.dense_dp
-        return self.mesh["edp_cp" if self.cp_degree > 1 else "edp"]
+        return self.sub("edp_cp" if self.cp_degree > 1 else "edp")
 
     @property
     def device_type(self) -> str:
@@ -106,17 +112,19 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         mesh_dim_names=names,
         backend_override=None if options is None else dict.fromkeys(names, options),
     )
-    flattened = _flatten_groups(plan, names)
-    for name, pieces in flattened.items():
-        mesh[pieces]._flatten(name, backend_override=options)
+    flattened = {
+        name: mesh[pieces]._flatten(name, backend_override=options)
+        for name, pieces in _flatten_groups(plan, names).items()
+    }
+    groups = {**{name: mesh[name] for name in names}, **flattened}
     rank = dist.get_rank()
-    for name in (*names, *flattened):
-        _check_timeout(mesh[name].get_group(), device_type)
-    coords = {
+    for sub in groups.values():
+        _check_timeout(sub.get_group(), device_type)
+    coords: dict[str, int] = {
         axis: (rank // plan.axis_stride(axis)) % plan.degree(axis) for axis in plan.rank_layout
     }
-    for name in (*names, *flattened):
-        got = tuple(int(r) for r in mesh[name].mesh.flatten().tolist())
+    for name, sub in groups.items():
+        got = tuple(int(r) for r in sub.mesh.flatten().tolist())
         want = _plan_group(plan, name, rank)
         # Internal invariant: init_device_mesh lays ranks out row-major like the plan's groups.
         assert sorted(got) == sorted(want), (
@@ -124,7 +132,7 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         )
         if name in plan.rank_layout or name == "dp":
             assert got == want, f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
-            assert mesh[name].get_local_rank() == coords.get(name, 0), (name, coords)
+            assert sub.get_local_rank() == coords.get(name, 0), (name, coords)
     return ParallelMesh(
         mesh=mesh,
         rank=rank,
@@ -134,6 +142,7 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         cp_rank=coords.get("cp", 0),
         cp_degree=plan.cp_degree,
         ep_degree=plan.ep_degree,
+        flattened=flattened,
     )
 
 

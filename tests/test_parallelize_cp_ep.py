@@ -159,7 +159,7 @@ def test_bad_cp_ep_plans_fail_on_every_rank(
     # Hand-written plans (no model reference): manual_plan would refuse them before any job.
     cp = degrees.get("cp_degree", 1)
     extra = {"rank_layout": ("pp", "dp", "cp", "tp")} if cp > 1 else {}
-    num_units = 6 if model == "moe" else 4
+    num_units = 5 if model == "moe" else 4  # embedding, blocks, head
     plan = make_plan(num_units=num_units, **degrees, **extra)
     refusals = run_distributed(
         _refusal, model, plan.to_data(), world_size=plan.num_devices, tmp_path=tmp_path
