@@ -187,7 +187,11 @@ def _parallelize(
             constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
         if _layers_tp_cannot_shard(model, graph):
             constraints.setdefault("tp", 1)
+        if graph.profile.moe_layers:
+            # ZeRO-1 on DDP cannot hold expert parallelism (`_check_context_expert`)
+            constraints.setdefault("zero", (0, 2, 3))
         if graph.front_end == "export":
+            constraints.setdefault("cp", 1)  # the exported graph fixes the sequence
             constraints.setdefault("sequence_parallel", False)
             constraints.setdefault("dtype", "fp32")  # the exported graph pins fp32 (below)
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
