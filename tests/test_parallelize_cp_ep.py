@@ -126,6 +126,22 @@ def test_pp2_ep2_moe(tmp_path: Path) -> None:
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
 
 
+@pytest.mark.slow
+def test_cp2_ep2_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # ep inside dp, cp beside it: experts reduce over the 2 ranks of the same ep rank (edp x cp)
+    plan = _plan("moe-noaux", 4, cp=2, ep=2, zero=3, global_batch=4)
+    assert (plan.dp_degree, plan.expert_data_group_ranks(0)) == (2, (0, 1))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
+
+
+def test_ep2_moe_selective_recompute(tmp_path: Path) -> None:
+    # Recompute keeps collective outputs: the token counts' exchange must be a functional
+    # collective, or the re-run leaves its buffer unfilled (passes/expert_parallel.py).
+    plan = _plan("moe", 2, ep=2, global_batch=4, recompute="selective")
+    assert plan.decisions.dp_wrapper == "ddp"
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
 # ----------------------------------------------------------------------------- bad plans
 
 

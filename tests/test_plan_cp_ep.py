@@ -198,6 +198,16 @@ def test_parallelize_checks_cp_and_ep_plans_before_any_collective() -> None:
     assert zero1.decisions.dp_wrapper == "ddp"
     with pytest.raises(PlanError, match="zero_stage 1 with ep_degree = 2"):
         _check_plan(zero1, graph, CLUSTER, 8)  # type: ignore[arg-type]
+    # selective recompute around FSDP2's separately wrapped experts diverges
+    selective = _plan(
+        dp_degree=8,
+        ep_degree=2,
+        zero_stage=2,
+        global_batch_size=16,
+        stages=even_stages(4, 1, "selective"),
+    )
+    with pytest.raises(PlanError, match="recompute 'selective' with ep_degree = 2 under FSDP2"):
+        _check_plan(selective, graph, CLUSTER, 8)  # type: ignore[arg-type]
 
 
 def test_expert_groups_split_dp() -> None:

@@ -188,8 +188,10 @@ def _parallelize(
         if _layers_tp_cannot_shard(model, graph):
             constraints.setdefault("tp", 1)
         if graph.profile.moe_layers:
-            # ZeRO-1 on DDP cannot hold expert parallelism (`_check_context_expert`)
+            # what expert parallelism cannot run with (`_check_context_expert`): ZeRO-1 on DDP,
+            # selective recompute around FSDP2's experts
             constraints.setdefault("zero", (0, 2, 3))
+            constraints.setdefault("recompute", ("none", "full"))
         if graph.front_end == "export":
             constraints.setdefault("cp", 1)  # the exported graph fixes the sequence
             constraints.setdefault("sequence_parallel", False)
@@ -505,6 +507,16 @@ def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
             "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
             "holding others (it broadcasts each updated parameter over the whole data-parallel "
             "group); use zero_stage 0 or 2"
+        )
+    selective = any(stage.recompute == "selective" for stage in plan.stages)
+    if plan.ep_degree > 1 and selective and plan.decisions.dp_wrapper in ("fsdp", "replicate"):
+        raise PlanError(
+            f"recompute 'selective' with ep_degree = {plan.ep_degree} under FSDP2 "
+            f"({plan.zero_text}): the experts are wrapped on their own (their data-parallel "
+            "group differs from the block's), so FSDP2's hooks run inside the selectively "
+            "recomputed block and the recompute diverges from the forward; use recompute "
+            "'full' or 'none' on those stages, or zero_stage 0 without tensor or pipeline "
+            "parallelism (DDP)"
         )
 
 
