@@ -144,7 +144,7 @@ class ExpertParallelExperts(nn.Module):
         # A functional collective (a new tensor, not c10d's in-place op): selective recompute
         # keeps collective outputs (passes/recompute.py), and a re-run in-place exchange left
         # the buffer it fills unfilled (garbage split sizes under recompute "selective").
-        counts_in = funcol.wait_tensor(
+        counts_in = funcol.wait_tensor(  # type: ignore[no-untyped-call]
             funcol.all_to_all_single(counts_out.flatten(), None, None, self.group)
         ).view(ep, local_e)
         send_splits = counts_out.sum(1).tolist()
