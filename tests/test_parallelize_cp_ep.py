@@ -166,8 +166,9 @@ def _refusal(rank: int, world_size: int, model_name: str, plan_data: dict[str, A
         ("llama", {"cp_degree": 3, "dp": 1}, "2 x cp_degree = 6 must divide seq_len = 16"),
         ("moe", {"ep_degree": 3, "dp": 3}, "ep_degree = 3 does not divide num_experts = 4"),
         ("llama", {"ep_degree": 2, "dp": 2}, "is dense (no mixture-of-experts layer)"),
+        ("gpt", {"cp_degree": 2, "dp": 1}, "GPT has no RoPE tables"),
     ],
-    ids=["cp-not-dividing-seq", "ep-not-dividing-experts", "ep-on-dense-model"],
+    ids=["cp-not-dividing-seq", "ep-not-dividing-experts", "ep-on-dense-model", "cp-on-gpt"],
 )
 def test_bad_cp_ep_plans_fail_on_every_rank(
     model: str, degrees: dict[str, int], message: str, tmp_path: Path

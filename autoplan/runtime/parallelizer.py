@@ -520,6 +520,21 @@ def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
         )
 
 
+def _check_positions(plan: Plan, model: nn.Module) -> None:
+    """Context parallelism cuts the RoPE tables (``rope_cos``/``rope_sin`` buffers) to each
+    rank's positions; a model without them would restart positions at 0 on every cp rank."""
+    if plan.cp_degree == 1:
+        return
+    if not any(
+        name in ("rope_cos", "rope_sin") for sub in model.modules() for name in sub._buffers
+    ):
+        raise PlanError(
+            f"cp_degree = {plan.cp_degree}, but {type(model).__name__} has no RoPE tables "
+            "(rope_cos/rope_sin buffers) for context parallelism to split by position; models "
+            "with learned position embeddings (GPT) are not supported: use cp_degree 1"
+        )
+
+
 def _has_attention(stage: StageModule) -> bool:
     return any(op.kind == "attention" for unit in stage.units for op in unit.profile.ops)
 
@@ -535,6 +550,7 @@ def _check_before_launch(
     """Every check of ``plan`` that needs no communication, raised alike on every rank."""
     _check_plan(plan, graph, cluster, world_size)
     _check_tensor_parallel(plan, model, graph)
+    _check_positions(plan, model)
     _check_memory(plan, graph, cluster, check_memory)
 
 
