@@ -195,3 +195,25 @@ def test_the_batch_is_split_by_the_plan_s_layout() -> None:
     )
     ids = torch.arange(8).unsqueeze(0)
     assert layout.shard(ids).tolist() == [[2, 3, 4, 5]]  # chunks 1 and 2 of 4
+
+
+def _search_worker(rank: int, world_size: int) -> tuple[int, int, float]:
+    from autoplan.runtime.parallelizer import parallelize
+
+    dist_model = parallelize(
+        build_model("moe"),
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory(),
+        global_batch_size=4,
+        search_constraints={"ep": (2,)},
+    )
+    plan = dist_model.plan
+    loss = float(dist_model.train_step(*batch(plan.global_batch_size)))
+    return plan.ep_degree, plan.dp_degree, loss
+
+
+def test_a_searched_ep_plan_trains(tmp_path: Path) -> None:
+    # No plan: rank 0 searches one (ep 2 asked for), leaving out what ep cannot run with
+    results = run_distributed(_search_worker, world_size=2, tmp_path=tmp_path)
+    assert [result[:2] for result in results] == [(2, 2), (2, 2)]
+    assert results[0][2] == results[1][2] and 3.0 < results[0][2] < 5.0  # ln(64) = 4.16
