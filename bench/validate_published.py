@@ -9,7 +9,7 @@ the last) and compares the cost model's step time with the published one.
 
     python bench/validate_published.py            # every row, then median / max |error|
     python bench/validate_published.py --json     # machine-readable
-    python bench/validate_published.py --fit      # re-fit the GEMM efficiency per GPU
+    python bench/validate_published.py --fit      # re-fit each fitted constant on its rows
 
 Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
 The report ends with the published rows that contradict a sibling in their own table by a rule
@@ -237,6 +237,13 @@ STATED_HARDWARE_KEYS = frozenset(
 )
 
 
+# What a family may say: its publication, default status, how it reports throughput, its dtype,
+# the framework profile that ran it, stated hardware, and a note on memory.
+FAMILY_KEYS = frozenset(
+    {"source", "status", "throughput", "dtype", "framework", "cluster", "memory_note"}
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FittedConstant:
     """A calibration constant the bench fits: its name, the GPUs it applies to, its shipped
@@ -286,6 +293,8 @@ def build_case(
     extra = dict(assumptions["rows"].get(run_id) or {})
     family = _family(run_id, assumptions["families"])
     fam = assumptions["families"][family] if family is not None else {}
+    if unknown := sorted(set(fam) - FAMILY_KEYS):
+        raise ValueError(f"family {family}: unknown keys {unknown}; known: {sorted(FAMILY_KEYS)}")
     # A family may give its rows a default status (the row's own entry overrides it).
     status = extra.pop("status", fam.get("status"))
     if status is None:
@@ -780,23 +789,6 @@ def memory_report(results: list[Result]) -> list[str]:
     return lines
 
 
-def fit_gemm_efficiency(cases: list[Case]) -> dict[str, float]:
-    """Per GPU: the GEMM efficiency that minimises the largest |error| over its fitted rows."""
-    best: dict[str, float] = {}
-    for gpu in sorted({c.gpu for c in cases if c.status == "fit"}):
-        fit_rows = [c for c in cases if c.status == "fit" and c.gpu == gpu]
-        candidates = [x / 200 for x in range(40, 201)]
-        scores = []
-        for eff in candidates:
-            errs = []
-            for case in fit_rows:
-                cluster = case.cluster.with_overrides(gemm_efficiency=eff)
-                errs.append(abs(predict(case, cluster).error))
-            scores.append((max(errs), eff))
-        best[gpu] = min(scores)[1]
-    return best
-
-
 def fit_constant(constant: FittedConstant, cases: list[Case], values: dict[str, float]) -> float:
     """The value of ``constant`` within its range that minimises the largest |error| over
     ``cases`` (the other constants at ``values``): golden-section search, as each row's
@@ -910,8 +902,13 @@ def loso_report(held: list[HeldOutSource], results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--fit", action="store_true", help="re-fit gemm_efficiency per GPU")
+    parser.add_argument(
+        "--fit", action="store_true", help="re-fit every fitted constant on its own rows"
+    )
     parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
+    parser.add_argument(
+        "--scored", action="store_true", help="predict only the scored rows (fit, held out)"
+    )
     args = parser.parse_args(argv)
     rows, assumptions = load()
     global FITTED
@@ -925,8 +922,18 @@ def main(argv: list[str] | None = None) -> int:
         built = build_case(row, assumptions)
         (skipped if isinstance(built, Skipped) else cases).append(built)  # type: ignore[arg-type]
     if args.fit:
-        print(json.dumps(fit_gemm_efficiency(cases), indent=2))
+        by_id = {c.run_id: c for c in cases}
+        fitted = {
+            c.key: fit_constant(c, [by_id[i] for i in c.rows if i in by_id], {})
+            for c in FITTED
+            if any(i in by_id for i in c.rows)
+        }
+        print(json.dumps(fitted, indent=2))
         return 0
+    # the published numbers' own contradictions need every row, scored or not
+    contradictions = source_contradictions(cases)
+    if args.scored:
+        cases = [c for c in cases if c.status in ("fit", "held_out")]
     results = [predict(c) for c in cases]
     if args.json:
         print(
@@ -946,14 +953,14 @@ def main(argv: list[str] | None = None) -> int:
                         for r in results
                     ],
                     "skipped": [dataclasses.asdict(s) for s in skipped],
-                    "contradictions": [dataclasses.asdict(c) for c in source_contradictions(cases)],
+                    "contradictions": [dataclasses.asdict(c) for c in contradictions],
                 },
                 indent=2,
             )
         )
     else:
         print(report(results, skipped))
-        if not prefixes:
+        if not prefixes and not args.scored:
             print(loso_report(leave_one_source_out(rows, assumptions, results), results))
     return 0
 

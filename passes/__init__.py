@@ -2,13 +2,12 @@
 
 Passes run in this order, each with typed input and output and a check of its own result:
 `split_stages` (stages and per-unit submodules) -> `apply_tensor_parallel` (DTensor styles) ->
+`apply_context_parallel` (load-balanced sequence sharding, ring attention; cp > 1) ->
+`apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
-ZeRO) -> `materialize` (meta model to real shards) -> `build_pipeline` (``PipelineStage`` and
-torch's schedules) -> `DistributedModel` (the runtime). `build_mesh` creates the one device mesh.
-
-Building blocks for long context and MoE (issue 21), tested on their own and not yet called by
-the parallelizer: `apply_context_parallel` (load-balanced sequence sharding, ring attention)
-and `apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine).
+ZeRO, dense weights over dp x cp, experts over edp x cp) -> `materialize` (meta model to real
+shards) -> `build_pipeline` (``PipelineStage`` and torch's schedules) -> `DistributedModel` (the
+runtime). `build_mesh` creates the one device mesh.
 
 Imports only autoplan's plan, graph and error types (never the search or the cost model).
 """

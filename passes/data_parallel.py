@@ -24,6 +24,25 @@ parameter shared with another unit (a tied embedding and head) belong to the sta
 since FSDP2 manages a shared parameter in exactly one group. After the pass
 every parameter of the stage is managed (checked).
 
+Context and expert parallelism (torchtitan's composition, torchtitan/models/llama4/infra/
+parallelize.py ``apply_fsdp``): the dense weights are replicated or sharded over the flattened
+dp x cp mesh (`ParallelMesh.dense_dp`: each cp rank's loss is the mean over its own tokens, so
+cp ranks average like replicas; DDP then reduces over that group too). The routed experts
+(`ExpertParallelExperts`, already sharded over ep) are wrapped first, on their own, over the
+edp x cp mesh (`ParallelMesh.expert_dp`: the ranks holding the same experts). Their gradient
+already sums every ep rank's tokens through the all-to-all backward, so it must be divided by
+dp x cp, not by the edp x cp that FSDP averages over (Megatron-LM's
+``expert_gradient_scaling_factor``; passes/expert_parallel.py): an all-reduce hook
+(``set_all_reduce_hook``, run on the reduced shard on every backend) divides it by ep.
+torchtitan uses ``set_gradient_divide_factor`` instead, whose ``PREMUL_SUM`` gloo lacks, and
+whose sum-only fallback divides twice on a one-rank mesh (torch 2.13). DDP reduces every
+parameter over one group: under expert parallelism it is told to ignore the expert weights
+(``_set_params_and_buffers_to_ignore_for_model``; under context parallelism the buffers too,
+which DDP would otherwise overwrite with rank 0's RoPE rows), and `ExpertGradientReduce` (the
+result's ``finish``, called by the runtime after every backward) all-reduces them over
+edp x cp and divides by dp x cp, as passes/expert_parallel.py's ``reduce_gradients``. Either way the
+wrapper is the plan's decision (`cost_model.strategy.decide`), which the cost model prices.
+
 A wrapped module never returns a view that requires grad: FSDP2 hooks its outputs for the
 backward all-gather, and an in-place op on a view would drop that hook (FSDP2 warns). Views
 come from DTensor's ``to_local`` (the vocab head's replicated logits under tensor parallelism);
@@ -33,11 +52,13 @@ logits; every other output passes through untouched).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,12 +70,14 @@ from torch.utils._pytree import tree_map_only
 from autoplan.contract.plan import Plan
 from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
+from passes.expert_parallel import ExpertParallelExperts
 from passes.mesh import ParallelMesh
 from passes.split import StageModule
 
 __all__ = [
     "DataParallelKind",
     "DataParallelResult",
+    "ExpertGradientReduce",
     "apply_data_parallel",
     "torch_dtype",
     "uses_ddp",
@@ -80,6 +103,28 @@ class DataParallelResult:
     module: nn.Module  # the stage module, or its DDP wrapper
     zero_stage: int  # the ZeRO stage actually run (ZeRO-1 with TP runs as 2)
     num_groups: int  # FSDP/replicate parameter groups (units wrapped + the stage)
+    # what must run after every backward (DDP under expert parallelism: the expert gradients)
+    finish: ExpertGradientReduce | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class ExpertGradientReduce:
+    """The expert gradients DDP leaves alone: all-reduce over the ranks holding the same
+    experts (``group``; None: no other rank does), divide by the dense data-parallel size."""
+
+    params: tuple[nn.Parameter, ...]
+    group: dist.ProcessGroup | None
+    divisor: int
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for param in self.params:
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if self.group is not None:
+                dist.all_reduce(grad, group=self.group)
+            grad.div_(self.divisor)
 
 
 def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> DataParallelResult:
@@ -103,16 +148,41 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
             plan.pp_degree,
         )
     if wrapper == "ddp":
+        finish = None
+        ignored: list[str] = []
+        if mesh.cp_degree > 1:
+            # DDP broadcasts rank 0's buffers when built: each cp rank's RoPE rows are its own
+            ignored += [name for name, _ in stage.module.named_buffers()]
+        if mesh.ep_degree > 1:
+            experts = _expert_modules(stage.module)
+            ignored += [
+                f"{path}.{name}" for path, sub in experts for name, _ in sub.named_parameters()
+            ]
+            expert_dp = mesh.expert_dp
+            finish = ExpertGradientReduce(
+                params=tuple(p for _, sub in experts for p in sub.parameters()),
+                group=expert_dp.get_group() if expert_dp.size() > 1 else None,
+                divisor=mesh.dense_dp.size(),
+            )
+        if ignored:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+                stage.module, ignored
+            )
         ddp = DistributedDataParallel(
             stage.module,
-            process_group=mesh.sub("dp").get_group(),
+            process_group=mesh.dense_dp.get_group(),
             forward_sync_buffers=False,  # buffers are equal on every rank (seeded init)
         )
         return DataParallelResult(
-            stage_idx=stage.stage_idx, kind="ddp", module=ddp, zero_stage=zero, num_groups=1
+            stage_idx=stage.stage_idx,
+            kind="ddp",
+            module=ddp,
+            zero_stage=zero,
+            num_groups=1,
+            finish=finish,
         )
 
-    dp_mesh = mesh.sub("dp")
+    dp_mesh = mesh.dense_dp
     mp = (
         MixedPrecisionPolicy(param_dtype=torch_dtype(plan.dtype), reduce_dtype=torch.float32)
         if plan.dtype != "fp32"
@@ -120,6 +190,12 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     )
     shared_ids = _shared_param_ids(stage.module)
     groups = 0
+    if mesh.ep_degree > 1:
+        for _, expert_module in _expert_modules(stage.module):
+            _wrap(expert_module, mesh.expert_dp, zero, mp)
+            assert isinstance(expert_module, FSDPModule)
+            expert_module.set_all_reduce_hook(functools.partial(_divide, divisor=mesh.ep_degree))
+            groups += 1
     for unit in stage.units:
         module = stage.unit_module(unit)
         # One group per block (torchtitan's grouping): its parameters are gathered just before
@@ -158,6 +234,20 @@ def _wrap(module: nn.Module, dp_mesh: DeviceMesh, zero: int, mp: MixedPrecisionP
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
     else:
         replicate(module, mesh=dp_mesh, mp_policy=mp)
+
+
+def _expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (path, sub)
+        for path, sub in module.named_modules()
+        if isinstance(sub, ExpertParallelExperts)
+    ]
+
+
+def _divide(reduced: torch.Tensor, *, divisor: int) -> None:
+    """FSDP2's all-reduce hook on the experts: their average over edp x cp, divided by ep, is
+    the average over dp x cp (module doc)."""
+    reduced.div_(divisor)
 
 
 def _own_outputs(module: nn.Module, args: Any, output: Any) -> Any:

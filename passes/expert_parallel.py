@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -140,8 +141,12 @@ class ExpertParallelExperts(nn.Module):
         # counts_out[j, l]: my tokens for expert l of ep rank j; counts_in[i, l]: rank i's tokens
         # for my expert l (one small all-to-all; the splits must be known on the host).
         counts_out = counts.view(ep, local_e)
-        counts_in = torch.empty_like(counts_out)
-        dist.all_to_all_single(counts_in, counts_out, group=self.group)
+        # A functional collective (a new tensor, not c10d's in-place op): selective recompute
+        # keeps collective outputs (passes/recompute.py), and a re-run in-place exchange left
+        # the buffer it fills unfilled (garbage split sizes under recompute "selective").
+        counts_in = funcol.wait_tensor(  # type: ignore[no-untyped-call]
+            funcol.all_to_all_single(counts_out.flatten(), None, None, self.group)
+        ).view(ep, local_e)
         send_splits = counts_out.sum(1).tolist()
         recv_splits = counts_in.sum(1).tolist()
         # Dispatch: rows for ep rank j are contiguous (rows are sorted by global expert id).

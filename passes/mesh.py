@@ -1,18 +1,26 @@
-"""One device mesh for a plan: ``init_device_mesh(device_type, plan.mesh_shape,
-mesh_dim_names=plan.rank_layout)``.
+"""One device mesh for a plan: ``init_device_mesh(device_type, shape, mesh_dim_names=dims)``.
 
 Expects: an initialised default process group whose world size is ``plan.num_devices``.
-Guarantees: the mesh axes are named ``pp``, ``dp``, ``tp`` and laid out in ``plan.rank_layout``
-order (outermost first), so the ranks of every group are exactly ``plan.group_ranks(axis, rank)``
-(checked before returning); every sub-group has the default group's timeout (``new_group``
-would give gloo's 30 minutes: a stopped peer would hang the job instead of failing it; checked
-too); the 1-D sub-meshes and this rank's coordinates come with it.
+Guarantees: the mesh axes are the plan's ``rank_layout`` (``pp``, ``dp``, ``tp``, and ``cp``
+when the layout places it), outermost first, with one exception: under expert parallelism
+(``ep_degree > 1``) the ``dp`` axis is split into ``edp`` (outer) and ``ep`` (inner: an ep group
+is ``ep_degree`` consecutive data-parallel ranks, `Plan.ep_group_ranks`), and ``dp`` becomes
+their flattened sub-mesh. The data-parallel meshes of the weights are flattened sub-meshes too:
+``dense_dp`` (dp x cp: every rank holding the same dense weights, torchtitan's
+``dp_shard_cp``) and ``expert_dp`` (edp x cp: the ranks holding the same experts,
+`Plan.expert_data_group_ranks`). A plan with cp = ep = 1 gets the mesh it always had
+(``dense_dp`` is then the ``dp`` axis itself). The ranks of every group are exactly the plan's
+(`Plan.group_ranks` and the ep helpers; checked before returning); every sub-group, flattened
+ones included, has the default group's timeout (``new_group`` would give gloo's 30 minutes: a
+stopped peer would hang the job instead of failing it; checked too); the 1-D sub-meshes and
+this rank's coordinates come with it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,7 +30,11 @@ from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import MeshAxis, Plan
 from passes.progress import default_group_timeout
 
-__all__ = ["ParallelMesh", "build_mesh"]
+__all__ = ["MeshGroup", "ParallelMesh", "build_mesh", "mesh_dims"]
+
+# Sub-meshes beyond the plan's axes: the two pieces of dp under expert parallelism and the
+# flattened data-parallel groups of the dense and the expert weights (module docstring).
+MeshGroup = Literal["ep", "edp", "dp_cp", "edp_cp"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -34,14 +46,53 @@ class ParallelMesh:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_rank: int = 0
+    cp_degree: int = 1
+    ep_degree: int = 1
+    # flattened sub-meshes by name (``dp`` under ep, ``dp_cp``, ``edp_cp``), kept here: torch
+    # deprecates slicing them back out of the root mesh
+    flattened: Mapping[str, DeviceMesh] = field(default_factory=dict)
 
-    def sub(self, axis: MeshAxis) -> DeviceMesh:
-        """The 1-D sub-mesh along ``axis`` that contains this rank."""
+    def sub(self, axis: MeshAxis | MeshGroup) -> DeviceMesh:
+        """The 1-D sub-mesh along ``axis`` that contains this rank: a mesh axis, ``dp`` (also
+        when expert parallelism splits it), ``ep`` or ``edp``, or a flattened data-parallel
+        group (``dp_cp``, ``edp_cp``)."""
+        if axis in self.flattened:
+            return self.flattened[axis]
         return self.mesh[axis]
+
+    @property
+    def dense_dp(self) -> DeviceMesh:
+        """The data-parallel mesh of the dense weights: dp x cp ranks (each cp rank's loss is
+        the mean over its own tokens, so the cp ranks average gradients like replicas)."""
+        return self.sub("dp_cp" if self.cp_degree > 1 else "dp")
+
+    @property
+    def expert_dp(self) -> DeviceMesh:
+        """The data-parallel mesh of the routed experts under expert parallelism: edp x cp
+        ranks, those holding the same experts (`Plan.expert_data_group_ranks`)."""
+        if self.ep_degree == 1:
+            return self.dense_dp
+        return self.sub("edp_cp" if self.cp_degree > 1 else "edp")
 
     @property
     def device_type(self) -> str:
         return self.mesh.device_type
+
+
+def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh's dimension names and sizes, outermost first: the plan's ``rank_layout`` with
+    ``dp`` split into ``edp`` x ``ep`` when ``ep_degree > 1``."""
+    names: list[str] = []
+    sizes: list[int] = []
+    for axis in plan.rank_layout:
+        if axis == "dp" and plan.ep_degree > 1:
+            names += ["edp", "ep"]
+            sizes += [plan.dp_degree // plan.ep_degree, plan.ep_degree]
+        else:
+            names.append(axis)
+            sizes.append(plan.degree(axis))
+    return tuple(names), tuple(sizes)
 
 
 def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
@@ -53,32 +104,89 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
             f"{plan.pp_degree} = {plan.num_devices} processes but the job has {world}; "
             f"launch {plan.num_devices} processes or make a plan for {world}"
         )
+    names, sizes = mesh_dims(plan)
+    options = _options_with_default_timeout(device_type)
     mesh = init_device_mesh(
         device_type,
-        plan.mesh_shape,
-        mesh_dim_names=tuple(plan.rank_layout),
-        backend_override=_with_default_timeout(plan, device_type),
+        sizes,
+        mesh_dim_names=names,
+        backend_override=None if options is None else dict.fromkeys(names, options),
     )
+    flattened = {
+        name: mesh[pieces]._flatten(name, backend_override=options)
+        for name, pieces in _flatten_groups(plan, names).items()
+    }
+    groups = {**{name: mesh[name] for name in names}, **flattened}
     rank = dist.get_rank()
-    for axis in plan.rank_layout:
-        _check_timeout(mesh[axis].get_group(), device_type)
-    coords = {axis: mesh.get_local_rank(axis) for axis in plan.rank_layout}
-    for axis in plan.rank_layout:
-        got = tuple(int(r) for r in mesh[axis].mesh.flatten().tolist())
-        want = plan.group_ranks(axis, rank)
-        # Internal invariant: init_device_mesh lays ranks out row-major like Plan.group_ranks.
-        assert got == want, f"{axis} group of rank {rank}: mesh has {got}, plan says {want}"
+    for sub in groups.values():
+        _check_timeout(sub.get_group(), device_type)
+    coords: dict[str, int] = {
+        axis: (rank // plan.axis_stride(axis)) % plan.degree(axis) for axis in plan.rank_layout
+    }
+    for name, sub in groups.items():
+        got = tuple(int(r) for r in sub.mesh.flatten().tolist())
+        want = _plan_group(plan, name, rank)
+        # Internal invariant: init_device_mesh lays ranks out row-major like the plan's groups.
+        assert sorted(got) == sorted(want), (
+            f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
+        )
+        if name in plan.rank_layout or name == "dp":
+            assert got == want, f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
+            assert sub.get_local_rank() == coords.get(name, 0), (name, coords)
     return ParallelMesh(
         mesh=mesh,
         rank=rank,
         pp_rank=coords["pp"],
         dp_rank=coords["dp"],
         tp_rank=coords["tp"],
+        cp_rank=coords.get("cp", 0),
+        cp_degree=plan.cp_degree,
+        ep_degree=plan.ep_degree,
+        flattened=flattened,
     )
 
 
-def _with_default_timeout(plan: Plan, device_type: str) -> dict[str | int, Any] | None:
-    """Backend options carrying the default group's timeout, for every mesh axis."""
+def _flatten_groups(plan: Plan, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Flattened sub-meshes to create: name -> the mesh dims they span, in mesh order."""
+    groups: dict[str, tuple[str, ...]] = {}
+    if plan.ep_degree > 1:
+        groups["dp"] = ("edp", "ep")
+        if plan.cp_degree > 1:
+            groups["edp_cp"] = tuple(n for n in names if n in ("edp", "cp"))
+    if plan.cp_degree > 1:
+        groups["dp_cp"] = tuple(n for n in names if n in ("edp", "ep", "dp", "cp"))
+    return groups
+
+
+def _plan_group(plan: Plan, name: str, rank: int) -> tuple[int, ...]:
+    """The plan's ranks of group ``name`` containing ``rank`` (the order of the plan's helper;
+    flattened groups in increasing rank order)."""
+    if name in ("pp", "dp", "cp", "tp"):
+        return plan.group_ranks(name, rank)  # type: ignore[arg-type]
+    if name == "ep":
+        return plan.ep_group_ranks(rank)
+    if name in ("edp", "edp_cp"):
+        edp = plan.expert_data_group_ranks(rank)
+        if name == "edp":  # the same cp coordinate as rank
+            cp_stride = plan.axis_stride("cp")
+            mine = (rank // cp_stride) % plan.cp_degree
+            edp = tuple(r for r in edp if (r // cp_stride) % plan.cp_degree == mine)
+        return edp
+    assert name == "dp_cp", name
+    return tuple(
+        sorted(
+            {
+                d + c
+                for d in plan.group_ranks("dp", rank)
+                for c in (r - rank for r in plan.group_ranks("cp", rank))
+            }
+        )
+    )
+
+
+def _options_with_default_timeout(device_type: str) -> Any:
+    """Backend options carrying the default group's timeout (None: the default group has none
+    to copy)."""
     timeout = default_group_timeout()
     if timeout is None:
         return None
@@ -88,7 +196,7 @@ def _with_default_timeout(plan: Plan, device_type: str) -> dict[str | int, Any] 
         else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     )
     options._timeout = timeout
-    return {axis: options for axis in plan.rank_layout}
+    return options
 
 
 def _check_timeout(group: dist.ProcessGroup, device_type: str) -> None:

@@ -4,9 +4,10 @@ Expects the outputs of the passes (split, tensor parallel, recompute, data paral
 materialise, pipeline) and an optimizer factory. Guarantees:
 
 - `DistributedModel.train_step(inputs, targets)` runs one optimizer step over the plan's
-  *global* batch (every rank is given the same batch and keeps its data-parallel slice) and
-  returns the mean loss over the global batch, the same value on every rank (from the last
-  pipeline stage, averaged over data-parallel replicas);
+  *global* batch (every rank is given the same batch and keeps its data-parallel slice, and
+  under context parallelism its load-balanced chunks of every sequence) and returns the mean
+  loss over the global batch, the same value on every rank (from the last pipeline stage,
+  averaged over data-parallel replicas and cp ranks);
 - gradients of tied parameter copies on different stages are summed between the stages holding
   them after every backward (Megatron-LM's embedding group), so the copies stay identical;
 - `state_dict()` / `load_state_dict()` carry the model and the optimizer under the model's own
@@ -37,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from passes.context_parallel import ContextParallelResult
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
 from passes.progress import StepProgress, default_group_timeout
@@ -221,8 +223,14 @@ class DistributedModel:
         fingerprint: str = "",
         search_time_s: float | None = None,
         replicas: ReplicaSync | None = None,
+        context: ContextParallelResult | None = None,
+        after_backward: tuple[Callable[[], None], ...] = (),
     ) -> None:
         self.plan = plan
+        # context parallelism: the layout that cuts each sequence into this rank's tokens
+        self.context = context
+        # gradient work after every backward (expert gradients DDP leaves alone)
+        self._after_backward = after_backward
         self.replicas = replicas  # set by autoplan.runtime.replicas when groups of replicas train
         self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
         # how long finding the plan took (rank 0's search and its broadcast); None: given
@@ -255,7 +263,7 @@ class DistributedModel:
             return ZeroRedundancyOptimizer(
                 params,
                 optimizer_class=lambda ps, **_: factory(ps),  # type: ignore[arg-type]
-                process_group=self.mesh.sub("dp").get_group(),
+                process_group=self.mesh.dense_dp.get_group(),
             )
         return factory(params)
 
@@ -320,6 +328,10 @@ class DistributedModel:
         # Checked before the first collective: a bad batch raises on every rank, harmlessly.
         local_inputs = self._data_parallel_slice(inputs, "inputs")
         local_targets = self._data_parallel_slice(targets, "targets")
+        if self.context is not None:
+            # this cp rank's tokens of every sequence (load-balanced chunks r and 2cp-1-r)
+            local_inputs = self.context.shard(local_inputs)
+            local_targets = self.context.shard(local_targets)
         self._progress.started(self.step + 1)
         try:
             loss = self._train_step(local_inputs, local_targets)
@@ -355,6 +367,8 @@ class DistributedModel:
             schedule.step(target=local_targets, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
+        for finish in self._after_backward:
+            finish()
         self._align_gradients()
         self.tied_sync()
         if self.replicas is not None:
@@ -402,9 +416,10 @@ class DistributedModel:
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.pipeline.is_last:
             local = torch.stack([_local(loss).detach().float() for loss in losses]).mean()
-            # Every TP rank of a replica holds the same loss: weight each of the dp x tp
-            # last-stage ranks so that the world sum is the mean over replicas.
-            value = local / (self.plan.dp_degree * self.plan.tp_degree)
+            # Every TP rank of a replica holds the same loss, each cp rank the mean over its
+            # equal share of the tokens: weight each of the dp x cp x tp last-stage ranks so
+            # that the world sum is the mean over replicas and sequence chunks.
+            value = local / (self.plan.dp_degree * self.plan.cp_degree * self.plan.tp_degree)
         dist.all_reduce(value)
         return value
 

@@ -82,6 +82,12 @@ META_CASES = {
     "hf-gpt2-pp2": ("hf-gpt2", {"pp": 2}),
     "hf-gpt2-dp2-zero3": ("hf-gpt2", {"dp": 2, "zero": 3}),
     "hf-llama-tp2xpp2": ("hf-llama", {"tp": 2, "pp": 2}),
+    # context parallelism: each cp rank materialises its own rows of the RoPE tables
+    "llama-cp2": ("llama", {"cp_degree": 2, "rank_layout": ("pp", "dp", "cp", "tp")}),
+    # expert parallelism: each ep rank initialises its slice of the experts (no load-balancing
+    # loss, so the plain reference applies: see tests/test_parallelize_cp_ep.py)
+    "moe-ep2-ddp": ("moe-noaux", {"dp": 2, "ep_degree": 2, "num_units": 5}),
+    "moe-ep2-zero3": ("moe-noaux", {"dp": 2, "ep_degree": 2, "zero": 3, "num_units": 5}),
 }
 _SLOW_META = {"hf-llama-pp2", "hf-gpt2-pp2", "hf-gpt2-dp2-zero3", "hf-llama-tp2xpp2"}
 
@@ -105,7 +111,7 @@ def test_meta_model_is_materialised_shard_by_shard(tmp_path: Path, case: str) ->
     expected = dict(model.named_parameters(remove_duplicate=False))
     total = sum(p.numel() for p in model.parameters())
     for result in results:
-        if plan.pp_degree > 1 or plan.tp_degree > 1 or plan.zero_stage == 3:
+        if plan.pp_degree > 1 or plan.tp_degree > 1 or plan.zero_stage == 3 or plan.ep_degree > 1:
             # No rank holds the whole model: each has its pipeline stage / its shard only.
             assert result["local_numel"] < total
         else:

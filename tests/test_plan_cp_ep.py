@@ -182,11 +182,32 @@ def test_valid_cp_ep_plans_validate_and_estimate() -> None:
     assert made.estimate is not None
 
 
-def test_parallelize_refuses_cp_and_ep_for_now() -> None:
-    plan = _plan(dp_degree=4, ep_degree=2, global_batch_size=8)
-    graph = dataclasses.make_dataclass("G", [("profile", object)])(MOE)
-    with pytest.raises(PlanError, match="does not run context or expert parallelism yet"):
+def test_parallelize_checks_cp_and_ep_plans_before_any_collective() -> None:
+    """`parallelize` runs cp and ep plans (tests/test_parallelize_cp_ep.py); its checks before
+    any collective count cp among the processes and refuse what its passes cannot run."""
+    graph = dataclasses.make_dataclass("G", [("profile", object), ("front_end", str)])(MOE, "fx")
+    plan = _plan(dp_degree=4, ep_degree=2, cp_degree=2, rank_layout=("pp", "dp", "cp", "tp"))
+    _check_plan(plan, graph, CLUSTER, 8)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"dp x tp x pp x cp = 4 x 1 x 1 x 2 = 8 processes but"):
         _check_plan(plan, graph, CLUSTER, 4)  # type: ignore[arg-type]
+    exported = dataclasses.replace(graph, front_end="export")
+    with pytest.raises(PlanError, match=r"traced with torch\.export"):
+        _check_plan(plan, exported, CLUSTER, 8)  # type: ignore[arg-type]
+    # ZeRO-1 on DDP would broadcast one rank's experts over the whole dp group
+    zero1 = _plan(dp_degree=8, ep_degree=2, zero_stage=1, dtype="fp32", global_batch_size=16)
+    assert zero1.decisions.dp_wrapper == "ddp"
+    with pytest.raises(PlanError, match="zero_stage 1 with ep_degree = 2"):
+        _check_plan(zero1, graph, CLUSTER, 8)  # type: ignore[arg-type]
+    # selective recompute around FSDP2's separately wrapped experts diverges
+    selective = _plan(
+        dp_degree=8,
+        ep_degree=2,
+        zero_stage=2,
+        global_batch_size=16,
+        stages=even_stages(4, 1, "selective"),
+    )
+    with pytest.raises(PlanError, match="recompute 'selective' with ep_degree = 2 under FSDP2"):
+        _check_plan(selective, graph, CLUSTER, 8)  # type: ignore[arg-type]
 
 
 def test_expert_groups_split_dp() -> None:

@@ -288,7 +288,8 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
             f"{fmt_bytes(rows[0].memory_capacity_bytes)} each)",
             caption=(
                 "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
-                "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: the peak device's predicted tensors, framework "
+                "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: "
+                "the peak device's predicted tensors, framework "
                 "reserve and allocator margin, of its capacity; gap: a plan up to this much "
                 "faster may exist (the search's budget ended before it proved otherwise)"
             )

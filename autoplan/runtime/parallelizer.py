@@ -18,7 +18,8 @@ Guarantees:
   torchrun world: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) and broadcasts it: every rank runs the
   same plan;
 - the passes run in order, each checking its own result: split into stages and units ->
-  tensor parallel -> activation recompute -> data parallel -> materialise -> pipeline;
+  tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1) -> activation
+  recompute -> data parallel -> materialise -> pipeline;
 - a meta model is materialised shard by shard (`passes.materialize`): no rank ever holds it
   whole; a real model's weights are used as they are.
 """
@@ -50,12 +51,16 @@ from cost_model.estimate import estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
 from passes import (
+    ContextParallelResult,
     DistributedModel,
+    apply_context_parallel,
     apply_data_parallel,
+    apply_expert_parallel,
     apply_recompute,
     apply_tensor_parallel,
     build_mesh,
     build_pipeline,
+    find_grouped_experts,
     has_meta_tensors,
     log_rank0,
     materialize,
@@ -66,6 +71,7 @@ from passes import (
     uses_ddp,
 )
 from passes.runtime import OptimizerFactory
+from passes.split import StageModule
 
 __all__ = ["parallelize"]
 
@@ -181,7 +187,13 @@ def _parallelize(
             constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
         if _layers_tp_cannot_shard(model, graph):
             constraints.setdefault("tp", 1)
+        if graph.profile.moe_layers:
+            # what expert parallelism cannot run with (`_check_context_expert`): ZeRO-1 on DDP,
+            # selective recompute around FSDP2's experts
+            constraints.setdefault("zero", (0, 2, 3))
+            constraints.setdefault("recompute", ("none", "full"))
         if graph.front_end == "export":
+            constraints.setdefault("cp", 1)  # the exported graph fixes the sequence
             constraints.setdefault("sequence_parallel", False)
             constraints.setdefault("dtype", "fp32")  # the exported graph pins fp32 (below)
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
@@ -203,6 +215,7 @@ def _parallelize(
         for stage in split.stages:
             stage.module.to(device)
     wrapped: dict[int, nn.Module] = {}
+    context: ContextParallelResult | None = None
     for stage in split.stages:
         apply_tensor_parallel(
             stage,
@@ -210,17 +223,42 @@ def _parallelize(
             sequence_parallel=plan.sequence_parallel,
             shared=split.shared_in_stage.get(stage.stage_idx, ()),
         )
+        if plan.cp_degree > 1 and _has_attention(stage):
+            # after TP: the ring passes the local heads' K/V
+            context = apply_context_parallel(
+                stage.module, mesh.sub("cp"), seq_len=graph.profile.seq_len
+            )
+        if plan.ep_degree > 1 and find_grouped_experts(stage.module):
+            apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
         apply_recompute(stage, plan.stages[stage.stage_idx].recompute, plan.decisions.recompute)
+    if context is None and plan.cp_degree > 1:
+        # a stage without attention (an embedding or head alone) still gets its tokens split
+        context = ContextParallelResult(
+            cp_degree=plan.cp_degree,
+            cp_rank=mesh.cp_rank,
+            seq_len=graph.profile.seq_len,
+            backend="ring",
+            attention_sites=(),
+            position_buffers=(),
+        )
+    if context is not None and meta:
+        buffers = context.shard_buffer_values(buffers)  # the RoPE rows of this cp rank
     num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
     if meta and uses_ddp(plan):
         # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
+    finish = []
     for stage in split.stages:
-        wrapped[stage.stage_idx] = apply_data_parallel(stage, mesh, plan).module
+        result = apply_data_parallel(stage, mesh, plan)
+        wrapped[stage.stage_idx] = result.module
+        if result.finish is not None:
+            finish.append(result.finish)
     if meta and not uses_ddp(plan):
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
     return DistributedModel(
+        context=context,
+        after_backward=tuple(finish),
         plan=plan,
         mesh=mesh,
         split=split,
@@ -428,20 +466,17 @@ def _trace(model: nn.Module, plan: Plan | None) -> ModelGraph:
 
 def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int) -> None:
     """Every check that needs no communication: raised identically on every rank."""
-    if plan.cp_degree > 1 or plan.ep_degree > 1:
-        raise PlanError(
-            f"cp_degree = {plan.cp_degree}, ep_degree = {plan.ep_degree}: autoplan's runtime "
-            "does not run context or expert parallelism yet (the cost model and the search "
-            "price them); set cp_degree and ep_degree to 1 to train, or use the plan with "
-            "`autoplan estimate` / `autoplan explain`"
-        )
     if plan.num_devices != world_size:
+        names, values = "dp x tp x pp", [plan.dp_degree, plan.tp_degree, plan.pp_degree]
+        if plan.cp_degree > 1:
+            names, values = names + " x cp", [*values, plan.cp_degree]
         raise PlanError(
-            f"the plan needs dp x tp x pp = {plan.dp_degree} x {plan.tp_degree} x "
-            f"{plan.pp_degree} = {plan.num_devices} processes but the job has {world_size}; "
-            f"launch {plan.num_devices} processes or make a plan for {world_size}"
+            f"the plan needs {names} = {' x '.join(map(str, values))} = {plan.num_devices} "
+            f"processes but the job has {world_size}; launch {plan.num_devices} processes or "
+            f"make a plan for {world_size}"
         )
     plan.validate(graph, cluster)
+    _check_context_expert(plan, graph)
     if plan.dtype != "fp32" and graph.front_end == "export":
         raise PlanError(
             f"dtype = {plan.dtype!r}, but {graph.profile.name!r} was traced with torch.export "
@@ -457,6 +492,53 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
         )
 
 
+def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
+    """What the cp and ep passes would refuse half-way, refused before any collective
+    (`Plan.validate` has checked cp against the sequence and ep against the experts)."""
+    if plan.cp_degree > 1 and graph.front_end == "export":
+        raise PlanError(
+            f"cp_degree = {plan.cp_degree}, but {graph.profile.name!r} was traced with "
+            "torch.export, whose graph fixes the sequence length and position tables that "
+            "context parallelism must split; use cp_degree 1 for this model"
+        )
+    if plan.ep_degree > 1 and plan.decisions.dp_wrapper == "ddp" and plan.zero_stage == 1:
+        raise PlanError(
+            f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
+            "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
+            "holding others (it broadcasts each updated parameter over the whole data-parallel "
+            "group); use zero_stage 0 or 2"
+        )
+    selective = any(stage.recompute == "selective" for stage in plan.stages)
+    if plan.ep_degree > 1 and selective and plan.decisions.dp_wrapper in ("fsdp", "replicate"):
+        raise PlanError(
+            f"recompute 'selective' with ep_degree = {plan.ep_degree} under FSDP2 "
+            f"({plan.zero_text}): the experts are wrapped on their own (their data-parallel "
+            "group differs from the block's), so FSDP2's hooks run inside the selectively "
+            "recomputed block and the recompute diverges from the forward; use recompute "
+            "'full' or 'none' on those stages, or zero_stage 0 without tensor or pipeline "
+            "parallelism (DDP)"
+        )
+
+
+def _check_positions(plan: Plan, model: nn.Module) -> None:
+    """Context parallelism cuts the RoPE tables (``rope_cos``/``rope_sin`` buffers) to each
+    rank's positions; a model without them would restart positions at 0 on every cp rank."""
+    if plan.cp_degree == 1:
+        return
+    if not any(
+        name in ("rope_cos", "rope_sin") for sub in model.modules() for name in sub._buffers
+    ):
+        raise PlanError(
+            f"cp_degree = {plan.cp_degree}, but {type(model).__name__} has no RoPE tables "
+            "(rope_cos/rope_sin buffers) for context parallelism to split by position; models "
+            "with learned position embeddings (GPT) are not supported: use cp_degree 1"
+        )
+
+
+def _has_attention(stage: StageModule) -> bool:
+    return any(op.kind == "attention" for unit in stage.units for op in unit.profile.ops)
+
+
 def _check_before_launch(
     plan: Plan,
     model: nn.Module,
@@ -468,6 +550,7 @@ def _check_before_launch(
     """Every check of ``plan`` that needs no communication, raised alike on every rank."""
     _check_plan(plan, graph, cluster, world_size)
     _check_tensor_parallel(plan, model, graph)
+    _check_positions(plan, model)
     _check_memory(plan, graph, cluster, check_memory)
 
 
@@ -570,7 +653,9 @@ def _describe(plan: Plan) -> str:
     )
     return (
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
-        f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
+        + (f" x cp {plan.cp_degree}" if plan.cp_degree > 1 else "")
+        + (f", ep {plan.ep_degree} within dp" if plan.ep_degree > 1 else "")
+        + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
         f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
         f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
         f"{plan.dtype}, stages {stages}"
