@@ -347,7 +347,7 @@ def build_case(
         framework = f"{framework}:{options}"
     how = extra.pop("throughput", fam["throughput"])
     reason = extra.pop("reason", "")
-    split = extra.pop("pipeline_split", fam.get("pipeline_split", "blocks"))
+    split = extra.pop("pipeline_split", "blocks")
     if split not in ("blocks", "embedding_and_loss_as_layers"):
         raise ValueError(f"{run_id}: unknown pipeline_split {split!r}")
     memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
