@@ -435,8 +435,6 @@ def _default_skip_reason(row: dict[str, Any]) -> str:
     config, model = row["config"], row["model"]
     if config.get("dtype") == "fp8":
         return "fp8 training (plans are fp32/bf16/fp16)"
-    if (config.get("cp") or 1) > 1:
-        return "context parallelism"
     if row["gpu"] == "other":
         return "GPU model not stated"
     if not model.get("num_layers") or not model.get("vocab_size"):

@@ -194,3 +194,69 @@ def test_fitting_a_constant_on_its_own_rows_recovers_its_shipped_value() -> None
     assert set(statuses.values()) == {"fit"}, statuses
     declared_fit = {i for i, a in assumptions["rows"].items() if (a or {}).get("status") == "fit"}
     assert declared_fit == fit_rows
+
+
+def test_megatron_flop_count_reproduces_the_printed_tflops() -> None:
+    """`megatron_flops` (Megatron-LM's num_floating_point_operations) with the rows' dimensions
+    turns the Qwen3-235B table's printed step times into its printed TFLOP/s (within 0.5%), and
+    the MoE and cp rows are built as MoE / cp / ep plans."""
+    published, assumptions = validate_published.load()
+    rows = {row["id"]: row for row in published}
+    checked = 0
+    for run_id, row in rows.items():
+        measured = row["measured"]
+        if not run_id.startswith("mcore-moezoo-h100-qwen3-235b") or not measured["step_time_s"]:
+            continue
+        model = row["model"]
+        moe = model["moe"]
+        dims = validate_published.ModelDims(
+            family=model["family"],
+            num_layers=model["num_layers"],
+            hidden_size=model["hidden_size"],
+            num_heads=model["num_heads"],
+            num_kv_heads=model["num_kv_heads"],
+            ffn_hidden_size=None,
+            seq_len=model["seq_len"],
+            vocab_size=model["vocab_size"],
+            head_dim=model["head_dim"],
+            num_experts=moe["num_experts"],
+            top_k=moe["top_k"],
+            moe_ffn_hidden_size=moe["moe_ffn_hidden_size"],
+        )
+        flops = validate_published.megatron_flops(dims, row["config"]["global_batch"])
+        tflops = flops / (measured["step_time_s"] * row["num_gpus"]) / 1e12
+        # both printed to 3 figures (19.7 s: +-0.25%; 245: +-0.2%); 246.2 vs 245 is the widest
+        assert tflops == pytest.approx(measured["tflops_per_gpu"], rel=0.0055), run_id
+        checked += 1
+    assert checked == 5
+    case = validate_published.build_case(
+        rows["mcore-moezoo-h100-qwen3-235b-256g-s16k-cp1"], assumptions
+    )
+    assert isinstance(case, Case) and case.dims.num_experts == 128 and case.dims.head_dim == 128
+    assert (case.plan_args["ep"], case.plan_args["cp"], case.plan_args["dp"]) == (8, 1, 8)
+    assert case.embedding_and_loss_as_layers
+    # the derived step of the collector (published_runs_moe.yaml) from the same formula
+    assert case.published_step_s == pytest.approx(11.37, abs=0.01)
+    cp = validate_published.build_case(rows["automodel-h100-llama3.1-70b-64g-cp2"], assumptions)
+    assert isinstance(cp, Case) and (cp.plan_args["cp"], cp.plan_args["dp"]) == (2, 32)
+    # a row autoplan cannot express is refused, whatever its status says
+    with pytest.raises(ValueError, match="ep = 32 does not divide dp = 16"):
+        validate_published.check_expressible(rows["mcore-moezoo-h100-qwen3-235b-256g-ep32-pp8"])
+    with pytest.raises(ValueError, match="etp = 2"):
+        validate_published.check_expressible(
+            rows["mcore-moezoo-h100-mixtral-8x22b-128g-forced-balance"]
+        )
+
+
+def test_megatron_split_counts_the_embedding_and_the_loss_as_layers() -> None:
+    from autoplan import models
+    from autoplan.tracing import trace
+
+    profile = trace(models.llama(10, 64, 4, 16, 97)).profile
+    blocks = [i for i, u in enumerate(profile.units) if u.kind == "block"]
+    stages = validate_published.layer_balanced_stages(profile, 4, "none", True)
+    assert stages is not None
+    per_stage = [sum(1 for i in blocks if s.first_unit <= i <= s.last_unit) for s in stages]
+    assert per_stage == [2, 3, 3, 2]  # (10 + 2) / 4 = 3 a stage, one fewer at either end
+    assert stages[0].first_unit == 0 and stages[-1].last_unit == profile.num_units - 1
+    assert validate_published.layer_balanced_stages(profile, 4, "none") is None  # 10 % 4
