@@ -154,6 +154,19 @@ def num_params_closed_form(config: LlamaConfig) -> int:
     return config.num_layers * per_block + config.vocab_size * h + head + h
 
 
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """RoPE's cos and sin tables (seq_len, head_dim) in float32, in the "rotate half" layout of
+    HF's LlamaRotaryEmbedding."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # (hd / 2,)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (seq_len, hd / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (seq_len, hd)
+    return angles.cos(), angles.sin()
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the last dim, split in halves (HF's RoPE layout)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -269,13 +282,8 @@ class Llama(ZooModel):
 
     def rope_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos and sin tables (seq_len, head_dim) in float32, as HF's LlamaRotaryEmbedding."""
-        hd = self.config.head_dim
-        exponents = torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd
-        inv_freq = 1.0 / (self.config.rope_theta**exponents)  # (hd / 2,)
-        positions = torch.arange(self.config.seq_len, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # (seq_len, hd / 2)
-        angles = torch.cat((angles, angles), dim=-1)  # (seq_len, hd)
-        return angles.cos(), angles.sin()
+        config = self.config
+        return rope_tables(config.seq_len, config.head_dim, config.rope_theta, device)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.tok_emb(input_ids)  # (B, T, H)

@@ -59,6 +59,7 @@ from autoplan.models.llama import (
     LlamaConfig,
     default_ffn_hidden_size,
     resolve_head_dim,
+    rope_tables,
 )
 
 __all__ = [
@@ -400,13 +401,8 @@ class MoE(ZooModel):
     def rope_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos and sin tables (seq_len, head_dim) in float32: the same as `Llama.rope_tables`
         (HF's LlamaRotaryEmbedding), so attention matches a Llama's with the same weights."""
-        hd = self.config.head_dim
-        exponents = torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd
-        inv_freq = 1.0 / (self.config.rope_theta**exponents)  # (hd / 2,)
-        positions = torch.arange(self.config.seq_len, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # (seq_len, hd / 2)
-        angles = torch.cat((angles, angles), dim=-1)  # (seq_len, hd)
-        return angles.cos(), angles.sin()
+        config = self.config
+        return rope_tables(config.seq_len, config.head_dim, config.rope_theta, device)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.tok_emb(input_ids)  # (B, T, H)
