@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.communication import p2p_time_s
-from cost_model.compute import op_time
 from cost_model.hardware import Cluster
+from cost_model.parts.compute import op_cost
 from cost_model.strategy import GroupPlacement, Strategy
 from cost_model.workload import GemmShape, ModelProfile, OpProfile, UnitProfile
 
@@ -124,16 +124,7 @@ def ring_attention_cost(
     p2p_backward = p2p_time_s(2.0 * block, cluster, cross_node=cross)  # K/V and dK/dV
     forward_s = backward_s = 0.0
     for op in attention:
-        times = op_time(
-            op,
-            device=cluster.device,
-            calibration=cluster.calibration,
-            dtype=strategy.dtype,
-            micro_batch_size=strategy.micro_batch_size,
-            tp_degree=strategy.tp_degree,
-            sequence_parallel=strategy.sequence_parallel,
-            traced_dtype_bytes=profile.traced_dtype_bytes,
-        )
+        times = op_cost(op, cluster, strategy, profile.traced_dtype_bytes)
         # equal steps (head-tail load balance): each 1/cp of the rank's attention
         forward_s += (cp - 1) * max(0.0, p2p_forward - times.forward_s / cp)
         backward_s += (cp - 1) * max(0.0, p2p_backward - times.backward_s / cp)
