@@ -9,6 +9,7 @@ YAML files shipped in ``cost_model/presets``; each constant there cites its sour
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -232,9 +233,7 @@ class Cluster:
     @classmethod
     def preset_file(cls, name: str) -> Cluster:
         """The shipped preset file ``name`` exactly as written (one node, no detection)."""
-        resource = resources.files("cost_model") / "presets" / f"{name}.yaml"
-        with resources.as_file(resource) as path:
-            return cls.from_yaml(path)
+        return _preset_file(name)
 
     @classmethod
     def local(cls, num_devices: int | None = None) -> Cluster:
@@ -348,6 +347,15 @@ def as_cluster(value: object) -> Cluster:
         f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4' or a YAML "
         f"path), got {type(value).__name__} {value!r}"
     )
+
+
+@functools.cache
+def _preset_file(name: str) -> Cluster:
+    """Parse a shipped preset once: the files are package data, and a Cluster is immutable
+    (what-if questions and the validation bench build thousands from a few presets)."""
+    resource = resources.files("cost_model") / "presets" / f"{name}.yaml"
+    with resources.as_file(resource) as path:
+        return Cluster.from_yaml(path)
 
 
 def preset_names() -> list[str]:

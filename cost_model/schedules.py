@@ -242,10 +242,22 @@ def _recorded_single(cls: type, rank: int, p: int, m: int) -> tuple[Action, ...]
     """Run a one-stage schedule's ``_step_microbatches`` for pipeline rank ``rank`` on a
     stand-in stage and return the forwards and backwards it ran, in order."""
     stage = _StandInStage(rank, p, p)
-    schedule = cls(stage, m, loss_fn=_no_loss)
+    schedule = _lean_single(cls)(stage, m, loss_fn=_no_loss)
     schedule._initialize_stage = _skip_lowering  # nothing to allocate: no tensors flow
     schedule._step_microbatches([()] * m, [{}] * m, [None] * m, losses=None, return_outputs=False)
     return tuple(stage.recorded)
+
+
+@functools.cache
+def _lean_single(cls: type) -> type:
+    """``cls`` without the display IR its constructor builds (``pipeline_order``: every rank's
+    actions, which a one-stage schedule's ``_step_microbatches`` never reads); building it for
+    each of p ranks cost O(p^2 m) and most of a schedule's compile time."""
+    return type(cls.__name__, (cls,), {"_get_pipeline_order": _no_order})
+
+
+def _no_order(self: object) -> None:
+    return None
 
 
 def _no_loss(output: object, target: object) -> None:
