@@ -16,7 +16,7 @@ Guarantees, relied on by the tracer, the cost model and the tensor-parallel pass
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -257,21 +257,40 @@ class Block(nn.Module):
         return x
 
 
-class Llama(ZooModel):
-    """Llama language model; see the module docstring for the guarantees.
+class DecoderConfig(Protocol):
+    """What `RopeDecoder` reads of a config (`LlamaConfig`, `MoEConfig`)."""
 
-    Build it with `llama()` or `preset()`: they construct on the meta device and materialise
-    once. Constructing `Llama(config)` directly builds on the current default device.
-    """
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+
+
+class RopeDecoder(ZooModel):
+    """What Llama and the MoE decoder share: token embedding, blocks that take the RoPE tables,
+    a final RMSNorm and the LM head; the tables as non-persistent buffers; weight tying; and
+    the initialisation of everything but the blocks' attention and MLPs (`init_block`)."""
 
     rope_cos: Tensor
     rope_sin: Tensor
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: DecoderConfig, blocks: Iterable[nn.Module]) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Non-persistent: derived from the config, never checkpointed; rebuilt by init_weights.
@@ -303,9 +322,10 @@ class Llama(ZooModel):
     def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise every parameter and buffer in place, deterministically for a `seed`.
 
-        N(0, 0.02) for the embedding and linears, N(0, 0.02 / sqrt(2 num_layers)) for o_proj and
-        down_proj (GPT-2's scaled init), RMSNorm weights 1, RoPE tables recomputed. `seed=None`
-        draws from the global RNG. Works after `to_empty()` and re-ties tied embeddings.
+        N(0, 0.02) for the embedding, the head and the blocks' input projections,
+        N(0, 0.02 / sqrt(2 num_layers)) for what writes into the residual stream (GPT-2's scaled
+        init; `init_block`), RMSNorm weights 1, RoPE tables recomputed. `seed=None` draws from
+        the global RNG. Works after `to_empty()` and re-ties tied embeddings.
         """
         self.tie_weights()
         if not self.rope_cos.is_meta:  # (real buffers beside meta parameters: see passes)
@@ -318,18 +338,44 @@ class Llama(ZooModel):
         out_std = residual_init_std(self.config.num_layers)
         normal_(self.tok_emb.weight, INIT_STD, gen)
         for block in self.blocks:
-            assert isinstance(block, Block)
-            block.attn_norm.reset_parameters()
-            block.mlp_norm.reset_parameters()
-            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+            attn, mlp = block.get_submodule("attn"), block.get_submodule("mlp")
+            assert isinstance(attn, Attention), type(attn)
+            for name in ("attn_norm", "mlp_norm"):
+                norm = block.get_submodule(name)
+                assert isinstance(norm, nn.RMSNorm), type(norm)
+                norm.reset_parameters()
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                 init_linear(proj, INIT_STD, gen)
-            init_linear(block.attn.o_proj, out_std, gen)
-            init_linear(block.mlp.gate_proj, INIT_STD, gen)
-            init_linear(block.mlp.up_proj, INIT_STD, gen)
-            init_linear(block.mlp.down_proj, out_std, gen)
+            init_linear(attn.o_proj, out_std, gen)
+            self.init_mlp(mlp, gen, out_std)
         self.norm.reset_parameters()
         if not self.config.tie_embeddings:
             normal_(self.lm_head.weight, INIT_STD, gen)
+
+    def init_mlp(self, mlp: nn.Module, gen: torch.Generator | None, out_std: float) -> None:
+        """Initialise one block's MLP (SwiGLU: `init_swiglu`)."""
+        assert isinstance(mlp, MLP), type(mlp)
+        init_swiglu(mlp, gen, out_std)
+
+
+def init_swiglu(mlp: MLP, gen: torch.Generator | None, out_std: float) -> None:
+    """gate and up N(0, 0.02), down N(0, out_std)."""
+    init_linear(mlp.gate_proj, INIT_STD, gen)
+    init_linear(mlp.up_proj, INIT_STD, gen)
+    init_linear(mlp.down_proj, out_std, gen)
+
+
+class Llama(RopeDecoder):
+    """Llama language model; see the module docstring for the guarantees.
+
+    Build it with `llama()` or `preset()`: they construct on the meta device and materialise
+    once. Constructing `Llama(config)` directly builds on the current default device.
+    """
+
+    config: LlamaConfig
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config, (Block(config) for _ in range(config.num_layers)))
 
 
 def llama(

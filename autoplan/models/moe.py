@@ -43,23 +43,21 @@ from torch import Tensor, nn
 from autoplan.models._common import (
     INIT_STD,
     ModelSpecError,
-    ZooModel,
     build,
     check_divisible,
     check_positive_float,
     check_positive_ints,
     init_linear,
-    make_generator,
     normal_,
-    residual_init_std,
 )
 from autoplan.models.llama import (
     MLP,
     Attention,
     LlamaConfig,
+    RopeDecoder,
     default_ffn_hidden_size,
+    init_swiglu,
     resolve_head_dim,
-    rope_tables,
 )
 
 __all__ = [
@@ -375,88 +373,36 @@ class MoEBlock(nn.Module):
         return x
 
 
-class MoE(ZooModel):
+class MoE(RopeDecoder):
     """Mixture-of-experts language model; see the module docstring for the guarantees.
 
     Build it with `moe()` or `preset()`: they construct on the meta device and materialise once.
+    Embedding, RoPE tables, forward, weight tying and most of the initialisation are Llama's
+    (`RopeDecoder`); the MoE layers' router and experts are initialised as `init_mlp` says.
     """
 
-    rope_cos: Tensor
-    rope_sin: Tensor
+    config: MoEConfig
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(
-            MoEBlock(config, moe_layer=config.is_moe_layer(i)) for i in range(config.num_layers)
+        super().__init__(
+            config,
+            (MoEBlock(config, moe_layer=config.is_moe_layer(i)) for i in range(config.num_layers)),
         )
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        cos, sin = self.rope_tables(self.tok_emb.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (seq_len, hd)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (seq_len, hd)
-        self.init_weights()
 
-    def rope_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """cos and sin tables (seq_len, head_dim) in float32: the same as `Llama.rope_tables`
-        (HF's LlamaRotaryEmbedding), so attention matches a Llama's with the same weights."""
-        config = self.config
-        return rope_tables(config.seq_len, config.head_dim, config.rope_theta, device)
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.tok_emb(input_ids)  # (B, T, H)
-        for block in self.blocks:
-            x = block(x, self.rope_cos, self.rope_sin)  # (B, T, H)
-        logits: Tensor = self.lm_head(self.norm(x))  # (B, T, V)
-        return logits
-
-    def tie_weights(self) -> None:
-        """Share tok_emb.weight with lm_head if configured (`to_empty` unties them)."""
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """(Re)initialise every parameter and buffer in place, deterministically for a `seed`.
-
-        As `Llama.init_weights`: N(0, 0.02) for the embedding, linears, router and the experts'
-        gate/up weights, N(0, 0.02 / sqrt(2 num_layers)) for what writes into the residual
-        stream (o_proj, down_proj, the experts' w_down), RMSNorm weights 1, RoPE tables
-        recomputed. `seed=None` draws from the global RNG.
-        """
-        self.tie_weights()
-        if not self.rope_cos.is_meta:
-            cos, sin = self.rope_tables(self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
-        if self.tok_emb.weight.is_meta:
+    def init_mlp(self, mlp: nn.Module, gen: torch.Generator | None, out_std: float) -> None:
+        """A dense layer's SwiGLU as Llama's; a MoE layer's router and experts' gate/up
+        N(0, 0.02), the experts' w_down N(0, out_std) (it writes into the residual stream), and
+        the shared expert as a SwiGLU."""
+        if isinstance(mlp, MLP):
+            init_swiglu(mlp, gen, out_std)
             return
-        gen = make_generator(seed, self.tok_emb.weight.device)
-        out_std = residual_init_std(self.config.num_layers)
-        normal_(self.tok_emb.weight, INIT_STD, gen)
-        for block in self.blocks:
-            assert isinstance(block, MoEBlock)
-            block.attn_norm.reset_parameters()
-            block.mlp_norm.reset_parameters()
-            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
-                init_linear(proj, INIT_STD, gen)
-            init_linear(block.attn.o_proj, out_std, gen)
-            mlp = block.mlp
-            dense = [mlp] if isinstance(mlp, MLP) else []
-            if isinstance(mlp, MoEFeedForward):
-                init_linear(mlp.router, INIT_STD, gen)
-                normal_(mlp.experts.w_gate, INIT_STD, gen)
-                normal_(mlp.experts.w_up, INIT_STD, gen)
-                normal_(mlp.experts.w_down, out_std, gen)
-                dense = [mlp.shared_expert] if mlp.shared_expert is not None else []
-            for ffn in dense:
-                init_linear(ffn.gate_proj, INIT_STD, gen)
-                init_linear(ffn.up_proj, INIT_STD, gen)
-                init_linear(ffn.down_proj, out_std, gen)
-        self.norm.reset_parameters()
-        if not self.config.tie_embeddings:
-            normal_(self.lm_head.weight, INIT_STD, gen)
+        assert isinstance(mlp, MoEFeedForward), type(mlp)
+        init_linear(mlp.router, INIT_STD, gen)
+        normal_(mlp.experts.w_gate, INIT_STD, gen)
+        normal_(mlp.experts.w_up, INIT_STD, gen)
+        normal_(mlp.experts.w_down, out_std, gen)
+        if mlp.shared_expert is not None:
+            init_swiglu(mlp.shared_expert, gen, out_std)
 
 
 def moe(
