@@ -96,6 +96,12 @@ class Action:
         return f"{self.stage_idx}{self.kind}{self.microbatch_idx}"
 
 
+# The most micro-batches a step may have: the simulation and torch's schedule classes walk
+# every one (far beyond any real job: a step of 2^20 sequences at micro-batch 1 and dp 16 has
+# 65,536), so an absurd global batch is an error, not an out-of-memory.
+MAX_MICRO_BATCHES = 100_000
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleSpec:
     """A pipeline schedule with its degrees; construction checks torch's rules for it."""
@@ -112,6 +118,12 @@ class ScheduleSpec:
         for field_name, value in (("pp_degree", p), ("virtual_stages", v), ("micro-batches", m)):
             if value < 1:
                 raise ScheduleError(f"{field_name} = {value} must be >= 1")
+        if m > MAX_MICRO_BATCHES:
+            raise ScheduleError(
+                f"num_micro_batches = {m:,}: the cost model simulates every micro-batch of a step "
+                f"and takes at most {MAX_MICRO_BATCHES:,}; use a larger micro-batch or a smaller "
+                "global batch"
+            )
         if name in ("gpipe", "1f1b") and v != 1:
             raise ScheduleError(
                 f"schedule {name!r} runs one stage per pipeline rank, got virtual_stages = {v}; "

@@ -221,6 +221,13 @@ def test_a_rank_layout_that_is_not_a_list_is_a_plan_error(graph: Any, layout: An
         autoplan.manual_plan(graph, CLUSTER, global_batch=8, rank_layout=layout)
 
 
+def test_an_absurd_global_batch_is_a_plan_error_not_out_of_memory(graph: Any) -> None:
+    # Found by test_generated_api_calls: global_batch 2^40 built 2^37 micro-batches' actions
+    # and died with MemoryError.
+    with pytest.raises(PlanError, match=r"num_micro_batches = 137,438,953,472: .* at most"):
+        autoplan.manual_plan(graph, CLUSTER, global_batch=2**40)
+
+
 API_VALUES = WORDS | JUNK | st.sampled_from([0, -1, 3, 2**40, math.nan, math.inf, 1.5, None])
 
 
