@@ -68,6 +68,7 @@ def manual_plan(
     dp: int | None = None,
     cp: int = 1,
     ep: int = 1,
+    ep_folding: bool = False,
     micro_batch: int = 1,
     global_batch: int,
     recompute: Recompute = "none",
@@ -83,7 +84,8 @@ def manual_plan(
     """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
 
     ``dp`` defaults to ``cluster.num_devices / (tp * pp * cp)``; ``cp`` is the context-parallel
-    degree, ``ep`` the expert-parallel one (carved out of dp). ``rank_layout`` defaults to
+    degree, ``ep`` the expert-parallel one (carved out of dp, or with ``ep_folding`` out of the
+    dp x cp x tp ranks as Megatron-Core folds it: `Plan.ep_folding`). ``rank_layout`` defaults to
     ``[pp, dp, tp]``, or ``[pp, dp, cp, tp]`` when cp > 1. ``dtype`` to the device's fastest
     (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
@@ -145,6 +147,7 @@ def manual_plan(
         pp_degree=pp,
         cp_degree=cp,
         ep_degree=ep,
+        ep_folding=ep_folding,
         virtual_stages=virtual_stages,
         stages=even_stages(profile.num_units, pp * virtual_stages, recompute),
         micro_batch_size=micro_batch,

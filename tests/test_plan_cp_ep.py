@@ -103,6 +103,15 @@ def test_cp_ep_plan_round_trip(tmp_path: Path) -> None:
         ({"cp_degree": 2}, ["needs 'cp' in rank_layout", "[pp, dp, cp, tp]"]),
         ({"rank_layout": ("pp", "cp", "tp")}, ["rank_layout", "dp"]),
         ({"rank_layout": ("pp", "dp", "cp", "cp", "tp")}, ["cp once or not at all"]),
+        (
+            {"ep_degree": 3, "ep_folding": True},
+            ["ep_degree = 3 with ep_folding does not divide dp x cp x tp = 4"],
+        ),
+        (
+            {"ep_degree": 2, "ep_folding": True, "tp_degree": 2, "dp_degree": 2},
+            ["ep_folding with tp_degree = 2 needs sequence_parallel: true"],
+        ),
+        ({"ep_folding": "yes"}, ["ep_folding = 'yes' must be true or false"]),
     ],
 )
 def test_plan_rules_on_construction(changes: dict[str, object], fragments: list[str]) -> None:
@@ -228,6 +237,35 @@ def test_expert_groups_split_dp() -> None:
     for rank in range(plan.num_devices):
         assert rank in plan.ep_group_ranks(rank) and rank in plan.expert_data_group_ranks(rank)
         assert len(plan.expert_data_group_ranks(rank)) == 4
+
+
+def test_folded_expert_groups_take_tp_and_cp_ranks() -> None:
+    """Megatron-Core's folding: ep 4 over the dp 2 x cp 2 x tp 2 block (layout pp, dp, cp, tp,
+    so the block is numbered as the global ranks): groups of 4 consecutive ranks, and the ranks
+    holding the same experts 4 apart."""
+    plan = _plan(
+        dp_degree=2,
+        cp_degree=2,
+        tp_degree=2,
+        ep_degree=4,
+        ep_folding=True,
+        sequence_parallel=True,
+        rank_layout=("pp", "dp", "cp", "tp"),
+        global_batch_size=4,
+    )
+    assert plan.ep_group_ranks(0) == (0, 1, 2, 3) and plan.ep_group_ranks(6) == (4, 5, 6, 7)
+    assert plan.expert_data_group_ranks(1) == (1, 5)
+    # another layout numbers the global ranks differently; the block keeps Megatron's order
+    other = dataclasses.replace(plan, rank_layout=("tp", "cp", "dp", "pp"))
+    # rank = tp x 4 + cp x 2 + dp: block index 1 (tp 1, cp 0, dp 0) is global rank 4
+    assert other.ep_group_ranks(0) == (0, 4, 2, 6)
+    assert other.expert_data_group_ranks(0) == (0, 1)
+    for p in (plan, other):
+        for rank in range(p.num_devices):
+            assert rank in p.ep_group_ranks(rank) and rank in p.expert_data_group_ranks(rank)
+            assert len(set(p.ep_group_ranks(rank)) & set(p.expert_data_group_ranks(rank))) == 1
+    assert plan.to_data()["ep_folding"] is True and Plan.from_data(plan.to_data()) == plan
+    assert "ep_folding" not in dataclasses.replace(plan, ep_folding=False, ep_degree=2).to_data()
 
 
 def test_export_refuses_cp_and_ep_naming_the_options() -> None:

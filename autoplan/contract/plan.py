@@ -22,9 +22,15 @@ expert-data-parallel groups and Megatron-LM's expert rank generator (megatron/co
 parallel_state.py, ``initialize_model_parallel``: ``expert_data_parallel_size =
 decoder_world_size // (expert_tensor_parallel_size * expert_model_parallel_size *
 pipeline_model_parallel_size)``, so ep x edp = dp x cp there). Megatron-LM lets ep span dp x
-cp; autoplan keeps ep inside dp (ep divides dp_degree), so the all-to-all never mixes ranks
-that hold different chunks of one sequence. Both default to 1, and a plan with cp = ep = 1
-writes neither field: older plan files load and save byte for byte.
+cp; by default autoplan keeps ep inside dp (ep divides dp_degree), so the all-to-all never
+mixes ranks that hold different chunks of one sequence. ``ep_folding`` takes Megatron-Core's
+layout instead ("MoE parallel folding", Liu et al. 2025, arXiv:2504.14960; expert tensor
+parallelism 1): the routed experts are not tensor-parallel, and an ep group is ``ep_degree``
+consecutive ranks of the data-sharded block ``dp x cp x tp`` numbered tp innermost, then cp,
+then dp (Megatron-LM's order), so ep may take TP and CP ranks and usually stays inside a node.
+Every rank of that block must route its own tokens: with ``tp_degree > 1`` folding needs
+sequence parallelism. Both degrees default to 1 and folding to false, and a plan at those
+defaults writes none of the three fields: older plan files load and save byte for byte.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ PLAN_SCHEMA_VERSION = 1
 Schedule = ScheduleName
 Recompute = Literal["none", "selective", "full"]
 MeshAxis = Literal["pp", "dp", "cp", "tp"]
+_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "cp", "tp")
 DTypeName = Literal["fp32", "bf16", "fp16"]
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -175,6 +182,8 @@ class Plan:
     pp_degree: int
     cp_degree: int = 1
     ep_degree: int = 1
+    # ep over the dp x cp x tp block (Megatron-Core's folding) instead of inside dp
+    ep_folding: bool = False
     virtual_stages: int = 1
     stages: tuple[StagePlan, ...]
     micro_batch_size: int
@@ -242,7 +251,11 @@ class Plan:
                 f"cp_degree = {self.cp_degree} needs 'cp' in rank_layout = "
                 f"{list(self.rank_layout)}; place it, e.g. [pp, dp, cp, tp]"
             )
-        if self.dp_degree % self.ep_degree:
+        if not isinstance(self.ep_folding, bool):
+            raise PlanError(f"ep_folding = {self.ep_folding!r} must be true or false")
+        if self.ep_folding:
+            self._check_folding()
+        elif self.dp_degree % self.ep_degree:
             raise PlanError(
                 f"ep_degree = {self.ep_degree} does not divide dp_degree = {self.dp_degree}: "
                 "expert parallelism splits the experts over ep of the data-parallel ranks "
@@ -251,6 +264,36 @@ class Plan:
         self._check_batching()
         self._check_schedule()
         self._check_stages()
+
+    def _check_folding(self) -> None:
+        block = self.dp_degree * self.cp_degree * self.tp_degree
+        if block % self.ep_degree:
+            raise PlanError(
+                f"ep_degree = {self.ep_degree} with ep_folding does not divide dp x cp x tp = "
+                f"{block}: a folded expert-parallel group is ep consecutive ranks of that block; "
+                f"use an ep_degree that divides {block}"
+            )
+        if self.tp_degree > 1 and not self.sequence_parallel:
+            raise PlanError(
+                f"ep_folding with tp_degree = {self.tp_degree} needs sequence_parallel: true: "
+                "folded expert parallelism gives every TP rank its own tokens to route, which "
+                "only sequence parallelism splits; set sequence_parallel: true or ep_folding: false"
+            )
+
+    def _block_index(self, rank: int) -> tuple[int, int]:
+        """(pipeline rank, index in the data-sharded block): the block numbers the dp x cp x tp
+        ranks of one pipeline rank tp innermost, then cp, then dp."""
+        coord = {axis: (rank // self.axis_stride(axis)) % self.degree(axis) for axis in _AXES}
+        index = (coord["dp"] * self.cp_degree + coord["cp"]) * self.tp_degree + coord["tp"]
+        return coord["pp"], index
+
+    def _block_rank(self, pp: int, index: int) -> int:
+        """The global rank at (pipeline rank, block index): `_block_index` inverted."""
+        tp = index % self.tp_degree
+        cp = (index // self.tp_degree) % self.cp_degree
+        dp = index // (self.tp_degree * self.cp_degree)
+        coord = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        return sum(coord[axis] * self.axis_stride(axis) for axis in _AXES)
 
     def _check_batching(self) -> None:
         expected = self.micro_batch_size * self.num_micro_batches * self.dp_degree
@@ -336,7 +379,12 @@ class Plan:
     def ep_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
         """Global ranks of the expert-parallel group that contains ``rank``: ``ep_degree``
         consecutive data-parallel ranks (same pp, cp and tp coordinates), which split the experts
-        among them and exchange tokens by all-to-all."""
+        among them and exchange tokens by all-to-all. With ``ep_folding``: ``ep_degree``
+        consecutive ranks of the dp x cp x tp block (`_block_index`)."""
+        if self.ep_folding:
+            pp, index = self._block_index(rank)
+            first = index - index % self.ep_degree
+            return tuple(self._block_rank(pp, first + i) for i in range(self.ep_degree))
         stride = self.axis_stride("dp")
         d = (rank // stride) % self.dp_degree
         base = rank - (d % self.ep_degree) * stride
@@ -345,7 +393,18 @@ class Plan:
     def expert_data_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
         """Global ranks that hold the same experts as ``rank`` (same pp and tp coordinates, the
         same position in their expert-parallel group, any cp coordinate): the group over which
-        expert gradients reduce, ``dp_degree x cp_degree / ep_degree`` ranks."""
+        expert gradients reduce, ``dp_degree x cp_degree / ep_degree`` ranks. With
+        ``ep_folding``: the ranks of the dp x cp x tp block at the same position in their ep group,
+        ``dp x cp x tp / ep`` of them."""
+        if self.ep_folding:
+            pp, index = self._block_index(rank)
+            block = self.dp_degree * self.cp_degree * self.tp_degree
+            return tuple(
+                sorted(
+                    self._block_rank(pp, i)
+                    for i in range(index % self.ep_degree, block, self.ep_degree)
+                )
+            )
         dp_stride, cp_stride = self.axis_stride("dp"), self.axis_stride("cp")
         d = (rank // dp_stride) % self.dp_degree
         c = (rank // cp_stride) % self.cp_degree
@@ -522,6 +581,8 @@ class Plan:
         for name in ("cp_degree", "ep_degree"):
             if data[name] == 1:
                 del data[name]
+        if not data["ep_folding"]:
+            del data["ep_folding"]
         return data
 
     @property

@@ -501,6 +501,11 @@ def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
             "torch.export, whose graph fixes the sequence length and position tables that "
             "context parallelism must split; use cp_degree 1 for this model"
         )
+    if plan.ep_folding:
+        raise PlanError(
+            "ep_folding: true is planned and priced, but autoplan's runtime does not run folded "
+            "expert parallelism yet; set ep_folding: false (ep inside dp)"
+        )
     if plan.ep_degree > 1 and plan.decisions.dp_wrapper == "ddp" and plan.zero_stage == 1:
         raise PlanError(
             f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
