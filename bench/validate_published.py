@@ -36,8 +36,9 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan, StagePlan
 from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
-from cost_model.frameworks import DEFAULT_FRAMEWORK
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
+from cost_model.strategy import folded_ep_factors
 from cost_model.workload import ModelProfile
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -303,7 +304,11 @@ def build_case(
         return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"))
     assert family is not None, run_id
     model, config = row["model"], dict(row["config"])
-    check_expressible(row)
+    framework = fam.get("framework", DEFAULT_FRAMEWORK)
+    # where the stack that ran the row puts its ep groups (Megatron-Core folds them over
+    # tp x cp x dp): the profile's, part of how the row ran
+    folded = framework_profile(framework).expert_layout == "folded"
+    check_expressible(row, folded=folded)
     moe = model.get("moe") or {}
     dims = ModelDims(
         family=model["family"],
@@ -341,7 +346,6 @@ def build_case(
         devices_per_node=per_node,
         **overrides,
     )
-    framework = fam.get("framework", DEFAULT_FRAMEWORK)
     options = extra.pop("framework_options", None)
     if options:
         framework = f"{framework}:{options}"
@@ -365,6 +369,7 @@ def build_case(
         dp=dp,
         cp=cp,
         ep=ep,
+        ep_folding=folded and ep > 1,
         micro_batch=micro_batch,
         global_batch=merged["global_batch"],
         recompute=merged.get("recompute") or "none",
@@ -396,9 +401,10 @@ def build_case(
     )
 
 
-def check_expressible(row: dict[str, Any]) -> None:
+def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:
     """Raise if a row that is to be predicted needs what autoplan's zoo or plan cannot say (its
-    assumptions entry must then be `skip`, with the reason)."""
+    assumptions entry must then be `skip`, with the reason). ``folded``: the row's stack folds
+    ep over tp x cp x dp (`Plan.ep_folding`)."""
     model, config = row["model"], row["config"]
     why = []
     if model.get("mla"):
@@ -416,10 +422,11 @@ def check_expressible(row: dict[str, Any]) -> None:
     etp = config.get("etp") or config.get("tp") or 1
     if moe and etp != 1:
         why.append(f"expert tensor parallelism etp = {etp} (autoplan's experts are not TP-split)")
-    dp = row["num_gpus"] // (
-        (config.get("tp") or 1) * (config.get("pp") or 1) * (config.get("cp") or 1)
-    )
-    if ep > 1 and dp % ep:
+    tp, cp = config.get("tp") or 1, config.get("cp") or 1
+    dp = row["num_gpus"] // (tp * (config.get("pp") or 1) * cp)
+    if ep > 1 and folded and folded_ep_factors(ep, tp, cp, dp) is None:
+        why.append(f"ep = {ep} does not fold over tp {tp} x cp {cp} x dp {dp}")
+    elif ep > 1 and not folded and dp % ep:
         why.append(
             f"ep = {ep} does not divide dp = {dp} (Megatron-LM folds tp (etp 1) and cp ranks into "
             "the expert-parallel group; autoplan keeps ep inside dp)"

@@ -38,7 +38,9 @@ class Calibration:
     # are. 0 disables the term.
     gemm_half_efficiency_depth: float = 0.0
     # Fraction of the dtype's peak that a large fused attention kernel (SDPA) sustains.
-    attention_efficiency: float = 0.5
+    # Its FLOPs count the scores a causal kernel computes (half the square: the trace's
+    # `causal_fraction`), as FlashAttention's and Megatron-LM's figures do.
+    attention_efficiency: float = 0.25
     # Fraction of peak memory bandwidth that element-wise, reduction and optimizer kernels get.
     memory_efficiency: float = 0.7
     # Fraction of the link bandwidth that collectives reach (NCCL bus bandwidth / link peak).

@@ -46,6 +46,8 @@ Engine = Literal["deepspeed-pipe-bf16"]
 # How ZeRO-3 gathers weights: one collective per unit (FSDP2's fully_shard per block) or one
 # per prefetch bucket of modules (DeepSpeed, `cost_model.parts.data_parallel`).
 Zero3Gathers = Literal["per-unit", "per-module"]
+# Where a stack places an expert-parallel group (`FrameworkProfile.expert_layout`).
+ExpertLayout = Literal["dp", "folded"]
 
 DEFAULT_FRAMEWORK = "autoplan"
 
@@ -66,6 +68,10 @@ class FrameworkProfile:
     # attention efficiency); unfused: Q K^T, softmax, dropout and x V with the s x s scores in
     # memory (`unfused_attention_efficiency`).
     attention: AttentionKernel | None = None
+    # The fused attention kernel's rate where the stack's kernel is known to differ from the
+    # FlashAttention-1/2-era rate the presets hold: `Calibration.attention_efficiency` by device
+    # name prefix (e.g. "H100"), in the trace's causal-counted FLOPs.
+    attention_efficiency_by_device: Mapping[str, float] = field(default_factory=dict)
     # `Calibration.full_recompute_early_stop`: 1 when full recompute stops once every saved
     # tensor is back (torch's non-reentrant checkpoint since 2.1), 0 when it re-runs the
     # whole forward (reentrant checkpointing).
@@ -87,6 +93,10 @@ class FrameworkProfile:
     # and fp16 plans use its other optimizers, priced part by part.
     engine: Engine | None = None
     zero3_gathers: Zero3Gathers | None = None
+    # Where the stack puts an expert-parallel group: "folded" over consecutive ranks of the
+    # dp x cp x tp block with the experts not tensor-parallel (`Plan.ep_folding`), or "dp"
+    # inside data parallelism; ``None``: the plan says (autoplan's runtime runs both).
+    expert_layout: ExpertLayout | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -98,7 +108,14 @@ class FrameworkProfile:
         changes: dict[str, float] = {}
         if self.attention == "unfused" and profile.num_heads:
             head_dim = profile.hidden_size // profile.num_heads
-            changes["attention_efficiency"] = unfused_attention_efficiency(cluster, head_dim)
+            # an unfused core computes every score; the trace counts a causal kernel's half
+            changes["attention_efficiency"] = unfused_attention_efficiency(
+                cluster, head_dim
+            ) * traced_score_fraction(profile)
+        if self.attention == "fused":
+            for prefix, value in self.attention_efficiency_by_device.items():
+                if cluster.device.name.startswith(prefix):
+                    changes["attention_efficiency"] = value
         for name in (
             "full_recompute_early_stop",
             "selective_gemm_recompute_fraction",
@@ -113,6 +130,19 @@ class FrameworkProfile:
         if not changes:
             return cluster
         return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
+
+
+def traced_score_fraction(profile: ModelProfile) -> float:
+    """The share of the full query x key score square that the trace's attention FLOPs count:
+    about 1/2 for causal flash attention (autoplan.tracing.profiler.causal_fraction), 1 for a
+    full or masked one, and 1 for a model without a traced attention op."""
+    for unit in profile.units:
+        for op in unit.ops:
+            if op.kind == "attention" and op.gemm is not None and op.forward_flops > 0:
+                g = op.gemm
+                full = 4.0 * g.m_per_sample * g.n * g.k * g.batch
+                return min(1.0, op.forward_flops / full)
+    return 1.0
 
 
 def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:
@@ -152,6 +182,12 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "recompute, outputs freed once sent, --overlap-grad-reduce"
             ),
             attention="fused",
+            # Transformer Engine's DotProductAttention runs cuDNN's fused attention on Hopper.
+            # cuDNN on H100 SXM5, head dim 128, sequences 2k-16k, no causal mask: 595-617
+            # TFLOP/s forward and 465-518 backward (Shah et al. 2024, FlashAttention-3, Fig. 5),
+            # 1.6x FlashAttention-2's 362-370 and 291-322 there. Forward and backward weighted
+            # by their FLOPs (1 : 2.5): 3.5 / (989 / 607 + 2.5 x 989 / 516) = 0.54 of the peak.
+            attention_efficiency_by_device={"H100": 0.54},
             # CheckpointFunction is a reentrant torch.autograd.Function: the backward re-runs
             # the block's whole forward (megatron/core/tensor_parallel/random.py).
             full_recompute_early_stop=0.0,
@@ -166,11 +202,19 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # during the backward (megatron/core/distributed/distributed_data_parallel.py);
             # without it (Megatron's default) the reduction follows the backward.
             dp_overlap=1.0,
+            # Megatron-Core's expert rank generator orders tp-cp-ep-dp-pp for the dense layers
+            # and etp-ep-edp-pp for the experts over the same ranks: with
+            # --expert-tensor-parallel-size 1 an ep group is ep consecutive ranks of the
+            # tp x cp x dp block (megatron/core/parallel_state.py, initialize_model_parallel;
+            # Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
+            expert_layout="folded",
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}}
             },
             sources=(
                 "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
+                "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",
+                "Shah et al. 2024, FlashAttention-3 (arXiv:2407.08608), Fig. 5 (cuDNN on H100)",
                 "NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py",
                 "NVIDIA/Megatron-LM megatron/training/arguments.py (--overlap-grad-reduce)",
             ),

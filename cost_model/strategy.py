@@ -135,6 +135,8 @@ class Strategy:
     # `cost_model.parts.expert_parallel`.
     cp_degree: int = 1
     ep_degree: int = 1
+    # ep over consecutive ranks of the dp x cp x tp block (Megatron-Core's folding), not dp
+    ep_folding: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -157,7 +159,16 @@ class Strategy:
             )
         if self.cp_degree > 1 and "cp" not in self.rank_layout:
             raise ValueError(f"strategy.rank_layout = {self.rank_layout} must place cp")
-        if self.dp_degree % self.ep_degree:
+        if self.ep_folding:
+            if (
+                folded_ep_factors(self.ep_degree, self.tp_degree, self.cp_degree, self.dp_degree)
+                is None
+            ):
+                raise ValueError(
+                    f"strategy.ep_degree = {self.ep_degree} does not fold over tp "
+                    f"{self.tp_degree}, cp {self.cp_degree}, dp {self.dp_degree}"
+                )
+        elif self.dp_degree % self.ep_degree:
             raise ValueError(
                 f"strategy.ep_degree = {self.ep_degree} must divide dp_degree = {self.dp_degree}"
             )
@@ -175,6 +186,7 @@ class Strategy:
         return cls(
             cp_degree=cp,
             ep_degree=ep,
+            ep_folding=bool(getattr(plan, "ep_folding", False)),
             tp_degree=plan.tp_degree,
             dp_degree=plan.dp_degree,
             pp_degree=plan.pp_degree,
@@ -248,10 +260,20 @@ class Strategy:
         return self.dp_degree * self.cp_degree
 
     @property
+    def experts_span_tp(self) -> bool:
+        """Whether the TP ranks route different tokens through the (never tensor-parallel)
+        routed experts: under sequence parallelism each routes its own share of the sequence,
+        so the experts' gradients also reduce over tp (or ep takes tp ranks, folded). Without
+        it every TP rank routes the same tokens and computes the same expert gradients."""
+        return self.tp_degree > 1 and (self.sequence_parallel or self.ep_folding)
+
+    @property
     def expert_dp_degree(self) -> int:
         """Ranks that hold the same experts, over which their gradients reduce: dp x cp / ep
-        (Megatron-LM's expert-data-parallel group, with cp folded in)."""
-        return self.dp_degree * self.cp_degree // self.ep_degree
+        (Megatron-LM's expert-data-parallel group, with cp folded in), x tp when the TP ranks
+        route different tokens (`experts_span_tp`)."""
+        tp = self.tp_degree if self.experts_span_tp else 1
+        return self.dp_degree * self.cp_degree * tp // self.ep_degree
 
     @property
     def weights_view(self) -> Strategy:
@@ -260,13 +282,17 @@ class Strategy:
         when cp = ep = 1."""
         if self.cp_degree == 1 and self.ep_degree == 1:
             return self
-        return dataclasses.replace(self, dp_degree=self.weight_dp_degree, cp_degree=1, ep_degree=1)
+        return dataclasses.replace(
+            self, dp_degree=self.weight_dp_degree, cp_degree=1, ep_degree=1, ep_folding=False
+        )
 
     @property
     def expert_view(self) -> Strategy:
         """The strategy as the data-parallel parts see routed-expert weights: data parallel
         over the expert-data-parallel group (dp x cp / ep ranks)."""
-        return dataclasses.replace(self, dp_degree=self.expert_dp_degree, cp_degree=1, ep_degree=1)
+        return dataclasses.replace(
+            self, dp_degree=self.expert_dp_degree, cp_degree=1, ep_degree=1, ep_folding=False
+        )
 
     @property
     def schedule_spec(self) -> ScheduleSpec:
@@ -308,17 +334,41 @@ def group_placements(
     return _group_placements(inside, outside, cluster.devices_per_node)
 
 
-# The pieces of the mesh each group spans: expert parallelism splits dp into ep (inner: ep
-# consecutive data-parallel ranks, Megatron-LM's ``tp-cp-ep-dp-pp`` order) and edp (outer).
-_GROUP_PIECES: dict[str, frozenset[str]] = {
+# The pieces of the mesh each group spans. Expert parallelism splits the data-sharded axes into
+# an inner part (the ep group) and an outer one (the ranks holding the same experts): inside dp
+# by default (ep consecutive data-parallel ranks, Megatron-LM's ``tp-cp-ep-dp-pp`` order), or
+# folded over tp, then cp, then dp (`folded_ep_factors`). A piece of size 1 is left out.
+_AXIS_PIECES: dict[str, frozenset[str]] = {
     "pp": frozenset({"pp"}),
-    "dp": frozenset({"ep", "edp"}),
-    "cp": frozenset({"cp"}),
-    "tp": frozenset({"tp"}),
-    "dp_cp": frozenset({"ep", "edp", "cp"}),
-    "ep": frozenset({"ep"}),
-    "edp_cp": frozenset({"edp", "cp"}),
+    "dp": frozenset({"dp_in", "dp_out"}),
+    "cp": frozenset({"cp_in", "cp_out"}),
+    "tp": frozenset({"tp_in", "tp_out"}),
+    "dp_cp": frozenset({"dp_in", "dp_out", "cp_in", "cp_out"}),
 }
+_EP_PIECES = frozenset({"tp_in", "cp_in", "dp_in"})
+_EDP_PIECES = frozenset({"tp_out", "cp_out", "dp_out"})
+
+
+def folded_ep_factors(ep: int, tp: int, cp: int, dp: int) -> tuple[int, int, int] | None:
+    """How ``ep`` consecutive ranks of the dp x cp x tp block (tp innermost) split over the
+    axes, as (of tp, of cp, of dp); None when the groups are not products of axis parts (ep
+    must divide the innermost axis it reaches into, and take every rank of those inside)."""
+    parts = []
+    rest = ep
+    for size in (tp, cp, dp):
+        if rest <= size:
+            if size % rest:
+                return None
+            parts.append(rest)
+            rest = 1
+        else:
+            if rest % size:
+                return None
+            parts.append(size)
+            rest //= size
+    if rest != 1:
+        return None
+    return parts[0], parts[1], parts[2]
 
 
 def mesh_groups(
@@ -328,15 +378,39 @@ def mesh_groups(
     one group are ``base + sum_i c_i stride_i`` (``0 <= c_i < size_i`` over its factors), its
     bases the same sums over the rest. Factors of size 1 are left out."""
     stride = strategy.axis_stride
-    dp_stride, ep = stride("dp"), strategy.ep_degree
+    tp, cp, dp, ep = (
+        strategy.tp_degree,
+        strategy.cp_degree,
+        strategy.dp_degree,
+        strategy.ep_degree,
+    )
+    if strategy.ep_folding:
+        folded = folded_ep_factors(ep, tp, cp, dp)
+        assert folded is not None, (ep, tp, cp, dp)
+        ep_tp, ep_cp, ep_dp = folded
+    else:
+        ep_tp, ep_cp, ep_dp = 1, 1, ep
     pieces = {
         "pp": (stride("pp"), strategy.pp_degree),
-        "ep": (dp_stride, ep),
-        "edp": (dp_stride * ep, strategy.dp_degree // ep),
-        "cp": (stride("cp"), strategy.cp_degree),
-        "tp": (stride("tp"), strategy.tp_degree),
+        "tp_in": (stride("tp"), ep_tp),
+        "tp_out": (stride("tp") * ep_tp, tp // ep_tp),
+        "cp_in": (stride("cp"), ep_cp),
+        "cp_out": (stride("cp") * ep_cp, cp // ep_cp),
+        "dp_in": (stride("dp"), ep_dp),
+        "dp_out": (stride("dp") * ep_dp, dp // ep_dp),
     }
-    names = _GROUP_PIECES[group]
+    if group == "ep":
+        names = _EP_PIECES
+    elif group == "edp_cp" and not strategy.ep_folding:
+        # ep inside dp (so tp_in and cp_in are empty): the other dp ranks and every cp rank,
+        # and the TP ranks when they route different tokens through their replicated experts
+        names = frozenset({"dp_out", "cp_out"})
+        if strategy.experts_span_tp:
+            names |= {"tp_out"}
+    elif group == "edp_cp":
+        names = _EDP_PIECES
+    else:
+        names = _AXIS_PIECES[group]
     inside = tuple(sorted(f for name, f in pieces.items() if name in names and f[1] > 1))
     outside = tuple(sorted(f for name, f in pieces.items() if name not in names and f[1] > 1))
     return inside, outside

@@ -22,6 +22,7 @@ from cost_model.strategy import (
     GroupPlacement,
     Strategy,
     _group_placements,
+    folded_ep_factors,
     group_placements,
     mesh_groups,
 )
@@ -259,3 +260,56 @@ def test_three_axis_layout_is_cp_one() -> None:
         old.global_rank(pp=p, dp=d, tp=t)
         for p, d, t in itertools.product(range(2), range(4), range(2))
     ] == list(range(16))
+
+
+def test_expert_groups_are_the_plan_s_groups() -> None:
+    """The cost model's ep and expert-data groups (`mesh_groups`) are the ranks the plan gives
+    the runtime (`Plan.ep_group_ranks`, `Plan.expert_data_group_ranks`), folded or not, over
+    random meshes and layouts."""
+    from autoplan.contract.plan import Plan, even_stages
+
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(300):
+        pp, dp, cp, tp = (rng.choice([1, 2, 4]) for _ in range(4))
+        folding = rng.random() < 0.6
+        block = dp * cp * tp
+        choices = [
+            e
+            for e in range(1, block + 1)
+            if (folded_ep_factors(e, tp, cp, dp) if folding else dp % e == 0)
+        ]
+        ep = rng.choice(choices)
+        layout = tuple(["pp", *rng.sample(["dp", "cp", "tp"], 3)])
+        plan = Plan(
+            dp_degree=dp,
+            cp_degree=cp,
+            tp_degree=tp,
+            pp_degree=pp,
+            ep_degree=ep,
+            ep_folding=folding,
+            sequence_parallel=tp > 1 and (folding or rng.random() < 0.5),
+            rank_layout=layout,  # type: ignore[arg-type]
+            stages=even_stages(pp, pp),
+            micro_batch_size=1,
+            num_micro_batches=pp,
+            global_batch_size=dp * pp,
+        )
+        strategy = Strategy.of(plan)
+        for group, of_plan in (
+            ("ep", plan.ep_group_ranks),
+            ("edp_cp", plan.expert_data_group_ranks),
+        ):
+            inside, _ = mesh_groups(strategy, group)  # type: ignore[arg-type]
+            offsets = [0]
+            for step, count in inside:
+                offsets = [o + i * step for o in offsets for i in range(count)]
+            for rank in range(plan.num_devices):
+                want = set(of_plan(rank))
+                if group == "edp_cp" and strategy.experts_span_tp and not folding:
+                    # SP without folding: the experts also reduce over the TP ranks
+                    want = {r for w in want for r in plan.group_ranks("tp", w)}
+                base = min(want)
+                assert {base + o for o in offsets} == want, (plan, group, rank)
+                checked += 1
+    assert checked > 1000

@@ -24,6 +24,7 @@ from cost_model.frameworks import (
     FRAMEWORKS,
     FrameworkError,
     framework_profile,
+    traced_score_fraction,
     unfused_attention_efficiency,
 )
 from tests.conftest import run_cli
@@ -47,6 +48,7 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
     cluster = autoplan.Cluster.preset("dgx-a100-80g")
     names = {
         "attention": "attention_efficiency",
+        "attention_efficiency_by_device": "attention_efficiency",
         "dp_overlap": "dp_overlap_fraction",
     }
     assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
@@ -65,6 +67,32 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         assert _changed(cluster.calibration, once.calibration) <= set_fields, profile.name
         assert once.device == cluster.device and once.inter_node == cluster.inter_node
     assert FRAMEWORKS[DEFAULT_FRAMEWORK].cluster_for(graph.profile, cluster) is cluster
+
+
+def test_megatron_lm_runs_te_cudnn_attention_on_hopper_only(graph: Any) -> None:
+    megatron = framework_profile("megatron-lm")
+    h100 = autoplan.Cluster.preset("dgx-h100-80g")
+    a100 = autoplan.Cluster.preset("dgx-a100-80g")
+    assert megatron.cluster_for(graph.profile, h100).calibration.attention_efficiency == 0.54
+    assert megatron.cluster_for(graph.profile, a100).calibration.attention_efficiency == (
+        a100.calibration.attention_efficiency
+    )
+    # the cuDNN kernel's rate is well above the FlashAttention-2-era preset's
+    assert h100.calibration.attention_efficiency < 0.54
+
+
+def test_an_unfused_core_costs_the_whole_square_whatever_the_trace_counts(graph: Any) -> None:
+    """The trace counts about half the scores of a causal kernel; the unfused core computes
+    all of them, so its efficiency in the trace's terms is halved with it: the attention op's
+    time is the full square at `unfused_attention_efficiency`."""
+    cluster = autoplan.Cluster.preset("dgx-a100-80g")
+    fraction = traced_score_fraction(graph.profile)
+    seq = 2048
+    assert fraction == pytest.approx((seq + 1) / (2 * seq))
+    unfused = framework_profile("megatron-lm-2021").cluster_for(graph.profile, cluster)
+    assert unfused.calibration.attention_efficiency == pytest.approx(
+        unfused_attention_efficiency(cluster, 1024 // 16) * fraction
+    )
 
 
 def test_unfused_attention_is_slower_than_the_fused_kernel_and_grows_with_head_size() -> None:

@@ -105,13 +105,24 @@ def test_cp_ep_plan_round_trip(tmp_path: Path) -> None:
         ({"rank_layout": ("pp", "dp", "cp", "cp", "tp")}, ["cp once or not at all"]),
         (
             {"ep_degree": 3, "ep_folding": True},
-            ["ep_degree = 3 with ep_folding does not divide dp x cp x tp = 4"],
+            ["ep_degree = 3 with ep_folding does not fold over tp 1 x cp 1 x dp 4", "[1, 2, 4]"],
         ),
         (
             {"ep_degree": 2, "ep_folding": True, "tp_degree": 2, "dp_degree": 2},
             ["ep_folding with tp_degree = 2 needs sequence_parallel: true"],
         ),
         ({"ep_folding": "yes"}, ["ep_folding = 'yes' must be true or false"]),
+        (
+            {
+                "ep_degree": 2,
+                "tp_degree": 2,
+                "dp_degree": 2,
+                "global_batch_size": 4,
+                "sequence_parallel": True,
+                "framework": "megatron-lm",
+            },
+            ["framework 'megatron-lm' places an expert-parallel group", "set ep_folding: true"],
+        ),
     ],
 )
 def test_plan_rules_on_construction(changes: dict[str, object], fragments: list[str]) -> None:

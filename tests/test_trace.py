@@ -98,15 +98,21 @@ def test_every_node_has_a_unit_and_units_run_in_order(llama_graph: ModelGraph) -
 # ----------------------------------------------------------------------------- FLOPs
 
 
+def causal_attention_flops(s: int, h: int) -> float:
+    # Q K^T and A V over the scores a causal kernel computes: query i sees i + 1 keys, so
+    # s (s + 1) / 2 of the s^2 (4 s^2 h for the whole square, Narayanan et al. 2021, eq. 3).
+    return 4 * h * s * (s + 1) / 2
+
+
 def gpt_layer_flops(s: int, h: int) -> float:
-    # Narayanan et al. 2021, eq. 3 per layer and sample: 24 s h^2 (q/k/v/o + MLP with f = 4h)
-    # + 4 s^2 h (Q K^T and A V, causality not discounted).
-    return 24 * s * h * h + 4 * s * s * h
+    # Narayanan et al. 2021, eq. 3 per layer and sample: 24 s h^2 (q/k/v/o + MLP with f = 4h),
+    # plus the causal attention.
+    return 24 * s * h * h + causal_attention_flops(s, h)
 
 
 def llama_layer_flops(s: int, h: int, kv_dim: int, f: int) -> float:
-    # q and o: 2 s h h each; k and v: 2 s h kv_dim each; SwiGLU: 3 x 2 s h f; attention 4 s^2 h.
-    return 4 * s * h * h + 4 * s * h * kv_dim + 6 * s * h * f + 4 * s * s * h
+    # q and o: 2 s h h each; k and v: 2 s h kv_dim each; SwiGLU: 3 x 2 s h f; causal attention.
+    return 4 * s * h * h + 4 * s * h * kv_dim + 6 * s * h * f + causal_attention_flops(s, h)
 
 
 def test_small_gpt_flops_exact(gpt_graph: ModelGraph) -> None:
@@ -115,7 +121,7 @@ def test_small_gpt_flops_exact(gpt_graph: ModelGraph) -> None:
     assert block0.forward_flops == block1.forward_flops == gpt_layer_flops(S, H)
     assert head.forward_flops == 2 * S * H * V
     # Backward is measured: matmuls 2x forward, flash attention 2.5x (it recomputes Q K^T).
-    attention = 4 * S * S * H
+    attention = causal_attention_flops(S, H)
     assert block0.backward_flops == 2 * (gpt_layer_flops(S, H) - attention) + 2.5 * attention
     assert head.backward_flops == 2 * head.forward_flops
 
@@ -399,3 +405,19 @@ def test_op_kinds_cover_the_block(gpt_graph: ModelGraph) -> None:
         sum(p.forward_flops for p in gpt_graph.node_profiles.values()),
         gpt_graph.profile.forward_flops_per_sample,
     )
+
+
+def test_causal_attention_counts_the_scores_it_computes() -> None:
+    from autoplan.tracing.profiler import causal_fraction
+
+    assert causal_fraction(4, 4) == pytest.approx(10 / 16)  # 1 + 2 + 3 + 4 of 16
+    assert causal_fraction(1, 8) == 1.0  # the last query sees every key
+    assert causal_fraction(2, 6) == pytest.approx((5 + 6) / 12)
+    # the zoo's causal attention counts s (s + 1) / 2 of the s^2 scores
+    graph = trace(llama(1, 64, 4, 32, 100))
+    block = graph.profile.units[1]
+    (attention,) = [op for op in block.ops if op.kind == "attention"]
+    g = attention.gemm
+    assert g is not None
+    full = 4 * g.m_per_sample * g.n * g.k * g.batch
+    assert attention.forward_flops == pytest.approx(full * 33 / 64)

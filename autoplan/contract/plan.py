@@ -64,7 +64,7 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
-from cost_model.strategy import Decisions, Strategy, valid_layout
+from cost_model.strategy import Decisions, Strategy, folded_ep_factors, valid_layout
 from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
@@ -253,6 +253,7 @@ class Plan:
             )
         if not isinstance(self.ep_folding, bool):
             raise PlanError(f"ep_folding = {self.ep_folding!r} must be true or false")
+        self._check_expert_layout()
         if self.ep_folding:
             self._check_folding()
         elif self.dp_degree % self.ep_degree:
@@ -265,13 +266,36 @@ class Plan:
         self._check_schedule()
         self._check_stages()
 
+    def _check_expert_layout(self) -> None:
+        """A stack that places expert-parallel groups one way only cannot run the other where
+        the two differ (ep taking TP or CP ranks, or not)."""
+        layout = framework_profile(self.framework).expert_layout
+        if layout is None or self.ep_degree == 1 or (self.tp_degree == self.cp_degree == 1):
+            return
+        if layout == "folded" and not self.ep_folding:
+            raise PlanError(
+                f"framework {self.framework!r} places an expert-parallel group on consecutive "
+                "ranks of the dp x cp x tp block (its expert rank generator), not inside dp: "
+                f"with ep_degree = {self.ep_degree} and tp_degree = {self.tp_degree}, "
+                f"cp_degree = {self.cp_degree} set ep_folding: true (and sequence_parallel "
+                "with tp > 1)"
+            )
+        if layout == "dp" and self.ep_folding:
+            raise PlanError(
+                f"framework {self.framework!r} keeps expert parallelism inside data "
+                "parallelism: set ep_folding: false"
+            )
+
     def _check_folding(self) -> None:
         block = self.dp_degree * self.cp_degree * self.tp_degree
-        if block % self.ep_degree:
+        tp, cp, dp = self.tp_degree, self.cp_degree, self.dp_degree
+        if folded_ep_factors(self.ep_degree, tp, cp, dp) is None:
+            choices = [e for e in range(1, block + 1) if folded_ep_factors(e, tp, cp, dp)]
             raise PlanError(
-                f"ep_degree = {self.ep_degree} with ep_folding does not divide dp x cp x tp = "
-                f"{block}: a folded expert-parallel group is ep consecutive ranks of that block; "
-                f"use an ep_degree that divides {block}"
+                f"ep_degree = {self.ep_degree} with ep_folding does not fold over tp {tp} x cp "
+                f"{cp} x dp {dp}: a folded expert-parallel group is ep consecutive ranks of that "
+                "block (tp innermost), which must divide the innermost axis it reaches into and "
+                f"take all of those inside; use one of {choices}"
             )
         if self.tp_degree > 1 and not self.sequence_parallel:
             raise PlanError(

@@ -792,6 +792,7 @@ def _to_plan(
         pp_degree=s.pp_degree,
         cp_degree=s.cp_degree,
         ep_degree=s.ep_degree,
+        ep_folding=s.ep_folding,
         virtual_stages=s.virtual_stages,
         stages=stages,
         micro_batch_size=s.micro_batch_size,

@@ -7,7 +7,8 @@ device is called through `torch.func.functional_call` with meta stand-ins, never
 model's parameters get no ``.grad``, and figures are at the batch size of the inputs given.
 
 - FLOPs are those of `torch.utils.flop_counter` (GEMMs, convolutions, attention); element-wise
-  and normalisation ops count 0 FLOPs, their traffic shows in the bytes.
+  and normalisation ops count 0 FLOPs, their traffic shows in the bytes. Causal flash attention
+  counts the score blocks it computes, not torch's full square (`causal_fraction`).
 - Bytes read and written are summed over the ATen ops a node dispatches, skipping views;
   reads of parameters and buffers are kept apart (``param_bytes_read``).
 - Backward FLOPs are measured, not assumed: every node is re-run on fresh leaf tensors and
@@ -231,17 +232,46 @@ def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
     return _OpInfo(name, category, is_view, name in _ACTIVATION_OPS, _flop_formula(func))
 
 
+def causal_fraction(queries: int, keys: int) -> float:
+    """The share of the ``queries x keys`` scores a causal flash kernel computes: query i (of
+    the last ``queries`` positions) sees ``keys - queries + i + 1`` keys. torch's flop counter
+    counts the whole square ("We aren't accounting for causal attention here",
+    torch/utils/flop_counter.py), but flash kernels skip the masked blocks, and the efficiencies
+    the presets quote count the causal half (Dao 2023, FlashAttention-2, Sec. 4.1: "with causal
+    mask, we divide this number by 2"; Megatron-LM's num_floating_point_operations likewise)."""
+    if queries <= 0 or keys <= 0:
+        return 1.0
+    seen = queries * (keys - queries) + queries * (queries + 1) / 2
+    return min(1.0, max(0.0, seen / (queries * keys)))
+
+
+def _is_causal(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> bool:
+    return bool(args[index] if len(args) > index else kwargs.get("is_causal", False))
+
+
 def _flop_formula(
     func: torch._ops.OpOverload,
 ) -> Callable[[tuple[Any, ...], dict[str, Any], Any], int] | None:
     if func is _FLASH_CPU:
+        # (query, key, value, dropout_p, is_causal): shapes (b, heads, s, d)
         return lambda args, kwargs, out: int(
             sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)  # type: ignore[no-untyped-call]
+            * (
+                causal_fraction(args[0].shape[-2], args[1].shape[-2])
+                if _is_causal(args, kwargs, 4)
+                else 1.0
+            )
         )
     if func is _FLASH_CPU_BACKWARD:
+        # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal)
         return lambda args, kwargs, out: int(
             sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
                 args[0].shape, args[1].shape, args[2].shape, args[3].shape
+            )
+            * (
+                causal_fraction(args[1].shape[-2], args[2].shape[-2])
+                if _is_causal(args, kwargs, 7)
+                else 1.0
             )
         )
     formula = flop_registry.get(func.overloadpacket)
