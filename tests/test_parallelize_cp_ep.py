@@ -14,6 +14,11 @@ trained in one process (tolerances: tests/numerics.py).
   parallel mean and the pipeline's micro-batch mean compute. No case combines cp with the MoE
   model: the per-rank load-balancing loss over a cp rank's tokens is not one a single process
   computes (tests/test_expert_parallel.py runs cp2 x ep2 by hand with the coefficient at 0).
+- MoE under tensor parallelism with sequence parallelism: each TP rank routes its own sequence
+  shard (passes/moe_sequence_parallel.py). The load-balancing loss is made the one over all
+  the micro-batch's tokens (counts summed over tp, each rank's loss divided by tp), so cases
+  run with it ("moe" against the micro-batch reference) as well as without ("moe-noaux"
+  against the plain one).
 
 Bad plans (cp not dividing the sequence, ep not dividing the experts, ep on a dense model) fail
 with `PlanError` on every rank from `parallelize`, before the mesh or any pass is built.
@@ -217,3 +222,45 @@ def test_a_searched_ep_plan_trains(tmp_path: Path) -> None:
     results = run_distributed(_search_worker, world_size=2, tmp_path=tmp_path)
     assert [result[:2] for result in results] == [(2, 2), (2, 2)]
     assert results[0][2] == results[1][2] and 3.0 < results[0][2] < 5.0  # ln(64) = 4.16
+
+
+# ------------------------------------------------------- MoE under sequence parallelism
+
+
+def test_tp2_sp_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # each TP rank routes its own half of the sequence; router, shared expert and experts are
+    # replicated over tp, their gradients summed over it
+    plan = _plan("moe-noaux", 2, tp=2, global_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.tp_degree, plan.ep_degree) == (1, 2, 1)
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
+
+
+def test_tp2_sp_moe_load_balancing_loss_is_exact(tmp_path: Path) -> None:
+    # the counts the loss reads are summed over tp and each rank's loss divided by tp: the tp
+    # ranks' losses add up to the one over all the micro-batch's tokens
+    plan = _plan("moe", 2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.num_micro_batches) == (1, 2)
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe(tmp_path: Path) -> None:
+    # ep over the 2 dp ranks of each tp rank; every rank routes its own quarter of the tokens
+    plan = _plan("moe-noaux", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    assert (plan.dp_degree, plan.ep_group_ranks(1)) == (2, (1, 3))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe_with_load_balancing_loss(tmp_path: Path) -> None:
+    plan = _plan("moe", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe_zero3(tmp_path: Path) -> None:
+    # FSDP2 shards the experts over their edp group (1 rank here) and the rest over dp; the tp
+    # sum runs on the reduced shards
+    plan = _plan("moe", 4, tp=2, ep=2, zero=3, global_batch=4, sequence_parallel=True)
+    assert plan.decisions.dp_wrapper == "fsdp"
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))

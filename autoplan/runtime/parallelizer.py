@@ -53,6 +53,8 @@ from cost_model.hardware import Cluster, as_cluster
 from passes import (
     ContextParallelResult,
     DistributedModel,
+    ReplicatedGradientSum,
+    TensorParallelResult,
     apply_context_parallel,
     apply_data_parallel,
     apply_expert_parallel,
@@ -216,8 +218,9 @@ def _parallelize(
             stage.module.to(device)
     wrapped: dict[int, nn.Module] = {}
     context: ContextParallelResult | None = None
+    tp_results: dict[int, TensorParallelResult] = {}
     for stage in split.stages:
-        apply_tensor_parallel(
+        tp_results[stage.stage_idx] = apply_tensor_parallel(
             stage,
             mesh.sub("tp"),
             sequence_parallel=plan.sequence_parallel,
@@ -247,12 +250,20 @@ def _parallelize(
     if meta and uses_ddp(plan):
         # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
-    finish = []
+    finish: list[Callable[[], None]] = []
     for stage in split.stages:
         result = apply_data_parallel(stage, mesh, plan)
         wrapped[stage.stage_idx] = result.module
         if result.finish is not None:
             finish.append(result.finish)
+        summed = _tp_summed_parameters(tp_results[stage.stage_idx], plan)
+        if summed:
+            # MoE layers on sequence shards: each TP rank's gradient holds its own tokens' share
+            finish.append(
+                ReplicatedGradientSum(
+                    module=stage.module, names=summed, group=mesh.sub("tp").get_group()
+                )
+            )
     if meta and not uses_ddp(plan):
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
@@ -269,6 +280,18 @@ def _parallelize(
         timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
         fingerprint=graph.profile.fingerprint,
         search_time_s=search_time_s,
+    )
+
+
+def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
+    """The parameters of MoE layers on sequence shards whose gradients sum over tp: router
+    and shared expert, and the routed experts unless a folded ep group reduces them over the
+    tp ranks already (`Plan.expert_data_group_ranks` spans tp then)."""
+    folded = plan.ep_folding and plan.ep_degree > 1
+    return tuple(
+        name
+        for layer in result.moe_layers
+        for name in layer.replicated_parameters + (() if folded else layer.expert_parameters)
     )
 
 
