@@ -264,3 +264,56 @@ def test_tp2_ep2_sp_moe_zero3(tmp_path: Path) -> None:
     plan = _plan("moe", 4, tp=2, ep=2, zero=3, global_batch=4, sequence_parallel=True)
     assert plan.decisions.dp_wrapper == "fsdp"
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+# ------------------------------------------------------- folded expert parallelism
+
+
+def _folded_plan(processes: int, **fields: Any) -> Plan:
+    """A hand-written folded plan of the tiny MoE (5 units): `manual_plan` prices its plans,
+    and the cost model does not price a folded ep that does not divide dp_degree yet."""
+    fields.setdefault("sequence_parallel", True)
+    plan = make_plan(num_units=5, ep_folding=True, **fields)
+    assert plan.num_devices == processes
+    return plan
+
+
+def test_folded_tp2_ep2_moe(tmp_path: Path) -> None:
+    # ep spans the tp group: each TP rank routes its own half of the sequence (SP) to the two
+    # ranks' experts; no rank shares experts with another (edp 1), no dense replica (dp 1)
+    plan = _folded_plan(2, tp=2, ep_degree=2, micro_batch=2, num_micro_batches=2)
+    assert (plan.dp_degree, plan.ep_group_ranks(0), plan.expert_data_group_ranks(1)) == (
+        1,
+        (0, 1),
+        (1,),
+    )
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_folded_ep4_over_dp2_tp2_moe(tmp_path: Path) -> None:
+    # one ep group of all 4 ranks (dp x tp), each holding one expert; dense weights averaged
+    # over dp, router and shared expert summed over tp first
+    plan = _folded_plan(4, dp=2, tp=2, ep_degree=4)
+    assert (plan.ep_group_ranks(2), plan.expert_data_group_ranks(2)) == ((0, 1, 2, 3), (2,))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
+
+
+def test_folded_cp2_ep2_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # ep spans the cp ring: each cp rank routes its own chunks of the sequence to both ranks'
+    # experts; the experts' gradients are averaged over dp x cp = 2 like the dense ones
+    plan = _folded_plan(
+        2, ep_degree=2, cp_degree=2, rank_layout=("pp", "dp", "cp", "tp"), sequence_parallel=False
+    )
+    assert (plan.dp_degree, plan.ep_group_ranks(0)) == (1, (0, 1))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
+
+
+@pytest.mark.slow
+def test_folded_ep2_over_tp_dp2_tp2_moe_zero3(tmp_path: Path) -> None:
+    # ep groups are the tp pairs; FSDP2 shards each expert over the 2 ranks holding it (one
+    # per dp rank) on the folded mesh, its average over them scaled by tp / ep = 1
+    plan = _folded_plan(4, dp=2, tp=2, ep_degree=2, zero=3)
+    assert (plan.ep_group_ranks(2), plan.expert_data_group_ranks(1)) == ((2, 3), (1, 3))
+    assert plan.decisions.dp_wrapper == "fsdp"
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
