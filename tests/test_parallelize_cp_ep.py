@@ -317,3 +317,13 @@ def test_folded_ep2_over_tp_dp2_tp2_moe_zero3(tmp_path: Path) -> None:
     assert (plan.ep_group_ranks(2), plan.expert_data_group_ranks(1)) == ((2, 3), (1, 3))
     assert plan.decisions.dp_wrapper == "fsdp"
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_tp2_sp_moe_recompute(recompute: str, tmp_path: Path) -> None:
+    # the recomputed forward re-runs the counts' all-reduce over tp (a functional collective,
+    # whose output selective recompute keeps)
+    plan = _plan(
+        "moe", 2, tp=2, global_batch=2, micro_batch=2, sequence_parallel=True, recompute=recompute
+    )
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
