@@ -172,11 +172,28 @@ def _refusal(rank: int, world_size: int, model_name: str, plan_data: dict[str, A
         ("moe", {"ep_degree": 3, "dp": 3}, "ep_degree = 3 does not divide num_experts = 4"),
         ("llama", {"ep_degree": 2, "dp": 2}, "is dense (no mixture-of-experts layer)"),
         ("gpt", {"cp_degree": 2, "dp": 1}, "GPT has no RoPE tables"),
+        (
+            "moe",
+            {"ep_degree": 2, "dp": 2, "ep_folding": True, "zero": 1},
+            "zero_stage 1 with ep_degree = 2: ZeRO-1 runs as DDP + ZeroRedundancyOptimizer",
+        ),
+        (
+            "moe",
+            {"ep_degree": 2, "dp": 2, "ep_folding": True, "zero": 3, "recompute": "selective"},
+            "recompute 'selective' with ep_degree = 2 under FSDP2",
+        ),
     ],
-    ids=["cp-not-dividing-seq", "ep-not-dividing-experts", "ep-on-dense-model", "cp-on-gpt"],
+    ids=[
+        "cp-not-dividing-seq",
+        "ep-not-dividing-experts",
+        "ep-on-dense-model",
+        "cp-on-gpt",
+        "folded-ep-zero1",
+        "folded-ep-selective-fsdp",
+    ],
 )
 def test_bad_cp_ep_plans_fail_on_every_rank(
-    model: str, degrees: dict[str, int], message: str, tmp_path: Path
+    model: str, degrees: dict[str, Any], message: str, tmp_path: Path
 ) -> None:
     # Hand-written plans (no model reference): manual_plan would refuse them before any job.
     cp = degrees.get("cp_degree", 1)
@@ -326,4 +343,20 @@ def test_tp2_sp_moe_recompute(recompute: str, tmp_path: Path) -> None:
     plan = _plan(
         "moe", 2, tp=2, global_batch=2, micro_batch=2, sequence_parallel=True, recompute=recompute
     )
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_folded_pp2_tp2_ep2_moe(tmp_path: Path) -> None:
+    # each pipeline rank folds its own ep group over its tp pair
+    plan = _folded_plan(4, pp=2, tp=2, ep_degree=2)
+    assert (plan.ep_group_ranks(0), plan.ep_group_ranks(3)) == ((0, 1), (2, 3))
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+def test_tp2_moe_without_sequence_parallelism(tmp_path: Path) -> None:
+    # every TP rank routes the same tokens: router and experts computed redundantly (equal
+    # gradients, nothing summed), the shared expert tensor-parallel
+    plan = _plan("moe", 2, tp=2, global_batch=2, micro_batch=2)
+    assert not plan.sequence_parallel
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
