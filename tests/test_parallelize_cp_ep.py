@@ -360,3 +360,11 @@ def test_tp2_moe_without_sequence_parallelism(tmp_path: Path) -> None:
     plan = _plan("moe", 2, tp=2, global_batch=2, micro_batch=2)
     assert not plan.sequence_parallel
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_cp2_tp2_sp_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # each rank routes a quarter of every sequence: its cp chunks' sequence-parallel shard
+    plan = _plan("moe-noaux", 4, cp=2, tp=2, global_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.cp_degree, plan.tp_degree) == (1, 2, 2)
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
