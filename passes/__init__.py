@@ -1,7 +1,8 @@
 """passes: compile an `autoplan.Plan` into a distributed training module, one pass a technique.
 
 Passes run in this order, each with typed input and output and a check of its own result:
-`split_stages` (stages and per-unit submodules) -> `apply_tensor_parallel` (DTensor styles) ->
+`split_stages` (stages and per-unit submodules) -> `apply_tensor_parallel` (DTensor styles;
+under sequence parallelism MoE layers route their sequence shard, `sequence_parallel_moe`) ->
 `apply_context_parallel` (load-balanced sequence sharding, ring attention; cp > 1) ->
 `apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
@@ -43,6 +44,7 @@ from passes.materialize import (
     norm_parameter_names,
 )
 from passes.mesh import ParallelMesh, build_mesh
+from passes.moe_sequence_parallel import ReplicatedGradientSum, sequence_parallel_moe
 from passes.pipeline import Pipeline, build_pipeline
 from passes.recompute import apply_recompute, selective_policy
 from passes.runtime import DistributedModel, TiedGradientSync
@@ -66,6 +68,7 @@ __all__ = [
     "ExpertParallelResult",
     "ParallelMesh",
     "Pipeline",
+    "ReplicatedGradientSum",
     "RingAttention",
     "SplitModel",
     "StageModule",
@@ -98,6 +101,7 @@ __all__ = [
     "retarget_devices",
     "ring_attention",
     "selective_policy",
+    "sequence_parallel_moe",
     "shard_sequence",
     "split_stages",
     "unshard_sequence",

@@ -33,7 +33,11 @@ edp x cp mesh (`ParallelMesh.expert_dp`: the ranks holding the same experts). Th
 already sums every ep rank's tokens through the all-to-all backward, so it must be divided by
 dp x cp, not by the edp x cp that FSDP averages over (Megatron-LM's
 ``expert_gradient_scaling_factor``; passes/expert_parallel.py): an all-reduce hook
-(``set_all_reduce_hook``, run on the reduced shard on every backend) divides it by ep.
+(``set_all_reduce_hook``, run on the reduced shard on every backend) divides it by ep. Folded
+expert parallelism (``ep_folding``) is the same with its own groups: the experts' data-parallel
+mesh is the dp x cp x tp / ep ranks at one ep position, so the hook divides by ep / tp, and
+with no dense replicas (dp x cp = 1, no wrapper) `ExpertGradientReduce` sums the experts over
+those ranks if there are several.
 torchtitan uses ``set_gradient_divide_factor`` instead, whose ``PREMUL_SUM`` gloo lacks, and
 whose sum-only fallback divides twice on a one-rank mesh (torch 2.13). DDP reduces every
 parameter over one group: under expert parallelism it is told to ignore the expert weights
@@ -132,8 +136,23 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     decisions = plan.decisions  # what the cost model prices
     wrapper = decisions.dp_wrapper
     if wrapper == "none":
+        # no dense replicas (dp x cp = 1); a folded ep group over tp ranks may still leave
+        # several ranks holding the same experts, each with its own tokens' share
+        expert_dp = mesh.expert_dp
+        experts = _expert_modules(stage.module) if mesh.ep_degree > 1 else []
         return DataParallelResult(
-            stage_idx=stage.stage_idx, kind="none", module=stage.module, zero_stage=0, num_groups=0
+            stage_idx=stage.stage_idx,
+            kind="none",
+            module=stage.module,
+            zero_stage=0,
+            num_groups=0,
+            finish=ExpertGradientReduce(
+                params=tuple(p for _, sub in experts for p in sub.parameters()),
+                group=expert_dp.get_group(),
+                divisor=mesh.dense_dp.size(),
+            )
+            if experts and expert_dp.size() > 1
+            else None,
         )
     zero = decisions.zero_stage
     if zero != plan.zero_stage:
@@ -191,10 +210,14 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     shared_ids = _shared_param_ids(stage.module)
     groups = 0
     if mesh.ep_degree > 1:
+        # FSDP2 averages over the expert_dp ranks; the experts' gradient wants the sum over
+        # them divided by dp x cp (module doc): divide the average by dp x cp / expert_dp (ep,
+        # or ep / tp when a folded ep group spans tp ranks)
+        divisor = mesh.dense_dp.size() / mesh.expert_dp.size()
         for _, expert_module in _expert_modules(stage.module):
             _wrap(expert_module, mesh.expert_dp, zero, mp)
             assert isinstance(expert_module, FSDPModule)
-            expert_module.set_all_reduce_hook(functools.partial(_divide, divisor=mesh.ep_degree))
+            expert_module.set_all_reduce_hook(functools.partial(_divide, divisor=divisor))
             groups += 1
     for unit in stage.units:
         module = stage.unit_module(unit)
@@ -244,10 +267,11 @@ def _expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _divide(reduced: torch.Tensor, *, divisor: int) -> None:
-    """FSDP2's all-reduce hook on the experts: their average over edp x cp, divided by ep, is
-    the average over dp x cp (module doc)."""
-    reduced.div_(divisor)
+def _divide(reduced: torch.Tensor, *, divisor: float) -> None:
+    """FSDP2's all-reduce hook on the experts: their average over the expert-data ranks,
+    divided by dp x cp / their number, is their sum over dp x cp (module doc)."""
+    if divisor != 1:
+        reduced.div_(divisor)
 
 
 def _own_outputs(module: nn.Module, args: Any, output: Any) -> Any:

@@ -34,6 +34,15 @@ and divided by dp_total, not by edp (Megatron-LM's
 megatron/core/distributed/distributed_data_parallel.py: ``gradient_scaling_factor`` and
 ``expert_gradient_scaling_factor`` are both 1 / data-parallel size). `reduce_gradients` does
 exactly this.
+
+The ep mesh may also be folded (``ep_folding``, Megatron-Core's MoE parallel folding:
+`passes.mesh` builds it from `Plan.ep_group_ranks`, ``ep_degree`` consecutive ranks of the
+dp x cp x tp block); this pass only needs it 1-D. Each rank then routes its own tokens (cp
+chunks, and under tensor parallelism its sequence shard: `passes.moe_sequence_parallel`), and
+the same rule holds with the folded expert-data group (`Plan.expert_data_group_ranks`, which
+spans tp ranks too): sum over it, divide by dp x cp. With ep inside dp and tensor parallelism
+with sequence parallelism, the tp ranks of an expert's holders saw different tokens: their
+gradients are summed over tp as well (`passes.moe_sequence_parallel.ReplicatedGradientSum`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ their flattened sub-mesh. The data-parallel meshes of the weights are flattened 
 ``dense_dp`` (dp x cp: every rank holding the same dense weights, torchtitan's
 ``dp_shard_cp``) and ``expert_dp`` (edp x cp: the ranks holding the same experts,
 `Plan.expert_data_group_ranks`). A plan with cp = ep = 1 gets the mesh it always had
-(``dense_dp`` is then the ``dp`` axis itself). The ranks of every group are exactly the plan's
+(``dense_dp`` is then the ``dp`` axis itself). Under folded expert parallelism (``ep_folding``:
+an ep group is ``ep_degree`` consecutive ranks of the dp x cp x tp block of one pipeline rank,
+Megatron-Core's MoE parallel folding) ``dp`` is not split; a second mesh over the same world,
+of shape (pp, edp, ep) and built from the plan's groups (``expert_mesh``), gives the ``ep`` and
+``edp`` sub-meshes instead (both from one root mesh, as FSDP2 needs for the experts' DTensors).
+The ranks of every group are exactly the plan's
 (`Plan.group_ranks` and the ep helpers; checked before returning); every sub-group, flattened
 ones included, has the default group's timeout (``new_group`` would give gloo's 30 minutes: a
 stopped peer would hang the job instead of failing it; checked too); the 1-D sub-meshes and
@@ -52,6 +57,8 @@ class ParallelMesh:
     # flattened sub-meshes by name (``dp`` under ep, ``dp_cp``, ``edp_cp``), kept here: torch
     # deprecates slicing them back out of the root mesh
     flattened: Mapping[str, DeviceMesh] = field(default_factory=dict)
+    # under ep_folding: the (pp, edp, ep) mesh of the folded expert groups (module doc)
+    expert_mesh: DeviceMesh | None = None
 
     def sub(self, axis: MeshAxis | MeshGroup) -> DeviceMesh:
         """The 1-D sub-mesh along ``axis`` that contains this rank: a mesh axis, ``dp`` (also
@@ -59,6 +66,8 @@ class ParallelMesh:
         group (``dp_cp``, ``edp_cp``)."""
         if axis in self.flattened:
             return self.flattened[axis]
+        if self.expert_mesh is not None and axis in ("ep", "edp"):
+            return self.expert_mesh[axis]
         return self.mesh[axis]
 
     @property
@@ -73,6 +82,8 @@ class ParallelMesh:
         ranks, those holding the same experts (`Plan.expert_data_group_ranks`)."""
         if self.ep_degree == 1:
             return self.dense_dp
+        if self.expert_mesh is not None:
+            return self.sub("edp")  # folded: the whole block's ranks at one ep position
         return self.sub("edp_cp" if self.cp_degree > 1 else "edp")
 
     @property
@@ -82,11 +93,11 @@ class ParallelMesh:
 
 def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The mesh's dimension names and sizes, outermost first: the plan's ``rank_layout`` with
-    ``dp`` split into ``edp`` x ``ep`` when ``ep_degree > 1``."""
+    ``dp`` split into ``edp`` x ``ep`` when ``ep_degree > 1`` (not folded)."""
     names: list[str] = []
     sizes: list[int] = []
     for axis in plan.rank_layout:
-        if axis == "dp" and plan.ep_degree > 1:
+        if axis == "dp" and plan.ep_degree > 1 and not plan.ep_folding:
             names += ["edp", "ep"]
             sizes += [plan.dp_degree // plan.ep_degree, plan.ep_degree]
         else:
@@ -117,6 +128,10 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         for name, pieces in _flatten_groups(plan, names).items()
     }
     groups = {**{name: mesh[name] for name in names}, **flattened}
+    expert_mesh = None
+    if plan.ep_folding and plan.ep_degree > 1:
+        expert_mesh = _folded_expert_mesh(plan, device_type, options)
+        groups["ep"], groups["edp"] = expert_mesh["ep"], expert_mesh["edp"]
     rank = dist.get_rank()
     for sub in groups.values():
         _check_timeout(sub.get_group(), device_type)
@@ -130,9 +145,9 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         assert sorted(got) == sorted(want), (
             f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
         )
-        if name in plan.rank_layout or name == "dp":
+        if name in plan.rank_layout or name in ("dp", "ep"):  # ep: the order gives experts
             assert got == want, f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
-            assert sub.get_local_rank() == coords.get(name, 0), (name, coords)
+            assert sub.get_local_rank() == want.index(rank), (name, coords)
     return ParallelMesh(
         mesh=mesh,
         rank=rank,
@@ -143,13 +158,42 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         cp_degree=plan.cp_degree,
         ep_degree=plan.ep_degree,
         flattened=flattened,
+        expert_mesh=expert_mesh,
+    )
+
+
+def _folded_expert_mesh(plan: Plan, device_type: str, options: Any) -> DeviceMesh:
+    """The (pp, edp, ep) mesh of folded expert parallelism: entry [p, g, i] is rank i of the
+    g-th ep group of pipeline rank p (`Plan.ep_group_ranks`), so ``edp`` holds the ranks at one
+    ep position (`Plan.expert_data_group_ranks`). A collective (it creates the groups)."""
+    ep = plan.ep_degree
+    num_groups = plan.num_devices // (plan.pp_degree * ep)
+    table = torch.empty((plan.pp_degree, num_groups, ep), dtype=torch.int64)
+    filled = [0] * plan.pp_degree
+    done: set[tuple[int, ...]] = set()
+    pp_stride = plan.axis_stride("pp")
+    for rank in range(plan.num_devices):
+        group = plan.ep_group_ranks(rank)
+        if group in done:
+            continue
+        done.add(group)
+        pp = (rank // pp_stride) % plan.pp_degree
+        table[pp, filled[pp]] = torch.tensor(group)
+        filled[pp] += 1
+    assert filled == [num_groups] * plan.pp_degree, (filled, num_groups)
+    names = ("pp", "edp", "ep")
+    return DeviceMesh(
+        device_type,
+        table,
+        mesh_dim_names=names,
+        backend_override=None if options is None else ((None, options),) * len(names),
     )
 
 
 def _flatten_groups(plan: Plan, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """Flattened sub-meshes to create: name -> the mesh dims they span, in mesh order."""
     groups: dict[str, tuple[str, ...]] = {}
-    if plan.ep_degree > 1:
+    if plan.ep_degree > 1 and not plan.ep_folding:
         groups["dp"] = ("edp", "ep")
         if plan.cp_degree > 1:
             groups["edp_cp"] = tuple(n for n in names if n in ("edp", "cp"))
@@ -167,7 +211,7 @@ def _plan_group(plan: Plan, name: str, rank: int) -> tuple[int, ...]:
         return plan.ep_group_ranks(rank)
     if name in ("edp", "edp_cp"):
         edp = plan.expert_data_group_ranks(rank)
-        if name == "edp":  # the same cp coordinate as rank
+        if name == "edp" and not plan.ep_folding:  # the same cp coordinate as rank
             cp_stride = plan.axis_stride("cp")
             mine = (rank // cp_stride) % plan.cp_degree
             edp = tuple(r for r in edp if (r // cp_stride) % plan.cp_degree == mine)

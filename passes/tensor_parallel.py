@@ -16,6 +16,13 @@ Guarantees (Megatron-LM layout, Shoeybi et al. 2019, section 3):
   ``SequenceParallel`` and hand a replicated DTensor to the column linears (one all-gather per
   norm); row linears reduce-scatter (``output_layouts=Shard(1)``); the embedding unit's output
   is split along the sequence (a local slice);
+- mixture-of-experts layers (routed experts in the zoo's interface): without sequence
+  parallelism every TP rank routes the same tokens, router and experts computed redundantly
+  (their gradients equal on every TP rank), the shared expert tensor-parallel by its rules;
+  with it each TP rank routes its own sequence shard (Megatron-LM, expert tensor parallel size
+  1): the layer's input norm hands it the local shard, its shared-expert rules are left
+  replicated (``replicated_linears``, counted) and `passes.moe_sequence_parallel` lists the
+  parameters whose gradients the runtime sums over tp (``moe_layers``);
 - graphs from ``torch.export`` (Hugging Face models) work the same way: the split pass has
   restored their ``nn.Linear``/``nn.Embedding`` calls (`passes.module_calls`), and the sizes
   they bake in (head counts in reshapes) are made local first (`passes.local_shapes`); sequence
@@ -46,6 +53,11 @@ from torch.distributed.tensor.parallel import (
 
 from autoplan.contract.errors import PlanError
 from passes.local_shapes import localize_shapes
+from passes.moe_sequence_parallel import (
+    MoESequenceParallelLayer,
+    moe_layer_paths,
+    sequence_parallel_moe,
+)
 from passes.split import StageModule, UnitModule
 
 __all__ = ["TensorParallelResult", "apply_tensor_parallel", "is_norm"]
@@ -67,6 +79,10 @@ class TensorParallelResult:
     stage_idx: int
     linears: tuple[str, ...]  # modules given a Colwise/Rowwise style
     sequence_parallel_norms: tuple[str, ...]
+    # MoE layers routing this rank's sequence shard (stage-module paths), their rules' linears
+    # left replicated over tp (passes/moe_sequence_parallel.py)
+    moe_layers: tuple[MoESequenceParallelLayer, ...] = ()
+    replicated_linears: tuple[str, ...] = ()
 
     @property
     def num_matched(self) -> int:
@@ -125,7 +141,9 @@ def apply_tensor_parallel(
             stage_idx=stage.stage_idx, linears=(), sequence_parallel_norms=()
         )
     sharded: list[str] = []
+    replicated: list[str] = []
     norms: list[str] = []
+    moe_layers: list[MoESequenceParallelLayer] = []
     expected = 0
     for unit in stage.units:
         module = stage.unit_module(unit)
@@ -139,9 +157,15 @@ def apply_tensor_parallel(
             )
         plan: dict[str, ParallelStyle] = {}
         styles: dict[str, str] = {}
+        # Under sequence parallelism a MoE layer routes this rank's tokens, its shared expert
+        # replicated over tp like its router and experts (passes/moe_sequence_parallel.py).
+        moe_paths = moe_layer_paths(module) if sequence_parallel else []
         for linear in unit.profile.tp.linears:
             expected += 1
             path = _resolve(unit, module, linear.path)
+            if any(path.startswith(layer + ".") for layer in moe_paths):
+                replicated.append(f"{unit.attr}.{path}")
+                continue
             styles[path] = linear.style
             plan[path] = _style_for(
                 linear.style, module.get_submodule(path), path, sequence_parallel
@@ -153,18 +177,45 @@ def apply_tensor_parallel(
             parallelize_module(module, tp_mesh, plan)
             sharded.extend(plan)
         if sequence_parallel:
-            norms.extend(_sequence_parallel(unit, module, tp_mesh))
+            local_norms = []
+            for layer in moe_paths:
+                done = sequence_parallel_moe(module, layer, tp_mesh, is_norm=is_norm)
+                moe_layers.append(_in_stage(done, unit.attr))
+                local_norms.append(done.input_norm)
+                norms.append(done.input_norm)
+            norms.extend(_sequence_parallel(unit, module, tp_mesh, skip=local_norms))
     _retie(stage, shared)
-    _check(stage, sharded, expected)
+    _check(stage, sharded, expected - len(replicated))
     logger.debug(
-        "stage %d: TP on %d linears, SP on %d norms", stage.stage_idx, len(sharded), len(norms)
+        "stage %d: TP on %d linears, SP on %d norms, %d MoE layers on sequence shards",
+        stage.stage_idx,
+        len(sharded),
+        len(norms),
+        len(moe_layers),
     )
     return TensorParallelResult(
-        stage_idx=stage.stage_idx, linears=tuple(sharded), sequence_parallel_norms=tuple(norms)
+        stage_idx=stage.stage_idx,
+        linears=tuple(sharded),
+        sequence_parallel_norms=tuple(norms),
+        moe_layers=tuple(moe_layers),
+        replicated_linears=tuple(replicated),
     )
 
 
-def _sequence_parallel(unit: UnitModule, module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
+def _in_stage(layer: MoESequenceParallelLayer, attr: str) -> MoESequenceParallelLayer:
+    """``layer`` with stage-module paths (the unit module is the stage's ``attr``)."""
+    return MoESequenceParallelLayer(
+        path=f"{attr}.{layer.path}",
+        input_norm=f"{attr}.{layer.input_norm}",
+        replicated_parameters=tuple(f"{attr}.{name}" for name in layer.replicated_parameters),
+        expert_parameters=tuple(f"{attr}.{name}" for name in layer.expert_parameters),
+        aux_loss_sites=layer.aux_loss_sites,
+    )
+
+
+def _sequence_parallel(
+    unit: UnitModule, module: nn.Module, tp_mesh: DeviceMesh, *, skip: list[str]
+) -> list[str]:
     """Split the residual stream along the sequence between the TP regions of ``unit``."""
     kind = unit.profile.kind
     if kind == "embedding":
@@ -178,7 +229,8 @@ def _sequence_parallel(unit: UnitModule, module: nn.Module, tp_mesh: DeviceMesh)
             ),
         )
         return []
-    norms = [path for path, sub in module.named_modules() if path and is_norm(sub)]
+    found = [path for path, sub in module.named_modules() if path and is_norm(sub)]
+    norms = [path for path in found if path not in skip]
     for path in norms:
         norm = module.get_submodule(path)
         # Normalise this rank's slice of the sequence; then one all-gather hands the full
@@ -192,7 +244,7 @@ def _sequence_parallel(unit: UnitModule, module: nn.Module, tp_mesh: DeviceMesh)
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
             ),
         )
-    if kind == "block" and not norms:
+    if kind == "block" and not found:
         raise PlanError(
             f"sequence_parallel: unit {unit.profile.name!r} calls no norm module "
             f"({', '.join(unit.module_paths)}); sequence parallelism splits the norms' work and "

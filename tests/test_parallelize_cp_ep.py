@@ -14,6 +14,11 @@ trained in one process (tolerances: tests/numerics.py).
   parallel mean and the pipeline's micro-batch mean compute. No case combines cp with the MoE
   model: the per-rank load-balancing loss over a cp rank's tokens is not one a single process
   computes (tests/test_expert_parallel.py runs cp2 x ep2 by hand with the coefficient at 0).
+- MoE under tensor parallelism with sequence parallelism: each TP rank routes its own sequence
+  shard (passes/moe_sequence_parallel.py). The load-balancing loss is made the one over all
+  the micro-batch's tokens (counts summed over tp, each rank's loss divided by tp), so cases
+  run with it ("moe" against the micro-batch reference) as well as without ("moe-noaux"
+  against the plain one).
 
 Bad plans (cp not dividing the sequence, ep not dividing the experts, ep on a dense model) fail
 with `PlanError` on every rank from `parallelize`, before the mesh or any pass is built.
@@ -167,11 +172,28 @@ def _refusal(rank: int, world_size: int, model_name: str, plan_data: dict[str, A
         ("moe", {"ep_degree": 3, "dp": 3}, "ep_degree = 3 does not divide num_experts = 4"),
         ("llama", {"ep_degree": 2, "dp": 2}, "is dense (no mixture-of-experts layer)"),
         ("gpt", {"cp_degree": 2, "dp": 1}, "GPT has no RoPE tables"),
+        (
+            "moe",
+            {"ep_degree": 2, "dp": 2, "ep_folding": True, "zero": 1},
+            "zero_stage 1 with ep_degree = 2: ZeRO-1 runs as DDP + ZeroRedundancyOptimizer",
+        ),
+        (
+            "moe",
+            {"ep_degree": 2, "dp": 2, "ep_folding": True, "zero": 3, "recompute": "selective"},
+            "recompute 'selective' with ep_degree = 2 under FSDP2",
+        ),
     ],
-    ids=["cp-not-dividing-seq", "ep-not-dividing-experts", "ep-on-dense-model", "cp-on-gpt"],
+    ids=[
+        "cp-not-dividing-seq",
+        "ep-not-dividing-experts",
+        "ep-on-dense-model",
+        "cp-on-gpt",
+        "folded-ep-zero1",
+        "folded-ep-selective-fsdp",
+    ],
 )
 def test_bad_cp_ep_plans_fail_on_every_rank(
-    model: str, degrees: dict[str, int], message: str, tmp_path: Path
+    model: str, degrees: dict[str, Any], message: str, tmp_path: Path
 ) -> None:
     # Hand-written plans (no model reference): manual_plan would refuse them before any job.
     cp = degrees.get("cp_degree", 1)
@@ -217,3 +239,132 @@ def test_a_searched_ep_plan_trains(tmp_path: Path) -> None:
     results = run_distributed(_search_worker, world_size=2, tmp_path=tmp_path)
     assert [result[:2] for result in results] == [(2, 2), (2, 2)]
     assert results[0][2] == results[1][2] and 3.0 < results[0][2] < 5.0  # ln(64) = 4.16
+
+
+# ------------------------------------------------------- MoE under sequence parallelism
+
+
+def test_tp2_sp_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # each TP rank routes its own half of the sequence; router, shared expert and experts are
+    # replicated over tp, their gradients summed over it
+    plan = _plan("moe-noaux", 2, tp=2, global_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.tp_degree, plan.ep_degree) == (1, 2, 1)
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
+
+
+def test_tp2_sp_moe_load_balancing_loss_is_exact(tmp_path: Path) -> None:
+    # the counts the loss reads are summed over tp and each rank's loss divided by tp: the tp
+    # ranks' losses add up to the one over all the micro-batch's tokens
+    plan = _plan("moe", 2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.num_micro_batches) == (1, 2)
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe(tmp_path: Path) -> None:
+    # ep over the 2 dp ranks of each tp rank; every rank routes its own quarter of the tokens
+    plan = _plan("moe-noaux", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    assert (plan.dp_degree, plan.ep_group_ranks(1)) == (2, (1, 3))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe_with_load_balancing_loss(tmp_path: Path) -> None:
+    plan = _plan("moe", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_sp_moe_zero3(tmp_path: Path) -> None:
+    # FSDP2 shards the experts over their edp group (1 rank here) and the rest over dp; the tp
+    # sum runs on the reduced shards
+    plan = _plan("moe", 4, tp=2, ep=2, zero=3, global_batch=4, sequence_parallel=True)
+    assert plan.decisions.dp_wrapper == "fsdp"
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+# ------------------------------------------------------- folded expert parallelism
+
+
+def _folded_plan(processes: int, **fields: Any) -> Plan:
+    """A hand-written folded plan of the tiny MoE (5 units): `manual_plan` prices its plans,
+    and the cost model does not price a folded ep that does not divide dp_degree yet."""
+    fields.setdefault("sequence_parallel", True)
+    plan = make_plan(num_units=5, ep_folding=True, **fields)
+    assert plan.num_devices == processes
+    return plan
+
+
+def test_folded_tp2_ep2_moe(tmp_path: Path) -> None:
+    # ep spans the tp group: each TP rank routes its own half of the sequence (SP) to the two
+    # ranks' experts; no rank shares experts with another (edp 1), no dense replica (dp 1)
+    plan = _folded_plan(2, tp=2, ep_degree=2, micro_batch=2, num_micro_batches=2)
+    assert (plan.dp_degree, plan.ep_group_ranks(0), plan.expert_data_group_ranks(1)) == (
+        1,
+        (0, 1),
+        (1,),
+    )
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_folded_ep4_over_dp2_tp2_moe(tmp_path: Path) -> None:
+    # one ep group of all 4 ranks (dp x tp), each holding one expert; dense weights averaged
+    # over dp, router and shared expert summed over tp first
+    plan = _folded_plan(4, dp=2, tp=2, ep_degree=4)
+    assert (plan.ep_group_ranks(2), plan.expert_data_group_ranks(2)) == ((0, 1, 2, 3), (2,))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
+
+
+def test_folded_cp2_ep2_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # ep spans the cp ring: each cp rank routes its own chunks of the sequence to both ranks'
+    # experts; the experts' gradients are averaged over dp x cp = 2 like the dense ones
+    plan = _folded_plan(
+        2, ep_degree=2, cp_degree=2, rank_layout=("pp", "dp", "cp", "tp"), sequence_parallel=False
+    )
+    assert (plan.dp_degree, plan.ep_group_ranks(0)) == (1, (0, 1))
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
+
+
+@pytest.mark.slow
+def test_folded_ep2_over_tp_dp2_tp2_moe_zero3(tmp_path: Path) -> None:
+    # ep groups are the tp pairs; FSDP2 shards each expert over the 2 ranks holding it (one
+    # per dp rank) on the folded mesh, its average over them scaled by tp / ep = 1
+    plan = _folded_plan(4, dp=2, tp=2, ep_degree=2, zero=3)
+    assert (plan.ep_group_ranks(2), plan.expert_data_group_ranks(1)) == ((2, 3), (1, 3))
+    assert plan.decisions.dp_wrapper == "fsdp"
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_tp2_sp_moe_recompute(recompute: str, tmp_path: Path) -> None:
+    # the recomputed forward re-runs the counts' all-reduce over tp (a functional collective,
+    # whose output selective recompute keeps)
+    plan = _plan(
+        "moe", 2, tp=2, global_batch=2, micro_batch=2, sequence_parallel=True, recompute=recompute
+    )
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_folded_pp2_tp2_ep2_moe(tmp_path: Path) -> None:
+    # each pipeline rank folds its own ep group over its tp pair
+    plan = _folded_plan(4, pp=2, tp=2, ep_degree=2)
+    assert (plan.ep_group_ranks(0), plan.ep_group_ranks(3)) == ((0, 1), (2, 3))
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+def test_tp2_moe_without_sequence_parallelism(tmp_path: Path) -> None:
+    # every TP rank routes the same tokens: router and experts computed redundantly (equal
+    # gradients, nothing summed), the shared expert tensor-parallel
+    plan = _plan("moe", 2, tp=2, global_batch=2, micro_batch=2)
+    assert not plan.sequence_parallel
+    assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
+
+
+@pytest.mark.slow
+def test_cp2_tp2_sp_moe_without_load_balancing_loss(tmp_path: Path) -> None:
+    # each rank routes a quarter of every sequence: its cp chunks' sequence-parallel shard
+    plan = _plan("moe-noaux", 4, cp=2, tp=2, global_batch=2, sequence_parallel=True)
+    assert (plan.dp_degree, plan.cp_degree, plan.tp_degree) == (1, 2, 2)
+    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))

@@ -24,8 +24,8 @@ def tp2() -> Iterator[None]:
 
 
 def _tp(model_name: str, *, sequence_parallel: bool = False, graph: ModelGraph | None = None):  # type: ignore[no-untyped-def]
-    plan = make_plan(tp=2, sequence_parallel=sequence_parallel)
     graph = graph or trace(build_model(model_name))
+    plan = make_plan(tp=2, sequence_parallel=sequence_parallel, num_units=graph.profile.num_units)
     split = split_stages(graph, plan)
     mesh = build_mesh(plan, "cpu")
     (stage,) = split.stages
@@ -89,6 +89,41 @@ def test_sequence_parallel_covers_every_norm() -> None:
         "norm",
     ]
     assert _placements(stage, "unit_1.blocks.0.attn_norm.weight") == (Replicate(),)
+
+
+@pytest.mark.usefixtures("tp2")
+def test_sequence_parallel_moe_layers_route_their_shard() -> None:
+    # the MoE layers' input norms hand over the local shard; the shared expert stays replicated
+    stage, result = _tp("moe", sequence_parallel=True)
+    assert [layer.path for layer in result.moe_layers] == [
+        "unit_2.blocks.1.mlp",
+        "unit_3.blocks.2.mlp",
+    ]
+    assert [layer.input_norm for layer in result.moe_layers] == [
+        "unit_2.blocks.1.mlp_norm",
+        "unit_3.blocks.2.mlp_norm",
+    ]
+    assert [layer.aux_loss_sites for layer in result.moe_layers] == [1, 1]
+    assert result.moe_layers[0].replicated_parameters == (
+        "unit_2.blocks.1.mlp.router.weight",
+        "unit_2.blocks.1.mlp.shared_expert.gate_proj.weight",
+        "unit_2.blocks.1.mlp.shared_expert.up_proj.weight",
+        "unit_2.blocks.1.mlp.shared_expert.down_proj.weight",
+    )
+    assert len(result.replicated_linears) == 6  # 3 shared-expert linears in each MoE layer
+    assert "unit_1.blocks.0.mlp.down_proj" not in result.replicated_linears  # the dense layer
+    assert _placements(stage, "unit_2.blocks.1.mlp_norm.weight") == (Replicate(),)
+    for name in result.moe_layers[0].replicated_parameters:
+        assert not isinstance(stage.module.get_parameter(name), DTensor), name
+    assert _placements(stage, "unit_1.blocks.0.mlp.down_proj.weight") == (Shard(1),)
+
+
+@pytest.mark.usefixtures("tp2")
+def test_without_sequence_parallelism_the_shared_expert_is_tensor_parallel() -> None:
+    stage, result = _tp("moe")
+    assert result.moe_layers == () and result.replicated_linears == ()
+    assert _placements(stage, "unit_2.blocks.1.mlp.shared_expert.up_proj.weight") == (Shard(0),)
+    assert not isinstance(stage.module.get_parameter("unit_2.blocks.1.mlp.router.weight"), DTensor)
 
 
 @pytest.mark.usefixtures("tp2")

@@ -22,7 +22,10 @@ Guarantees, relied on by the tracer, the cost model and the parallel passes:
   backward adds d(aux)/d(params) (weight 1) to whatever loss the logits feed. It is computed
   per forward call (per micro-batch, per data-parallel rank), as Megatron-LM does; a runtime
   that averages the main loss over n micro-batches sets each layer's `aux_loss_coef` to
-  coef / n to keep the same objective;
+  coef / n to keep the same objective. Sequence parallelism relies on its form (a product of
+  the fractions of the counts the experts get and the mean router probability, attached by
+  `attach_aux_loss`): passes/moe_sequence_parallel.py sums those counts over the TP ranks
+  and divides each rank's loss by tp, which gives the loss over all tokens exactly;
 - with no dense layer, no shared expert and `norm_topk_prob=True`, logits equal Hugging Face's
   MixtralForCausalLM's with the same weights (it packs w_gate and w_up as `gate_up_proj`);
 - torch.fx: every op but the experts' is shape-static. `GroupedExperts` splits its rows by the

@@ -53,6 +53,8 @@ from cost_model.hardware import Cluster, as_cluster
 from passes import (
     ContextParallelResult,
     DistributedModel,
+    ReplicatedGradientSum,
+    TensorParallelResult,
     apply_context_parallel,
     apply_data_parallel,
     apply_expert_parallel,
@@ -216,8 +218,9 @@ def _parallelize(
             stage.module.to(device)
     wrapped: dict[int, nn.Module] = {}
     context: ContextParallelResult | None = None
+    tp_results: dict[int, TensorParallelResult] = {}
     for stage in split.stages:
-        apply_tensor_parallel(
+        tp_results[stage.stage_idx] = apply_tensor_parallel(
             stage,
             mesh.sub("tp"),
             sequence_parallel=plan.sequence_parallel,
@@ -247,12 +250,20 @@ def _parallelize(
     if meta and uses_ddp(plan):
         # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
-    finish = []
+    finish: list[Callable[[], None]] = []
     for stage in split.stages:
         result = apply_data_parallel(stage, mesh, plan)
         wrapped[stage.stage_idx] = result.module
         if result.finish is not None:
             finish.append(result.finish)
+        summed = _tp_summed_parameters(tp_results[stage.stage_idx], plan)
+        if summed:
+            # MoE layers on sequence shards: each TP rank's gradient holds its own tokens' share
+            finish.append(
+                ReplicatedGradientSum(
+                    module=stage.module, names=summed, group=mesh.sub("tp").get_group()
+                )
+            )
     if meta and not uses_ddp(plan):
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
@@ -269,6 +280,18 @@ def _parallelize(
         timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
         fingerprint=graph.profile.fingerprint,
         search_time_s=search_time_s,
+    )
+
+
+def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
+    """The parameters of MoE layers on sequence shards whose gradients sum over tp: router
+    and shared expert, and the routed experts unless a folded ep group reduces them over the
+    tp ranks already (`Plan.expert_data_group_ranks` spans tp then)."""
+    folded = plan.ep_folding and plan.ep_degree > 1
+    return tuple(
+        name
+        for layer in result.moe_layers
+        for name in layer.replicated_parameters + (() if folded else layer.expert_parameters)
     )
 
 
@@ -501,11 +524,6 @@ def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
             "torch.export, whose graph fixes the sequence length and position tables that "
             "context parallelism must split; use cp_degree 1 for this model"
         )
-    if plan.ep_folding:
-        raise PlanError(
-            "ep_folding: true is planned and priced, but autoplan's runtime does not run folded "
-            "expert parallelism yet; set ep_folding: false (ep inside dp)"
-        )
     if plan.ep_degree > 1 and plan.decisions.dp_wrapper == "ddp" and plan.zero_stage == 1:
         raise PlanError(
             f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
@@ -571,6 +589,16 @@ def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) 
             plan.framework,
         )
         plan = dataclasses.replace(plan, framework=DEFAULT_FRAMEWORK, estimate=None)
+    if plan.ep_folding and plan.dp_degree % plan.ep_degree:
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "ep_folding with ep_degree = %d not dividing dp_degree = %d: the cost model does not "
+            "price such a plan yet, so its memory is not checked",
+            plan.ep_degree,
+            plan.dp_degree,
+        )
+        return
     result = estimate(graph.profile, cluster, plan)
     if result.fits:
         return
@@ -651,6 +679,10 @@ def _search(
     ).plans[0]
 
 
+def _ep_where(plan: Plan) -> str:
+    return "folded over dp x cp x tp" if plan.ep_folding else "within dp"
+
+
 def _describe(plan: Plan) -> str:
     stages = ", ".join(
         f"[{s.first_unit}..{s.last_unit}{'' if s.recompute == 'none' else ' ' + s.recompute}]"
@@ -659,7 +691,7 @@ def _describe(plan: Plan) -> str:
     return (
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
         + (f" x cp {plan.cp_degree}" if plan.cp_degree > 1 else "")
-        + (f", ep {plan.ep_degree} within dp" if plan.ep_degree > 1 else "")
+        + (f", ep {plan.ep_degree} {_ep_where(plan)}" if plan.ep_degree > 1 else "")
         + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
         f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
         f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
