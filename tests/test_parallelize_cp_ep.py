@@ -287,8 +287,8 @@ def test_tp2_ep2_sp_moe_zero3(tmp_path: Path) -> None:
 
 
 def _folded_plan(processes: int, **fields: Any) -> Plan:
-    """A hand-written folded plan of the tiny MoE (5 units): `manual_plan` prices its plans,
-    and the cost model does not price a folded ep that does not divide dp_degree yet."""
+    """A hand-written folded plan of the tiny MoE (5 units), with sequence parallelism unless
+    told otherwise."""
     fields.setdefault("sequence_parallel", True)
     plan = make_plan(num_units=5, ep_folding=True, **fields)
     assert plan.num_devices == processes

@@ -615,10 +615,6 @@ class Plan:
         the data-parallel wrapper, the ZeRO stage that runs, whether its state checkpoints, the
         torch schedule class and what recompute keeps. The passes carry it out; the cost model
         prices it."""
-        if self.ep_folding and self.dp_degree % self.ep_degree:
-            # `decide` never reads ep, but `Strategy` holds ep inside dp (ep | dp_degree), which
-            # a folded ep group need not be: decide for the same plan without expert parallelism
-            return Strategy.of(replace(self, ep_degree=1, ep_folding=False)).decisions
         return Strategy.of(self).decisions
 
     @property

@@ -589,16 +589,6 @@ def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) 
             plan.framework,
         )
         plan = dataclasses.replace(plan, framework=DEFAULT_FRAMEWORK, estimate=None)
-    if plan.ep_folding and plan.dp_degree % plan.ep_degree:
-        log_rank0(
-            logger,
-            logging.WARNING,
-            "ep_folding with ep_degree = %d not dividing dp_degree = %d: the cost model does not "
-            "price such a plan yet, so its memory is not checked",
-            plan.ep_degree,
-            plan.dp_degree,
-        )
-        return
     result = estimate(graph.profile, cluster, plan)
     if result.fits:
         return
