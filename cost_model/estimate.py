@@ -58,7 +58,7 @@ from cost_model.parts.data_parallel import (
     grouped_dp_sync,
     runs_ddp,
 )
-from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_bf16_step_s
+from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepspeed_pipe_step_s
 from cost_model.parts.expert_parallel import ExpertCost, expert_cost, recompute_expert_s
 from cost_model.parts.host import host_cost
 from cost_model.parts.memory import unit_bytes
@@ -479,13 +479,14 @@ class CostModel:
         """Step time, throughput, MFU and per-device memory of ``plan`` (see `estimate`)."""
         est = self._estimate(plan)
         strategy = Strategy.of(plan)
-        if (
-            self.stack.engine == "deepspeed-pipe-bf16"
-            and strategy.dtype == "bf16"
-            and strategy.zero_stage < 3
-        ):
+        # DeepSpeed's pipeline engine with the optimizer wrapper it picks for the precision
+        # and ZeRO stage (cost_model.parts.deepspeed_pipeline); other plans part by part.
+        optimizer = deepspeed_pipe_optimizer(strategy)
+        if self.stack.engine == "deepspeed-pipe" and optimizer is not None:
             costs = self.unit_costs(strategy, plan.stages[0].recompute)
-            step = deepspeed_pipe_bf16_step_s(self.profile, self.cluster, strategy, est, costs)
+            step = deepspeed_pipe_step_s(
+                optimizer, self.profile, self.cluster, strategy, est, costs
+            )
             est = est.with_step_time(step)
         return est
 

@@ -6,12 +6,12 @@ decide: the attention kernel, how far full recompute re-runs the forward, which 
 selective recompute keeps, whether data-parallel gradient sync overlaps the backward, whether
 the pipeline keeps the activations it sent, the bytes the loss keeps, how ZeRO-3 gathers
 weights (FSDP2 per block, DeepSpeed per module in prefetch buckets), and a pipeline engine that
-re-times the whole step (DeepSpeed's with BF16_Optimizer). A `FrameworkProfile`
-names each behaviour with its source; `FrameworkProfile.cluster_for` writes the calibration
-ones into the cluster's `Calibration`, whose fields the cost model's parts read, and
-`cost_model.estimate.CostModel` reads the ZeRO-3 gathers and the engine. A field left ``None`` keeps
-the cluster's own value, so the ``autoplan`` profile is the identity: a cluster's calibration
-(presets, `autoplan calibrate`) describes autoplan's runtime.
+re-times the whole step (DeepSpeed's, with BF16_Optimizer or its fp16 optimizers). A
+`FrameworkProfile` names each behaviour with its source; `FrameworkProfile.cluster_for` writes
+the calibration ones into the cluster's `Calibration`, whose fields the cost model's parts read,
+and `cost_model.estimate.CostModel` reads the ZeRO-3 gathers and the engine. A field left
+``None`` keeps the cluster's own value, so the ``autoplan`` profile is the identity: a
+cluster's calibration (presets, `autoplan calibrate`) describes autoplan's runtime.
 
 Applying a profile twice equals applying it once (every field is a replacement, and the
 overlap a minimum), so a cluster that already carries a profile may be passed again.
@@ -42,7 +42,7 @@ from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
 # A training engine that re-times the whole step (`cost_model.parts.deepspeed_pipeline`).
-Engine = Literal["deepspeed-pipe-bf16"]
+Engine = Literal["deepspeed-pipe"]
 # How ZeRO-3 gathers weights: one collective per unit (FSDP2's fully_shard per block) or one
 # per prefetch bucket of modules (DeepSpeed, `cost_model.parts.data_parallel`).
 Zero3Gathers = Literal["per-unit", "per-module"]
@@ -88,9 +88,11 @@ class FrameworkProfile:
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
     # An engine whose accumulation, gradient sync and optimizer step differ from autoplan's
-    # runtime as a whole (``None``: priced part by part as above). DeepSpeed's BF16_Optimizer
-    # runs bf16 plans below ZeRO-3 (deepspeed/runtime/engine.py, _configure_optimizer); ZeRO-3
-    # and fp16 plans use its other optimizers, priced part by part.
+    # runtime as a whole (``None``: priced part by part as above). DeepSpeed's pipeline engine
+    # wraps Adam in the optimizer its engine picks (deepspeed/runtime/engine.py,
+    # _configure_optimizer): BF16_Optimizer for bf16 below ZeRO-3, DeepSpeedZeroOptimizer for
+    # fp16 at ZeRO-1, FP16_Optimizer for fp16 without ZeRO; other plans are priced part by part
+    # (`cost_model.parts.deepspeed_pipeline.deepspeed_pipe_optimizer`).
     engine: Engine | None = None
     zero3_gathers: Zero3Gathers | None = None
     # Where the stack puts an expert-parallel group: "folded" over consecutive ranks of the
@@ -243,12 +245,17 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
         ),
         FrameworkProfile(
             name="megatron-deepspeed",
-            version="Megatron-DeepSpeed with DeepSpeed's pipeline engine and BF16_Optimizer (2022)",
+            version=(
+                "Megatron-DeepSpeed with DeepSpeed's pipeline engine, BF16_Optimizer or its fp16 "
+                "optimizers (2022)"
+            ),
             summary=(
                 "Megatron-DeepSpeed as BigScience trained BLOOM: Megatron's unfused attention "
-                "core, reentrant full recompute, DeepSpeed's PipelineEngine with BF16_Optimizer "
-                "(fp32 gradient accumulation, fp32 all-reduce after the flush, ZeRO-1 weight "
-                "all-gather, 1/t-sliced stage transfers)"
+                "core, reentrant full recompute, DeepSpeed's PipelineEngine (gradient all-reduce "
+                "after the flush, 1/t-sliced stage transfers) with BF16_Optimizer (fp32 gradient "
+                "accumulation and all-reduce, ZeRO-1 weight all-gather) or, in fp16, "
+                "DeepSpeedZeroOptimizer (fp16 accumulation and all-reduce, loss-scale checks, "
+                "ZeRO-1 weight all-gather)"
             ),
             attention="unfused",
             full_recompute_early_stop=0.0,
@@ -257,13 +264,16 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # ZeRO's reduce buckets and ZeRO-3's prefetch overlap the backward; the pipeline
             # engine's after-flush all-reduce is its own (the engine re-times it).
             dp_overlap=1.0,
-            engine="deepspeed-pipe-bf16",
+            engine="deepspeed-pipe",
             zero3_gathers="per-module",
             sources=(
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/bf16_optimizer.py (2022)",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py (2022)",
+                "deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py (2022)",
+                "deepspeedai/DeepSpeed deepspeed/runtime/fp16/fused_optimizer.py (2022)",
                 "bigscience-workshop/bigscience train/tr11-176B-ml/README.md",
+                "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md",
             ),
         ),
         FrameworkProfile(
