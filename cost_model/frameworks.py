@@ -222,6 +222,25 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             ),
         ),
         FrameworkProfile(
+            name="nanotron",
+            version="Hugging Face nanotron (2024-25), as the Ultra-Scale Playbook's runs used it",
+            summary=(
+                "nanotron: Megatron-style column/row-parallel linears with sequence parallelism, "
+                "flash-attn 2 kernels, torch DDP overlapping the gradient all-reduce with the "
+                "backward"
+            ),
+            # flash-attn 2 (the flash_attn package), not Transformer Engine: the presets' rate
+            attention="fused",
+            # torch DDP's bucketed all-reduce during the backward (nanotron trainer.py)
+            dp_overlap=1.0,
+            # Recompute and what its 1F1B engine keeps of a sent activation are not described
+            # (autoplan's defaults): the scored Ultra-Scale Playbook runs use neither.
+            sources=(
+                "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
+                "huggingface/nanotron src/nanotron/trainer.py (DDP)",
+            ),
+        ),
+        FrameworkProfile(
             name="megatron-lm-2021",
             version="Megatron-LM 2.x-3.0 (2020-2022: before flash attention and Megatron-Core)",
             summary=(

@@ -52,7 +52,7 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         "dp_overlap": "dp_overlap_fraction",
     }
     assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
-                               "megatron-deepspeed", "torchtitan", "llm-foundry"}  # fmt: skip
+                               "megatron-deepspeed", "torchtitan", "llm-foundry", "nanotron"}  # fmt: skip
     for profile in FRAMEWORKS.values():
         assert profile.sources and profile.version and profile.summary, profile.name
         once = profile.cluster_for(graph.profile, cluster)
@@ -170,7 +170,10 @@ def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_pat
 
 
 def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_path: Path) -> None:
-    known = "autoplan, megatron-lm, megatron-lm-2021, megatron-deepspeed, deepspeed, torchtitan, llm-foundry"
+    known = (
+        "autoplan, megatron-lm, nanotron, megatron-lm-2021, megatron-deepspeed, deepspeed, "
+        "torchtitan, llm-foundry"
+    )
     with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
         framework_profile("nemo")
     with pytest.raises(
