@@ -654,6 +654,32 @@ def least_held(spec: ScheduleSpec) -> int:
     return spec.num_micro_batches if spec.schedule == "gpipe" else 1
 
 
+def even_held(spec: ScheduleSpec) -> float:
+    """The most micro-batches a rank holds at its peak when every stage carries the same
+    activations, in units of the rank's whole share (its stages' activations of one micro-batch):
+    ``max over ranks and points of sum(held) / v`` in `held_microbatches`, in closed form so
+    that it costs nothing at any micro-batch count. Exact when ``p`` divides ``m``, else at
+    most the orders' count and at least `least_held` (a test checks both against the orders).
+    A scale for the search's visiting order, not a bound: an uneven cut may hold less.
+
+    - GPipe: every forward before any backward, all ``m``.
+    - 1F1B, its zero-bubble and V variants: the first rank holds ``min(m, p)`` (Narayanan et
+      al. 2021, section 2.2: at most p micro-batches in flight; Qi et al.'s ZB-H1 and ZB-V
+      keep 1F1B's peak activations; torch's interleaved zero-bubble orders too).
+    - Interleaved 1F1B: ``p (1 + (p - 1) / (p v))`` (Korthikanti et al. 2022, section 4.2.3,
+      the first rank's extra warm-up chunks), at most ``m``.
+    - DualPipeV: one chunk (half a rank's share) more than 1F1B, as torch's orders give.
+    """
+    p, v, m = spec.pp_degree, spec.virtual_stages, spec.num_micro_batches
+    if spec.schedule == "gpipe":
+        return float(m)
+    if spec.schedule == "interleaved-1f1b":
+        return min(m, p + (p - 1) / v)
+    if spec.schedule == "dualpipev":
+        return min(m, p) + 0.5
+    return float(min(m, p))
+
+
 # ------------------------------------------------------------------------------ memory
 
 

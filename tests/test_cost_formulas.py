@@ -28,6 +28,7 @@ from cost_model.schedules import (
     ScheduleError,
     ScheduleSpec,
     StageTimes,
+    even_held,
     held_microbatches,
     least_held,
     pipeline_order,
@@ -424,6 +425,22 @@ def test_least_held_bounds_what_every_stage_holds() -> None:
             for profile in held_microbatches(spec)
         )
         assert least_held(spec) <= exact, spec
+
+
+def test_even_held_is_what_an_even_cut_holds() -> None:
+    """The closed form against the orders: with every stage's activations equal, a rank's
+    peak holds sum(held) / v of its share; exact when p divides m, else between the bound
+    and the orders' count."""
+    for spec in SMALL_SPECS:
+        exact = max(
+            sum(h + k for h, k in point) / len(profile.stages)
+            for profile in held_microbatches(spec)
+            for point in profile.points
+        )
+        if spec.num_micro_batches % spec.pp_degree == 0:
+            assert even_held(spec) == pytest.approx(exact), spec
+        else:
+            assert least_held(spec) <= even_held(spec) <= exact + 1e-12, spec
 
 
 def test_sends_at_end_is_what_each_rank_keeps_at_the_end() -> None:

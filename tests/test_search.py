@@ -25,6 +25,7 @@ from autoplan.planner.search import (
     _Frontier,
     _Pending,
     _problem,
+    _RecomputeCurve,
     boundary_crossings,
     search_plans,
 )
@@ -33,7 +34,7 @@ from cost_model.estimate import CostModel, estimate
 from cost_model.hardware import Cluster
 from cost_model.schedules import SCHEDULES
 from cost_model.strategy import Strategy
-from tests.cost_profiles import gpt_profile, round_cluster
+from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
 
 
 def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
@@ -237,19 +238,19 @@ def test_top_k_is_ranked_and_constraints_are_obeyed() -> None:
 
 
 def test_memory_aware_time_bound_by_hand() -> None:
-    from autoplan.planner.search import _least_time_within
-
     # Two identical units, modes (bytes, seconds): none (10, 1.0), selective (6, 1.2),
     # full (1, 2.0). From "none" the hull goes to selective (0.2 s / 4 B = 0.05 s/B), then to
     # full (0.8 s / 5 B = 0.16 s/B); each segment saves that many bytes per unit.
-    classes = [(2, [(10.0, 1.0), (6.0, 1.2), (1.0, 2.0)])]
-    assert _least_time_within(classes, 25.0) == pytest.approx(2.0)  # fits as is
+    curve = _RecomputeCurve.of([(2, [(10.0, 1.0), (6.0, 1.2), (1.0, 2.0)])])
+    assert curve.time_within(25.0) == pytest.approx(2.0)  # fits as is
     # 20 B held, budget 12: save 8 B at 0.05 s/B -> 2.0 + 0.4 = 2.4 (both selective)
-    assert _least_time_within(classes, 12.0) == pytest.approx(2.4)
+    assert curve.time_within(12.0) == pytest.approx(2.4)
     # budget 7: 8 B at 0.05 + 5 B at 0.16 -> 2.0 + 0.4 + 0.8 = 3.2 (selective + full)
-    assert _least_time_within(classes, 7.0) == pytest.approx(3.2)
+    assert curve.time_within(7.0) == pytest.approx(3.2)
     # even full recompute holds 2 B
-    assert _least_time_within(classes, 1.0) == math.inf
+    assert curve.time_within(1.0) == math.inf
+    # ... unless saturated (the visiting order's even cut): the leanest modes, 2 x 2.0 s
+    assert curve.time_within(1.0, saturate=True) == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize(
@@ -269,11 +270,15 @@ def test_boundary_crossings_follow_the_placement(schedule: str, p: int, v: int) 
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_floors_are_below_the_order_key_and_every_step(seed: int) -> None:
+@pytest.mark.parametrize("experts", [0, 8])
+def test_floors_are_below_the_order_key_and_every_step(seed: int, experts: int) -> None:
     """The lazy visit costs a choice only when its floor passes the order keys of costed ones
     (so the order is the eager one), and drops choices by the proven floor: both must hold
-    for every choice, against random partitions' simulated steps."""
+    for every choice, against random partitions' simulated steps; for dense models and with
+    routed experts (expert parallelism, its all-to-all and its memory in the floors)."""
     profile, cluster, global_batch, constraints = _random_case(seed)
+    if experts:
+        profile = with_routed_experts(profile, num_experts=experts, top_k=2, expert_ffn=128)
     space = SearchSpace.from_constraints(**constraints)
     cache = _BoundTables(CostModel(profile, cluster))
     rng = random.Random(seed)

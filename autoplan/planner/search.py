@@ -7,7 +7,8 @@ Expects a traced model (or a module to trace), a Cluster and a global batch. Thr
    their per-unit costs and proven lower bounds on the simulated step (the busiest rank's work
    and tail, `cost_model.schedules.pipeline_lower_bound_s`, communication, the memory the
    recompute modes must buy back) and are ordered by an even-split estimate with
-   communication, ``(m - 1/v) T + p T / v`` plus the tail (order only, not a bound).
+   communication, ``max(m, p) T + (min(m, p) - 1) T / v`` plus the tail, with the recompute
+   an even cut needs to fit (order only, not a bound).
 2. The first few get a heuristic partition (`partition.heuristic`: even splits and local
    search on the simulation): a strong incumbent before any proof.
 3. Visit in order: skip a candidate when a proven bound cannot beat the k-th best (for several
@@ -67,7 +68,7 @@ from cost_model.estimate import (
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
-from cost_model.schedules import least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -134,6 +135,9 @@ class SearchStats:
     pruned_schedule: int = 0  # by the bound from the schedule's paths (`bounds.py`)
     bounds_s: float = 0.0  # time spent on those bounds
     seed_s: float = 0.0  # heuristic partitions of the first candidates (the first incumbent)
+    # the best step those found (None: none fits): how good the visiting order's first guesses
+    # are, the incumbent every proof starts from
+    seed_step_time_s: float | None = None
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
     optimality_gap: float = 0.0
@@ -274,6 +278,7 @@ def search_plans(
         if found is not None:
             offer(order, candidate, found)
     stats.seed_s = time.perf_counter() - t0
+    stats.seed_step_time_s = min((-entry[0] for entry in best), default=None)
 
     # Phase 3: visit the seeded candidates (best even split first), then the rest in order;
     # skip what a proven bound says cannot beat the k-th best, and solve the stage cuts of
@@ -456,6 +461,15 @@ class _BoundTables:
                 profile, replace(cluster, shared_cores_per_node=None), model.framework
             )
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        # per floor key: the units' recompute curve, alone (`_RecomputeCurve`)
+        self._floor_curves: dict[tuple[object, ...], _RecomputeCurve] = {}
+        cal = cluster.calibration
+        # at least the usable bytes of any plan's device (no buffers counted)
+        self._usable_at_most = MemoryConstants(
+            buffer_bytes=0.0,
+            reserved_bytes=cal.reserved_memory_bytes,
+            allocator_overhead_fraction=cal.allocator_overhead_fraction,
+        ).usable_bytes(float(cluster.device.memory_bytes))
         # representative unit -> how many units share its content
         self.class_counts = Counter(model.classes)
         # per sample at the traced dtype: the smallest tensor a pipeline stage can send
@@ -472,6 +486,22 @@ class _BoundTables:
         (`sends_at_end`, each at least the smallest output a stage can end with), spread
         evenly, or the busiest rank's sends alone if more."""
         inflight = least_held(strategy.schedule_spec)
+        state, least_act = self._state(strategy, modes)
+        p = strategy.pp_degree
+        per_rank = (state + inflight * least_act) / p
+        # (not cached: the sends depend on the schedule's micro-batches; a few operations)
+        sends = sends_at_end(strategy.schedule_spec)
+        cal = self.cluster.calibration
+        if any(sends):
+            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
+            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+            scale /= strategy.cp_degree
+            size = self._smallest_output * scale * cal.pipeline_boundary_retention
+            per_rank = max(per_rank, (state + sum(sends) * size) / p, max(sends) * size)
+        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+
+    def _state(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
+        """`_state_memory`, cached by the strategy fields it reads."""
         whole = (
             strategy.tp_degree,
             strategy.sequence_parallel,
@@ -489,19 +519,7 @@ class _BoundTables:
         if found is None:
             found = self._state_memory(strategy, modes)
             self._memory[whole] = found
-        state, least_act = found
-        p = strategy.pp_degree
-        per_rank = (state + inflight * least_act) / p
-        # (not cached: the sends depend on the schedule's micro-batches; a few operations)
-        sends = sends_at_end(strategy.schedule_spec)
-        cal = self.cluster.calibration
-        if any(sends):
-            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
-            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
-            scale /= strategy.cp_degree
-            size = self._smallest_output * scale * cal.pipeline_boundary_retention
-            per_rank = max(per_rank, (state + sum(sends) * size) / p, max(sends) * size)
-        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+        return found
 
     def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
         """(weights, gradients and optimizer state of all ranks; the activations of one
@@ -587,6 +605,12 @@ class _BoundTables:
                 zero_stage=0,
             )
             by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
+            self._floor_curves[key] = _RecomputeCurve.of(
+                [
+                    (count, [(c[rep].activation_bytes, c[rep].time_s) for c in by_mode])
+                    for rep, count in self.class_counts.items()
+                ]
+            )
             order_work = order_largest = compute_work = compute_largest = 0.0
             for rep, count in self.class_counts.items():
                 full = min(costs[rep].time_s for costs in by_mode)
@@ -606,10 +630,22 @@ class _BoundTables:
         order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)
         p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
         fixed = self.model.step_overhead_s(strategy)
-        share = max(order_work / p, order_largest)
-        order_floor = (m - 1 / v) * share + order_work / v + fixed
         spec = strategy.schedule_spec
         time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
+        # The recompute the order key's even cut must buy (`_candidate`), from the same units
+        # alone: no more state than `_state_memory`'s, no less usable memory than without
+        # buffers, times no longer than the strategy's, so it stays under the key.
+        held = even_held(spec)
+        overflow = 1.0
+        if held > least_held(spec):
+            state, least_act = self._state(strategy, modes)
+            room = p * self._usable_at_most - state
+            order_work = stretch * self._floor_curves[key].time_within(room / held, saturate=True)
+            overflow = _even_overflow(held, room, least_act)
+            if math.isinf(overflow):
+                return math.inf, time_floor
+        share = max(order_work / p, order_largest)
+        order_floor = overflow * (_even_pipeline_s(share, order_work, p, v, m) + fixed)
         return order_floor, time_floor
 
 
@@ -644,7 +680,8 @@ def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTab
     # activations held per micro-batch cannot exceed (p * usable - static) / least held:
     # the recompute modes must at least buy that much memory back.
     budget = (p * usable - static_sum) / least_inflight if least_inflight else math.inf
-    total = _least_time_within(classes, budget)
+    curve = _RecomputeCurve.of(classes)
+    total = curve.time_within(budget)
     if math.isinf(total):  # not even the leanest recompute modes fit: no plan does
         memory_bound = math.inf
     work = total  # the units' own work (what `schedule_bound` scales)
@@ -652,8 +689,8 @@ def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTab
     # the cut; links only delay (they are not counted).
     # (every crossing boundary posts its messages at the same host cost: count them)
     crossings = boundary_crossings(strategy)
-    if crossings:
-        total += 2 * crossings * model.boundary(first[0], strategy, 0).message_s
+    messages = 2 * crossings * model.boundary(first[0], strategy, 0).message_s if crossings else 0.0
+    total += messages
     # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
     # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
     # (the busiest rank's at least the average).
@@ -665,10 +702,23 @@ def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTab
     units = [costs[rep] for costs in by_mode.values() for rep in tables.class_counts]
     forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
     weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
-    # Visiting order: evenly cut stages, ``(m - 1/v) T + p T / v`` with T the rank's share
-    # of the work, plus the average tail.
-    share = max(total / p, largest)
-    order_key = (m - 1 / v) * share + total / v + max(0.0, tail_a, tail_b) / p + fixed
+    # Visiting order: evenly cut stages (`_even_pipeline_s`), plus the average tail. The work
+    # pays for the recompute an even cut needs: every rank holds its share of the activations
+    # as often as its schedule makes it (`even_held`), not as rarely as the bound above may
+    # assume (`least_held`, 1 for every schedule but GPipe, as if one stage of each rank could
+    # take all of them). Ordered by the bound's work instead, memory-tight pipelines with
+    # large micro-batches, whose cuts must recompute nearly everything, came first by up to a
+    # third of their step and used up the budget before plans without that recompute (e.g.
+    # expert parallelism on one pipeline rank) were reached; and if no even cut fits even
+    # under the leanest modes, it goes behind by its overflow (`_even_overflow`).
+    held = even_held(spec)
+    order_work = total
+    if held > least_inflight:
+        order_work = messages + curve.time_within((p * usable - static_sum) / held, saturate=True)
+    share = max(order_work / p, largest)
+    order_key = _even_pipeline_s(share, order_work, p, v, m) + max(0.0, tail_a, tail_b) / p + fixed
+    overflow = _even_overflow(held, p * usable - static_sum, least_act)
+    order_key = math.inf if math.isinf(overflow) else overflow * order_key
     return Candidate(
         order_key_s=order_key,
         work_s=work,
@@ -692,39 +742,79 @@ def boundary_crossings(strategy: Strategy) -> int:
     return strategy.num_stages - 1 - (strategy.schedule_placement == "v")
 
 
-def _least_time_within(
-    classes: list[tuple[int, list[tuple[float, float]]]], budget: float
-) -> float:
-    """A lower bound on the summed unit time when the units' activation bytes must fit
-    ``budget``: the LP relaxation of choosing a recompute mode per unit (a multiple-choice
-    knapsack). Each class of ``count`` identical units offers (bytes, time) per mode; units
-    start at their fastest mode and buy bytes back along the lower convex hull of their modes,
-    cheapest seconds-per-byte first, fractionally. Returns inf if even full recompute cannot
-    fit (the memory bound rejects such candidates anyway)."""
-    time = 0.0
-    held = 0.0
-    segments: list[tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
-    for count, points in classes:
-        start = min(points, key=lambda point: (point[1], point[0]))  # fastest, then smallest
-        time += count * start[1]
-        held += count * start[0]
-        current = start
-        while True:
-            cheaper = [q for q in points if q[0] < current[0]]
-            if not cheaper:
+def _even_pipeline_s(share_s: float, work_s: float, p: int, v: int, m: int) -> float:
+    """The visiting order's pipeline time of an even cut: ``max(m, p) T + (min(m, p) - 1) T' / v``
+    with ``T`` a rank's share of the per-micro-batch work (``share_s``: ``work_s / p``, or the
+    largest unit if more) and ``T' = work_s / p``. One stage per rank: 1F1B's ``(m + p - 1) T``;
+    ``v`` stages per rank and ``m >= p``: the bubble shrinks to ``(p - 1) T / v`` (Narayanan
+    et al. 2021, section 2.2). With fewer micro-batches than ranks every chunk waits for the
+    whole pipeline: one micro-batch runs its ``p v`` stages in turn, ``p T``. (The former key,
+    ``(m - 1/v) T + p T / v``, gave one micro-batch ``T + (p - 1) T / v`` and put pipelines of
+    one or two micro-batches first at half their step.) Monotone in both times, so the floors
+    stay under the keys."""
+    return max(m, p) * share_s + (min(m, p) * work_s / p - share_s) / v
+
+
+def _even_overflow(held: float, room_bytes: float, least_act_bytes: float) -> float:
+    """How far an even cut overflows memory under the leanest modes, as a factor >= 1 on the
+    visiting order's key: ``held`` rank shares of ``least_act_bytes`` must fit the
+    ``room_bytes`` the pipeline ranks' state leaves. When they do not (e.g. a split backward,
+    which cannot recompute), only cuts that load the ranks holding fewer micro-batches can
+    fit: ordered behind by the overflow, finitely, so that a model no even cut fits keeps an
+    order; inf when no room is left at all (the memory bound drops those). Smaller with more
+    room and fewer bytes, so the floors (more room, fewer bytes) stay under the keys."""
+    need = held * least_act_bytes
+    if need <= room_bytes:
+        return 1.0
+    return need / room_bytes if room_bytes > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class _RecomputeCurve:
+    """The least summed unit time as a function of the activation bytes the units may hold:
+    the LP relaxation of choosing a recompute mode per unit (a multiple-choice knapsack).
+    Units start at their fastest mode (``time_s``, holding ``held_bytes``) and buy bytes back
+    along the lower convex hull of their modes, cheapest seconds-per-byte first,
+    fractionally (``segments``: seconds per byte saved, bytes it can save, ascending)."""
+
+    time_s: float
+    held_bytes: float
+    segments: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def of(cls, classes: list[tuple[int, list[tuple[float, float]]]]) -> _RecomputeCurve:
+        """From each class of ``count`` identical units and its (bytes, time) per mode."""
+        time = 0.0
+        held = 0.0
+        segments: list[tuple[float, float]] = []
+        for count, points in classes:
+            start = min(points, key=lambda point: (point[1], point[0]))  # fastest, then smallest
+            time += count * start[1]
+            held += count * start[0]
+            current = start
+            while True:
+                cheaper = [q for q in points if q[0] < current[0]]
+                if not cheaper:
+                    break
+                nxt = min(cheaper, key=lambda q: ((q[1] - current[1]) / (current[0] - q[0]), q[0]))
+                slope = max(0.0, (nxt[1] - current[1]) / (current[0] - nxt[0]))
+                segments.append((slope, count * (current[0] - nxt[0])))
+                current = nxt
+        return cls(time, held, tuple(sorted(segments)))
+
+    def time_within(self, budget: float, *, saturate: bool = False) -> float:
+        """A lower bound on the summed unit time when their activation bytes must fit
+        ``budget``. Returns inf if even the leanest modes cannot fit (the memory bound rejects
+        such candidates anyway), or with ``saturate`` the time of the leanest modes."""
+        time = self.time_s
+        excess = self.held_bytes - budget
+        for slope, saves in self.segments:
+            if excess <= 0:
                 break
-            nxt = min(cheaper, key=lambda q: ((q[1] - current[1]) / (current[0] - q[0]), q[0]))
-            slope = max(0.0, (nxt[1] - current[1]) / (current[0] - nxt[0]))
-            segments.append((slope, count * (current[0] - nxt[0])))
-            current = nxt
-    excess = held - budget
-    for slope, saves in sorted(segments):
-        if excess <= 0:
-            break
-        used = min(saves, excess)
-        time += slope * used
-        excess -= used
-    return time if excess <= 1e-9 * max(held, 1.0) else math.inf
+            used = min(saves, excess)
+            time += slope * used
+            excess -= used
+        return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
 
 
 def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
