@@ -53,7 +53,18 @@ def test_moe_models_enumerate_ep() -> None:
     )
     found = list(strategies(SearchSpace(), profile, CLUSTER, 32))
     assert {s.ep_degree for s in found} == {1, 2, 4}
-    assert all(s.dp_degree % s.ep_degree == 0 and 4 % s.ep_degree == 0 for s in found)
+    inside = [s for s in found if not s.ep_folding]
+    folded = [s for s in found if s.ep_folding]
+    assert all(s.dp_degree % s.ep_degree == 0 and 4 % s.ep_degree == 0 for s in inside)
+    # folded only where it differs, always with SP when it takes TP ranks
+    assert folded and all(s.tp_degree > 1 or s.cp_degree > 1 for s in folded)
+    assert all(s.sequence_parallel for s in folded if s.tp_degree > 1)
+    assert any(s.dp_degree % s.ep_degree for s in folded)  # ep over tp x dp, beyond dp
+    # a stack that only folds (megatron-lm) gets only folded ep groups where they differ
+    only = list(strategies(SearchSpace(ep_folding=(True,)), profile, CLUSTER, 32))
+    assert all(s.ep_folding for s in only if s.ep_degree > 1)
+    none = list(strategies(SearchSpace(ep_folding=(False,)), profile, CLUSTER, 32))
+    assert not any(s.ep_folding for s in none)
 
 
 def test_constraints_name_bad_cp_and_ep() -> None:
@@ -139,3 +150,21 @@ def test_first_incumbent_is_no_slower_than_any_manual_plan() -> None:
     assert best.estimate.step_time_s <= fastest_s * (1 + 1e-6)
     seed = result.stats.seed_step_time_s
     assert seed is not None and seed <= fastest_s * (1 + 1e-6), (seed, fastest_s)
+
+
+def test_a_stack_that_folds_gets_folded_plans() -> None:
+    """megatron-lm places ep groups folded over dp x cp x tp (its expert rank generator):
+    every plan the search returns for it is one Megatron-LM can run (folded wherever folding
+    differs), while autoplan's runtime runs both layouts and the search tries both."""
+    profile = with_routed_experts(
+        gpt_profile(num_layers=4, s=2048, h=512, a=8, e=2), num_experts=8, top_k=2, expert_ffn=256
+    )
+    result = search_plans(
+        profile, CLUSTER, global_batch=32, framework="megatron-lm", tp=(2,), ep=(2, 4), top_k=5
+    )
+    assert result.plans
+    for plan in result.plans:
+        assert plan.framework == "megatron-lm"
+        assert plan.ep_folding and plan.sequence_parallel, plan
+    both = list(strategies(SearchSpace(tp=(2,), ep=(2, 4)), profile, CLUSTER, 32))
+    assert {s.ep_folding for s in both} == {False, True}

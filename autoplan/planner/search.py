@@ -200,6 +200,12 @@ def search_plans(
         )
     space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
+    if space.ep_folding is None:
+        # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
+        # autoplan's runtime runs both
+        layout = framework_profile(framework).expert_layout
+        folding = {"folded": (True,), "dp": (False,)}.get(layout or "", (False, True))
+        space = replace(space, ep_folding=folding)
     stats = SearchStats()
     start = time.perf_counter()
 
@@ -514,6 +520,7 @@ class _BoundTables:
             strategy.dp_wrapper,  # (GPipe with several micro-batches runs no DDP)
             strategy.cp_degree,
             strategy.ep_degree,
+            strategy.ep_folding,
         )
         found = self._memory.get(whole)
         if found is None:
@@ -590,6 +597,7 @@ class _BoundTables:
             modes,
             strategy.cp_degree,
             strategy.ep_degree,
+            strategy.ep_folding,
         )
         work = self._floor_work.get(key)
         if work is None:

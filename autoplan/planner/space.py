@@ -44,7 +44,7 @@ from autoplan.contract.plan import (
 )
 from cost_model.hardware import Cluster
 from cost_model.schedules import V_SCHEDULES, ScheduleError
-from cost_model.strategy import Strategy, schedule_spec, valid_layout
+from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
 
 Layout = tuple[MeshAxis, ...]
@@ -73,6 +73,10 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None
+    # Where an ep group may sit (`Plan.ep_folding`): inside dp (False), folded over
+    # dp x cp x tp (True); None: both, folded only where the two differ (tp > 1 with sequence
+    # parallelism, or cp > 1). The search sets it from the framework's expert layout.
+    ep_folding: tuple[bool, ...] | None = None
     # cp > 1 is tried by itself only from this sequence length on (module docstring)
     cp_min_seq_len: int = CP_MIN_SEQ_LEN
     cp_min_local_tokens: int = CP_MIN_LOCAL_TOKENS
@@ -226,10 +230,10 @@ def _normalise(key: str, value: Any) -> Any:
                 f"recompute: unknown {bad[0]!r}; use {', '.join(RECOMPUTE_MODES)}"
             )
         return values
-    if key == "sequence_parallel":
+    if key in ("sequence_parallel", "ep_folding"):
         values = _as_tuple(key, value)
         if any(not isinstance(v, bool) for v in values):
-            raise ConstraintError(f"sequence_parallel={value!r} must be True, False or both")
+            raise ConstraintError(f"{key}={value!r} must be True, False or both")
         return values
     if key == "rank_layouts":
         layouts = tuple(tuple(layout) for layout in value)
@@ -302,13 +306,23 @@ def strategies(
                 if (space.dp is not None and dp not in space.dp) or global_batch % dp:
                     continue
                 per_replica = global_batch // dp
-                for ep in ep_choices(space, profile, dp):
+                for ep, folded in expert_layouts(space, profile, tp, cp, dp):
                     for b in _divisors(per_replica, space.max_micro_batch):
                         if space.micro_batch is not None and b not in space.micro_batch:
                             continue
                         m = per_replica // b
                         yield from _schedules(
-                            space, profile, tp, pp, dp, b, m, skip_dominated, cp=cp, ep=ep
+                            space,
+                            profile,
+                            tp,
+                            pp,
+                            dp,
+                            b,
+                            m,
+                            skip_dominated,
+                            cp=cp,
+                            ep=ep,
+                            ep_folding=folded,
                         )
 
 
@@ -336,6 +350,33 @@ def ep_choices(space: SearchSpace, profile: ModelProfile, dp: int) -> list[int]:
     layers = profile.moe_layers
     experts = math.gcd(*(facts.num_experts for facts in layers)) if layers else 1
     return [ep for ep in _divisors(math.gcd(dp, experts)) if space.ep is None or ep in space.ep]
+
+
+def expert_layouts(
+    space: SearchSpace, profile: ModelProfile, tp: int, cp: int, dp: int
+) -> list[tuple[int, bool]]:
+    """(ep, folded) pairs to try: ep inside dp (`ep_choices`) and, where folding differs
+    (tp > 1 or cp > 1), ep folded over dp x cp x tp (`folded_ep_factors`), as
+    ``space.ep_folding`` allows. Where the two coincide the folded spelling is used if only
+    folding is allowed (a stack that folds runs that plan too)."""
+    allowed = space.ep_folding if space.ep_folding is not None else (False, True)
+    differ = tp > 1 or cp > 1
+    pairs: list[tuple[int, bool]] = [(1, False)]
+    if False in allowed or not differ:
+        folded_spelling = False not in allowed
+        pairs += [(ep, folded_spelling) for ep in ep_choices(space, profile, dp) if ep > 1]
+    if True in allowed and differ and profile.moe_layers:
+        experts = math.gcd(*(facts.num_experts for facts in profile.moe_layers))
+        pairs += [
+            (ep, True)
+            for ep in _divisors(experts)
+            if ep > 1
+            and folded_ep_factors(ep, tp, cp, dp) is not None
+            and (space.ep is None or ep in space.ep)
+        ]
+    if space.ep is not None and 1 not in space.ep:
+        pairs = [pair for pair in pairs if pair[0] > 1]
+    return pairs
 
 
 def with_cp(layout: Layout, cp_degree: int) -> Layout:
@@ -370,6 +411,7 @@ def _schedules(
     *,
     cp: int = 1,
     ep: int = 1,
+    ep_folding: bool = False,
 ) -> Iterator[Strategy]:
     # ranks holding replicas of the weights (dp x cp): ZeRO levels differ only with several
     replicas = dp * cp
@@ -398,7 +440,11 @@ def _schedules(
                 continue  # torch cannot run it with these degrees
             options.append((schedule, v))
     sp_choices = [
-        sp for sp in space.sequence_parallel if not sp or (tp > 1 and profile.seq_len % tp == 0)
+        sp
+        for sp in space.sequence_parallel
+        if (not sp or (tp > 1 and profile.seq_len % tp == 0))
+        # a folded ep group takes TP ranks only if each routes its own tokens
+        and (sp or not (ep_folding and ep > 1 and tp > 1))
     ]
     zero_choices = [
         z for z in space.zero if replicas > 1 or z == min(space.zero) or not skip_dominated
@@ -433,4 +479,5 @@ def _schedules(
                         rank_layout=layout,
                         cp_degree=cp,
                         ep_degree=ep,
+                        ep_folding=ep_folding and ep > 1,
                     )
