@@ -108,10 +108,13 @@ MEMORY_CELL_CAPTION = (
 
 
 def fmt_recompute(modes: Iterable[str]) -> str:
-    """The recompute modes of a plan's stages: "selective", or "none+sel" when they differ."""
+    """The recompute modes of a plan's stages: "selective", "none+sel" when two differ, "mixed"
+    when all three appear (the per-rank table names them)."""
     distinct = sorted(set(modes))
     if len(distinct) == 1:
         return distinct[0]
+    if len(distinct) > 2:
+        return "mixed"
     return "+".join(_RECOMPUTE_SHORT.get(mode, mode) for mode in distinct)
 
 

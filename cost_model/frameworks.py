@@ -109,10 +109,9 @@ class FrameworkProfile:
         cal = cluster.calibration
         changes: dict[str, float] = {}
         if self.attention == "unfused" and profile.num_heads:
-            head_dim = profile.hidden_size // profile.num_heads
             # an unfused core computes every score; the trace counts a causal kernel's half
             changes["attention_efficiency"] = unfused_attention_efficiency(
-                cluster, head_dim
+                cluster, round(profile.head_dim)
             ) * traced_score_fraction(profile)
         if self.attention == "fused":
             for prefix, value in self.attention_efficiency_by_device.items():

@@ -219,6 +219,17 @@ class ModelProfile:
         return sum(unit.forward_flops for unit in self.units)
 
     @property
+    def head_dim(self) -> float:
+        """The attention head size: the traced attention's ``Q K^T`` depth (models with
+        ``head_dim != hidden / heads``, e.g. Qwen3's 128 at hidden 4096 and 64 heads), else
+        ``hidden / heads``."""
+        for unit in self.units:
+            for op in unit.ops:
+                if op.kind == "attention" and op.gemm is not None:
+                    return float(op.gemm.k)
+        return self.hidden_size / (self.num_heads or 1)
+
+    @property
     def moe_layers(self) -> tuple[MoELayerFacts, ...]:
         """The routed-expert facts of every mixture-of-experts unit (empty: a dense model)."""
         return tuple(unit.moe for unit in self.units if unit.moe is not None)

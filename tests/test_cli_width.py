@@ -90,6 +90,7 @@ def test_cells_are_compact_and_runs_collapse() -> None:
     assert fmt_memory_cell((14.9 + 512) * mib, 512 * mib, 5.89 * gib) == "14.9M+512M/5.89G"
     assert fmt_memory_cell(3 * 2**30, 0, 16 * 2**30) == "3G/16G"
     assert fmt_recompute(["selective", "selective"]) == "selective"
-    assert fmt_recompute(["selective", "none", "full"]) == "full+none+sel"
+    assert fmt_recompute(["selective", "none", "full"]) == "mixed"
+    assert fmt_recompute(["none", "full"]) == "full+none"
     rows = [(0, ["a"]), (1, ["b"]), (2, ["b"]), (3, ["b"]), (4, ["a"]), (6, ["a"])]
     assert collapse_runs(rows) == [("0", ["a"]), ("1-3", ["b"]), ("4", ["a"]), ("6", ["a"])]

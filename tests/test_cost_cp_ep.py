@@ -313,3 +313,16 @@ def test_expert_groups_are_the_plan_s_groups() -> None:
                 assert {base + o for o in offsets} == want, (plan, group, rank)
                 checked += 1
     assert checked > 1000
+
+
+def test_ring_messages_use_the_traced_head_size() -> None:
+    """A model whose heads are wider than hidden / heads (Qwen3: 128 at hidden 4096, 64 heads):
+    the K/V block is kv_heads x head_dim wide, read off the traced attention."""
+    import autoplan
+
+    wide = autoplan.trace(autoplan.models.llama(1, 256, 4, 1024, 100, num_kv_heads=2, head_dim=128))
+    profile = wide.profile
+    assert profile.head_dim == 128 and profile.hidden_size / profile.num_heads == 64
+    strategy = Strategy(cp_degree=2, rank_layout=CP_LAYOUT)
+    # 2 (K and V) x 512 local tokens x 2 kv heads x 128 x 2 bytes (bf16)
+    assert kv_block_bytes(profile, strategy) == 2 * 512 * 2 * 128 * 2

@@ -38,11 +38,13 @@ def test_trace_json_scales_with_the_batch() -> None:
     assert (data["batch_size"], data["seq_len"], data["num_units"]) == (2, 16, 4)
     assert [u["kind"] for u in data["units"]] == ["embedding", "block", "block", "head"]
     block = data["units"][1]
-    assert block["forward_flops"] == 2 * (24 * s * h * h + 4 * s * s * h)
+    # causal attention: Q K^T and A V over s (s + 1) / 2 scores
+    layer = 24 * s * h * h + 2 * s * (s + 1) * h
+    assert block["forward_flops"] == 2 * layer
     assert block["cut_bytes"] == 2 * s * h * 4
     assert block["tp"]["num_heads"] == 4 and block["tp"]["ffn_hidden_size"] == 256
     assert data["totals"]["forward_flops"] == 2 * (
-        2 * (24 * s * h * h + 4 * s * s * h) + 2 * s * h * v
+        2 * layer + 2 * s * h * v
     )
     assert data["totals"]["num_params"] == sum(
         u["num_params"] - u["num_params_shared"] for u in data["units"]

@@ -97,7 +97,7 @@ def kv_block_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     split by TP."""
     heads = profile.num_heads or 1
     kv_heads = profile.num_kv_heads or heads
-    head_dim = profile.hidden_size / heads
+    head_dim = profile.head_dim
     tokens_local = strategy.micro_batch_size * profile.seq_len / strategy.cp_degree
     kv_local = kv_heads / strategy.tp_degree
     return 2.0 * tokens_local * kv_local * head_dim * strategy.dtype_bytes
