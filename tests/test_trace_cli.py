@@ -43,9 +43,7 @@ def test_trace_json_scales_with_the_batch() -> None:
     assert block["forward_flops"] == 2 * layer
     assert block["cut_bytes"] == 2 * s * h * 4
     assert block["tp"]["num_heads"] == 4 and block["tp"]["ffn_hidden_size"] == 256
-    assert data["totals"]["forward_flops"] == 2 * (
-        2 * layer + 2 * s * h * v
-    )
+    assert data["totals"]["forward_flops"] == 2 * (2 * layer + 2 * s * h * v)
     assert data["totals"]["num_params"] == sum(
         u["num_params"] - u["num_params_shared"] for u in data["units"]
     )
