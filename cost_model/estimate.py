@@ -357,7 +357,12 @@ class CostModel:
         weights = strategy.weights_view
         # Parameters this device stores: TP-local; tied weights once per device (pp = 1); the
         # routed experts apart (`parts.expert_parallel`).
-        n_local = local_num_params(unit, strategy.tp_degree, count_shared=strategy.pp_degree > 1)
+        n_local = local_num_params(
+            unit,
+            strategy.tp_degree,
+            count_shared=strategy.pp_degree > 1,
+            sequence_parallel=strategy.sequence_parallel,
+        )
         if unit.moe is not None:
             if unit.num_params - unit.num_params_tp_sharded < unit.moe.expert_params:
                 raise InputError(

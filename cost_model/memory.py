@@ -61,13 +61,23 @@ class StaticBytes:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def local_num_params(unit: UnitProfile, tp_degree: int, *, count_shared: bool = True) -> float:
+def local_num_params(
+    unit: UnitProfile,
+    tp_degree: int,
+    *,
+    count_shared: bool = True,
+    sequence_parallel: bool = False,
+) -> float:
     """Parameters of ``unit`` one TP rank stores: TP-sharded ones divide, the rest replicate.
 
     ``count_shared=False`` leaves out parameters tied to an earlier unit (a head that shares the
-    embedding matrix) when that unit lives on the same device, so they are stored once.
+    embedding matrix) when that unit lives on the same device, so they are stored once. Under
+    ``sequence_parallel`` a mixture-of-experts unit's shared expert is whole on every TP rank
+    (`MoELayerFacts.shared_expert_params`).
     """
     sharded = unit.num_params_tp_sharded
+    if sequence_parallel and tp_degree > 1 and unit.moe is not None:
+        sharded -= unit.moe.shared_expert_params
     replicated = unit.num_params - sharded
     local = replicated + sharded / tp_degree
     if not count_shared and unit.num_params_shared:

@@ -113,6 +113,10 @@ class MoELayerFacts:
     flops_per_routed_token: float  # forward FLOPs of one assignment (one token, one expert)
     routed_tokens_per_sample: int  # token-expert assignments per sample: seq_len * top_k
     num_gemms: int = 3  # GEMMs per expert (SwiGLU: gate, up, down)
+    # Parameters of the layer's shared expert(s), part of the unit's TP-sharded ones (one
+    # column...row region). Under sequence parallelism autoplan's runtime runs them whole on
+    # each TP rank's own tokens (passes/moe_sequence_parallel.py): not sharded, no collective.
+    shared_expert_params: int = 0
 
     def __post_init__(self) -> None:
         for name in (

@@ -326,3 +326,36 @@ def test_ring_messages_use_the_traced_head_size() -> None:
     strategy = Strategy(cp_degree=2, rank_layout=CP_LAYOUT)
     # 2 (K and V) x 512 local tokens x 2 kv heads x 128 x 2 bytes (bf16)
     assert kv_block_bytes(profile, strategy) == 2 * 512 * 2 * 128 * 2
+
+
+def test_shared_expert_runs_whole_under_sequence_parallelism() -> None:
+    """autoplan's runtime runs a MoE layer's shared expert whole on each TP rank's own tokens
+    under sequence parallelism (passes/moe_sequence_parallel.py): the cost model stores its
+    parameters unsharded and prices one TP region (all-gather + reduce-scatter) fewer."""
+    import autoplan
+    from cost_model.memory import local_num_params
+    from cost_model.parts.tensor_parallel import tp_cost
+
+    graph = autoplan.trace(
+        autoplan.models.moe(
+            2, 256, 8, 512, 100, 8, 2, 128, num_shared_experts=1, num_dense_layers=1
+        )
+    )
+    unit = next(u for u in graph.profile.units if u.moe is not None)
+    shared = unit.moe.shared_expert_params  # type: ignore[union-attr]
+    assert shared == 3 * 256 * 128  # gate, up, down of width 128
+    sp = local_num_params(unit, 2, sequence_parallel=True)
+    assert sp - local_num_params(unit, 2) == shared / 2
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    times = {}
+    for flag in (False, True):
+        strategy = Strategy(tp_degree=2, dp_degree=4, sequence_parallel=flag)
+        groups = group_placements(strategy, cluster, "tp")
+        times[flag] = tp_cost(unit, strategy, cluster, 4, groups, "none")
+    dense = next(u for u in graph.profile.units if u.kind == "block" and u.moe is None)
+    # the MoE block: the attention region alone under SP (a dense block keeps both)
+    strategy = Strategy(tp_degree=2, dp_degree=4, sequence_parallel=True)
+    groups = group_placements(strategy, cluster, "tp")
+    assert tp_cost(dense, strategy, cluster, 4, groups, "none").forward_s == pytest.approx(
+        2 * times[True].forward_s
+    )

@@ -457,7 +457,7 @@ class _BoundTables:
         self.model = model
         self.profile = profile = model.profile
         self.cluster = cluster = model.cluster
-        self._params: dict[tuple[int, bool], float] = {}
+        self._params: dict[tuple[int, bool, bool], float] = {}
         self._least_act: dict[tuple[object, ...], float] = {}
         self._memory: dict[tuple[object, ...], tuple[float, float]] = {}
         # the cost model without core sharing: `floors` applies each strategy's own stretch
@@ -531,11 +531,13 @@ class _BoundTables:
     def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
         """(weights, gradients and optimizer state of all ranks; the activations of one
         micro-batch through every unit under the leanest mode), in bytes."""
-        key = (strategy.tp_degree, strategy.pp_degree > 1)
+        key = (strategy.tp_degree, strategy.pp_degree > 1, strategy.sequence_parallel)
         params = self._params.get(key)
         if params is None:
             params = sum(
-                local_num_params(unit, strategy.tp_degree, count_shared=key[1])
+                local_num_params(
+                    unit, strategy.tp_degree, count_shared=key[1], sequence_parallel=key[2]
+                )
                 for unit in self.profile.units
             )
             self._params[key] = params

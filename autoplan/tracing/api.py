@@ -146,6 +146,7 @@ def _with_expert_facts(
                 params_per_expert=layer.num_params_per_expert,
                 flops_per_routed_token=layer.forward_flops_per_token_per_expert,
                 routed_tokens_per_sample=layer.routed_tokens_per_sample,
+                shared_expert_params=layer.num_shared_expert_params,
             ),
         )
         if (layer := by_unit.get(i)) is not None

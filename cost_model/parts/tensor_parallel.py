@@ -55,6 +55,10 @@ def _tp_times(
         return 0.0, 0.0
     n_fwd, n_bwd = tp_collective_counts(unit)
     size = _hidden_bytes_per_sample(unit) * activation_scale(strategy, traced_dtype_bytes)
+    if strategy.sequence_parallel and unit.moe is not None and unit.moe.shared_expert_params:
+        # the shared expert runs whole on the rank's own tokens: its region has no collective
+        # (passes/moe_sequence_parallel.py)
+        n_fwd, n_bwd = max(0, n_fwd - 1), max(0, n_bwd - 1)
     if strategy.sequence_parallel:
         # Korthikanti et al. 2022, section 4.2.2: each all-reduce becomes a reduce-scatter and
         # an all-gather of the same buffer (same bytes, twice the latency).
