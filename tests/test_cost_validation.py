@@ -40,8 +40,8 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     """The benchmark's scored rows (about a minute), as a regression guard on what it shows today
     (docs/cost-model.md): the held-out median within 5%, that of the rows from other sources
     than llm-foundry too; the rows beyond 25% are the known ones (nanotron's tensor-parallel
-    runs at micro-batch 1, four llm-foundry rows, two of which contradict their own table, and
-    seven of BigScience's fp16 topology search).
+    runs at micro-batch 1 and its 8.9B on DP 4 x PP 2, four llm-foundry rows, two of which
+    contradict their own table, and seven of BigScience's fp16 topology search).
     The BLOOM rows carry the inter-node rate measured on their cluster
     (bench/data/validation_assumptions.yaml)."""
     validate_published.main(["--json", "--scored"])
@@ -56,9 +56,9 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     }
     others = sorted(abs(r["error"]) for r in rows if not r["id"].startswith("llmfoundry-"))
     every = sorted(abs(r["error"]) for r in rows)
-    assert len(others) >= 210 and len(every) >= 380
-    assert others[len(others) // 2] <= 0.05  # 4.5% today
-    assert every[len(every) // 2] <= 0.05  # 3.6% today
+    assert len(others) >= 250 and len(every) >= 420
+    assert others[len(others) // 2] <= 0.05  # 4.8% today
+    assert every[len(every) // 2] <= 0.05  # 3.9% today
     beyond = {r["id"] for r in rows if abs(r["error"]) > 0.25}
     known_llmfoundry = {
         "llmfoundry-a100-80g-mpt-760m-s512-g8-mb96",
@@ -78,11 +78,21 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
         "bigscience-prequel-fp16-h14336-l72-nh64-d4t8p12-mb1-gbs2048-0221",
         "bigscience-prequel-fp16-h14336-l72-nh64-d8t8p6-mb4-gbs1568-0225",
     }
-    known = known_llmfoundry | known_bigscience
+    # nanotron's 8.9B on DP 4, PP 2, ZeRO-1 at micro-batch 1: 2752 tok/s/GPU at 71.5 GB, where
+    # every other single-node 8.9B run with PP or DP made 5883-7503 at 31-65 GB (the source
+    # says nothing more; the model predicts +164%).
+    known_nanotron = {"nanotron-usp-1node-8.9b-d4t1p2-mb1-ga64-z1"}
+    known = known_llmfoundry | known_bigscience | known_nanotron
     unknown = {i for i in beyond - known if not i.startswith("nanotron-usp-1node-")}
     assert not unknown, sorted(unknown)
-    nanotron = [r for r in rows if r["id"] in beyond and r["id"].startswith("nanotron-")]
+    # the others: tensor parallelism at micro-batch 1 (with or without pipeline stages)
+    nanotron = [r for r in rows if r["id"] in beyond - known and r["id"].startswith("nanotron-")]
     assert all("-mb1-" in r["id"] and "t1p" not in r["id"] for r in nanotron), nanotron
+    # nanotron's compute-balanced pipeline stages (`pipeline_split: nanotron`): every
+    # single-node PP run scored but the 1.3B on 8 stages, whose loss nanotron puts apart from
+    # its lm_head, inside autoplan's head unit.
+    pp_runs = {r["id"] for r in rows if re.search(r"^nanotron-usp-1node-.*p[248]-", r["id"])}
+    assert len(pp_runs) == 40, len(pp_runs)
     # llm-foundry's single-node H100 runs under the H100 GEMM constant of two sources.
     h100 = [abs(r["error"]) for r in rows if r["id"].startswith("llmfoundry-h100-80g")]
     assert len(h100) >= 30 and max(h100) <= 0.20, sorted(h100)[-3:]  # 19.0% today
@@ -258,7 +268,7 @@ def test_megatron_flop_count_reproduces_the_printed_tflops() -> None:
     )
     assert isinstance(case, Case) and case.dims.num_experts == 128 and case.dims.head_dim == 128
     assert (case.plan_args["ep"], case.plan_args["cp"], case.plan_args["dp"]) == (8, 1, 8)
-    assert case.embedding_and_loss_as_layers
+    assert case.pipeline_split == "embedding_and_loss_as_layers"
     # the derived step of the collector (published_runs_moe.yaml) from the same formula
     assert case.published_step_s == pytest.approx(11.37, abs=0.01)
     cp = validate_published.build_case(rows["automodel-h100-llama3.1-70b-64g-cp2"], assumptions)
