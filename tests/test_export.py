@@ -22,7 +22,7 @@ import pytest
 
 import autoplan
 from autoplan.contract.errors import InputError
-from autoplan.contract.plan import Plan, StagePlan
+from autoplan.contract.plan import Plan, StagePlan, even_stages
 from autoplan.export import ExportError, ModelDims, export_plan, model_dims
 from autoplan.export.deepspeed import deepspeed_config, pipeline_module_args
 from autoplan.export.megatron import megatron_args, pipeline_layout
@@ -45,7 +45,11 @@ MEGATRON_FLAGS = {
     "--micro-batch-size", "--global-batch-size", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--bf16",
-    "--fp16", "--overlap-grad-reduce",
+    "--fp16", "--overlap-grad-reduce", "--context-parallel-size", "--cp-comm-type",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--moe-token-dispatcher-type", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-pre-softmax",
+    "--moe-aux-loss-coeff",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.
@@ -59,7 +63,7 @@ TORCHTITAN_FIELDS = {
         "fsdp_reshard_after_forward", "tensor_parallel_degree", "enable_sequence_parallel",
         "pipeline_parallel_degree", "pipeline_parallel_schedule",
         "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage",
-        "module_fqns_per_model_part",
+        "module_fqns_per_model_part", "context_parallel_degree", "context_parallel_load_balancer",
     },
 }  # fmt: skip
 
@@ -407,6 +411,211 @@ def test_deepspeed_refuses_what_it_cannot_express(llama8b: Any) -> None:
         export_plan(uneven, "deepspeed")
 
 
+# ------------------------------------------------------------------ context and expert parallelism
+
+
+def _cp_ep_plan(**changes: Any) -> Plan:
+    """A plan of ``num_units`` units (default mixtral-8x7b's 34) built directly: the tests need
+    its degrees and layout, not a trace of the model."""
+    num_units = changes.pop("num_units", 34)
+    fields: dict[str, Any] = dict(
+        dp_degree=2, tp_degree=2, pp_degree=2, cp_degree=2, ep_degree=4, ep_folding=True,
+        sequence_parallel=True, rank_layout=("pp", "dp", "cp", "tp"), micro_batch_size=1,
+        num_micro_batches=4, global_batch_size=8,
+    )  # fmt: skip
+    fields.update(changes)
+    stages = even_stages(num_units, fields["pp_degree"] * fields.get("virtual_stages", 1))
+    return Plan(stages=stages, **fields)
+
+
+def _same_groups(generated: list[list[int]], group_of: Any, num_devices: int) -> None:
+    """Megatron-Core's rank groups are the plan's: each rank's group, as sets."""
+    assert sorted(r for ranks in generated for r in ranks) == list(range(num_devices))
+    for ranks in generated:
+        for rank in ranks:
+            assert set(group_of(rank)) == set(ranks), (rank, ranks, group_of(rank))
+
+
+def test_megatron_cp_and_folded_ep(llama8b: Any) -> None:
+    """cp 2 and ep 4 folded over dp 2 x cp 2 x tp 2 (Mixtral: 8 experts, top-2): the flags,
+    megatron-core's TransformerConfig accepting them, and its rank generators building the
+    plan's cp, expert-parallel and expert-data-parallel groups."""
+    plan = _cp_ep_plan()
+    dims = model_dims("mixtral-8x7b")
+    args = megatron_args(plan, dims)
+    flags = _flags(args)
+    assert set(flags) <= MEGATRON_FLAGS, set(flags) - MEGATRON_FLAGS
+    assert flags["--context-parallel-size"] == "2" and flags["--cp-comm-type"] == "p2p"
+    assert flags["--expert-model-parallel-size"] == "4"
+    assert flags["--expert-tensor-parallel-size"] == "1"
+    assert flags["--moe-token-dispatcher-type"] == "alltoall"
+    assert flags["--num-experts"] == "8" and flags["--moe-router-topk"] == "2"
+    assert flags["--moe-ffn-hidden-size"] == "14336" and flags["--moe-aux-loss-coeff"] == "0.02"
+    assert "--moe-router-pre-softmax" not in flags  # Mixtral renormalises its top-2
+    assert "--use-tp-pp-dp-mapping" not in flags  # [pp, dp, cp, tp] is tp-cp-ep-dp-pp
+    exported = export_plan(plan, "megatron-lm", model="mixtral-8x7b")
+    assert exported.command[:2] == ("env", "CUDA_DEVICE_MAX_CONNECTIONS=1")
+    assert any("Transformer Engine" in note for note in exported.notes)
+    # DeepSeekMoE: shared experts, a leading dense layer, top-k probabilities not renormalised
+    deepseek = _cp_ep_plan(num_units=30)
+    ds_flags = _flags(megatron_args(deepseek, model_dims("deepseek-moe-16b")))
+    assert ds_flags["--moe-shared-expert-intermediate-size"] == "2816"
+    assert ds_flags["--moe-layer-freq"] == "([0]*1+[1]*27)"
+    assert ds_flags["--moe-router-pre-softmax"] is True
+    # a dense cp plan: cp flags, no expert flags
+    dense = _plan(llama8b, tp=2, pp=2, cp=2, global_batch=32, sequence_parallel=True)
+    assert dense.rank_layout == ("pp", "dp", "cp", "tp")
+    dense_flags = _flags(megatron_args(dense, model_dims("llama3-8b")))
+    assert dense_flags["--context-parallel-size"] == "2"
+    assert not any(flag.startswith(("--moe", "--expert", "--num-experts")) for flag in dense_flags)
+
+    pytest.importorskip("megatron.core.transformer.transformer_config")
+    import torch
+    from megatron.core.parallel_state import RankGenerator
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=int(flags["--num-layers"]),  # type: ignore[arg-type]
+        hidden_size=int(flags["--hidden-size"]),  # type: ignore[arg-type]
+        ffn_hidden_size=int(flags["--ffn-hidden-size"]),  # type: ignore[arg-type]
+        num_attention_heads=int(flags["--num-attention-heads"]),  # type: ignore[arg-type]
+        num_query_groups=int(flags["--num-query-groups"]),  # type: ignore[arg-type]
+        tensor_model_parallel_size=int(flags["--tensor-model-parallel-size"]),  # type: ignore[arg-type]
+        pipeline_model_parallel_size=int(flags["--pipeline-model-parallel-size"]),  # type: ignore[arg-type]
+        context_parallel_size=int(flags["--context-parallel-size"]),  # type: ignore[arg-type]
+        cp_comm_type=str(flags["--cp-comm-type"]),
+        expert_model_parallel_size=int(flags["--expert-model-parallel-size"]),  # type: ignore[arg-type]
+        expert_tensor_parallel_size=int(flags["--expert-tensor-parallel-size"]),  # type: ignore[arg-type]
+        sequence_parallel=bool(flags["--sequence-parallel"]),
+        num_moe_experts=int(flags["--num-experts"]),  # type: ignore[arg-type]
+        moe_router_topk=int(flags["--moe-router-topk"]),  # type: ignore[arg-type]
+        moe_ffn_hidden_size=int(flags["--moe-ffn-hidden-size"]),  # type: ignore[arg-type]
+        moe_aux_loss_coeff=float(flags["--moe-aux-loss-coeff"]),  # type: ignore[arg-type]
+        moe_token_dispatcher_type=str(flags["--moe-token-dispatcher-type"]),  # type: ignore[arg-type]
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        gated_linear_unit=True,
+        normalization=str(flags["--normalization"]),
+        add_bias_linear=False,
+        apply_rope_fusion=False,  # needs Transformer Engine
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    assert (config.context_parallel_size, config.expert_model_parallel_size) == (2, 4)
+    # initialize_model_parallel's two generators (megatron/core/parallel_state.py), with the
+    # order Megatron-LM passes (megatron/training/initialize.py)
+    for layout, order, ep in (
+        (("pp", "dp", "cp", "tp"), "tp-cp-ep-dp-pp", 4),
+        (("dp", "pp", "cp", "tp"), "tp-cp-ep-pp-dp", 4),  # --use-tp-pp-dp-mapping: ep = tp x cp
+        (("pp", "dp", "cp", "tp"), "tp-cp-ep-dp-pp", 8),
+    ):
+        placed = _cp_ep_plan(rank_layout=layout, ep_degree=ep)
+        mapped = "--use-tp-pp-dp-mapping" in _flags(megatron_args(placed, dims))
+        assert mapped == order.endswith("dp")
+        world = placed.num_devices
+        dense_ranks = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order=order)
+        expert_ranks = RankGenerator(tp=1, ep=ep, dp=world // (ep * 2), pp=2, cp=1, order=order)
+        _same_groups(dense_ranks.get_ranks("cp"), lambda r, p=placed: p.group_ranks("cp", r), world)
+        _same_groups(dense_ranks.get_ranks("dp"), lambda r, p=placed: p.group_ranks("dp", r), world)
+        _same_groups(expert_ranks.get_ranks("ep"), placed.ep_group_ranks, world)
+        _same_groups(expert_ranks.get_ranks("dp"), placed.expert_data_group_ranks, world)
+
+
+def test_megatron_refuses_cp_and_ep_it_cannot_run(llama8b: Any) -> None:
+    # ep kept inside dp while tp > 1: Megatron's expert groups take TP ranks
+    inside_dp = _cp_ep_plan(ep_folding=False, ep_degree=2)
+    with pytest.raises(ExportError, match=r"ep_folding = false: .*set ep_folding: true") as error:
+        export_plan(inside_dp, "megatron-lm", model="mixtral-8x7b")
+    assert len(error.value.problems) == 1
+    # tp = cp = 1: ep inside dp is the folded layout, exported as it is
+    plain = _cp_ep_plan(tp_degree=1, cp_degree=1, sequence_parallel=False, dp_degree=8,
+                        ep_folding=False, ep_degree=4, global_batch_size=32)  # fmt: skip
+    flags = _flags(megatron_args(plain, model_dims("mixtral-8x7b")))
+    assert flags["--expert-model-parallel-size"] == "4" and "--context-parallel-size" not in flags
+    # --use-tp-pp-dp-mapping with pp > 1 needs the experts' data-parallel size to be dp's
+    mapped = _cp_ep_plan(rank_layout=("dp", "pp", "cp", "tp"), ep_degree=2)
+    with pytest.raises(ExportError, match=r"--use-tp-pp-dp-mapping.*ep must be tp x cp = 4"):
+        export_plan(mapped, "megatron-lm", model="mixtral-8x7b")
+    # cp outside dp is no Megatron order
+    outside = _cp_ep_plan(rank_layout=("pp", "cp", "dp", "tp"))
+    with pytest.raises(ExportError, match=r"rank_layout = \[pp, cp, dp, tp\].*\[pp, dp, cp, tp\]"):
+        export_plan(outside, "megatron-lm", model="mixtral-8x7b")
+    # experts: a dense model has none; ep must divide Mixtral's 8
+    with pytest.raises(ExportError, match=r"ep_degree = 4: model 'llama3-8b' is dense"):
+        export_plan(_cp_ep_plan(), "megatron-lm", model="llama3-8b")
+    sixteen = _cp_ep_plan(tp_degree=1, cp_degree=1, pp_degree=1, dp_degree=16, ep_degree=16,
+                          ep_folding=False, sequence_parallel=False, global_batch_size=64)  # fmt: skip
+    with pytest.raises(ExportError, match=r"ep_degree = 16: .*num_experts = 8.*\[1, 2, 4, 8\]"):
+        export_plan(sixteen, "megatron-lm", model="mixtral-8x7b")
+    # a MoE model under TP needs sequence parallelism in Megatron-LM
+    no_sp = _cp_ep_plan(ep_degree=1, ep_folding=False, sequence_parallel=False)
+    with pytest.raises(ExportError, match=r"sequence_parallel = false: .*--sequence-parallel"):
+        export_plan(no_sp, "megatron-lm", model="mixtral-8x7b")
+    # 2 x cp must divide the sequence
+    odd = dataclasses.replace(model_dims("llama3-8b"), seq_len=8190)
+    dense = _plan(llama8b, tp=2, pp=2, cp=2, global_batch=32, sequence_parallel=True)
+    with pytest.raises(ExportError, match=r"cp_degree = 2: --context-parallel-size .* 4 chunks"):
+        export_plan(dense, "megatron-lm", model=odd)
+
+
+def test_torchtitan_context_parallel(llama8b: Any) -> None:
+    plan = _plan(llama8b, tp=2, pp=2, cp=2, zero=3, global_batch=32, sequence_parallel=True)
+    values = _module_assignments(torchtitan_module(plan, model_dims("llama3-8b")))
+    assert values["config.parallelism.context_parallel_degree"] == 2
+    assert values["config.parallelism.context_parallel_load_balancer"] == "headtail"
+    assert values["config.parallelism.data_parallel_shard_degree"] == plan.dp_degree == 2
+    assert values["config.parallelism.tensor_parallel_degree"] == 2
+    # torchtitan's own dataclass has the fields, and its ParallelDims accepts the degrees
+    configs = pytest.importorskip("torchtitan.config.configs")
+    names = {f.name for f in dataclasses.fields(configs.ParallelismConfig)}
+    for key in values:
+        if key.startswith("config.parallelism."):
+            assert key.removeprefix("config.parallelism.") in names, key
+    parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=2, ep=1,
+                                      world_size=plan.num_devices)  # fmt: skip
+    assert dims.cp_enabled and dims.fsdp_enabled
+
+
+def test_torchtitan_refuses_cp_and_ep_it_cannot_run(llama8b: Any) -> None:
+    replicated = _plan(llama8b, tp=2, pp=2, cp=2, zero=0, global_batch=32, sequence_parallel=True)
+    with pytest.raises(
+        ExportError, match=r"zero_stage = 0: .*context_parallel_degree = 2.*--zero 2,3"
+    ):
+        export_plan(replicated, "torchtitan")
+    outside = dataclasses.replace(
+        _plan(llama8b, tp=2, pp=2, cp=2, zero=3, global_batch=32, sequence_parallel=True),
+        rank_layout=("pp", "cp", "dp", "tp"),
+    )
+    with pytest.raises(ExportError, match=r"rank_layout = \[pp, cp, dp, tp\]"):
+        export_plan(outside, "torchtitan")
+    with pytest.raises(ExportError) as error:
+        export_plan(_cp_ep_plan(zero_stage=3), "torchtitan", model="mixtral-8x7b")
+    message = str(error.value)
+    assert "ep_degree = 4" in message and "expert_parallel_degree" in message
+    assert "registered model flavor" in message  # no torchtitan flavor is the zoo's Mixtral
+    with pytest.raises(ExportError, match=r"ep_degree = 4: model 'llama3-8b' is dense"):
+        export_plan(_cp_ep_plan(zero_stage=3), "torchtitan", model="llama3-8b")
+
+
+def test_deepspeed_refuses_cp_and_ep() -> None:
+    plan = _cp_ep_plan(tp_degree=1, pp_degree=1, sequence_parallel=False, dp_degree=4,
+                       global_batch_size=16)  # fmt: skip
+    with pytest.raises(ExportError) as error:
+        export_plan(plan, "deepspeed", model="mixtral-8x7b")
+    message = str(error.value)
+    assert len(error.value.problems) == 2, message
+    assert "cp_degree = 2" in message and "Ulysses" in message and "ring attention" in message
+    assert "ep_degree = 4" in message and "deepspeed.moe.layer.MoE(ep_size=...)" in message
+    # the same model without cp and ep exports
+    dense = dataclasses.replace(plan, cp_degree=1, ep_degree=1, ep_folding=False,
+                                rank_layout=("pp", "dp", "tp"), dp_degree=8,
+                                global_batch_size=32)  # fmt: skip
+    assert json.loads(export_plan(dense, "deepspeed", model="mixtral-8x7b").files[
+        "ds_config.json"])["train_batch_size"] == 32  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ API and CLI
 
 
@@ -454,6 +663,9 @@ def test_cli_bad_input_is_one_line(llama8b: Any, tmp_path: Path) -> None:
     bare = tmp_path / "bare.yaml"
     dataclasses.replace(plan, model=None).to_yaml(bare)
     _one_line_error(run_cli("export", str(bare), "--to", "deepspeed"), "--model")
+    cp_plan = tmp_path / "cp.yaml"
+    _plan(llama8b, tp=8, cp=2).to_yaml(cp_plan)
+    _one_line_error(run_cli("export", str(cp_plan), "--to", "deepspeed"), "cp_degree = 2")
     json_error = run_cli("export", str(plan_path), "--to", "megatron-lm", "--json")
     assert json.loads(json_error.stdout)["kind"] == "ExportError"
     assert "Traceback" not in json_error.stderr

@@ -15,7 +15,6 @@ import pytest
 import autoplan
 from autoplan import Plan, PlanError
 from autoplan.contract.plan import even_stages
-from autoplan.export import ExportError, export_plan
 from autoplan.runtime.parallelizer import _check_plan
 from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
 
@@ -277,12 +276,3 @@ def test_folded_expert_groups_take_tp_and_cp_ranks() -> None:
             assert len(set(p.ep_group_ranks(rank)) & set(p.expert_data_group_ranks(rank))) == 1
     assert plan.to_data()["ep_folding"] is True and Plan.from_data(plan.to_data()) == plan
     assert "ep_folding" not in dataclasses.replace(plan, ep_folding=False, ep_degree=2).to_data()
-
-
-def test_export_refuses_cp_and_ep_naming_the_options() -> None:
-    plan = _plan(
-        dp_degree=2, cp_degree=2, rank_layout=("pp", "dp", "cp", "tp"), global_batch_size=4
-    )
-    # refused before the model is even looked at
-    with pytest.raises(ExportError, match=r"cp_degree = 2(.|\n)*--context-parallel-size"):
-        export_plan(plan, "megatron-lm", model="llama3-8b")

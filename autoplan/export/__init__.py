@@ -23,6 +23,7 @@ from autoplan.export._common import (
     Framework,
     Launch,
     ModelDims,
+    MoEDims,
 )
 from autoplan.export.deepspeed import export_deepspeed
 from autoplan.export.megatron import export_megatron
@@ -35,6 +36,7 @@ __all__ = [
     "ExportError",
     "ExportProblem",
     "Framework",
+    "MoEDims",
     "ModelDims",
     "export_plan",
     "model_dims",
@@ -66,22 +68,6 @@ def export_plan(
         raise InputError(
             f"unknown framework {framework!r}; valid frameworks: {', '.join(FRAMEWORKS)}"
         )
-    unsupported = [
-        ExportProblem(
-            field=name,
-            value=str(value),
-            option=(
-                "autoplan export does not translate context or expert parallelism yet "
-                "(Megatron-LM's --context-parallel-size / --expert-model-parallel-size, "
-                "torchtitan's context_parallel_degree / expert_parallel_degree)"
-            ),
-            fix=f"set {name} to 1, or pass the option by hand",
-        )
-        for name, value in (("cp_degree", plan.cp_degree), ("ep_degree", plan.ep_degree))
-        if value > 1
-    ]
-    if unsupported:
-        raise ExportError(framework, unsupported)
     dims = model if isinstance(model, ModelDims) else model_dims(plan_model_spec(plan, model))
     launch = Launch(num_devices=plan.num_devices, devices_per_node=devices_per_node)
     return _EXPORTERS[framework](plan, dims, launch)

@@ -48,6 +48,20 @@ class ExportError(InputError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MoEDims:
+    """The routed experts of a mixture-of-experts model (autoplan/models/moe.py `MoEConfig`):
+    the model args a launch config restates; the plan holds only how they are split (ep)."""
+
+    num_experts: int
+    top_k: int
+    moe_ffn_hidden_size: int  # SwiGLU inner size of one expert
+    shared_ffn_hidden_size: int  # 0: no shared expert
+    num_dense_layers: int  # leading layers with a dense MLP
+    norm_topk_prob: bool  # renormalise the top-k probabilities (Mixtral) or not (DeepSeekMoE)
+    aux_loss_coef: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelDims:
     """The architecture a launch config must restate (from the zoo config of the plan's
     ``model.name``)."""
@@ -65,6 +79,7 @@ class ModelDims:
     dropout: float = 0.0
     rope_theta: float | None = None  # llama only
     norm_eps: float = 1e-5
+    moe: MoEDims | None = None  # None: a dense model
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,4 +214,74 @@ def layout_problem(plan: Plan, framework: str, options: str, allowed: str) -> Ex
         value=f"[{', '.join(plan.rank_layout)}]",
         option=f"{framework} orders its process groups {options}",
         fix=f"use rank_layout {allowed}",
+    )
+
+
+def expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    """Expert parallelism needs experts, and ep must divide them (every framework's rule)."""
+    if plan.ep_degree == 1:
+        return []
+    if dims.moe is None:
+        return [
+            ExportProblem(
+                field="ep_degree",
+                value=str(plan.ep_degree),
+                option=f"model {dims.spec!r} is dense: it has no experts to split",
+                fix="set ep_degree to 1, or export a plan made for a mixture-of-experts model",
+            )
+        ]
+    if dims.moe.num_experts % plan.ep_degree:
+        divisors = [e for e in range(1, dims.moe.num_experts + 1) if dims.moe.num_experts % e == 0]
+        return [
+            ExportProblem(
+                field="ep_degree",
+                value=str(plan.ep_degree),
+                option=(
+                    f"expert parallelism splits the experts evenly; {plan.ep_degree} does not "
+                    f"divide num_experts = {dims.moe.num_experts} of {dims.spec!r}"
+                ),
+                fix=f"use an ep_degree among {divisors}",
+            )
+        ]
+    return []
+
+
+def folds_ep(plan: Plan) -> bool:
+    """The plan's expert-parallel groups are Megatron-Core's folded ones (ep consecutive ranks
+    of the dp x cp x tp block, tp innermost): with ``ep_folding``, or with tp = cp = 1, where
+    ep consecutive data-parallel ranks are the same ranks."""
+    return plan.ep_folding or plan.tp_degree == plan.cp_degree == 1
+
+
+def folding_problem(plan: Plan, framework: str, option: str) -> ExportProblem:
+    """ep > 1 kept inside dp with tp > 1 or cp > 1, for a framework whose ep groups fold over
+    the dp x cp x tp block (``option`` says where that rule lives)."""
+    return ExportProblem(
+        field="ep_folding",
+        value="false",
+        option=(
+            f"{framework} places an expert-parallel group on ep_degree = {plan.ep_degree} "
+            f"consecutive ranks of the dp x cp x tp block ({option}), which takes TP/CP ranks "
+            f"here (tp_degree = {plan.tp_degree}, cp_degree = {plan.cp_degree}); the plan keeps "
+            "ep inside dp at one tp/cp coordinate"
+        ),
+        fix=(
+            "set ep_folding: true (with sequence_parallel: true when tp_degree > 1), e.g. "
+            "autoplan plan ... --framework megatron-lm, which plans folded ep"
+        ),
+    )
+
+
+def cp_sequence_problem(plan: Plan, dims: ModelDims, option: str) -> ExportProblem | None:
+    """Load-balanced causal context parallelism cuts each sequence into 2 cp chunks."""
+    if plan.cp_degree == 1 or dims.seq_len % (2 * plan.cp_degree) == 0:
+        return None
+    return ExportProblem(
+        field="cp_degree",
+        value=str(plan.cp_degree),
+        option=(
+            f"{option} cuts each sequence into 2 x cp_degree = {2 * plan.cp_degree} chunks, "
+            f"which must divide seq_len = {dims.seq_len}"
+        ),
+        fix="use a cp_degree whose double divides the sequence length",
     )

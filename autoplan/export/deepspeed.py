@@ -28,6 +28,15 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   is Ulysses, which splits attention heads, a different technique).
 - ``rank_layout``: ``PipeModelDataParallelTopology`` orders ``pipe, data, model`` (outermost
   first, ``deepspeed/runtime/pipe/topology.py``): [pp, dp, tp].
+- ``cp_degree``: refused. DeepSpeed's context parallelism is Ulysses sequence parallelism
+  (``sequence_parallel_size``, ``deepspeed/sequence/layer.py`` ``DistributedAttention``): an
+  all-to-all that gives each rank whole sequences for a share of the attention heads, not
+  autoplan's ring attention, which passes key/value chunks around a ring; the two differ in
+  communication, memory and head-count limits, so one is not exported as the other.
+- ``ep_degree``: refused. DeepSpeed's expert parallelism is a model-code argument
+  (``deepspeed.moe.layer.MoE(ep_size=...)``, which builds its expert and expert-data groups in
+  ``deepspeed/utils/groups.py``), not a ``ds_config`` field: nothing the export writes would
+  carry it, and DeepSpeed-MoE's layer is not the zoo model's MoE block.
 """
 
 from __future__ import annotations
@@ -156,7 +165,41 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 fix="use recompute=full on every stage, e.g. autoplan plan ... --recompute full",
             )
         )
-    if not is_subsequence(effective_layout(plan), ("pp", "dp", "tp")):
+    if plan.cp_degree > 1:
+        problems.append(
+            ExportProblem(
+                field="cp_degree",
+                value=str(plan.cp_degree),
+                option=(
+                    "deepspeed's context parallelism is Ulysses (sequence_parallel_size: an "
+                    "all-to-all over attention heads, deepspeed/sequence/layer.py), not the "
+                    "ring attention the plan runs"
+                ),
+                fix=(
+                    "set cp_degree to 1 (e.g. autoplan plan ... --cp 1), or export to "
+                    "megatron-lm (--context-parallel-size) or torchtitan"
+                ),
+            )
+        )
+    if plan.ep_degree > 1:
+        problems.append(
+            ExportProblem(
+                field="ep_degree",
+                value=str(plan.ep_degree),
+                option=(
+                    "deepspeed's expert parallelism is set in the model code "
+                    "(deepspeed.moe.layer.MoE(ep_size=...)), not in ds_config, so the export "
+                    "cannot carry it"
+                ),
+                fix=(
+                    "set ep_degree to 1 (e.g. autoplan plan ... --ep 1), or export to "
+                    "megatron-lm (--expert-model-parallel-size)"
+                ),
+            )
+        )
+    # cp is refused above: the layout of the other axes
+    layout = [axis for axis in effective_layout(plan) if axis != "cp"]
+    if not is_subsequence(layout, ("pp", "dp", "tp")):
         problems.append(
             layout_problem(
                 plan,

@@ -39,7 +39,33 @@ Plan field -> flag:
   profile prices it.
 - ``rank_layout``: Megatron orders ranks ``tp-cp-ep-dp-pp`` (innermost first), or
   ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping`` (``megatron/training/initialize.py``,
-  ``initialize_model_parallel(order=...)``): [pp, dp, tp] or [dp, pp, tp] outermost first.
+  ``initialize_model_parallel(order=...)``): [pp, dp, cp, tp] or [dp, pp, cp, tp] outermost
+  first (cp left out when it is 1).
+- ``cp_degree`` -> ``--context-parallel-size`` (``ModelParallelConfig``) with ``--cp-comm-type
+  p2p``, Megatron's ring attention (``_add_distributed_args``; the default, stated), run by
+  Transformer Engine's attention (the default ``--transformer-impl``; the local attention
+  asserts ``context_parallel_size == 1``). ``validate_args`` asserts that 2 x cp divides
+  ``--seq-length`` (its load-balanced causal split, as autoplan's), and wants
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with CP as with TP.
+- ``ep_degree`` -> ``--expert-model-parallel-size`` with ``--expert-tensor-parallel-size 1``
+  (``ModelParallelConfig``; autoplan never splits an expert over TP ranks) and
+  ``--moe-token-dispatcher-type alltoall`` (the all-to-all autoplan prices; Megatron's default
+  is ``allgather``). Megatron-Core builds the expert groups with a second rank generator over
+  the same ranks, order ``tp-cp-ep-dp-pp`` read as ``etp-ep-edp-pp`` (``initialize_model_parallel``
+  in ``megatron/core/parallel_state.py``): with etp = 1 an ep group is ep consecutive ranks of
+  the dp x cp x tp block, which is autoplan's ``ep_folding`` (or any ep layout when
+  tp = cp = 1). With ``--use-tp-pp-dp-mapping`` and pp > 1 it asserts that the experts'
+  data-parallel size equals the dense one, i.e. ep = tp x cp.
+- A mixture-of-experts model adds its expert args: ``--num-experts`` (``_add_moe_args``),
+  ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``,
+  ``--moe-layer-freq`` for leading dense layers, ``--moe-router-pre-softmax`` when the top-k
+  probabilities are not renormalised (softmax over all experts, then top-k; without it Megatron
+  takes the softmax of the top-k logits, which is the renormalised form) and
+  ``--moe-aux-loss-coeff`` (``TransformerConfig``; ``--moe-router-load-balancing-type
+  aux_loss`` is the default). Sequence parallelism is required for a MoE model with TP:
+  Megatron-LM's ``yaml_arguments.py`` asserts it ("When using MoE and tensor parallelism,
+  sequence parallelism must be used"), megatron-core's ``ModelParallelConfig`` warns that EP
+  with TP must use it, and autoplan's runtime routes each TP rank's sequence shard.
 - The model: ``--num-layers --hidden-size --ffn-hidden-size --num-attention-heads``
   (``TransformerConfig``), ``--group-query-attention --num-query-groups``, ``--seq-length``,
   ``--max-position-embeddings``, and for Llama ``--normalization RMSNorm --swiglu
@@ -56,7 +82,11 @@ from autoplan.export._common import (
     Framework,
     Launch,
     ModelDims,
+    cp_sequence_problem,
     effective_layout,
+    expert_problems,
+    folding_problem,
+    folds_ep,
     is_subsequence,
     layout_problem,
     recompute_mix_problem,
@@ -69,8 +99,8 @@ FRAMEWORK: Framework = "megatron-lm"
 ARGS_FILE = "megatron_args.txt"
 
 # Megatron's rank orders, outermost first (initialize.py: 'tp-cp-ep-dp-pp' read innermost first)
-_DEFAULT_ORDER = ("pp", "dp", "tp")
-_TP_PP_DP_ORDER = ("dp", "pp", "tp")  # --use-tp-pp-dp-mapping
+_DEFAULT_ORDER = ("pp", "dp", "cp", "tp")
+_TP_PP_DP_ORDER = ("dp", "pp", "cp", "tp")  # --use-tp-pp-dp-mapping
 
 
 def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
@@ -87,7 +117,14 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan, dims)]
     if plan.sequence_parallel:
         args += ["--sequence-parallel"]
-    if effective_layout(plan) and not is_subsequence(effective_layout(plan), _DEFAULT_ORDER):
+    if plan.cp_degree > 1:
+        args += ["--context-parallel-size", str(plan.cp_degree), "--cp-comm-type", "p2p"]
+    if dims.moe is not None:
+        args += ["--expert-model-parallel-size", str(plan.ep_degree)]
+        args += ["--expert-tensor-parallel-size", "1"]
+        if plan.ep_degree > 1:
+            args += ["--moe-token-dispatcher-type", "alltoall"]
+    if _tp_pp_dp_mapping(plan):
         args += ["--use-tp-pp-dp-mapping"]
     args += ["--micro-batch-size", str(plan.micro_batch_size)]
     args += ["--global-batch-size", str(plan.global_batch_size)]
@@ -137,7 +174,25 @@ def _model_args(dims: ModelDims) -> list[str]:
     args += ["--attention-dropout", repr(dims.dropout), "--hidden-dropout", repr(dims.dropout)]
     if not dims.tie_embeddings:
         args += ["--untie-embeddings-and-output-weights"]
+    if (moe := dims.moe) is not None:
+        args += ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.top_k)]
+        args += ["--moe-ffn-hidden-size", str(moe.moe_ffn_hidden_size)]
+        if moe.shared_ffn_hidden_size:
+            args += ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn_hidden_size)]
+        if moe.num_dense_layers:
+            # a Python list expression: 0 a dense layer, 1 a MoE layer (moe_freq_type)
+            num_moe = dims.num_layers - moe.num_dense_layers
+            args += ["--moe-layer-freq", f"([0]*{moe.num_dense_layers}+[1]*{num_moe})"]
+        if not moe.norm_topk_prob:
+            args += ["--moe-router-pre-softmax"]
+        args += ["--moe-aux-loss-coeff", repr(moe.aux_loss_coef)]
     return args
+
+
+def _tp_pp_dp_mapping(plan: Plan) -> bool:
+    """Whether the plan's layout is Megatron's ``tp-cp-ep-pp-dp`` order, not its default."""
+    layout = effective_layout(plan)
+    return bool(layout) and not is_subsequence(layout, _DEFAULT_ORDER)
 
 
 def pipeline_layout(plan: Plan, dims: ModelDims) -> str:
@@ -193,8 +248,62 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 plan,
                 FRAMEWORK,
                 "tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping (innermost "
-                "first; megatron/training/initialize.py), so TP is innermost",
-                "[pp, dp, tp] or [dp, pp, tp]",
+                "first; megatron/training/initialize.py), so TP is innermost, then CP",
+                "[pp, dp, cp, tp] or [dp, pp, cp, tp] (without cp when cp_degree is 1)",
+            )
+        )
+    if (cp := cp_sequence_problem(plan, dims, "--context-parallel-size")) is not None:
+        problems.append(cp)
+    problems += _expert_problems(plan, dims)
+    return problems
+
+
+def _expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    problems = expert_problems(plan, dims)
+    if dims.moe is not None and plan.tp_degree > 1 and not plan.sequence_parallel:
+        problems.append(
+            ExportProblem(
+                field="sequence_parallel",
+                value="false",
+                option=(
+                    f"megatron-lm needs --sequence-parallel for a MoE model with "
+                    f"--tensor-model-parallel-size {plan.tp_degree} ('When using MoE and tensor "
+                    "parallelism, sequence parallelism must be used', "
+                    "megatron/training/yaml_arguments.py)"
+                ),
+                fix="set sequence_parallel: true (or tp_degree 1)",
+            )
+        )
+    if plan.ep_degree == 1 or problems:
+        return problems
+    if not folds_ep(plan):
+        problems.append(
+            folding_problem(
+                plan,
+                FRAMEWORK,
+                "--expert-model-parallel-size with --expert-tensor-parallel-size 1; "
+                "megatron/core/parallel_state.py, the expert rank generator",
+            )
+        )
+    elif (
+        _tp_pp_dp_mapping(plan)
+        and plan.pp_degree > 1
+        and plan.ep_degree != plan.tp_degree * plan.cp_degree
+    ):
+        problems.append(
+            ExportProblem(
+                field="ep_degree",
+                value=str(plan.ep_degree),
+                option=(
+                    f"with --use-tp-pp-dp-mapping (rank_layout [{', '.join(plan.rank_layout)}]) "
+                    "and pipeline parallelism, megatron-core asserts that the experts' "
+                    "data-parallel size equals the dense one (initialize_model_parallel), so "
+                    f"ep must be tp x cp = {plan.tp_degree * plan.cp_degree}"
+                ),
+                fix=(
+                    f"use rank_layout [pp, dp, cp, tp] (Megatron's default order), or "
+                    f"ep_degree {plan.tp_degree * plan.cp_degree} with ep_folding"
+                ),
             )
         )
     return problems
@@ -202,11 +311,11 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
 
 def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
     args = megatron_args(plan, dims)
-    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP before Blackwell, unless
-    # Megatron-FSDP runs (which wants it unset)
+    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP before Blackwell,
+    # unless Megatron-FSDP runs (which wants it unset)
     env = (
         ("env", "CUDA_DEVICE_MAX_CONNECTIONS=1")
-        if plan.tp_degree > 1 and plan.zero_stage < 2
+        if (plan.tp_degree > 1 or plan.cp_degree > 1) and plan.zero_stage < 2
         else ()
     )
     command = (
@@ -218,13 +327,29 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         *args,
     )
     text = " \\\n".join(_arg_lines(args)) + "\n"
-    notes = (
+    notes: tuple[str, ...] = (
         "add your data and tokenizer flags (--data-path, --tokenizer-type, ...), optimizer and "
         "schedule (--lr, --train-iters, ...); Megatron pads the vocabulary to a multiple of "
         f"--make-vocab-size-divisible-by x TP (128 x {plan.tp_degree} by default), "
         f"{dims.vocab_size} in the plan's model",
         "run from a Megatron-LM checkout (flags checked against NVIDIA/Megatron-LM d98e8a6)",
     )
+    if plan.cp_degree > 1:
+        notes += (
+            "context parallelism runs in Transformer Engine's attention (the default "
+            "--transformer-impl transformer_engine): install Transformer Engine",
+        )
+    if dims.moe is not None:
+        notes += (
+            "the expert args (--num-experts, --moe-router-topk, --moe-ffn-hidden-size, ...) are "
+            f"those of {dims.spec!r}; for another MoE model set them to its own "
+            "(--moe-grouped-gemm is a faster expert kernel)",
+        )
+        if dims.moe.shared_ffn_hidden_size and plan.tp_degree > 1:
+            notes += (
+                "Megatron splits the shared expert over TP ranks, where autoplan's runtime (and "
+                "its estimate) keeps it whole on each TP rank",
+            )
     return Export(framework=FRAMEWORK, files={ARGS_FILE: text}, command=command, notes=notes)
 
 

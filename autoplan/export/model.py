@@ -13,7 +13,7 @@ from typing import Any
 
 from autoplan.contract.errors import ModelSpecError
 from autoplan.contract.plan import Plan
-from autoplan.export._common import ModelDims
+from autoplan.export._common import ModelDims, MoEDims
 
 
 def plan_model_spec(plan: Plan, model: str | None) -> str:
@@ -41,7 +41,22 @@ def model_dims(spec: str) -> ModelDims:
         config = models_spec.build_model(parsed).config
     else:
         config = models.preset_config(parsed.name, **overrides)
-    is_llama = isinstance(config, models.LlamaConfig)
+    # a MoE decoder is Llama's attention and norms with routed SwiGLU experts
+    is_moe = isinstance(config, models.MoEConfig)
+    is_llama = is_moe or isinstance(config, models.LlamaConfig)
+    moe = (
+        MoEDims(
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+            shared_ffn_hidden_size=config.shared_ffn_hidden_size,
+            num_dense_layers=config.num_dense_layers,
+            norm_topk_prob=config.norm_topk_prob,
+            aux_loss_coef=float(config.router_aux_loss_coef),
+        )
+        if is_moe
+        else None
+    )
     return ModelDims(
         spec=spec,
         family="llama" if is_llama else "gpt",
@@ -56,4 +71,5 @@ def model_dims(spec: str) -> ModelDims:
         dropout=0.0 if is_llama else float(config.dropout),
         rope_theta=float(config.rope_theta) if is_llama else None,
         norm_eps=float(config.norm_eps) if is_llama else 1e-5,
+        moe=moe,
     )

@@ -33,7 +33,20 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
 - ``dtype`` -> ``training.mixed_precision_param`` (``"bfloat16"`` or ``"float32"``; fp32
   master weights either way). It has no float16.
 - ``rank_layout``: torchtitan's mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
-  first, ``torchtitan/distributed/parallel_dims.py``): [pp, dp, tp].
+  first, ``torchtitan/distributed/parallel_dims.py``): [pp, dp, cp, tp], cp left out when 1.
+- ``cp_degree`` -> ``context_parallel_degree`` with ``context_parallel_load_balancer =
+  "headtail"`` (``ParallelismConfig``; torch's load-balanced causal split into 2 cp chunks,
+  the ring attention autoplan runs). torchtitan then always shards the weights over
+  ``dp_shard x cp`` (the ``fsdp`` mesh of ``parallel_dims.py``, "we always assume that when cp
+  is used, FSDP is also applied"), as autoplan's ZeRO-2/3 shard over dp x cp; a ZeRO-0 plan,
+  whose weights are replicated, has no torchtitan form with cp > 1.
+- ``ep_degree``: torchtitan's ``expert_parallel_degree`` (torchtitan 0.3.0 has no
+  ``expert_tensor_parallel_degree``) borrows ranks from ``dp_shard x cp x tp``: its sparse
+  mesh is ``pp, dp_replicate, efsdp, ep`` over the same ranks, so an ep group is ep
+  consecutive ranks of that block, tp innermost, which is autoplan's ``ep_folding``. But it
+  applies to torchtitan's own MoE models (``deepseek_v3``, ``qwen3``, ``gpt_oss``, ...), whose
+  attention differs from autoplan's zoo MoE models (MLA, QK-norm), and the exported module
+  builds a dense llama3 flavor: plans with ep > 1 are refused, naming the option.
 - ``model.seq_len`` -> ``training.seq_len``. With PP, ``training.disable_cuda_graphs`` (the
   trainer refuses CUDA graphs with pipeline parallelism, ``torchtitan/trainer.py``). The model
   itself is a registered flavor.
@@ -51,7 +64,9 @@ from autoplan.export._common import (
     Framework,
     Launch,
     ModelDims,
+    cp_sequence_problem,
     effective_layout,
+    expert_problems,
     is_subsequence,
     layout_problem,
     recompute_mix_problem,
@@ -104,20 +119,25 @@ FLAVORS = (
 def flavor_of(dims: ModelDims) -> Flavor | None:
     """The torchtitan llama3 flavor with exactly the model's sizes, if any."""
     for flavor in FLAVORS:
-        if dims.family == "llama" and (
-            flavor.num_layers,
-            flavor.hidden_size,
-            flavor.num_heads,
-            flavor.num_kv_heads,
-            flavor.ffn_hidden_size,
-            flavor.vocab_size,
-        ) == (
-            dims.num_layers,
-            dims.hidden_size,
-            dims.num_heads,
-            dims.num_kv_heads,
-            dims.ffn_hidden_size,
-            dims.vocab_size,
+        if (
+            dims.family == "llama"
+            and dims.moe is None
+            and (
+                flavor.num_layers,
+                flavor.hidden_size,
+                flavor.num_heads,
+                flavor.num_kv_heads,
+                flavor.ffn_hidden_size,
+                flavor.vocab_size,
+            )
+            == (
+                dims.num_layers,
+                dims.hidden_size,
+                dims.num_heads,
+                dims.num_kv_heads,
+                dims.ffn_hidden_size,
+                dims.vocab_size,
+            )
         ):
             return flavor
     return None
@@ -173,14 +193,51 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 fix="use dtype bf16, e.g. autoplan plan ... --dtype bf16",
             )
         )
-    if not is_subsequence(effective_layout(plan), ("pp", "dp", "tp")):
+    if not is_subsequence(effective_layout(plan), ("pp", "dp", "cp", "tp")):
         problems.append(
             layout_problem(
                 plan,
                 FRAMEWORK,
                 "pp, dp_replicate, dp_shard, cp, tp (outermost first; "
                 "torchtitan/distributed/parallel_dims.py)",
-                "[pp, dp, tp]",
+                "[pp, dp, cp, tp] (without cp when cp_degree is 1)",
+            )
+        )
+    if (cp := cp_sequence_problem(plan, dims, "context_parallel_degree")) is not None:
+        problems.append(cp)
+    if plan.cp_degree > 1 and plan.zero_stage == 0:
+        problems.append(
+            ExportProblem(
+                field="zero_stage",
+                value="0",
+                option=(
+                    f"with context_parallel_degree = {plan.cp_degree} torchtitan shards the "
+                    "weights over data_parallel_shard_degree x cp (FSDP on its fsdp mesh, "
+                    "torchtitan/distributed/parallel_dims.py); it cannot replicate them"
+                ),
+                fix=(
+                    "use zero_stage 2 (FSDP keeping the gathered weights, the nearest to "
+                    "replicated) or 3, e.g. autoplan plan ... --zero 2,3"
+                ),
+            )
+        )
+    problems += expert_problems(plan, dims)
+    if plan.ep_degree > 1 and dims.moe is not None:
+        problems.append(
+            ExportProblem(
+                field="ep_degree",
+                value=str(plan.ep_degree),
+                option=(
+                    "torchtitan's expert_parallel_degree (ep borrowing ranks from dp_shard x cp "
+                    "x tp, as ep_folding) runs its own MoE models (deepseek_v3, qwen3, gpt_oss: "
+                    f"other attention than {dims.spec!r}), and the exported module builds a "
+                    "dense llama3 flavor"
+                ),
+                fix=(
+                    "export to megatron-lm, or set ep_degree 1 and port the model to a "
+                    "torchtitan MoE model by hand (then set expert_parallel_degree with "
+                    "ep_folding's layout)"
+                ),
             )
         )
     return problems
@@ -235,6 +292,11 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         f"    parallelism.enable_sequence_parallel = {sequence_parallel}",
         f"    parallelism.pipeline_parallel_degree = {plan.pp_degree}",
     ]
+    if plan.cp_degree > 1:
+        lines += [
+            f"    parallelism.context_parallel_degree = {plan.cp_degree}",
+            '    parallelism.context_parallel_load_balancer = "headtail"',
+        ]
     if plan.pp_degree > 1:
         lines += [
             # Trainer.Config._validate_cuda_graphs (torchtitan/trainer.py): "CUDA graphs do
