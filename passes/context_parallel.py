@@ -17,7 +17,9 @@ Guarantees:
   ``_HeadTailLoadBalancer._generate_indices``; tests compare the layouts). `shard_sequence`
   applies it to ids and labels, `unshard_sequence` inverts it;
 - each RoPE table is replaced by this rank's rows of that layout (``seq_len / cp`` rows), so
-  the unchanged ``narrow(0, 0, T)`` in the model takes the rank's global positions;
+  the unchanged ``narrow(0, 0, T)`` in the model takes the rank's global positions; the rows
+  are a non-persistent buffer (as the zoo's tables are): a state dict, hence a checkpoint,
+  never holds one rank's rows for every rank to load;
 - every attention site runs `RingAttention`: exact causal attention of the local queries
   against the whole sequence (online-softmax / log-sum-exp merge), K/V blocks passed around
   the cp ring with ``batch_isend_irecv`` while the current block is computed (checked against
@@ -517,6 +519,8 @@ def _shard_position_buffers(
         if id(buffer) not in replaced:
             replaced[id(buffer)] = buffer.index_select(0, positions.to(buffer.device))
         owner._buffers[name] = replaced[id(buffer)]
+        # this rank's rows are not the model's table: state dicts (checkpoints) leave them out
+        owner._non_persistent_buffers_set.add(name)
     return tuple(f"{path}.{name}" if path else name for path, _, name, _ in found)
 
 

@@ -10,7 +10,8 @@ Guarantees, checked before returning:
   with; ``get_attr`` nodes (parameters, buffers) are copied into every unit that reads them;
 - a unit module is an ``fx.GraphModule`` that keeps the model's own module paths
   (``blocks.3.attn.q_proj`` stays ``blocks.3.attn.q_proj``, unlike ``split_module``, which
-  would rename it ``blocks_3_attn_q_proj``), and it is called from the stage module as a real
+  would rename it ``blocks_3_attn_q_proj``) and the persistence of its buffers (the model's
+  non-persistent ones stay out of state dicts), and it is called from the stage module as a real
   submodule ``unit_<idx>``: forward hooks, ``fully_shard`` and activation checkpointing apply to
   it (they never fire on the containers a plain trace flattens away);
 - a stage module takes the values live at its input cut (stage 0: the model's inputs) as
@@ -322,8 +323,24 @@ def _build_unit(
         graph.output(tuple(env[v] for v in outputs))
     graph.lint()
     # GraphModule(root, graph) copies each call_module/get_attr target by reference under its
-    # original dotted path (intermediate containers become plain nn.Modules).
-    return fx.GraphModule(gm, graph, class_name=f"Unit{unit_idx}")
+    # original dotted path (intermediate containers become plain nn.Modules), every buffer as
+    # a persistent one: the model's non-persistent buffers (RoPE tables, which context
+    # parallelism cuts to each rank's rows) are marked so again, or checkpoints would hold them.
+    unit = fx.GraphModule(gm, graph, class_name=f"Unit{unit_idx}")
+    _keep_non_persistent_buffers(gm, unit)
+    return unit
+
+
+def _keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Mark ``target``'s buffers non-persistent where ``source`` has them so, at the same path."""
+    for path, module in target.named_modules():
+        try:
+            origin = source.get_submodule(path)
+        except AttributeError:
+            continue
+        module._non_persistent_buffers_set.update(
+            name for name in module._buffers if name in origin._non_persistent_buffers_set
+        )
 
 
 def _build_stage(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from autoplan.contract.plan import Plan
 from tests.dist_utils import run_distributed
@@ -49,14 +50,31 @@ def _train(job: Any, data: CountingBatches, checkpointer: Any, upto: int) -> lis
     return records
 
 
-def _resume_worker(
-    rank: int, world_size: int, first: dict[str, Any], second: dict[str, Any], folder: str
+def _parameters(job: Any) -> dict[str, torch.Tensor]:
+    """This rank's parameters by name, whole (a collective over each DTensor's mesh)."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in job.named_parameters()
+    }
+
+
+def resume_worker(
+    rank: int,
+    world_size: int,
+    first: dict[str, Any],
+    second: dict[str, Any],
+    folder: str,
+    model_name: str = "gpt",
 ) -> dict[str, Any]:
+    """Train ``first`` for `STEPS` steps; train it again, saving every `EVERY` steps, and stop
+    at step 7 (a cut-short step 9 folder is left behind); resume under ``second`` and train to
+    `STEPS`. Returns per step the loss and an RNG draw of both runs (from the resumed step on),
+    and both runs' final parameters."""
     from autoplan import Checkpointer
     from autoplan.runtime.parallelizer import parallelize
 
     def build(plan_data: dict[str, Any], perturb: bool = False) -> Any:
-        model = build_model("gpt")
+        model = build_model(model_name)
         if perturb:  # the restored weights must replace these
             with torch.no_grad():
                 for p in model.parameters():
@@ -68,6 +86,7 @@ def _resume_worker(
     torch.manual_seed(100 + rank)
     job, data = build(first)
     uninterrupted = _train(job, data, None, STEPS)
+    uninterrupted_parameters = _parameters(job)
 
     torch.manual_seed(100 + rank)
     job, data = build(first)
@@ -86,11 +105,14 @@ def _resume_worker(
     resumed_at = checkpointer.restore()
     resumed = _train(job, data, checkpointer, STEPS)
     checkpointer.close()
+    resumed_parameters = _parameters(job)
     kept = sorted(p for p in Path(folder).iterdir() if p.name.startswith("step_"))
     return {
         "uninterrupted": uninterrupted[resumed_at:],
         "resumed": resumed,
         "resumed_at": resumed_at,
+        "uninterrupted_parameters": uninterrupted_parameters,
+        "resumed_parameters": resumed_parameters,
         "kept": [p.name for p in kept],
         "complete": [(p / "autoplan.json").is_file() for p in kept],
     }
@@ -112,7 +134,7 @@ def test_a_stopped_job_resumes_as_if_it_never_stopped(
     plans = [make_plan(**first), make_plan(**second)]
     assert plans[0].global_batch_size == plans[1].global_batch_size
     results = run_distributed(
-        _resume_worker,
+        resume_worker,
         plans[0].to_data(),
         plans[1].to_data(),
         str(tmp_path / "ckpt"),
@@ -125,6 +147,7 @@ def test_a_stopped_job_resumes_as_if_it_never_stopped(
         if first == second:
             # same plan: the same numbers exactly (weights, Adam state, RNG, data position)
             assert result["resumed"] == result["uninterrupted"]
+            assert_equal_parameters(result)
         else:
             # resharded to another plan: the same up to summation order
             torch.testing.assert_close(
@@ -133,9 +156,23 @@ def test_a_stopped_job_resumes_as_if_it_never_stopped(
                 rtol=1e-5,
                 atol=1e-6,
             )
+            assert_equal_parameters(result, rtol=1e-4, atol=1e-5)  # tests/numerics.py
         # keep=2: the two newest complete ones; 9 was rewritten whole over the cut-short one
         assert result["kept"] == ["step_00000006", "step_00000009"]
         assert result["complete"] == [True, True]
+
+
+def assert_equal_parameters(result: dict[str, Any], **tolerances: float) -> None:
+    """The resumed job ends with the uninterrupted one's parameters (bit for bit unless
+    tolerances are given); every parameter the rank holds in both runs is compared."""
+    expected, got = result["uninterrupted_parameters"], result["resumed_parameters"]
+    common = sorted(expected.keys() & got.keys())
+    assert common, (sorted(expected), sorted(got))
+    for name in common:
+        if tolerances:
+            torch.testing.assert_close(got[name], expected[name], **tolerances, msg=name)
+        else:
+            assert torch.equal(got[name], expected[name]), name
 
 
 def _bad_input_worker(rank: int, world_size: int, folder: str, blocker: str) -> list[str]:

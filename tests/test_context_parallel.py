@@ -231,3 +231,15 @@ def test_applying_twice_is_a_plan_error_and_buffer_values_follow() -> None:
         with pytest.raises(PlanError, match="already applied"):
             apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
         assert model.rope_cos.size(0) == SEQ // 2  # sharded once
+
+
+def test_a_rank_s_rope_rows_stay_out_of_its_state_dict() -> None:
+    # Each rank's rows are not the model's table: a checkpoint holding one rank's rows would
+    # give them to every rank. Even a model that declares its table persistent loses it.
+    with fake_process_group(2):
+        model = build_model("llama")
+        model._non_persistent_buffers_set.clear()
+        assert "rope_cos" in model.state_dict()
+        apply_context_parallel(model, dist.group.WORLD, seq_len=SEQ)
+        assert model.rope_cos.size(0) == SEQ // 2
+        assert not any("rope" in key for key in model.state_dict())

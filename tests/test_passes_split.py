@@ -59,6 +59,20 @@ def test_units_keep_the_models_module_paths_and_objects() -> None:
     assert stage1.input_names == stage0.output_names
 
 
+def test_units_keep_the_models_non_persistent_buffers_out_of_state_dicts() -> None:
+    # fx copies every buffer as a persistent one: the RoPE tables (non-persistent in the model,
+    # cut to each rank's rows by context parallelism) would land in every checkpoint
+    model = build_model("llama")
+    assert not any("rope" in key for key in model.state_dict())
+    graph = trace(model)
+    assert "rope_cos" in dict(graph.graph_module.named_buffers())
+    assert not any("rope" in key for key in graph.graph_module.state_dict())
+    for stage in split_stages(graph, make_plan(pp=2)).stages:
+        buffers = [name for name, _ in stage.module.named_buffers()]
+        assert any(name.endswith("rope_cos") for name in buffers), buffers
+        assert not any("rope" in key for key in stage.module.state_dict())
+
+
 def test_every_node_runs_in_exactly_one_unit() -> None:
     graph = trace(build_model("llama"))
     split = split_stages(graph, make_plan(pp=2))

@@ -138,12 +138,29 @@ def _bind_inputs(
 
 def _graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
     """A GraphModule that generates its Python code on first use: for a 7000-node graph the
-    code generation alone takes about 0.5 s, and tracing never needs it."""
+    code generation alone takes about 0.5 s, and tracing never needs it. Its buffers are as
+    persistent as the model's (fx registers every copied buffer as persistent): derived tables
+    such as RoPE's stay out of state dicts and checkpoints, as ``torch.export`` keeps them."""
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
     except ImportError:  # pragma: no cover - older torch
-        return fx.GraphModule(root, graph, class_name)
-    return _LazyGraphModule(root, graph, class_name)
+        gm = fx.GraphModule(root, graph, class_name)
+    else:
+        gm = _LazyGraphModule(root, graph, class_name)
+    _keep_non_persistent_buffers(root, gm)
+    return gm
+
+
+def _keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Mark ``target``'s buffers non-persistent where ``source`` has them so, at the same path."""
+    for path, module in target.named_modules():
+        try:
+            origin = source.get_submodule(path)
+        except AttributeError:
+            continue
+        module._non_persistent_buffers_set.update(
+            name for name in module._buffers if name in origin._non_persistent_buffers_set
+        )
 
 
 class _FxFailure(Exception):
