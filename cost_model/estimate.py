@@ -153,6 +153,16 @@ class CostModel:
 
     # ------------------------------------------------------------------------- tables
 
+    def shared_expert_whole(self, strategy: Strategy) -> bool:
+        """Whether a MoE layer's shared expert runs whole on each TP rank's own tokens (with
+        sequence parallelism, as autoplan's runtime runs it) rather than tensor-parallel (the
+        stack's `FrameworkProfile.moe_shared_expert`, e.g. Megatron-LM's)."""
+        return (
+            strategy.sequence_parallel
+            and strategy.tp_degree > 1
+            and self.stack.moe_shared_expert != "tensor-parallel"
+        )
+
     def local_unit(self, unit_idx: int, cp_degree: int) -> UnitProfile:
         """Unit ``unit_idx`` on one context-parallel rank (`parts.context_parallel.local_unit`:
         the unit itself when cp = 1)."""
@@ -361,7 +371,7 @@ class CostModel:
             unit,
             strategy.tp_degree,
             count_shared=strategy.pp_degree > 1,
-            sequence_parallel=strategy.sequence_parallel,
+            shared_expert_whole=self.shared_expert_whole(strategy),
         )
         if unit.moe is not None:
             if unit.num_params - unit.num_params_tp_sharded < unit.moe.expert_params:
@@ -375,7 +385,15 @@ class CostModel:
 
         compute = self.compute_times(strategy, index)
         rerun_s = recompute_s(unit, mode, cal, compute)
-        tp = tp_cost(unit, strategy, cluster, traced, tp_groups=groups.tp, recompute=mode)
+        tp = tp_cost(
+            unit,
+            strategy,
+            cluster,
+            traced,
+            tp_groups=groups.tp,
+            recompute=mode,
+            shared_expert_whole=self.shared_expert_whole(strategy),
+        )
         ring = ring_attention_cost(unit, profile, strategy, cluster, groups.cp, mode)
         experts = _no_experts
         if unit.moe is not None:

@@ -99,6 +99,9 @@ class FrameworkProfile:
     # dp x cp x tp block with the experts not tensor-parallel (`Plan.ep_folding`), or "dp"
     # inside data parallelism; ``None``: the plan says (autoplan's runtime runs both).
     expert_layout: ExpertLayout | None = None
+    # A MoE layer's shared expert under sequence parallelism: "whole" on each TP rank's own
+    # tokens, or "tensor-parallel" like the dense MLPs; ``None``: autoplan's runtime ("whole").
+    moe_shared_expert: Literal["whole", "tensor-parallel"] | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -209,6 +212,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # tp x cp x dp block (megatron/core/parallel_state.py, initialize_model_parallel;
             # Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
             expert_layout="folded",
+            # SharedExpertMLP is built with the dense layers' TP config (column- and row-parallel
+            # linears, megatron/core/transformer/moe/shared_experts.py)
+            moe_shared_expert="tensor-parallel",
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}}
             },

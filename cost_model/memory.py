@@ -66,17 +66,17 @@ def local_num_params(
     tp_degree: int,
     *,
     count_shared: bool = True,
-    sequence_parallel: bool = False,
+    shared_expert_whole: bool = False,
 ) -> float:
     """Parameters of ``unit`` one TP rank stores: TP-sharded ones divide, the rest replicate.
 
     ``count_shared=False`` leaves out parameters tied to an earlier unit (a head that shares the
-    embedding matrix) when that unit lives on the same device, so they are stored once. Under
-    ``sequence_parallel`` a mixture-of-experts unit's shared expert is whole on every TP rank
-    (`MoELayerFacts.shared_expert_params`).
+    embedding matrix) when that unit lives on the same device, so they are stored once. With
+    ``shared_expert_whole`` a mixture-of-experts unit's shared expert is whole on every TP rank
+    (`MoELayerFacts.shared_expert_params`; `CostModel.shared_expert_whole`).
     """
     sharded = unit.num_params_tp_sharded
-    if sequence_parallel and tp_degree > 1 and unit.moe is not None:
+    if shared_expert_whole and tp_degree > 1 and unit.moe is not None:
         sharded -= unit.moe.shared_expert_params
     replicated = unit.num_params - sharded
     local = replicated + sharded / tp_degree

@@ -344,18 +344,20 @@ def test_shared_expert_runs_whole_under_sequence_parallelism() -> None:
     unit = next(u for u in graph.profile.units if u.moe is not None)
     shared = unit.moe.shared_expert_params  # type: ignore[union-attr]
     assert shared == 3 * 256 * 128  # gate, up, down of width 128
-    sp = local_num_params(unit, 2, sequence_parallel=True)
-    assert sp - local_num_params(unit, 2) == shared / 2
+    whole = local_num_params(unit, 2, shared_expert_whole=True)
+    assert whole - local_num_params(unit, 2) == shared / 2
     cluster = round_cluster(num_nodes=1, devices_per_node=8)
-    times = {}
-    for flag in (False, True):
-        strategy = Strategy(tp_degree=2, dp_degree=4, sequence_parallel=flag)
-        groups = group_placements(strategy, cluster, "tp")
-        times[flag] = tp_cost(unit, strategy, cluster, 4, groups, "none")
-    dense = next(u for u in graph.profile.units if u.kind == "block" and u.moe is None)
-    # the MoE block: the attention region alone under SP (a dense block keeps both)
     strategy = Strategy(tp_degree=2, dp_degree=4, sequence_parallel=True)
     groups = group_placements(strategy, cluster, "tp")
+    moe_whole = tp_cost(unit, strategy, cluster, 4, groups, "none", shared_expert_whole=True)
+    dense = next(u for u in graph.profile.units if u.kind == "block" and u.moe is None)
+    # the MoE block: the attention region alone (a dense block keeps both)
     assert tp_cost(dense, strategy, cluster, 4, groups, "none").forward_s == pytest.approx(
-        2 * times[True].forward_s
+        2 * moe_whole.forward_s
     )
+    # which the cost model applies for autoplan's runtime under SP, not for Megatron-LM's
+    # tensor-parallel shared expert, nor without SP
+    assert CostModel(graph.profile, cluster).shared_expert_whole(strategy)
+    assert not CostModel(graph.profile, cluster, "megatron-lm").shared_expert_whole(strategy)
+    no_sp = dataclasses.replace(strategy, sequence_parallel=False)
+    assert not CostModel(graph.profile, cluster).shared_expert_whole(no_sp)

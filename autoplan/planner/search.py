@@ -536,7 +536,10 @@ class _BoundTables:
         if params is None:
             params = sum(
                 local_num_params(
-                    unit, strategy.tp_degree, count_shared=key[1], sequence_parallel=key[2]
+                    unit,
+                    strategy.tp_degree,
+                    count_shared=key[1],
+                    shared_expert_whole=self.model.shared_expert_whole(strategy),
                 )
                 for unit in self.profile.units
             )

@@ -33,9 +33,15 @@ def tp_cost(
     traced_dtype_bytes: int,
     tp_groups: Sequence[GroupPlacement],
     recompute: str,
+    *,
+    shared_expert_whole: bool = False,
 ) -> TpCost:
-    """The unit's TP collectives under ``recompute`` (the unit's own mode)."""
-    forward_s, backward_s = _tp_times(unit, strategy, cluster, traced_dtype_bytes, tp_groups)
+    """The unit's TP collectives under ``recompute`` (the unit's own mode); with
+    ``shared_expert_whole`` a MoE unit's shared expert runs whole on the rank's own tokens, its
+    region without a collective (`CostModel.shared_expert_whole`)."""
+    forward_s, backward_s = _tp_times(
+        unit, strategy, cluster, traced_dtype_bytes, tp_groups, shared_expert_whole
+    )
     if recompute == "full":
         # Re-run the forward, its TP all-reduces included (Megatron recomputes through the
         # f/g operators), less those of the row-parallel linears an early stop skips.
@@ -50,12 +56,13 @@ def _tp_times(
     cluster: Cluster,
     traced_dtype_bytes: int,
     tp_groups: Sequence[GroupPlacement],
+    shared_expert_whole: bool,
 ) -> tuple[float, float]:
     if strategy.tp_degree == 1:
         return 0.0, 0.0
     n_fwd, n_bwd = tp_collective_counts(unit)
     size = _hidden_bytes_per_sample(unit) * activation_scale(strategy, traced_dtype_bytes)
-    if strategy.sequence_parallel and unit.moe is not None and unit.moe.shared_expert_params:
+    if shared_expert_whole and unit.moe is not None and unit.moe.shared_expert_params:
         # the shared expert runs whole on the rank's own tokens: its region has no collective
         # (passes/moe_sequence_parallel.py)
         n_fwd, n_bwd = max(0, n_fwd - 1), max(0, n_bwd - 1)
