@@ -107,6 +107,12 @@ MEMORY_CELL_CAPTION = (
 )
 
 
+def fmt_schedule(schedule: str) -> str:
+    """A schedule's name for a table cell: "interleaved-" shortened to "intl-" (the plan file
+    and every other output keep the full name)."""
+    return schedule.replace("interleaved-", "intl-")
+
+
 def fmt_recompute(modes: Iterable[str]) -> str:
     """The recompute modes of a plan's stages: "selective", "none+sel" when two differ, "mixed"
     when all three appear (the per-rank table names them)."""

@@ -15,6 +15,7 @@ from autoplan._format import (
     compact_table,
     fmt_memory_cell,
     fmt_recompute,
+    fmt_schedule,
     fmt_time,
 )
 from autoplan.api import estimate
@@ -175,7 +176,7 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             *((str(plan.cp_degree),) if cp else ()),
             *((str(plan.ep_degree),) if ep else ()),
             f"{plan.micro_batch_size} x {plan.num_micro_batches}",
-            plan.schedule,
+            fmt_schedule(plan.schedule),
             str(plan.virtual_stages),
             str(plan.zero_stage),
             "yes" if plan.sequence_parallel else "no",
