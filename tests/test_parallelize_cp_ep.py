@@ -244,16 +244,9 @@ def test_a_searched_ep_plan_trains(tmp_path: Path) -> None:
 # ------------------------------------------------------- MoE under sequence parallelism
 
 
-def test_tp2_sp_moe_without_load_balancing_loss(tmp_path: Path) -> None:
-    # each TP rank routes its own half of the sequence; router, shared expert and experts are
-    # replicated over tp, their gradients summed over it
-    plan = _plan("moe-noaux", 2, tp=2, global_batch=2, sequence_parallel=True)
-    assert (plan.dp_degree, plan.tp_degree, plan.ep_degree) == (1, 2, 1)
-    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 2))
-
-
 def test_tp2_sp_moe_load_balancing_loss_is_exact(tmp_path: Path) -> None:
-    # the counts the loss reads are summed over tp and each rank's loss divided by tp: the tp
+    # each TP rank routes its own half of the sequence; router, shared expert and experts are
+    # replicated over tp, their gradients summed over it. The counts the loss reads are summed over tp and each rank's loss divided by tp: the tp
     # ranks' losses add up to the one over all the micro-batch's tokens
     plan = _plan("moe", 2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=True)
     assert (plan.dp_degree, plan.num_micro_batches) == (1, 2)
@@ -261,16 +254,10 @@ def test_tp2_sp_moe_load_balancing_loss_is_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_ep2_sp_moe(tmp_path: Path) -> None:
-    # ep over the 2 dp ranks of each tp rank; every rank routes its own quarter of the tokens
-    plan = _plan("moe-noaux", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
-    assert (plan.dp_degree, plan.ep_group_ranks(1)) == (2, (1, 3))
-    assert_matches(_train(tmp_path, "moe-noaux", plan), reference("moe-noaux", 4))
-
-
-@pytest.mark.slow
 def test_tp2_ep2_sp_moe_with_load_balancing_loss(tmp_path: Path) -> None:
+    # ep over the 2 dp ranks of each tp rank; every rank routes its own quarter of the tokens
     plan = _plan("moe", 4, tp=2, ep=2, global_batch=4, sequence_parallel=True)
+    assert (plan.dp_degree, plan.ep_group_ranks(1)) == (2, (1, 3))
     assert_matches(_train(tmp_path, "moe", plan), _micro_batch_reference("moe", plan))
 
 
