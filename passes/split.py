@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 
 from autoplan.contract.errors import PlanError
-from autoplan.contract.graph import ModelGraph
+from autoplan.contract.graph import ModelGraph, keep_non_persistent_buffers
 from autoplan.contract.plan import Plan
 from cost_model.workload import UnitProfile
 from passes.module_calls import restore_module_calls
@@ -327,20 +327,8 @@ def _build_unit(
     # a persistent one: the model's non-persistent buffers (RoPE tables, which context
     # parallelism cuts to each rank's rows) are marked so again, or checkpoints would hold them.
     unit = fx.GraphModule(gm, graph, class_name=f"Unit{unit_idx}")
-    _keep_non_persistent_buffers(gm, unit)
+    keep_non_persistent_buffers(gm, unit)
     return unit
-
-
-def _keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
-    """Mark ``target``'s buffers non-persistent where ``source`` has them so, at the same path."""
-    for path, module in target.named_modules():
-        try:
-            origin = source.get_submodule(path)
-        except AttributeError:
-            continue
-        module._non_persistent_buffers_set.update(
-            name for name in module._buffers if name in origin._non_persistent_buffers_set
-        )
 
 
 def _build_stage(

@@ -18,14 +18,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import networkx as nx
-from torch import fx
+from torch import fx, nn
 
 from cost_model.workload import GemmShape, ModelProfile, OpKind, TpRole
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-__all__ = ["FrontEnd", "MoELayerProfile", "ModelGraph", "NodeProfile"]
+__all__ = [
+    "FrontEnd",
+    "MoELayerProfile",
+    "ModelGraph",
+    "NodeProfile",
+    "keep_non_persistent_buffers",
+]
 
 FrontEnd = Literal["fx", "export"]
 
@@ -185,3 +191,17 @@ class ModelGraph:
             total = sum(self.node_profiles[name].output_bytes for name in names)
             graph.add_edge(src, dst, bytes=total, tensors=tuple(names))
         return graph
+
+
+def keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Mark ``target``'s buffers non-persistent where ``source`` has them so, at the same path
+    (`fx.GraphModule` registers every buffer it copies as persistent: a model's derived tables,
+    such as RoPE's, would land in state dicts and checkpoints)."""
+    for path, module in target.named_modules():
+        try:
+            origin = source.get_submodule(path)
+        except AttributeError:
+            continue
+        module._non_persistent_buffers_set.update(
+            name for name in module._buffers if name in origin._non_persistent_buffers_set
+        )

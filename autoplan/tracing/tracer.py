@@ -34,7 +34,7 @@ import torch
 from torch import fx, nn
 
 from autoplan.contract.errors import TraceError
-from autoplan.contract.graph import FrontEnd
+from autoplan.contract.graph import FrontEnd, keep_non_persistent_buffers
 from autoplan.tracing.units import module_structure
 
 if TYPE_CHECKING:
@@ -147,20 +147,8 @@ def _graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.Graph
         gm = fx.GraphModule(root, graph, class_name)
     else:
         gm = _LazyGraphModule(root, graph, class_name)
-    _keep_non_persistent_buffers(root, gm)
+    keep_non_persistent_buffers(root, gm)
     return gm
-
-
-def _keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
-    """Mark ``target``'s buffers non-persistent where ``source`` has them so, at the same path."""
-    for path, module in target.named_modules():
-        try:
-            origin = source.get_submodule(path)
-        except AttributeError:
-            continue
-        module._non_persistent_buffers_set.update(
-            name for name in module._buffers if name in origin._non_persistent_buffers_set
-        )
 
 
 class _FxFailure(Exception):
