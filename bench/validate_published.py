@@ -130,6 +130,13 @@ class Skipped:
 # ------------------------------------------------------------------------------- inputs
 
 
+def _read_yaml(path: Path) -> Any:
+    """A data file, through libyaml's safe loader where PyYAML has it (the data files are
+    large: the pure-Python parser takes seconds)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(path.read_text(), Loader=loader)
+
+
 def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every row of `published_runs*.yaml` and the merged `validation_assumptions*.yaml`.
 
@@ -138,7 +145,7 @@ def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """
     rows: list[dict[str, Any]] = []
     for path in sorted(DATA.glob("published_runs*.yaml")):
-        rows.extend(yaml.safe_load(path.read_text()) or [])
+        rows.extend(_read_yaml(path) or [])
     ids = [r["id"] for r in rows]
     if dupes := sorted({i for i in ids if ids.count(i) > 1}):
         raise ValueError(f"run ids defined twice in {DATA}: {dupes}")
@@ -149,7 +156,7 @@ def load() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "fitted_constants": [],
     }
     for path in sorted(DATA.glob("validation_assumptions*.yaml")):
-        part = yaml.safe_load(path.read_text()) or {}
+        part = _read_yaml(path) or {}
         for key, table in part.items():
             if key not in assumptions:
                 raise ValueError(f"{path.name}: unknown section {key!r}")
