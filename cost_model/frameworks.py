@@ -113,9 +113,10 @@ class FrameworkProfile:
         changes: dict[str, float] = {}
         if self.attention == "unfused" and profile.num_heads:
             # an unfused core computes every score; the trace counts a causal kernel's half
-            changes["attention_efficiency"] = unfused_attention_efficiency(
-                cluster, round(profile.head_dim)
-            ) * traced_score_fraction(profile)
+            changes["attention_efficiency"] = (
+                unfused_attention_efficiency(cluster, round(profile.head_dim))
+                * profile.score_fraction
+            )
         if self.attention == "fused":
             for prefix, value in self.attention_efficiency_by_device.items():
                 if cluster.device.name.startswith(prefix):
@@ -134,19 +135,6 @@ class FrameworkProfile:
         if not changes:
             return cluster
         return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
-
-
-def traced_score_fraction(profile: ModelProfile) -> float:
-    """The share of the full query x key score square that the trace's attention FLOPs count:
-    about 1/2 for causal flash attention (autoplan.tracing.profiler.causal_fraction), 1 for a
-    full or masked one, and 1 for a model without a traced attention op."""
-    for unit in profile.units:
-        for op in unit.ops:
-            if op.kind == "attention" and op.gemm is not None and op.forward_flops > 0:
-                g = op.gemm
-                full = 4.0 * g.m_per_sample * g.n * g.k * g.batch
-                return min(1.0, op.forward_flops / full)
-    return 1.0
 
 
 def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:

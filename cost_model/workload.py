@@ -223,15 +223,34 @@ class ModelProfile:
         return sum(unit.forward_flops for unit in self.units)
 
     @property
+    def attention_op(self) -> OpProfile | None:
+        """The first traced attention op with its ``Q K^T`` shape (None: the model has none)."""
+        for unit in self.units:
+            for op in unit.ops:
+                if op.kind == "attention" and op.gemm is not None:
+                    return op
+        return None
+
+    @property
     def head_dim(self) -> float:
         """The attention head size: the traced attention's ``Q K^T`` depth (models with
         ``head_dim != hidden / heads``, e.g. Qwen3's 128 at hidden 4096 and 64 heads), else
         ``hidden / heads``."""
-        for unit in self.units:
-            for op in unit.ops:
-                if op.kind == "attention" and op.gemm is not None:
-                    return float(op.gemm.k)
+        op = self.attention_op
+        if op is not None and op.gemm is not None:
+            return float(op.gemm.k)
         return self.hidden_size / (self.num_heads or 1)
+
+    @property
+    def score_fraction(self) -> float:
+        """The share of the full query x key score square the traced attention FLOPs count:
+        about 1/2 for causal flash attention (the trace's ``causal_fraction``), 1 for a full or
+        masked one, and 1 without a traced attention op."""
+        op = self.attention_op
+        if op is None or op.gemm is None or op.forward_flops <= 0:
+            return 1.0
+        g = op.gemm
+        return min(1.0, op.forward_flops / (4.0 * g.m_per_sample * g.n * g.k * g.batch))
 
     @property
     def moe_layers(self) -> tuple[MoELayerFacts, ...]:

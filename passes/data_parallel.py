@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_map_only
 from autoplan.contract.plan import Plan
 from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
-from passes.expert_parallel import ExpertParallelExperts
+from passes.expert_parallel import ExpertParallelExperts, all_reduce_gradients
 from passes.mesh import ParallelMesh
 from passes.split import StageModule
 
@@ -120,15 +120,9 @@ class ExpertGradientReduce:
     group: dist.ProcessGroup | None
     divisor: int
 
-    @torch.no_grad()
     def __call__(self) -> None:
-        for param in self.params:
-            if param.grad is None:
-                continue
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if self.group is not None:
-                dist.all_reduce(grad, group=self.group)
-            grad.div_(self.divisor)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        all_reduce_gradients(grads, self.group, divisor=self.divisor)
 
 
 def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> DataParallelResult:

@@ -64,6 +64,7 @@ from autoplan.contract.errors import PlanError
 __all__ = [
     "ExpertParallelExperts",
     "ExpertParallelResult",
+    "all_reduce_gradients",
     "apply_expert_parallel",
     "check_expert_parallel",
     "find_grouped_experts",
@@ -275,12 +276,32 @@ def reduce_gradients(
         if isinstance(sub, ExpertParallelExperts)
         for p in sub.parameters()
     }
-    with torch.no_grad():
-        for param in module.parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            group = expert_dp_group if id(param) in expert_ids else dp_group
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(grad, group=group)
-            grad.div_(dp_world_size)
+    params = [p for p in module.parameters() if p.grad is not None]
+    for group, wanted in ((dp_group, False), (expert_dp_group, True)):
+        grads = [p.grad for p in params if (id(p) in expert_ids) == wanted]
+        all_reduce_gradients(grads, group, divisor=dp_world_size)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def all_reduce_gradients(
+    grads: list[Tensor], group: dist.ProcessGroup | None, *, divisor: float = 1
+) -> None:
+    """Sum ``grads`` over ``group`` in place (no collective when it is None or has one rank),
+    then divide them by ``divisor``: one all-reduce per dtype of the flattened gradients.
+    DTensor gradients are reduced through their local shards (every rank of ``group`` holds
+    the same shard)."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if group is not None and dist.get_world_size(group) > 1:
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for grad in local:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for same in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in same])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for grad in same:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+    if divisor != 1:
+        for grad in local:
+            grad.div_(divisor)

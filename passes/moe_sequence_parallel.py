@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +42,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from autoplan.contract.errors import PlanError
-from passes.expert_parallel import find_grouped_experts
+from passes.expert_parallel import all_reduce_gradients, find_grouped_experts
 
 __all__ = [
     "MoESequenceParallelLayer",
@@ -260,25 +259,6 @@ class ReplicatedGradientSum:
     names: tuple[str, ...]
     group: dist.ProcessGroup
 
-    @torch.no_grad()
     def __call__(self) -> None:
-        grads = [
-            grad.to_local() if isinstance(grad, DTensor) else grad
-            for grad in self._grads(self.names)
-        ]
-        if not grads:
-            return
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-    def _grads(self, names: Iterable[str]) -> list[torch.Tensor]:
-        out = []
-        for name in names:
-            grad = self.module.get_parameter(name).grad
-            if grad is not None:
-                out.append(grad)
-        return out
+        grads = [self.module.get_parameter(name).grad for name in self.names]
+        all_reduce_gradients([g for g in grads if g is not None], self.group)

@@ -24,7 +24,6 @@ from cost_model.frameworks import (
     FRAMEWORKS,
     FrameworkError,
     framework_profile,
-    traced_score_fraction,
     unfused_attention_efficiency,
 )
 from tests.conftest import run_cli
@@ -86,7 +85,7 @@ def test_an_unfused_core_costs_the_whole_square_whatever_the_trace_counts(graph:
     all of them, so its efficiency in the trace's terms is halved with it: the attention op's
     time is the full square at `unfused_attention_efficiency`."""
     cluster = autoplan.Cluster.preset("dgx-a100-80g")
-    fraction = traced_score_fraction(graph.profile)
+    fraction = graph.profile.score_fraction
     seq = 2048
     assert fraction == pytest.approx((seq + 1) / (2 * seq))
     unfused = framework_profile("megatron-lm-2021").cluster_for(graph.profile, cluster)

@@ -272,7 +272,7 @@ class Plan:
         layout = framework_profile(self.framework).expert_layout
         if layout is None or self.ep_degree == 1 or (self.tp_degree == self.cp_degree == 1):
             return
-        if layout == "folded" and not self.ep_folding:
+        if layout == "folded" and not self.folded_expert_groups:
             raise PlanError(
                 f"framework {self.framework!r} places an expert-parallel group on consecutive "
                 "ranks of the dp x cp x tp block (its expert rank generator), not inside dp: "
@@ -285,6 +285,13 @@ class Plan:
                 f"framework {self.framework!r} keeps expert parallelism inside data "
                 "parallelism: set ep_folding: false"
             )
+
+    @property
+    def folded_expert_groups(self) -> bool:
+        """Whether the ep groups are Megatron-Core's folded ones (ep consecutive ranks of the
+        dp x cp x tp block, tp innermost): with ``ep_folding``, or with tp = cp = 1, where ep
+        consecutive data-parallel ranks are the same ranks."""
+        return self.ep_folding or self.tp_degree == self.cp_degree == 1
 
     def _check_folding(self) -> None:
         block = self.dp_degree * self.cp_degree * self.tp_degree

@@ -246,13 +246,6 @@ def expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     return []
 
 
-def folds_ep(plan: Plan) -> bool:
-    """The plan's expert-parallel groups are Megatron-Core's folded ones (ep consecutive ranks
-    of the dp x cp x tp block, tp innermost): with ``ep_folding``, or with tp = cp = 1, where
-    ep consecutive data-parallel ranks are the same ranks."""
-    return plan.ep_folding or plan.tp_degree == plan.cp_degree == 1
-
-
 def folding_problem(plan: Plan, framework: str, option: str) -> ExportProblem:
     """ep > 1 kept inside dp with tp > 1 or cp > 1, for a framework whose ep groups fold over
     the dp x cp x tp block (``option`` says where that rule lives)."""

@@ -86,7 +86,6 @@ from autoplan.export._common import (
     effective_layout,
     expert_problems,
     folding_problem,
-    folds_ep,
     is_subsequence,
     layout_problem,
     recompute_mix_problem,
@@ -94,6 +93,7 @@ from autoplan.export._common import (
     uniform_recompute,
     units_problem,
 )
+from cost_model.frameworks import framework_profile
 
 FRAMEWORK: Framework = "megatron-lm"
 ARGS_FILE = "megatron_args.txt"
@@ -276,7 +276,7 @@ def _expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
         )
     if plan.ep_degree == 1 or problems:
         return problems
-    if not folds_ep(plan):
+    if not plan.folded_expert_groups:
         problems.append(
             folding_problem(
                 plan,
@@ -345,10 +345,12 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             f"those of {dims.spec!r}; for another MoE model set them to its own "
             "(--moe-grouped-gemm is a faster expert kernel)",
         )
-        if dims.moe.shared_ffn_hidden_size and plan.tp_degree > 1:
+        shared_tp = framework_profile(plan.framework).moe_shared_expert == "tensor-parallel"
+        if dims.moe.shared_ffn_hidden_size and plan.tp_degree > 1 and not shared_tp:
             notes += (
                 "Megatron splits the shared expert over TP ranks, where autoplan's runtime (and "
-                "its estimate) keeps it whole on each TP rank",
+                f"the plan's {plan.framework!r} estimate) keeps it whole on each TP rank: "
+                "re-plan with --framework megatron-lm to price Megatron's",
             )
     return Export(framework=FRAMEWORK, files={ARGS_FILE: text}, command=command, notes=notes)
 
