@@ -41,6 +41,10 @@ class Calibration:
     # Its FLOPs count the scores a causal kernel computes (half the square: the trace's
     # `causal_fraction`), as FlashAttention's and Megatron-LM's figures do.
     attention_efficiency: float = 0.25
+    # The attention kernel's backward where its rate differs from the forward's (an unfused
+    # core moves fewer bytes per FLOP backward than forward: `unfused_attention_efficiency`);
+    # 0: the forward's rate.
+    attention_backward_efficiency: float = 0.0
     # Fraction of peak memory bandwidth that element-wise, reduction and optimizer kernels get.
     memory_efficiency: float = 0.7
     # Fraction of the link bandwidth that collectives reach (NCCL bus bandwidth / link peak).
@@ -121,6 +125,7 @@ class Calibration:
                     "it is the achievable share of the datasheet peak"
                 )
         for name in (
+            "attention_backward_efficiency",
             "dp_overlap_fraction",
             "overlapped_comm_slowdown",
             "full_recompute_early_stop",

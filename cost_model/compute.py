@@ -106,6 +106,8 @@ def op_time(
         # One backward GEMM (dgrad or wgrad) has the forward's size: same efficiency.
         eff = saturating_efficiency(fwd_flops, max_eff, calibration.gemm_half_efficiency_flops)
         rate = bwd_rate = peak * eff
+        if op.kind == "attention" and calibration.attention_backward_efficiency > 0:
+            bwd_rate = rate * calibration.attention_backward_efficiency / max_eff
         weight_share = 0.5 if op.kind == "matmul" and op.param_bytes_read > 0 else 0.0
         if op.kind == "matmul" and op.gemm is not None:
             # Depth of the forward GEMM (k, split by a row-parallel linear) and of the data

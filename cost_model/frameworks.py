@@ -113,9 +113,12 @@ class FrameworkProfile:
         changes: dict[str, float] = {}
         if self.attention == "unfused" and profile.num_heads:
             # an unfused core computes every score; the trace counts a causal kernel's half
+            head_dim, fraction = round(profile.head_dim), profile.score_fraction
             changes["attention_efficiency"] = (
-                unfused_attention_efficiency(cluster, round(profile.head_dim))
-                * profile.score_fraction
+                unfused_attention_efficiency(cluster, head_dim, "forward") * fraction
+            )
+            changes["attention_backward_efficiency"] = (
+                unfused_attention_efficiency(cluster, head_dim, "backward") * fraction
             )
         if self.attention == "fused":
             for prefix, value in self.attention_efficiency_by_device.items():
@@ -137,21 +140,41 @@ class FrameworkProfile:
         return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
 
 
-def unfused_attention_efficiency(cluster: Cluster, head_dim: int) -> float:
+def unfused_attention_efficiency(
+    cluster: Cluster, head_dim: int, direction: Literal["forward", "backward"] = "forward"
+) -> float:
     """Effective efficiency of an unfused attention core (Q K^T, softmax, dropout, x V: Megatron-LM
     2019-2022's CoreAttention with FusedScaleMaskSoftmax), in the terms of the fused attention op
-    the trace records.
+    the trace records, for its forward or its backward.
 
-    Per head and sample (forward): 4 s^2 d GEMM FLOPs at the GEMM efficiency, and the s x s score
-    matrix written by Q K^T, read and written by the softmax, read and written by dropout with its
-    1-byte mask, read by the second bmm: ~7 s^2 16-bit elements = 14 s^2 bytes at the memory
-    efficiency. The backward has the same FLOP-to-byte ratio. So
-    ``eff = 1 / (1 / e_gemm + 14 peak / (4 d bandwidth))``: datasheet and calibration only.
+    Per score element of one head and sample, in 16-bit elements and a 1-byte dropout mask:
+
+    - forward, 4 d GEMM FLOPs: Q K^T writes the score (2 bytes), the fused scale-mask-softmax
+      reads and writes it (4), dropout reads it and writes its output and mask (5), x V reads
+      that output (2): 13 bytes;
+    - backward, 8 d GEMM FLOPs: dO V^T writes the probability gradient (2), dropout's backward
+      reads it and the mask and writes (5), the softmax's backward reads it and the saved
+      probabilities and writes (6), the Q and K gradients each read it (4), V's gradient
+      reads the saved dropout output (2): 19 bytes.
+
+    GEMM FLOPs at the GEMM efficiency, bytes at the memory efficiency:
+    ``eff = 1 / (1 / e_gemm + bytes * peak / (flops * bandwidth))``: datasheet and calibration
+    only.
     """
     cal = cluster.calibration
     peak = cluster.device.peak_flops_for("bf16")
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    return min(1.0, 1.0 / (1.0 / cal.gemm_efficiency + 14.0 * peak / (4.0 * head_dim * bandwidth)))
+    score_bytes, score_flops = (
+        (13.0, 4.0 * head_dim)
+        if direction == "forward"
+        else (
+            19.0,
+            8.0 * head_dim,
+        )
+    )
+    return min(
+        1.0, 1.0 / (1.0 / cal.gemm_efficiency + score_bytes * peak / (score_flops * bandwidth))
+    )
 
 
 FRAMEWORKS: dict[str, FrameworkProfile] = {

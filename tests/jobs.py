@@ -190,7 +190,8 @@ def wait_for_step(path: Path, step: int, agents: list[Agent], timeout_s: float =
         if records and records[-1][0] >= step:
             return records[-1][0]
         if all(agent.process.poll() is not None for agent in agents):
-            raise RuntimeError("the job ended before step " + str(step))
+            tails = "\n".join(agent.output()[-3000:] for agent in agents)
+            raise RuntimeError(f"the job ended before step {step}:\n{tails}")
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not reached in {timeout_s} s")
 

@@ -19,6 +19,7 @@ import autoplan
 from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
+from cost_model.compute import op_time
 from cost_model.frameworks import (
     DEFAULT_FRAMEWORK,
     FRAMEWORKS,
@@ -26,6 +27,7 @@ from cost_model.frameworks import (
     framework_profile,
     unfused_attention_efficiency,
 )
+from cost_model.workload import OpProfile
 from tests.conftest import run_cli
 
 CLUSTER = "dgx-a100-80g:nodes=2"
@@ -46,9 +48,9 @@ def _changed(a: Calibration, b: Calibration) -> set[str]:
 def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) -> None:
     cluster = autoplan.Cluster.preset("dgx-a100-80g")
     names = {
-        "attention": "attention_efficiency",
-        "attention_efficiency_by_device": "attention_efficiency",
-        "dp_overlap": "dp_overlap_fraction",
+        "attention": {"attention_efficiency", "attention_backward_efficiency"},
+        "attention_efficiency_by_device": {"attention_efficiency"},
+        "dp_overlap": {"dp_overlap_fraction"},
     }
     assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
                                "megatron-deepspeed", "torchtitan", "llm-foundry", "nanotron"}  # fmt: skip
@@ -58,10 +60,11 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         twice = profile.cluster_for(graph.profile, once)
         assert twice == once, profile.name
         set_fields = {
-            names.get(f.name, f.name)
+            field
             for f in dataclasses.fields(profile)
             if f.name not in ("name", "version", "summary", "sources")
             and getattr(profile, f.name) is not None
+            for field in names.get(f.name, {f.name})
         }
         assert _changed(cluster.calibration, once.calibration) <= set_fields, profile.name
         assert once.device == cluster.device and once.inter_node == cluster.inter_node
@@ -91,6 +94,41 @@ def test_an_unfused_core_costs_the_whole_square_whatever_the_trace_counts(graph:
     unfused = framework_profile("megatron-lm-2021").cluster_for(graph.profile, cluster)
     assert unfused.calibration.attention_efficiency == pytest.approx(
         unfused_attention_efficiency(cluster, 1024 // 16) * fraction
+    )
+    assert unfused.calibration.attention_backward_efficiency == pytest.approx(
+        unfused_attention_efficiency(cluster, 1024 // 16, "backward") * fraction
+    )
+
+
+def test_an_unfused_cores_backward_moves_fewer_bytes_per_flop_than_its_forward() -> None:
+    """Per score element: 13 bytes over 4 d FLOPs forward, 19 over 8 d backward; each
+    direction's time is its GEMM FLOPs at the GEMM rate plus its bytes at the memory rate."""
+    cluster = autoplan.Cluster.preset("dgx-a100-80g")
+    cal, device = cluster.calibration, cluster.device
+    peak = device.peak_flops_for("bf16")
+    bandwidth = device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
+    d = 128
+    for direction, flops, nbytes in (("forward", 4 * d, 13), ("backward", 8 * d, 19)):
+        seconds = flops / (peak * cal.gemm_efficiency) + nbytes / bandwidth
+        assert unfused_attention_efficiency(cluster, d, direction) == pytest.approx(
+            flops / seconds / peak
+        )
+    assert unfused_attention_efficiency(cluster, d, "backward") > unfused_attention_efficiency(
+        cluster, d
+    )
+
+
+def test_the_attention_backward_runs_at_its_own_rate_when_one_is_set() -> None:
+    op = OpProfile(name="sdpa", kind="attention", tp="column", forward_flops=4e12,
+                   backward_flops=8e12, activation_bytes=1e6)  # fmt: skip
+    device = autoplan.Cluster.preset("dgx-a100-80g").device
+    same = Calibration(attention_efficiency=0.2)
+    faster = Calibration(attention_efficiency=0.2, attention_backward_efficiency=0.3)
+    kwargs: dict[str, Any] = {"device": device, "dtype": "bf16", "micro_batch_size": 1}
+    a, b = op_time(op, calibration=same, **kwargs), op_time(op, calibration=faster, **kwargs)
+    assert a.forward_s == b.forward_s
+    assert a.backward_s - same.kernel_overhead_s == pytest.approx(
+        (b.backward_s - same.kernel_overhead_s) * 0.3 / 0.2
     )
 
 
