@@ -9,6 +9,7 @@ devices, a TP degree that does not divide the heads, a batch that does not divid
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -22,14 +23,16 @@ from autoplan.contract.plan import (
     Plan,
     Recompute,
     Schedule,
+    StagePlan,
     even_stages,
     plan_estimate,
 )
 from autoplan.planner.search import DEFAULT_BUDGET_S, SearchProgress, search_plans
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
-from cost_model.frameworks import DEFAULT_FRAMEWORK
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, as_cluster
+from cost_model.stage_splits import StageSplitError, stage_starts
 from cost_model.workload import ModelProfile
 
 __all__ = ["default_dp", "estimate", "manual_plan", "profile_of", "search"]
@@ -81,7 +84,9 @@ def manual_plan(
     allow_cross_node_tp: bool = False,
     framework: str = DEFAULT_FRAMEWORK,
 ) -> Plan:
-    """A plan with the given degrees and an even split of the units over ``pp * v`` stages.
+    """A plan with the given degrees and ``pp * v`` stages cut as the framework's stack cuts
+    them when no cut is stated (`FrameworkProfile.pipeline_split`: Megatron-LM's even layers,
+    nanotron's compute-balanced blocks), else evenly over the units.
 
     ``dp`` defaults to ``cluster.num_devices / (tp * pp * cp)``; ``cp`` is the context-parallel
     degree, ``ep`` the expert-parallel one (carved out of dp, or with ``ep_folding`` out of the
@@ -161,7 +166,36 @@ def manual_plan(
         framework=framework,
     )
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
+    stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
+    if stages is not None:
+        plan = dataclasses.replace(plan, stages=stages)
+        plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
+
+
+def framework_stages(
+    profile: ModelProfile, framework: str, num_stages: int, recompute: Recompute
+) -> tuple[StagePlan, ...] | None:
+    """The ``num_stages`` stages ``framework``'s stack cuts the model into when no cut is
+    stated (`cost_model.stage_splits`), or None where it has no rule of its own or its rule
+    does not apply; `PlanError` where its cut falls inside one of autoplan's units."""
+    rule = framework_profile(framework).pipeline_split
+    if rule is None or num_stages == 1:
+        return None
+    try:
+        starts = stage_starts(profile, num_stages, rule)
+    except StageSplitError as err:
+        raise PlanError(
+            f"{err}; price another pipeline degree, or a plan with its own stages "
+            "(autoplan plan, or a plan file's stages)"
+        ) from err
+    if starts is None:
+        return None
+    ends = [*starts[1:], profile.num_units]
+    return tuple(
+        StagePlan(first_unit=first, last_unit=end - 1, recompute=recompute)
+        for first, end in zip(starts, ends, strict=True)
+    )
 
 
 def default_dp(cluster: Cluster, tp: int, pp: int) -> int:

@@ -3,10 +3,9 @@
 Reads bench/data/published_runs.yaml (measured runs with citations) and
 bench/data/validation_assumptions.yaml (how each run maps to a plan, what its row leaves out,
 and whether the presets' constants were fitted to it). For each run it builds the model from the
-zoo on the meta device, traces it (`autoplan.trace`), makes the plan (`autoplan.manual_plan`, with
-the stages of the stack that ran it: Megatron-style by default, transformer layers split evenly,
-embedding on the first stage, head on the last; a row's `pipeline_split` names another rule)
-and compares the cost model's step time with the published one.
+zoo on the meta device, traces it (`autoplan.trace`), makes the plan (`autoplan.manual_plan`
+for the framework that ran it, whose profile cuts the pipeline stages as that stack does:
+`cost_model.stage_splits`) and compares the cost model's step time with the published one.
 
     python bench/validate_published.py            # every row, then median / max |error|
     python bench/validate_published.py --json     # machine-readable
@@ -30,13 +29,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import yaml
 from torch import nn
 
 from autoplan.api import manual_plan
-from autoplan.contract.plan import Plan, StagePlan
+from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
@@ -74,16 +73,6 @@ class ModelDims:
         return self.head_dim or self.hidden_size // self.num_heads
 
 
-# How a row's stack splits the model over pipeline stages (a row's `pipeline_split`):
-# - blocks: Megatron-LM's default, blocks evenly, embedding first and head last
-#   (`layer_balanced_stages`);
-# - embedding_and_loss_as_layers: Megatron-LM's --account-for-embedding-in-pipeline-split
-#   --account-for-loss-in-pipeline-split, the embedding and the loss each count as a layer;
-# - nanotron: nanotron's split by block compute cost (`nanotron_compute_balanced_stages`).
-PipelineSplit = Literal["blocks", "embedding_and_loss_as_layers", "nanotron"]
-PIPELINE_SPLITS: tuple[PipelineSplit, ...] = ("blocks", "embedding_and_loss_as_layers", "nanotron")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
     """One published run, ready to predict."""
@@ -105,8 +94,6 @@ class Case:
     published_memory_bytes: float | None = None
     # why the run fits although the prediction does not (from its source), if it does not
     memory_note: str = ""
-    # How the stack that ran the row cut the model into pipeline stages (`PIPELINE_SPLITS`).
-    pipeline_split: PipelineSplit = "blocks"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -370,11 +357,6 @@ def build_case(
         framework = f"{framework}:{options}"
     how = extra.pop("throughput", fam["throughput"])
     reason = extra.pop("reason", "")
-    split = extra.pop("pipeline_split", "blocks")
-    if split not in PIPELINE_SPLITS:
-        raise ValueError(
-            f"{run_id}: unknown pipeline_split {split!r}; known: {', '.join(PIPELINE_SPLITS)}"
-        )
     memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
     published_gib = row["measured"].get("peak_memory_gib")
     merged = {**{k: v for k, v in config.items() if v is not None}, **extra}
@@ -418,7 +400,6 @@ def build_case(
         published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
         published_memory_bytes=None if published_gib is None else float(published_gib) * 2**30,
         memory_note=memory_note,
-        pipeline_split=split,
     )
 
 
@@ -546,137 +527,10 @@ def _profile_for(dims: ModelDims) -> ModelProfile:
     return profile
 
 
-def layer_balanced_stages(
-    profile: ModelProfile,
-    num_stages: int,
-    recompute: str,
-    embedding_and_loss_as_layers: bool = False,
-) -> tuple[StagePlan, ...] | None:
-    """Megatron-LM's split: blocks evenly, the embedding with the first stage and the head with
-    the last (None when the blocks do not divide evenly). With ``embedding_and_loss_as_layers``
-    (Megatron-LM's --account-for-embedding-in-pipeline-split and
-    --account-for-loss-in-pipeline-split) the embedding and the loss count as one layer each: the
-    first and last stages hold one block fewer."""
-    blocks = [i for i, u in enumerate(profile.units) if u.kind == "block"]
-    slots = len(blocks) + (2 if embedding_and_loss_as_layers else 0)
-    if not blocks or slots % num_stages:
-        return None
-    per = slots // num_stages
-    # block index (into `blocks`) that starts stage s
-    shift = 1 if embedding_and_loss_as_layers else 0
-    starts = [0] + [s * per - shift for s in range(1, num_stages)]
-    if embedding_and_loss_as_layers and per < 2 and num_stages > 1:
-        return None  # a first or last stage without a block: not modelled
-    stages = []
-    for s in range(num_stages):
-        first = 0 if s == 0 else blocks[starts[s]]
-        last = profile.num_units - 1 if s == num_stages - 1 else blocks[starts[s + 1] - 1]
-        stages.append(StagePlan(first_unit=first, last_unit=last, recompute=recompute))  # type: ignore[arg-type]
-    return tuple(stages)
-
-
-class _NanotronBlock(NamedTuple):
-    """One of nanotron's `PipelineBlock`s: the autoplan unit it belongs to and its cost."""
-
-    unit: int  # index into `ModelProfile.units`
-    cost: int  # nanotron's `get_block_compute_costs` entry (0 for a block it does not list)
-
-
-def nanotron_compute_balanced_stages(
-    profile: ModelProfile, dims: ModelDims, num_stages: int, recompute: str
-) -> tuple[StagePlan, ...]:
-    """nanotron's pipeline split: its pipeline blocks in module order, each on the current rank,
-    which moves on to the next once the running compute cost exceeds that rank's share.
-
-    Re-implemented from huggingface/nanotron at 67c5ebb6 (branch nouamane/bench2, 2024-12-27,
-    the Ultra-Scale Playbook's benchmark stack; main has the same rule at 01de8d94, 2024-02,
-    and at 2411b022, 2026-04):
-
-    - `build_model` (src/nanotron/models/base.py): with the cumulative cost ``c_i`` after block
-      ``i`` and the total ``C``, block ``i`` goes to the current rank ``r`` (starting at 0), and
-      ``r`` advances by one when ``c_i > C (r + 1) / pp`` (strictly; at most one rank a block);
-    - `LlamaModel.get_block_compute_costs` (src/nanotron/models/llama.py): a decoder layer costs
-      ``4 a (h // a) h + 3 f h`` (a heads, hidden h, ffn f), the lm_head ``V h``; every other
-      block 0;
-    - the pipeline blocks of `LlamaForTraining`, in module order: the embedding, the decoder
-      layers, the final norm, the lm_head, the cast of the logits to fp32, the loss.
-
-    autoplan's units are the embedding, the blocks, and the head (final norm and lm_head; the
-    loss is priced with the head): the last four nanotron blocks are the head's. Raises
-    ValueError when nanotron would put them on two ranks (the 1.3B model on 8 stages puts the
-    cast and the loss alone on the last rank) or leave a rank without a block.
-    """
-    if dims.ffn_hidden_size is None or dims.num_experts is not None:
-        raise ValueError(
-            "nanotron's split is priced for its dense llama with a stated ffn_hidden_size; got "
-            f"ffn_hidden_size {dims.ffn_hidden_size}, num_experts {dims.num_experts}"
-        )
-    h, a, f, v = dims.hidden_size, dims.num_heads, dims.ffn_hidden_size, dims.vocab_size
-    model = f"{dims.num_layers} layers, hidden {h}, ffn {f}, vocab {v}"
-    decoder_cost = 4 * a * (h // a) * h + 3 * f * h
-    blocks: list[_NanotronBlock] = []
-    for idx, unit in enumerate(profile.units):
-        if unit.kind == "embedding":
-            blocks.append(_NanotronBlock(unit=idx, cost=0))
-        elif unit.kind == "block":
-            blocks.append(_NanotronBlock(unit=idx, cost=decoder_cost))
-        elif unit.kind == "head":  # final norm, lm_head, fp32 cast, loss
-            blocks += [_NanotronBlock(unit=idx, cost=c) for c in (0, v * h, 0, 0)]
-        else:
-            raise ValueError(f"unit {unit.name!r} of kind {unit.kind!r} has no nanotron block")
-
-    total = sum(b.cost for b in blocks)
-    stage_of_unit: dict[int, set[int]] = {}
-    stage, cumulative = 0, 0
-    for block in blocks:
-        stage_of_unit.setdefault(block.unit, set()).add(stage)
-        cumulative += block.cost
-        # nanotron's threshold, in floating point as it computes it: C * ((r + 1) / pp)
-        if cumulative > total * ((stage + 1) / num_stages):
-            stage += 1
-
-    if split := [profile.units[u].name for u, s in stage_of_unit.items() if len(s) > 1]:
-        raise ValueError(
-            f"nanotron's split of {model} over {num_stages} stages puts parts of unit(s) "
-            f"{split} on different ranks; autoplan cannot cut inside a unit: give the row "
-            "status unscored without this split"
-        )
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for unit, (s,) in sorted(stage_of_unit.items()):
-        first.setdefault(s, unit)
-        last[s] = unit
-    if len(first) != num_stages:
-        raise ValueError(
-            f"nanotron's split of {model} over {num_stages} stages fills only {len(first)} "
-            "ranks (nanotron refuses a rank without parameters)"
-        )
-    return tuple(
-        StagePlan(first_unit=first[s], last_unit=last[s], recompute=recompute)  # type: ignore[arg-type]
-        for s in range(num_stages)
-    )
-
-
-def pipeline_stages(
-    case: Case, profile: ModelProfile, num_stages: int
-) -> tuple[StagePlan, ...] | None:
-    """The stages of the row's stack (`Case.pipeline_split`), or None for the plan's own."""
-    recompute = case.plan_args["recompute"]
-    if case.pipeline_split == "nanotron":
-        if case.plan_args["virtual_stages"] != 1:
-            raise ValueError(f"{case.run_id}: nanotron has no virtual pipeline stages")
-        return nanotron_compute_balanced_stages(profile, case.dims, num_stages, recompute)
-    as_layers = case.pipeline_split == "embedding_and_loss_as_layers"
-    return layer_balanced_stages(profile, num_stages, recompute, as_layers)
-
-
 def predict(case: Case, cluster: Cluster | None = None) -> Result:
     cluster = cluster or case.cluster
     profile = profile_for(case.dims)
     plan: Plan = manual_plan(profile, cluster, **case.plan_args)
-    balanced = pipeline_stages(case, profile, plan.num_stages)
-    if balanced is not None:
-        plan = dataclasses.replace(plan, stages=balanced, estimate=None)
     est = estimate(profile, cluster, plan)
     return Result(case=case, estimate=est, step_time_s=est.step_time_s)
 

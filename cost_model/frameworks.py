@@ -38,6 +38,7 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
+from cost_model.stage_splits import PipelineSplit
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -102,10 +103,14 @@ class FrameworkProfile:
     # A MoE layer's shared expert under sequence parallelism: "whole" on each TP rank's own
     # tokens, or "tensor-parallel" like the dense MLPs; ``None``: autoplan's runtime ("whole").
     moe_shared_expert: Literal["whole", "tensor-parallel"] | None = None
+    # How the stack cuts the model into pipeline stages when no cut is stated
+    # (`cost_model.stage_splits`): `autoplan.manual_plan` builds that cut for this framework;
+    # ``None``: autoplan's even split of the units.
+    pipeline_split: PipelineSplit | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
-    options: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+    options: Mapping[str, Mapping[str, Mapping[str, float | str]]] = field(default_factory=dict)
 
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
         """``cluster`` with this stack's behaviour in its calibration."""
@@ -226,8 +231,15 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # SharedExpertMLP is built with the dense layers' TP config (column- and row-parallel
             # linears, megatron/core/transformer/moe/shared_experts.py)
             moe_shared_expert="tensor-parallel",
+            # get_num_layers_to_build: the layers evenly over the stages unless a layout, uneven
+            # first and last stages or --account-for-embedding/loss-in-pipeline-split say else
+            pipeline_split="layers",
             options={
-                "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}}
+                "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
+                "split": {
+                    "layers": {"pipeline_split": "layers"},
+                    "layers-with-edges": {"pipeline_split": "layers-with-edges"},
+                },
             },
             sources=(
                 "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
@@ -251,7 +263,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dp_overlap=1.0,
             # Recompute and what its 1F1B engine keeps of a sent activation are not described
             # (autoplan's defaults): the scored Ultra-Scale Playbook runs use neither.
+            # build_model cuts the stages by its blocks' compute cost (no flag states a cut).
+            pipeline_split="nanotron",
             sources=(
+                "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
                 "huggingface/nanotron src/nanotron/trainer.py (DDP)",
             ),
@@ -273,6 +288,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # 'torch' is torch's DDP, whose buckets overlap the backward.
             dp_overlap=0.0,
             options={"ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}}},
+            # the layers evenly over the stages (megatron/model/transformer.py, ParallelTransformer
+            # asserts that the stages divide them), the embedding first and the head last
+            pipeline_split="layers",
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -301,7 +319,12 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dp_overlap=1.0,
             engine="deepspeed-pipe",
             zero3_gathers="per-module",
+            # GPTModelPipe's PipelineModule(partition_method="type:transformer"): the decoder
+            # layers balanced over the stages (evenly where they divide; where they do not,
+            # autoplan's even split of the units stands in for DeepSpeed's balanced one)
+            pipeline_split="layers",
             sources=(
+                "bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py (GPTModelPipe)",
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/bf16_optimizer.py (2022)",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py (2022)",
@@ -396,7 +419,7 @@ def framework_profile(spec: str) -> FrameworkProfile:
             f"(default {DEFAULT_FRAMEWORK})"
         )
     profile = FRAMEWORKS[name]
-    changes: dict[str, float] = {}
+    changes: dict[str, float | str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, _, value = item.partition("=")
         choices = profile.options.get(key.strip(), {})

@@ -84,7 +84,7 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     # the others: tensor parallelism at micro-batch 1 (with or without pipeline stages)
     nanotron = [r for r in rows if r["id"] in beyond - known and r["id"].startswith("nanotron-")]
     assert all("-mb1-" in r["id"] and "t1p" not in r["id"] for r in nanotron), nanotron
-    # nanotron's compute-balanced pipeline stages (`pipeline_split: nanotron`): every
+    # nanotron's compute-balanced pipeline stages (the nanotron profile's split): every
     # single-node PP run scored but the 1.3B on 8 stages, whose loss nanotron puts apart from
     # its lm_head, inside autoplan's head unit.
     pp_runs = {r["id"] for r in rows if re.search(r"^nanotron-usp-1node-.*p[248]-", r["id"])}
@@ -264,7 +264,7 @@ def test_megatron_flop_count_reproduces_the_printed_tflops() -> None:
     )
     assert isinstance(case, Case) and case.dims.num_experts == 128 and case.dims.head_dim == 128
     assert (case.plan_args["ep"], case.plan_args["cp"], case.plan_args["dp"]) == (8, 1, 8)
-    assert case.pipeline_split == "embedding_and_loss_as_layers"
+    assert case.plan_args["framework"] == "megatron-lm:split=layers-with-edges"
     # the derived step of the collector (published_runs_moe.yaml) from the same formula
     assert case.published_step_s == pytest.approx(11.37, abs=0.01)
     cp = validate_published.build_case(rows["automodel-h100-llama3.1-70b-64g-cp2"], assumptions)
@@ -276,17 +276,3 @@ def test_megatron_flop_count_reproduces_the_printed_tflops() -> None:
         validate_published.check_expressible(
             rows["mcore-moezoo-h100-mixtral-8x22b-128g-forced-balance"]
         )
-
-
-def test_megatron_split_counts_the_embedding_and_the_loss_as_layers() -> None:
-    from autoplan import models
-    from autoplan.tracing import trace
-
-    profile = trace(models.llama(10, 64, 4, 16, 97)).profile
-    blocks = [i for i, u in enumerate(profile.units) if u.kind == "block"]
-    stages = validate_published.layer_balanced_stages(profile, 4, "none", True)
-    assert stages is not None
-    per_stage = [sum(1 for i in blocks if s.first_unit <= i <= s.last_unit) for s in stages]
-    assert per_stage == [2, 3, 3, 2]  # (10 + 2) / 4 = 3 a stage, one fewer at either end
-    assert stages[0].first_unit == 0 and stages[-1].last_unit == profile.num_units - 1
-    assert validate_published.layer_balanced_stages(profile, 4, "none") is None  # 10 % 4
