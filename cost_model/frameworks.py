@@ -38,6 +38,7 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
+from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit
 from cost_model.workload import ModelProfile
 
@@ -107,6 +108,16 @@ class FrameworkProfile:
     # (`cost_model.stage_splits`): `autoplan.manual_plan` builds that cut for this framework;
     # ``None``: autoplan's even split of the units.
     pipeline_split: PipelineSplit | None = None
+    # "own": the stack cuts the stages itself (`pipeline_split`, else evenly over the units)
+    # and takes no stated cut, so the search prices that cut only; ``None``: a plan may state
+    # any cut (autoplan's runtime, Megatron-LM's --pipeline-model-parallel-layout, torchtitan's
+    # split points).
+    stage_cuts: Literal["own"] | None = None
+    # The pipeline schedules the stack runs (the search keeps to them); ``None``: every one
+    # autoplan's runtime builds (torch.distributed.pipelining's).
+    schedules: tuple[ScheduleName, ...] | None = None
+    # False: the stack has no Megatron-style sequence parallelism (the search leaves it out).
+    sequence_parallel: bool | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -234,6 +245,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # get_num_layers_to_build: the layers evenly over the stages unless a layout, uneven
             # first and last stages or --account-for-embedding/loss-in-pipeline-split say else
             pipeline_split="layers",
+            # get_forward_backward_func: 1F1B, or interleaved 1F1B with virtual stages
+            # (megatron/core/pipeline_parallel/schedules.py)
+            schedules=("1f1b", "interleaved-1f1b"),
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
                 "split": {
@@ -265,6 +279,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # (autoplan's defaults): the scored Ultra-Scale Playbook runs use neither.
             # build_model cuts the stages by its blocks' compute cost (no flag states a cut).
             pipeline_split="nanotron",
+            stage_cuts="own",
+            # its PipelineEngines: all-forward-all-backward and 1F1B
+            # (src/nanotron/parallel/pipeline_parallel/engine.py)
+            schedules=("gpipe", "1f1b"),
             sources=(
                 "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
@@ -291,6 +309,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # the layers evenly over the stages (megatron/model/transformer.py, ParallelTransformer
             # asserts that the stages divide them), the embedding first and the head last
             pipeline_split="layers",
+            stage_cuts="own",
+            # megatron/schedules.py: 1F1B, interleaved 1F1B with --virtual-pipeline-model-
+            # parallel-size (Narayanan et al. 2021)
+            schedules=("1f1b", "interleaved-1f1b"),
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -323,6 +345,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # layers balanced over the stages (evenly where they divide; where they do not,
             # autoplan's even split of the units stands in for DeepSpeed's balanced one)
             pipeline_split="layers",
+            stage_cuts="own",
+            # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
+            schedules=("1f1b",),
             sources=(
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py (GPTModelPipe)",
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
@@ -354,6 +379,13 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # ZeRO-3 gathers module by module, coalesced up to stage3_prefetch_bucket_size
             # (deepspeed/runtime/zero/partitioned_param_coordinator.py).
             zero3_gathers="per-module",
+            # PipelineModule(partition_method="uniform"), as `autoplan export` writes it: the
+            # layers evenly (deepspeed/runtime/utils.py, partition_uniform), autoplan's even split
+            stage_cuts="own",
+            # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
+            schedules=("1f1b",),
+            # sequence_parallel_size is Ulysses attention-head parallelism (deepspeed/sequence)
+            sequence_parallel=False,
             sources=(
                 "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",

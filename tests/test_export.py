@@ -669,3 +669,18 @@ def test_cli_bad_input_is_one_line(llama8b: Any, tmp_path: Path) -> None:
     json_error = run_cli("export", str(plan_path), "--to", "megatron-lm", "--json")
     assert json.loads(json_error.stdout)["kind"] == "ExportError"
     assert "Traceback" not in json_error.stderr
+
+
+def test_a_plan_searched_for_deepspeed_exports_to_it(llama8b: Any) -> None:
+    """The search keeps to what DeepSpeed's pipeline engine runs (its uniform partition, 1F1B,
+    no sequence parallelism): the plan it returns exports without an error. (Its limits on TP
+    and on ZeRO-2/3 with PP are the export's alone: the search is given tp 1 and ZeRO 0-1.)"""
+    plan = autoplan.search(
+        llama8b, CLUSTER, global_batch=64, pp=2, tp=1, zero=[0, 1], framework="deepspeed",
+        budget_s=2.0,
+    )  # fmt: skip
+    assert plan.schedule == "1f1b" and plan.virtual_stages == 1
+    assert not plan.sequence_parallel
+    exported = export_plan(plan, "deepspeed", devices_per_node=8)
+    config = json.loads(exported.files["ds_config.json"])
+    assert config["train_batch_size"] == 64

@@ -3,11 +3,13 @@ and `autoplan.manual_plan` cutting a framework's plan as its stack does."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import autoplan
 from autoplan import models
-from autoplan.contract.errors import PlanError
+from autoplan.contract.errors import InputError, PlanError
 from cost_model.stage_splits import (
     StageSplitError,
     megatron_stage_starts,
@@ -91,3 +93,33 @@ def test_manual_plan_cuts_a_frameworks_plan_as_its_stack_does(llama: ModelProfil
     with pytest.raises(PlanError, match="different ranks") as err:
         firsts("nanotron", 4)
     assert "\n" not in str(err.value)
+
+
+def test_the_search_prices_a_stacks_own_cut_only(llama: ModelProfile) -> None:
+    """A stack that cuts its stages itself (nanotron, DeepSpeed's uniform partition) gets plans
+    with that cut and one recompute mode throughout; autoplan's runtime takes any cut."""
+    cluster = autoplan.Cluster.local(num_devices=2)
+    found = {}
+    for framework, firsts in (("nanotron", [0, 6]), ("deepspeed", [0, 4])):
+        plan = autoplan.search(
+            llama, cluster, global_batch=8, pp=2, budget_s=None, framework=framework
+        )
+        assert [stage.first_unit for stage in plan.stages] == firsts, framework
+        assert len({stage.recompute for stage in plan.stages}) == 1
+        found[framework] = plan
+    # autoplan's runtime takes any cut and any schedule: its proven best is at least as fast
+    # as nanotron's plan priced for autoplan's runtime
+    free = autoplan.search(llama, cluster, global_batch=8, pp=2, budget_s=None)
+    theirs = dataclasses.replace(found["nanotron"], framework="autoplan", estimate=None)
+    assert free.estimate is not None
+    assert free.estimate.step_time_s <= autoplan.estimate(llama, cluster, theirs).step_time_s
+
+
+def test_the_search_keeps_to_a_stacks_schedules(llama: ModelProfile) -> None:
+    cluster = autoplan.Cluster.local(num_devices=2)
+    plan = autoplan.search(llama, cluster, global_batch=8, pp=2, framework="megatron-lm")
+    assert plan.schedule in ("1f1b", "interleaved-1f1b")
+    with pytest.raises(InputError, match="megatron-lm runs only 1f1b, interleaved-1f1b"):
+        autoplan.search(
+            llama, cluster, global_batch=8, pp=2, schedules=["zbv"], framework="megatron-lm"
+        )

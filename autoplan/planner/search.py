@@ -44,20 +44,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoplan.contract.errors import NoFeasiblePlanError
-from autoplan.contract.plan import ModelRef, Plan, Recompute, StagePlan, plan_estimate
+from autoplan.contract.plan import (
+    ModelRef,
+    Plan,
+    Recompute,
+    StagePlan,
+    even_stages,
+    plan_estimate,
+)
 from autoplan.planner.bounds import pipeline_factor, share_range
 from autoplan.planner.partition import (
     ModeCosts,
     Partition,
     PartitionProblem,
     SolveStats,
+    evaluate,
     even_splits,
     fastest_fitting,
     heuristic,
     min_peak_memory,
     solve,
 )
-from autoplan.planner.space import SearchSpace, recompute_modes, strategies
+from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
 from cost_model.estimate import (
     CostModel,
     MemoryConstants,
@@ -69,6 +77,7 @@ from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.stage_splits import StageSplitError, stage_starts
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -200,6 +209,22 @@ def search_plans(
         )
     space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
+    stack = framework_profile(framework)
+    if stack.schedules is not None:
+        # the schedules the framework's stack runs
+        kept = tuple(schedule for schedule in space.schedules if schedule in stack.schedules)
+        if not kept:
+            raise ConstraintError(
+                f"schedules={list(space.schedules)}: {framework} runs only "
+                f"{', '.join(stack.schedules)}; allow one of them"
+            )
+        space = replace(space, schedules=kept)
+    if stack.sequence_parallel is False:
+        if space.sequence_parallel == (True,):
+            raise ConstraintError(
+                f"sequence_parallel=True: {framework} has no Megatron-style sequence parallelism"
+            )
+        space = replace(space, sequence_parallel=(False,))
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
         # autoplan's runtime runs both
@@ -211,6 +236,7 @@ def search_plans(
 
     model = CostModel(profile, cluster, framework)
     tables = _BoundTables(model)
+    own_cuts = _OwnCuts(profile, framework)
     # Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
     # (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
     # dtype): a proven lower bound on its step, and a floor under its order key. Per-unit
@@ -270,14 +296,14 @@ def search_plans(
             break
         order, candidate = entry
         problem = problems[order] = _problem(candidate, model)
-        splits[order] = even_splits(problem)
+        splits[order] = own_cuts.splits(problem) if own_cuts.only else even_splits(problem)
         found = fastest_fitting(problem, splits[order])
         if found is not None:
             offer(order, candidate, found)
         seeded.append((found.step_time_s if found else math.inf, order, candidate))
     seeded.sort(key=lambda item: (item[0], item[1]))
     improve_end = t0 + _IMPROVE_SHARE * (deadline - t0)
-    for _, order, candidate in seeded[: max(_IMPROVED, top_k)]:
+    for _, order, candidate in seeded[: 0 if own_cuts.only else max(_IMPROVED, top_k)]:
         if best and time.perf_counter() > improve_end:
             break
         found, _ = heuristic(problems[order], deadline=improve_end, splits=splits[order])
@@ -324,7 +350,13 @@ def search_plans(
         problem = problems.pop(order) if order in problems else _problem(candidate, model)
         key = problem.content_key()
         t0 = time.perf_counter()
-        if key in solved:
+        if own_cuts.only:
+            # the stack's own cut, one recompute mode throughout: nothing to solve
+            found = fastest_fitting(problem, splits.pop(order, []) or own_cuts.splits(problem))
+            solve_stats = SolveStats(
+                status="OPTIMAL" if found else "INFEASIBLE", wall_time_s=0.0, num_variables=0
+            )
+        elif key in solved:
             # Another outer choice with identical tables (e.g. a rank layout that places every
             # group alike) was solved already; the cutoff only ever falls, so a cutoff verdict
             # still holds.
@@ -828,6 +860,41 @@ class _RecomputeCurve:
             time += slope * used
             excess -= used
         return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
+
+
+class _OwnCuts:
+    """The stage cut of a framework that cuts its stages itself (`FrameworkProfile.stage_cuts`
+    "own": its `pipeline_split`, else evenly over the units), by number of stages."""
+
+    def __init__(self, profile: ModelProfile, framework: str) -> None:
+        stack = framework_profile(framework)
+        self.only = stack.stage_cuts == "own"
+        self._profile = profile
+        self._rule = stack.pipeline_split
+        self._starts: dict[int, tuple[int, ...] | None] = {}
+
+    def starts(self, num_stages: int) -> tuple[int, ...] | None:
+        """The first unit of each stage; None where the stack cannot cut the model so."""
+        if num_stages not in self._starts:
+            starts: tuple[int, ...] | None = None
+            if num_stages <= self._profile.num_units:
+                try:
+                    if self._rule is not None:
+                        starts = stage_starts(self._profile, num_stages, self._rule)
+                    if starts is None:
+                        even = even_stages(self._profile.num_units, num_stages)
+                        starts = tuple(stage.first_unit for stage in even)
+                except StageSplitError:
+                    starts = None
+            self._starts[num_stages] = starts
+        return self._starts[num_stages]
+
+    def splits(self, problem: PartitionProblem) -> list[Partition]:
+        """That cut under each recompute mode, evaluated (empty where there is none)."""
+        starts = self.starts(problem.num_stages)
+        if starts is None:
+            return []
+        return [evaluate(problem, starts, (mode,) * len(starts)) for mode in problem.modes]
 
 
 def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
