@@ -126,21 +126,7 @@ def test_a_job_that_loses_a_node_replans_and_reshards(tmp_path: Path) -> None:
     assert match, output[-3000:]
     resumed = int(match.group(2))
     assert resumed % EVERY == 0 and EVERY <= resumed <= killed_at
-    records = losses(log)
-    assert records[-1][0] == STEPS
-    # the records from the resumed run on (a step is repeated unless the first run stopped
-    # right at its last checkpoint)
-    restart = max(i for i, (step, _) in enumerate(records) if step == resumed + 1)
-    for step, loss in records[:restart]:
-        assert loss == expected[step]  # the 4-process job before the loss: the same plan
-    for step, loss in records[restart:]:
-        # The 2-process plan sums in another order than the 4-process one (a pipeline instead
-        # of data-parallel gradient sums): the first steps after the reshard agree to fp32
-        # rounding (measured: <= 1e-7), then the difference grows step by step through Adam
-        # (measured: up to 1e-4 by step 40). A wrong resume (weights, Adam moments, data
-        # position) differs by 1e-2 or more at once.
-        tolerance = 1e-6 if step <= resumed + 4 else 1e-3
-        assert loss == pytest.approx(expected[step], rel=tolerance), (step, loss, expected[step])
+    _assert_resharded_losses(losses(log), expected, resumed, STEPS)
 
 
 @pytest.mark.slow
@@ -191,15 +177,26 @@ def test_a_job_that_gains_a_node_replans_and_reshards(tmp_path: Path) -> None:
     assert match, output[-3000:]
     resumed = int(match.group(1))
     assert resumed % EVERY == 0 and resumed < steps, resumed  # joined while it trained
-    records = losses(log)
+    _assert_resharded_losses(losses(log), expected, resumed, steps)
+
+
+def _assert_resharded_losses(
+    records: list[tuple[int, float]], expected: dict[int, float], resumed: int, steps: int
+) -> None:
+    """Every step's loss of a job re-planned after step ``resumed``: the records up to the
+    re-plan equal the uninterrupted run's (the same plan), the later ones agree with them up to
+    summation order."""
     assert records[-1][0] == steps
     # the records from the resumed run on (a step is repeated unless the first run stopped
     # right at its last checkpoint)
     restart = max(i for i, (step, _) in enumerate(records) if step == resumed + 1)
     for step, loss in records[:restart]:
-        assert loss == expected[step]  # the 2-process job before the join: the same plan
+        assert loss == expected[step], (step, loss, expected[step])
     for step, loss in records[restart:]:
-        # another plan, another summation order: fp32 rounding at first, then growing slowly
-        # through Adam (as after a lost node, above); a wrong resume differs by 1e-2 at once
+        # The new plan sums in another order than the old one (a pipeline instead of
+        # data-parallel gradient sums, or the reverse): the first steps after the reshard agree
+        # to fp32 rounding (measured: <= 1e-7), then the difference grows step by step through
+        # Adam (measured: up to 1e-4 by step 40). A wrong resume (weights, Adam moments, data
+        # position) differs by 1e-2 or more at once.
         tolerance = 1e-6 if step <= resumed + 4 else 1e-3
         assert loss == pytest.approx(expected[step], rel=tolerance), (step, loss, expected[step])
