@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -590,46 +591,58 @@ def profile_unit(
     # The last pack of the forward: the node that ran it, and whether the packed tensor existed
     # before that node (its input or a parameter) or is the node's own output.
     last_pack: list[tuple[str, bool]] = []
+    boxes: list[weakref.ref[_Saved]] = []
 
-    def pack(tensor: Tensor) -> Tensor:
+    def pack(tensor: Tensor) -> _Saved:
         key = storage_key(tensor)
         preexisting = key in producers or key in runner.state.keys
         last_pack[:] = [(current[0], preexisting)]
         if key not in saved and key not in runner.state.keys:
             size = int(tensor.untyped_storage().nbytes())
             saved[key] = SavedStorage(size, producers.get(key, current[0]))
-        return tensor
+        box = _Saved(tensor)
+        boxes.append(weakref.ref(box))
+        return box
 
-    with torch.enable_grad(), torch.device(META), _MetaCalls(), meter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    try:
+        with torch.enable_grad(), torch.device(META), _MetaCalls(), meter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
+                for node in nodes:
+                    args = fx.node.map_arg(node.args, load)
+                    kwargs = fx.node.map_arg(node.kwargs, load)
+                    measure = NodeMeasure()
+                    current[0] = node.name
+                    # A placeholder's value is made here, not computed by the model: not metered.
+                    meter.current = measure if node.op != "placeholder" else None
+                    try:
+                        value = runner.run(node, args, kwargs)
+                    except Exception as error:
+                        reason = str(error).splitlines()[0] if str(error) else ""
+                        raise TraceError(
+                            f"cannot run {_describe(node, module_path(node))} on the meta device: "
+                            f"{type(error).__name__}: {reason}; mark the module a leaf "
+                            "(trace(..., leaf_modules=[...])) or make the operation shape-static"
+                        ) from error
+                    finally:
+                        meter.current = None
+                    outputs = list(tensor_leaves(value))
+                    for tensor in outputs:
+                        producers.setdefault(storage_key(tensor), node.name)
+                    measure.output = spec_of(value)
+                    measure.output_bytes = float(sum(nbytes(t) for t in outputs))
+                    measure.num_tensor_outputs = len(outputs)
+                    measures[node.name] = measure
+                    env[node] = value
             for node in nodes:
-                args = fx.node.map_arg(node.args, load)
-                kwargs = fx.node.map_arg(node.kwargs, load)
-                measure = NodeMeasure()
-                current[0] = node.name
-                # A placeholder's value is made here, not computed by the model: not metered.
-                meter.current = measure if node.op != "placeholder" else None
-                try:
-                    value = runner.run(node, args, kwargs)
-                except Exception as error:
-                    reason = str(error).splitlines()[0] if str(error) else ""
-                    raise TraceError(
-                        f"cannot run {_describe(node, module_path(node))} on the meta device: "
-                        f"{type(error).__name__}: {reason}; mark the module a leaf "
-                        "(trace(..., leaf_modules=[...])) or make the operation shape-static"
-                    ) from error
-                finally:
-                    meter.current = None
-                outputs = list(tensor_leaves(value))
-                for tensor in outputs:
-                    producers.setdefault(storage_key(tensor), node.name)
-                measure.output = spec_of(value)
-                measure.output_bytes = float(sum(nbytes(t) for t in outputs))
-                measure.num_tensor_outputs = len(outputs)
-                measures[node.name] = measure
-                env[node] = value
-        for node in nodes:
-            _measure_backward(node, env, load, runner, meter, measures[node.name])
+                _measure_backward(node, env, load, runner, meter, measures[node.name])
+    finally:
+        # A saved output holds its own grad_fn: its box's reference to it would keep the
+        # unit's autograd graph, and through ``pack`` the runner and the model, alive for ever
+        # (a cycle through C++ that Python's collector does not see).
+        for ref in boxes:
+            box = ref()
+            if box is not None:
+                box.tensor = None
 
     for storage in saved.values():
         if storage.producer != INPUT:
@@ -639,6 +652,20 @@ def profile_unit(
         saved=tuple(saved.values()),
         recompute_tail=_recompute_tail(nodes, last_pack),
     )
+
+
+class _Saved:
+    """What the autograd graph of a unit's forward keeps of a saved tensor: the tensor, until
+    `profile_unit` returns (so that nothing it saved outlives the unit)."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor: Tensor | None = tensor
+
+    def unpack(self) -> Tensor:
+        assert self.tensor is not None, "a unit's forward graph is not differentiated"
+        return self.tensor
 
 
 def _recompute_tail(nodes: Sequence[fx.Node], last_pack: list[tuple[str, bool]]) -> tuple[str, ...]:
