@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -13,9 +14,10 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from autoplan.models import gpt, llama, preset, preset_config
+from autoplan.models import gpt, llama, moe, preset, preset_config
 from autoplan.tracing import ModelGraph, trace
 from autoplan.tracing import api as trace_api
+from autoplan.tracing import profiler as trace_profiler
 from autoplan.tracing.fingerprint import fingerprint
 from autoplan.tracing.tracer import _Tracer, trace_model
 from cost_model.workload import TpLinear
@@ -308,6 +310,35 @@ def test_identical_blocks_are_profiled_once(monkeypatch: pytest.MonkeyPatch) -> 
     assert (q5.unit, q5.module_path) == (6, "blocks.5.attn.q_proj")
     assert (q5.forward_flops, q5.gemm, q5.tp) == (q0.forward_flops, q0.gemm, q0.tp)
     assert [op.name for op in units[6].ops][:1] == ["blocks_5_attn_norm"]
+
+
+def test_remembered_meta_work_changes_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Meta kernels answered from memory and backward FLOPs reused by equal node calls give the
+    # figures of running every kernel and every backward.
+    def build() -> list[nn.Module]:
+        tiny_moe = moe(2, H, HEADS, S, V, 4, 2, 32, num_shared_experts=1, num_dense_layers=1)
+        return [small_gpt(num_layers=3), small_llama(num_layers=3), tiny_moe]
+
+    runs: list[str] = []
+    real = trace_profiler._run_backward
+
+    def counting(node: fx.Node, *args: Any) -> bool:
+        runs.append(node.name)
+        return real(node, *args)
+
+    monkeypatch.setattr(trace_profiler, "_run_backward", counting)
+    remembered = [trace(model) for model in build()]
+    reused = len(runs)
+    monkeypatch.setattr(
+        trace_profiler.MetaKernels, "run", lambda self, func, info, a, kw: func(*a, **kw)
+    )
+    monkeypatch.setattr(trace_profiler.NodeRunner, "call_key", lambda self, *args: None)
+    runs.clear()
+    plain = [trace(model) for model in build()]
+    assert reused < len(runs)  # some backward runs were saved
+    for ours, theirs in zip(remembered, plain, strict=True):
+        assert ours.profile == theirs.profile
+        assert dict(ours.node_profiles) == dict(theirs.node_profiles)
 
 
 def test_fast_fx_trace_equals_plain_symbolic_trace() -> None:

@@ -198,6 +198,8 @@ def keep_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
     (`fx.GraphModule` registers every buffer it copies as persistent: a model's derived tables,
     such as RoPE's, would land in state dicts and checkpoints)."""
     for path, module in target.named_modules():
+        if not module._buffers:
+            continue
         try:
             origin = source.get_submodule(path)
         except AttributeError:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import functional_call
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -176,10 +178,59 @@ class UnitMeasure:
     recompute_tail: tuple[str, ...] = ()
 
 
-def tensor_leaves(value: Any) -> Iterator[Tensor]:
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, Tensor):
-            yield leaf
+# Scalars a key can hold as they are (with their type: 1, 1.0 and True are equal otherwise).
+_SCALAR_TYPES: frozenset[type] = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+# The containers of fx arguments and ATen results, and leaves that hold no tensor: walked here
+# as pytree would, without its per-node dispatch (any other type goes through pytree).
+_PYTREE_SEQUENCES: frozenset[type] = frozenset({tuple, list, immutable_list})
+_PYTREE_MAPPINGS: frozenset[type] = frozenset({dict, immutable_dict})
+_PYTREE_SCALARS: frozenset[type] = _SCALAR_TYPES | {slice}
+
+
+def tensor_leaves(value: Any) -> list[Tensor]:
+    """The tensors among ``value``'s pytree leaves, in `tree_flatten` order."""
+    return _collect_tensors(value, [])
+
+
+def _collect_tensors(value: Any, found: list[Tensor]) -> list[Tensor]:
+    """``found`` extended by the tensors of ``value`` (see `tensor_leaves`)."""
+    kind = type(value)
+    if kind in _PYTREE_SEQUENCES:
+        for item in value:
+            _collect_tensors(item, found)
+    elif kind in _PYTREE_MAPPINGS:
+        for item in value.values():
+            _collect_tensors(item, found)
+    elif isinstance(value, Tensor):
+        found.append(value)
+    elif kind not in _PYTREE_SCALARS:
+        found.extend(leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, Tensor))
+    return found
+
+
+def _tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``tree_map(fn, value)``: ``fn`` applied to every pytree leaf of ``value``."""
+    kind = type(value)
+    if kind in _PYTREE_SEQUENCES:
+        return kind([_tree_map(fn, item) for item in value])
+    if kind in _PYTREE_MAPPINGS:
+        return kind({key: _tree_map(fn, item) for key, item in value.items()})
+    if kind in _PYTREE_SCALARS or isinstance(value, (Tensor, TensorSpec)):
+        return fn(value)
+    return tree_map(fn, value)
 
 
 def spec_of(value: Any) -> Any:
@@ -192,11 +243,13 @@ def spec_of(value: Any) -> Any:
             )
         return leaf
 
-    return tree_map(one, value)
+    return _tree_map(one, value)
 
 
 def materialize(spec: Any) -> Any:
-    return tree_map(lambda leaf: leaf.materialize() if isinstance(leaf, TensorSpec) else leaf, spec)
+    return _tree_map(
+        lambda leaf: leaf.materialize() if isinstance(leaf, TensorSpec) else leaf, spec
+    )
 
 
 def storage_key(tensor: Tensor) -> int:
@@ -219,6 +272,7 @@ class _OpInfo(NamedTuple):
     is_view: bool
     activation: bool
     flops: Callable[[tuple[Any, ...], dict[str, Any], Any], int] | None
+    returns_new: bool  # mutates nothing; every return is one tensor aliasing no input
 
 
 @functools.cache
@@ -229,7 +283,16 @@ def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
         ret.alias_info is not None and not ret.alias_info.is_write for ret in returns
     )
     category = op_category(func)
-    return _OpInfo(name, category, is_view, name in _ACTIVATION_OPS, _flop_formula(func))
+    returns_new = (
+        not func._schema.is_mutable
+        and bool(returns)
+        and all(
+            ret.alias_info is None and isinstance(ret.type, torch.TensorType) for ret in returns
+        )
+    )
+    return _OpInfo(
+        name, category, is_view, name in _ACTIVATION_OPS, _flop_formula(func), returns_new
+    )
 
 
 def causal_fraction(queries: int, keys: int) -> float:
@@ -288,12 +351,130 @@ def _gemm_operands(name: str, args: tuple[Any, ...]) -> tuple[Tensor, Tensor] | 
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Meta kernels, memoised
+# --------------------------------------------------------------------------------------------
+
+
+class _Unkeyable(Exception):
+    """A value that `_arg_key` or `NodeRunner.call_key` cannot describe completely."""
+
+
+_PLAIN_TENSORS: frozenset[type] = frozenset({Tensor, nn.Parameter})
+
+
+def _arg_key(value: Any) -> Hashable:
+    """Everything a meta kernel can read of ``value`` (raises `_Unkeyable` if unsure)."""
+    kind = type(value)
+    if kind in _PLAIN_TENSORS:
+        if not value.is_meta or value.is_conj() or value.is_neg() or value.is_sparse:
+            raise _Unkeyable
+        return (
+            value.shape,
+            value.stride(),
+            value.dtype,
+            value.storage_offset(),
+            value.requires_grad,
+        )
+    if kind in _SCALAR_TYPES:
+        return (kind, value)
+    if kind is tuple or kind is list:
+        return (kind, tuple(_arg_key(item) for item in value))
+    raise _Unkeyable
+
+
+class _Fresh(NamedTuple):
+    """The outputs of a kernel call that made new tensors: (shape, stride, dtype) each."""
+
+    specs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+    single: bool  # the op returns one tensor, not a tuple
+
+
+class MetaKernels:
+    """Meta kernels' outputs, remembered by the metadata of their inputs.
+
+    On the meta device a kernel computes only its outputs' shapes, strides and dtypes, from its
+    inputs' metadata and its non-tensor arguments. So a call of an op that mutates nothing and
+    returns new tensors (`_OpInfo.returns_new`) can be answered, when an earlier call with
+    equal metadata returned new storages of exactly their tensors' size, by new empty tensors
+    of those shapes: the same tensors, less the Python work of torch's meta kernels (most run
+    the reference implementations of ``torch._refs``). Any other call runs the kernel.
+    """
+
+    def __init__(self) -> None:
+        self._outputs: dict[Hashable, _Fresh | None] = {}
+
+    def run(
+        self,
+        func: torch._ops.OpOverload,
+        info: _OpInfo,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``func(*args, **kwargs)``, on meta tensors, from memory where it is safe."""
+        if not info.returns_new:
+            return func(*args, **kwargs)
+        try:
+            key = (
+                func,
+                torch.get_default_dtype(),
+                torch.is_grad_enabled(),
+                _arg_key(args),
+                tuple((name, _arg_key(value)) for name, value in kwargs.items()),
+            )
+        except _Unkeyable:
+            return func(*args, **kwargs)
+        if key in self._outputs:
+            fresh = self._outputs[key]
+            if fresh is not None:
+                made = tuple(
+                    aten.empty_strided.default(shape, stride, dtype=dtype, device=META)
+                    for shape, stride, dtype in fresh.specs
+                )
+                return made[0] if fresh.single else made
+        out = func(*args, **kwargs)
+        if key not in self._outputs:
+            self._outputs[key] = _fresh_outputs(out, (args, kwargs))
+        return out
+
+
+def _fresh_outputs(out: Any, inputs: Any) -> _Fresh | None:
+    """``out`` as a `_Fresh` record if it is plain meta tensors on new storages that hold just
+    them (what ``empty_strided`` makes), else None."""
+    single = isinstance(out, Tensor)
+    outputs = (out,) if single else out
+    if not isinstance(outputs, tuple):
+        return None
+    storages = {storage_key(t) for t in tensor_leaves(inputs)}
+    specs = []
+    for tensor in outputs:
+        if (
+            type(tensor) is not Tensor
+            or not tensor.is_meta
+            or tensor.layout != torch.strided
+            or tensor.requires_grad
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or tensor.storage_offset() != 0
+            or storage_key(tensor) in storages
+        ):
+            return None
+        storages.add(storage_key(tensor))
+        spec = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        remade = aten.empty_strided.default(spec[0], spec[1], dtype=spec[2], device=META)
+        if tensor.untyped_storage().nbytes() != remade.untyped_storage().nbytes():
+            return None
+        specs.append(spec)
+    return _Fresh(specs=tuple(specs), single=single)
+
+
 class _Meter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Adds every dispatched ATen op's FLOPs and bytes to ``current`` (when set)."""
 
-    def __init__(self, state_keys: set[int]) -> None:
+    def __init__(self, state_keys: set[int], kernels: MetaKernels) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.state_keys = state_keys
+        self.kernels = kernels
         self.current: NodeMeasure | None = None
         self.backward = False
 
@@ -306,13 +487,17 @@ class _Meter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         info = _op_info(func)
-        if info.flops is None and func is not torch.ops.prim.device.default:
+        if (
+            info.flops is None
+            and func is not torch.ops.prim.device.default
+            and func._can_decompose()
+        ):
             # As FlopCounterMode: count a composite op through its decomposition.
             with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
-        out = func(*args, **kwargs)
+        out = self.kernels.run(func, info, args, kwargs)
         measure = self.current
         if measure is None:
             return out
@@ -324,7 +509,7 @@ class _Meter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         measure.categories.add(info.category)
         measure.activation_fn |= info.activation
         if not info.is_view:
-            outputs = list(tensor_leaves(out))
+            outputs = tensor_leaves(out)
             if outputs:
                 for tensor in tensor_leaves((args, kwargs)):
                     if storage_key(tensor) in self.state_keys:
@@ -420,6 +605,48 @@ class MetaState:
         return functional_call(module, tensors, args, kwargs, strict=False)
 
 
+def _module_key(module: nn.Module) -> Hashable:
+    """All that a module's call can read of it: its type, mode, plain attributes (exact),
+    parameters, buffers and children. Raises `_Unkeyable` for a module with hooks or with an
+    attribute of another kind (an object or a function), which this key would not describe."""
+    if (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    ):
+        raise _Unkeyable
+    attributes = tuple(
+        (name, _exact_key(value))
+        for name, value in vars(module).items()
+        if not name.startswith("_") and name != "training"
+    )
+    tensors = tuple(
+        (
+            kind,
+            name,
+            None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.requires_grad),
+        )
+        for kind, members in (("p", module._parameters), ("b", module._buffers))
+        for name, t in members.items()
+    )
+    children = tuple(
+        (name, None if child is None else _module_key(child))
+        for name, child in module._modules.items()
+    )
+    return (type(module), module.training, attributes, tensors, children)
+
+
+def _exact_key(value: Any) -> Hashable:
+    """A scalar, or a tuple or list of them, with their types (else `_Unkeyable`)."""
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
+        return (kind, value)
+    if kind is tuple or kind is list:
+        return (kind, tuple(_exact_key(item) for item in value))
+    raise _Unkeyable
+
+
 def _pairs(module: nn.Module, stand_ins: dict[str, Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         yield stand_ins[name], param
@@ -501,6 +728,9 @@ class NodeRunner:
         self.state = state
         self.input_value = input_value
         self.is_state = is_state
+        self.kernels = MetaKernels()  # shared by the units of one trace
+        # Backward FLOPs of a node call by `call_key` (None: the 2x-forward fallback).
+        self.backward_flops: dict[Hashable, float | None] = {}
         self._state_cache: dict[str, Any] = {}
 
     def state_value(self, node: fx.Node) -> Any:
@@ -536,6 +766,48 @@ class NodeRunner:
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         raise AssertionError(f"cannot run fx node {node.name} with op {node.op!r}")
 
+    def call_key(self, node: fx.Node, args: Any, kwargs: Any) -> Hashable | None:
+        """A key equal for two calls of ``run`` that do the same work on equal inputs: the op,
+        its target (a module by `_module_key`), and the arguments (tensors by their metadata,
+        model state apart), or None when an argument or module is not fully described."""
+        target: Hashable = node.target
+        if node.op == "call_module":
+            assert isinstance(node.target, str)
+            try:
+                target = _module_key(self.gm.get_submodule(node.target))
+            except _Unkeyable:
+                return None
+        states: dict[int, int] = {}
+        try:
+            key = (node.op, target, self._value_key(args, states), self._value_key(kwargs, states))
+            hash(key)
+        except (_Unkeyable, TypeError):  # TypeError: an unhashable target or constant
+            return None
+        return key
+
+    def _value_key(self, value: Any, states: dict[int, int]) -> Hashable:
+        kind = type(value)
+        if isinstance(value, Tensor):
+            if kind not in _PLAIN_TENSORS:
+                raise _Unkeyable
+            meta = (value.shape, value.stride(), value.dtype, value.requires_grad)
+            if storage_key(value) in self.state.keys:  # kept as is: its identity and place count
+                ordinal = states.setdefault(id(value), len(states))
+                return ("state", kind, ordinal, value.storage_offset(), value.is_leaf, *meta)
+            return ("activation", *meta)  # replaced by a fresh tensor (`_fresh`)
+        if kind in _SCALAR_TYPES or value is Ellipsis:
+            return (kind, value)
+        if kind in _PYTREE_SEQUENCES or kind is torch.Size:
+            return (kind, tuple(self._value_key(item, states) for item in value))
+        if kind in _PYTREE_MAPPINGS:
+            return (kind, tuple((k, self._value_key(v, states)) for k, v in value.items()))
+        if kind is slice:
+            return (
+                kind,
+                *(self._value_key(v, states) for v in (value.start, value.stop, value.step)),
+            )
+        raise _Unkeyable
+
     def node_params(self, node: fx.Node, args: tuple[Any, ...]) -> list[Tensor]:
         """Meta tensors requiring grad that ``node`` reads as model state."""
         found = [t for t in tensor_leaves(args) if t.requires_grad and t.is_leaf]
@@ -568,7 +840,7 @@ def profile_unit(
     value as a `TensorSpec` pytree; each becomes a fresh meta tensor (a leaf, if it requires
     grad). Model state comes from ``runner``. Raises `TraceError` naming the node that failed.
     """
-    meter = _Meter(runner.state.keys)
+    meter = _Meter(runner.state.keys, runner.kernels)
     env: dict[fx.Node, Any] = {}
     producers: dict[int, str] = {}
     saved: dict[int, SavedStorage] = {}
@@ -590,46 +862,58 @@ def profile_unit(
     # The last pack of the forward: the node that ran it, and whether the packed tensor existed
     # before that node (its input or a parameter) or is the node's own output.
     last_pack: list[tuple[str, bool]] = []
+    boxes: list[weakref.ref[_Saved]] = []
 
-    def pack(tensor: Tensor) -> Tensor:
+    def pack(tensor: Tensor) -> _Saved:
         key = storage_key(tensor)
         preexisting = key in producers or key in runner.state.keys
         last_pack[:] = [(current[0], preexisting)]
         if key not in saved and key not in runner.state.keys:
             size = int(tensor.untyped_storage().nbytes())
             saved[key] = SavedStorage(size, producers.get(key, current[0]))
-        return tensor
+        box = _Saved(tensor)
+        boxes.append(weakref.ref(box))
+        return box
 
-    with torch.enable_grad(), torch.device(META), _MetaCalls(), meter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    try:
+        with torch.enable_grad(), torch.device(META), _MetaCalls(), meter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
+                for node in nodes:
+                    args = fx.node.map_arg(node.args, load)
+                    kwargs = fx.node.map_arg(node.kwargs, load)
+                    measure = NodeMeasure()
+                    current[0] = node.name
+                    # A placeholder's value is made here, not computed by the model: not metered.
+                    meter.current = measure if node.op != "placeholder" else None
+                    try:
+                        value = runner.run(node, args, kwargs)
+                    except Exception as error:
+                        reason = str(error).splitlines()[0] if str(error) else ""
+                        raise TraceError(
+                            f"cannot run {_describe(node, module_path(node))} on the meta device: "
+                            f"{type(error).__name__}: {reason}; mark the module a leaf "
+                            "(trace(..., leaf_modules=[...])) or make the operation shape-static"
+                        ) from error
+                    finally:
+                        meter.current = None
+                    outputs = tensor_leaves(value)
+                    for tensor in outputs:
+                        producers.setdefault(storage_key(tensor), node.name)
+                    measure.output = spec_of(value)
+                    measure.output_bytes = float(sum(nbytes(t) for t in outputs))
+                    measure.num_tensor_outputs = len(outputs)
+                    measures[node.name] = measure
+                    env[node] = value
             for node in nodes:
-                args = fx.node.map_arg(node.args, load)
-                kwargs = fx.node.map_arg(node.kwargs, load)
-                measure = NodeMeasure()
-                current[0] = node.name
-                # A placeholder's value is made here, not computed by the model: not metered.
-                meter.current = measure if node.op != "placeholder" else None
-                try:
-                    value = runner.run(node, args, kwargs)
-                except Exception as error:
-                    reason = str(error).splitlines()[0] if str(error) else ""
-                    raise TraceError(
-                        f"cannot run {_describe(node, module_path(node))} on the meta device: "
-                        f"{type(error).__name__}: {reason}; mark the module a leaf "
-                        "(trace(..., leaf_modules=[...])) or make the operation shape-static"
-                    ) from error
-                finally:
-                    meter.current = None
-                outputs = list(tensor_leaves(value))
-                for tensor in outputs:
-                    producers.setdefault(storage_key(tensor), node.name)
-                measure.output = spec_of(value)
-                measure.output_bytes = float(sum(nbytes(t) for t in outputs))
-                measure.num_tensor_outputs = len(outputs)
-                measures[node.name] = measure
-                env[node] = value
-        for node in nodes:
-            _measure_backward(node, env, load, runner, meter, measures[node.name])
+                _measure_backward(node, env, load, runner, meter, measures[node.name])
+    finally:
+        # A saved output holds its own grad_fn: its box's reference to it would keep the
+        # unit's autograd graph, and through ``pack`` the runner and the model, alive for ever
+        # (a cycle through C++ that Python's collector does not see).
+        for ref in boxes:
+            box = ref()
+            if box is not None:
+                box.tensor = None
 
     for storage in saved.values():
         if storage.producer != INPUT:
@@ -639,6 +923,20 @@ def profile_unit(
         saved=tuple(saved.values()),
         recompute_tail=_recompute_tail(nodes, last_pack),
     )
+
+
+class _Saved:
+    """What the autograd graph of a unit's forward keeps of a saved tensor: the tensor, until
+    `profile_unit` returns (so that nothing it saved outlives the unit)."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor: Tensor | None = tensor
+
+    def unpack(self) -> Tensor:
+        assert self.tensor is not None, "a unit's forward graph is not differentiated"
+        return self.tensor
 
 
 def _recompute_tail(nodes: Sequence[fx.Node], last_pack: list[tuple[str, bool]]) -> tuple[str, ...]:
@@ -666,7 +964,7 @@ def _fresh(value: Any, leaves: list[Tensor], state_keys: set[int]) -> Any:
             return fresh.clone()
         return fresh
 
-    return tree_map(one, value)
+    return _tree_map(one, value)
 
 
 def _measure_backward(
@@ -677,19 +975,42 @@ def _measure_backward(
     meter: _Meter,
     measure: NodeMeasure,
 ) -> None:
-    """Re-run ``node`` on fresh leaves and count the FLOPs of differentiating it."""
+    """Re-run ``node`` on fresh leaves and count the FLOPs of differentiating it; a call equal
+    to an earlier one of the trace (`NodeRunner.call_key`) takes its figure."""
     outputs = [t for t in tensor_leaves(env[node]) if t.requires_grad]
     if not outputs or node.op in ("placeholder", "get_attr"):
         return
+    args = fx.node.map_arg(node.args, load)
+    kwargs = fx.node.map_arg(node.kwargs, load)
+    key = runner.call_key(node, args, kwargs)
+    if key is not None and key in runner.backward_flops:
+        known = runner.backward_flops[key]
+        measure.backward_flops = 2.0 * measure.forward_flops if known is None else known
+        return
+    fell_back = _run_backward(node, args, kwargs, runner, meter, measure)
+    if key is not None:
+        runner.backward_flops[key] = None if fell_back else measure.backward_flops
+
+
+def _run_backward(
+    node: fx.Node,
+    args: Any,
+    kwargs: Any,
+    runner: NodeRunner,
+    meter: _Meter,
+    measure: NodeMeasure,
+) -> bool:
+    """Run ``node`` on fresh copies of ``args`` and ``kwargs`` (model state kept) and add the
+    FLOPs of its backward to ``measure``; True if that failed and 2x forward stands in."""
     leaves: list[Tensor] = []
-    args = _fresh(fx.node.map_arg(node.args, load), leaves, runner.state.keys)
-    kwargs = _fresh(fx.node.map_arg(node.kwargs, load), leaves, runner.state.keys)
+    args = _fresh(args, leaves, runner.state.keys)
+    kwargs = _fresh(kwargs, leaves, runner.state.keys)
     try:
         value = runner.run(node, args, kwargs)
         outputs = [t for t in tensor_leaves(value) if t.requires_grad]
         inputs = leaves + runner.node_params(node, (args, kwargs))
         if not outputs or not inputs:
-            return
+            return False
         meter.current, meter.backward = measure, True
         torch.autograd.grad(
             outputs,
@@ -700,5 +1021,7 @@ def _measure_backward(
     except Exception as error:  # an op without a meta backward: fall back to the GEMM rule
         logger.debug("backward of %s not measurable on meta (%s); using 2x forward", node, error)
         measure.backward_flops = 2.0 * measure.forward_flops
+        return True
     finally:
         meter.current, meter.backward = None, False
+    return False

@@ -26,7 +26,7 @@ import logging
 import operator
 import os
 import traceback
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,7 +197,8 @@ def _trace_fx_fast(
     top = _Tracer(leaf_paths | block_set, leaf_types).trace(model, concrete_args=concrete)
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
-    traced_blocks: dict[Hashable, fx.Graph] = {}
+    templates: dict[Hashable, _Template] = {}
+    signatures: dict[Callable[..., Any], inspect.Signature] = {}
     for node in top.nodes:
         if (
             node.op == "call_module"
@@ -211,7 +212,8 @@ def _trace_fx_fast(
                 node,
                 model.get_submodule(node.target),
                 env,
-                traced_blocks,
+                templates,
+                signatures,
                 leaf_paths,
                 leaf_types,
             )
@@ -227,17 +229,39 @@ def _trace_fx_fast(
     return _graph_module(model, graph, type(model).__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A block's traced graph, and its place among a trace's templates (`TEMPLATE_META`)."""
+
+    index: int
+    graph: fx.Graph
+
+
+def _forward_signature(
+    block: nn.Module, signatures: dict[Callable[..., Any], inspect.Signature]
+) -> inspect.Signature:
+    """``inspect.signature(block.forward)``, computed once per ``forward`` function."""
+    forward = block.forward
+    function = getattr(forward, "__func__", None)
+    if function is None or getattr(forward, "__self__", None) is not block:
+        return inspect.signature(forward)
+    if function not in signatures:
+        signatures[function] = inspect.signature(forward)
+    return signatures[function]
+
+
 def _inline_block(
     graph: fx.Graph,
     call: fx.Node,
     block: nn.Module,
     env: dict[fx.Node, Any],
-    traced_blocks: dict[Hashable, fx.Graph],
+    templates: dict[Hashable, _Template],
+    signatures: dict[Callable[..., Any], inspect.Signature],
     leaf_paths: frozenset[str],
     leaf_types: tuple[type[nn.Module], ...],
 ) -> Any:
     path = str(call.target)
-    signature = inspect.signature(block.forward)
+    signature = _forward_signature(block, signatures)
     bound = signature.bind(*call.args, **call.kwargs)
     if len(bound.arguments) != len(signature.parameters) or not all(
         isinstance(value, fx.Node) for value in bound.arguments.values()
@@ -245,14 +269,13 @@ def _inline_block(
         raise _FastPathUnsupported(f"block {path!r} is called with non-tensor or default args")
     inner_leaves = frozenset(p[len(path) + 1 :] for p in leaf_paths if p.startswith(path + "."))
     key = (module_structure(block, with_attributes=True), tuple(bound.arguments), inner_leaves)
-    sub = traced_blocks.get(key)
-    if sub is None:
-        sub = _Tracer(inner_leaves, leaf_types).trace(block)
-        traced_blocks[key] = sub
-    template = list(traced_blocks).index(key)
+    template = templates.get(key)
+    if template is None:
+        template = _Template(len(templates), _Tracer(inner_leaves, leaf_types).trace(block))
+        templates[key] = template
     base_stack = dict(call.meta.get("nn_module_stack", {}))
     local: dict[fx.Node, Any] = {}
-    for node in sub.nodes:
+    for node in template.graph.nodes:
         if node.op == "placeholder":
             local[node] = env[bound.arguments[str(node.target)]]
             continue
@@ -263,18 +286,21 @@ def _inline_block(
         if node.op in ("call_module", "get_attr"):
             target = f"{path}.{node.target}"
             name = target.replace(".", "_")
-        new = graph.create_node(
-            node.op,
-            target,
-            fx.node.map_arg(node.args, local.__getitem__),
-            fx.node.map_arg(node.kwargs, local.__getitem__),
-            name=name,
-            type_expr=node.type,
-        )
+        # Arguments are set on the new node, not passed to create_node: it would walk them for
+        # symbolic ints (the template's nodes passed that check when fx traced the block), which
+        # costs more than the rest of the copy.
+        new = graph.create_node(node.op, target, name=name, type_expr=node.type)
+        if node.args:
+            new.args = fx.node.map_arg(node.args, local.__getitem__)
+        if node.kwargs:
+            new.kwargs = fx.node.map_arg(node.kwargs, local.__getitem__)
         stack = dict(base_stack)
         for inner, (inner_path, inner_type) in node.meta.get("nn_module_stack", {}).items():
             stack[f"{path}.{inner}"] = (f"{path}.{inner_path}", inner_type)
-        new.meta = {**node.meta, "nn_module_stack": stack, TEMPLATE_META: template}
+        # In place: a new node's meta is empty, and assigning it re-indexes the node in its graph.
+        new.meta.update(node.meta)
+        new.meta["nn_module_stack"] = stack
+        new.meta[TEMPLATE_META] = template.index
         local[node] = new
     raise _FastPathUnsupported(f"block {path!r} graph has no output")
 
