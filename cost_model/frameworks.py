@@ -40,6 +40,7 @@ from cost_model.errors import InputError
 from cost_model.hardware import Cluster
 from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit
+from cost_model.strategy import Axis, Strategy
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -118,10 +119,35 @@ class FrameworkProfile:
     schedules: tuple[ScheduleName, ...] | None = None
     # False: the stack has no Megatron-style sequence parallelism (the search leaves it out).
     sequence_parallel: bool | None = None
+    # "global": one recompute setting for the whole model, so every stage alike (the search
+    # prices each mode alone); ``None``: a setting per stage (autoplan's runtime).
+    recompute_scope: Literal["global"] | None = None
+    # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
+    # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
+    pipeline_max_zero: int | None = None
+    pipeline_tensor_parallel: bool = True
+    # The orders of its process groups the stack builds, outermost first, as the search's
+    # ``rank_layouts`` (the search keeps to them; cp sits just outside tp); ``None``: both
+    # of autoplan's ([pp, dp, tp] and [dp, pp, tp]).
+    rank_layouts: tuple[tuple[Axis, ...], ...] | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
     options: Mapping[str, Mapping[str, Mapping[str, float | str]]] = field(default_factory=dict)
+
+    def refusal(self, strategy: Strategy) -> str | None:
+        """Why the stack cannot run ``strategy``'s outer choices (its pipeline engine's
+        limits), in a phrase; None when it can."""
+        if strategy.pp_degree == 1:
+            return None
+        if not self.pipeline_tensor_parallel and strategy.tp_degree > 1:
+            return f"{self.name}'s pipeline engine has no tensor parallelism (tp 1 with pp > 1)"
+        if self.pipeline_max_zero is not None and strategy.zero_stage > self.pipeline_max_zero:
+            return (
+                f"{self.name}'s pipeline engine runs ZeRO {self.pipeline_max_zero} at most "
+                f"(zero <= {self.pipeline_max_zero} with pp > 1)"
+            )
+        return None
 
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
         """``cluster`` with this stack's behaviour in its calibration."""
@@ -248,6 +274,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # get_forward_backward_func: 1F1B, or interleaved 1F1B with virtual stages
             # (megatron/core/pipeline_parallel/schedules.py)
             schedules=("1f1b", "interleaved-1f1b"),
+            # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
+            # stage alike (megatron/core/transformer/transformer_block.py)
+            recompute_scope="global",
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
                 "split": {
@@ -283,6 +312,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # its PipelineEngines: all-forward-all-backward and 1F1B
             # (src/nanotron/parallel/pipeline_parallel/engine.py)
             schedules=("gpipe", "1f1b"),
+            # recompute_layer: one setting for every decoder layer (its config's ModelArgs)
+            recompute_scope="global",
             sources=(
                 "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
@@ -313,6 +344,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # megatron/schedules.py: 1F1B, interleaved 1F1B with --virtual-pipeline-model-
             # parallel-size (Narayanan et al. 2021)
             schedules=("1f1b", "interleaved-1f1b"),
+            # --checkpoint-activations: every layer of every stage (megatron/model/transformer.py)
+            recompute_scope="global",
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -348,6 +381,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             stage_cuts="own",
             # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
             schedules=("1f1b",),
+            recompute_scope="global",
+            # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+            # parallelism" (deepspeed/runtime/pipe/engine.py); Megatron's TP runs inside it
+            pipeline_max_zero=1,
             sources=(
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py (GPTModelPipe)",
                 "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
@@ -386,6 +423,15 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             schedules=("1f1b",),
             # sequence_parallel_size is Ulysses attention-head parallelism (deepspeed/sequence)
             sequence_parallel=False,
+            # PipelineModule(activation_checkpoint_interval=...): one setting for every stage
+            recompute_scope="global",
+            # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+            # parallelism", and has no AutoTP path (tensor_parallel.autotp_size shards a model
+            # in DeepSpeedEngine only; deepspeed/runtime/pipe/engine.py)
+            pipeline_max_zero=1,
+            pipeline_tensor_parallel=False,
+            # PipeModelDataParallelTopology: pipe, data, model (deepspeed/runtime/pipe/topology.py)
+            rank_layouts=(("pp", "dp", "tp"),),
             sources=(
                 "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",
@@ -408,6 +454,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dp_overlap=1.0,
             # cross_entropy on the fp32 logits (torchtitan/components/loss.py).
             loss_saved_bytes_per_logit=4.0,
+            # activation_checkpoint.mode: one setting for every block of every stage
+            recompute_scope="global",
+            # ParallelDims: pp, dp_replicate, dp_shard, cp, tp (torchtitan/distributed/
+            # parallel_dims.py)
+            rank_layouts=(("pp", "dp", "tp"),),
             sources=(
                 "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
                 "pytorch/torchtitan torchtitan/components/loss.py",
@@ -431,6 +482,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             loss_saved_bytes_per_logit=2.0,
             # Composer's FSDP overlaps gradient reduce-scatter with the backward.
             dp_overlap=1.0,
+            # activation_checkpointing: one setting for every MPT block
+            recompute_scope="global",
             sources=(
                 "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
                 "mosaicml/llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn)",

@@ -673,14 +673,46 @@ def test_cli_bad_input_is_one_line(llama8b: Any, tmp_path: Path) -> None:
 
 def test_a_plan_searched_for_deepspeed_exports_to_it(llama8b: Any) -> None:
     """The search keeps to what DeepSpeed's pipeline engine runs (its uniform partition, 1F1B,
-    no sequence parallelism): the plan it returns exports without an error. (Its limits on TP
-    and on ZeRO-2/3 with PP are the export's alone: the search is given tp 1 and ZeRO 0-1.)"""
+    no sequence parallelism, tp 1 and ZeRO 0-1 with PP, one recompute setting): the plan it
+    returns exports without an error, with no constraint but the pipeline degree."""
     plan = autoplan.search(
-        llama8b, CLUSTER, global_batch=64, pp=2, tp=1, zero=[0, 1], framework="deepspeed",
-        budget_s=2.0,
-    )  # fmt: skip
+        llama8b, CLUSTER, global_batch=64, pp=2, framework="deepspeed", budget_s=2.0
+    )
     assert plan.schedule == "1f1b" and plan.virtual_stages == 1
     assert not plan.sequence_parallel
+    assert plan.tp_degree == 1 and plan.zero_stage <= 1
+    assert len({stage.recompute for stage in plan.stages}) == 1
     exported = export_plan(plan, "deepspeed", devices_per_node=8)
     config = json.loads(exported.files["ds_config.json"])
     assert config["train_batch_size"] == 64
+
+
+@pytest.mark.parametrize("framework", ["megatron-lm", "torchtitan"])
+def test_a_plan_searched_for_a_stack_with_one_recompute_setting_exports(
+    llama8b: Any, framework: str
+) -> None:
+    """Megatron-LM and torchtitan take one recompute setting for the whole model. On 4
+    pipeline stages of 16 H100s autoplan's own runtime is free to recompute some stages and
+    not others; the plan searched for either stack recomputes all stages alike and exports."""
+    plan = autoplan.search(
+        llama8b, CLUSTER, global_batch=64, pp=4, framework=framework, budget_s=2.0
+    )
+    assert len({stage.recompute for stage in plan.stages}) == 1, plan.stages
+    export_plan(plan, framework, devices_per_node=8)
+
+
+def test_a_search_for_deepspeed_that_its_pipeline_engine_cannot_run_names_why(
+    llama8b: Any,
+) -> None:
+    with pytest.raises(InputError) as err:
+        autoplan.search(
+            llama8b, CLUSTER, global_batch=64, pp=2, tp=2, framework="deepspeed", budget_s=1.0
+        )
+    message = str(err.value)
+    assert "deepspeed's pipeline engine has no tensor parallelism" in message
+    assert "\n" not in message
+    with pytest.raises(InputError, match="runs ZeRO 1 at most"):
+        autoplan.search(
+            llama8b, CLUSTER, global_batch=64, pp=2, tp=1, zero=[2, 3], framework="deepspeed",
+            budget_s=1.0,
+        )  # fmt: skip

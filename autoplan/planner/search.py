@@ -39,7 +39,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -73,7 +73,7 @@ from cost_model.estimate import (
     boundary_send_bytes,
     memory_constants,
 )
-from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkProfile, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
@@ -219,6 +219,15 @@ def search_plans(
                 f"{', '.join(stack.schedules)}; allow one of them"
             )
         space = replace(space, schedules=kept)
+    if stack.rank_layouts is not None:
+        layouts = tuple(layout for layout in space.rank_layouts if layout in stack.rank_layouts)
+        if not layouts:
+            raise ConstraintError(
+                f"rank_layouts={[list(layout) for layout in space.rank_layouts]}: {framework} "
+                f"orders its process groups {' or '.join(map(str, map(list, stack.rank_layouts)))}"
+                " (outermost first); allow that order"
+            )
+        space = replace(space, rank_layouts=layouts)
     if stack.sequence_parallel is False:
         if space.sequence_parallel == (True,):
             raise ConstraintError(
@@ -245,15 +254,34 @@ def search_plans(
     memory_infeasible: list[Strategy] = []
     capacity = float(cluster.device.memory_bytes)
     pending: list[_Pending] = []
-    for strategy in strategies(space, profile, cluster, global_batch):
+    refusals: dict[str, int] = {}  # why the stack cannot run a strategy -> how many
+    for strategy, refusal in _stack_strategies(space, stack, profile, cluster, global_batch):
+        if refusal is not None:
+            refusals[refusal] = refusals.get(refusal, 0) + 1
+            continue
         stats.candidates += 1
         modes = tuple(recompute_modes(space, strategy.schedule))
         if tables.memory_bound(strategy, modes) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)
             continue
-        order_floor, time_floor = tables.floors(strategy, modes)
-        pending.append(_Pending(order_floor, time_floor, stats.candidates, strategy, modes))
+        # a stack with one recompute setting for the model: each mode is its own choice
+        alone = [(mode,) for mode in modes] if stack.recompute_scope == "global" else [modes]
+        fitting = [
+            c for c in alone if len(alone) == 1 or tables.memory_bound(strategy, c) <= capacity
+        ]
+        if not fitting:
+            stats.pruned_memory += 1
+            memory_infeasible.append(strategy)
+        for choice in fitting:
+            order_floor, time_floor = tables.floors(strategy, choice)
+            pending.append(_Pending(order_floor, time_floor, len(pending) + 1, strategy, choice))
+    if refusals and not pending and not memory_infeasible:
+        raise ConstraintError(
+            f"{framework} runs none of the plans the constraints allow: "
+            + "; ".join(f"{reason} ({count} plans)" for reason, count in refusals.items())
+            + "; allow other degrees or ZeRO levels"
+        )
     frontier = _Frontier(pending, tables, stats, memory_infeasible)
     stats.enumerate_s = time.perf_counter() - start
     deadline = math.inf if budget_s is None else start + budget_s
@@ -860,6 +888,37 @@ class _RecomputeCurve:
             time += slope * used
             excess -= used
         return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
+
+
+def _stack_strategies(
+    space: SearchSpace,
+    stack: FrameworkProfile,
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+) -> Iterator[tuple[Strategy, str | None]]:
+    """The outer choices of ``space``, each with why ``stack`` cannot run it (None: it can).
+    Under a pipeline engine's limits (`FrameworkProfile.refusal`) the pipelined choices are
+    enumerated again within them, so that a choice the enumeration drops as dominated by one
+    the stack refuses (ZeRO-1 by ZeRO-2) is still offered."""
+    limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
+    for strategy in strategies(space, profile, cluster, global_batch):
+        refusal = stack.refusal(strategy)
+        if not limited or strategy.pp_degree == 1 or refusal is not None:
+            yield strategy, refusal
+    if not limited:
+        return
+    top = stack.pipeline_max_zero
+    zero = tuple(z for z in space.zero if top is None or z <= top)
+    tp = space.tp
+    if not stack.pipeline_tensor_parallel:
+        tp = (1,) if space.tp is None or 1 in space.tp else ()
+    if not zero or tp == ():
+        return
+    within = replace(space, zero=zero, tp=tp)
+    for strategy in strategies(within, profile, cluster, global_batch):
+        if strategy.pp_degree > 1:
+            yield strategy, None
 
 
 class _OwnCuts:
