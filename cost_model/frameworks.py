@@ -130,14 +130,43 @@ class FrameworkProfile:
     # ``rank_layouts`` (the search keeps to them; cp sits just outside tp); ``None``: both
     # of autoplan's ([pp, dp, tp] and [dp, pp, tp]).
     rank_layouts: tuple[tuple[Axis, ...], ...] | None = None
+    # False: the stack has no context parallelism of autoplan's kind (ring attention over
+    # sequence chunks), or no expert parallelism, as a plan degree (`refusal`).
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    # The least ZeRO stage with context parallelism (a stack that shards the weights over
+    # dp x cp whenever cp > 1); ``None``: any.
+    cp_min_zero: int | None = None
+    # A mixture-of-experts model with tensor parallelism needs sequence parallelism.
+    moe_tp_needs_sequence_parallel: bool = False
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
     options: Mapping[str, Mapping[str, Mapping[str, float | str]]] = field(default_factory=dict)
 
-    def refusal(self, strategy: Strategy) -> str | None:
-        """Why the stack cannot run ``strategy``'s outer choices (its pipeline engine's
-        limits), in a phrase; None when it can."""
+    def refusal(self, strategy: Strategy, *, moe: bool = False) -> str | None:
+        """Why the stack cannot run ``strategy``'s outer choices on a model (``moe``: with
+        experts), in a phrase; None when it can."""
+        if not self.context_parallel and strategy.cp_degree > 1:
+            return f"{self.name} has no ring-attention context parallelism (cp 1)"
+        if not self.expert_parallel and strategy.ep_degree > 1:
+            return f"{self.name} has no expert parallelism as a plan degree (ep 1)"
+        if (
+            self.cp_min_zero is not None
+            and strategy.cp_degree > 1
+            and strategy.zero_stage < self.cp_min_zero
+        ):
+            return (
+                f"{self.name} shards the weights over dp x cp with context parallelism "
+                f"(zero >= {self.cp_min_zero} with cp > 1)"
+            )
+        if (
+            self.moe_tp_needs_sequence_parallel
+            and moe
+            and strategy.tp_degree > 1
+            and not strategy.sequence_parallel
+        ):
+            return f"{self.name} needs sequence parallelism for experts with tp > 1"
         if strategy.pp_degree == 1:
             return None
         if not self.pipeline_tensor_parallel and strategy.tp_degree > 1:
@@ -277,6 +306,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
             # stage alike (megatron/core/transformer/transformer_block.py)
             recompute_scope="global",
+            # validate_args: "When using MoE and tensor parallelism, sequence parallelism must be
+            # used" (megatron/training/arguments.py)
+            moe_tp_needs_sequence_parallel=True,
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
                 "split": {
@@ -432,6 +464,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             pipeline_tensor_parallel=False,
             # PipeModelDataParallelTopology: pipe, data, model (deepspeed/runtime/pipe/topology.py)
             rank_layouts=(("pp", "dp", "tp"),),
+            # its sequence parallelism is Ulysses (an all-to-all over attention heads,
+            # deepspeed/sequence/layer.py), and its experts are a model-code argument
+            # (deepspeed.moe.layer.MoE(ep_size=...)), not a plan degree
+            context_parallel=False,
+            expert_parallel=False,
             sources=(
                 "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
                 "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",
@@ -459,6 +496,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # ParallelDims: pp, dp_replicate, dp_shard, cp, tp (torchtitan/distributed/
             # parallel_dims.py)
             rank_layouts=(("pp", "dp", "tp"),),
+            # with cp > 1 FSDP shards the weights over dp_shard x cp (ParallelDims' fsdp mesh)
+            cp_min_zero=1,
             sources=(
                 "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
                 "pytorch/torchtitan torchtitan/components/loss.py",

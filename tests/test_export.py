@@ -716,3 +716,36 @@ def test_a_search_for_deepspeed_that_its_pipeline_engine_cannot_run_names_why(
             llama8b, CLUSTER, global_batch=64, pp=2, tp=1, zero=[2, 3], framework="deepspeed",
             budget_s=1.0,
         )  # fmt: skip
+
+
+def test_a_long_context_plan_searched_for_a_stack_keeps_to_its_limits() -> None:
+    """Context parallelism on a 64k-token Llama 3 8B: torchtitan shards the weights over
+    dp x cp whenever cp > 1, so the plan searched for it uses ZeRO 1-3 and exports; DeepSpeed
+    has no ring attention, and a search that allows it nothing else says so in one line."""
+    graph = autoplan.trace(autoplan.models.preset("llama3-8b-64k"))
+    plan = autoplan.search(
+        graph, CLUSTER, global_batch=16, cp=[2, 4], framework="torchtitan", budget_s=2.0
+    )
+    assert plan.cp_degree > 1 and plan.zero_stage >= 1
+    export_plan(plan, "torchtitan", devices_per_node=8)
+    with pytest.raises(InputError, match="deepspeed has no ring-attention context parallelism"):
+        autoplan.search(
+            graph, CLUSTER, global_batch=16, cp=[2, 4], framework="deepspeed", budget_s=1.0
+        )
+
+
+def test_a_moe_plan_searched_for_megatron_lm_with_tp_uses_sequence_parallelism() -> None:
+    """Megatron-LM refuses a MoE model with TP but without sequence parallelism; the plan
+    searched for it keeps SP on and exports (Mixtral 8x7B on 32 H100, TP 2)."""
+    graph = autoplan.trace(autoplan.models.preset("mixtral-8x7b"))
+    plan = autoplan.search(
+        graph, "dgx-h100-80g:nodes=4", global_batch=64, tp=[2], framework="megatron-lm",
+        budget_s=2.0,
+    )  # fmt: skip
+    assert plan.tp_degree == 2 and plan.sequence_parallel
+    export_plan(plan, "megatron-lm", devices_per_node=8)
+    with pytest.raises(InputError, match="megatron-lm needs sequence parallelism"):
+        autoplan.search(
+            graph, "dgx-h100-80g:nodes=4", global_batch=64, tp=[2], sequence_parallel=False,
+            framework="megatron-lm", budget_s=1.0,
+        )  # fmt: skip

@@ -280,7 +280,7 @@ def search_plans(
         raise ConstraintError(
             f"{framework} runs none of the plans the constraints allow: "
             + "; ".join(f"{reason} ({count} plans)" for reason, count in refusals.items())
-            + "; allow other degrees or ZeRO levels"
+            + "; allow what the parentheses name"
         )
     frontier = _Frontier(pending, tables, stats, memory_infeasible)
     stats.enumerate_s = time.perf_counter() - start
@@ -902,8 +902,9 @@ def _stack_strategies(
     enumerated again within them, so that a choice the enumeration drops as dominated by one
     the stack refuses (ZeRO-1 by ZeRO-2) is still offered."""
     limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
+    moe = bool(profile.moe_layers)
     for strategy in strategies(space, profile, cluster, global_batch):
-        refusal = stack.refusal(strategy)
+        refusal = stack.refusal(strategy, moe=moe)
         if not limited or strategy.pp_degree == 1 or refusal is not None:
             yield strategy, refusal
     if not limited:
@@ -918,7 +919,7 @@ def _stack_strategies(
     within = replace(space, zero=zero, tp=tp)
     for strategy in strategies(within, profile, cluster, global_batch):
         if strategy.pp_degree > 1:
-            yield strategy, None
+            yield strategy, stack.refusal(strategy, moe=moe)
 
 
 class _OwnCuts:
