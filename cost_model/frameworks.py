@@ -134,6 +134,8 @@ class FrameworkProfile:
     # sequence chunks), or no expert parallelism, as a plan degree (`refusal`).
     context_parallel: bool = True
     expert_parallel: bool = True
+    # The training dtypes the stack runs (``None``: fp32, bf16 and fp16).
+    dtypes: tuple[str, ...] | None = None
     # The least ZeRO stage with context parallelism (a stack that shards the weights over
     # dp x cp whenever cp > 1); ``None``: any.
     cp_min_zero: int | None = None
@@ -498,6 +500,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             rank_layouts=(("pp", "dp", "tp"),),
             # with cp > 1 FSDP shards the weights over dp_shard x cp (ParallelDims' fsdp mesh)
             cp_min_zero=1,
+            # training.mixed_precision_param: bfloat16 or float32 (torchtitan/config/configs.py)
+            dtypes=("bf16", "fp32"),
             sources=(
                 "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
                 "pytorch/torchtitan torchtitan/components/loss.py",

@@ -749,3 +749,18 @@ def test_a_moe_plan_searched_for_megatron_lm_with_tp_uses_sequence_parallelism()
             graph, "dgx-h100-80g:nodes=4", global_batch=64, tp=[2], sequence_parallel=False,
             framework="megatron-lm", budget_s=1.0,
         )  # fmt: skip
+
+
+def test_a_search_for_torchtitan_in_fp16_names_its_dtypes(llama8b: Any) -> None:
+    """torchtitan trains in bf16 or fp32: on V100s, whose fastest dtype is fp16, the search
+    says so in one line instead of returning a plan its export refuses."""
+    with pytest.raises(
+        InputError,
+        match=r"dtype=fp16 \(the fastest on .*torchtitan trains in bf16 or fp32; pass dtype=.fp32.",
+    ):
+        autoplan.search(llama8b, "dgx2-v100-32g:nodes=2", global_batch=64, framework="torchtitan")
+    plan = autoplan.search(
+        llama8b, "dgx2-v100-32g:nodes=2", global_batch=64, framework="torchtitan", dtype="fp32",
+        budget_s=1.0,
+    )  # fmt: skip
+    assert plan.dtype == "fp32"

@@ -210,6 +210,15 @@ def search_plans(
     space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
     stack = framework_profile(framework)
+    if stack.dtypes is not None and space.dtype not in stack.dtypes:
+        given = "" if "dtype" in constraints else f" (the fastest on {cluster.device.name})"
+        # the first of the stack's dtypes the device has its own peak for (V100: fp32)
+        native = [d for d in stack.dtypes if d in cluster.device.peak_flops]
+        fix = (native or list(stack.dtypes))[0]
+        raise ConstraintError(
+            f"dtype={space.dtype}{given}: {framework} trains in {' or '.join(stack.dtypes)}; "
+            f"pass dtype={fix!r} (--dtype {fix})"
+        )
     if stack.schedules is not None:
         # the schedules the framework's stack runs
         kept = tuple(schedule for schedule in space.schedules if schedule in stack.schedules)
