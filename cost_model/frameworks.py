@@ -40,7 +40,7 @@ from cost_model.errors import InputError
 from cost_model.hardware import Cluster
 from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit
-from cost_model.strategy import Axis, Strategy
+from cost_model.strategy import Axis, RecomputeMode, Strategy
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -119,6 +119,8 @@ class FrameworkProfile:
     schedules: tuple[ScheduleName, ...] | None = None
     # False: the stack has no Megatron-style sequence parallelism (the search leaves it out).
     sequence_parallel: bool | None = None
+    # The recompute modes the stack has (the search keeps to them); ``None``: all three.
+    recompute_modes: tuple[RecomputeMode, ...] | None = None
     # "global": one recompute setting for the whole model, so every stage alike (the search
     # prices each mode alone); ``None``: a setting per stage (autoplan's runtime).
     recompute_scope: Literal["global"] | None = None
@@ -459,6 +461,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             sequence_parallel=False,
             # PipelineModule(activation_checkpoint_interval=...): one setting for every stage
             recompute_scope="global",
+            # deepspeed.checkpointing re-runs whole layers: no selective recompute
+            recompute_modes=("none", "full"),
             # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
             # parallelism", and has no AutoTP path (tensor_parallel.autotp_size shards a model
             # in DeepSpeedEngine only; deepspeed/runtime/pipe/engine.py)

@@ -685,6 +685,13 @@ def test_a_plan_searched_for_deepspeed_exports_to_it(llama8b: Any) -> None:
     exported = export_plan(plan, "deepspeed", devices_per_node=8)
     config = json.loads(exported.files["ds_config.json"])
     assert config["train_batch_size"] == 64
+    # unconstrained on one node, where autoplan's runtime would recompute selectively:
+    # DeepSpeed re-runs whole layers or nothing
+    plan = autoplan.search(
+        llama8b, "dgx-h100-80g", global_batch=64, framework="deepspeed", budget_s=2.0
+    )
+    assert {stage.recompute for stage in plan.stages} <= {"none", "full"}
+    export_plan(plan, "deepspeed", devices_per_node=8)
 
 
 @pytest.mark.parametrize("framework", ["megatron-lm", "torchtitan"])

@@ -228,6 +228,14 @@ def search_plans(
                 f"{', '.join(stack.schedules)}; allow one of them"
             )
         space = replace(space, schedules=kept)
+    if stack.recompute_modes is not None:
+        modes = tuple(mode for mode in space.recompute if mode in stack.recompute_modes)
+        if not modes:
+            raise ConstraintError(
+                f"recompute={list(space.recompute)}: {framework} has only "
+                f"{' and '.join(stack.recompute_modes)} recompute; allow one of them"
+            )
+        space = replace(space, recompute=modes)
     if stack.rank_layouts is not None:
         layouts = tuple(layout for layout in space.rank_layouts if layout in stack.rank_layouts)
         if not layouts:
