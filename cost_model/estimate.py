@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.errors import InputError
-from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params, static_bytes
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
@@ -519,6 +519,11 @@ class CostModel:
             raise InputError(
                 f"plan is for framework {plan.framework!r}; this cost model prices "
                 f"{self.framework!r}"
+            )
+        if (why := self.stack.plan_refusal(plan, moe=bool(profile.moe_layers))) is not None:
+            raise FrameworkError(
+                f"{self.framework} cannot run this plan: {why}; change the plan, or price it "
+                "for autoplan's runtime (framework autoplan)"
             )
         strategy = Strategy.of(plan)
         stages = tuple(plan.stages)

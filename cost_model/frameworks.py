@@ -32,7 +32,7 @@ Not described: fp8 training.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,7 +40,7 @@ from cost_model.errors import InputError
 from cost_model.hardware import Cluster
 from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit
-from cost_model.strategy import Axis, RecomputeMode, Strategy
+from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -53,6 +53,10 @@ Zero3Gathers = Literal["per-unit", "per-module"]
 ExpertLayout = Literal["dp", "folded"]
 
 DEFAULT_FRAMEWORK = "autoplan"
+
+
+# a profile field an option sets: a number, a name, or names (e.g. the schedules)
+OptionValue = float | str | tuple[str, ...]
 
 
 class FrameworkError(InputError):
@@ -146,7 +150,7 @@ class FrameworkProfile:
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
-    options: Mapping[str, Mapping[str, Mapping[str, float | str]]] = field(default_factory=dict)
+    options: Mapping[str, Mapping[str, Mapping[str, OptionValue]]] = field(default_factory=dict)
 
     def refusal(self, strategy: Strategy, *, moe: bool = False) -> str | None:
         """Why the stack cannot run ``strategy``'s outer choices on a model (``moe``: with
@@ -182,6 +186,56 @@ class FrameworkProfile:
             )
         return None
 
+    def plan_refusal(self, plan: PlanLike, *, moe: bool = False) -> str | None:
+        """Why the stack cannot run ``plan``: `refusal` of its outer choices, its schedule,
+        sequence parallelism, dtype, rank order and its stages' recompute; None when it can."""
+        strategy = Strategy.of(plan)
+        if (why := self.refusal(strategy, moe=moe)) is not None:
+            return why
+        pipelined = strategy.pp_degree > 1
+        # 1F1B with fewer micro-batches than stages warms up all of them first on the first
+        # rank (Megatron's min(p - rank - 1, m)): the GPipe order, as autoplan spells it
+        gpipe_order = (
+            strategy.schedule == "gpipe" and strategy.num_micro_batches < strategy.pp_degree
+        )
+        if (
+            self.schedules is not None
+            and pipelined
+            and strategy.schedule not in self.schedules
+            and not (gpipe_order and "1f1b" in self.schedules)
+        ):
+            return f"{self.name} runs only {', '.join(self.schedules)} (schedule)"
+        if self.sequence_parallel is False and strategy.sequence_parallel:
+            return f"{self.name} has no Megatron-style sequence parallelism (sequence_parallel)"
+        if self.dtypes is not None and strategy.dtype not in self.dtypes:
+            return f"{self.name} trains in {' or '.join(self.dtypes)} (dtype)"
+        modes = sorted({stage.recompute for stage in plan.stages})
+        if self.recompute_modes is not None and not set(modes) <= set(self.recompute_modes):
+            return f"{self.name} has only {' and '.join(self.recompute_modes)} recompute"
+        if self.recompute_scope == "global" and len(modes) > 1:
+            return (
+                f"{self.name} has one recompute setting for all stages; the plan mixes "
+                f"{' and '.join(modes)}"
+            )
+        if self.rank_layouts is not None:
+            # as the stack sees it: the axes of degree > 1, cp just outside tp
+            degrees = {
+                "pp": strategy.pp_degree,
+                "dp": strategy.dp_degree,
+                "cp": strategy.cp_degree,
+                "tp": strategy.tp_degree,
+            }
+            used = [axis for axis in strategy.rank_layout if degrees.get(axis, 1) > 1]
+            allowed: list[list[str]] = [
+                [*layout[:-1], "cp", layout[-1]] for layout in self.rank_layouts
+            ]
+            if not any(_in_order(used, order) for order in allowed):
+                return (
+                    f"{self.name} orders its process groups "
+                    f"{' or '.join(map(str, map(list, self.rank_layouts)))} (rank_layout)"
+                )
+        return None
+
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
         """``cluster`` with this stack's behaviour in its calibration."""
         cal = cluster.calibration
@@ -213,6 +267,12 @@ class FrameworkProfile:
         if not changes:
             return cluster
         return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
+
+
+def _in_order(axes: Sequence[str], order: Sequence[str]) -> bool:
+    """``axes`` appear in ``order`` in the same relative order."""
+    position = iter(order)
+    return all(axis in position for axis in axes)
 
 
 def unfused_attention_efficiency(
@@ -372,7 +432,16 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # after the backward (megatron/arguments.py, megatron/model/distributed.py);
             # 'torch' is torch's DDP, whose buckets overlap the backward.
             dp_overlap=0.0,
-            options={"ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}}},
+            options={
+                "ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}},
+                # sail-sg/zero-bubble-pipeline-parallelism: Megatron-LM with the zero-bubble
+                # schedules of Qi et al. 2024 (ZB-V is torch's ScheduleZBVZeroBubble)
+                "fork": {
+                    "zero-bubble": {
+                        "schedules": ("1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
+                    }
+                },
+            },
             # the layers evenly over the stages (megatron/model/transformer.py, ParallelTransformer
             # asserts that the stages divide them), the embedding first and the head last
             pipeline_split="layers",
@@ -551,7 +620,7 @@ def framework_profile(spec: str) -> FrameworkProfile:
             f"(default {DEFAULT_FRAMEWORK})"
         )
     profile = FRAMEWORKS[name]
-    changes: dict[str, float | str] = {}
+    changes: dict[str, OptionValue] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, _, value = item.partition("=")
         choices = profile.options.get(key.strip(), {})

@@ -771,3 +771,26 @@ def test_a_search_for_torchtitan_in_fp16_names_its_dtypes(llama8b: Any) -> None:
         budget_s=1.0,
     )  # fmt: skip
     assert plan.dtype == "fp32"
+
+
+def test_pricing_a_plan_for_a_stack_that_cannot_run_it_names_the_limit(llama8b: Any) -> None:
+    """manual_plan and estimate refuse a plan its framework cannot run, in one line (the same
+    limits the search keeps to), and accept it for autoplan's runtime."""
+    with pytest.raises(InputError, match=r"deepspeed cannot run this plan: .*no tensor paral"):
+        autoplan.manual_plan(llama8b, CLUSTER, tp=2, pp=2, global_batch=64, framework="deepspeed")
+    with pytest.raises(InputError, match=r"torchtitan cannot run this plan: .*orders its process"):
+        autoplan.manual_plan(
+            llama8b, CLUSTER, tp=2, pp=2, global_batch=64, rank_layout=["dp", "pp", "tp"],
+            framework="torchtitan",
+        )  # fmt: skip
+    plan = autoplan.manual_plan(llama8b, CLUSTER, tp=2, pp=2, global_batch=64)
+    with pytest.raises(InputError, match=r"megatron-lm cannot run this plan: .*runs only 1f1b"):
+        autoplan.estimate(
+            llama8b, CLUSTER, dataclasses.replace(plan, schedule="gpipe", framework="megatron-lm")
+        )
+    # 1F1B with fewer micro-batches than stages is the GPipe order: Megatron-LM runs it
+    few = autoplan.manual_plan(
+        llama8b, CLUSTER, pp=8, micro_batch=1, global_batch=8, schedule="gpipe",
+        framework="megatron-lm",
+    )  # fmt: skip
+    assert few.num_micro_batches < few.pp_degree
