@@ -110,6 +110,12 @@ class Calibration:
     # the softmax in its backward (flash-attn's CrossEntropyLoss saves logits, per-row
     # log-sum-exp and labels: 2 in bf16; it is the default loss_fn of llm-foundry's MPT).
     loss_saved_bytes_per_logit: float = 4.0
+    # Bytes the loss's kernels move per fp32 logit, beyond the cast from the training dtype
+    # (`cost_model.parts.compute.loss_cost`): forward and backward. F.cross_entropy on fp32
+    # logits (autoplan's runtime): log-softmax reads and writes (8); the NLL gradient's
+    # zero-filled write and log-softmax's backward (16).
+    loss_forward_bytes_per_logit: float = 8.0
+    loss_backward_bytes_per_logit: float = 16.0
     # Device memory the job cannot use for tensors: runtime context, communication buffers of
     # the library, workspaces.
     reserved_memory_bytes: float = unit_field("bytes", default=0.0)
@@ -147,6 +153,8 @@ class Calibration:
             "reserved_memory_bytes",
             "allocator_overhead_fraction",
             "loss_saved_bytes_per_logit",
+            "loss_forward_bytes_per_logit",
+            "loss_backward_bytes_per_logit",
         ):
             value = getattr(self, name)
             if value < 0:

@@ -94,6 +94,9 @@ class FrameworkProfile:
     pipeline_boundary_retention: float | None = None
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
+    # `Calibration.loss_forward_bytes_per_logit` and `loss_backward_bytes_per_logit`.
+    loss_forward_bytes_per_logit: float | None = None
+    loss_backward_bytes_per_logit: float | None = None
     # An engine whose accumulation, gradient sync and optimizer step differ from autoplan's
     # runtime as a whole (``None``: priced part by part as above). DeepSpeed's pipeline engine
     # wraps Adam in the optimizer its engine picks (deepspeed/runtime/engine.py,
@@ -258,6 +261,8 @@ class FrameworkProfile:
             "selective_gemm_recompute_fraction",
             "pipeline_boundary_retention",
             "loss_saved_bytes_per_logit",
+            "loss_forward_bytes_per_logit",
+            "loss_backward_bytes_per_logit",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -410,10 +415,18 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             schedules=("gpipe", "1f1b"),
             # recompute_layer: one setting for every decoder layer (its config's ModelArgs)
             recompute_scope="global",
+            # Its loss: the logits cast to fp32 (the cast_to_fp32 pipeline block), then
+            # _ShardedCrossEntropy (src/nanotron/parallel/tensor_parallel/functional.py) in
+            # separate passes: max (read 4), subtract (read 4, write 4), exp in place (8), sum
+            # (4), divide in place (8): 32 bytes per fp32 logit forward; its backward scales
+            # the saved softmax in place (8). F.cross_entropy moves 8 and 16.
+            loss_forward_bytes_per_logit=32.0,
+            loss_backward_bytes_per_logit=8.0,
             sources=(
                 "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
                 "huggingface/nanotron src/nanotron/trainer.py (DDP)",
+                "huggingface/nanotron src/nanotron/parallel/tensor_parallel/functional.py (loss)",
             ),
         ),
         FrameworkProfile(

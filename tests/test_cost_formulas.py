@@ -23,6 +23,7 @@ from cost_model.communication import (
 )
 from cost_model.compute import op_time, saturating_efficiency
 from cost_model.estimate import loss_cost
+from cost_model.frameworks import framework_profile
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
 from cost_model.schedules import (
     ScheduleError,
@@ -37,7 +38,7 @@ from cost_model.schedules import (
 )
 from cost_model.strategy import GroupPlacement, Strategy, group_placements
 from cost_model.workload import GemmShape, OpProfile, UnitProfile
-from tests.cost_profiles import round_cluster
+from tests.cost_profiles import gpt_profile, round_cluster
 
 REL = 1e-9
 
@@ -169,6 +170,12 @@ def test_cross_entropy_reads_and_writes_the_logits_kernel_by_kernel() -> None:
     assert fp32.backward_s == pytest.approx(16000 / 0.5e12, rel=REL)
     # Only the head pays it.
     assert loss_cost(_unit(), Strategy(), cluster, 4).forward_s == 0.0
+    # nanotron's sharded cross-entropy in separate fp32 passes: cast 6 + max 4 + subtract 8 +
+    # exp 8 + sum 4 + divide 8 = 38 forward; scale the saved softmax 8 + cast back 6 = 14.
+    nanotron = framework_profile("nanotron").cluster_for(gpt_profile(), cluster)
+    theirs = loss_cost(head, Strategy(tp_degree=2, micro_batch_size=2), nanotron, 4)
+    assert theirs.forward_s == pytest.approx(38000 / 0.5e12, rel=REL)
+    assert theirs.backward_s == pytest.approx(14000 / 0.5e12, rel=REL)
 
 
 class _AtenBytes(TorchDispatchMode):

@@ -124,10 +124,13 @@ def loss_cost(
       log-softmax's backward (read the gradient and the saved output, write 4: 12) and the
       cast's backward to the training dtype (read 4, write b): ``b + 20``.
 
-    In fp32 there is no cast (``b + 12`` and ``b + 20`` become 8 and 16). Vocab-parallel
-    (Megatron) it divides by the TP degree. Memory-bound. Keeps the fp32 log-probabilities for
-    the backward (`Calibration.loss_saved_bytes_per_logit`: 4, or 0 for a fused loss). Zero
-    for units that are not the head."""
+    In fp32 there is no cast (``b + 12`` and ``b + 20`` become 8 and 16). Beyond the cast, a
+    stack's loss moves `Calibration.loss_forward_bytes_per_logit` and
+    `loss_backward_bytes_per_logit` (8 and 16 here; nanotron's sharded cross-entropy 32 and 8,
+    `cost_model.frameworks`). Vocab-parallel (Megatron) it divides by the TP degree.
+    Memory-bound. Keeps the fp32 log-probabilities for the backward
+    (`Calibration.loss_saved_bytes_per_logit`: 4, or 0 for a fused loss). Zero for units that
+    are not the head."""
     if unit.kind != "head":
         return LossCost(forward_s=0.0, backward_s=0.0, saved_bytes=0.0)
     logits = unit.output_bytes / traced_dtype_bytes * strategy.micro_batch_size
@@ -136,8 +139,10 @@ def loss_cost(
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.calibration.memory_efficiency
     overhead = cluster.calibration.kernel_overhead_s
     kernels = 3 if cast else 2  # each way: the cast (in bf16/fp16), log-softmax, NLL
+    cal = cluster.calibration
+    forward, backward = cal.loss_forward_bytes_per_logit, cal.loss_backward_bytes_per_logit
     return LossCost(
-        forward_s=(cast + 8.0) * logits / bandwidth + kernels * overhead,
-        backward_s=(cast + 16.0) * logits / bandwidth + kernels * overhead,
+        forward_s=(cast + forward) * logits / bandwidth + kernels * overhead,
+        backward_s=(cast + backward) * logits / bandwidth + kernels * overhead,
         saved_bytes=cluster.calibration.loss_saved_bytes_per_logit * logits,
     )
