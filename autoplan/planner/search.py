@@ -210,47 +210,7 @@ def search_plans(
     space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
     stack = framework_profile(framework)
-    if stack.dtypes is not None and space.dtype not in stack.dtypes:
-        given = "" if "dtype" in constraints else f" (the fastest on {cluster.device.name})"
-        # the first of the stack's dtypes the device has its own peak for (V100: fp32)
-        native = [d for d in stack.dtypes if d in cluster.device.peak_flops]
-        fix = (native or list(stack.dtypes))[0]
-        raise ConstraintError(
-            f"dtype={space.dtype}{given}: {framework} trains in {' or '.join(stack.dtypes)}; "
-            f"pass dtype={fix!r} (--dtype {fix})"
-        )
-    if stack.schedules is not None:
-        # the schedules the framework's stack runs
-        kept = tuple(schedule for schedule in space.schedules if schedule in stack.schedules)
-        if not kept:
-            raise ConstraintError(
-                f"schedules={list(space.schedules)}: {framework} runs only "
-                f"{', '.join(stack.schedules)}; allow one of them"
-            )
-        space = replace(space, schedules=kept)
-    if stack.recompute_modes is not None:
-        modes = tuple(mode for mode in space.recompute if mode in stack.recompute_modes)
-        if not modes:
-            raise ConstraintError(
-                f"recompute={list(space.recompute)}: {framework} has only "
-                f"{' and '.join(stack.recompute_modes)} recompute; allow one of them"
-            )
-        space = replace(space, recompute=modes)
-    if stack.rank_layouts is not None:
-        layouts = tuple(layout for layout in space.rank_layouts if layout in stack.rank_layouts)
-        if not layouts:
-            raise ConstraintError(
-                f"rank_layouts={[list(layout) for layout in space.rank_layouts]}: {framework} "
-                f"orders its process groups {' or '.join(map(str, map(list, stack.rank_layouts)))}"
-                " (outermost first); allow that order"
-            )
-        space = replace(space, rank_layouts=layouts)
-    if stack.sequence_parallel is False:
-        if space.sequence_parallel == (True,):
-            raise ConstraintError(
-                f"sequence_parallel=True: {framework} has no Megatron-style sequence parallelism"
-            )
-        space = replace(space, sequence_parallel=(False,))
+    space = _within_stack(space, stack, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
         # autoplan's runtime runs both
@@ -905,6 +865,63 @@ class _RecomputeCurve:
             time += slope * used
             excess -= used
         return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
+
+
+def _restricted(
+    space: SearchSpace, name: str, allowed: Sequence[object] | None, refusal: str
+) -> SearchSpace:
+    """``space`` with its choices ``name`` cut to ``allowed`` (None: all); `ConstraintError`
+    ending in ``refusal`` when none is left."""
+    if allowed is None:
+        return space
+    choices = getattr(space, name)
+    kept = tuple(choice for choice in choices if choice in allowed)
+    if not kept:
+        shown = [list(c) if isinstance(c, tuple) else c for c in choices]
+        raise ConstraintError(f"{name}={shown}: {refusal}; allow one of them")
+    changes: dict[str, Any] = {name: kept}
+    return replace(space, **changes)
+
+
+def _within_stack(
+    space: SearchSpace, stack: FrameworkProfile, cluster: Cluster, *, dtype_given: bool
+) -> SearchSpace:
+    """``space`` cut to what ``stack`` runs: its dtypes, schedules, recompute modes, rank
+    orders and sequence parallelism (`FrameworkProfile`); `ConstraintError` naming the limit
+    where the constraints leave it nothing."""
+    name = stack.name
+    if stack.dtypes is not None and space.dtype not in stack.dtypes:
+        given = "" if dtype_given else f" (the fastest on {cluster.device.name})"
+        # the first of the stack's dtypes the device has its own peak for (V100: fp32)
+        native = [d for d in stack.dtypes if d in cluster.device.peak_flops]
+        fix = (native or list(stack.dtypes))[0]
+        raise ConstraintError(
+            f"dtype={space.dtype}{given}: {name} trains in {' or '.join(stack.dtypes)}; "
+            f"pass dtype={fix!r} (--dtype {fix})"
+        )
+    space = _restricted(
+        space, "schedules", stack.schedules, f"{name} runs only {', '.join(stack.schedules or ())}"
+    )
+    space = _restricted(
+        space,
+        "recompute",
+        stack.recompute_modes,
+        f"{name} has only {' and '.join(stack.recompute_modes or ())} recompute",
+    )
+    orders = " or ".join(str(list(layout)) for layout in stack.rank_layouts or ())
+    space = _restricted(
+        space,
+        "rank_layouts",
+        stack.rank_layouts,
+        f"{name} orders its process groups {orders} (outermost first)",
+    )
+    if stack.sequence_parallel is False:
+        if space.sequence_parallel == (True,):
+            raise ConstraintError(
+                f"sequence_parallel=True: {name} has no Megatron-style sequence parallelism"
+            )
+        space = replace(space, sequence_parallel=(False,))
+    return space
 
 
 def _stack_strategies(
