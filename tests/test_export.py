@@ -27,6 +27,7 @@ from autoplan.export import ExportError, ModelDims, export_plan, model_dims
 from autoplan.export.deepspeed import deepspeed_config, pipeline_module_args
 from autoplan.export.megatron import megatron_args, pipeline_layout
 from autoplan.export.torchtitan import FLAVORS, module_fqns, torchtitan_module
+from cost_model.hardware import as_cluster
 from tests.conftest import run_cli
 
 CLUSTER = "dgx-h100-80g:nodes=2"  # 16 devices
@@ -794,3 +795,25 @@ def test_pricing_a_plan_for_a_stack_that_cannot_run_it_names_the_limit(llama8b: 
         framework="megatron-lm",
     )  # fmt: skip
     assert few.num_micro_batches < few.pp_degree
+
+
+@pytest.mark.parametrize(
+    ("model", "cluster", "framework"),
+    [
+        ("llama3-8b", "dgx-h100-80g", "deepspeed"),
+        ("llama3-8b", "dgx2-v100-32g", "megatron-lm"),
+        ("llama3-8b-64k", "dgx-h100-80g:nodes=4", "torchtitan"),
+        ("deepseek-moe-16b", "dgx-h100-80g:nodes=4", "megatron-lm"),
+        ("deepseek-moe-16b", "dgx-a100-40g:nodes=2", "deepspeed"),
+    ],
+)
+def test_an_unconstrained_plan_searched_for_a_stack_exports_to_it(
+    model: str, cluster: str, framework: str
+) -> None:
+    """Dense, long-context and MoE models on one and several nodes of three GPU types, with no
+    constraint but the stack: whatever plan the search returns, its export takes it (a sweep
+    of six models on four clusters found the recompute, rank-order and engine limits above)."""
+    graph = autoplan.trace(autoplan.models.preset(model))
+    plan = autoplan.search(graph, cluster, global_batch=64, framework=framework, budget_s=2.0)
+    nodes = as_cluster(cluster)
+    export_plan(plan, framework, devices_per_node=nodes.devices_per_node)
