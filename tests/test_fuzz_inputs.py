@@ -206,6 +206,12 @@ def test_generated_command_lines(in_tmp_dir: Path, data: st.DataObject) -> None:
     _check_outcome(full, *_run(*full))
 
 
+def test_a_nul_byte_in_a_path_option_is_one_line(in_tmp_dir: Path) -> None:
+    # found by test_generated_command_lines: click's path check raised ValueError on it
+    full = ("whatif", "--plot", "\x00")
+    _check_outcome(full, *_run(*full))
+
+
 # ------------------------------------------------------------------------------------- API
 
 

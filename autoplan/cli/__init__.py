@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: user mistakes become one line on stderr and exit code 2
     (with ``--json``, also a JSON object ``{"error": ..., "kind": ...}`` on stdout)."""
     args = list(argv) if argv is not None else sys.argv[1:]
+    for arg in args:
+        if "\x00" in arg:
+            # no shell passes one; click's path checks would raise ValueError on it
+            _fail(f"argument {arg!r} contains a NUL byte; remove it", "UsageError", args, 2)
     try:
         cli.main(args=args, prog_name="autoplan", standalone_mode=False)
     except click.exceptions.Exit as done:
