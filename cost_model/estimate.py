@@ -64,7 +64,7 @@ from cost_model.parts.host import host_cost
 from cost_model.parts.memory import unit_bytes
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
 from cost_model.parts.pipeline import Boundary, boundary, tied_grad_sync, tied_pair_placement
-from cost_model.parts.tensor_parallel import tp_cost
+from cost_model.parts.tensor_parallel import replicated_grad_sum_s, tp_cost
 from cost_model.rank_memory import (
     HeldActivations,
     boundary_send_bytes,
@@ -438,6 +438,11 @@ class CostModel:
             zero3_forward_exposed_s += expert_dp.zero3_forward_exposed_s
             zero3_backward_exposed_s += expert_dp.zero3_backward_exposed_s
         tied = tied_grad_sync(profile, index, strategy, cluster, pair)
+        replicated = (
+            replicated_grad_sum_s(unit, strategy, cluster, groups.tp)
+            if self.shared_expert_whole(strategy)
+            else 0.0
+        )
         optimizer = optimizer_cost(n_local, weights, cluster)
         host = host_cost(unit, n_local + experts.local_params, strategy, cal)
         loss = loss_cost(unit, strategy, cluster, traced)
@@ -476,7 +481,7 @@ class CostModel:
             ),
             weight_s=compute.weight_backward_s + experts.weight_backward_s,
             dp_sync_s=dp.sync_s,
-            post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s,
+            post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s + replicated,
             optimizer_s=optimizer.step_s + expert_optimizer_s + host.optimizer_s,
             param_bytes=memory.param_bytes + expert_state.param_bytes,
             grad_bytes=memory.grad_bytes + expert_state.grad_bytes,

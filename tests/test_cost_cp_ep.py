@@ -361,3 +361,44 @@ def test_shared_expert_runs_whole_under_sequence_parallelism() -> None:
     assert not CostModel(graph.profile, cluster, "megatron-lm").shared_expert_whole(strategy)
     no_sp = dataclasses.replace(strategy, sequence_parallel=False)
     assert not CostModel(graph.profile, cluster).shared_expert_whole(no_sp)
+
+
+def test_a_moe_layer_on_sequence_shards_sums_its_gradients_over_tp() -> None:
+    """Under SP each TP rank's router and shared expert see its own tokens:
+    `ReplicatedGradientSum` all-reduces their gradients over tp after the backward
+    (passes/moe_sequence_parallel.py). The cost model prices that all-reduce in the unit's
+    post-sync time (fp32 gradients of hidden x experts + the shared expert, each rank's
+    data-parallel shard from ZeRO-1 on); the routed experts' sum over tp is in their
+    data-parallel group (dp x tp); nothing for Megatron-LM's tensor-parallel shared expert."""
+    import autoplan
+    from cost_model.communication import collective_time_s
+    from cost_model.parts.tensor_parallel import replicated_grad_sum_s
+
+    graph = autoplan.trace(
+        autoplan.models.moe(
+            2, 256, 8, 512, 100, 8, 2, 128, num_shared_experts=1, num_dense_layers=1
+        )
+    )
+    index, unit = next((i, u) for i, u in enumerate(graph.profile.units) if u.moe is not None)
+    assert unit.moe is not None
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    sp = Strategy(tp_degree=2, dp_degree=4, sequence_parallel=True)
+    groups = group_placements(sp, cluster, "tp")
+    summed = 256 * 8 + unit.moe.shared_expert_params  # router + shared expert
+    expected = collective_time_s("all_reduce", summed * 4.0, groups, cluster)
+    assert replicated_grad_sum_s(unit, sp, cluster, groups) == pytest.approx(expected, rel=1e-12)
+    z3 = dataclasses.replace(sp, zero_stage=3)  # each rank sums its shard of them
+    sharded = collective_time_s("all_reduce", summed * 4.0 / 4, groups, cluster)
+    assert replicated_grad_sum_s(unit, z3, cluster, groups) == pytest.approx(sharded, rel=1e-12)
+    no_sp = dataclasses.replace(sp, sequence_parallel=False)
+    assert replicated_grad_sum_s(unit, no_sp, cluster, groups) == 0.0
+    assert sp.expert_dp_degree == 8 and no_sp.expert_dp_degree == 4  # experts reduce over tp
+
+    def post_sync(strategy: Strategy, framework: str = "autoplan") -> float:
+        costs = CostModel(graph.profile, cluster, framework).unit_costs(strategy, "none")
+        return costs[index].post_sync_s
+
+    # in the unit's cost (DDP: no other post-sync term), and not for Megatron-LM's
+    assert post_sync(sp) == pytest.approx(expected, rel=1e-12)
+    assert post_sync(no_sp) == 0.0
+    assert post_sync(sp, "megatron-lm") == 0.0

@@ -14,6 +14,7 @@ from cost_model.calibration import Calibration
 from cost_model.communication import collective_time_s
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_scale
+from cost_model.parts.data_parallel import grad_reduce_bytes
 from cost_model.strategy import GroupPlacement, Strategy
 from cost_model.workload import UnitProfile
 
@@ -126,3 +127,24 @@ def tail_tp_share(unit: UnitProfile) -> float:
     tail = unit.ops[len(unit.ops) - unit.recompute_skip_ops :]
     rows = sum(1 for op in tail if op.tp == "row" and op.kind == "matmul")
     return min(1.0, rows / n_fwd) if n_fwd else 0.0
+
+
+def replicated_grad_sum_s(
+    unit: UnitProfile, strategy: Strategy, cluster: Cluster, tp_groups: Sequence[GroupPlacement]
+) -> float:
+    """Per step: the all-reduce over tp of the gradients of a MoE layer's router (hidden x
+    experts) and shared expert when the layer runs on its TP rank's own sequence shard
+    (autoplan's runtime under sequence parallelism, passes/moe_sequence_parallel.py):
+    `ReplicatedGradientSum` runs it after the backward, on each rank's gradient shard (a
+    data-parallel shard from ZeRO-1 on, `Strategy.runtime_zero_stage`). The routed experts'
+    sum over tp is part of their data-parallel reduction (`Strategy.expert_dp_degree` spans
+    tp then). Zero without a MoE layer, TP or SP."""
+    moe = unit.moe
+    if moe is None or strategy.tp_degree == 1 or not strategy.sequence_parallel:
+        return 0.0
+    params = float(moe.hidden_size * moe.num_experts + moe.shared_expert_params)
+    weights = strategy.weights_view
+    if weights.runtime_zero_stage >= 1:
+        params /= weights.dp_degree
+    size = params * grad_reduce_bytes(strategy.dtype)
+    return collective_time_s("all_reduce", size, tp_groups, cluster)
