@@ -150,6 +150,9 @@ class FrameworkProfile:
     cp_min_zero: int | None = None
     # A mixture-of-experts model with tensor parallelism needs sequence parallelism.
     moe_tp_needs_sequence_parallel: bool = False
+    # What its interleaved schedule needs of the micro-batches: at least pp (Megatron-Core's
+    # groups of pp or more), or a multiple of pp on more than 2 ranks (Megatron-LM 2021).
+    interleaved_microbatches: Literal["pp-or-more", "multiple-of-pp"] | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
@@ -180,6 +183,18 @@ class FrameworkProfile:
             return f"{self.name} needs sequence parallelism for experts with tp > 1"
         if strategy.pp_degree == 1:
             return None
+        m, p = strategy.num_micro_batches, strategy.pp_degree
+        if strategy.virtual_stages > 1 and self.interleaved_microbatches == "pp-or-more" and m < p:
+            return (
+                f"{self.name}'s interleaved schedule needs at least pp micro-batches "
+                "(m >= pp with virtual stages)"
+            )
+        strict = self.interleaved_microbatches == "multiple-of-pp"
+        if strategy.virtual_stages > 1 and strict and (m % p or p <= 2):
+            return (
+                f"{self.name}'s interleaved schedule needs more than 2 pipeline ranks and a "
+                "multiple of pp micro-batches (pp > 2, m % pp = 0 with virtual stages)"
+            )
         if not self.pipeline_tensor_parallel and strategy.tp_degree > 1:
             return f"{self.name}'s pipeline engine has no tensor parallelism (tp 1 with pp > 1)"
         if self.pipeline_max_zero is not None and strategy.zero_stage > self.pipeline_max_zero:
@@ -378,6 +393,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # validate_args: "When using MoE and tensor parallelism, sequence parallelism must be
             # used" (megatron/training/arguments.py)
             moe_tp_needs_sequence_parallel=True,
+            # forward_backward_pipelining_with_interleaving: groups of >= pp micro-batches
+            interleaved_microbatches="pp-or-more",
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
                 "split": {
@@ -464,6 +481,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             schedules=("1f1b", "interleaved-1f1b"),
             # --checkpoint-activations: every layer of every stage (megatron/model/transformer.py)
             recompute_scope="global",
+            # the interleaved schedule: megatron/schedules.py asserts num_microbatches % pp == 0,
+            # megatron/arguments.py pp > 2 (v2.5, 3d718bfc)
+            interleaved_microbatches="multiple-of-pp",
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",

@@ -50,7 +50,7 @@ MEGATRON_FLAGS = {
     "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--moe-token-dispatcher-type", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-pre-softmax",
-    "--moe-aux-loss-coeff",
+    "--moe-aux-loss-coeff", "--microbatch-group-size-per-virtual-pipeline-stage",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.
@@ -817,3 +817,36 @@ def test_an_unconstrained_plan_searched_for_a_stack_exports_to_it(
     plan = autoplan.search(graph, cluster, global_batch=64, framework=framework, budget_s=2.0)
     nodes = as_cluster(cluster)
     export_plan(plan, framework, devices_per_node=nodes.devices_per_node)
+
+
+def test_megatron_runs_the_interleaved_order_autoplan_priced(llama8b: Any) -> None:
+    """torch's ScheduleInterleaved1F1B (what autoplan simulates) runs a virtual stage's
+    micro-batches in groups of m / max(1, m // pp); Megatron-LM in groups of
+    --microbatch-group-size-per-virtual-pipeline-stage (default pp), and raises unless m is a
+    multiple of the group and the group at least pp (megatron/core/pipeline_parallel/
+    schedules.py, NVIDIA/Megatron-LM d98e8a6). The export states the group where it is not pp,
+    refuses fewer micro-batches than pp, and a 1F1B stack's gpipe plan with m < pp exports as
+    its 1F1B (the order that runs)."""
+    six = _plan(llama8b, pp=4, virtual_stages=2, schedule="interleaved-1f1b", global_batch=24)
+    assert (six.num_micro_batches, six.dp_degree) == (6, 4)
+    flags = _flags(megatron_args(six, model_dims("llama3-8b")))
+    assert flags["--microbatch-group-size-per-virtual-pipeline-stage"] == "6"
+    eight = _plan(llama8b, pp=4, virtual_stages=2, schedule="interleaved-1f1b", global_batch=32)
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in _flags(
+        megatron_args(eight, model_dims("llama3-8b"))
+    )
+    few = _plan(llama8b, pp=8, virtual_stages=2, schedule="interleaved-1f1b", global_batch=8)
+    assert few.num_micro_batches < few.pp_degree
+    with pytest.raises(ExportError, match="num_micro_batches = 4"):
+        export_plan(few, "megatron-lm")
+    gpipe = _plan(llama8b, pp=8, schedule="gpipe", global_batch=8)
+    assert "--pipeline-model-parallel-size" in _flags(megatron_args(gpipe, model_dims("llama3-8b")))
+    # and the stacks say so when a plan is priced for them
+    with pytest.raises(InputError, match="needs at least pp micro-batches"):
+        autoplan.estimate(
+            llama8b, CLUSTER, dataclasses.replace(few, framework="megatron-lm", estimate=None)
+        )
+    with pytest.raises(InputError, match="more than 2 pipeline ranks and a multiple of pp"):
+        autoplan.estimate(
+            llama8b, CLUSTER, dataclasses.replace(six, framework="megatron-lm-2021", estimate=None)
+        )

@@ -20,7 +20,11 @@ Plan field -> flag:
 - ``schedule``: Megatron picks it from the degrees (``get_forward_backward_func`` in
   ``megatron/core/pipeline_parallel/schedules.py``): no pipelining for pp = 1, 1F1B for
   pp > 1, interleaved 1F1B with virtual stages. GPipe and the zero-bubble schedules have no
-  flag.
+  flag (a gpipe plan with fewer micro-batches than stages is Megatron's 1F1B, which then runs
+  in that order). Interleaved: Megatron runs a virtual stage's micro-batches in groups of
+  ``--microbatch-group-size-per-virtual-pipeline-stage`` (default pp; it needs pp <= group <=
+  m, m a multiple of it); the export states torch's group, m / max(1, m // pp), where it
+  differs, so the order is the one autoplan priced, and refuses m < pp.
 - ``micro_batch_size`` -> ``--micro-batch-size``; ``global_batch_size`` ->
   ``--global-batch-size`` (Megatron derives the micro-batches per step as
   global / (micro x data-parallel size), ``megatron/core/num_microbatches_calculator.py``).
@@ -115,6 +119,8 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     args += ["--pipeline-model-parallel-size", str(plan.pp_degree)]
     if plan.num_stages > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan, dims)]
+    if (group := _microbatch_group(plan)) is not None:
+        args += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
     if plan.sequence_parallel:
         args += ["--sequence-parallel"]
     if plan.cp_degree > 1:
@@ -204,12 +210,27 @@ def pipeline_layout(plan: Plan, dims: ModelDims) -> str:
     return "|".join(entries)
 
 
+def _microbatch_group(plan: Plan) -> int | None:
+    """Megatron's micro-batches per virtual-stage group for an interleaved plan when it is
+    not its default (the pipeline size): the group torch's ScheduleInterleaved1F1B runs,
+    m / max(1, m // pp), so that the order is the one autoplan priced. Megatron needs
+    pp <= group <= m and m a multiple of the group (forward_backward_pipelining_with_
+    interleaving; ``ModelParallelConfig.microbatch_group_size_per_vp_stage``)."""
+    if plan.pp_degree == 1 or plan.virtual_stages == 1:
+        return None
+    m, p = plan.num_micro_batches, plan.pp_degree
+    group = m // max(1, m // p)
+    return None if group == p else group
+
+
 def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     problems: list[ExportProblem] = []
     if (units := units_problem(plan, dims)) is not None:
         return [units]
     if plan.pp_degree > 1:
-        if plan.schedule == "gpipe":
+        # 1F1B with fewer micro-batches than stages runs in the GPipe order: Megatron's 1F1B
+        # warms up min(pp - rank - 1, m) forwards, so such a gpipe plan is its 1F1B
+        if plan.schedule == "gpipe" and plan.num_micro_batches >= plan.pp_degree:
             problems.append(
                 ExportProblem(
                     field="schedule",
@@ -222,7 +243,23 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                     fix="use schedule 1f1b (the same stages; fewer micro-batches in flight)",
                 )
             )
-        elif plan.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+        elif plan.virtual_stages > 1 and plan.num_micro_batches < plan.pp_degree:
+            problems.append(
+                ExportProblem(
+                    field="num_micro_batches",
+                    value=str(plan.num_micro_batches),
+                    option=(
+                        "megatron-lm's interleaved schedule runs groups of at least "
+                        f"pp = {plan.pp_degree} micro-batches per virtual stage "
+                        "(forward_backward_pipelining_with_interleaving)"
+                    ),
+                    fix=(
+                        f"use at least {plan.pp_degree} micro-batches (a smaller micro-batch or a "
+                        "larger global batch), or virtual_stages 1"
+                    ),
+                )
+            )
+        if plan.schedule in ("interleaved-zb", "zbv", "dualpipev"):
             problems.append(
                 ExportProblem(
                     field="schedule",
