@@ -841,6 +841,7 @@ def test_megatron_runs_the_interleaved_order_autoplan_priced(llama8b: Any) -> No
         export_plan(few, "megatron-lm")
     gpipe = _plan(llama8b, pp=8, schedule="gpipe", global_batch=8)
     assert "--pipeline-model-parallel-size" in _flags(megatron_args(gpipe, model_dims("llama3-8b")))
+    export_plan(gpipe, "deepspeed")  # DeepSpeed's TrainSchedule too
     # and the stacks say so when a plan is priced for them
     with pytest.raises(InputError, match="needs at least pp micro-batches"):
         autoplan.estimate(

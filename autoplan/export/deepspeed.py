@@ -112,7 +112,9 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 fix="use zero_stage 1, e.g. autoplan plan ... --zero 0,1",
             )
         )
-    if pipelined and (plan.schedule != "1f1b" or plan.virtual_stages != 1):
+    # a gpipe plan with fewer micro-batches than stages is TrainSchedule's 1F1B in that order
+    gpipe_order = plan.schedule == "gpipe" and plan.num_micro_batches < plan.pp_degree
+    if pipelined and ((plan.schedule != "1f1b" and not gpipe_order) or plan.virtual_stages != 1):
         problems.append(
             ExportProblem(
                 field="schedule",
