@@ -60,7 +60,7 @@ OptionValue = float | str | tuple[str, ...]
 
 
 class FrameworkError(InputError):
-    """An unknown framework name."""
+    """An unknown framework name or option, or a plan priced for a stack that cannot run it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,16 +184,17 @@ class FrameworkProfile:
         if strategy.pp_degree == 1:
             return None
         m, p = strategy.num_micro_batches, strategy.pp_degree
-        if strategy.virtual_stages > 1 and self.interleaved_microbatches == "pp-or-more" and m < p:
+        interleaved = strategy.schedule == "interleaved-1f1b"
+        if interleaved and self.interleaved_microbatches == "pp-or-more" and m < p:
             return (
                 f"{self.name}'s interleaved schedule needs at least pp micro-batches "
-                "(m >= pp with virtual stages)"
+                "(m >= pp for interleaved-1f1b)"
             )
         strict = self.interleaved_microbatches == "multiple-of-pp"
-        if strategy.virtual_stages > 1 and strict and (m % p or p <= 2):
+        if interleaved and strict and (m % p or p <= 2):
             return (
                 f"{self.name}'s interleaved schedule needs more than 2 pipeline ranks and a "
-                "multiple of pp micro-batches (pp > 2, m % pp = 0 with virtual stages)"
+                "multiple of pp micro-batches (pp > 2, m % pp = 0 for interleaved-1f1b)"
             )
         if not self.pipeline_tensor_parallel and strategy.tp_degree > 1:
             return f"{self.name}'s pipeline engine has no tensor parallelism (tp 1 with pp > 1)"
