@@ -223,6 +223,24 @@ def search_plans(
     model = CostModel(profile, cluster, framework)
     tables = _BoundTables(model)
     own_cuts = _OwnCuts(profile, framework)
+
+    def stack_cuts(candidate: Candidate, problem: PartitionProblem) -> list[Partition]:
+        """The stack's own cut under each recompute mode; for a stack whose engine re-times
+        the whole step (`FrameworkProfile.engine`: DeepSpeed's pipeline engine), at that step,
+        the one its plans report and the search must rank by."""
+        cuts = own_cuts.splits(problem)
+        if model.stack.engine is None:
+            return cuts
+        return [
+            replace(
+                cut,
+                step_time_s=model.estimate(
+                    _plan_of(model, candidate, cut, global_batch)
+                ).step_time_s,
+            )
+            for cut in cuts
+        ]
+
     # Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
     # (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
     # dtype): a proven lower bound on its step, and a floor under its order key. Per-unit
@@ -301,7 +319,7 @@ def search_plans(
             break
         order, candidate = entry
         problem = problems[order] = _problem(candidate, model)
-        splits[order] = own_cuts.splits(problem) if own_cuts.only else even_splits(problem)
+        splits[order] = stack_cuts(candidate, problem) if own_cuts.only else even_splits(problem)
         found = fastest_fitting(problem, splits[order])
         if found is not None:
             offer(order, candidate, found)
@@ -357,7 +375,9 @@ def search_plans(
         t0 = time.perf_counter()
         if own_cuts.only:
             # the stack's own cut, one recompute mode throughout: nothing to solve
-            found = fastest_fitting(problem, splits.pop(order, []) or own_cuts.splits(problem))
+            found = fastest_fitting(
+                problem, splits.pop(order, []) or stack_cuts(candidate, problem)
+            )
             solve_stats = SolveStats(
                 status="OPTIMAL" if found else "INFEASIBLE", wall_time_s=0.0, num_variables=0
             )
@@ -1036,13 +1056,11 @@ def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
 # ------------------------------------------------------------------------------ read back
 
 
-def _to_plan(
-    model: CostModel,
-    candidate: Candidate,
-    partition: Partition,
-    global_batch: int,
+def _plan_of(
+    model: CostModel, candidate: Candidate, partition: Partition, global_batch: int
 ) -> Plan:
-    profile, cluster = model.profile, model.cluster
+    """The plan of an outer choice with its stage cuts (no estimate attached)."""
+    profile = model.profile
     s = candidate.strategy
     ends = (*partition.stage_starts[1:], profile.num_units)
     stages = tuple(
@@ -1069,6 +1087,17 @@ def _to_plan(
         rank_layout=s.rank_layout,
         framework=model.framework,
     )
+    return plan
+
+
+def _to_plan(
+    model: CostModel,
+    candidate: Candidate,
+    partition: Partition,
+    global_batch: int,
+) -> Plan:
+    plan = _plan_of(model, candidate, partition, global_batch)
+    s = candidate.strategy
     result = model.estimate(plan)
     # The solver kept every rank within memory by the same numbers `require_fits` checks.
     assert result.fits, result.memory_problem()
@@ -1078,7 +1107,7 @@ def _to_plan(
         partition.step_time_s,
         s,
     )
-    return plan.with_estimate(plan_estimate(result, cluster))
+    return plan.with_estimate(plan_estimate(result, model.cluster))
 
 
 def _no_feasible_plan(
