@@ -972,8 +972,9 @@ def _stack_strategies(
         return
     within = replace(space, zero=zero, tp=tp)
     for strategy in strategies(within, profile, cluster, global_batch):
-        if strategy.pp_degree > 1:
-            yield strategy, stack.refusal(strategy, moe=moe)
+        # (one refused for another reason was counted by the first pass)
+        if strategy.pp_degree > 1 and stack.refusal(strategy, moe=moe) is None:
+            yield strategy, None
 
 
 class _OwnCuts:
