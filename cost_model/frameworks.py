@@ -521,6 +521,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
             schedules=("1f1b",),
             recompute_scope="global",
+            # bigscience-workshop/Megatron-DeepSpeed megatron/arguments.py (007719ad): only
+            # --checkpoint-activations (whole layers) and no --sequence-parallel
+            recompute_modes=("none", "full"),
+            sequence_parallel=False,
             # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
             # parallelism" (deepspeed/runtime/pipe/engine.py); Megatron's TP runs inside it
             pipeline_max_zero=1,

@@ -169,5 +169,8 @@ def test_the_search_ranks_a_deepspeed_engine_stack_by_the_step_its_engine_takes(
     steps = [plan.estimate.step_time_s for plan in found if plan.estimate is not None]
     assert len(steps) == len(found) >= 2 and steps == sorted(steps)
     for plan in found:
+        # BigScience's fork: --checkpoint-activations only, no --sequence-parallel
+        assert not plan.sequence_parallel
+        assert {stage.recompute for stage in plan.stages} <= {"none", "full"}
         again = autoplan.estimate(llama, cluster, dataclasses.replace(plan, estimate=None))
         assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
