@@ -164,8 +164,8 @@ def test_the_search_ranks_a_deepspeed_engine_stack_by_the_step_its_engine_takes(
     llama = autoplan.trace(autoplan.models.preset("llama3-8b"))
     cluster = "dgx-a100-80g:nodes=2"
     found = autoplan.search(
-        llama, cluster, global_batch=128, top_k=3, framework=FRAMEWORK, budget_s=2.0
-    )
+        llama, cluster, global_batch=128, top_k=3, framework=FRAMEWORK, budget_s=None
+    )  # to the proof (a few seconds: its own cuts need no solver), not to a deadline
     steps = [plan.estimate.step_time_s for plan in found if plan.estimate is not None]
     assert len(steps) == len(found) >= 2 and steps == sorted(steps)
     for plan in found:
