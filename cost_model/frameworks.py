@@ -32,15 +32,15 @@ Not described: fp8 training.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
-from cost_model.schedules import ScheduleName
+from cost_model.schedules import ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import PipelineSplit
-from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy
+from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy, is_subsequence
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -212,10 +212,8 @@ class FrameworkProfile:
         if (why := self.refusal(strategy, moe=moe)) is not None:
             return why
         pipelined = strategy.pp_degree > 1
-        # 1F1B with fewer micro-batches than stages warms up all of them first on the first
-        # rank (Megatron's min(p - rank - 1, m)): the GPipe order, as autoplan spells it
-        gpipe_order = (
-            strategy.schedule == "gpipe" and strategy.num_micro_batches < strategy.pp_degree
+        gpipe_order = runs_in_gpipe_order(
+            strategy.schedule, strategy.num_micro_batches, strategy.pp_degree
         )
         if (
             self.schedules is not None
@@ -238,17 +236,11 @@ class FrameworkProfile:
             )
         if self.rank_layouts is not None:
             # as the stack sees it: the axes of degree > 1, cp just outside tp
-            degrees = {
-                "pp": strategy.pp_degree,
-                "dp": strategy.dp_degree,
-                "cp": strategy.cp_degree,
-                "tp": strategy.tp_degree,
-            }
-            used = [axis for axis in strategy.rank_layout if degrees.get(axis, 1) > 1]
+            used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
             allowed: list[list[str]] = [
                 [*layout[:-1], "cp", layout[-1]] for layout in self.rank_layouts
             ]
-            if not any(_in_order(used, order) for order in allowed):
+            if not any(is_subsequence(used, order) for order in allowed):
                 return (
                     f"{self.name} orders its process groups "
                     f"{' or '.join(map(str, map(list, self.rank_layouts)))} (rank_layout)"
@@ -288,12 +280,6 @@ class FrameworkProfile:
         if not changes:
             return cluster
         return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
-
-
-def _in_order(axes: Sequence[str], order: Sequence[str]) -> bool:
-    """``axes`` appear in ``order`` in the same relative order."""
-    position = iter(order)
-    return all(axis in position for axis in axes)
 
 
 def unfused_attention_efficiency(

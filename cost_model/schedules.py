@@ -102,6 +102,19 @@ class Action:
 MAX_MICRO_BATCHES = 100_000
 
 
+def interleaved_rounds(num_micro_batches: int, pp_degree: int) -> int:
+    """Rounds of torch's interleaved schedules: ``max(1, m // pp)``, each running
+    ``m / rounds`` micro-batches through a virtual stage before the next."""
+    return max(1, num_micro_batches // pp_degree)
+
+
+def runs_in_gpipe_order(schedule: str, num_micro_batches: int, pp_degree: int) -> bool:
+    """A ``gpipe`` plan with fewer micro-batches than stages: the order a 1F1B engine runs
+    then (Megatron's and DeepSpeed's warm up min(pp - rank - 1, m) forwards), so such a
+    plan is their 1F1B."""
+    return schedule == "gpipe" and num_micro_batches < pp_degree
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleSpec:
     """A pipeline schedule with its degrees; construction checks torch's rules for it."""
@@ -141,7 +154,7 @@ class ScheduleSpec:
                     f"schedule {name!r} needs pp_degree >= 2 and virtual_stages >= 2, got "
                     f"pp_degree = {p}, virtual_stages = {v}; use '1f1b' for one stage per rank"
                 )
-            rounds = max(1, m // p)
+            rounds = interleaved_rounds(m, p)
             if m % rounds:
                 raise ScheduleError(
                     f"num_micro_batches = {m} must be a multiple of its number of rounds "

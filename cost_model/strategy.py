@@ -102,6 +102,12 @@ def plan_cp_ep(plan: object) -> tuple[int, int]:
     return int(getattr(plan, "cp_degree", 1)), int(getattr(plan, "ep_degree", 1))
 
 
+def is_subsequence(axes: Sequence[str], order: Sequence[str]) -> bool:
+    """``axes`` appear in ``order`` in the same relative order."""
+    position = iter(order)
+    return all(axis in position for axis in axes)
+
+
 def valid_layout(layout: Sequence[str]) -> bool:
     """Whether ``layout`` orders pp, dp, tp once each, with cp once or left out."""
     try:

@@ -202,12 +202,6 @@ def effective_layout(plan: Plan) -> tuple[MeshAxis, ...]:
     return tuple(axis for axis in plan.rank_layout if plan.degree(axis) > 1)
 
 
-def is_subsequence(axes: Sequence[str], order: Sequence[str]) -> bool:
-    """``axes`` appear in ``order`` in the same relative order."""
-    position = iter(order)
-    return all(axis in position for axis in axes)
-
-
 def layout_problem(plan: Plan, framework: str, options: str, allowed: str) -> ExportProblem:
     return ExportProblem(
         field="rank_layout",

@@ -53,12 +53,13 @@ from autoplan.export._common import (
     Launch,
     ModelDims,
     effective_layout,
-    is_subsequence,
     layout_problem,
     recompute_mix_problem,
     uniform_recompute,
     units_problem,
 )
+from cost_model.schedules import runs_in_gpipe_order
+from cost_model.strategy import is_subsequence
 
 FRAMEWORK: Framework = "deepspeed"
 CONFIG_FILE = "ds_config.json"
@@ -113,7 +114,7 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
             )
         )
     # a gpipe plan with fewer micro-batches than stages is TrainSchedule's 1F1B in that order
-    gpipe_order = plan.schedule == "gpipe" and plan.num_micro_batches < plan.pp_degree
+    gpipe_order = runs_in_gpipe_order(plan.schedule, plan.num_micro_batches, plan.pp_degree)
     if pipelined and ((plan.schedule != "1f1b" and not gpipe_order) or plan.virtual_stages != 1):
         problems.append(
             ExportProblem(

@@ -90,7 +90,6 @@ from autoplan.export._common import (
     effective_layout,
     expert_problems,
     folding_problem,
-    is_subsequence,
     layout_problem,
     recompute_mix_problem,
     stage_layers,
@@ -98,6 +97,8 @@ from autoplan.export._common import (
     units_problem,
 )
 from cost_model.frameworks import framework_profile
+from cost_model.schedules import interleaved_rounds, runs_in_gpipe_order
+from cost_model.strategy import is_subsequence
 
 FRAMEWORK: Framework = "megatron-lm"
 ARGS_FILE = "megatron_args.txt"
@@ -218,9 +219,8 @@ def _microbatch_group(plan: Plan) -> int | None:
     interleaving; ``ModelParallelConfig.microbatch_group_size_per_vp_stage``)."""
     if plan.pp_degree == 1 or plan.virtual_stages == 1:
         return None
-    m, p = plan.num_micro_batches, plan.pp_degree
-    group = m // max(1, m // p)
-    return None if group == p else group
+    group = plan.num_micro_batches // interleaved_rounds(plan.num_micro_batches, plan.pp_degree)
+    return None if group == plan.pp_degree else group
 
 
 def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
@@ -228,9 +228,9 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     if (units := units_problem(plan, dims)) is not None:
         return [units]
     if plan.pp_degree > 1:
-        # 1F1B with fewer micro-batches than stages runs in the GPipe order: Megatron's 1F1B
-        # warms up min(pp - rank - 1, m) forwards, so such a gpipe plan is its 1F1B
-        if plan.schedule == "gpipe" and plan.num_micro_batches >= plan.pp_degree:
+        # a gpipe plan with fewer micro-batches than stages is Megatron's 1F1B in that order
+        gpipe_order = runs_in_gpipe_order(plan.schedule, plan.num_micro_batches, plan.pp_degree)
+        if plan.schedule == "gpipe" and not gpipe_order:
             problems.append(
                 ExportProblem(
                     field="schedule",

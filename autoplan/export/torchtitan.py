@@ -67,13 +67,13 @@ from autoplan.export._common import (
     cp_sequence_problem,
     effective_layout,
     expert_problems,
-    is_subsequence,
     layout_problem,
     recompute_mix_problem,
     stage_layers,
     uniform_recompute,
     units_problem,
 )
+from cost_model.strategy import is_subsequence
 
 FRAMEWORK: Framework = "torchtitan"
 MODULE = "autoplan_torchtitan"
