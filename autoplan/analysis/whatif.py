@@ -58,6 +58,9 @@ __all__ = [
 ]
 
 SECONDS_PER_DAY = 86400.0
+# What a search process costs before its first search: spawn, then import torch, OR-tools and
+# torch's pipeline schedules (about 3 s of one core, measured on this project's 2-core machine).
+_POOL_START_S = 3.0
 SECONDS_PER_HOUR = 3600.0
 _NODE_KEYS = ("nodes", "num_nodes")
 
@@ -393,8 +396,9 @@ def whatif(
     ``cluster_name_or_template``: one cluster type or a list of them (module docstring).
     ``tokens``: train this many tokens (days, device-hours); ``price_per_device_hour``: with
     ``tokens``, the cost in the price's currency. ``constraints`` are `autoplan.search`'s.
-    ``workers``: searches run in this many processes at once (default: one per CPU core, at
-    most one per search; 1 runs them here, one after another). ``time_limit_s`` and
+    ``workers``: searches run in this many processes at once (1: here, one after another).
+    By default they run here while the rest would end before a process could start, then in one
+    process per CPU core. ``time_limit_s`` and
     ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
     ``framework``: price every plan for that training stack (`autoplan.search`).
     """
@@ -436,18 +440,36 @@ def whatif(
             )
 
     count = min(workers or os.cpu_count() or 1, total)
+    pending = list(jobs)
+
+    def run_here(kind: ClusterType, n: int, cluster: Cluster) -> None:
+        report(kind, n)
+        found[kind.label, n] = _best_plan(
+            n, profile, cluster, global_batch, (time_limit_s, budget_s), constraints
+        )
+
+    if count > 1 and workers is None:
+        # By default the searches run here while the rest, at the pace so far, would end before
+        # a worker process could start and take its first (`_POOL_START_S`): a small model's
+        # sweep never pays for processes. The results are the same either way.
+        _warm_worker()
+        spent = 0.0
+        while pending:
+            done = total - len(pending)
+            if done and spent / done * len(pending) > _POOL_START_S:
+                break
+            t0 = time.perf_counter()
+            run_here(*pending.pop(0))
+            spent += time.perf_counter() - t0
     if count <= 1:
-        for kind, n, cluster in jobs:
-            report(kind, n)
-            found[kind.label, n] = _best_plan(
-                n, profile, cluster, global_batch, (time_limit_s, budget_s), constraints
-            )
-    else:
+        for job in pending:
+            run_here(*job)
+    elif pending:
         # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
         # separate processes, started fresh ("spawn": OR-tools threads and fork do not mix).
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
-            max_workers=count, mp_context=context, initializer=_warm_worker
+            max_workers=min(count, len(pending)), mp_context=context, initializer=_warm_worker
         ) as pool:
             futures = {
                 pool.submit(
@@ -459,7 +481,7 @@ def whatif(
                     (time_limit_s, budget_s),
                     dict(constraints),
                 ): (kind, n)
-                for kind, n, cluster in jobs
+                for kind, n, cluster in pending
             }
             report(*futures[next(iter(futures))])
             for future in as_completed(futures):

@@ -36,9 +36,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple
-
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from autoplan.contract.plan import Recompute
 from cost_model.schedules import (
@@ -50,6 +48,11 @@ from cost_model.schedules import (
     rank_paths,
     simulate,
 )
+
+# OR-tools' CP-SAT (with pandas, which it imports) takes about 0.4 s to import: the functions
+# that solve import it, so a training process that is handed its plan never loads it.
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 # Integer resolution of the CP-SAT model: times and bytes are scaled so that the total over all
 # units is this many integer units. A path sums rounded unit times, each off by at most half a
@@ -582,6 +585,8 @@ def _cut_model(problem: PartitionProblem) -> _CutModel:
     names = scaled.mode_names
 
     # Model.
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
 
     # Variables, each family with the constraints that define it. (This order is the model's
@@ -730,6 +735,8 @@ def _count_model(problem: PartitionProblem) -> _CountModel:
     first_varies = S > 1 and first_link != block_link
 
     # Model.
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
 
     # Variables, each family with the constraints that define it (as in `_cut_model`).
@@ -972,6 +979,8 @@ def _peak_model(problem: PartitionProblem, kind: ModelKind | None) -> _PeakModel
 
 def _solver_status(status: cp_model.CpSolverStatus) -> SolverStatus:
     """CP-SAT's name of ``status``."""
+    from ortools.sat.python import cp_model
+
     if status == cp_model.OPTIMAL:
         return "OPTIMAL"
     if status == cp_model.FEASIBLE:
@@ -1221,6 +1230,8 @@ def solve(
             status = "FEASIBLE" if best is not None else "UNKNOWN"
             break
         rounds += 1
+        from ortools.sat.python import cp_model
+
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = remaining
         solver.parameters.num_workers = num_workers
@@ -1304,6 +1315,8 @@ def min_peak_memory(
     partition CP-SAT found (proven least when the status is OPTIMAL), or None when it found
     none: the bound is then unknown (a time limit, or a model the rounding made infeasible)."""
     built = _peak_model(problem, model)
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
