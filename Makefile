@@ -38,11 +38,13 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Single-process tests on both cores (pytest-xdist), then the multi-process ones (marked slow)
-# one at a time: each starts several processes of its own.
+# Three pytest-xdist workers on the two cores: the multi-process tests (marked slow, each
+# starts several processes of its own) one after another on one of them (tests/conftest.py
+# groups them), the single-process tests on the other two. The multi-process tests leave about a
+# quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 9.4 min
+# where running the two kinds one after the other took 10.1 (measured side by side here).
 pytest: $(BIN)/.installed-extras
-	$(BIN)/pytest -q -m "not slow" -n 2
-	$(BIN)/pytest -q -m slow
+	$(BIN)/pytest -q -n 3 --dist loadgroup
 
 test: lint typecheck pytest
 

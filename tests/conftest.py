@@ -17,6 +17,15 @@ import pytest
 AUTOPLAN_SCRIPT = Path(sys.executable).parent / "autoplan"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The multi-process tests (marked slow) run one after another on one pytest-xdist worker
+    (``--dist loadgroup``): each starts several processes of its own, and two at once would
+    contend for the cores while the other workers run the single-process tests."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("multi-process"))
+
+
 @pytest.fixture(autouse=True)
 def _no_local_calibration(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -43,7 +52,7 @@ def pipeline_reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineRefe
 
     tmp = tmp_path_factory.mktemp("pipeline-reference")
     plan = fixed_plan(tmp, 2)
-    steps, every = 40, 4
+    steps, every = 24, 4
     losses = run_uninterrupted(tmp, 2, steps=steps, every=every, extra=("--plan", str(plan)))
     return PipelineReference(plan=plan, steps=steps, every=every, losses=losses)
 

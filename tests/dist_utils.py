@@ -195,6 +195,20 @@ class _NativeCrash(Exception):
 _CRASH_SIGNALS = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}
 
 
+def _crashed(procs: list[Any], grace_s: float = 5.0) -> bool:
+    """Whether a rank died of a crash signal. Its exit status reaches this process through the
+    forkserver, which may deliver it after the peers have reported the errors the crash caused
+    (seen on a loaded machine): wait for every rank's status, at most ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        codes = [proc.exitcode for proc in procs]
+        if any(code in _CRASH_SIGNALS for code in codes):
+            return True
+        if None not in codes or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _run_once(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -265,7 +279,7 @@ def _run_once(
             ordered = sorted(errors, key=lambda r: (any(k in errors[r] for k in _KNOCK_ON), r))
             raise DistributedTestError("\n".join(f"rank {r} failed:\n{errors[r]}" for r in ordered))
     except DistributedTestError as error:
-        if any(proc.exitcode in _CRASH_SIGNALS for proc in procs):
+        if _crashed(procs):
             raise error from _NativeCrash()
         raise
     finally:
