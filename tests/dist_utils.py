@@ -286,8 +286,11 @@ def _run_once(
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
+        # Until every rank is gone (SIGKILL: the kernel ends it; a short timeout could return
+        # first on a loaded machine): a rank still dialling a crashed peer's freed port must not
+        # reach the listener that a retry's rank may bind to the same port.
         for proc in procs:
-            proc.join(timeout=5)
+            proc.join(timeout=60)
         results.close()
     return [values[rank] for rank in range(world_size)]
 

@@ -58,10 +58,10 @@ __all__ = [
 ]
 
 SECONDS_PER_DAY = 86400.0
+SECONDS_PER_HOUR = 3600.0
 # What a search process costs before its first search: spawn, then import torch, OR-tools and
 # torch's pipeline schedules (about 3 s of one core, measured on this project's 2-core machine).
 _POOL_START_S = 3.0
-SECONDS_PER_HOUR = 3600.0
 _NODE_KEYS = ("nodes", "num_nodes")
 
 
