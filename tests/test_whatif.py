@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,40 @@ def test_parallel_searches_match_serial_ones(profile: ModelProfile) -> None:
     done = [p.completed for p in seen]
     assert done[0] == 0 and done[-1] == len(sizes) and done == sorted(done)
     assert {p.num_devices for p in seen} == set(sizes)
+
+
+@pytest.mark.parametrize("start_s", [math.inf, 0.0])
+def test_searches_run_here_until_a_pool_would_finish_sooner(
+    profile: ModelProfile, monkeypatch: pytest.MonkeyPatch, start_s: float
+) -> None:
+    """By default the first search runs here; the rest follow it here while, at its pace, they
+    would end before a search process could start (`_POOL_START_S`, set by the test: no wall
+    clock decides the outcome), else in a pool. The rows are the same either way."""
+    import autoplan.analysis.whatif as module
+
+    pools: list[int] = []
+
+    def counted_pool(*args: Any, max_workers: int, **kwargs: Any) -> ProcessPoolExecutor:
+        pools.append(max_workers)
+        return ProcessPoolExecutor(*args, max_workers=max_workers, **kwargs)
+
+    monkeypatch.setattr(module, "_POOL_START_S", start_s)
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)  # the default pool has two workers
+    monkeypatch.setattr(module, "ProcessPoolExecutor", counted_pool)
+    sizes = [2, 4]
+    seen: list[WhatIfProgress] = []
+    result = whatif(
+        profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, progress=seen.append,
+        budget_s=None,
+    )  # fmt: skip
+    # never a pool when processes cannot pay for themselves; else one for the last search
+    assert pools == ([] if start_s == math.inf else [1])
+    done = [p.completed for p in seen]
+    assert done[0] == 0 and done[-1] == len(sizes) and done == sorted(done)
+    serial = whatif(
+        profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, workers=1, budget_s=None
+    )
+    assert [r.plan for r in result.rows] == [r.plan for r in serial.rows]
 
 
 def test_a_changed_link_is_its_own_cluster_type(profile: ModelProfile) -> None:
