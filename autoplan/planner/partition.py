@@ -1218,6 +1218,8 @@ def solve(
     status: SolveStatus = "UNKNOWN"
     rounds = 0
     wall = 0.0
+    from ortools.sat.python import cp_model
+
     while rounds < _MAX_ROUNDS:
         if best is not None and best.step_time_s <= bound * (1.0 + relative_gap):
             status = "OPTIMAL"
@@ -1230,8 +1232,6 @@ def solve(
             status = "FEASIBLE" if best is not None else "UNKNOWN"
             break
         rounds += 1
-        from ortools.sat.python import cp_model
-
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = remaining
         solver.parameters.num_workers = num_workers
