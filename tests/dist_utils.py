@@ -198,7 +198,7 @@ _CRASH_SIGNALS = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}
 def _crashed(procs: list[Any], grace_s: float = 5.0) -> bool:
     """Whether a rank died of a crash signal. Its exit status reaches this process through the
     forkserver, which may deliver it after the peers have reported the errors the crash caused
-    (seen on a loaded machine): wait for every rank's status, at most ``grace_s``."""
+    (possible on a loaded machine): wait for every rank's status, at most ``grace_s``."""
     deadline = time.monotonic() + grace_s
     while True:
         codes = [proc.exitcode for proc in procs]
