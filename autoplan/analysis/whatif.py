@@ -451,7 +451,8 @@ def whatif(
     if count > 1 and workers is None:
         # By default the searches run here while the rest, at the pace so far, would end before
         # a worker process could start and take its first (`_POOL_START_S`): a small model's
-        # sweep never pays for processes. The results are the same either way.
+        # sweep never pays for processes. The results are the same either way. The schedules'
+        # one-off import comes first, so that it does not count as the first search's pace.
         _warm_worker()
         spent = 0.0
         while pending:
