@@ -38,7 +38,7 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
-from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
+from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.strategy import folded_ep_factors
 from cost_model.workload import ModelProfile
@@ -254,7 +254,8 @@ FAMILY_KEYS = frozenset(
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FittedConstant:
     """A calibration constant the bench fits: its name, the GPUs it applies to, its shipped
-    value and the rows it was fitted to."""
+    value and the rows it was fitted to. With ``framework``: a field of that training stack's
+    profile (`cost_model.frameworks`), which ships the value, for that stack's rows on any GPU."""
 
     name: str
     gpus: tuple[str, ...]
@@ -262,33 +263,73 @@ class FittedConstant:
     rows: tuple[str, ...]
     low: float
     high: float
+    framework: str | None = None
 
     @property
     def key(self) -> str:
-        return f"{self.name}[{','.join(self.gpus)}]"
+        return f"{self.name}[{self.framework or ','.join(self.gpus)}]"
+
+    def applies(self, case: Case) -> bool:
+        if self.framework is not None:
+            return str(case.plan_args["framework"]).partition(":")[0] == self.framework
+        return case.gpu in self.gpus
 
 
 def fitted_constants(assumptions: dict[str, Any]) -> tuple[FittedConstant, ...]:
-    return tuple(
+    """The assumptions' fitted constants; a profile's constant must be the value the product's
+    profile ships (what the bench knows, the product knows)."""
+    constants = tuple(
         FittedConstant(
             name=c["name"],
-            gpus=tuple(c["gpus"]),
+            gpus=tuple(c.get("gpus", ())),
             value=float(c["value"]),
             rows=tuple(c["rows"]),
             low=float(c["range"][0]),
             high=float(c["range"][1]),
+            framework=c.get("framework"),
         )
         for c in assumptions.get("fitted_constants", [])
     )
+    for c in constants:
+        if c.framework is None:
+            continue
+        shipped = getattr(FRAMEWORKS[c.framework], c.name)
+        if shipped != c.value:
+            raise ValueError(
+                f"fitted constant {c.key} = {c.value}, but cost_model/frameworks.py's "
+                f"{c.framework} profile ships {shipped}: make them agree"
+            )
+    return constants
 
 
 def constant_overrides(
     gpu: str, constants: Iterable[FittedConstant], values: dict[str, float] | None = None
 ) -> dict[str, float]:
-    """The cluster overrides of the constants that apply to ``gpu`` (``values`` by key replace
-    the shipped ones)."""
+    """The cluster overrides of the GPU constants that apply to ``gpu`` (``values`` by key
+    replace the shipped ones); a profile's constants are set by `profile_constants`."""
     values = values or {}
-    return {c.name: values.get(c.key, c.value) for c in constants if gpu in c.gpus}
+    return {
+        c.name: values.get(c.key, c.value)
+        for c in constants
+        if c.framework is None and gpu in c.gpus
+    }
+
+
+@contextlib.contextmanager
+def profile_constants(values: dict[str, float]) -> Iterator[None]:
+    """The profiles of `FITTED`'s stack constants with ``values`` (by key) in place of the
+    shipped ones, for the bench's re-fits; restored on exit."""
+    saved = dict(FRAMEWORKS)
+    try:
+        for c in FITTED:
+            if c.framework is not None and c.key in values:
+                FRAMEWORKS[c.framework] = dataclasses.replace(
+                    FRAMEWORKS[c.framework], **{c.name: values[c.key]}
+                )
+        yield
+    finally:
+        FRAMEWORKS.clear()
+        FRAMEWORKS.update(saved)
 
 
 def build_case(
@@ -795,12 +836,15 @@ def fit_constant(constant: FittedConstant, cases: list[Case], values: dict[str, 
     def worst(x: float) -> float:
         trial = {**values, constant.key: x}
         errs = []
-        for case in cases:
-            overrides = {constant.name: x}
-            for c in FITTED:
-                if c.key != constant.key and case.gpu in c.gpus and c.key in trial:
-                    overrides[c.name] = trial[c.key]
-            errs.append(abs(predict(case, case.cluster.with_overrides(**overrides)).error))
+        with profile_constants(trial):
+            for case in cases:
+                overrides = {
+                    c.name: trial[c.key]
+                    for c in FITTED
+                    if c.framework is None and c.key in trial and c.applies(case)
+                }
+                cluster = case.cluster.with_overrides(**overrides)
+                errs.append(abs(predict(case, cluster).error))
         return max(errs)
 
     lo, hi = constant.low, constant.high
@@ -854,17 +898,18 @@ def leave_one_source_out(
                 values[constant.key] = fit_constant(constant, others, values)
             else:
                 values[constant.key] = float(getattr(defaults, constant.name))
-        touched = {g for c in FITTED if c.key in values for g in c.gpus}
+        refitted = [c for c in FITTED if c.key in values]
         mine = []
         for r in scored:
             if r.case.source_id != source_id:
                 continue
-            if r.case.gpu not in touched:
+            if not any(c.applies(r.case) for c in refitted):
                 mine.append(r)
                 continue
             case = build_case(row_of[r.case.run_id], assumptions, values)
             assert isinstance(case, Case)
-            mine.append(predict(case))
+            with profile_constants(values):
+                mine.append(predict(case))
         out.append(HeldOutSource(source_id=source_id, values=values, results=mine))
     return out
 

@@ -73,6 +73,12 @@ class Calibration:
     # micro-batch and stage boundary): the schedule's bookkeeping around the send/recv
     # (buffers, shape checks, waits), beyond the link's latency.
     pp_message_overhead_s: float = unit_field("time", default=0.0)
+    # Least time one transformer block takes per micro-batch (forward + backward, its recompute
+    # and collectives included) when it is tensor parallel, on a GPU: the training stack's host
+    # work for the block (Python, autograd, kernel and collective launches), which the device,
+    # fed asynchronously, cannot outrun. Below it the device idles. 0: the device's own time
+    # stands (the host keeps ahead). A property of the stack (`cost_model.frameworks`).
+    tp_block_host_floor_s: float = unit_field("time", default=0.0)
     # Per optimizer step: the training loop's own fixed time that no parallelism shrinks (data
     # loading, loss-scale checks, logging and timers between steps), after the rank tail.
     step_overhead_s: float = unit_field("time", default=0.0)
@@ -149,6 +155,7 @@ class Calibration:
             "dp_unit_overhead_s",
             "sharded_optimizer_unit_overhead_s",
             "pp_message_overhead_s",
+            "tp_block_host_floor_s",
             "step_overhead_s",
             "reserved_memory_bytes",
             "allocator_overhead_fraction",

@@ -60,7 +60,7 @@ from cost_model.parts.data_parallel import (
 )
 from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepspeed_pipe_step_s
 from cost_model.parts.expert_parallel import ExpertCost, expert_cost, recompute_expert_s
-from cost_model.parts.host import host_cost
+from cost_model.parts.host import host_cost, host_floor_wait
 from cost_model.parts.memory import unit_bytes
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
 from cost_model.parts.pipeline import Boundary, boundary, tied_grad_sync, tied_pair_placement
@@ -449,6 +449,29 @@ class CostModel:
         memory = unit_bytes(
             unit, weights, mode, traced, local_params=n_local, loss_saved_bytes=loss.saved_bytes
         )
+        forward_s = (
+            forward_compute_s
+            + tp.forward_s
+            + ring.forward_s
+            + experts.all_to_all_forward_s
+            + zero3_forward_exposed_s
+            + host.microbatch_s / 2
+        )
+        backward_s = (
+            backward_compute_s
+            + rerun_s
+            + tp.backward_s
+            + ring.backward_s
+            + experts.all_to_all_backward_s
+            + zero3_backward_exposed_s
+            + host.microbatch_s / 2
+        )
+        if unit.kind == "block" and strategy.tp_degree > 1:
+            wait_forward, wait_backward = host_floor_wait(
+                forward_s, backward_s, cal.tp_block_host_floor_s
+            )
+            forward_s += wait_forward
+            backward_s += wait_backward
         cost = UnitCost(
             kind=unit.kind,
             recompute=mode,
@@ -462,23 +485,8 @@ class CostModel:
                 dp.zero3_backward_s + (expert_dp.zero3_backward_s if expert_dp else 0)
             ),
             zero3_exposed_s=zero3_forward_exposed_s + zero3_backward_exposed_s,
-            forward_s=(
-                forward_compute_s
-                + tp.forward_s
-                + ring.forward_s
-                + experts.all_to_all_forward_s
-                + zero3_forward_exposed_s
-                + host.microbatch_s / 2
-            ),
-            backward_s=(
-                backward_compute_s
-                + rerun_s
-                + tp.backward_s
-                + ring.backward_s
-                + experts.all_to_all_backward_s
-                + zero3_backward_exposed_s
-                + host.microbatch_s / 2
-            ),
+            forward_s=forward_s,
+            backward_s=backward_s,
             weight_s=compute.weight_backward_s + experts.weight_backward_s,
             dp_sync_s=dp.sync_s,
             post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s + replicated,

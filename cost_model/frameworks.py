@@ -5,7 +5,8 @@ DeepSpeed or torchtitan (`autoplan export`). The stacks differ in behaviour the 
 decide: the attention kernel, how far full recompute re-runs the forward, which op outputs
 selective recompute keeps, whether data-parallel gradient sync overlaps the backward, whether
 the pipeline keeps the activations it sent, the bytes the loss keeps, how ZeRO-3 gathers
-weights (FSDP2 per block, DeepSpeed per module in prefetch buckets), and a pipeline engine that
+weights (FSDP2 per block, DeepSpeed per module in prefetch buckets), the least time its host
+work lets a tensor-parallel block take on a GPU (nanotron's), and a pipeline engine that
 re-times the whole step (DeepSpeed's, with BF16_Optimizer or its fp16 optimizers). A
 `FrameworkProfile` names each behaviour with its source; `FrameworkProfile.cluster_for` writes
 the calibration ones into the cluster's `Calibration`, whose fields the cost model's parts read,
@@ -92,6 +93,10 @@ class FrameworkProfile:
     # `Calibration.pipeline_boundary_retention`: 1 keeps every sent activation until its
     # backward (torch.distributed.pipelining), 0 frees it once sent.
     pipeline_boundary_retention: float | None = None
+    # `Calibration.tp_block_host_floor_s`: the least time a tensor-parallel block takes per
+    # micro-batch on a GPU, set by the stack's host work for it (written on GPU clusters only:
+    # a CPU worker's host time adds to its compute, `autoplan calibrate` measures it there).
+    tp_block_host_floor_s: float | None = None
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
     # `Calibration.loss_forward_bytes_per_logit` and `loss_backward_bytes_per_logit`.
@@ -275,6 +280,8 @@ class FrameworkProfile:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value
+        if self.tp_block_host_floor_s is not None and cluster.device.kind == "gpu":
+            changes["tp_block_host_floor_s"] = self.tp_block_host_floor_s
         if self.dp_overlap is not None:
             changes["dp_overlap_fraction"] = min(cal.dp_overlap_fraction, self.dp_overlap)
         if not changes:
@@ -426,6 +433,16 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # the saved softmax in place (8). F.cross_entropy moves 8 and 16.
             loss_forward_bytes_per_logit=32.0,
             loss_backward_bytes_per_logit=8.0,
+            # Fitted (bench/data/validation_assumptions.yaml, fitted_constants) to the
+            # Ultra-Scale Playbook's tensor-parallel runs at micro-batch 1, whose time per
+            # micro-batch and decoder layer is the same 4.4 ms for hidden sizes 2048, 3072 and
+            # 4096 at TP 2, 4 and 8 (16, 28 and 32 layers: 70, 122 and 141 ms a micro-batch)
+            # wherever the device needs less: a floor that grows with the layers alone, as the
+            # host's per-layer work does (its Triton RMSNorm and rotary kernels, flash-attn's
+            # Python wrapper, its tensor-parallel autograd functions and their collectives).
+            # The source does not say which; rows without TP need more than the floor, so it
+            # is not known whether one applies there.
+            tp_block_host_floor_s=4.4e-3,
             sources=(
                 "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",

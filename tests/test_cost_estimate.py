@@ -17,6 +17,7 @@ from autoplan.api import manual_plan
 from autoplan.contract.plan import Recompute, even_stages
 from cost_model.compute import op_time
 from cost_model.estimate import (
+    CostModel,
     MemoryCapacityError,
     boundary_costs,
     boundary_send_bytes,
@@ -30,6 +31,7 @@ from cost_model.estimate import (
     step_overhead_s,
     unit_costs,
 )
+from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.schedules import (
     SCHEDULES,
@@ -820,3 +822,47 @@ def test_ddp_keeps_a_second_copy_of_the_gradients() -> None:
         - memory_constants(costs, cluster, alone).buffer_bytes
     )
     assert extra == sum(c.grad_bytes for c in costs) == 2 * 1e6 * 4
+
+
+def test_a_stacks_host_floor_bounds_each_tensor_parallel_block_on_a_gpu() -> None:
+    """nanotron's profile sets a floor per tensor-parallel block and micro-batch on GPUs
+    (`Calibration.tp_block_host_floor_s`): a block whose device time is shorter takes the
+    floor, split like its forward and backward; blocks without TP, other units, large blocks
+    and CPU workers keep their own time."""
+    profile = gpt_profile()  # small: its blocks take microseconds on an H100
+    gpu = Cluster.preset("dgx-h100-80g")
+    floor = FRAMEWORKS["nanotron"].tp_block_host_floor_s
+    assert floor == pytest.approx(4.4e-3)
+    tp2 = Strategy(tp_degree=2, micro_batch_size=1, dtype="bf16")
+    plain = CostModel(profile, gpu).unit_costs(tp2, "none")
+    floored = CostModel(profile, gpu, "nanotron").unit_costs(tp2, "none")
+    for before, after in zip(plain, floored, strict=True):
+        if before.kind != "block":
+            assert after.time_s == pytest.approx(before.time_s, rel=0.05)
+            continue
+        assert before.time_s < floor / 10
+        assert after.time_s == pytest.approx(floor, rel=1e-9)
+        assert after.forward_s / after.backward_s == pytest.approx(
+            before.forward_s / before.backward_s, rel=1e-9
+        )
+    # without TP: no floor
+    tp1 = Strategy(micro_batch_size=1, dtype="bf16")
+    for unit in CostModel(profile, gpu, "nanotron").unit_costs(tp1, "none"):
+        assert unit.time_s < floor / 10
+    # a block that needs longer than the floor keeps its time
+    big = gpt_profile(s=4096, h=4096, a=32, vocab=1024)
+    own = CostModel(big, gpu).unit_costs(tp2, "none")
+    with_floor = CostModel(big, gpu, "nanotron").unit_costs(tp2, "none")
+    blocks = [(a, b) for a, b in zip(own, with_floor, strict=True) if a.kind == "block"]
+    assert blocks and all(a.time_s > floor for a, _ in blocks)
+    assert all(b.time_s == pytest.approx(a.time_s, rel=0.05) for a, b in blocks)
+    # a CPU worker's host time adds to its compute (`autoplan calibrate`): the profile's GPU
+    # floor is not written there
+    cpu = Cluster.preset("local")
+    assert FRAMEWORKS["nanotron"].cluster_for(profile, cpu).calibration.tp_block_host_floor_s == 0
+    # and a step of many micro-batches pays the floor for each
+    plan = manual_plan(
+        profile, gpu, tp=2, micro_batch=1, global_batch=32, framework="nanotron", dtype="bf16"
+    )
+    blocks_per_step = 8 * sum(u.kind == "block" for u in profile.units)
+    assert estimate(profile, gpu, plan).step_time_s > blocks_per_step * floor

@@ -1,6 +1,8 @@
 """Host overhead: the time the parallel wrappers spend on the CPU, which the device waits for
 (DTensor dispatch of TP modules, FSDP2's per-unit hooks, the sharded optimizer's per-unit
-work). Calibrated constants (`Calibration.tp_module_overhead_s` and the like)."""
+work). Calibrated constants (`Calibration.tp_module_overhead_s` and the like), which add to
+the device's time; and on a GPU, fed asynchronously, the floor the host's work per block sets
+under the device's time (`host_floor_wait`)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,16 @@ def host_cost(
     if local_params > 0 and (strategy.tp_degree > 1 or per_unit_dp_groups(strategy)):
         optimizer_s = cal.sharded_optimizer_unit_overhead_s
     return HostCost(microbatch_s=microbatch_s, optimizer_s=optimizer_s)
+
+
+def host_floor_wait(forward_s: float, backward_s: float, floor_s: float) -> tuple[float, float]:
+    """The device's idle time per micro-batch when its forward and backward of one unit take
+    less than the host needs to issue them (``floor_s``): the shortfall, split between the
+    forward and the backward in proportion to their times (the host feeds both alike)."""
+    total = forward_s + backward_s
+    if total >= floor_s:
+        return 0.0, 0.0
+    if total <= 0.0:
+        return floor_s / 3.0, 2.0 * floor_s / 3.0
+    short = floor_s - total
+    return short * forward_s / total, short * backward_s / total
