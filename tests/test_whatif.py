@@ -148,6 +148,7 @@ def test_parallel_searches_match_serial_ones(profile: ModelProfile) -> None:
     assert [r.step_time_s for r in parallel.rows] == [r.step_time_s for r in serial.rows]
     done = [p.completed for p in seen]
     assert done[0] == 0 and done[-1] == len(sizes) and done == sorted(done)
+    assert done.count(len(sizes)) == 1  # the end is reported once
     assert {p.num_devices for p in seen} == set(sizes)
 
 
@@ -179,6 +180,7 @@ def test_searches_run_here_until_a_pool_would_finish_sooner(
     assert pools == ([] if start_s == math.inf else [1])
     done = [p.completed for p in seen]
     assert done[0] == 0 and done[-1] == len(sizes) and done == sorted(done)
+    assert done.count(len(sizes)) == 1
     serial = whatif(
         profile, "dgx-a100-80g", num_devices=sizes, global_batch=16, workers=1, budget_s=None
     )

@@ -432,8 +432,10 @@ def whatif(
     jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]
     total = len(jobs)
     found: dict[tuple[str, int], _Found] = {}
+    reported = [-1]  # the last completed count reported
 
     def report(kind: ClusterType, n: int) -> None:
+        reported[0] = len(found)
         if progress is not None:
             progress(
                 WhatIfProgress(completed=len(found), total=total, cluster=kind.label, num_devices=n)
@@ -492,7 +494,8 @@ def whatif(
     rows: list[WhatIfRow] = []
     for kind in types:
         rows += _rows(kind.label, [found[kind.label, n] for n in sizes], token_count, price)
-    if progress is not None and types:
+    # the pool reports each search as it ends, the last one included; the others as they start
+    if progress is not None and types and reported[0] != total:
         progress(
             WhatIfProgress(
                 completed=total, total=total, cluster=types[-1].label, num_devices=sizes[-1]
