@@ -466,12 +466,14 @@ class CostModel:
             + zero3_backward_exposed_s
             + host.microbatch_s / 2
         )
+        host_s = host.microbatch_s
         if unit.kind == "block" and strategy.tp_degree > 1:
             wait_forward, wait_backward = host_floor_wait(
                 forward_s, backward_s, cal.tp_block_host_floor_s
             )
             forward_s += wait_forward
             backward_s += wait_backward
+            host_s += wait_forward + wait_backward
         cost = UnitCost(
             kind=unit.kind,
             recompute=mode,
@@ -506,6 +508,7 @@ class CostModel:
             cp_backward_s=ring.backward_s,
             ep_forward_s=experts.all_to_all_forward_s,
             ep_backward_s=experts.all_to_all_backward_s,
+            host_s=host_s,
         )
         return cost, dp, expert_dp
 
@@ -629,6 +632,7 @@ class CostModel:
                     inflight_microbatches=float(inflight),
                     cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
                     ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
+                    host_s=m * sum(u.host_s for u in units),
                 )
 
         step = sim.step_time_s

@@ -89,6 +89,8 @@ class StageEstimate:
     # parallelism (0 without them)
     cp_comm_s: float = 0.0
     ep_comm_s: float = 0.0
+    # m x the host's share of forward + backward: its wrappers' time, the device's wait for it
+    host_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

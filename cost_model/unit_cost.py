@@ -54,6 +54,9 @@ class UnitCost:
     cp_backward_s: float = 0.0
     ep_forward_s: float = 0.0
     ep_backward_s: float = 0.0
+    # of forward_s + backward_s: the host's, its wrappers' time (`Calibration.tp_module_overhead_s`
+    # and the like) and the device's wait for the host (`Calibration.tp_block_host_floor_s`)
+    host_s: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -253,6 +253,26 @@ def m_busy(timeline: Timeline, rank: int) -> float:
 # ------------------------------------------------------------------------------ explanation
 
 
+def test_the_critical_path_names_the_hosts_share(profile: ModelProfile) -> None:
+    """A stack whose host work bounds its tensor-parallel blocks (nanotron on a GPU,
+    `Calibration.tp_block_host_floor_s`), and a CPU worker's wrapper time: the critical path
+    shows it as the host's, not as exposed ZeRO-3 gathers (which these plans have none of)."""
+    gpu = Cluster.preset("dgx-h100-80g")
+    plan = manual_plan(profile, gpu, tp=2, micro_batch=1, global_batch=16, framework="nanotron")
+    path = explain(plan, profile, gpu, alternatives=False).critical_path
+    assert path.zero3_exposed_s == 0.0
+    assert path.host_s > path.compute_s  # a small model: the host's floor is most of the step
+    parts = path.compute_s + path.tp_comm_s + path.pp_comm_s + path.host_s
+    assert parts == pytest.approx(path.busy_s, rel=1e-9)
+    assert "host" in path.summary() and path.dominant == "the host"
+    local = Cluster.preset("local", devices_per_node=2)
+    plan = manual_plan(profile, local, tp=2, micro_batch=1, global_batch=4)
+    path = explain(plan, profile, local, alternatives=False).critical_path
+    assert path.zero3_exposed_s == 0.0 and path.host_s > 0  # tp_module_overhead_s, additive
+    parts = path.compute_s + path.tp_comm_s + path.pp_comm_s + path.host_s
+    assert parts == pytest.approx(path.busy_s, rel=1e-9)
+
+
 def test_explain_the_searched_plan_on_a_tight_cluster(profile: ModelProfile) -> None:
     cluster = load_cluster(TIGHT)
     best = search_plans(profile, cluster, global_batch=16, budget_s=None).plans[0]

@@ -91,9 +91,10 @@ class CriticalPath:
     bubble_s: float  # pipeline time - busy: the bottleneck's idle time
     tail_s: float  # what the ranks' tails add after the pipeline ends (DP sync, optimizer)
     tail_rank: int  # the rank with that tail
-    dominant: str  # the largest share: compute, communication, bubble or tail
+    dominant: str  # the largest share: compute, communication, bubble, tail or the host
     cp_comm_s: float = 0.0  # of busy: context parallel's ring exchanges not hidden
     ep_comm_s: float = 0.0  # of busy: expert parallel's all-to-alls
+    host_s: float = 0.0  # of busy: the host's wrappers and the device's waits for the host
 
     @property
     def communication_s(self) -> float:
@@ -118,6 +119,7 @@ class CriticalPath:
                 ("CP ring", self.cp_comm_s),
                 ("EP all-to-all", self.ep_comm_s),
                 ("exposed ZeRO-3 gathers", self.zero3_exposed_s),
+                ("host", self.host_s),
             )
             if seconds > 0
         ]
@@ -303,9 +305,10 @@ def critical_path(result: Estimate) -> CriticalPath:
     pp = sum(s.pp_comm_s for s in stages)
     cp = sum(s.cp_comm_s for s in stages)
     ep = sum(s.ep_comm_s for s in stages)
-    # forward_s/backward_s = compute + TP + CP ring + EP all-to-all + exposed ZeRO-3
+    host = sum(s.host_s for s in stages)
+    # forward_s/backward_s = compute + TP + CP ring + EP all-to-all + exposed ZeRO-3 + host
     # (cost_model.estimate.unit_costs)
-    zero3 = bottleneck.busy_s - compute - tp - pp - cp - ep
+    zero3 = bottleneck.busy_s - compute - tp - pp - cp - ep - host
     bubble = result.pipeline_time_s - bottleneck.busy_s
     # What the ranks' tails add after the pipeline's last action (each tail starts when its
     # own rank is done, so a rank that finishes early hides some of its tail).
@@ -321,6 +324,7 @@ def critical_path(result: Estimate) -> CriticalPath:
         "communication": tp + pp + cp + ep + zero3,
         "the pipeline bubble": bubble,
         "the tail after the flush": tail,
+        "the host": host,
     }
     return CriticalPath(
         bottleneck_rank=bottleneck.pp_rank,
@@ -333,6 +337,7 @@ def critical_path(result: Estimate) -> CriticalPath:
         zero3_exposed_s=zero3,
         cp_comm_s=cp,
         ep_comm_s=ep,
+        host_s=host,
         bubble_s=bubble,
         tail_s=tail,
         tail_rank=tail_rank.pp_rank,

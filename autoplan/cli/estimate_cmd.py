@@ -157,6 +157,8 @@ def stage_table(result: Estimate) -> Table:
     seconds within one step and bytes per device."""
     stages = {s.stage_idx: s for s in result.stages}
     interleaved = any(len(r.stages) > 1 for r in result.ranks)
+    # the host's share of the busy time, where a stack's host work shows at all
+    host = any(s.host_s > 0 for s in result.stages)
     table = compact_table(
         "per pipeline rank (times per step, memory per device)",
         caption="state: weights + grads + optimizer; activations: held at the peak"
@@ -170,6 +172,7 @@ def stage_table(result: Estimate) -> Table:
         "TP comm",
         "PP comm",
         "DP comm",
+        *(("host",) if host else ()),
         "bubble",
         "state",
         "activations",
@@ -196,6 +199,7 @@ def stage_table(result: Estimate) -> Table:
                     fmt_time(sum(s.tp_comm_s for s in held)),
                     fmt_time(sum(s.pp_comm_s for s in held)),
                     fmt_time(sum(s.dp_comm_s for s in held)),
+                    *((fmt_time(sum(s.host_s for s in held)),) if host else ()),
                     fmt_time(rank.bubble_s),
                     fmt_bytes(memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes),
                     fmt_bytes(memory.activation_bytes),
