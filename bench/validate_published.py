@@ -275,6 +275,10 @@ class FittedConstant:
         return case.gpu in self.gpus
 
 
+# the profiles as the product ships them (`profile_constants` patches FRAMEWORKS for re-fits)
+_SHIPPED_PROFILES = dict(FRAMEWORKS)
+
+
 def fitted_constants(assumptions: dict[str, Any]) -> tuple[FittedConstant, ...]:
     """The assumptions' fitted constants; a profile's constant must be the value the product's
     profile ships (what the bench knows, the product knows)."""
@@ -293,7 +297,7 @@ def fitted_constants(assumptions: dict[str, Any]) -> tuple[FittedConstant, ...]:
     for c in constants:
         if c.framework is None:
             continue
-        shipped = getattr(FRAMEWORKS[c.framework], c.name)
+        shipped = getattr(_SHIPPED_PROFILES[c.framework], c.name)
         if shipped != c.value:
             raise ValueError(
                 f"fitted constant {c.key} = {c.value}, but cost_model/frameworks.py's "

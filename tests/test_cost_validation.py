@@ -40,11 +40,13 @@ def test_held_out_published_runs_within_15_percent(capsys: pytest.CaptureFixture
 # the suite's parallel phase absorbs.
 def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark's scored rows (about a minute), as a regression guard on what it shows today
-    (docs/cost-model.md): the held-out median within 5%, that of the rows from other sources
-    than llm-foundry within 5.5%; the rows beyond 25% are the known ones (nanotron's 8.9B on
-    DP 4 x PP 2, two llm-foundry rows, one of which contradicts its own table, and five of
-    BigScience's fp16 topology search). nanotron's tensor-parallel runs at micro-batch 1 are
-    within 25% under its profile's host floor (`Calibration.tp_block_host_floor_s`).
+    (docs/cost-model.md): the held-out median within 4.5%, that of the rows from other sources
+    than llm-foundry within 5%; the rows beyond 25% are the known ones (nanotron's 8.9B on
+    DP 4 x PP 2 and its 1.3B on TP 2 x PP 2 at micro-batch 2, three llm-foundry rows, one of
+    which contradicts its own table, and five of BigScience's fp16 topology search). nanotron's
+    tensor-parallel runs at micro-batch 1 are within 25% under its profile's host floor
+    (`Calibration.tp_block_host_floor_s`). The H100-80GB rows run at the dgx-h100-80g preset's
+    GEMM rate, as the product prices them.
     The BLOOM rows carry the inter-node rate measured on their cluster
     (bench/data/validation_assumptions.yaml)."""
     validate_published.main(["--json", "--scored"])
@@ -60,13 +62,16 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     others = sorted(abs(r["error"]) for r in rows if not r["id"].startswith("llmfoundry-"))
     every = sorted(abs(r["error"]) for r in rows)
     assert len(others) >= 250 and len(every) >= 420
-    # 5.2% today: 4.9% until the V100 GEMM rate was shared by Shoeybi et al. and DLPerf
-    assert others[len(others) // 2] <= 0.055
-    assert every[len(every) // 2] <= 0.05  # 4.2% today
+    # 4.5% today (5.2% until nanotron's host floor and the preset's H100 GEMM rate)
+    assert others[len(others) // 2] <= 0.05
+    assert every[len(every) // 2] <= 0.045  # 4.0% today
     beyond = {r["id"] for r in rows if abs(r["error"]) > 0.25}
     known_llmfoundry = {
         "llmfoundry-a100-80g-mpt-760m-s512-g8-mb96",
         "llmfoundry-a100-40g-mpt-70b-s2048-g64-mb2",
+        # its 2023 stack's H100 GEMMs, slower than the preset's rate, at 8192 tokens and full
+        # recompute (the most GEMM work per step of its H100 rows)
+        "llmfoundry-h100-80g-mpt-30b-s8192-g8-mb1",
     }
     # BigScience's fp16 topology search (docs/cost-model.md): hidden 13824 with 128 heads (head
     # size 108; its 64- and 96-head siblings are within 5.4%) and micro-batch 1 at TP 4, which
@@ -81,7 +86,12 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     # nanotron's 8.9B on DP 4, PP 2, ZeRO-1 at micro-batch 1: 2752 tok/s/GPU at 71.5 GB, where
     # every other single-node 8.9B run with PP or DP made 5883-7503 at 31-65 GB (the source
     # says nothing more; the model predicts +160%).
-    known_nanotron = {"nanotron-usp-1node-8.9b-d4t1p2-mb1-ga64-z1"}
+    # Its 1.3B on TP 2 x PP 2 at micro-batch 2 and ZeRO-1 took 5.5 s, where the same at
+    # micro-batch 1 took 5.6-6.3 s and at 4-8 took 3.7 s (+30%; docs/cost-model.md).
+    known_nanotron = {
+        "nanotron-usp-1node-8.9b-d4t1p2-mb1-ga64-z1",
+        "nanotron-usp-1node-1.3b-d2t2p2-mb2-ga64-z1",
+    }
     known = known_llmfoundry | known_bigscience | known_nanotron
     assert beyond == known, sorted(beyond ^ known)
     # nanotron's tensor-parallel runs at micro-batch 1 on 2 to 8 ranks (the host floor's fit
@@ -95,9 +105,10 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     # its lm_head, inside autoplan's head unit.
     pp_runs = {r["id"] for r in rows if re.search(r"^nanotron-usp-1node-.*p[248]-", r["id"])}
     assert len(pp_runs) == 40, len(pp_runs)
-    # llm-foundry's single-node H100 runs under the H100 GEMM constant of two sources.
-    h100 = [abs(r["error"]) for r in rows if r["id"].startswith("llmfoundry-h100-80g")]
-    assert len(h100) >= 30 and max(h100) <= 0.20, sorted(h100)[-3:]  # 18.0% today
+    # llm-foundry's single-node H100 runs at the preset's H100 GEMM rate, which its 2023 stack
+    # did not reach: a median 6.5% too fast
+    h100 = sorted(abs(r["error"]) for r in rows if r["id"].startswith("llmfoundry-h100-80g"))
+    assert len(h100) >= 30 and h100[len(h100) // 2] <= 0.08 and max(h100) <= 0.30, h100[-3:]
     # BigScience's fp16 topology search, priced by DeepSpeed's fp16 ZeRO-1 pipeline engine
     # (cost_model/parts/deepspeed_pipeline.py): every row scored, from 02-25 on (after the
     # node fix the chronicles note) within a few percent.
