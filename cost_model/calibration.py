@@ -110,6 +110,17 @@ class Calibration:
     # (schedules.py, deallocate_output_tensor) and waits for each batch of sends before its
     # next compute (p2p_communication.py, wait_on_reqs), and DeepSpeed's pipeline engine.
     pipeline_boundary_retention: float = 1.0
+    # 1: each linear's bias is added in a pass of its own over the output, and its gradient
+    # reduced in another (torch before F.linear called addmm for 3-D inputs: matmul, then add;
+    # Megatron-LM 2019); 0: in the GEMM or a fused epilogue.
+    separate_bias_add: float = 0.0
+    # 1: a dropout pass of its own (output and 1-byte mask, forward and backward) on each
+    # row-parallel linear's output, the attention's and the MLP's (Megatron-LM 2019's hidden
+    # dropout); 0: none, or fused with the bias and the residual add (the traced model's add).
+    separate_output_dropout: float = 0.0
+    # Memory traffic of the optimizer step per parameter it updates, in bytes; 0: a fused Adam's
+    # (`cost_model.parts.optimizer.ADAM_TRAFFIC_BYTES_PER_PARAM`).
+    optimizer_bytes_per_param: float = 0.0
     # Bytes the loss keeps per logit for its backward (and needs again as working set): 4 for
     # F.cross_entropy on fp32 logits, autoplan's runtime (its fp32 log-probabilities); the
     # training dtype's width for a fused cross-entropy that keeps only the logits and redoes
@@ -143,6 +154,8 @@ class Calibration:
             "full_recompute_early_stop",
             "selective_gemm_recompute_fraction",
             "pipeline_boundary_retention",
+            "separate_bias_add",
+            "separate_output_dropout",
         ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -162,6 +175,7 @@ class Calibration:
             "loss_saved_bytes_per_logit",
             "loss_forward_bytes_per_logit",
             "loss_backward_bytes_per_logit",
+            "optimizer_bytes_per_param",
         ):
             value = getattr(self, name)
             if value < 0:

@@ -74,6 +74,47 @@ def depth_efficiency(depth: float, half_depth: float) -> float:
     return depth / (depth + half_depth)
 
 
+def _epilogue_passes_s(
+    op: OpProfile,
+    calibration: Calibration,
+    bandwidth: float,
+    dtype: str,
+    micro_batch_size: int,
+    tp_degree: int,
+    sequence_parallel: bool,
+    traced_dtype_bytes: int,
+) -> tuple[float, float]:
+    """A linear's passes after its GEMM where the stack runs them as kernels of their own
+    (`Calibration.separate_bias_add`, `separate_output_dropout`), forward and backward, over its
+    output on this device: a column-parallel output split by TP, a row-parallel one whole after
+    its all-reduce (split by sequence after a reduce-scatter). At ``b`` bytes per element:
+
+    - bias add: read and write the output (2 b); backward, the bias gradient reads the output's
+      gradient (b);
+    - dropout (row-parallel outputs): read the output, write it and a 1-byte mask (2 b + 1);
+      backward, read the gradient and the mask, write (2 b + 1).
+    """
+    assert op.gemm is not None
+    gemm = op.gemm
+    split_by_tp = op.tp in ("column", "vocab") or (op.tp == "row" and sequence_parallel)
+    split = tp_degree if split_by_tp else 1
+    elements = gemm.m_per_sample * gemm.n * gemm.batch * micro_batch_size / split
+    b = DTYPE_BYTES[dtype]
+    weight_bytes = gemm.k * gemm.n * traced_dtype_bytes
+    forward = backward = 0.0
+    kernels = 0
+    if calibration.separate_bias_add and op.param_bytes_read > weight_bytes:
+        forward += calibration.separate_bias_add * 2 * b * elements
+        backward += calibration.separate_bias_add * b * elements
+        kernels += 1
+    if calibration.separate_output_dropout and op.tp == "row":
+        forward += calibration.separate_output_dropout * (2 * b + 1) * elements
+        backward += calibration.separate_output_dropout * (2 * b + 1) * elements
+        kernels += 1
+    overhead = kernels * calibration.kernel_overhead_s
+    return forward / bandwidth + overhead, backward / bandwidth + overhead
+
+
 def op_time(
     op: OpProfile,
     *,
@@ -133,6 +174,13 @@ def op_time(
         if (bwd_flops > 0 or bwd_bytes > 0)
         else 0.0
     )
+    if op.kind == "matmul" and op.gemm is not None and op.param_bytes_read > 0:
+        extra_forward, extra_backward = _epilogue_passes_s(
+            op, calibration, bandwidth, dtype, micro_batch_size, tp_degree, sequence_parallel,
+            traced_dtype_bytes,
+        )  # fmt: skip
+        forward_s += extra_forward
+        backward_s += extra_backward
     return OpTime(
         forward_s=forward_s,
         backward_s=backward_s,

@@ -18,9 +18,10 @@ Applying a profile twice equals applying it once (every field is a replacement, 
 overlap a minimum), so a cluster that already carries a profile may be passed again.
 
 Described alike for every stack, with the reason:
-- the optimizer: each profiled stack runs a fused or multi-tensor Adam (Megatron-Core: Transformer
-  Engine's or apex's FusedAdam, megatron/core/optimizer/__init__.py; DeepSpeed: its FusedAdam,
-  deepspeed/runtime/engine.py; torchtitan: ``implementation = "fused"``, its default,
+- the optimizer: each profiled stack but Megatron-LM 2019 (FP16_Optimizer over a per-tensor
+  FusedAdam, `optimizer_bytes_per_param`) runs a fused or multi-tensor Adam (Megatron-Core:
+  Transformer Engine's or apex's FusedAdam, megatron/core/optimizer/__init__.py; DeepSpeed: its
+  FusedAdam, deepspeed/runtime/engine.py; torchtitan: ``implementation = "fused"``, its default,
   torchtitan/components/optimizer/optimizer.py; autoplan: torch's AdamW, foreach on CUDA), which
   `cost_model.parts.optimizer` prices as one memory-bound pass. Megatron-LM's distributed
   optimizer is the plan's ZeRO-1 (`autoplan export` writes ``--use-distributed-optimizer``).
@@ -76,6 +77,9 @@ class FrameworkProfile:
     # attention efficiency); unfused: Q K^T, softmax, dropout and x V with the s x s scores in
     # memory (`unfused_attention_efficiency`).
     attention: AttentionKernel | None = None
+    # An unfused core's bytes per score element, forward and backward (``None``: 13 and 19,
+    # `unfused_attention_efficiency`).
+    unfused_score_bytes: tuple[float, float] | None = None
     # The fused attention kernel's rate where the stack's kernel is known to differ from the
     # FlashAttention-1/2-era rate the presets hold: `Calibration.attention_efficiency` by device
     # name prefix (e.g. "H100"), in the trace's causal-counted FLOPs.
@@ -97,6 +101,10 @@ class FrameworkProfile:
     # micro-batch on a GPU, set by the stack's host work for it (written on GPU clusters only:
     # a CPU worker's host time adds to its compute, `autoplan calibrate` measures it there).
     tp_block_host_floor_s: float | None = None
+    # `Calibration.separate_bias_add`, `separate_output_dropout` and `optimizer_bytes_per_param`.
+    separate_bias_add: float | None = None
+    separate_output_dropout: float | None = None
+    optimizer_bytes_per_param: float | None = None
     # `Calibration.loss_saved_bytes_per_logit`.
     loss_saved_bytes_per_logit: float | None = None
     # `Calibration.loss_forward_bytes_per_logit` and `loss_backward_bytes_per_logit`.
@@ -136,6 +144,9 @@ class FrameworkProfile:
     # "global": one recompute setting for the whole model, so every stage alike (the search
     # prices each mode alone); ``None``: a setting per stage (autoplan's runtime).
     recompute_scope: Literal["global"] | None = None
+    # False: the stack has no pipeline parallelism; its largest ZeRO stage (``None``: any).
+    pipeline_parallel: bool = True
+    max_zero: int | None = None
     # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
     # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
     pipeline_max_zero: int | None = None
@@ -170,6 +181,10 @@ class FrameworkProfile:
             return f"{self.name} has no ring-attention context parallelism (cp 1)"
         if not self.expert_parallel and strategy.ep_degree > 1:
             return f"{self.name} has no expert parallelism as a plan degree (ep 1)"
+        if not self.pipeline_parallel and strategy.pp_degree > 1:
+            return f"{self.name} has no pipeline parallelism (pp 1)"
+        if self.max_zero is not None and strategy.zero_stage > self.max_zero:
+            return f"{self.name} has no ZeRO beyond stage {self.max_zero} (zero <= {self.max_zero})"
         if (
             self.cp_min_zero is not None
             and strategy.cp_degree > 1
@@ -259,11 +274,12 @@ class FrameworkProfile:
         if self.attention == "unfused" and profile.num_heads:
             # an unfused core computes every score; the trace counts a causal kernel's half
             head_dim, fraction = round(profile.head_dim), profile.score_fraction
+            forward, backward = self.unfused_score_bytes or (None, None)
             changes["attention_efficiency"] = (
-                unfused_attention_efficiency(cluster, head_dim, "forward") * fraction
+                unfused_attention_efficiency(cluster, head_dim, "forward", forward) * fraction
             )
             changes["attention_backward_efficiency"] = (
-                unfused_attention_efficiency(cluster, head_dim, "backward") * fraction
+                unfused_attention_efficiency(cluster, head_dim, "backward", backward) * fraction
             )
         if self.attention == "fused":
             for prefix, value in self.attention_efficiency_by_device.items():
@@ -276,6 +292,9 @@ class FrameworkProfile:
             "loss_saved_bytes_per_logit",
             "loss_forward_bytes_per_logit",
             "loss_backward_bytes_per_logit",
+            "separate_bias_add",
+            "separate_output_dropout",
+            "optimizer_bytes_per_param",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -290,7 +309,10 @@ class FrameworkProfile:
 
 
 def unfused_attention_efficiency(
-    cluster: Cluster, head_dim: int, direction: Literal["forward", "backward"] = "forward"
+    cluster: Cluster,
+    head_dim: int,
+    direction: Literal["forward", "backward"] = "forward",
+    score_bytes: float | None = None,
 ) -> float:
     """Effective efficiency of an unfused attention core (Q K^T, softmax, dropout, x V: Megatron-LM
     2019-2022's CoreAttention with FusedScaleMaskSoftmax), in the terms of the fused attention op
@@ -306,6 +328,9 @@ def unfused_attention_efficiency(
       probabilities and writes (6), the Q and K gradients each read it (4), V's gradient
       reads the saved dropout output (2): 19 bytes.
 
+    ``score_bytes`` replaces the direction's 13 or 19 for a core with other passes (Megatron-LM
+    2019's separate scale and mask: `FrameworkProfile.unfused_score_bytes`).
+
     GEMM FLOPs at the GEMM efficiency, bytes at the memory efficiency:
     ``eff = 1 / (1 / e_gemm + bytes * peak / (flops * bandwidth))``: datasheet and calibration
     only.
@@ -313,14 +338,10 @@ def unfused_attention_efficiency(
     cal = cluster.calibration
     peak = cluster.device.peak_flops_for("bf16")
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    score_bytes, score_flops = (
-        (13.0, 4.0 * head_dim)
-        if direction == "forward"
-        else (
-            19.0,
-            8.0 * head_dim,
-        )
+    default_bytes, score_flops = (
+        (13.0, 4.0 * head_dim) if direction == "forward" else (19.0, 8.0 * head_dim)
     )
+    score_bytes = default_bytes if score_bytes is None else score_bytes
     return min(
         1.0, 1.0 / (1.0 / cal.gemm_efficiency + score_bytes * peak / (score_flops * bandwidth))
     )
@@ -491,6 +512,62 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
+            ),
+        ),
+        FrameworkProfile(
+            name="megatron-lm-2019",
+            version="Megatron-LM of Shoeybi et al. 2019 (NVIDIA/Megatron-LM 93ab4bea, torch 1.1)",
+            summary=(
+                "Megatron-LM's first release: tensor parallelism only, an unfused attention core "
+                "with separate scale and mask passes, bias adds and hidden dropout as kernels of "
+                "their own, reentrant full recompute, local DDP after the backward, apex's "
+                "FP16_Optimizer over a per-tensor FusedAdam"
+            ),
+            attention="unfused",
+            # mpu/transformer.py, GPT2ParallelSelfAttention: matmul(Q, K^T) writes the scores,
+            # then `/ sqrt(d)`, `* mask` and `- 10000 * (1 - mask)` each read and write them before
+            # the softmax (+12 bytes over the 2021 core's 13); backward, the division's and the
+            # product's gradients read and write the score gradient (+8 over 19).
+            unfused_score_bytes=(25.0, 27.0),
+            # torch 1.1's F.linear (the NGC 19.05 image, docker/Dockerfile) runs a 3-D input as
+            # matmul, then `output += bias`; the row-parallel linears add theirs after the
+            # all-reduce (mpu/layers.py). Hidden dropout (0.1) follows the attention's and the
+            # MLP's output projections as torch.nn.Dropout, not fused with the residual add.
+            separate_bias_add=1.0,
+            separate_output_dropout=1.0,
+            full_recompute_early_stop=0.0,
+            selective_gemm_recompute_fraction=0.0,
+            # model/distributed.py: flatten the gradients, all-reduce, unflatten and copy back
+            # after the backward (USE_TORCH_DDP = False in pretrain_gpt2.py)
+            dp_overlap=0.0,
+            # fp16/fp16.py, FP16_Optimizer per parameter and step, bytes per parameter: zero the
+            # fp16 and fp32 gradients (6); the overflow check's x.float().sum() (10); copy the
+            # fp16 gradient to the fp32 master (6); unscale it (8); the clip's norm (4); apex's
+            # FusedAdam, one tensor at a time (read weight, gradient, two moments; write weight
+            # and moments: 28); copy the master to the fp16 weight (6); and the local DDP's
+            # flatten and unflatten copies of the fp16 gradients (8): 76 bytes, where a fused
+            # Adam moves 30. Not priced: the overflow check's and the clip's host sync per
+            # tensor (two per parameter tensor a step).
+            optimizer_bytes_per_param=76.0,
+            # mpu/cross_entropy.py, _VocabParallelCrossEntropy on the fp32 logits: clone (8), max
+            # (4), subtract in place (8), exp (8), sum (4), divide in place (8): 40 bytes per
+            # logit forward; backward, the in-place scale of the saved softmax (8).
+            loss_forward_bytes_per_logit=40.0,
+            loss_backward_bytes_per_logit=8.0,
+            pipeline_parallel=False,
+            # no distributed optimizer, no sequence parallelism, whole-layer checkpointing only
+            max_zero=0,
+            sequence_parallel=False,
+            recompute_modes=("none", "full"),
+            recompute_scope="global",
+            context_parallel=False,
+            expert_parallel=False,
+            dtypes=("fp16", "fp32"),
+            sources=(
+                "NVIDIA/Megatron-LM 93ab4bea mpu/transformer.py, mpu/layers.py, "
+                "mpu/cross_entropy.py",
+                "NVIDIA/Megatron-LM 93ab4bea fp16/fp16.py, model/distributed.py, pretrain_gpt2.py",
+                "NVIDIA/Megatron-LM 93ab4bea docker/Dockerfile (nvcr.io/nvidia/pytorch:19.05)",
             ),
         ),
         FrameworkProfile(

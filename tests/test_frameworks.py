@@ -27,7 +27,9 @@ from cost_model.frameworks import (
     framework_profile,
     unfused_attention_efficiency,
 )
-from cost_model.workload import OpProfile
+from cost_model.parts.optimizer import optimizer_cost
+from cost_model.strategy import Strategy
+from cost_model.workload import GemmShape, OpProfile
 from tests.conftest import run_cli
 
 CLUSTER = "dgx-a100-80g:nodes=2"
@@ -51,9 +53,11 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         "attention": {"attention_efficiency", "attention_backward_efficiency"},
         "attention_efficiency_by_device": {"attention_efficiency"},
         "dp_overlap": {"dp_overlap_fraction"},
+        "unfused_score_bytes": {"attention_efficiency", "attention_backward_efficiency"},
     }
-    assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "deepspeed",
-                               "megatron-deepspeed", "torchtitan", "llm-foundry", "nanotron"}  # fmt: skip
+    assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "megatron-lm-2019",
+                               "deepspeed", "megatron-deepspeed", "torchtitan", "llm-foundry",
+                               "nanotron"}  # fmt: skip
     for profile in FRAMEWORKS.values():
         assert profile.sources and profile.version and profile.summary, profile.name
         once = profile.cluster_for(graph.profile, cluster)
@@ -208,8 +212,8 @@ def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_pat
 
 def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_path: Path) -> None:
     known = (
-        "autoplan, megatron-lm, nanotron, megatron-lm-2021, megatron-deepspeed, deepspeed, "
-        "torchtitan, llm-foundry"
+        "autoplan, megatron-lm, nanotron, megatron-lm-2021, megatron-lm-2019, megatron-deepspeed, "
+        "deepspeed, torchtitan, llm-foundry"
     )
     with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
         framework_profile("nemo")
@@ -265,3 +269,98 @@ def test_deepspeed_pipeline_engine_re_times_the_step_and_keeps_throughput_consis
     assert engine.estimate.tokens_per_s * engine.estimate.step_time_s == pytest.approx(tokens)
     ratio = plain.estimate.mfu / engine.estimate.mfu
     assert ratio == pytest.approx(engine.estimate.step_time_s / plain.estimate.step_time_s)
+
+
+def test_megatron_lm_2019_prices_its_separate_passes(graph: Any) -> None:
+    """Megatron-LM 2019 (Shoeybi et al.'s code): the scale and mask as passes of their own over
+    the scores, each linear's bias add and each row-parallel output's dropout as kernels of
+    their own, FP16_Optimizer's 76 bytes per parameter, and only what it ran: TP and DP
+    (no pipeline, ZeRO, sequence parallelism or selective recompute), in fp16 or fp32."""
+    v100 = autoplan.Cluster.preset("dgx2-v100-32g")
+    old = framework_profile("megatron-lm-2019")
+    newer = framework_profile("megatron-lm-2021")
+    cal = old.cluster_for(graph.profile, v100).calibration
+    cal_2021 = newer.cluster_for(graph.profile, v100).calibration
+    assert cal.attention_efficiency < cal_2021.attention_efficiency
+    assert cal.attention_backward_efficiency < cal_2021.attention_backward_efficiency
+    head_dim = 1024 // 16
+    for direction, nbytes in (("forward", 25.0), ("backward", 27.0)):
+        assert unfused_attention_efficiency(
+            v100, head_dim, direction, nbytes
+        ) < unfused_attention_efficiency(v100, head_dim, direction)  # type: ignore[arg-type]
+    assert (cal.separate_bias_add, cal.separate_output_dropout) == (1.0, 1.0)
+    assert cal.optimizer_bytes_per_param == 76.0 and cal.dp_overlap_fraction == 0.0
+    # the same plan costs more on the 2019 stack than on 2021's
+    plan = autoplan.manual_plan(
+        graph.profile, v100, tp=2, micro_batch=2, global_batch=16, recompute="full",
+        dtype="fp16", framework="megatron-lm-2019",
+    )  # fmt: skip
+    later = dataclasses.replace(plan, framework="megatron-lm-2021")
+    assert autoplan.estimate(graph, v100, plan).step_time_s > (
+        autoplan.estimate(graph, v100, later).step_time_s
+    )
+    for kwargs, why in (
+        ({"pp": 2}, r"no pipeline parallelism \(pp 1\)"),
+        ({"zero": 1}, r"no ZeRO beyond stage 0 \(zero <= 0\)"),
+        ({"sequence_parallel": True, "tp": 2}, "no Megatron-style sequence parallelism"),
+        ({"recompute": "selective"}, "has only none and full recompute"),
+        ({"dtype": "bf16"}, r"trains in fp16 or fp32 \(dtype\)"),
+    ):
+        with pytest.raises(InputError, match=why):
+            autoplan.manual_plan(
+                graph.profile, v100, global_batch=16, framework="megatron-lm-2019", **kwargs
+            )
+
+
+def test_separate_epilogue_passes_hand_worked() -> None:
+    """A linear's bias add (read and write the output; backward, read its gradient) and a
+    row-parallel output's dropout (read, write and a 1-byte mask each way), priced as kernels of
+    their own over the output this device holds."""
+    device = autoplan.Cluster.preset("dgx2-v100-32g").device
+    bandwidth = device.memory_bandwidth_bytes_per_s * 0.5
+    base = Calibration(memory_efficiency=0.5, kernel_overhead_s=1e-6)
+    separate = dataclasses.replace(base, separate_bias_add=1.0, separate_output_dropout=1.0)
+    m, n, k = 1024, 4096, 1024  # per sample, traced in fp32 with a bias of n
+    column = OpProfile(
+        name="up", kind="matmul", tp="column", forward_flops=2 * m * n * k,
+        backward_flops=4 * m * n * k, activation_bytes=4 * (m * k + m * n),
+        param_bytes_read=4 * (k * n + n), gemm=GemmShape(m_per_sample=m, n=n, k=k),
+    )  # fmt: skip
+    row = dataclasses.replace(column, name="down", tp="row")
+    no_bias = dataclasses.replace(row, param_bytes_read=4 * k * n)
+
+    def extra(op: OpProfile, tp: int, sp: bool = False) -> tuple[float, float]:
+        args = dict(device=device, dtype="fp16", micro_batch_size=2, tp_degree=tp,
+                    sequence_parallel=sp, traced_dtype_bytes=4)  # fmt: skip
+        a = op_time(op, calibration=base, **args)  # type: ignore[arg-type]
+        b = op_time(op, calibration=separate, **args)  # type: ignore[arg-type]
+        return b.forward_s - a.forward_s, b.backward_s - a.backward_s
+
+    elements = 2 * m * n  # fp16 output of a micro-batch of 2
+    # column-parallel on TP 4: its bias over a quarter of the output; no dropout
+    forward, backward = extra(column, 4)
+    assert forward == pytest.approx(4 * elements / 4 / bandwidth + 1e-6)
+    assert backward == pytest.approx(2 * elements / 4 / bandwidth + 1e-6)
+    # row-parallel on TP 4: bias and dropout over the whole output after the all-reduce
+    forward, backward = extra(row, 4)
+    assert forward == pytest.approx((4 + 5) * elements / bandwidth + 2e-6)
+    assert backward == pytest.approx((2 + 5) * elements / bandwidth + 2e-6)
+    # with sequence parallelism the reduce-scatter leaves a TP share of the tokens
+    forward, _ = extra(row, 4, sp=True)
+    assert forward == pytest.approx((4 + 5) * elements / 4 / bandwidth + 2e-6)
+    # a linear without a bias: the dropout alone
+    forward, _ = extra(no_bias, 1)
+    assert forward == pytest.approx(5 * elements / bandwidth + 1e-6)
+
+
+def test_the_optimizers_bytes_per_parameter_are_the_stacks() -> None:
+    cluster = autoplan.Cluster.preset("dgx2-v100-32g")
+    strategy = Strategy(dtype="fp16")
+    fused = optimizer_cost(1e9, strategy, cluster).step_s
+    heavy = dataclasses.replace(
+        cluster, calibration=dataclasses.replace(cluster.calibration, optimizer_bytes_per_param=76)
+    )
+    overhead = cluster.calibration.kernel_overhead_s
+    assert (optimizer_cost(1e9, strategy, heavy).step_s - overhead) == pytest.approx(
+        (fused - overhead) * 76 / 30
+    )

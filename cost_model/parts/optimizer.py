@@ -30,7 +30,8 @@ def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) ->
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
     dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
     updated = local_params / dp if zero >= 1 else local_params
-    step_s = updated * ADAM_TRAFFIC_BYTES_PER_PARAM[precision] / bandwidth
+    traffic = cal.optimizer_bytes_per_param or ADAM_TRAFFIC_BYTES_PER_PARAM[precision]
+    step_s = updated * traffic / bandwidth
     if updated > 0:
         step_s += cal.kernel_overhead_s
     return OptimizerCost(step_s=step_s)
