@@ -174,7 +174,8 @@ def op_time(
         if (bwd_flops > 0 or bwd_bytes > 0)
         else 0.0
     )
-    if op.kind == "matmul" and op.gemm is not None and op.param_bytes_read > 0:
+    separate = calibration.separate_bias_add or calibration.separate_output_dropout
+    if separate and op.kind == "matmul" and op.gemm is not None and op.param_bytes_read > 0:
         extra_forward, extra_backward = _epilogue_passes_s(
             op, calibration, bandwidth, dtype, micro_batch_size, tp_degree, sequence_parallel,
             traced_dtype_bytes,
