@@ -42,7 +42,7 @@ typecheck: setup
 # starts several processes of its own) one after another on one of them (tests/conftest.py
 # groups them), the single-process tests on the other two. The multi-process tests leave about a
 # quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 8.8 to
-# 9.7 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here).
+# 9.8 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here).
 pytest: $(BIN)/.installed-extras
 	$(BIN)/pytest -q -n 3 --dist loadgroup
 
