@@ -118,6 +118,13 @@ class Calibration:
     # row-parallel linear's output, the attention's and the MLP's (Megatron-LM 2019's hidden
     # dropout); 0: none, or fused with the bias and the residual add (the traced model's add).
     separate_output_dropout: float = 0.0
+    # Bytes a transformer block copies synchronously between host and device (the device idles
+    # meanwhile) each time its forward runs, a full recompute's re-run included, and bytes a
+    # checkpointed block copies once per micro-batch on top (priced in its backward), both at
+    # the device's host link: Megatron-LM 2019's saves and restores of torch 1.1's CUDA RNG
+    # state (`cost_model.frameworks`). 0: none.
+    block_sync_copy_bytes: float = unit_field("bytes", default=0.0)
+    checkpoint_sync_copy_bytes: float = unit_field("bytes", default=0.0)
     # Memory traffic of the optimizer step per parameter it updates, in bytes; 0: a fused Adam's
     # (`cost_model.parts.optimizer.ADAM_TRAFFIC_BYTES_PER_PARAM`).
     optimizer_bytes_per_param: float = 0.0
@@ -176,6 +183,8 @@ class Calibration:
             "loss_forward_bytes_per_logit",
             "loss_backward_bytes_per_logit",
             "optimizer_bytes_per_param",
+            "block_sync_copy_bytes",
+            "checkpoint_sync_copy_bytes",
         ):
             value = getattr(self, name)
             if value < 0:

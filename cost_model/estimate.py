@@ -60,7 +60,7 @@ from cost_model.parts.data_parallel import (
 )
 from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepspeed_pipe_step_s
 from cost_model.parts.expert_parallel import ExpertCost, expert_cost, recompute_expert_s
-from cost_model.parts.host import host_cost, host_floor_wait
+from cost_model.parts.host import host_cost, host_floor_wait, sync_copies_s
 from cost_model.parts.memory import unit_bytes
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
 from cost_model.parts.pipeline import Boundary, boundary, tied_grad_sync, tied_pair_placement
@@ -467,6 +467,11 @@ class CostModel:
             + host.microbatch_s / 2
         )
         host_s = host.microbatch_s
+        if unit.kind == "block":
+            copy_forward, copy_backward = sync_copies_s(cluster, mode)
+            forward_s += copy_forward
+            backward_s += copy_backward
+            host_s += copy_forward + copy_backward
         if unit.kind == "block" and strategy.tp_degree > 1:
             wait_forward, wait_backward = host_floor_wait(
                 forward_s, backward_s, cal.tp_block_host_floor_s

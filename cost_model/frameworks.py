@@ -101,6 +101,9 @@ class FrameworkProfile:
     # micro-batch on a GPU, set by the stack's host work for it (written on GPU clusters only:
     # a CPU worker's host time adds to its compute, `autoplan calibrate` measures it there).
     tp_block_host_floor_s: float | None = None
+    # `Calibration.block_sync_copy_bytes` and `checkpoint_sync_copy_bytes`.
+    block_sync_copy_bytes: float | None = None
+    checkpoint_sync_copy_bytes: float | None = None
     # `Calibration.separate_bias_add`, `separate_output_dropout` and `optimizer_bytes_per_param`.
     separate_bias_add: float | None = None
     separate_output_dropout: float | None = None
@@ -295,6 +298,8 @@ class FrameworkProfile:
             "separate_bias_add",
             "separate_output_dropout",
             "optimizer_bytes_per_param",
+            "block_sync_copy_bytes",
+            "checkpoint_sync_copy_bytes",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -554,6 +559,16 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # logit forward; backward, the in-place scale of the saved softmax (8).
             loss_forward_bytes_per_logit=40.0,
             loss_backward_bytes_per_logit=8.0,
+            # torch 1.1's torch.cuda.get_rng_state and set_rng_state copy the CUDA generator's
+            # 200 MTGP32 states of 4120 bytes (824,000 bytes) with a synchronous cudaMemcpy
+            # (aten/src/THC/THCTensorRandom.cu, THCRandom_getRNGState/setRNGState; Philox-only
+            # from torch 1.3). mpu/random.py runs the attention's dropout inside
+            # get_cuda_rng_tracker().fork(): get, set, get, set, on every run of a layer's
+            # forward (4 copies); its CheckpointFunction gets the state in the forward and, in
+            # the backward, gets it and sets it twice (4 more). "Cloning caused major performance
+            # issues for +4 GPU cases" (its _set_cuda_rng_state).
+            block_sync_copy_bytes=4 * 824_000.0,
+            checkpoint_sync_copy_bytes=4 * 824_000.0,
             pipeline_parallel=False,
             # no distributed optimizer, no sequence parallelism, whole-layer checkpointing only
             max_zero=0,
@@ -568,6 +583,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "mpu/cross_entropy.py",
                 "NVIDIA/Megatron-LM 93ab4bea fp16/fp16.py, model/distributed.py, pretrain_gpt2.py",
                 "NVIDIA/Megatron-LM 93ab4bea docker/Dockerfile (nvcr.io/nvidia/pytorch:19.05)",
+                "NVIDIA/Megatron-LM 93ab4bea mpu/random.py (RNG tracker fork, CheckpointFunction)",
+                "pytorch/pytorch aten/src/THC/THCTensorRandom.cu before 1.3 (RNG state copies)",
             ),
         ),
         FrameworkProfile(

@@ -47,6 +47,9 @@ class DeviceSpec:
     # Dense (no sparsity) peak FLOP/s per dtype; dtypes the device lacks are omitted.
     peak_flops: dict[str, float] = unit_field("flops")
     memory_bandwidth_bytes_per_s: float = unit_field("bandwidth")
+    # The link to the host CPU (PCIe), each way, at its datasheet rate; 0: not stated (a CPU
+    # worker is its own host).
+    host_link_bandwidth_bytes_per_s: float = unit_field("bandwidth", default=0.0)
 
     def __hash__(self) -> int:
         # A device (and the Cluster holding it) is a value: equal devices hash equal whatever
@@ -58,6 +61,7 @@ class DeviceSpec:
                 self.memory_bytes,
                 frozenset(self.peak_flops.items()),
                 self.memory_bandwidth_bytes_per_s,
+                self.host_link_bandwidth_bytes_per_s,
             )
         )
 
@@ -68,6 +72,11 @@ class DeviceSpec:
             raise ValueError(
                 f"device.memory_bandwidth_bytes_per_s = {self.memory_bandwidth_bytes_per_s!r} "
                 "must be positive"
+            )
+        if self.host_link_bandwidth_bytes_per_s < 0:
+            raise ValueError(
+                f"device.host_link_bandwidth_bytes_per_s = {self.host_link_bandwidth_bytes_per_s!r}"
+                " must be >= 0 (0: not stated)"
             )
         if not self.peak_flops:
             raise ValueError("device.peak_flops is empty; give at least 'fp32: <FLOP/s>'")
@@ -302,6 +311,7 @@ OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
     "memory": ("device", "memory_bytes", "bytes", int),
     "memory_bytes": ("device", "memory_bytes", "bytes", int),
     "memory_bandwidth": ("device", "memory_bandwidth_bytes_per_s", "bandwidth", float),
+    "host_link_bandwidth": ("device", "host_link_bandwidth_bytes_per_s", "bandwidth", float),
     "intra_node_bandwidth": ("intra", "bandwidth_bytes_per_s", "bandwidth", float),
     "intra_node_latency": ("intra", "latency_s", "time", float),
     "inter_node_bandwidth": ("inter", "bandwidth_bytes_per_s", "bandwidth", float),

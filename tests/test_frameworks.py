@@ -27,6 +27,7 @@ from cost_model.frameworks import (
     framework_profile,
     unfused_attention_efficiency,
 )
+from cost_model.parts.host import sync_copies_s
 from cost_model.parts.optimizer import optimizer_cost
 from cost_model.strategy import Strategy
 from cost_model.workload import GemmShape, OpProfile
@@ -364,3 +365,30 @@ def test_the_optimizers_bytes_per_parameter_are_the_stacks() -> None:
     assert (optimizer_cost(1e9, strategy, heavy).step_s - overhead) == pytest.approx(
         (fused - overhead) * 76 / 30
     )
+
+
+def test_megatron_lm_2019_waits_for_its_rng_state_copies(graph: Any) -> None:
+    """torch 1.1 copied the CUDA RNG state (200 x 4120 bytes) synchronously on every get and
+    set; Megatron-LM 2019 does 4 around each forward run of a layer's attention dropout and 4
+    more per checkpointed layer. Priced at the device's host link, the device waiting."""
+    v100 = autoplan.Cluster.preset("dgx2-v100-32g")
+    cluster = framework_profile("megatron-lm-2019").cluster_for(graph.profile, v100)
+    assert cluster.calibration.block_sync_copy_bytes == 4 * 200 * 4120
+    assert cluster.device.host_link_bandwidth_bytes_per_s == 16e9  # PCIe Gen3 x16, each way
+    per_run = 4 * 824_000 / 16e9
+    assert sync_copies_s(cluster, "none") == pytest.approx((per_run, 0.0))
+    # full recompute re-runs the forward's copies and adds the checkpoint's
+    assert sync_copies_s(cluster, "full") == pytest.approx((per_run, 2 * per_run))
+    assert sync_copies_s(v100, "full") == (0.0, 0.0)  # stacks that copy nothing
+    # a step pays them for every layer, as the host's share
+    plan = autoplan.manual_plan(
+        graph.profile, v100, tp=8, dp=2, micro_batch=1, global_batch=4, recompute="full",
+        dtype="fp16", framework="megatron-lm-2019",
+    )  # fmt: skip
+    est = autoplan.estimate(graph, v100, plan)
+    blocks = sum(u.kind == "block" for u in graph.profile.units)
+    assert sum(s.host_s for s in est.stages) == pytest.approx(2 * blocks * 3 * per_run)
+    # a GPU whose host link is not stated: one line naming the override
+    unstated = v100.with_overrides(host_link_bandwidth=0)
+    with pytest.raises(InputError, match="host_link_bandwidth=16GB/s"):
+        sync_copies_s(dataclasses.replace(unstated, calibration=cluster.calibration), "full")

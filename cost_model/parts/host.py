@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model.calibration import Calibration
+from cost_model.errors import InputError
+from cost_model.hardware import Cluster
 from cost_model.parts.data_parallel import per_unit_dp_groups
 from cost_model.parts.tensor_parallel import tp_module_count
 from cost_model.strategy import Strategy
@@ -49,3 +51,28 @@ def host_floor_wait(forward_s: float, backward_s: float, floor_s: float) -> tupl
         return floor_s / 3.0, 2.0 * floor_s / 3.0
     short = floor_s - total
     return short * forward_s / total, short * backward_s / total
+
+
+def sync_copies_s(cluster: Cluster, recompute: str) -> tuple[float, float]:
+    """A block's synchronous host-device copies per micro-batch (`Calibration.
+    block_sync_copy_bytes`, `checkpoint_sync_copy_bytes`), forward and backward, at the
+    device's host link (a CPU worker's own memory). Full recompute re-runs the forward's copies
+    in the backward and adds the checkpoint's. The device waits for each copy; the link's
+    datasheet rate makes this a lower bound."""
+    cal = cluster.calibration
+    per_run, checkpoint = cal.block_sync_copy_bytes, cal.checkpoint_sync_copy_bytes
+    if per_run == 0 and (checkpoint == 0 or recompute != "full"):
+        return 0.0, 0.0
+    device = cluster.device
+    link = device.host_link_bandwidth_bytes_per_s
+    if device.kind == "cpu":
+        link = link or device.memory_bandwidth_bytes_per_s
+    if link <= 0:
+        raise InputError(
+            f"device {device.name!r} states no host link, over which its training stack copies "
+            f"{per_run:.0f} bytes a block per forward: set device.host_link_bandwidth_bytes_per_s "
+            "(cluster override host_link_bandwidth=16GB/s for PCIe Gen3 x16)"
+        )
+    forward = per_run / link
+    backward = (per_run + checkpoint) / link if recompute == "full" else 0.0
+    return forward, backward
