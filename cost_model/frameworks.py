@@ -26,8 +26,8 @@ Described alike for every stack, with the reason:
   `cost_model.parts.optimizer` prices as one memory-bound pass. Megatron-LM's distributed
   optimizer is the plan's ZeRO-1 (`autoplan export` writes ``--use-distributed-optimizer``).
 - a fixed time per step (data loading, logging, timers): no source separates it for any stack,
-  so it is `Calibration.step_overhead_s`, zero in the presets (the validation bench fits one for
-  Megatron-LM 2019 on V100, named with its rows).
+  so it is `Calibration.step_overhead_s`, zero in the presets; the `megatron-lm-2019` profile
+  carries the one fitted to Shoeybi et al.'s rows (bench/data/validation_assumptions.yaml).
 Not described: fp8 training.
 """
 
@@ -101,6 +101,8 @@ class FrameworkProfile:
     # micro-batch on a GPU, set by the stack's host work for it (written on GPU clusters only:
     # a CPU worker's host time adds to its compute, `autoplan calibrate` measures it there).
     tp_block_host_floor_s: float | None = None
+    # `Calibration.step_overhead_s`: the stack's own fixed time per step, where one is known.
+    step_overhead_s: float | None = None
     # `Calibration.block_sync_copy_bytes` and `checkpoint_sync_copy_bytes`.
     block_sync_copy_bytes: float | None = None
     checkpoint_sync_copy_bytes: float | None = None
@@ -300,6 +302,7 @@ class FrameworkProfile:
             "optimizer_bytes_per_param",
             "block_sync_copy_bytes",
             "checkpoint_sync_copy_bytes",
+            "step_overhead_s",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -569,6 +572,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # issues for +4 GPU cases" (its _set_cuda_rng_state).
             block_sync_copy_bytes=4 * 824_000.0,
             checkpoint_sync_copy_bytes=4 * 824_000.0,
+            # What remains of Shoeybi et al.'s step times once the above is priced, and tensor
+            # parallelism does not shrink: fitted with the V100 GEMM rate to their 1.2B on one
+            # GPU and on 8 (bench/data/validation_assumptions.yaml, fitted_constants). Part of
+            # it is the overflow check's and the clip's host sync per parameter tensor.
+            step_overhead_s=0.197,
             pipeline_parallel=False,
             # no distributed optimizer, no sequence parallelism, whole-layer checkpointing only
             max_zero=0,
