@@ -54,6 +54,8 @@ def test_held_out_published_runs_stay_where_they_are(capsys: pytest.CaptureFixtu
     rows = [r for r in out["rows"] if r["status"] == "held_out"]
     # The published rows that contradict their own table (docs/cost-model.md).
     assert {c["slower"] for c in out["contradictions"]} == {
+        # 2.7x slower than its p4 x d2 sibling; fewer stages allow at most 8% + 0.14 s
+        "nanotron-usp-1node-8.9b-d4t1p2-mb1-ga64-z1",
         "llmfoundry-a100-40g-mpt-1b-s2048-g32-mb10",
         "llmfoundry-a100-80g-mpt-760m-s512-g8-mb96",
         "llmfoundry-a100-80g-mpt-760m-s1024-g8-mb48",
@@ -150,8 +152,10 @@ def _run(
     accumulation: int,
     tokens_per_s_per_gpu: float,
     source: str = "table A",
+    pp: int = 1,
 ) -> Case:
-    """A published row of an FSDP sweep, through the bench's own `build_case`."""
+    """A published row of an FSDP sweep (or, with ``pp``, a ZeRO-1 pipeline run), through the
+    bench's own `build_case`."""
     row = {
         "id": f"t-{run_id}",
         "source": source,
@@ -167,8 +171,9 @@ def _run(
         },
         "config": {
             "micro_batch": micro_batch,
-            "global_batch": gpus * micro_batch * accumulation,
-            "zero": 3,
+            "global_batch": gpus // pp * micro_batch * accumulation,
+            "zero": 3 if pp == 1 else 1,
+            "pp": pp,
         },
         "measured": {"tokens_per_s": tokens_per_s_per_gpu},
     }
@@ -220,6 +225,49 @@ def test_source_contradictions_follow_the_two_rules_beyond_the_noise() -> None:
         "s512mb8", gpus=8, seq=512, micro_batch=8, accumulation=2, tokens_per_s_per_gpu=800
     )
     assert source_contradictions([long, short_mb]) == []
+
+
+def test_the_pipeline_rule_allows_only_the_bounded_cost_of_fewer_stages() -> None:
+    """Trading pipeline stages for data parallelism (same batch, micro-batch and GPUs): the
+    row with fewer stages has fewer micro-batches per pipeline over larger stages, so it may
+    be slower only by its stage's share of the embedding and head and its larger gradient sync.
+    Hand-worked for the 24-layer GPT (h 1536, V 50368) on 8 A100-80GB, p2 x d4 vs p4 x d2 at
+    micro-batch 1, 256 sequences: layer weights 12 h^2 = 28.3M, V h = 77.4M; m = 32 and 64;
+    (32 + 1)(12 x 28.3M + 77.4M) / (64 (24 x 28.3M + 77.4M) / 4) = 1.137."""
+    deep = _run(
+        "p4", gpus=8, seq=2048, micro_batch=1, accumulation=64, pp=4, tokens_per_s_per_gpu=1000
+    )
+    shallow = _run(
+        "p2", gpus=8, seq=2048, micro_batch=1, accumulation=32, pp=2, tokens_per_s_per_gpu=1000
+    )
+    assert (deep.plan_args["dp"], shallow.plan_args["dp"]) == (2, 4)
+    factor, seconds = validate_published.pipeline_allowance(shallow, deep)
+    layer, vocab = 12 * 1536**2, 50368 * 1536
+    assert factor == pytest.approx(33 * (12 * layer + vocab) / (64 * (24 * layer + vocab) / 4))
+    assert factor == pytest.approx(1.137, abs=1e-3)
+    # 8 bytes a weight of the busiest stage (12 layers and two vocabulary matrices) over NVLink,
+    # 32 at HBM bandwidth
+    stage = 12 * layer + 2 * vocab
+    cluster = shallow.cluster
+    assert seconds == pytest.approx(
+        stage * 8 / cluster.intra_node.bandwidth_bytes_per_s
+        + stage * 32 / cluster.device.memory_bandwidth_bytes_per_s
+    )
+    # Within its allowance (and the noise) nothing is reported; beyond it, the pair is.
+    allowed = deep.published_step_s * factor + seconds
+    within = dataclasses.replace(shallow, published_step_s=allowed * 1.04)
+    assert validate_published.source_contradictions([within, deep]) == []
+    beyond = dataclasses.replace(shallow, published_step_s=allowed * 1.06)
+    found = validate_published.source_contradictions([beyond, deep])
+    assert [(c.slower, c.faster) for c in found] == [("p2", "p4")]
+    assert found[0].rule.startswith("pipeline depth (p2 x d4 vs p4 x d2: at most 14% + ")
+    # The deeper pipeline being slower is no contradiction; nor is another micro-batch.
+    slow_deep = dataclasses.replace(deep, published_step_s=deep.published_step_s * 3)
+    assert validate_published.source_contradictions([shallow, slow_deep]) == []
+    mb2 = _run(
+        "p2mb2", gpus=8, seq=2048, micro_batch=2, accumulation=16, pp=2, tokens_per_s_per_gpu=100
+    )
+    assert validate_published.source_contradictions([mb2, deep]) == []
 
 
 def test_fitting_a_constant_on_its_own_rows_recovers_its_shipped_value() -> None:
