@@ -57,9 +57,12 @@ class Calibration:
     reduce_scatter_efficiency: float = 1.0
     # Fixed cost of one kernel launch or framework dispatch.
     kernel_overhead_s: float = unit_field("time", default=5e-6)
-    # Host time of the training stack's wrappers, in seconds of the worker's own CPU (they
-    # add to the step where the host is the bottleneck: always on CPU workers; on GPUs only
-    # when kernels are too small to hide them, so the GPU presets leave them 0).
+    # Host time of the training stack's wrappers, in seconds of the worker's own CPU. On CPU
+    # workers, whose core both dispatches and computes, it adds to the step. On a GPU the host
+    # runs ahead of asynchronous kernels: a unit's wrapper time per micro-batch is a floor
+    # under its time (with `tp_block_host_floor_s`), the per-step one under its optimizer
+    # step, paid only where the device would finish first. The GPU presets leave them 0;
+    # `autoplan calibrate` fits them on the GPUs at hand.
     # Per tensor-parallel module (linear, embedding, head) per micro-batch, forward+backward:
     # wrapping and unwrapping sharded tensors (DTensor dispatch), beyond the collectives.
     tp_module_overhead_s: float = unit_field("time", default=0.0)

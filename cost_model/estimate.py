@@ -445,6 +445,12 @@ class CostModel:
         )
         optimizer = optimizer_cost(n_local, weights, cluster)
         host = host_cost(unit, n_local + experts.local_params, strategy, cal)
+        # A CPU worker's core both dispatches and computes, so the wrappers' host time adds to
+        # the compute; a GPU's host runs ahead of its asynchronous kernels, so there the same
+        # host time is a floor under the unit's time (`host_floor_wait`), paid only where the
+        # device would finish first (small units, small micro-batches).
+        on_gpu = cluster.device.kind == "gpu"
+        added_host_s = 0.0 if on_gpu else host.microbatch_s
         loss = loss_cost(unit, strategy, cluster, traced)
         memory = unit_bytes(
             unit, weights, mode, traced, local_params=n_local, loss_saved_bytes=loss.saved_bytes
@@ -455,7 +461,7 @@ class CostModel:
             + ring.forward_s
             + experts.all_to_all_forward_s
             + zero3_forward_exposed_s
-            + host.microbatch_s / 2
+            + added_host_s / 2
         )
         backward_s = (
             backward_compute_s
@@ -464,21 +470,28 @@ class CostModel:
             + ring.backward_s
             + experts.all_to_all_backward_s
             + zero3_backward_exposed_s
-            + host.microbatch_s / 2
+            + added_host_s / 2
         )
-        host_s = host.microbatch_s
+        host_s = added_host_s
         if unit.kind == "block":
             copy_forward, copy_backward = sync_copies_s(cluster, mode)
             forward_s += copy_forward
             backward_s += copy_backward
             host_s += copy_forward + copy_backward
+        floor_s = host.microbatch_s if on_gpu else 0.0
         if unit.kind == "block" and strategy.tp_degree > 1:
-            wait_forward, wait_backward = host_floor_wait(
-                forward_s, backward_s, cal.tp_block_host_floor_s
-            )
+            floor_s += cal.tp_block_host_floor_s
+        if floor_s > 0.0:
+            wait_forward, wait_backward = host_floor_wait(forward_s, backward_s, floor_s)
             forward_s += wait_forward
             backward_s += wait_backward
             host_s += wait_forward + wait_backward
+        device_optimizer_s = optimizer.step_s + expert_optimizer_s
+        optimizer_s = (
+            max(device_optimizer_s, host.optimizer_s)
+            if on_gpu
+            else device_optimizer_s + host.optimizer_s
+        )
         cost = UnitCost(
             kind=unit.kind,
             recompute=mode,
@@ -497,7 +510,7 @@ class CostModel:
             weight_s=compute.weight_backward_s + experts.weight_backward_s,
             dp_sync_s=dp.sync_s,
             post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s + replicated,
-            optimizer_s=optimizer.step_s + expert_optimizer_s + host.optimizer_s,
+            optimizer_s=optimizer_s,
             param_bytes=memory.param_bytes + expert_state.param_bytes,
             grad_bytes=memory.grad_bytes + expert_state.grad_bytes,
             optimizer_bytes=memory.optimizer_bytes + expert_state.optimizer_bytes,

@@ -522,16 +522,22 @@ def _with_calibration(cluster: Cluster, **values: float) -> Cluster:
     )
 
 
+def _on_cpu(cluster: Cluster) -> Cluster:
+    """``cluster`` with CPU workers: one core dispatches and computes, so host time adds."""
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, kind="cpu"))
+
+
 def test_host_overheads_hand_worked() -> None:
-    # bf16 with dp 2: every unit is its own FSDP2 group (passes/data_parallel.py), so each unit
-    # adds dp_unit_overhead_s = 1e-4 s per micro-batch, half to its forward and half to its
-    # backward: f = 1.05e-3, b = 2.05e-3, link L = 3e-5 (as in the hand-worked step). 1F1B:
+    # CPU workers. bf16 with dp 2: every unit is its own FSDP2 group (passes/data_parallel.py),
+    # so each unit adds dp_unit_overhead_s = 1e-4 s per micro-batch, half to its forward and
+    # half to its backward: f = 1.05e-3, b = 2.05e-3, link L = 3e-5 (as in the hand-worked
+    # step). 1F1B:
     #   rank 1: F 1.08-2.13, B -4.18, F 4.18-5.23, B -7.28, F 7.34-8.39, B -10.44,
     #           F 10.44-11.49, B -13.54
     #   rank 0: F 0-1.05, F -2.10, B 4.21-6.26, F -7.31, B 7.31-9.36, F -10.41,
     #           B 10.47-12.52, B 13.57-15.62e-3
     # Each rank's optimizer steps one unit of distributed tensors: tail = 6e-5 (Adam) + 2e-5.
-    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    base = _on_cpu(dataclasses.replace(round_cluster(), devices_per_node=4))
     cluster = _with_calibration(
         base, dp_unit_overhead_s=1e-4, sharded_optimizer_unit_overhead_s=2e-5
     )
@@ -541,8 +547,36 @@ def test_host_overheads_hand_worked() -> None:
     assert result.step_time_s == pytest.approx(1.570e-2, rel=REL)
 
 
+def test_host_overheads_are_a_floor_on_a_gpu() -> None:
+    """A GPU's host runs ahead of its asynchronous kernels: the wrappers' time per unit and
+    micro-batch is a floor under the unit's time, not an addition, and their time per step a
+    floor under the optimizer step (with the stack's own floor per TP block). Hand-worked on the
+    two-unit pipeline (f = 1e-3, b = 2e-3 per unit, Adam 6e-5 per rank):
+    - 1e-4 per micro-batch and 2e-5 per step hide behind them: the step of the plain estimate;
+    - 6e-3 per micro-batch is longer than f + b = 3e-3: each unit takes 6e-3, split 1:2 like
+      its own time (f 2e-3, b 4e-3), and 1e-3 per step is longer than Adam's 6e-5."""
+    strategy = Strategy(dp_degree=2, micro_batch_size=1, num_micro_batches=4, dtype="bf16")
+    base = dataclasses.replace(round_cluster(), devices_per_node=4)
+    plain = estimate(_two_unit_profile(), base, _two_unit_plan())
+    hidden = _with_calibration(
+        base, dp_unit_overhead_s=1e-4, sharded_optimizer_unit_overhead_s=2e-5
+    )
+    assert estimate(_two_unit_profile(), hidden, _two_unit_plan()).step_time_s == pytest.approx(
+        plain.step_time_s, rel=REL
+    )
+    slow = _with_calibration(base, dp_unit_overhead_s=6e-3, sharded_optimizer_unit_overhead_s=1e-3)
+    for unit in unit_costs(_two_unit_profile(), slow, strategy, "none"):
+        assert (unit.forward_s, unit.backward_s) == pytest.approx((2e-3, 4e-3), rel=REL)
+        assert unit.host_s == pytest.approx(3e-3, rel=REL)  # the device's wait
+        assert unit.optimizer_s == pytest.approx(1e-3, rel=REL)
+    # the same constants on CPU workers add: f + 3e-3, b + 3e-3, Adam + 1e-3
+    for unit in unit_costs(_two_unit_profile(), _on_cpu(slow), strategy, "none"):
+        assert (unit.forward_s, unit.backward_s) == pytest.approx((4e-3, 5e-3), rel=REL)
+        assert unit.optimizer_s == pytest.approx(1e-3 + 6e-5, rel=REL)
+
+
 def test_tp_module_overhead_counts_sharded_modules_and_skips_ddp_plans() -> None:
-    # Two units with a column and a row linear each; tp 2, dp 1, fp32, m = 4: 4 micro-batches x
+    # CPU workers (host time adds). Two units with a column and a row linear each; tp 2, dp 1, fp32, m = 4: 4 micro-batches x
     # 2 units x 2 modules x 1e-4 s = 1.6e-3 s more, plus 2 units x 2e-5 s of optimizer over
     # distributed tensors. dp_unit_overhead_s does not apply: one fp32 data-parallel rank has
     # no wrapper.
@@ -574,7 +608,7 @@ def test_tp_module_overhead_counts_sharded_modules_and_skips_ddp_plans() -> None
         schedule="1f1b",
         dtype="fp32",
     )
-    cluster = dataclasses.replace(round_cluster(), devices_per_node=2)
+    cluster = _on_cpu(dataclasses.replace(round_cluster(), devices_per_node=2))
     plain = estimate(profile, cluster, plan).step_time_s
     loaded = _with_calibration(
         cluster,

@@ -263,8 +263,15 @@ def _least_squares(
     runs: Sequence[RuntimeMeasurement],
 ) -> Calibration:
     """``calibration`` with ``names`` fitted (>= 0) to the runs' step times."""
-    step = 1e-4  # s: finite-difference step; the model is piecewise linear in each constant
-    for _ in range(4):
+    # The model is piecewise linear in each constant. On a GPU the wrappers' time is a floor
+    # under each unit's (`cost_model.parts.host`): below the device's time it has no slope,
+    # so the search starts above it (1 ms, far above these small units' device time) and
+    # walks down; a small finite-difference step straddles the floors' kinks less often.
+    calibration = dataclasses.replace(
+        calibration, **{name: getattr(calibration, name) or 1e-3 for name in names}
+    )
+    step = 1e-5  # s
+    for _ in range(12):
         base = np.array([predicted_step_s(profile, cluster, calibration, r.plan) for r in runs])
         jacobian = np.empty((len(runs), len(names)))
         for j, name in enumerate(names):

@@ -1,8 +1,9 @@
-"""Host overhead: the time the parallel wrappers spend on the CPU, which the device waits for
-(DTensor dispatch of TP modules, FSDP2's per-unit hooks, the sharded optimizer's per-unit
-work). Calibrated constants (`Calibration.tp_module_overhead_s` and the like), which add to
-the device's time; and on a GPU, fed asynchronously, the floor the host's work per block sets
-under the device's time (`host_floor_wait`)."""
+"""Host overhead: the time the parallel wrappers spend on the CPU (DTensor dispatch of TP
+modules, FSDP2's per-unit hooks, the sharded optimizer's per-unit work). Calibrated constants
+(`Calibration.tp_module_overhead_s` and the like). A CPU worker's core does the wrappers' work
+and the compute in turn, so there they add to the device's time; a GPU, fed asynchronously,
+waits only where the host's work for a unit takes longer than the device's: a floor under the
+unit's time (`host_floor_wait`), with the stack's own floor per tensor-parallel block."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from cost_model.workload import UnitProfile
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostCost:
-    """One unit's wrapper host time."""
+    """One unit's wrapper host time (added on a CPU worker, a floor on a GPU)."""
 
     microbatch_s: float  # per micro-batch, forward + backward (split evenly between them)
     optimizer_s: float  # per step, in the optimizer step
