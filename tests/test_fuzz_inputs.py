@@ -212,6 +212,24 @@ def test_a_nul_byte_in_a_path_option_is_one_line(in_tmp_dir: Path) -> None:
     _check_outcome(full, *_run(*full))
 
 
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    [
+        ("estimate", "--micro-batch", "-1"),
+        ("estimate", "--dp", "-8"),
+        ("estimate", "--tp", "0"),
+        ("plan", "--micro-batch", "0"),
+        ("plan", "--dp", "2,-8"),
+    ],
+)
+def test_a_degree_or_batch_below_one_names_its_flag(command: str, option: str, value: str) -> None:
+    """The error names the flag the user typed (not the API's parameter name), in one line."""
+    full = (command, "--model", MODEL, "--cluster", "local:devices=2", "--global-batch", "8")
+    code, out, err = _run(*full, option, value)
+    assert code == 2, (out, err)
+    assert f"Invalid value for '{option}'" in err and err.count("\n") <= 1, err
+
+
 # ------------------------------------------------------------------------------------- API
 
 

@@ -27,7 +27,8 @@ from autoplan.analysis.whatif import (
 )
 from autoplan.cli import cli
 from autoplan.cli.common import trace_spec
-from autoplan.contract.errors import InputError, NoFeasiblePlanError
+from autoplan.contract.errors import InputError, NoFeasiblePlanError, PlanError
+from autoplan.contract.plan import Plan, StagePlan
 from autoplan.planner.search import search_plans
 from cost_model.errors import ClusterError
 from cost_model.hardware import Cluster
@@ -388,6 +389,59 @@ def test_cli_no_plan_at_any_size_is_an_input_error() -> None:
     assert "fits any of the sizes: dgx-a100-80g:memory=2.1GiB x 1: does not fit: needs" in str(
         result.exception
     )
+    assert str(result.exception).endswith(
+        "; try more devices, devices with more memory or a smaller global batch"
+    )
+
+
+def test_cli_no_plan_for_a_stacks_refusal_names_that_fix_not_memory() -> None:
+    """DeepSpeed's pipeline engine has no tensor parallelism: the sizes fail on the
+    constraints, not on memory, and the fix says so."""
+    result = CliRunner().invoke(
+        cli,
+        [
+            "whatif",
+            "--model",
+            MODEL,
+            "--cluster",
+            "dgx-a100-80g",
+            "--num-devices",
+            "8",
+            "--global-batch",
+            "16",
+            "--framework",
+            "deepspeed",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+        ],
+    )
+    assert isinstance(result.exception, WhatIfInputError)
+    message = str(result.exception)
+    assert "deepspeed runs none of the plans the constraints allow" in message
+    assert message.endswith("; change what the reasons name, or price another --framework")
+    assert "more memory" not in message
+
+
+def test_a_plan_or_a_what_if_beyond_the_largest_cluster_names_its_own_input(
+    profile: ModelProfile,
+) -> None:
+    """10^7 devices: the error names the plan's degrees or the what-if's device count (not a
+    cluster override the user never wrote)."""
+    with pytest.raises(WhatIfInputError, match=r"num_devices 10,000,000: more than the 1,048,576"):
+        whatif(profile, ["dgx-a100-80g"], num_devices=[10_000_000], global_batch=16)
+    with pytest.raises(PlanError, match=r"= 10,000,000 x 1 x 1 x 1 = 10,000,000 devices is more"):
+        Plan(
+            dp_degree=10_000_000,
+            tp_degree=1,
+            pp_degree=1,
+            stages=(StagePlan(first_unit=0, last_unit=0),),
+            micro_batch_size=1,
+            num_micro_batches=1,
+            global_batch_size=10_000_000,
+            schedule="1f1b",
+        )
 
 
 def _one_line_error(result: Any, fragment: str) -> None:

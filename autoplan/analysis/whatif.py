@@ -40,7 +40,7 @@ from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
-from cost_model.hardware import Cluster, load_cluster
+from cost_model.hardware import MAX_DEVICES, Cluster, load_cluster
 from cost_model.workload import ModelProfile
 
 __all__ = [
@@ -355,6 +355,12 @@ def _check_device_counts(num_devices: Sequence[int]) -> tuple[int, ...]:
     if bad:
         raise WhatIfInputError(
             f"num_devices {', '.join(map(repr, bad))}: device counts must be whole numbers >= 1"
+        )
+    huge = [n for n in num_devices if n > MAX_DEVICES]
+    if huge:
+        raise WhatIfInputError(
+            f"num_devices {', '.join(f'{n:,}' for n in huge)}: more than the {MAX_DEVICES:,} "
+            "devices autoplan plans for; give real device counts"
         )
     return tuple(sorted(set(num_devices)))
 

@@ -51,6 +51,8 @@ def int_list(
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if not values:
         raise click.BadParameter("give at least one value")
+    if bad := [v for v in values if v < 1]:
+        raise click.BadParameter(f"{', '.join(map(str, bad))}: values must be whole numbers >= 1")
     return values
 
 

@@ -31,17 +31,49 @@ from cost_model.hardware import load_cluster
 @click.command("estimate")
 @click.option("--model", "model_spec", required=True, help="Model NAME[:key=value,...].")
 @click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
 @click.option(
-    "--dp", type=int, default=None, help="Data-parallel degree [devices / (tp x pp x cp)]."
+    "--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel degree."
 )
-@click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel degree.")
 @click.option(
-    "--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (within dp)."
+    "--pp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Pipeline-parallel degree.",
 )
-@click.option("--micro-batch", type=int, default=1, show_default=True, help="Micro-batch size.")
-@click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step.")
+@click.option(
+    "--dp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Data-parallel degree [devices / (tp x pp x cp)].",
+)
+@click.option(
+    "--cp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Context-parallel degree.",
+)
+@click.option(
+    "--ep",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Expert-parallel degree (within dp).",
+)
+@click.option(
+    "--micro-batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Micro-batch size.",
+)
+@click.option(
+    "--global-batch",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Sequences per optimizer step.",
+)
 @click.option(
     "--recompute",
     type=click.Choice(["none", "selective", "full"]),

@@ -166,9 +166,20 @@ def whatif_cmd(
         )
     if not result.feasible_rows:
         reasons = "; ".join(f"{r.cluster} x {r.num_devices}: {r.reason}" for r in result.rows)
+        # the fix follows the reasons: memory wants more or bigger devices, a constraint (or
+        # the stack's refusal of it) wants the constraint relaxed
+        memory = [r for r in result.rows if (r.reason or "").startswith("does not fit")]
+        fixes = []
+        if len(memory) < len(result.rows):
+            refused = any("runs none of the plans" in (r.reason or "") for r in result.rows)
+            fixes.append(
+                "change what the reasons name"
+                + (", or price another --framework" if refused else "")
+            )
+        if memory:
+            fixes.append("try more devices, devices with more memory or a smaller global batch")
         raise WhatIfInputError(
-            f"no plan for {result.model} fits any of the sizes: {reasons}; try more devices, "
-            "devices with more memory or a smaller global batch"
+            f"no plan for {result.model} fits any of the sizes: {reasons}; {'; '.join(fixes)}"
         )
     if plot_path is not None:
         # matplotlib takes about a second to import: only when a picture is asked for.

@@ -47,7 +47,7 @@ from autoplan._format import fmt_memory, fmt_time
 from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
-from cost_model.hardware import Cluster, as_cluster
+from cost_model.hardware import MAX_DEVICES, Cluster, as_cluster
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -219,6 +219,13 @@ class Plan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+        degrees = (self.dp_degree, self.tp_degree, self.pp_degree, self.cp_degree)
+        if math.prod(degrees) > MAX_DEVICES:
+            raise PlanError(
+                "dp_degree x tp_degree x pp_degree x cp_degree = "
+                f"{' x '.join(f'{d:,}' for d in degrees)} = {math.prod(degrees):,} devices is "
+                f"more than the {MAX_DEVICES:,} autoplan plans for; give degrees of a real job"
+            )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage = {self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.dtype not in DTYPE_NAMES:
