@@ -134,8 +134,8 @@ class CostModel:
         self, profile: ModelProfile, cluster: Cluster, framework: str = DEFAULT_FRAMEWORK
     ) -> None:
         self.profile = profile
-        self.framework = framework
         self.stack = framework_profile(framework)
+        self.framework = self.stack.name  # the spec in its normal form
         # the cluster as the framework's stack runs on it (`cost_model.frameworks`)
         self.cluster = self.stack.cluster_for(profile, cluster)
         # for each unit, the first unit with the same content (its own if unique)
@@ -238,6 +238,14 @@ class CostModel:
     def step_overhead_s(self, strategy: Strategy) -> float:
         """The training loop's fixed time per step, stretched by core sharing."""
         return loop_overhead_s(self.cluster, self.sharing(strategy))
+
+    def dp_overlap(self, strategy: Strategy) -> float:
+        """The share of the last backward that the gradient sync may hide behind: the
+        cluster's `dp_overlap_fraction`, or 0 where the stack syncs after the backward (at
+        this ZeRO stage, or under its pipeline engine: `FrameworkProfile.overlaps_dp_sync`)."""
+        if not self.stack.overlaps_dp_sync(strategy):
+            return 0.0
+        return self.cluster.calibration.dp_overlap_fraction
 
     def unit_costs(self, strategy: Strategy, recompute: str) -> tuple[UnitCost, ...]:
         """Every unit's costs on one device, with ``recompute`` applied to the units it covers;
@@ -554,10 +562,10 @@ class CostModel:
                 f"plan is for framework {plan.framework!r}; this cost model prices "
                 f"{self.framework!r}"
             )
-        if (why := self.stack.plan_refusal(plan, moe=bool(profile.moe_layers))) is not None:
+        if (why := self.stack.plan_refusal(plan, profile)) is not None:
             raise FrameworkError(
-                f"{self.framework} cannot run this plan: {why}; change the plan, or price it "
-                "for autoplan's runtime (framework autoplan)"
+                f"{self.framework} cannot run this plan: {why}, or price it for autoplan's "
+                "runtime (framework autoplan)"
             )
         strategy = Strategy.of(plan)
         stages = tuple(plan.stages)
@@ -584,10 +592,10 @@ class CostModel:
         ]
         times = stage_times(stage_units, boundaries, spec)
         rank_stages = [spec.rank_stages(r) for r in range(p)]
-        cal = cluster.calibration
         rank_units = [tuple(u for s in rank_stages[r] for u in stage_units[s]) for r in range(p)]
         fixed = self.step_overhead_s(strategy)
-        rank_tail = [rank_tail_s(rank_units[r], cal.dp_overlap_fraction) + fixed for r in range(p)]
+        overlap = self.dp_overlap(strategy)
+        rank_tail = [rank_tail_s(rank_units[r], overlap) + fixed for r in range(p)]
         sim = simulate(spec, times, rank_tail)
         t_pipe = sim.pipeline_time_s
 

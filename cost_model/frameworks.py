@@ -40,8 +40,8 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
-from cost_model.schedules import ScheduleName, runs_in_gpipe_order
-from cost_model.stage_splits import PipelineSplit
+from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
+from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
 from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy, is_subsequence
 from cost_model.workload import ModelProfile
 
@@ -63,6 +63,22 @@ OptionValue = float | str | tuple[str, ...]
 
 class FrameworkError(InputError):
     """An unknown framework name or option, or a plan priced for a stack that cannot run it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refusal:
+    """Why a stack cannot run a plan: the plan's value, the stack's rule, and the nearest
+    change the stack runs. Prints as one line, ``value: rule; fix``."""
+
+    # what the plan does, with its numbers: "schedule gpipe", "zero 1 with pp 2"
+    value: str
+    # the stack's limit, the same for every plan it refuses so (the search counts by it)
+    rule: str
+    # the nearest plan the stack runs: "set --schedule 1f1b"
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.value}: {self.rule}; {self.fix}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +110,11 @@ class FrameworkProfile:
     # Whether gradient sync overlaps the backward (1) or follows it (0); the cluster's
     # `dp_overlap_fraction` still bounds it (a CPU worker's one core cannot overlap).
     dp_overlap: float | None = None
+    # The ZeRO stages at which the stack can overlap the sync at all (``None``: every one), and
+    # whether it can with pipeline parallelism; elsewhere the sync follows the backward
+    # (`overlaps_dp_sync`).
+    dp_overlap_zero_stages: tuple[int, ...] | None = None
+    pipeline_dp_overlap: bool = True
     # `Calibration.pipeline_boundary_retention`: 1 keeps every sent activation until its
     # backward (torch.distributed.pipelining), 0 frees it once sent.
     pipeline_boundary_retention: float | None = None
@@ -149,9 +170,12 @@ class FrameworkProfile:
     # "global": one recompute setting for the whole model, so every stage alike (the search
     # prices each mode alone); ``None``: a setting per stage (autoplan's runtime).
     recompute_scope: Literal["global"] | None = None
-    # False: the stack has no pipeline parallelism; its largest ZeRO stage (``None``: any).
+    # False: the stack has no pipeline parallelism, or no Megatron-style tensor parallelism.
     pipeline_parallel: bool = True
-    max_zero: int | None = None
+    tensor_parallel: bool = True
+    # The ZeRO stages the stack runs, in autoplan's terms (FSDP's SHARD_GRAD_OP is 2,
+    # FULL_SHARD 3); ``None``: 0-3. The search offers these only.
+    zero_stages: tuple[int, ...] | None = None
     # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
     # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
     pipeline_max_zero: int | None = None
@@ -179,62 +203,104 @@ class FrameworkProfile:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
     options: Mapping[str, Mapping[str, Mapping[str, OptionValue]]] = field(default_factory=dict)
 
-    def refusal(self, strategy: Strategy, *, moe: bool = False) -> str | None:
+    def refusal(self, strategy: Strategy, *, moe: bool = False) -> Refusal | None:
         """Why the stack cannot run ``strategy``'s outer choices on a model (``moe``: with
-        experts), in a phrase; None when it can."""
-        if not self.context_parallel and strategy.cp_degree > 1:
-            return f"{self.name} has no ring-attention context parallelism (cp 1)"
+        experts); None when it can."""
+        name, z = self.name, strategy.zero_stage
+        tp, pp, cp = strategy.tp_degree, strategy.pp_degree, strategy.cp_degree
+        if not self.context_parallel and cp > 1:
+            return Refusal(
+                value=f"cp {cp}",
+                rule=f"{name} has no ring-attention context parallelism",
+                fix="set --cp 1",
+            )
         if not self.expert_parallel and strategy.ep_degree > 1:
-            return f"{self.name} has no expert parallelism as a plan degree (ep 1)"
-        if not self.pipeline_parallel and strategy.pp_degree > 1:
-            return f"{self.name} has no pipeline parallelism (pp 1)"
-        if self.max_zero is not None and strategy.zero_stage > self.max_zero:
-            return f"{self.name} has no ZeRO beyond stage {self.max_zero} (zero <= {self.max_zero})"
-        if (
-            self.cp_min_zero is not None
-            and strategy.cp_degree > 1
-            and strategy.zero_stage < self.cp_min_zero
-        ):
-            return (
-                f"{self.name} shards the weights over dp x cp with context parallelism "
-                f"(zero >= {self.cp_min_zero} with cp > 1)"
+            return Refusal(
+                value=f"ep {strategy.ep_degree}",
+                rule=f"{name} has no expert parallelism as a plan degree",
+                fix="set --ep 1",
+            )
+        if not self.pipeline_parallel and pp > 1:
+            return Refusal(
+                value=f"pp {pp}", rule=f"{name} has no pipeline parallelism", fix="set --pp 1"
+            )
+        if not self.tensor_parallel and tp > 1:
+            return Refusal(
+                value=f"tp {tp}",
+                rule=f"{name} has no Megatron-style tensor parallelism",
+                fix="set --tp 1",
+            )
+        if self.zero_stages is not None and z not in self.zero_stages:
+            # the next stage up (the same traffic, less memory), else the largest below
+            nearest = min((s for s in self.zero_stages if s > z), default=max(self.zero_stages))
+            return Refusal(
+                value=f"zero {z}",
+                rule=f"{name} runs only ZeRO {', '.join(map(str, self.zero_stages))}",
+                fix=f"set --zero {nearest}",
+            )
+        if self.cp_min_zero is not None and cp > 1 and z < self.cp_min_zero:
+            return Refusal(
+                value=f"zero {z} with cp {cp}",
+                rule=f"{name} shards the weights over dp x cp with context parallelism",
+                fix=f"set --zero {self.cp_min_zero} or more, or --cp 1",
             )
         if (
             self.moe_tp_needs_sequence_parallel
             and moe
-            and strategy.tp_degree > 1
+            and tp > 1
             and not strategy.sequence_parallel
         ):
-            return f"{self.name} needs sequence parallelism for experts with tp > 1"
-        if strategy.pp_degree == 1:
+            return Refusal(
+                value=f"tp {tp} without sequence parallelism on a mixture-of-experts model",
+                rule=f"{name} needs sequence parallelism for experts with tp > 1",
+                fix="set --sequence-parallel, or --tp 1",
+            )
+        if pp == 1:
             return None
-        m, p = strategy.num_micro_batches, strategy.pp_degree
-        interleaved = strategy.schedule == "interleaved-1f1b"
-        if interleaved and self.interleaved_microbatches == "pp-or-more" and m < p:
-            return (
-                f"{self.name}'s interleaved schedule needs at least pp micro-batches "
-                "(m >= pp for interleaved-1f1b)"
+        m = strategy.num_micro_batches
+        if strategy.schedule == "interleaved-1f1b":
+            value = f"interleaved-1f1b with m = {m} micro-batch{'es' if m > 1 else ''} on pp = {pp}"
+            if self.interleaved_microbatches == "pp-or-more" and m < pp:
+                return Refusal(
+                    value=value,
+                    rule=f"{name}'s interleaved schedule needs m >= pp",
+                    fix=f"use at least {pp} micro-batches, or --schedule 1f1b",
+                )
+            if self.interleaved_microbatches == "multiple-of-pp" and (m % pp or pp <= 2):
+                fix = (
+                    f"use a multiple of {pp} micro-batches ({-(-m // pp) * pp})"
+                    if pp > 2
+                    else "use pp > 2"
+                )
+                return Refusal(
+                    value=value,
+                    rule=(
+                        f"{name}'s interleaved schedule needs pp > 2 and a multiple of pp "
+                        "micro-batches"
+                    ),
+                    fix=f"{fix}, or --schedule 1f1b",
+                )
+        if not self.pipeline_tensor_parallel and tp > 1:
+            return Refusal(
+                value=f"tp {tp} with pp {pp}",
+                rule=f"{name}'s pipeline engine has no tensor parallelism",
+                fix="set --tp 1, or --pp 1",
             )
-        strict = self.interleaved_microbatches == "multiple-of-pp"
-        if interleaved and strict and (m % p or p <= 2):
-            return (
-                f"{self.name}'s interleaved schedule needs more than 2 pipeline ranks and a "
-                "multiple of pp micro-batches (pp > 2, m % pp = 0 for interleaved-1f1b)"
-            )
-        if not self.pipeline_tensor_parallel and strategy.tp_degree > 1:
-            return f"{self.name}'s pipeline engine has no tensor parallelism (tp 1 with pp > 1)"
-        if self.pipeline_max_zero is not None and strategy.zero_stage > self.pipeline_max_zero:
-            return (
-                f"{self.name}'s pipeline engine runs ZeRO {self.pipeline_max_zero} at most "
-                f"(zero <= {self.pipeline_max_zero} with pp > 1)"
+        if self.pipeline_max_zero is not None and z > self.pipeline_max_zero:
+            return Refusal(
+                value=f"zero {z} with pp {pp}",
+                rule=f"{name}'s pipeline engine runs ZeRO {self.pipeline_max_zero} at most",
+                fix=f"set --zero {self.pipeline_max_zero}, or --pp 1",
             )
         return None
 
-    def plan_refusal(self, plan: PlanLike, *, moe: bool = False) -> str | None:
-        """Why the stack cannot run ``plan``: `refusal` of its outer choices, its schedule,
-        sequence parallelism, dtype, rank order and its stages' recompute; None when it can."""
+    def plan_refusal(self, plan: PlanLike, profile: ModelProfile) -> Refusal | None:
+        """Why the stack cannot run ``plan`` on ``profile``'s model: `refusal` of its outer
+        choices, its schedule, sequence parallelism, dtype, its stages' recompute, its rank
+        order and, for a stack that cuts its stages itself, its stage cut; None when it can."""
         strategy = Strategy.of(plan)
-        if (why := self.refusal(strategy, moe=moe)) is not None:
+        name = self.name
+        if (why := self.refusal(strategy, moe=bool(profile.moe_layers))) is not None:
             return why
         pipelined = strategy.pp_degree > 1
         gpipe_order = runs_in_gpipe_order(
@@ -246,31 +312,91 @@ class FrameworkProfile:
             and strategy.schedule not in self.schedules
             and not (gpipe_order and "1f1b" in self.schedules)
         ):
-            return f"{self.name} runs only {', '.join(self.schedules)} (schedule)"
+            return Refusal(
+                value=f"schedule {strategy.schedule}",
+                rule=f"{name} runs only {', '.join(self.schedules)}",
+                fix=_nearest_schedule(self.schedules, strategy.virtual_stages),
+            )
         if self.sequence_parallel is False and strategy.sequence_parallel:
-            return f"{self.name} has no Megatron-style sequence parallelism (sequence_parallel)"
+            return Refusal(
+                value="sequence parallelism",
+                rule=f"{name} has no Megatron-style sequence parallelism",
+                fix="leave out --sequence-parallel",
+            )
         if self.dtypes is not None and strategy.dtype not in self.dtypes:
-            return f"{self.name} trains in {' or '.join(self.dtypes)} (dtype)"
-        modes = sorted({stage.recompute for stage in plan.stages})
-        if self.recompute_modes is not None and not set(modes) <= set(self.recompute_modes):
-            return f"{self.name} has only {' and '.join(self.recompute_modes)} recompute"
+            return Refusal(
+                value=f"dtype {strategy.dtype}",
+                rule=f"{name} trains in {' or '.join(self.dtypes)}",
+                fix=f"set --dtype {self.dtypes[0]}",
+            )
+        modes = sorted({stage.recompute for stage in plan.stages}, key=_RECOMPUTE_ORDER.index)
+        allowed = self.recompute_modes
+        if allowed is not None and not set(modes) <= set(allowed):
+            refused = next(mode for mode in modes if mode not in allowed)
+            # the next mode up that the stack has (keeps less), else the heaviest it has
+            heavier = _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(refused) :]
+            nearest = next((mode for mode in heavier if mode in allowed), allowed[-1])
+            return Refusal(
+                value=f"recompute {refused}",
+                rule=f"{name} has only {' and '.join(allowed)} recompute",
+                fix=f"set --recompute {nearest}",
+            )
         if self.recompute_scope == "global" and len(modes) > 1:
-            return (
-                f"{self.name} has one recompute setting for all stages; the plan mixes "
-                f"{' and '.join(modes)}"
+            return Refusal(
+                value=f"recompute {' and '.join(modes)} by stage",
+                rule=f"{name} has one recompute setting for all stages",
+                fix=f"set --recompute {modes[-1]} for all",
             )
         if self.rank_layouts is not None:
             # as the stack sees it: the axes of degree > 1, cp just outside tp
             used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
-            allowed: list[list[str]] = [
+            orders: list[list[str]] = [
                 [*layout[:-1], "cp", layout[-1]] for layout in self.rank_layouts
             ]
-            if not any(is_subsequence(used, order) for order in allowed):
-                return (
-                    f"{self.name} orders its process groups "
-                    f"{' or '.join(map(str, map(list, self.rank_layouts)))} (rank_layout)"
+            if not any(is_subsequence(used, order) for order in orders):
+                shown = " or ".join(str(list(layout)) for layout in self.rank_layouts)
+                return Refusal(
+                    value=f"rank_layout {list(strategy.rank_layout)}",
+                    rule=f"{name} orders its process groups {shown}",
+                    fix=f"set rank_layout {list(self.rank_layouts[0])}",
+                )
+        if self.stage_cuts == "own" and len(plan.stages) > 1:
+            cuts = [(stage.first_unit, stage.last_unit) for stage in plan.stages]
+            try:
+                starts = self.stage_starts(profile, len(plan.stages))
+            except StageSplitError as err:
+                return Refusal(
+                    value=f"{len(plan.stages)} stages",
+                    rule=f"{name} cuts the stages itself: {err}",
+                    fix="price another pipeline degree",
+                )
+            ends = [*starts[1:], profile.num_units]
+            own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
+            if cuts != own:
+                return Refusal(
+                    value=f"stages {_cuts_text(cuts)}",
+                    rule=f"{name} cuts the stages itself",
+                    fix=f"use its cut {_cuts_text(own)} (leave the stages to it)",
                 )
         return None
+
+    def overlaps_dp_sync(self, strategy: Strategy) -> bool:
+        """Whether the stack runs ``strategy``'s data-parallel gradient sync during the
+        backward (the cluster's `dp_overlap_fraction` still bounds how much), not after it."""
+        if self.dp_overlap is not None and self.dp_overlap <= 0:
+            return False
+        if (
+            self.dp_overlap_zero_stages is not None
+            and strategy.zero_stage not in self.dp_overlap_zero_stages
+        ):
+            return False
+        return self.pipeline_dp_overlap or strategy.pp_degree == 1
+
+    def stage_starts(self, profile: ModelProfile, num_stages: int) -> tuple[int, ...]:
+        """The first unit of each stage as this stack cuts ``num_stages`` stages when no cut
+        is stated (`cost_model.stage_splits.own_stage_starts`): what `autoplan.manual_plan`
+        and the search build for it; `StageSplitError` where its rule cuts inside a unit."""
+        return own_stage_starts(profile, num_stages, self.pipeline_split)
 
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
         """``cluster`` with this stack's behaviour in its calibration."""
@@ -353,6 +479,29 @@ def unfused_attention_efficiency(
     return min(
         1.0, 1.0 / (1.0 / cal.gemm_efficiency + score_bytes * peak / (score_flops * bandwidth))
     )
+
+
+# recompute modes from the least kept to the most
+_RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+
+
+def _nearest_schedule(allowed: tuple[ScheduleName, ...], virtual_stages: int) -> str:
+    """The change to an ``allowed`` schedule nearest a plan with ``virtual_stages`` stages a
+    rank: one with as many stages a rank where there is one, 1F1B for one stage a rank."""
+    several = [s for s in allowed if s not in ("gpipe", "1f1b")]
+    if virtual_stages > 1 and several:
+        pick = several[0]
+        v_fix = " --virtual-stages 2" if pick in V_SCHEDULES and virtual_stages != 2 else ""
+        return f"set --schedule {pick}{v_fix}"
+    one = [s for s in ("1f1b", "gpipe") if s in allowed]
+    if one:
+        return f"set --schedule {one[0]}" + (" --virtual-stages 1" if virtual_stages > 1 else "")
+    return f"set --schedule {allowed[0]} --virtual-stages 2"
+
+
+def _cuts_text(cuts: list[tuple[int, int]]) -> str:
+    """Stages as unit ranges, ``[0-4, 5-9]``."""
+    return "[" + ", ".join(f"{first}-{last}" for first, last in cuts) + "]"
 
 
 FRAMEWORKS: dict[str, FrameworkProfile] = {
@@ -472,6 +621,15 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # The source does not say which; rows without TP need more than the floor, so it
             # is not known whether one applies there.
             tp_block_host_floor_s=4.4e-3,
+            # OptimizerArgs.zero_stage > 0 builds ZeroDistributedOptimizer, "partitioning of
+            # optimizer's states across DP ranks ... ZeRO Stage 1" (src/nanotron/helpers.py,
+            # src/nanotron/optim/zero.py; README: "ZeRO-3 optimizer (a.k.a FSDP)" unchecked), at
+            # 2411b022 (2026-04)
+            zero_stages=(0, 1),
+            # LlamaForTraining takes no cp group (src/nanotron/models/llama.py at 2411b022): its
+            # context parallelism is the Qwen model's own attention (src/nanotron/models/qwen.py,
+            # from b641237d, 2025-03), not a plan degree of any model
+            context_parallel=False,
             sources=(
                 "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
                 "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",
@@ -517,6 +675,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # the interleaved schedule: megatron/schedules.py asserts num_microbatches % pp == 0,
             # megatron/arguments.py pp > 2 (v2.5, 3d718bfc)
             interleaved_microbatches="multiple-of-pp",
+            # --use-distributed-optimizer (ZeRO-1) from d07d29df (2022-06-08, absent at v2.5
+            # and v2.6); no FSDP, ZeRO-2 or -3 in megatron/arguments.py before Megatron-Core
+            zero_stages=(0, 1),
+            # --context-parallel-size came with Megatron-Core (292543d3, 2023-10)
+            context_parallel=False,
             sources=(
                 "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
                 "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -579,7 +742,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             step_overhead_s=0.197,
             pipeline_parallel=False,
             # no distributed optimizer, no sequence parallelism, whole-layer checkpointing only
-            max_zero=0,
+            zero_stages=(0,),
             sequence_parallel=False,
             recompute_modes=("none", "full"),
             recompute_scope="global",
@@ -658,9 +821,17 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # PipelineEngine sends an activation and drops its reference once the next stage
             # holds it (deepspeed/runtime/pipe/engine.py, _exec_send_activations).
             pipeline_boundary_retention=0.0,
-            # ZeRO reduces gradients in buckets as they are produced (reduce_bucket_size;
-            # deepspeed/runtime/zero/stage_1_and_2.py).
+            # ZeRO reduces gradients in buckets as they are produced with overlap_comm, which
+            # `autoplan export` sets (its default: on at ZeRO-3 only, zero/config.py
+            # overlap_comm_valid; at ZeRO-1 the hooks reduce during the last micro-batch's
+            # backward, zero/stage_1_and_2.py process_gradients). Without ZeRO the engine
+            # all-reduces after the backward (engine.py allreduce_gradients, buffered fallback),
+            # and with a PipelineModule it turns overlap_comm off ("Pipeline parallelism does
+            # not support overlapped communication") and reduces after the schedule
+            # (pipe/engine.py _exec_reduce_grads). DeepSpeed 0.19.8.
             dp_overlap=1.0,
+            dp_overlap_zero_stages=(1, 2, 3),
+            pipeline_dp_overlap=False,
             # ZeRO-3 gathers module by module, coalesced up to stage3_prefetch_bucket_size
             # (deepspeed/runtime/zero/partitioned_param_coordinator.py).
             zero3_gathers="per-module",
@@ -743,10 +914,50 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dp_overlap=1.0,
             # activation_checkpointing: one setting for every MPT block
             recompute_scope="global",
+            # Composer's FSDP (fsdp_config is train.py's only parallelism setting: no pipeline,
+            # tensor or context parallelism; scripts/train/train.py, 00b4bae4, 2023) maps
+            # sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: ZeRO 0, 2, 3 (HYBRID_SHARD
+            # only from torch 2.1; composer/trainer/mosaic_fsdp_utils.py, SHARDING_MAP)
+            pipeline_parallel=False,
+            tensor_parallel=False,
+            context_parallel=False,
+            zero_stages=(0, 2, 3),
             sources=(
                 "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
+                "mosaicml/llm-foundry scripts/train/train.py (fsdp_config, 2023)",
+                "mosaicml/composer composer/trainer/mosaic_fsdp_utils.py (SHARDING_MAP)",
                 "mosaicml/llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn)",
                 "Dao-AILab/flash-attention flash_attn/ops/triton/cross_entropy.py",
+            ),
+        ),
+        FrameworkProfile(
+            name="flash-attn-training",
+            version="Dao-AILab/flash-attention training/ (4a6eaa9f, 2022-11), as its configs run",
+            summary=(
+                "flash-attention's GPT training code on PyTorch Lightning: flash attention, "
+                "apex's in-place cross-entropy, DDP or DDP with torch's ZeroRedundancyOptimizer"
+            ),
+            # Priced as llm-foundry's profile (bench/data/validation_assumptions_more.yaml,
+            # family fa-training2211): flash attention, 16-bit logits kept for the loss's
+            # backward (apex xentropy, inplace_backward), DDP overlapping the all-reduce.
+            attention="fused",
+            full_recompute_early_stop=0.0,
+            loss_saved_bytes_per_logit=2.0,
+            dp_overlap=1.0,
+            recompute_scope="global",
+            # its experiment configs: trainer strategy ddp, or src.utils.ddp_zero1.DDPStrategyZero1
+            # with optimizer adamw-zero (torch.distributed.optim.ZeroRedundancyOptimizer: ZeRO-1;
+            # training/configs/experiment/owt/gpt2l-flash.yaml, pile/gpt3l-flash.yaml); its
+            # flash_attn/models/gpt.py of then has no process group (no tensor parallelism)
+            pipeline_parallel=False,
+            tensor_parallel=False,
+            context_parallel=False,
+            expert_parallel=False,
+            zero_stages=(0, 1),
+            sources=(
+                "Dao-AILab/flash-attention 4a6eaa9f training/configs/experiment/",
+                "Dao-AILab/flash-attention 4a6eaa9f training/src/utils/ddp_zero1.py",
+                "Dao-AILab/flash-attention 4a6eaa9f flash_attn/models/gpt.py",
             ),
         ),
     )
@@ -754,9 +965,11 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
 
 
 def framework_profile(spec: str) -> FrameworkProfile:
-    """The profile ``NAME[:option=value,...]`` names (``megatron-lm-2021:ddp=torch``);
-    `FrameworkError` lists the known names, or the options the profile has."""
+    """The profile ``NAME[:option=value,...]`` names (``megatron-lm-2021:ddp=torch``), named by
+    the spec in its normal form (spaces and empty options dropped: ``megatron-lm:`` is
+    ``megatron-lm``); `FrameworkError` lists the known names, or the options the profile has."""
     name, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    name = name.strip()
     if not isinstance(spec, str) or name not in FRAMEWORKS:
         raise FrameworkError(
             f"unknown framework {spec!r}; use one of {', '.join(FRAMEWORKS)} "
@@ -764,10 +977,11 @@ def framework_profile(spec: str) -> FrameworkProfile:
         )
     profile = FRAMEWORKS[name]
     changes: dict[str, OptionValue] = {}
+    given: list[str] = []
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, _, value = item.partition("=")
-        choices = profile.options.get(key.strip(), {})
-        if value.strip() not in choices:
+        key, _, value = (part.strip() for part in item.partition("="))
+        choices = profile.options.get(key, {})
+        if value not in choices:
             known = "; ".join(
                 f"{option}={'|'.join(values)}" for option, values in profile.options.items()
             )
@@ -775,7 +989,8 @@ def framework_profile(spec: str) -> FrameworkProfile:
                 f"framework {spec!r}: {name} has no option {item!r}; "
                 + (f"its options: {known}" if known else "it takes no options")
             )
-        changes.update(choices[value.strip()])
-    if not rest:
+        changes.update(choices[value])
+        given.append(f"{key}={value}")
+    if not given:
         return profile
-    return dataclasses.replace(profile, name=spec, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(profile, name=f"{name}:{','.join(given)}", **changes)  # type: ignore[arg-type]

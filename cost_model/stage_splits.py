@@ -41,6 +41,30 @@ def stage_starts(
     return megatron_stage_starts(profile, num_stages, edges_as_layers=rule == "layers-with-edges")
 
 
+def own_stage_starts(
+    profile: ModelProfile, num_stages: int, rule: PipelineSplit | None
+) -> tuple[int, ...]:
+    """The first unit of each stage of a stack that cuts its stages itself: ``rule``'s cut
+    where it applies, else autoplan's even split of the units (`even_stage_starts`), which
+    `autoplan.manual_plan` and the search build alike; `StageSplitError` where ``rule`` cuts
+    inside a unit."""
+    starts = stage_starts(profile, num_stages, rule) if rule is not None else None
+    return starts if starts is not None else even_stage_starts(profile.num_units, num_stages)
+
+
+def even_stage_starts(num_units: int, num_stages: int) -> tuple[int, ...]:
+    """The first unit of each of autoplan's even stages: sizes differing by at most one, the
+    larger first (`autoplan.contract.plan.even_stages`); `StageSplitError` for more stages
+    than units."""
+    if num_stages > num_units:
+        raise StageSplitError(
+            f"{num_stages} pipeline stages need at least {num_stages} units, the model has "
+            f"{num_units}"
+        )
+    base, extra = divmod(num_units, num_stages)
+    return tuple(s * base + min(s, extra) for s in range(num_stages))
+
+
 def megatron_stage_starts(
     profile: ModelProfile, num_stages: int, *, edges_as_layers: bool = False
 ) -> tuple[int, ...] | None:

@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 
 import autoplan
-from autoplan.contract.errors import InputError
+from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.plan import Plan, StagePlan, even_stages
 from autoplan.export import ExportError, ModelDims, export_plan, model_dims
 from autoplan.export.deepspeed import deepspeed_config, pipeline_module_args
 from autoplan.export.megatron import megatron_args, pipeline_layout
 from autoplan.export.torchtitan import FLAVORS, module_fqns, torchtitan_module
 from cost_model.hardware import as_cluster
+from cost_model.results import MemoryCapacityError
 from tests.conftest import run_cli
 
 CLUSTER = "dgx-h100-80g:nodes=2"  # 16 devices
@@ -51,6 +52,7 @@ MEGATRON_FLAGS = {
     "--moe-token-dispatcher-type", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-pre-softmax",
     "--moe-aux-loss-coeff", "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--kv-channels",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.
@@ -382,6 +384,8 @@ def test_deepspeed_config_class_loads_the_json(
         assert loaded.train_micro_batch_size_per_gpu == plan.micro_batch_size
         assert loaded.gradient_accumulation_steps == plan.num_micro_batches
         assert loaded.zero_optimization_stage == plan.zero_stage
+        # ZeRO-3 reduces during the backward, as the plan is priced (autoplan's runtime)
+        assert loaded.zero_config.overlap_comm is (plan.zero_stage == 3)
         assert loaded.bfloat16_config.enabled == (plan.dtype == "bf16")
         assert loaded.float16_config.enabled == (plan.dtype == "fp16")
         assert loaded.tensor_parallel_config.autotp_size == (
@@ -556,6 +560,8 @@ def test_megatron_refuses_cp_and_ep_it_cannot_run(llama8b: Any) -> None:
     # 2 x cp must divide the sequence
     odd = dataclasses.replace(model_dims("llama3-8b"), seq_len=8190)
     dense = _plan(llama8b, tp=2, pp=2, cp=2, global_batch=32, sequence_parallel=True)
+    assert dense.model is not None
+    dense = dataclasses.replace(dense, model=dataclasses.replace(dense.model, seq_len=8190))
     with pytest.raises(ExportError, match=r"cp_degree = 2: --context-parallel-size .* 4 chunks"):
         export_plan(dense, "megatron-lm", model=odd)
 
@@ -843,11 +849,258 @@ def test_megatron_runs_the_interleaved_order_autoplan_priced(llama8b: Any) -> No
     assert "--pipeline-model-parallel-size" in _flags(megatron_args(gpipe, model_dims("llama3-8b")))
     export_plan(gpipe, "deepspeed")  # DeepSpeed's TrainSchedule too
     # and the stacks say so when a plan is priced for them
-    with pytest.raises(InputError, match="needs at least pp micro-batches"):
+    # (the wording is cost_model.frameworks')
+    with pytest.raises(InputError, match=r"needs (at least pp micro-batches|m >= pp)"):
         autoplan.estimate(
             llama8b, CLUSTER, dataclasses.replace(few, framework="megatron-lm", estimate=None)
         )
-    with pytest.raises(InputError, match="more than 2 pipeline ranks and a multiple of pp"):
+    with pytest.raises(
+        InputError, match=r"(more than 2 pipeline ranks|pp > 2) and a multiple of pp"
+    ):
         autoplan.estimate(
             llama8b, CLUSTER, dataclasses.replace(six, framework="megatron-lm-2021", estimate=None)
         )
+
+
+# ------------------------------------------------------------------ the plan's framework options
+
+
+def test_megatron_overlap_follows_the_plans_framework_options(llama8b: Any) -> None:
+    """--overlap-grad-reduce is written when the plan is priced with the gradient reduction
+    overlapping the backward (its framework profile, options applied), and only then."""
+    dims = model_dims("llama3-8b")
+    expected = {
+        "megatron-lm": True,
+        "megatron-lm:overlap-grad-reduce=on": True,
+        "megatron-lm:overlap-grad-reduce=off": False,
+        "megatron-lm-2021": False,  # ddp=local, its default: all-reduce after the backward
+        "megatron-lm-2021:ddp=local": False,
+        "megatron-lm-2021:ddp=torch": True,
+        "autoplan": True,
+    }
+    for framework, overlaps in expected.items():
+        plan = _plan(llama8b, tp=8, dp=2, framework=framework)
+        flags = _flags(megatron_args(plan, dims))
+        assert ("--overlap-grad-reduce" in flags) is overlaps, framework
+    # without data parallelism there is nothing to reduce
+    single = _plan(llama8b, tp=8, pp=2, framework="megatron-lm")
+    assert "--overlap-grad-reduce" not in _flags(megatron_args(single, dims))
+    # split= needs no flag: the layout states the plan's cut
+    split = _plan(llama8b, tp=8, pp=2, framework="megatron-lm:split=layers-with-edges")
+    assert "--pipeline-model-parallel-layout" in _flags(megatron_args(split, dims))
+
+
+def test_a_framework_option_the_target_cannot_launch_is_refused(llama8b: Any) -> None:
+    off = _plan(llama8b, tp=8, dp=2, zero=2, framework="megatron-lm:overlap-grad-reduce=off")
+    with pytest.raises(
+        ExportError,
+        match=r"framework = megatron-lm:overlap-grad-reduce=off: overlap-grad-reduce=off prices "
+        r"the gradient reduction after the backward, and torchtitan's FSDP2 .*; drop the option",
+    ):
+        export_plan(off, "torchtitan")
+    # DeepSpeed states it with a ZeRO optimizer (overlap_comm), and refuses overlap without
+    # one or under a PipelineModule, where it reduces after the backward
+    assert deepspeed_config(off, model_dims("llama3-8b"))["zero_optimization"] == {
+        "stage": 2,
+        "overlap_comm": False,
+    }
+    on = _plan(llama8b, tp=8, dp=2, zero=2, framework="megatron-lm:overlap-grad-reduce=on")
+    assert deepspeed_config(on, model_dims("llama3-8b"))["zero_optimization"]["overlap_comm"]
+    torch_ddp = _plan(llama8b, tp=2, dp=8, zero=1, framework="megatron-lm-2021:ddp=torch")
+    assert deepspeed_config(torch_ddp, model_dims("llama3-8b"))["zero_optimization"] == {
+        "stage": 1,
+        "overlap_comm": True,
+    }
+    no_zero = _plan(llama8b, tp=2, dp=8, zero=0, framework="megatron-lm-2021:ddp=torch")
+    with pytest.raises(
+        ExportError,
+        match=r"ddp=torch prices the gradient reduction during the backward.*zero_stage 0 "
+        r"with pp_degree 1 reduces after it.*use zero_stage 1-3",
+    ):
+        export_plan(no_zero, "deepspeed")
+    # sail-sg's zero-bubble fork: NVIDIA's Megatron-LM has no such schedule, and says whose it is
+    fork = _plan(llama8b, tp=8, pp=2, schedule="zbv", virtual_stages=2, global_batch=8,
+                 framework="megatron-lm-2021:fork=zero-bubble")  # fmt: skip
+    with pytest.raises(ExportError, match=r"no zero-bubble schedule .*sail-sg's zero-bubble fork"):
+        export_plan(fork, "megatron-lm")
+
+
+def test_a_plan_priced_for_another_stack_says_so(llama8b: Any) -> None:
+    autoplan_plan = _plan(llama8b, tp=8, dp=2)
+    note = export_plan(autoplan_plan, "megatron-lm").stack_note
+    assert note is not None and "\n" not in note
+    assert "priced for autoplan" in note and "--framework megatron-lm" in note
+    megatron_plan = _plan(llama8b, tp=8, dp=2, framework="megatron-lm:overlap-grad-reduce=off")
+    assert export_plan(megatron_plan, "megatron-lm").stack_note is None
+    note = export_plan(megatron_plan, "deepspeed").stack_note
+    assert note is not None and "megatron-lm:overlap-grad-reduce=off" in note
+
+
+# ------------------------------------------------------------------ the model torchtitan builds
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment", "flag"),
+    [
+        ("rope_theta=10000", "rope_theta = 10000 .*has rope_theta 500000", "--rotary-base"),
+        ("norm_eps=1e-6", "norm_eps = 1e-06 .*has norm_eps 1e-05", "--norm-epsilon"),
+        ("tie_embeddings=true", "tie_embeddings = true .*has tie_embeddings false",
+         "--untie-embeddings-and-output-weights"),
+        ("head_dim=64", "head_dim = 64 .*has head_dim 128", "--kv-channels"),
+    ],
+)  # fmt: skip
+def test_torchtitan_refuses_model_args_its_flavor_does_not_have(
+    llama8b: Any, override: str, fragment: str, flag: str
+) -> None:
+    """The module selects the registered 8B flavor, which cannot take the zoo spec's overrides:
+    each is refused naming the arg, both values and the fix; Megatron-LM's flags carry it."""
+    plan = _plan(llama8b, tp=8, dp=2)
+    spec = f"llama3-8b:{override}"
+    with pytest.raises(ExportError, match=rf"model {fragment}.*register a llama3 flavor.*{flag}"):
+        export_plan(plan, "torchtitan", model=spec)
+    flags = _flags(megatron_args(plan, model_dims(spec)))
+    assert set(flags) <= MEGATRON_FLAGS
+    expected: str | bool = {
+        "rope_theta=10000": "10000",
+        "norm_eps=1e-6": "1e-06",
+        "head_dim=64": "64",
+    }.get(override, False)
+    if expected:
+        assert flags[flag] == expected
+    else:  # tied: no --untie-embeddings-and-output-weights
+        assert flag not in flags
+    # the stock flavor's args export
+    export_plan(plan, "torchtitan", model="llama3-8b")
+
+
+def test_torchtitan_refuses_a_sequence_longer_than_its_rope_tables(llama8b: Any) -> None:
+    plan = _plan(llama8b, tp=8, dp=2)
+    assert plan.model is not None
+    longer = dataclasses.replace(plan, model=dataclasses.replace(plan.model, seq_len=262144))
+    with pytest.raises(ExportError, match=r"seq_len = 262144 .*max_seq_len 131072"):
+        export_plan(longer, "torchtitan", model="llama3-8b:seq_len=262144")
+
+
+# ------------------------------------------------------------------ launch, model and memory
+
+
+def test_the_launch_line_needs_whole_nodes(llama8b: Any) -> None:
+    plan = autoplan.manual_plan(llama8b, "dgx-a100-80g:devices_per_node=12", tp=4, dp=3,
+                                global_batch=24, recompute="full")  # fmt: skip
+    assert plan.num_devices == 12
+    with pytest.raises(
+        InputError, match=r"12 devices on nodes of 8: 12 is not whole nodes.*8 or 16"
+    ):
+        export_plan(plan, "megatron-lm", devices_per_node=8)
+    # one partial node, as validate rebuilds it: all devices on one node
+    four = autoplan.manual_plan(llama8b, "dgx-a100-80g:devices_per_node=4", tp=4, global_batch=8)
+    for framework in ("megatron-lm", "deepspeed"):
+        command = export_plan(four, framework, devices_per_node=8).command
+        assert {"--nnodes=1", "--nproc-per-node=4"} <= set(command) or {
+            "--num_nodes=1", "--num_gpus=4"} <= set(command), command  # fmt: skip
+
+
+def test_cli_refuses_what_validate_refuses(llama8b: Any, tmp_path: Path) -> None:
+    """Devices that are not whole nodes, a plan made for another model with as many pipeline
+    units, a hand-edited model.seq_len and a plan that does not fit: one line each, exit 2."""
+    twelve = tmp_path / "twelve.yaml"
+    autoplan.manual_plan(llama8b, "dgx-a100-80g:devices_per_node=12", tp=4, dp=3,
+                         global_batch=24, recompute="full").to_yaml(twelve)  # fmt: skip
+    validated = run_cli("validate", str(twelve))
+    _one_line_error(validated, "not whole nodes")
+    _one_line_error(run_cli("export", str(twelve), "--to", "megatron-lm"), "not whole nodes")
+    _one_line_error(
+        run_cli("export", str(twelve), "--to", "torchtitan", "--cluster", "dgx-a100-80g:nodes=2"),
+        "the plan runs on 12 devices, which are not whole nodes of 8 devices",
+    )
+    four = tmp_path / "four.yaml"
+    autoplan.manual_plan(llama8b, "dgx-a100-80g:devices_per_node=4", tp=4, global_batch=8,
+                         recompute="full").to_yaml(four)  # fmt: skip
+    shown = run_cli("export", str(four), "--to", "megatron-lm")
+    assert shown.returncode == 0, shown.stderr
+    assert "torchrun --nnodes=1 --nproc-per-node=4 pretrain_gpt.py" in shown.stdout
+    _one_line_error(
+        run_cli("export", str(four), "--to", "megatron-lm", "--cluster", "dgx-a100-80g"),
+        "the plan runs on 4 devices, but cluster 'dgx-a100-80g' has 8",
+    )
+
+    plan_path = tmp_path / "plan.yaml"
+    plan = _plan(llama8b, tp=8, dp=2, recompute="full")
+    plan.to_yaml(plan_path)
+    # as many pipeline units, another model: the fingerprint check of validate --model
+    assert plan.model is not None
+    fingerprint = plan.model.fingerprint
+    other = "llama3-8b:ffn_hidden_size=8192"
+    _one_line_error(
+        run_cli("validate", str(plan_path), "--model", other), "plan was made for model"
+    )
+    _one_line_error(
+        run_cli("export", str(plan_path), "--to", "megatron-lm", "--model", other),
+        f"plan was made for model 'llama3-8b' (fingerprint {fingerprint}), not {other!r}",
+    )
+    # an override that keeps the structure (the fingerprint) exports with its flags
+    rope = run_cli("export", str(plan_path), "--to", "megatron-lm", "--model",
+                   "llama3-8b:rope_theta=10000")  # fmt: skip
+    assert rope.returncode == 0, rope.stderr
+    assert "--rotary-base 10000 " in rope.stdout
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(plan_path.read_text().replace("seq_len: 8192", "seq_len: 4096"))
+    _one_line_error(
+        run_cli("export", str(edited), "--to", "megatron-lm"),
+        "model.seq_len = 4096: model 'llama3-8b' has seq_len 8192",
+    )
+
+    big = tmp_path / "big.yaml"
+    dataclasses.replace(plan, micro_batch_size=10**6, num_micro_batches=1,
+                        global_batch_size=2 * 10**6).to_yaml(big)  # fmt: skip
+    _one_line_error(run_cli("validate", str(big)), "plan does not fit")
+    _one_line_error(
+        run_cli("export", str(big), "--to", "megatron-lm"), "plan does not fit: pipeline rank 0"
+    )
+    allowed = run_cli("export", str(big), "--to", "megatron-lm", "--allow-over-memory", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stderr.startswith("WARNING (--allow-over-memory): plan does not fit")
+    data = json.loads(allowed.stdout)
+    assert data["peak_memory_bytes"] > 80 * 2**30
+    assert data["memory"].startswith("plan does not fit")
+
+
+def test_cli_says_what_it_checked_and_which_stack_the_estimate_is_for(
+    llama8b: Any, tmp_path: Path
+) -> None:
+    plan_path = tmp_path / "plan.yaml"
+    _plan(llama8b, tp=8, dp=2, recompute="full").to_yaml(plan_path)
+    shown = run_cli("export", str(plan_path), "--to", "megatron-lm")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("# note: the plan is priced for autoplan (its framework)")
+    assert "--framework megatron-lm" in lines[0]
+    assert any(line.startswith("# checked: peak memory ") for line in lines[:3]), lines[:3]
+    data = json.loads(run_cli("export", str(plan_path), "--to", "torchtitan", "--json").stdout)
+    assert "--framework torchtitan" in data["stack_note"]
+    assert 0 < data["peak_memory_bytes"] < 80 * 2**30
+    megatron = tmp_path / "megatron.yaml"
+    _plan(llama8b, tp=8, dp=2, recompute="full", framework="megatron-lm").to_yaml(megatron)
+    data = json.loads(run_cli("export", str(megatron), "--to", "megatron-lm", "--json").stdout)
+    assert data["stack_note"] is None
+
+
+def test_export_plan_checks_against_a_cluster(llama8b: Any) -> None:
+    """The Python API runs the same checks when given the cluster the plan runs on."""
+    plan = _plan(llama8b, tp=8, dp=2, recompute="full")
+    exported = export_plan(plan, "megatron-lm", cluster=CLUSTER, graph=llama8b)
+    assert exported.memory is not None and exported.memory.fits
+    assert "--nnodes=2" in exported.command
+    other = autoplan.trace(autoplan.models.preset("llama3-8b", num_kv_heads=4))
+    with pytest.raises(PlanError, match="plan was made for model 'llama3-8b'"):
+        export_plan(plan, "megatron-lm", cluster=CLUSTER, graph=other)
+    big = dataclasses.replace(plan, micro_batch_size=10**6, num_micro_batches=1,
+                              global_batch_size=2 * 10**6)  # fmt: skip
+    with pytest.raises(MemoryCapacityError, match="plan does not fit"):
+        export_plan(big, "megatron-lm", cluster=CLUSTER, graph=llama8b)
+    over = export_plan(big, "megatron-lm", cluster=CLUSTER, graph=llama8b, allow_over_memory=True)
+    assert over.memory is not None and not over.memory.fits
+    with pytest.raises(InputError, match="not both"):
+        export_plan(plan, "megatron-lm", cluster=CLUSTER, graph=llama8b, devices_per_node=8)
+    with pytest.raises(InputError, match="cluster= and graph="):
+        export_plan(plan, "megatron-lm", cluster=CLUSTER)

@@ -9,6 +9,7 @@ planning command, and an unknown name is refused naming the known ones.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
     }
     assert set(FRAMEWORKS) == {"autoplan", "megatron-lm", "megatron-lm-2021", "megatron-lm-2019",
                                "deepspeed", "megatron-deepspeed", "torchtitan", "llm-foundry",
-                               "nanotron"}  # fmt: skip
+                               "nanotron", "flash-attn-training"}  # fmt: skip
     for profile in FRAMEWORKS.values():
         assert profile.sources and profile.version and profile.summary, profile.name
         once = profile.cluster_for(graph.profile, cluster)
@@ -214,7 +215,7 @@ def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_pat
 def test_an_unknown_framework_is_refused_naming_the_known_ones(graph: Any, tmp_path: Path) -> None:
     known = (
         "autoplan, megatron-lm, nanotron, megatron-lm-2021, megatron-lm-2019, megatron-deepspeed, "
-        "deepspeed, torchtitan, llm-foundry"
+        "deepspeed, torchtitan, llm-foundry, flash-attn-training"
     )
     with pytest.raises(FrameworkError, match=f"unknown framework 'nemo'; use one of {known}"):
         framework_profile("nemo")
@@ -301,11 +302,11 @@ def test_megatron_lm_2019_prices_its_separate_passes(graph: Any) -> None:
         autoplan.estimate(graph, v100, later).step_time_s
     )
     for kwargs, why in (
-        ({"pp": 2}, r"no pipeline parallelism \(pp 1\)"),
-        ({"zero": 1}, r"no ZeRO beyond stage 0 \(zero <= 0\)"),
-        ({"sequence_parallel": True, "tp": 2}, "no Megatron-style sequence parallelism"),
-        ({"recompute": "selective"}, "has only none and full recompute"),
-        ({"dtype": "bf16"}, r"trains in fp16 or fp32 \(dtype\)"),
+        ({"pp": 2}, "pp 2: megatron-lm-2019 has no pipeline parallelism; set --pp 1"),
+        ({"zero": 1}, "zero 1: megatron-lm-2019 runs only ZeRO 0; set --zero 0"),
+        ({"sequence_parallel": True, "tp": 2}, "no Megatron-style sequence parallelism; leave"),
+        ({"recompute": "selective"}, "has only none and full recompute; set --recompute full"),
+        ({"dtype": "bf16"}, "dtype bf16: megatron-lm-2019 trains in fp16 or fp32; set --dtype"),
     ):
         with pytest.raises(InputError, match=why):
             autoplan.manual_plan(
@@ -392,3 +393,196 @@ def test_megatron_lm_2019_waits_for_its_rng_state_copies(graph: Any) -> None:
     unstated = v100.with_overrides(host_link_bandwidth=0)
     with pytest.raises(InputError, match="host_link_bandwidth=16GB/s"):
         sync_copies_s(dataclasses.replace(unstated, calibration=cluster.calibration), "full")
+
+
+LLAMA = "llama:num_layers=8,hidden_size=1024,num_heads=16,seq_len=2048,vocab_size=32000"
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return autoplan.trace(autoplan.models.llama(8, 1024, 16, 2048, 32000))  # LLAMA, on meta
+
+
+@pytest.mark.parametrize(
+    ("framework", "kwargs", "message"),
+    [
+        # Composer's FSDP: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; no PP, TP or CP
+        ("llm-foundry", {"pp": 2}, "pp 2: llm-foundry has no pipeline parallelism; set --pp 1"),
+        ("llm-foundry", {"tp": 2},
+         "tp 2: llm-foundry has no Megatron-style tensor parallelism; set --tp 1"),
+        ("llm-foundry", {"zero": 1}, "zero 1: llm-foundry runs only ZeRO 0, 2, 3; set --zero 2"),
+        ("llm-foundry", {"cp": 2},
+         "cp 2: llm-foundry has no ring-attention context parallelism; set --cp 1"),
+        # nanotron: ZeroDistributedOptimizer is ZeRO-1; no cp for its Llama
+        ("nanotron", {"zero": 3}, "zero 3: nanotron runs only ZeRO 0, 1; set --zero 1"),
+        ("nanotron", {"cp": 2}, "cp 2: nanotron has no ring-attention context parallelism"),
+        # Megatron-LM 2020-22: the distributed optimizer (ZeRO-1) at most; no cp
+        ("megatron-lm-2021", {"zero": 3},
+         "zero 3: megatron-lm-2021 runs only ZeRO 0, 1; set --zero 1"),
+        ("megatron-lm-2021", {"cp": 2},
+         "cp 2: megatron-lm-2021 has no ring-attention context parallelism; set --cp 1"),
+        # the value, the rule and the nearest change
+        ("megatron-lm", {"pp": 2, "schedule": "gpipe"},
+         "megatron-lm cannot run this plan: schedule gpipe: megatron-lm runs only 1f1b, "
+         "interleaved-1f1b; set --schedule 1f1b, or price it for autoplan's runtime"),
+        ("megatron-lm", {"pp": 4, "virtual_stages": 2, "schedule": "interleaved-1f1b",
+                         "global_batch": 4},
+         "interleaved-1f1b with m = 1 micro-batch on pp = 4: megatron-lm's interleaved "
+         "schedule needs m >= pp; use at least 4 micro-batches, or --schedule 1f1b"),
+        ("megatron-lm-2021", {"pp": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b",
+                              "global_batch": 32},
+         "interleaved-1f1b with m = 4 micro-batches on pp = 2: megatron-lm-2021's interleaved "
+         "schedule needs pp > 2 and a multiple of pp micro-batches; use pp > 2, or --schedule"),
+        ("deepspeed", {"recompute": "selective"},
+         "recompute selective: deepspeed has only none and full recompute; set --recompute full"),
+        ("deepspeed", {"pp": 2, "tp": 2},
+         "tp 2 with pp 2: deepspeed's pipeline engine has no tensor parallelism; set --tp 1, or"),
+        ("torchtitan", {"cp": 2, "zero": 0},
+         "zero 0 with cp 2: torchtitan shards the weights over dp x cp with context "
+         "parallelism; set --zero 1 or more, or --cp 1"),
+    ],
+)  # fmt: skip
+def test_a_stack_refuses_what_it_cannot_run_naming_the_value_and_the_fix(
+    llama: Any, framework: str, kwargs: dict[str, Any], message: str
+) -> None:
+    args = {"global_batch": 64, **kwargs}
+    with pytest.raises(InputError) as err:
+        autoplan.manual_plan(llama, CLUSTER, framework=framework, **args)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+    # autoplan's runtime runs each of them
+    autoplan.manual_plan(llama, CLUSTER, **args)
+
+
+@pytest.mark.parametrize(
+    ("framework", "constraints", "message"),
+    [
+        ("llm-foundry", {"zero": [1]}, "zero=[1]: llm-foundry runs only ZeRO 0, 2, 3"),
+        ("llm-foundry", {"tp": [2, 4]},
+         "tp=[2, 4]: llm-foundry has no Megatron-style tensor parallelism; allow tp 1"),
+        ("llm-foundry", {"pp": [2]}, "pp=[2]: llm-foundry has no pipeline parallelism"),
+        ("nanotron", {"zero": [2, 3]}, "zero=[2, 3]: nanotron runs only ZeRO 0, 1"),
+        ("megatron-lm-2021", {"cp": [2]},
+         "cp=[2]: megatron-lm-2021 has no ring-attention context parallelism"),
+    ],
+)  # fmt: skip
+def test_a_search_for_a_stack_keeps_to_its_degrees_and_zero_stages(
+    llama: Any, framework: str, constraints: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InputError, match=re.escape(message)):
+        autoplan.search(llama, CLUSTER, global_batch=64, framework=framework, **constraints)
+
+
+def test_the_search_proposes_only_what_the_stack_runs(llama: Any) -> None:
+    """Unconstrained, each search returns plans its own framework prices without refusal;
+    nanotron's ZeRO-1 (which the search otherwise drops as dominated by ZeRO-2) is offered."""
+    for framework in ("llm-foundry", "nanotron", "megatron-lm-2021", "flash-attn-training"):
+        plans = autoplan.search(
+            llama, CLUSTER, global_batch=64, top_k=3, framework=framework, budget_s=1.0
+        )
+        stack = framework_profile(framework)
+        for plan in plans:
+            assert stack.plan_refusal(plan, llama.profile) is None, (framework, plan)
+            autoplan.estimate(llama, CLUSTER, plan)
+        if framework == "llm-foundry":
+            assert all(p.pp_degree == p.tp_degree == 1 and p.zero_stage != 1 for p in plans)
+    plan = autoplan.search(
+        llama, CLUSTER, global_batch=64, pp=[2], zero=[1, 2], framework="nanotron", budget_s=1.0
+    )
+    assert plan.zero_stage == 1
+
+
+@pytest.mark.parametrize(
+    "framework", ["deepspeed", "nanotron", "megatron-lm-2021", "megatron-deepspeed"]
+)
+def test_a_stack_that_cuts_its_own_stages_refuses_another_cut(
+    llama: Any, framework: str, tmp_path: Path
+) -> None:
+    """manual_plan and the search build the stack's own cut; a plan with another cut is
+    refused naming both cuts, by estimate and by `autoplan validate` and `explain`."""
+    stack = framework_profile(framework)
+    assert stack.stage_cuts == "own"
+    num_units = llama.profile.num_units
+    for pp in (2, 4):
+        plan = autoplan.manual_plan(llama, CLUSTER, pp=pp, global_batch=64, framework=framework)
+        starts = stack.stage_starts(llama.profile, pp)
+        assert tuple(stage.first_unit for stage in plan.stages) == starts
+    found = autoplan.search(
+        llama, CLUSTER, global_batch=64, pp=[2], framework=framework, budget_s=1.0
+    )
+    assert tuple(s.first_unit for s in found.stages) == stack.stage_starts(llama.profile, 2)
+    plan = autoplan.manual_plan(llama, CLUSTER, pp=2, global_batch=64, framework=framework)
+    own = plan.stages
+    moved = (
+        dataclasses.replace(own[0], last_unit=own[0].last_unit - 1),
+        dataclasses.replace(own[1], first_unit=own[1].first_unit - 1),
+    )
+    other = dataclasses.replace(plan, stages=moved, estimate=None)
+    cut = f"[0-{own[0].last_unit - 1}, {own[1].first_unit - 1}-{num_units - 1}]"
+    theirs = f"[0-{own[0].last_unit}, {own[1].first_unit}-{num_units - 1}]"
+    expected = (
+        f"{framework} cannot run this plan: stages {cut}: {framework} cuts the stages itself; "
+        f"use its cut {theirs}"
+    )
+    with pytest.raises(InputError, match=re.escape(expected)):
+        autoplan.estimate(llama, CLUSTER, other)
+    # autoplan's runtime takes any cut
+    autoplan.estimate(llama, CLUSTER, dataclasses.replace(other, framework="autoplan"))
+    path = tmp_path / "plan.yaml"
+    other.to_yaml(path)
+    for command in (("validate", str(path), "--cluster", CLUSTER, "--model", LLAMA),
+                    ("explain", str(path), "--cluster", CLUSTER, "--model", LLAMA,
+                     "--no-alternatives")):  # fmt: skip
+        done = run_cli(*command)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert f"use its cut {theirs}" in done.stderr
+
+
+def test_an_empty_option_list_names_the_stack_alone(graph: Any, tmp_path: Path) -> None:
+    """``megatron-lm:`` is ``megatron-lm``; spaces and empty options drop out of the name the
+    plan records."""
+    assert framework_profile("megatron-lm:") is FRAMEWORKS["megatron-lm"]
+    assert framework_profile(" megatron-lm-2021 : ddp = torch ,").name == (
+        "megatron-lm-2021:ddp=torch"
+    )
+    plan = autoplan.manual_plan(graph, CLUSTER, tp=2, global_batch=64, framework="megatron-lm:")
+    assert plan.framework == "megatron-lm"
+    assert autoplan.estimate(graph, CLUSTER, plan) == autoplan.estimate(
+        graph, CLUSTER, dataclasses.replace(plan, framework="megatron-lm")
+    )
+    path = tmp_path / "plan.yaml"
+    done = run_cli("plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", "64",
+                   "--framework", "megatron-lm:", "--budget", "1", "-o", str(path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(path.read_text())["framework"] == "megatron-lm"
+
+
+def test_deepspeed_overlaps_the_gradient_sync_only_with_a_zero_optimizer_and_no_pipeline() -> None:
+    """DeepSpeed 0.19.8 reduces during the backward only through its ZeRO optimizer's hooks
+    (overlap_comm, which the export sets), and turns them off under a PipelineModule: without
+    ZeRO, or with pipeline stages, the whole sync follows the backward. The search prices the
+    same overlap as the estimate (`CostModel.dp_overlap`)."""
+    from cost_model.estimate import CostModel
+    from cost_model.hardware import Cluster
+    from tests.cost_profiles import gpt_profile
+
+    profile, cluster = gpt_profile(), Cluster.preset("dgx-a100-80g")
+    full = cluster.calibration.dp_overlap_fraction
+    deepspeed, runtime = CostModel(profile, cluster, "deepspeed"), CostModel(profile, cluster)
+    cases = [(0, 1, False), (1, 1, True), (2, 1, True), (3, 1, True), (0, 2, False), (1, 2, False)]
+    for zero, pp, overlapped in cases:
+        strategy = Strategy(
+            dp_degree=2, pp_degree=pp, zero_stage=zero, dtype="bf16", num_micro_batches=4
+        )
+        assert deepspeed.dp_overlap(strategy) == (full if overlapped else 0.0), (zero, pp)
+        assert runtime.dp_overlap(strategy) == full  # autoplan's runtime overlaps always
+    # Without ZeRO the step's tail holds the whole all-reduce, after the last backward.
+    plan = autoplan.manual_plan(
+        profile, cluster, dp=8, micro_batch=1, global_batch=32, framework="deepspeed"
+    )
+    assert plan.zero_stage == 0
+    result = autoplan.estimate(profile, cluster, plan)
+    units = deepspeed.unit_costs(Strategy.of(plan), "none")
+    synced = sum(u.dp_sync_s + u.post_sync_s + u.optimizer_s for u in units)
+    assert result.ranks[0].tail_s == pytest.approx(synced, rel=1e-9)

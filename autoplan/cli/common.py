@@ -51,7 +51,15 @@ def int_list(
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if not values:
         raise click.BadParameter("give at least one value")
-    if bad := [v for v in values if v < 1]:
+    return values
+
+
+def positive_int_list(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[int, ...] | None:
+    """`int_list` for degrees and sizes: every value >= 1."""
+    values = int_list(ctx, param, value)
+    if values is not None and (bad := [v for v in values if v < 1]):
         raise click.BadParameter(f"{', '.join(map(str, bad))}: values must be whole numbers >= 1")
     return values
 
@@ -100,25 +108,31 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
     `autoplan.search`'s constraints (collect them with `search_constraints`)."""
     options = [
-        click.option("--tp", callback=int_list, help="Allowed TP degrees, e.g. 4,8."),
-        click.option("--pp", callback=int_list, help="Allowed pipeline degrees."),
+        click.option("--tp", callback=positive_int_list, help="Allowed TP degrees, e.g. 4,8."),
+        click.option("--pp", callback=positive_int_list, help="Allowed pipeline degrees."),
         *(
-            [click.option("--dp", callback=int_list, help="Allowed data-parallel degrees.")]
+            [
+                click.option(
+                    "--dp", callback=positive_int_list, help="Allowed data-parallel degrees."
+                )
+            ]
             if with_dp
             else []
         ),
         click.option(
             "--cp",
-            callback=int_list,
+            callback=positive_int_list,
             help="Allowed context-parallel degrees [1 below 16K tokens, else those leaving "
             ">= 2048 tokens per rank].",
         ),
         click.option(
             "--ep",
-            callback=int_list,
+            callback=positive_int_list,
             help="Allowed expert-parallel degrees [divisors of dp and of the experts].",
         ),
-        click.option("--micro-batch", callback=int_list, help="Allowed micro-batch sizes."),
+        click.option(
+            "--micro-batch", callback=positive_int_list, help="Allowed micro-batch sizes."
+        ),
         click.option(
             "--max-tp",
             type=click.IntRange(min=1),

@@ -1,25 +1,29 @@
 """`autoplan export`: the launch config of a plan on Megatron-LM, torchtitan or DeepSpeed.
 
 Prints the files (or writes them to ``-o DIR``), the launch line and what the user still
-supplies. The model's sizes come from the plan's ``model.name`` (or ``--model``); the launch
-line's node count from ``--cluster``, else the cluster the plan records, else placeholders. A
-plan the framework cannot express fails with one line naming every such field, the option the
-framework lacks and the nearest plan it can run (`autoplan.export.ExportError`).
+supplies. The model comes from the plan's ``model.name`` (or ``--model``), the cluster from
+``--cluster``, else the cluster the plan records (as `autoplan validate` and `explain` resolve
+them; one line naming what to pass when they cannot be). The plan is first checked as
+`autoplan validate` checks it: its devices are the cluster's whole nodes, it was made for the
+model (fingerprint), and its predicted peak memory fits (``--allow-over-memory`` warns instead,
+as validate's). A plan the framework cannot express fails with one line naming every such
+field, the option the framework lacks and the nearest plan it can run
+(`autoplan.export.ExportError`). A plan priced for another stack than the target exports with a
+note saying so (printed first, as a comment line).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import click
 
-from autoplan.analysis.explain import ExplainInputError, plan_cluster
-from autoplan.cli.common import console, emit_json, json_option
+from autoplan.analysis.explain import plan_cluster, plan_model_spec
+from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.contract.errors import InputError
 from autoplan.contract.plan import Plan
-from autoplan.export import FRAMEWORKS, export_plan
+from autoplan.export import FRAMEWORKS, check_devices, export_plan
 from cost_model.hardware import load_cluster
 
 
@@ -47,7 +51,16 @@ from cost_model.hardware import load_cluster
     "--cluster",
     "cluster_spec",
     default=None,
-    help="Cluster NAME[:k=v,...] or YAML, for the launch line's nodes [the plan's cluster].",
+    help="Cluster NAME[:k=v,...] or YAML the plan runs on: its nodes and memory "
+    "[the plan's estimate.cluster, its device count].",
+)
+@click.option(
+    "--allow-over-memory",
+    is_flag=True,
+    help="Warn instead of failing when the predicted peak memory exceeds the device's.",
+)
+@click.option(
+    "--allow-cross-node-tp", is_flag=True, help="Accept tensor-parallel groups that span nodes."
 )
 @json_option
 def export_cmd(
@@ -56,18 +69,32 @@ def export_cmd(
     output_dir: str | None,
     model_spec: str | None,
     cluster_spec: str | None,
+    allow_over_memory: bool,
+    allow_cross_node_tp: bool,
     as_json: bool,
 ) -> None:
     """Write what launches a plan on Megatron-LM, torchtitan or DeepSpeed."""
     plan = Plan.from_yaml(plan_path)
-    devices_per_node = None
+    cluster_note = ""
     if cluster_spec is not None:
-        devices_per_node = load_cluster(cluster_spec).devices_per_node
+        target = load_cluster(cluster_spec)
     else:
-        # a plan recording no resolvable cluster keeps $NNODES and $NPROC_PER_NODE
-        with contextlib.suppress(ExplainInputError):
-            devices_per_node = plan_cluster(plan, plan_path)[0].devices_per_node
-    result = export_plan(plan, framework, model=model_spec, devices_per_node=devices_per_node)
+        target, cluster_note = plan_cluster(plan, plan_path)
+    if model_spec is None:
+        model_spec, _ = plan_model_spec(plan, plan_path)
+    check_devices(plan, target)  # whole nodes of the cluster: fail before the (slower) trace
+    result = export_plan(
+        plan,
+        framework,
+        model=model_spec,
+        cluster=target,
+        graph=trace_spec(model_spec),
+        allow_over_memory=allow_over_memory,
+        allow_cross_node_tp=allow_cross_node_tp,
+    )
+    memory = result.memory
+    if memory is not None and not memory.fits:
+        click.echo(f"WARNING (--allow-over-memory): {memory.problem}", err=True)
     written: list[str] = []
     if output_dir is not None:
         written = _write(Path(output_dir), result.files)
@@ -80,10 +107,20 @@ def export_cmd(
                 "command": list(result.command),
                 "command_line": result.command_line,
                 "notes": list(result.notes),
+                "stack_note": result.stack_note,
+                "memory": None if memory is None else str(memory),
+                "peak_memory_bytes": None if memory is None else memory.peak_memory_bytes,
+                "cluster_note": cluster_note or None,
             }
         )
         return
     out = console()
+    if result.stack_note is not None:
+        out.print(f"# note: {result.stack_note}", style="bold", markup=False, soft_wrap=True)
+    if cluster_note:
+        out.print(f"# using {cluster_note}", style="dim", markup=False, soft_wrap=True)
+    if memory is not None and memory.fits:
+        out.print(f"# checked: {memory}", style="dim", markup=False, soft_wrap=True)
     if written:
         for path in written:
             out.print(f"wrote {path}", markup=False, soft_wrap=True)

@@ -235,9 +235,11 @@ class Plan:
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel = {self.sequence_parallel!r} must be true or false")
         try:
-            framework_profile(self.framework)
+            stack = framework_profile(self.framework)
         except FrameworkError as error:
             raise PlanError(f"framework = {self.framework!r}: {error}") from None
+        # the spec in its normal form (``megatron-lm:`` is ``megatron-lm``)
+        object.__setattr__(self, "framework", stack.name)
         if not isinstance(self.stages, tuple) or not all(
             isinstance(stage, StagePlan) for stage in self.stages
         ):

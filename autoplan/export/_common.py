@@ -15,6 +15,10 @@ from typing import Literal
 
 from autoplan.contract.errors import InputError
 from autoplan.contract.plan import MeshAxis, Plan, Recompute
+from autoplan.export.checks import MemoryCheck
+from cost_model.frameworks import FRAMEWORKS as PROFILES
+from cost_model.frameworks import framework_profile
+from cost_model.strategy import Strategy
 
 Framework = Literal["megatron-lm", "torchtitan", "deepspeed"]
 FRAMEWORKS: tuple[Framework, ...] = ("megatron-lm", "torchtitan", "deepspeed")
@@ -80,6 +84,12 @@ class ModelDims:
     rope_theta: float | None = None  # llama only
     norm_eps: float = 1e-5
     moe: MoEDims | None = None  # None: a dense model
+    head_dim: int | None = None  # None: hidden_size // num_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head (Qwen3-30B-A3B's 128 is not hidden / heads)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,10 +104,27 @@ class StageLayers:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Launch:
-    """How many processes where: ``devices_per_node`` is None when unknown (placeholders)."""
+    """How many processes where: ``devices_per_node`` is None when unknown (placeholders).
+
+    torchrun and the DeepSpeed launcher start the same number of processes on every node, so
+    the devices must be whole nodes, or fewer than one node (one partial node, as `autoplan
+    validate` and `explain` rebuild a plan's cluster: `autoplan.analysis.whatif.ClusterType`).
+    """
 
     num_devices: int
     devices_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        per_node = self.devices_per_node
+        if per_node is not None and self.num_devices > per_node and self.num_devices % per_node:
+            nodes = self.num_devices // per_node
+            raise InputError(
+                f"cannot launch the plan's {self.num_devices} devices on nodes of {per_node}: "
+                f"{self.num_devices} is not whole nodes (a launcher starts the same number of "
+                f"processes on every node); use a plan for {nodes * per_node} or "
+                f"{(nodes + 1) * per_node} devices (autoplan plan ... --cluster NAME:nodes=N), or "
+                f"fewer than {per_node} for one partial node"
+            )
 
     @property
     def nodes(self) -> str:
@@ -121,6 +148,10 @@ class Export:
     files: Mapping[str, str]
     command: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    # the plan was priced for another stack (`stack_note`): its estimate describes that one
+    stack_note: str | None = None
+    # the memory check against the cluster (`checks.check_memory`); None: not checked
+    memory: MemoryCheck | None = None
 
     @property
     def command_line(self) -> str:
@@ -131,6 +162,48 @@ def _quote(part: str) -> str:
     if part.startswith("$") or all(c.isalnum() or c in "-_=./:,+" for c in part):
         return part
     return "'" + part.replace("'", "'\\''") + "'"
+
+
+def framework_options(plan: Plan) -> dict[str, str]:
+    """The options of the plan's framework spec (``megatron-lm:overlap-grad-reduce=off`` ->
+    ``{"overlap-grad-reduce": "off"}``; the plan checked the spec when it was read)."""
+    _, _, rest = plan.framework.partition(":")
+    pairs = (item.partition("=") for item in rest.split(",") if item.strip())
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def overlap_option(plan: Plan) -> tuple[str, bool] | None:
+    """The option of the plan's framework that sets gradient-sync overlap, as ``key=value``
+    and whether it overlaps (megatron-lm's ``overlap-grad-reduce=on|off``, megatron-lm-2021's
+    ``ddp=torch|local``: each option whose choices set the profile's ``dp_overlap``); None
+    when the spec sets none."""
+    choices = PROFILES[plan.framework.partition(":")[0]].options
+    found = None
+    for key, value in framework_options(plan).items():
+        changes = choices.get(key, {}).get(value, {})
+        if "dp_overlap" in changes:
+            found = (f"{key}={value}", float(changes["dp_overlap"]) > 0)  # type: ignore[arg-type]
+    return found
+
+
+def overlaps_grad_sync(plan: Plan) -> bool:
+    """Whether the plan is priced with data-parallel gradient sync overlapping the backward:
+    its framework profile's `FrameworkProfile.overlaps_dp_sync` (options applied; autoplan's
+    runtime overlaps)."""
+    return framework_profile(plan.framework).overlaps_dp_sync(Strategy.of(plan))
+
+
+def stack_note(plan: Plan, framework: str) -> str | None:
+    """A note when the plan is priced for another stack than ``framework``: its estimate (step
+    time, memory) describes that stack; None when it is priced for ``framework``."""
+    priced = plan.framework.partition(":")[0]
+    if priced == framework:
+        return None
+    return (
+        f"the plan is priced for {plan.framework} (its framework): its estimate describes that "
+        f"stack, not {framework}; re-price it with `autoplan explain PLAN.yaml --framework "
+        f"{framework}` or `autoplan estimate ... --framework {framework}`"
+    )
 
 
 def stage_layers(plan: Plan, dims: ModelDims) -> tuple[StageLayers, ...]:
@@ -151,7 +224,25 @@ def stage_layers(plan: Plan, dims: ModelDims) -> tuple[StageLayers, ...]:
 
 
 def units_problem(plan: Plan, dims: ModelDims) -> ExportProblem | None:
-    """The plan's stages must cover the model's units: the embedding, each block, the head."""
+    """The plan must be for the model the launch config restates: its ``model.seq_len`` (the
+    sequence its micro-batch and memory were priced for) is the model's, and its stages cover
+    the model's units: the embedding, each block, the head."""
+    if plan.model is not None and plan.model.seq_len != dims.seq_len:
+        name, _, rest = dims.spec.partition(":")
+        items = [item for item in rest.split(",") if item and "seq_len=" not in item]
+        spec = f"{name}:{','.join([*items, f'seq_len={plan.model.seq_len}'])}"
+        return ExportProblem(
+            field="model.seq_len",
+            value=str(plan.model.seq_len),
+            option=(
+                f"model {dims.spec!r} has seq_len {dims.seq_len}, which the launch config "
+                "restates (the plan's micro-batch and memory are priced for its own)"
+            ),
+            fix=(
+                f"set model.seq_len back to {dims.seq_len}, or export a plan made for "
+                f"{plan.model.seq_len} tokens (autoplan plan --model {spec} ...)"
+            ),
+        )
     expected = dims.num_layers + 2
     if plan.num_units == expected:
         return None

@@ -12,6 +12,15 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
 - ``zero_stage`` -> ``zero_optimization.stage`` (``deepspeed/runtime/zero/config.py``). With
   pipeline parallelism only 0 and 1: ``PipelineEngine`` asserts "ZeRO-2 and ZeRO-3 are
   incompatible with pipeline parallelism" (``deepspeed/runtime/pipe/engine.py``).
+- Gradient-sync overlap, as the plan's framework profile prices it (options applied) ->
+  ``zero_optimization.overlap_comm`` at ZeRO 1-3 without pipeline parallelism, where
+  DeepSpeed's hooks reduce gradient buckets during the backward (at ZeRO-1 during the last
+  micro-batch's, ``stage_1_and_2.py`` ``process_gradients``; its default: true at ZeRO-3 only,
+  ``overlap_comm_valid``). Without ZeRO the engine all-reduces after the backward
+  (``DeepSpeedEngine.allreduce_gradients``), and with a ``PipelineModule`` it turns
+  ``overlap_comm`` off and reduces after the schedule, so a framework option that asks for
+  overlap there (``megatron-lm:overlap-grad-reduce=on``, ``megatron-lm-2021:ddp=torch``) is
+  refused.
 - ``dtype`` -> ``bf16.enabled`` / ``fp16.enabled`` (``deepspeed/runtime/precision_config.py``).
 - ``pp_degree`` and ``stages`` -> ``PipelineModule(num_stages=..., partition_method="uniform")``
   (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head: DeepSpeed
@@ -54,6 +63,8 @@ from autoplan.export._common import (
     ModelDims,
     effective_layout,
     layout_problem,
+    overlap_option,
+    overlaps_grad_sync,
     recompute_mix_problem,
     uniform_recompute,
     units_problem,
@@ -200,6 +211,27 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 ),
             )
         )
+    overlap = overlap_option(plan)
+    if overlap is not None and overlap[1] and plan.dp_degree > 1 and not _can_overlap(plan):
+        problems.append(
+            ExportProblem(
+                field="framework",
+                value=plan.framework,
+                option=(
+                    f"{overlap[0]} prices the gradient reduction during the backward, and "
+                    f"deepspeed at zero_stage {plan.zero_stage} with pp_degree "
+                    f"{plan.pp_degree} reduces after it (DeepSpeedEngine.allreduce_gradients; "
+                    "zero_optimization.overlap_comm acts from ZeRO-1, and not under a "
+                    "PipelineModule)"
+                ),
+                fix=(
+                    "use zero_stage 1-3 (overlap_comm), or export to megatron-lm "
+                    "(--overlap-grad-reduce)"
+                    if plan.pp_degree == 1
+                    else "export to megatron-lm (--overlap-grad-reduce)"
+                ),
+            )
+        )
     # cp is refused above: the layout of the other axes
     layout = [axis for axis in effective_layout(plan) if axis != "cp"]
     if not is_subsequence(layout, ("pp", "dp", "tp")):
@@ -219,6 +251,12 @@ def _cuts_text(cuts: list[tuple[int, int]]) -> str:
     return "[" + ", ".join(f"{a}-{b}" for a, b in cuts) + "]"
 
 
+def _can_overlap(plan: Plan) -> bool:
+    """Whether DeepSpeed can reduce this plan's gradients during the backward: with a ZeRO
+    optimizer (overlap_comm) and no PipelineModule."""
+    return plan.zero_stage >= 1 and plan.pp_degree == 1
+
+
 def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
     """The ``ds_config.json`` of ``plan``; raises `ExportError` listing every problem."""
     problems = _problems(plan, dims)
@@ -232,6 +270,9 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
         "bf16": {"enabled": plan.dtype == "bf16"},
         "fp16": {"enabled": plan.dtype == "fp16"},
     }
+    if _can_overlap(plan):
+        # reduce gradient buckets during the backward as the plan is priced (or not)
+        config["zero_optimization"]["overlap_comm"] = overlaps_grad_sync(plan)
     if plan.tp_degree > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tp_degree}
     if uniform_recompute(plan) == "full":

@@ -39,8 +39,15 @@ Plan field -> flag:
   with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
 - ``dtype`` -> ``--bf16`` / ``--fp16`` (``_add_mixed_precision_args``; fp32 is the default).
 - data parallelism -> ``--overlap-grad-reduce`` (bucketed gradient reduction during the
-  backward, ``_add_distributed_args``; off by default), as the ``megatron-lm`` framework
-  profile prices it.
+  backward, ``_add_distributed_args``; off by default) when the plan is priced with gradient
+  sync overlapping the backward: its framework profile's ``dp_overlap`` with the options
+  applied (``megatron-lm``, ``megatron-lm:overlap-grad-reduce=on``,
+  ``megatron-lm-2021:ddp=torch``, and the other stacks, which overlap). A plan priced without
+  it (``megatron-lm:overlap-grad-reduce=off``; ``megatron-lm-2021``, whose ``ddp=local``
+  all-reduces after the backward) launches without it. The other framework options need no
+  flag: ``split=...`` is how Megatron cuts stages when no cut is stated, and the layout below
+  states the plan's; ``megatron-lm-2021:fork=zero-bubble`` prices sail-sg's zero-bubble fork,
+  whose schedules NVIDIA's Megatron-LM lacks (refused with the schedule).
 - ``rank_layout``: Megatron orders ranks ``tp-cp-ep-dp-pp`` (innermost first), or
   ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping`` (``megatron/training/initialize.py``,
   ``initialize_model_parallel(order=...)``): [pp, dp, cp, tp] or [dp, pp, cp, tp] outermost
@@ -72,8 +79,9 @@ Plan field -> flag:
   with TP must use it, and autoplan's runtime routes each TP rank's sequence shard.
 - The model: ``--num-layers --hidden-size --ffn-hidden-size --num-attention-heads``
   (``TransformerConfig``), ``--group-query-attention --num-query-groups``, ``--seq-length``,
-  ``--max-position-embeddings``, and for Llama ``--normalization RMSNorm --swiglu
-  --position-embedding-type rope --rotary-base --disable-bias-linear`` (``_add_network_size_args``).
+  ``--max-position-embeddings``, ``--kv-channels`` when a head is not hidden / heads wide, and
+  for Llama ``--normalization RMSNorm --swiglu --position-embedding-type rope --rotary-base
+  --disable-bias-linear`` (``_add_network_size_args``).
 """
 
 from __future__ import annotations
@@ -90,7 +98,9 @@ from autoplan.export._common import (
     effective_layout,
     expert_problems,
     folding_problem,
+    framework_options,
     layout_problem,
+    overlaps_grad_sync,
     recompute_mix_problem,
     stage_layers,
     uniform_recompute,
@@ -141,8 +151,8 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     elif recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
         args += ["--recompute-num-layers", "1"]
-    if plan.dp_degree > 1:
-        # the overlap the megatron-lm framework profile prices (cost_model.frameworks)
+    if plan.dp_degree > 1 and overlaps_grad_sync(plan):
+        # the overlap the plan's framework profile prices, options applied (cost_model.frameworks)
         args += ["--overlap-grad-reduce"]
     if plan.zero_stage == 1:
         args += ["--use-distributed-optimizer"]
@@ -166,6 +176,9 @@ def _model_args(dims: ModelDims) -> list[str]:
         "--seq-length", str(dims.seq_len),
         "--max-position-embeddings", str(dims.seq_len),
     ]  # fmt: skip
+    if dims.attention_head_dim != dims.hidden_size // dims.num_heads:
+        # TransformerConfig.kv_channels: hidden_size // num_attention_heads when not given
+        args += ["--kv-channels", str(dims.attention_head_dim)]
     if dims.num_kv_heads != dims.num_heads:
         args += ["--group-query-attention", "--num-query-groups", str(dims.num_kv_heads)]
     if dims.family == "llama":
@@ -260,13 +273,19 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 )
             )
         if plan.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+            fork = ""
+            if framework_options(plan).get("fork") == "zero-bubble":
+                fork = (
+                    f"; the plan's {plan.framework} prices sail-sg's zero-bubble fork of "
+                    "Megatron-LM, whose own flags this export does not write"
+                )
             problems.append(
                 ExportProblem(
                     field="schedule",
                     value=plan.schedule,
                     option=(
                         "megatron-lm has no zero-bubble schedule (no flag; "
-                        "get_forward_backward_func picks 1F1B or interleaved 1F1B)"
+                        "get_forward_backward_func picks 1F1B or interleaved 1F1B)" + fork
                     ),
                     fix=(
                         "use schedule interleaved-1f1b with the same virtual_stages"

@@ -72,4 +72,5 @@ def model_dims(spec: str) -> ModelDims:
         rope_theta=float(config.rope_theta) if is_llama else None,
         norm_eps=float(config.norm_eps) if is_llama else 1e-5,
         moe=moe,
+        head_dim=int(config.head_dim) if is_llama else None,
     )

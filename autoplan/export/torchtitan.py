@@ -47,9 +47,18 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   applies to torchtitan's own MoE models (``deepseek_v3``, ``qwen3``, ``gpt_oss``, ...), whose
   attention differs from autoplan's zoo MoE models (MLA, QK-norm), and the exported module
   builds a dense llama3 flavor: plans with ep > 1 are refused, naming the option.
-- ``model.seq_len`` -> ``training.seq_len``. With PP, ``training.disable_cuda_graphs`` (the
-  trainer refuses CUDA graphs with pipeline parallelism, ``torchtitan/trainer.py``). The model
-  itself is a registered flavor.
+- ``model.seq_len`` -> ``training.seq_len`` (at most the flavor's RoPE ``max_seq_len``,
+  131072: ``Decoder.Config.update_from_config`` in ``torchtitan/models/common/decoder.py``
+  raises above it). With PP, ``training.disable_cuda_graphs`` (the trainer refuses CUDA graphs
+  with pipeline parallelism, ``torchtitan/trainer.py``).
+- The model itself is a registered flavor, which the module selects by its baseline and
+  cannot change: every model arg the zoo spec can set (``llama3-8b:rope_theta=10000``,
+  ``norm_eps``, ``tie_embeddings``, ``head_dim``, the sizes) must equal the flavor's
+  (``Flavor``), or the plan is refused naming the arg, both values and the fix (register a
+  flavor with those args, or export to megatron-lm, whose flags carry them).
+- Gradient sync: torchtitan's FSDP2 and replicate (DDP) reduce during the backward, with no
+  setting to defer it; a plan whose framework option prices the reduction after the backward
+  (``megatron-lm:overlap-grad-reduce=off``, ``megatron-lm-2021:ddp=local``) is refused.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from autoplan.export._common import (
     effective_layout,
     expert_problems,
     layout_problem,
+    overlap_option,
     recompute_mix_problem,
     stage_layers,
     uniform_recompute,
@@ -102,6 +112,17 @@ class Flavor:
     num_kv_heads: int
     ffn_hidden_size: int
     vocab_size: int
+    # the args every llama3 flavor of torchtitan 0.3.0 shares: ComplexRoPE.Config(theta=500000,
+    # max_seq_len=131072), RMSNorm.Config's default eps, no enable_weight_tying (8B, 70B, 405B;
+    # only 1B and 3B tie), heads of dim // n_heads (make_gqa_config without head_dim)
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 131072
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
 
 # torchtitan 0.3.0 torchtitan/models/llama3/__init__.py (llama3_configs: _8b, _70b, _405b; FFN
@@ -114,6 +135,16 @@ FLAVORS = (
     Flavor(name="405B", baseline="llama3_405b", num_layers=126, hidden_size=16384, num_heads=128,
            num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256),
 )  # fmt: skip
+
+# where each arg lives in torchtitan 0.3.0 (torchtitan/models/llama3/__init__.py, the flavor's
+# function) and the Megatron-LM flag that carries it
+_FLAVOR_ARGS = {
+    "rope_theta": ("ComplexRoPE.Config(theta=...)", "--rotary-base"),
+    "norm_eps": ("RMSNorm.Config(eps=...), its default", "--norm-epsilon"),
+    "tie_embeddings": ("Llama3Model.Config(enable_weight_tying=...)",
+                       "--untie-embeddings-and-output-weights"),
+    "head_dim": ("make_gqa_config(head_dim=...), dim // n_heads when unset", "--kv-channels"),
+}  # fmt: skip
 
 
 def flavor_of(dims: ModelDims) -> Flavor | None:
@@ -143,6 +174,64 @@ def flavor_of(dims: ModelDims) -> Flavor | None:
     return None
 
 
+def flavor_arg_problems(dims: ModelDims, flavor: Flavor) -> list[ExportProblem]:
+    """Each model arg of ``dims`` (the zoo spec's overrides) that differs from the flavor's:
+    the config module selects a flavor by its baseline and cannot set its model args."""
+    ours = {
+        "rope_theta": float(dims.rope_theta or 0.0),
+        "norm_eps": dims.norm_eps,
+        "tie_embeddings": dims.tie_embeddings,
+        "head_dim": dims.attention_head_dim,
+    }
+    problems = []
+    for name, value in ours.items():
+        theirs = getattr(flavor, name)
+        if value == theirs:
+            continue
+        where, flag = _FLAVOR_ARGS[name]
+        problems.append(
+            ExportProblem(
+                field=f"model {name}",
+                value=f"{_text(value)} ({dims.spec})",
+                option=(
+                    f"torchtitan's flavor {flavor.name} ({flavor.baseline}) has {name} "
+                    f"{_text(theirs)} ({where}), and the exported module selects a registered "
+                    "flavor: it cannot set the flavor's model args"
+                ),
+                fix=(
+                    f"register a llama3 flavor with {name} {_text(value)} in torchtitan "
+                    "(torchtitan/models/llama3/__init__.py) and point the module's baseline at "
+                    f"it, or export to megatron-lm ({flag})"
+                ),
+            )
+        )
+    if dims.seq_len > flavor.max_seq_len:
+        problems.append(
+            ExportProblem(
+                field="model seq_len",
+                value=f"{dims.seq_len} ({dims.spec})",
+                option=(
+                    f"torchtitan's flavor {flavor.name} has RoPE tables of max_seq_len "
+                    f"{flavor.max_seq_len}, and training.seq_len may not exceed them "
+                    "(Decoder.Config.update_from_config, torchtitan/models/common/decoder.py)"
+                ),
+                fix=(
+                    f"use a model of at most {flavor.max_seq_len} tokens, or register a flavor "
+                    "with a longer ComplexRoPE.Config(max_seq_len=...)"
+                ),
+            )
+        )
+    return problems
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+        return str(int(value))
+    return repr(value) if isinstance(value, float) else str(value)
+
+
 def module_fqns(plan: Plan, dims: ModelDims) -> list[list[str]]:
     """``module_fqns_per_model_part``: the module names of each stage, in stage order."""
     parts = []
@@ -160,7 +249,10 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     if (units := units_problem(plan, dims)) is not None:
         return [units]
     problems: list[ExportProblem] = []
-    if flavor_of(dims) is None:
+    flavor = flavor_of(dims)
+    if flavor is not None:
+        problems += flavor_arg_problems(dims, flavor)
+    else:
         sizes = ", ".join(
             f"{f.name} ({f.num_layers} layers, hidden {f.hidden_size}, {f.num_heads} heads)"
             for f in FLAVORS
@@ -218,6 +310,23 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 fix=(
                     "use zero_stage 2 (FSDP keeping the gathered weights, the nearest to "
                     "replicated) or 3, e.g. autoplan plan ... --zero 2,3"
+                ),
+            )
+        )
+    overlap = overlap_option(plan)
+    if overlap is not None and not overlap[1] and plan.dp_degree > 1:
+        problems.append(
+            ExportProblem(
+                field="framework",
+                value=plan.framework,
+                option=(
+                    f"{overlap[0]} prices the gradient reduction after the backward, and "
+                    "torchtitan's FSDP2 and replicate (DDP) reduce during it, with no setting "
+                    "to defer it"
+                ),
+                fix=(
+                    f"drop the option (framework {plan.framework.partition(':')[0]}), or export "
+                    "to megatron-lm (without --overlap-grad-reduce)"
                 ),
             )
         )

@@ -49,7 +49,6 @@ from autoplan.contract.plan import (
     Plan,
     Recompute,
     StagePlan,
-    even_stages,
     plan_estimate,
 )
 from autoplan.planner.bounds import pipeline_factor, share_range
@@ -73,11 +72,16 @@ from cost_model.estimate import (
     boundary_send_bytes,
     memory_constants,
 )
-from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkProfile, framework_profile
+from cost_model.frameworks import (
+    DEFAULT_FRAMEWORK,
+    FrameworkProfile,
+    Refusal,
+    framework_profile,
+)
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
-from cost_model.stage_splits import StageSplitError, stage_starts
+from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 
@@ -249,10 +253,12 @@ def search_plans(
     memory_infeasible: list[Strategy] = []
     capacity = float(cluster.device.memory_bytes)
     pending: list[_Pending] = []
-    refusals: dict[str, int] = {}  # why the stack cannot run a strategy -> how many
+    # the stack's rule -> the first plan it refused so, and how many
+    refusals: dict[str, tuple[Refusal, int]] = {}
     for strategy, refusal in _stack_strategies(space, stack, profile, cluster, global_batch):
         if refusal is not None:
-            refusals[refusal] = refusals.get(refusal, 0) + 1
+            first, count = refusals.get(refusal.rule, (refusal, 0))
+            refusals[refusal.rule] = (first, count + 1)
             continue
         stats.candidates += 1
         modes = tuple(recompute_modes(space, strategy.schedule))
@@ -273,8 +279,11 @@ def search_plans(
             pending.append(_Pending(order_floor, time_floor, len(pending) + 1, strategy, choice))
     if refusals and not pending and not memory_infeasible:
         raise ConstraintError(
-            f"{framework} runs none of the plans the constraints allow: "
-            + "; ".join(f"{reason} ({count} plans)" for reason, count in refusals.items())
+            f"{stack.name} runs none of the plans the constraints allow: "
+            + "; ".join(
+                f"{rule} ({count} plans, e.g. {first.value}: {first.fix})"
+                for rule, (first, count) in refusals.items()
+            )
             + "; allow what the parentheses name"
         )
     frontier = _Frontier(pending, tables, stats, memory_infeasible)
@@ -728,7 +737,7 @@ def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTab
     constants = memory_constants(first, cluster, strategy)
     usable = constants.usable_bytes(float(cluster.device.memory_bytes))
     # Identical units share their cost objects: bound over distinct units with multiplicity.
-    overlap = cluster.calibration.dp_overlap_fraction
+    overlap = model.dp_overlap(strategy)
     largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
     classes: list[tuple[int, list[tuple[float, float]]]] = []  # (count, [(bytes, time)])
     for rep, count in tables.class_counts.items():
@@ -941,6 +950,28 @@ def _within_stack(
                 f"sequence_parallel=True: {name} has no Megatron-style sequence parallelism"
             )
         space = replace(space, sequence_parallel=(False,))
+    space = _restricted(
+        space,
+        "zero",
+        stack.zero_stages,
+        f"{name} runs only ZeRO {', '.join(map(str, stack.zero_stages or ()))}",
+    )
+    # degrees the stack does not have: 1 only (`FrameworkProfile.refusal` names the same)
+    for axis, has, what in (
+        ("tp", stack.tensor_parallel, "Megatron-style tensor parallelism"),
+        ("pp", stack.pipeline_parallel, "pipeline parallelism"),
+        ("cp", stack.context_parallel, "ring-attention context parallelism"),
+        ("ep", stack.expert_parallel, "expert parallelism as a plan degree"),
+    ):
+        if has:
+            continue
+        allowed = getattr(space, axis)
+        if allowed is not None and 1 not in allowed:
+            raise ConstraintError(
+                f"{axis}={list(allowed)}: {name} has no {what}; allow {axis} 1 (--{axis} 1)"
+            )
+        changes: dict[str, Any] = {axis: (1,)}
+        space = replace(space, **changes)
     return space
 
 
@@ -950,7 +981,7 @@ def _stack_strategies(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch: int,
-) -> Iterator[tuple[Strategy, str | None]]:
+) -> Iterator[tuple[Strategy, Refusal | None]]:
     """The outer choices of ``space``, each with why ``stack`` cannot run it (None: it can).
     Under a pipeline engine's limits (`FrameworkProfile.refusal`) the pipelined choices are
     enumerated again within them, so that a choice the enumeration drops as dominated by one
@@ -982,25 +1013,20 @@ class _OwnCuts:
     "own": its `pipeline_split`, else evenly over the units), by number of stages."""
 
     def __init__(self, profile: ModelProfile, framework: str) -> None:
-        stack = framework_profile(framework)
-        self.only = stack.stage_cuts == "own"
+        self._stack = framework_profile(framework)
+        self.only = self._stack.stage_cuts == "own"
         self._profile = profile
-        self._rule = stack.pipeline_split
         self._starts: dict[int, tuple[int, ...] | None] = {}
 
     def starts(self, num_stages: int) -> tuple[int, ...] | None:
-        """The first unit of each stage; None where the stack cannot cut the model so."""
+        """The first unit of each stage (`FrameworkProfile.stage_starts`, the cut
+        `FrameworkProfile.plan_refusal` holds a plan to); None where the stack cannot cut the
+        model so."""
         if num_stages not in self._starts:
-            starts: tuple[int, ...] | None = None
-            if num_stages <= self._profile.num_units:
-                try:
-                    if self._rule is not None:
-                        starts = stage_starts(self._profile, num_stages, self._rule)
-                    if starts is None:
-                        even = even_stages(self._profile.num_units, num_stages)
-                        starts = tuple(stage.first_unit for stage in even)
-                except StageSplitError:
-                    starts = None
+            try:
+                starts: tuple[int, ...] | None = self._stack.stage_starts(self._profile, num_stages)
+            except StageSplitError:
+                starts = None
             self._starts[num_stages] = starts
         return self._starts[num_stages]
 
@@ -1017,7 +1043,7 @@ def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
     cluster = model.cluster
     strategy = candidate.strategy
     spec = strategy.schedule_spec
-    overlap = cluster.calibration.dp_overlap_fraction
+    overlap = model.dp_overlap(strategy)
     first = next(iter(candidate.by_mode.values()))
     fixed = model.step_overhead_s(strategy)
     # rank tail = max(0, sync - overlap * backward) + post + optimizer (+ the fixed overhead)
