@@ -1047,7 +1047,7 @@ def test_cli_refuses_what_validate_refuses(llama8b: Any, tmp_path: Path) -> None
     edited.write_text(plan_path.read_text().replace("seq_len: 8192", "seq_len: 4096"))
     _one_line_error(
         run_cli("export", str(edited), "--to", "megatron-lm"),
-        "model.seq_len = 4096: model 'llama3-8b' has seq_len 8192",
+        "model.seq_len = 4096, but model 'llama3-8b' is traced at 8192 tokens",
     )
 
     big = tmp_path / "big.yaml"

@@ -351,6 +351,13 @@ def test_validate_accepts_a_consistent_plan() -> None:
             "plan was made for model 'other' (fingerprint zz)",
         ),
         (
+            # a hand-edited sequence length keeps the file's fingerprint
+            _plan(model=ModelRef(name="toy", num_units=6, seq_len=10**12, fingerprint="f1")),
+            "dgx-a100-80g",
+            _profile(),
+            "model.seq_len = 1000000000000, but model 'toy' is traced at 64 tokens",
+        ),
+        (
             _plan(tp_degree=1, dp_degree=4, global_batch_size=16, sequence_parallel=True),
             "dgx-a100-80g",
             _profile(),

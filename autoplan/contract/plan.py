@@ -522,6 +522,14 @@ class Plan:
                 f"not {profile.name!r} (fingerprint {profile.fingerprint}); "
                 "search a new plan for this model"
             )
+        if model and model.seq_len != profile.seq_len:
+            # the fingerprint hashes the sequence too, but a hand-edited file keeps the old one
+            raise PlanError(
+                f"model.seq_len = {model.seq_len}, but model {profile.name!r} is traced at "
+                f"{profile.seq_len} tokens: the plan's memory and time are for "
+                f"{model.seq_len}; set model.seq_len back to {profile.seq_len}, or search a "
+                f"plan at {model.seq_len} tokens"
+            )
         if self.num_units != profile.num_units:
             raise PlanError(
                 f"stages cover {self.num_units} units but model {profile.name!r} has "
