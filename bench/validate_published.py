@@ -669,16 +669,10 @@ def _layer_and_vocab_params(dims: ModelDims) -> tuple[float, float]:
     return float(2 * h * q + 2 * h * kv + gated * h * ffn), float(dims.vocab_size * h)
 
 
-# The plan arguments two rows must share for the pipeline rule (it trades pp for dp).
+# The plan arguments two rows must share for the pipeline rule: the layout but the stages
+# it trades for data parallelism (one stage per rank: virtual_stages 1), and the batching.
 _PIPELINE_KEYS = (
-    "tp",
-    "cp",
-    "ep",
-    "recompute",
-    "zero",
-    "dtype",
-    "schedule",
-    "sequence_parallel",
+    *(k for k in _LAYOUT_KEYS if k not in ("pp", "virtual_stages")),
     "micro_batch",
     "global_batch",
 )

@@ -504,6 +504,44 @@ def _cuts_text(cuts: list[tuple[int, int]]) -> str:
     return "[" + ", ".join(f"{first}-{last}" for first, last in cuts) + "]"
 
 
+_LLM_FOUNDRY = FrameworkProfile(
+    name="llm-foundry",
+    version="MosaicML llm-foundry with Composer, torch 2.0 (its 2023 throughput tables)",
+    summary=(
+        "llm-foundry's MPT on Composer/FSDP: flash attention, torch 2.0's "
+        "checkpointing (no early stop), flash-attn's fused cross-entropy, overlapped FSDP"
+    ),
+    attention="fused",
+    # Its benchmark sweep pins mosaicml/pytorch:2.0.1 (scripts/train/benchmarking/
+    # sweep.sh): torch's non-reentrant checkpoint re-ran the whole forward before 2.1
+    # (the early stop is pytorch PR #96866).
+    full_recompute_early_stop=0.0,
+    # MPT's loss_fn defaults to flash-attn's CrossEntropyLoss, which saves the bf16
+    # logits (and a log-sum-exp per row) for its backward
+    # (llmfoundry/models/mpt/modeling_mpt.py; flash_attn/ops/triton/cross_entropy.py).
+    loss_saved_bytes_per_logit=2.0,
+    # Composer's FSDP overlaps gradient reduce-scatter with the backward.
+    dp_overlap=1.0,
+    # activation_checkpointing: one setting for every MPT block
+    recompute_scope="global",
+    # Composer's FSDP (fsdp_config is train.py's only parallelism setting: no pipeline,
+    # tensor or context parallelism; scripts/train/train.py, 00b4bae4, 2023) maps
+    # sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: ZeRO 0, 2, 3 (HYBRID_SHARD
+    # only from torch 2.1; composer/trainer/mosaic_fsdp_utils.py, SHARDING_MAP)
+    pipeline_parallel=False,
+    tensor_parallel=False,
+    context_parallel=False,
+    zero_stages=(0, 2, 3),
+    sources=(
+        "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
+        "mosaicml/llm-foundry scripts/train/train.py (fsdp_config, 2023)",
+        "mosaicml/composer composer/trainer/mosaic_fsdp_utils.py (SHARDING_MAP)",
+        "mosaicml/llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn)",
+        "Dao-AILab/flash-attention flash_attn/ops/triton/cross_entropy.py",
+    ),
+)
+
+
 FRAMEWORKS: dict[str, FrameworkProfile] = {
     profile.name: profile
     for profile in (
@@ -894,64 +932,23 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "pytorch/torchtitan torchtitan/components/loss.py",
             ),
         ),
-        FrameworkProfile(
-            name="llm-foundry",
-            version="MosaicML llm-foundry with Composer, torch 2.0 (its 2023 throughput tables)",
-            summary=(
-                "llm-foundry's MPT on Composer/FSDP: flash attention, torch 2.0's "
-                "checkpointing (no early stop), flash-attn's fused cross-entropy, overlapped FSDP"
-            ),
-            attention="fused",
-            # Its benchmark sweep pins mosaicml/pytorch:2.0.1 (scripts/train/benchmarking/
-            # sweep.sh): torch's non-reentrant checkpoint re-ran the whole forward before 2.1
-            # (the early stop is pytorch PR #96866).
-            full_recompute_early_stop=0.0,
-            # MPT's loss_fn defaults to flash-attn's CrossEntropyLoss, which saves the bf16
-            # logits (and a log-sum-exp per row) for its backward
-            # (llmfoundry/models/mpt/modeling_mpt.py; flash_attn/ops/triton/cross_entropy.py).
-            loss_saved_bytes_per_logit=2.0,
-            # Composer's FSDP overlaps gradient reduce-scatter with the backward.
-            dp_overlap=1.0,
-            # activation_checkpointing: one setting for every MPT block
-            recompute_scope="global",
-            # Composer's FSDP (fsdp_config is train.py's only parallelism setting: no pipeline,
-            # tensor or context parallelism; scripts/train/train.py, 00b4bae4, 2023) maps
-            # sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: ZeRO 0, 2, 3 (HYBRID_SHARD
-            # only from torch 2.1; composer/trainer/mosaic_fsdp_utils.py, SHARDING_MAP)
-            pipeline_parallel=False,
-            tensor_parallel=False,
-            context_parallel=False,
-            zero_stages=(0, 2, 3),
-            sources=(
-                "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
-                "mosaicml/llm-foundry scripts/train/train.py (fsdp_config, 2023)",
-                "mosaicml/composer composer/trainer/mosaic_fsdp_utils.py (SHARDING_MAP)",
-                "mosaicml/llm-foundry llmfoundry/models/mpt/modeling_mpt.py (loss_fn)",
-                "Dao-AILab/flash-attention flash_attn/ops/triton/cross_entropy.py",
-            ),
-        ),
-        FrameworkProfile(
+        _LLM_FOUNDRY,
+        dataclasses.replace(
+            # Priced as llm-foundry's profile, whose every pricing setting this stack shares
+            # (bench/data/validation_assumptions_more.yaml, family fa-training2211): flash
+            # attention, 16-bit logits kept for the loss's backward (apex xentropy,
+            # inplace_backward), DDP overlapping the all-reduce; its own limits below.
+            _LLM_FOUNDRY,
             name="flash-attn-training",
             version="Dao-AILab/flash-attention training/ (4a6eaa9f, 2022-11), as its configs run",
             summary=(
                 "flash-attention's GPT training code on PyTorch Lightning: flash attention, "
                 "apex's in-place cross-entropy, DDP or DDP with torch's ZeroRedundancyOptimizer"
             ),
-            # Priced as llm-foundry's profile (bench/data/validation_assumptions_more.yaml,
-            # family fa-training2211): flash attention, 16-bit logits kept for the loss's
-            # backward (apex xentropy, inplace_backward), DDP overlapping the all-reduce.
-            attention="fused",
-            full_recompute_early_stop=0.0,
-            loss_saved_bytes_per_logit=2.0,
-            dp_overlap=1.0,
-            recompute_scope="global",
             # its experiment configs: trainer strategy ddp, or src.utils.ddp_zero1.DDPStrategyZero1
             # with optimizer adamw-zero (torch.distributed.optim.ZeroRedundancyOptimizer: ZeRO-1;
             # training/configs/experiment/owt/gpt2l-flash.yaml, pile/gpt3l-flash.yaml); its
             # flash_attn/models/gpt.py of then has no process group (no tensor parallelism)
-            pipeline_parallel=False,
-            tensor_parallel=False,
-            context_parallel=False,
             expert_parallel=False,
             zero_stages=(0, 1),
             sources=(
