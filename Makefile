@@ -42,7 +42,8 @@ typecheck: setup
 # starts several processes of its own) one after another on one of them (tests/conftest.py
 # groups them), the single-process tests on the other two. The multi-process tests leave about a
 # quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 8.8 to
-# 9.8 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here).
+# 10.3 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here). The
+# multi-process tests alone take 7.8 min on one worker of an idle machine (2026-11-26).
 pytest: $(BIN)/.installed-extras
 	$(BIN)/pytest -q -n 3 --dist loadgroup
 
