@@ -16,7 +16,7 @@ from autoplan.analysis.explain import ExplainInputError, plan_cluster, plan_mode
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
-from cost_model.estimate import estimate
+from autoplan.export.checks import check_memory
 from cost_model.hardware import load_cluster
 
 
@@ -77,17 +77,15 @@ def validate(
     plan.validate(profile, target, allow_cross_node_tp=allow_cross_node_tp)
     peak = None
     if profile is not None:
-        result = estimate(profile, target, plan)
-        peak = result.peak_memory_bytes
-        if not result.fits:
-            if not allow_over_memory:
-                result.require_fits()
-            memory_note = f"WARNING (--allow-over-memory): {result.memory_problem()}"
+        memory = check_memory(plan, profile, target, allow_over_memory=allow_over_memory)
+        peak = memory.peak_memory_bytes
+        if not memory.fits:
+            memory_note = f"WARNING (--allow-over-memory): {memory.problem}"
             click.echo(memory_note, err=True)
         else:
             gib = 2.0**30
             memory_note = (
-                f"peak memory {peak / gib:.1f} GiB of {result.memory_capacity_bytes / gib:.1f} GiB"
+                f"peak memory {peak / gib:.1f} GiB of {memory.capacity_bytes / gib:.1f} GiB"
             )
     against = f"{target.name} ({target.num_devices} devices)"
     if profile is not None:

@@ -64,6 +64,7 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
+from cost_model.stage_splits import StageSplitError, even_stage_starts
 from cost_model.strategy import Decisions, Strategy, folded_ep_factors, valid_layout
 from cost_model.workload import ModelProfile
 
@@ -732,20 +733,17 @@ class HasProfile(Protocol):
 def even_stages(
     num_units: int, num_stages: int, recompute: Recompute = "none"
 ) -> tuple[StagePlan, ...]:
-    """Split ``num_units`` into ``num_stages`` contiguous stages differing by at most one unit."""
-    if num_stages > num_units:
-        raise PlanError(
-            f"{num_stages} pipeline stages need at least {num_stages} units, the model has "
-            f"{num_units}; lower pp_degree x virtual_stages"
-        )
-    base, extra = divmod(num_units, num_stages)
-    stages = []
-    first = 0
-    for idx in range(num_stages):
-        size = base + (1 if idx < extra else 0)
-        stages.append(StagePlan(first_unit=first, last_unit=first + size - 1, recompute=recompute))
-        first += size
-    return tuple(stages)
+    """Split ``num_units`` into ``num_stages`` contiguous stages differing by at most one unit
+    (`cost_model.stage_splits.even_stage_starts`, the larger first)."""
+    try:
+        starts = even_stage_starts(num_units, num_stages)
+    except StageSplitError as error:
+        raise PlanError(f"{error}; lower pp_degree x virtual_stages") from None
+    ends = (*starts[1:], num_units)
+    return tuple(
+        StagePlan(first_unit=first, last_unit=end - 1, recompute=recompute)
+        for first, end in zip(starts, ends, strict=True)
+    )
 
 
 def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:

@@ -8,8 +8,9 @@ plan's devices to be the cluster's (a count that is not whole nodes of it, or an
 is refused naming both and the ``--cluster`` to pass); `check_model` adds `Plan.validate`
 against the model and the cluster (the model's fingerprint, so a plan made for another model
 with as many pipeline units is refused; the units; TP degrees; TP groups inside a node);
-`check_memory` is the one memory check, `Estimate.require_fits` on the plan's estimate for that
-cluster (priced for the plan's own framework, as `validate` and `explain` price it).
+`check_memory` is the one memory check (`autoplan validate` calls it too),
+`Estimate.require_fits` on the plan's estimate for that cluster (priced for the plan's own
+framework, as `validate` and `explain` price it).
 ``allow_over_memory`` turns the memory failure into a warning (`MemoryCheck.fits` False), as
 ``autoplan validate --allow-over-memory`` does. `autoplan.export.export_plan` runs the model
 check, then the framework's, then memory.
