@@ -46,3 +46,25 @@ def test_a_killed_rank_is_not_retried(tmp_path: Path) -> None:
             tmp_path=tmp_path,
             timeout_s=60,
         )
+
+
+def _return_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+@pytest.mark.slow
+def test_a_failed_rendezvous_runs_the_job_once_more_and_only_once(tmp_path: Path) -> None:
+    """An interface that does not exist fails gloo's rendezvous every time: one retry, then
+    the error names the harness's init_process_group and the rank's own message."""
+    with (
+        pytest.warns(UserWarning, match="the gloo rendezvous failed; the job ran again"),
+        pytest.raises(DistributedTestError, match="failed in init_process_group") as raised,
+    ):
+        run_distributed(
+            _return_rank,
+            world_size=2,
+            tmp_path=tmp_path,
+            timeout_s=60,
+            env={"GLOO_SOCKET_IFNAME": "autoplan-no-such-if0"},
+        )
+    assert "autoplan-no-such-if0" in str(raised.value)
