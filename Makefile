@@ -21,10 +21,13 @@ $(BIN)/.installed: pyproject.toml
 # The suite also runs the Ray Train launcher and torchft replica groups: the `ray` and
 # `torchft` extras, installed for the tests only. DeepSpeed (its config class checks
 # `autoplan export --to deepspeed`) is an sdist whose build imports torch: built against the
-# venv's torch (no build isolation, which would fetch another torch), about 15 s.
+# venv's torch (no build isolation, which would fetch another torch), about 15 s. torchtitan
+# (its ConfigManager loads `autoplan export --to torchtitan`) imports triton, whose wheel imports
+# on a CPU machine too; the torch spec keeps pip from replacing the venv's torch.
 $(BIN)/.installed-extras: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev,ray,torchft]"
 	$(BIN)/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
+	$(BIN)/python -m pip install -q "torchtitan>=0.3" triton "$(TORCH_SPEC)"
 	touch $@
 
 demo: setup

@@ -4,7 +4,8 @@ recompute, sharding and precision; every inexpressible field fails naming the op
 Where a framework's PyPI package imports on this CPU machine the output is loaded by the
 framework's own code: DeepSpeed's ``DeepSpeedConfig`` (deepspeed 0.19.8), megatron-core's
 ``TransformerConfig`` and ``PipelineParallelLayerLayout`` (megatron-core 0.16.1), torchtitan's
-``ConfigManager`` (torchtitan 0.3.0, which needs triton to import: skipped without it). The
+``ConfigManager`` (torchtitan 0.3.0 with the triton it imports; `make test` installs both,
+elsewhere the test skips without them). The
 flag and field names are also checked against tables taken from the frameworks' sources, so
 those tests run without the packages.
 """
