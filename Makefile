@@ -46,9 +46,10 @@ typecheck: setup
 # Three pytest-xdist workers on the two cores: the multi-process tests (marked slow, each
 # starts several processes of its own) one after another on one of them (tests/conftest.py
 # groups them), the single-process tests on the other two. The multi-process tests leave about a
-# quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 8.8 to
-# 10.3 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here). The
-# multi-process tests alone take 7.8 min on one worker of an idle machine (2026-11-26).
+# quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 8.0 to
+# 10.3 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here). On
+# an idle machine the multi-process tests alone took 5.2 min on one worker, the others 2.9 min
+# on two (2026-11-26).
 pytest: $(BIN)/.installed-extras
 	$(BIN)/pytest -q -n 3 --dist loadgroup
 
