@@ -185,9 +185,9 @@ def run_distributed(
     A job whose gloo rendezvous (the harness's own ``init_process_group``, before ``fn`` runs)
     failed also runs once more, with a warning: nothing under test ran. Seen in two of four
     fresh-clone CI runs (three pytest workers on two cores), both times in the run right after
-    a rank's deliberate SIGSEGV (tests/test_dist_utils.py): a rank got "Connection closed by
-    peer" in gloo's ``connectFullMesh`` from a peer of the same new run (cause not found; it
-    never reproduced alone, even with the cores held busy).
+    a rank's deliberate SIGSEGV (tests/test_dist_utils.py): a rank of that run got "Connection
+    closed by peer" in gloo's ``connectFullMesh`` (cause not found; it never reproduced alone,
+    even with the cores held busy).
     """
     retried: set[type[Exception]] = set()
     while True:
