@@ -229,7 +229,18 @@ class Cluster:
         ``overrides`` use the flat keys of `OVERRIDE_KEYS`, e.g. ``inter_node_bandwidth="50GB/s"``.
         """
         if name == "local":
-            base = cls.local()
+            # N workers on this machine share its memory and cores: the same cluster as
+            # `Cluster.local(N)`, not the whole machine's memory for each of N devices.
+            raw = overrides.pop("devices_per_node", None)
+            workers = (
+                None if raw is None else _override_value("devices_per_node", raw, "number", int)
+            )
+            if workers is not None and workers < 1:
+                raise ClusterError(
+                    f"cluster override devices_per_node={raw!r} must be at least 1 (the number "
+                    "of worker processes on this machine)"
+                )
+            base = cls.local(workers)
         else:
             if name not in preset_names():
                 raise ClusterError(

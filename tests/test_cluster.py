@@ -106,6 +106,14 @@ def test_local_cluster_describes_this_machine() -> None:
         with pytest.raises(ClusterError, match="shared_cores_per_node"):
             crowded.with_overrides(shared_cores_per_node=0)
     assert Cluster.preset("local", nodes=1).device.name == local.device.name
+    # the CLI's way to ask for N workers: the same cluster as Cluster.local(N), whose workers
+    # share the machine's memory (and cores), not N copies of the whole machine
+    assert load_cluster("local:devices_per_node=4") == four
+    if local.device.kind == "cpu":  # the machine's memory, divided among the workers
+        total = local.device.memory_bytes * local.devices_per_node
+        assert total - 4 * local.devices_per_node < 4 * four.device.memory_bytes <= total
+    with pytest.raises(ClusterError, match="devices_per_node='0' must be at least 1"):
+        load_cluster("local:devices_per_node=0")
 
 
 @pytest.mark.parametrize(
