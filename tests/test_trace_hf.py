@@ -116,3 +116,36 @@ def test_hf_llama_matches_zoo_llama() -> None:
     # Saved activations agree within 10% (the cos/sin tables are saved by every block).
     for ours, theirs in zip(hf.profile.units, zoo.profile.units, strict=True):
         assert ours.saved_bytes == pytest.approx(theirs.saved_bytes, rel=0.10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_mixture_of_experts_counts_its_experts(dtype: torch.dtype) -> None:
+    """Hugging Face's MoE blocks run the experts as one grouped GEMM (aten._grouped_mm, or
+    transformers' own grouped_mm_fallback op in fp32): a Mixtral block costs a Mistral block of
+    the same sizes plus top_k - 1 more SwiGLU FFNs and the router, forward and backward (both
+    gradients of each grouped GEMM, the weight's through its transpose)."""
+    sizes = dict(
+        num_hidden_layers=1, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=V, max_position_embeddings=S,
+    )  # fmt: skip
+    experts, top_k = 4, 2
+    with torch.device("meta"):
+        moe = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(
+                num_local_experts=experts, num_experts_per_tok=top_k, **sizes
+            )
+        ).to(dtype)
+        dense = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes)).to(dtype)
+    block_moe = trace(moe, seq_len=S).profile.units[1]
+    block_dense = trace(dense, seq_len=S).profile.units[1]
+    ffn = 3 * 2 * S * H * 128  # gate, up and down projections of one token each
+    router = 2 * S * H * experts
+    extra = block_moe.forward_flops - block_dense.forward_flops
+    assert extra == pytest.approx((top_k - 1) * ffn + router, rel=1e-6)
+    # backward: a data and a weight gradient per GEMM (the router's input gradient and the
+    # routing's element-wise work aside: within 1%)
+    extra_backward = block_moe.backward_flops - block_dense.backward_flops
+    assert extra_backward == pytest.approx(2 * ((top_k - 1) * ffn + router), rel=0.01)
+    assert (
+        block_moe.num_params == block_dense.num_params + (experts - 1) * 3 * H * 128 + H * experts
+    )

@@ -15,13 +15,19 @@ from typing import Literal
 
 import torch
 
-__all__ = ["OpCategory", "is_collective", "op_category"]
+__all__ = ["GROUPED_GEMM_OPS", "OpCategory", "is_collective", "op_category"]
 
 OpCategory = Literal[
     "matmul", "attention", "embedding", "reduction", "elementwise", "view", "other"
 ]
 
-_GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "matmul"})
+# Grouped GEMMs run a mixture-of-experts layer's experts in one call: aten._grouped_mm, and
+# transformers' own opaque op where that is unavailable (transformers/integrations/moe.py,
+# `transformers::grouped_mm_fallback` and its backward).
+GROUPED_GEMM_OPS = frozenset({"_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"})
+_GEMM_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "matmul", *GROUPED_GEMM_OPS}
+)
 _EMBEDDING_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
 _REDUCTION_OPS = frozenset(
     {

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.contract.errors import TraceError
-from autoplan.contract.ops import op_category
+from autoplan.contract.ops import GROUPED_GEMM_OPS, op_category
 
 __all__ = [
     "Gemm",
@@ -337,10 +337,30 @@ def _flop_formula(
                 else 1.0
             )
         )
+    name = func.overloadpacket.__name__
+    if name in GROUPED_GEMM_OPS and func.namespace in ("aten", "transformers"):
+        # the backward op makes both gradients: twice the forward's GEMM work
+        times = 2 if name == "grouped_mm_fallback_backward" else 1
+        return lambda args, kwargs, out: times * grouped_gemm_flops(args[0], args[1])
     formula = flop_registry.get(func.overloadpacket)
     if formula is None:
         return None
     return lambda args, kwargs, out: int(formula(*args, **kwargs, out_val=out))
+
+
+def grouped_gemm_flops(a: Tensor, b: Tensor) -> int:
+    """FLOPs of a grouped GEMM (torch.ops.aten._grouped_mm's layouts): each row of ``a`` (or
+    column, for the weight gradient) meets one group's matrix, so the work is that of one GEMM
+    over all rows. ``(S, K) @ (G, K, N)``: 2 S K N; ``(K, S) @ (S, N)`` grouped along S (a
+    weight gradient): 2 K S N; ``(G, M, K) @ (G, K, N)``: 2 G M K N; ``(G, M, K) @ (K, N)``
+    grouped along N: 2 M K N."""
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
 def _gemm_operands(name: str, args: tuple[Any, ...]) -> tuple[Tensor, Tensor] | None:
@@ -531,6 +551,16 @@ class _Meter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _record_gemm(self, measure: NodeMeasure, name: str, args: tuple[Any, ...]) -> None:
+        if name in GROUPED_GEMM_OPS:
+            a, b = args[0], args[1]
+            if a.dim() == 2 and b.dim() == 3:
+                # One GEMM over the routed rows, for its shape. Not a weight GEMM: no pass
+                # shards these experts over TP (only autoplan's own MoE layers, by expert
+                # parallelism), so the node must not classify as a TP linear.
+                gemm = Gemm(1, a.shape[0], a.shape[1], b.shape[2])
+                if measure.activation_gemm is None or gemm.flops > measure.activation_gemm.flops:
+                    measure.activation_gemm = gemm
+            return
         operands = _gemm_operands(name, args)
         if operands is None:
             return
@@ -952,10 +982,15 @@ def _recompute_tail(nodes: Sequence[fx.Node], last_pack: list[tuple[str, bool]])
 
 
 def _fresh(value: Any, leaves: list[Tensor], state_keys: set[int]) -> Any:
-    """Copy of ``value`` with new meta tensors (model state kept), recording new leaves."""
+    """Copy of ``value`` with new meta tensors (model state kept), recording new leaves. A
+    view of a parameter (an exported graph's transpose of an expert weight before its grouped
+    GEMM) is made a leaf too: kept, it is no leaf, and its gradient, the weight's, would go
+    uncounted."""
 
     def one(leaf: Any) -> Any:
-        if not isinstance(leaf, Tensor) or storage_key(leaf) in state_keys:
+        if not isinstance(leaf, Tensor):
+            return leaf
+        if storage_key(leaf) in state_keys and (leaf.is_leaf or not leaf.requires_grad):
             return leaf
         fresh = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=META)
         if leaf.requires_grad:
