@@ -149,3 +149,13 @@ def test_hf_mixture_of_experts_counts_its_experts(dtype: torch.dtype) -> None:
     assert (
         block_moe.num_params == block_dense.num_params + (experts - 1) * 3 * H * 128 + H * experts
     )
+
+
+def test_a_sequence_past_the_learned_positions_is_refused() -> None:
+    """GPT-2 looks positions up in its wpe table: a longer sequence would index past it."""
+    from autoplan.contract.errors import TraceError
+
+    with pytest.raises(TraceError, match=rf"sequence length {2 * S} exceeds the {S} learned "
+                       r"positions of GPT2LMHeadModel \(transformer.wpe"):  # fmt: skip
+        trace(_hf_gpt2(), seq_len=2 * S)
+    assert trace(_hf_gpt2(), seq_len=S).profile.units

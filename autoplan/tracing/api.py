@@ -270,7 +270,29 @@ def _resolve_inputs(
             f"{max_len}; build the model with seq_len={length} (e.g. --model NAME:seq_len="
             f"{length}) or trace a shorter sequence"
         )
+    positions = _learned_positions(model)
+    if positions is not None and length > positions[1]:
+        path, rows = positions
+        raise TraceError(
+            f"sequence length {length} exceeds the {rows} learned positions of "
+            f"{type(model).__name__} ({path}, an nn.Embedding): position {rows} has no row to "
+            f"look up; trace at most {rows} tokens, or build the model with at least {length} "
+            "positions (e.g. n_positions or max_position_embeddings in its config)"
+        )
     return _Inputs(args=args, kwargs=kwargs, batch_size=batch, seq_len=length)
+
+
+# Names of learned absolute-position tables (GPT-2's wpe, BERT's position_embeddings, OPT's
+# embed_positions, the zoo GPT's pos_emb): a longer sequence indexes past the table's last row.
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "pos_emb")
+
+
+def _learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """The first learned position table's path and row count, if ``model`` has one."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and path.rpartition(".")[2] in _POSITION_TABLES:
+            return path, module.num_embeddings
+    return None
 
 
 def _layout(model: nn.Module, *, units: Sequence[str] | None, block_path: str | None) -> _Layout:
