@@ -118,11 +118,11 @@ def manual_plan(
             f"first, e.g. {list(MESH_AXES)}"
         )
     if dp is None:
-        dp = default_dp(cluster, tp, pp * cp)
+        dp = default_dp(cluster, tp, pp, cp)
     elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise PlanError(f"dp = {dp!r} must be a whole number >= 1")
     elif dp * tp * pp * cp != cluster.num_devices:
-        default_dp(cluster, tp, pp * cp)  # tp x pp (x cp) must divide the devices first
+        default_dp(cluster, tp, pp, cp)  # tp x pp (x cp) must divide the devices first
         names, values = "dp x tp x pp", [dp, tp, pp]
         if cp > 1:
             names, values = names + " x cp", [*values, cp]
@@ -198,17 +198,21 @@ def framework_stages(
     )
 
 
-def default_dp(cluster: Cluster, tp: int, pp: int) -> int:
-    """``cluster.num_devices / (tp * pp)``; raises `PlanError` when it does not divide."""
-    if tp < 1 or pp < 1 or cluster.num_devices % (tp * pp) != 0:
+def default_dp(cluster: Cluster, tp: int, pp: int, cp: int = 1) -> int:
+    """``cluster.num_devices / (tp * pp * cp)``; raises `PlanError` when it does not divide."""
+    used = tp * pp * cp
+    if tp < 1 or pp < 1 or cp < 1 or cluster.num_devices % used != 0:
         divisors = [d for d in range(1, cluster.num_devices + 1) if cluster.num_devices % d == 0]
         shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-        raise PlanError(
-            f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {cluster.num_devices} "
-            f"devices of cluster {cluster.name!r}; choose tp and pp whose product is one of "
-            f"{shown}"
+        names, values = (
+            ("tp x pp", f"{tp} x {pp}") if cp == 1 else ("tp x pp x cp", f"{tp} x {pp} x {cp}")
         )
-    return cluster.num_devices // (tp * pp)
+        raise PlanError(
+            f"{names} = {values} = {used} does not divide the {cluster.num_devices} "
+            f"devices of cluster {cluster.name!r}; choose {names.replace(' x ', ', ')} whose "
+            f"product is one of {shown}"
+        )
+    return cluster.num_devices // used
 
 
 def estimate(

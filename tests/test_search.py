@@ -194,6 +194,22 @@ def test_constraints_that_contradict_the_cluster(
     assert fragment in str(info.value)
 
 
+def test_errors_name_what_fails_and_only_that() -> None:
+    profile = gpt_profile(num_layers=2, h=96, a=6)  # vocab 1024, ffn 384: tp=4 divides those
+    with pytest.raises(ConstraintError, match=r"tp=4 does not divide the model's num_heads=6$"):
+        search_plans(profile, round_cluster(), global_batch=8, tp=4)
+    # one sample on 32 devices: dp = 1, and tp x pp cannot cover the rest; no constraint given
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search_plans(profile, round_cluster(num_nodes=4), global_batch=1)
+    message = str(info.value)
+    assert "dp dividing global_batch=1" in message and "pp at most its 4 units" in message
+    assert "constraints" not in message
+    with pytest.raises(
+        NoFeasiblePlanError, match=r"with the constraints pp=2; .*or relax the constraints"
+    ):
+        search_plans(profile, round_cluster(num_nodes=4), global_batch=1, pp=2)
+
+
 def test_cross_node_tp_needs_permission() -> None:
     with pytest.raises(ConstraintError, match="tp=16 does not fit inside a node of 8 devices"):
         search_plans(

@@ -121,7 +121,7 @@ def estimate_cmd(
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""
     target = load_cluster(cluster_spec)
     if dp is None:
-        dp = default_dp(target, tp, pp * cp)  # fail before the (slower) model trace
+        dp = default_dp(target, tp, pp, cp)  # fail before the (slower) model trace
     profile = trace_spec(model_spec).profile
     if schedule is None:
         schedule = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"

@@ -106,7 +106,10 @@ def validate(
         out = console()
         out.print(
             f"{plan_path}: valid for {against}: "
-            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}; {memory_note}",
+            f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}"
+            + (f" cp={plan.cp_degree}" if plan.cp_degree > 1 else "")
+            + (f" ep={plan.ep_degree}" if plan.ep_degree > 1 else "")
+            + f"; {memory_note}",
             markup=False,
             soft_wrap=True,  # the verdict stays one line, for scripts that grep it
         )

@@ -1150,10 +1150,19 @@ def _no_feasible_plan(
     gib = 2.0**30
     capacity = cluster.device.memory_bytes
     if not infeasible:
+        given = [
+            f"{key}={_shown(value)}"
+            for key in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "max_tp", "max_pp")
+            if (value := getattr(space, key)) is not None
+        ]
+        limits = f"; with the constraints {' '.join(given)}" if given else ""
         return NoFeasiblePlanError(
             f"no valid plan for {profile.name!r} on {cluster.name!r} ({cluster.num_devices} "
-            f"devices) with global_batch={global_batch}: no degrees/batching combination "
-            "satisfies the constraints; relax them or change the batch or device count"
+            f"devices) with global_batch={global_batch}: no dp x tp x pp x cp covers the "
+            f"{cluster.num_devices} devices with dp dividing global_batch={global_batch}, tp "
+            f"dividing the model's heads within a node and pp at most its "
+            f"{profile.num_units} units{limits}; raise the global batch, use fewer devices"
+            + (", or relax the constraints" if given else "")
         )
     # The least memory any plan needs: solve exactly for the outer choices whose bounds are
     # lowest (weights and optimizer state first, then the full per-unit bound).
@@ -1174,7 +1183,10 @@ def _no_feasible_plan(
         least, best = min(needs, key=lambda item: item[0])
         amount = (
             f"{least / gib:.1f} GiB (e.g. tp={best.tp_degree} pp={best.pp_degree} dp="
-            f"{best.dp_degree} micro_batch={best.micro_batch_size} zero={best.zero_stage})"
+            f"{best.dp_degree}"
+            + (f" cp={best.cp_degree}" if best.cp_degree > 1 else "")
+            + (f" ep={best.ep_degree}" if best.ep_degree > 1 else "")
+            + f" micro_batch={best.micro_batch_size} zero={best.zero_stage})"
         )
     else:  # the solver found no partition of any of them in time: their floors, if finite
         floor = min(c.constants.total_bytes(c.memory_lower_bound_bytes) for c in candidates[:5])
@@ -1231,3 +1243,10 @@ def _memory_fixes(space: SearchSpace) -> str:
     if space.dtype == "fp32":
         fixes.append("train in bf16")
     return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+
+
+def _shown(value: object) -> str:
+    """A constraint as the user wrote it: ``8``, or ``2,4`` for a tuple of choices."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)

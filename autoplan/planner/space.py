@@ -189,9 +189,10 @@ class SearchSpace:
                 )
         counts = profile.tp_divisible_counts()
         if self.tp is not None and all(any(c % t for c in counts.values()) for t in self.tp):
+            undivided = {k: v for k, v in counts.items() if any(v % t for t in self.tp)}
             raise ConstraintError(
                 f"tp={_show(self.tp)} does not divide the model's "
-                f"{', '.join(f'{k}={v}' for k, v in counts.items())}"
+                f"{', '.join(f'{k}={v}' for k, v in undivided.items())}"
             )
 
 
