@@ -207,10 +207,11 @@ def default_dp(cluster: Cluster, tp: int, pp: int, cp: int = 1) -> int:
         names, values = (
             ("tp x pp", f"{tp} x {pp}") if cp == 1 else ("tp x pp x cp", f"{tp} x {pp} x {cp}")
         )
+        choose = " and ".join(names.rsplit(" x ", 1)).replace(" x ", ", ")  # tp, pp and cp
         raise PlanError(
             f"{names} = {values} = {used} does not divide the {cluster.num_devices} "
-            f"devices of cluster {cluster.name!r}; choose {names.replace(' x ', ', ')} whose "
-            f"product is one of {shown}"
+            f"devices of cluster {cluster.name!r}; choose {choose} whose product is one of "
+            f"{shown}"
         )
     return cluster.num_devices // used
 

@@ -203,6 +203,10 @@ class ModelProfile:
     num_kv_heads: int | None = None
     traced_dtype_bytes: int = 4  # element size of the traced floating-point activations/params
     fingerprint: str = ""  # stable hash of the structure: a plan records which model it fits
+    # What autoplan's own runtime can do with it (`runtime_refusal`): a torch.export graph pins
+    # its traced dtype and inlines its norms; context parallelism splits RoPE tables.
+    exported: bool = False
+    rope_tables: bool = True
 
     def __post_init__(self) -> None:
         if not self.units:

@@ -499,7 +499,7 @@ def test_manual_plan_even_split_and_estimate() -> None:
         (dict(tp=3, pp=1, global_batch=8), r"tp x pp = 3 x 1 = 3 does not divide the 8 devices"),
         (
             dict(tp=2, pp=1, cp=3, global_batch=8),
-            r"tp x pp x cp = 2 x 1 x 3 = 6 does not divide the 8 devices .*choose tp, pp, cp",
+            r"tp x pp x cp = 2 x 1 x 3 = 6 does not divide the 8 devices .*choose tp, pp and cp",
         ),
         (dict(tp=2, pp=1, dp=2, global_batch=8), r"= 4, but cluster .* has 8 devices.*use dp = 4"),
         (

@@ -171,7 +171,7 @@ def _refusal(rank: int, world_size: int, model_name: str, plan_data: dict[str, A
         ("llama", {"cp_degree": 3, "dp": 1}, "2 x cp_degree = 6 must divide seq_len = 16"),
         ("moe", {"ep_degree": 3, "dp": 3}, "ep_degree = 3 does not divide num_experts = 4"),
         ("llama", {"ep_degree": 2, "dp": 2}, "is dense (no mixture-of-experts layer)"),
-        ("gpt", {"cp_degree": 2, "dp": 1}, "GPT has no RoPE tables"),
+        ("gpt", {"cp_degree": 2, "dp": 1}, "has no RoPE tables (rope_cos/rope_sin buffers)"),
         (
             "moe",
             {"ep_degree": 2, "dp": 2, "ep_folding": True, "zero": 1},

@@ -209,7 +209,9 @@ def test_parallelize_checks_cp_and_ep_plans_before_any_collective() -> None:
     _check_plan(plan, graph, CLUSTER, 8)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match=r"dp x tp x pp x cp = 4 x 1 x 1 x 2 = 8 processes but"):
         _check_plan(plan, graph, CLUSTER, 4)  # type: ignore[arg-type]
-    exported = dataclasses.replace(graph, front_end="export")
+    exported = dataclasses.replace(
+        graph, profile=dataclasses.replace(MOE, exported=True), front_end="export"
+    )
     with pytest.raises(PlanError, match=r"traced with torch\.export"):
         _check_plan(plan, exported, CLUSTER, 8)  # type: ignore[arg-type]
     # ZeRO-1 on DDP would broadcast one rank's experts over the whole dp group

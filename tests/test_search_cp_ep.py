@@ -168,3 +168,45 @@ def test_a_stack_that_folds_gets_folded_plans() -> None:
         assert plan.ep_folding and plan.sequence_parallel, plan
     both = list(strategies(SearchSpace(tp=(2,), ep=(2, 4)), profile, CLUSTER, 32))
     assert {s.ep_folding for s in both} == {False, True}
+
+
+def test_search_keeps_to_what_autoplans_runtime_runs_for_the_model() -> None:
+    """What `parallelize` would refuse for a model (`runtime_refusal`), the search never
+    offers and `Plan.validate` refuses, for plans priced for autoplan's runtime: a GPT (learned
+    positions, no RoPE tables) gets no context parallelism; another stack's pricing may."""
+    from autoplan.contract.errors import PlanError
+    from autoplan.models.spec import build_model
+
+    long = autoplan.trace(build_model("gpt2-small:seq_len=32768"))
+    assert not long.profile.rope_tables and not long.profile.exported
+    plan = autoplan.search(long, "dgx-a100-80g:nodes=4", global_batch=8, budget_s=0)
+    assert plan.cp_degree == 1
+    with pytest.raises(InputError, match=r"has no RoPE tables .* use cp_degree 1"):
+        autoplan.search(long, "dgx-a100-80g:nodes=4", global_batch=8, budget_s=0, cp=4)
+    with pytest.raises(PlanError, match="has no RoPE tables"):
+        autoplan.manual_plan(long, "dgx-a100-80g", cp=4, global_batch=8)
+    priced = autoplan.manual_plan(
+        long, "dgx-a100-80g", cp=4, global_batch=8, framework="megatron-lm"
+    )
+    assert priced.cp_degree == 4
+
+
+def test_search_prices_an_exported_model_as_the_runtime_runs_it() -> None:
+    """A Hugging Face model (torch.export graph): fp32 only, no sequence or context
+    parallelism, on a GPU whose fastest dtype is bf16."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        graph = autoplan.trace(transformers.LlamaForCausalLM(config))
+    assert graph.profile.exported
+    for plan in autoplan.search(graph, "dgx-h100-80g", global_batch=16, budget_s=0, top_k=5):
+        assert plan.dtype == "fp32" and not plan.sequence_parallel and plan.cp_degree == 1
+    with pytest.raises(InputError, match=r"traced with torch\.export in fp32"):
+        autoplan.search(graph, "dgx-h100-80g", global_batch=16, budget_s=0, dtype="bf16")
+    with pytest.raises(InputError, match="inlines its norms"):
+        autoplan.search(graph, "dgx-h100-80g", global_batch=16, sequence_parallel=True, tp=2)

@@ -543,6 +543,10 @@ class Plan:
                     f"{profile.name!r}; use a tp_degree that divides {count}"
                 )
         self._validate_cp_ep(profile)
+        if self.framework == DEFAULT_FRAMEWORK:
+            refusal = runtime_refusal(self, profile)
+            if refusal is not None:
+                raise PlanError(refusal)
         if self.sequence_parallel:
             if self.tp_degree == 1:
                 raise PlanError(
@@ -759,3 +763,37 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
         memory_reserve_bytes=int(result.peak_rank.memory.reserve_bytes),
         memory_capacity_bytes=int(result.memory_capacity_bytes),
     )
+
+
+def runtime_refusal(plan: Any, profile: ModelProfile) -> str | None:
+    """Why autoplan's own runtime cannot run ``plan`` (its ``dtype``, ``tp_degree``,
+    ``sequence_parallel``, ``cp_degree``) on ``profile``'s model, or None: the one statement of
+    the rules that `Plan.validate` (for framework ``autoplan``), the search and `parallelize`
+    apply."""
+    name = profile.name
+    if plan.cp_degree > 1 and profile.exported:
+        return (
+            f"cp_degree = {plan.cp_degree}, but {name!r} was traced with torch.export, whose "
+            "graph fixes the sequence length and position tables that context parallelism "
+            "must split; use cp_degree 1 for this model"
+        )
+    if plan.cp_degree > 1 and not profile.rope_tables:
+        return (
+            f"cp_degree = {plan.cp_degree}, but {name!r} has no RoPE tables (rope_cos/rope_sin "
+            "buffers) for context parallelism to split by position; models with learned "
+            "position embeddings (GPT) are not supported: use cp_degree 1"
+        )
+    if plan.dtype != "fp32" and profile.exported:
+        return (
+            f"dtype = {plan.dtype!r}, but {name!r} was traced with torch.export in fp32, and "
+            "the exported graph pins that dtype (it drops casts that were no-ops in fp32, such "
+            "as an RMSNorm's cast back to the input dtype), so bf16/fp16 weights would meet "
+            "fp32 activations; use dtype 'fp32' for this model"
+        )
+    if plan.sequence_parallel and plan.tp_degree > 1 and profile.exported:
+        return (
+            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {name!r} was traced with "
+            "torch.export, which inlines its norms (sequence parallelism shards norm modules); "
+            "turn sequence_parallel off (tensor parallelism itself works)"
+        )
+    return None

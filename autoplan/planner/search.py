@@ -41,6 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from autoplan.contract.errors import NoFeasiblePlanError
@@ -50,6 +51,7 @@ from autoplan.contract.plan import (
     Recompute,
     StagePlan,
     plan_estimate,
+    runtime_refusal,
 )
 from autoplan.planner.bounds import pipeline_factor, share_range
 from autoplan.planner.partition import (
@@ -211,9 +213,12 @@ def search_plans(
         raise NoFeasiblePlanError(
             f"budget_s={budget_s!r} must be a number of seconds >= 0, or None (until proven)"
         )
-    space = SearchSpace.from_constraints(**constraints).for_cluster(cluster)
-    space.check_cluster(cluster, profile, global_batch)
+    space = SearchSpace.from_constraints(**constraints)
     stack = framework_profile(framework)
+    if stack.name == DEFAULT_FRAMEWORK:
+        space = _within_runtime(space, profile)
+    space = space.for_cluster(cluster)
+    space.check_cluster(cluster, profile, global_batch)
     space = _within_stack(space, stack, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
@@ -910,6 +915,35 @@ def _restricted(
         raise ConstraintError(f"{name}={shown}: {refusal}; allow one of them")
     changes: dict[str, Any] = {name: kept}
     return replace(space, **changes)
+
+
+def _within_runtime(space: SearchSpace, profile: ModelProfile) -> SearchSpace:
+    """``space`` cut to what autoplan's own runtime runs for this model (`runtime_refusal`:
+    a torch.export graph only in fp32, without sequence or context parallelism; context
+    parallelism only with RoPE tables); `ConstraintError` with the runtime's reason where the
+    constraints ask for what it refuses."""
+    exported, cp_ok = profile.exported, profile.rope_tables and not profile.exported
+    limits: list[tuple[str, Any, Any]] = []  # (axis, what is left, a plan it refuses)
+    if exported:
+        limits += [("dtype", "fp32", {"dtype": space.dtype or "bf16"})]
+        limits += [("sequence_parallel", (False,), {"sequence_parallel": True, "tp_degree": 2})]
+    if not cp_ok:
+        limits += [("cp", (1,), {"cp_degree": max(space.cp or (2,))})]
+    for axis, kept, refused in limits:
+        asked = getattr(space, axis)
+        if axis == "dtype":
+            allowed = asked in (None, kept)
+        else:
+            allowed = asked is None or any(choice in kept for choice in asked)
+        if not allowed:
+            plan = {"dtype": "fp32", "sequence_parallel": False, "tp_degree": 1, "cp_degree": 1}
+            reason = runtime_refusal(SimpleNamespace(**{**plan, **refused}), profile)
+            raise ConstraintError(f"{reason}; or price it for another stack (--framework)")
+        if axis != "dtype" and asked is not None:
+            kept = tuple(choice for choice in asked if choice in kept)
+        changes: dict[str, Any] = {axis: kept}
+        space = replace(space, **changes)
+    return space
 
 
 def _within_stack(

@@ -44,7 +44,7 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: i
 
 from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.graph import ModelGraph
-from autoplan.contract.plan import Plan
+from autoplan.contract.plan import Plan, runtime_refusal
 from autoplan.planner.search import search_plans
 from autoplan.tracing import trace
 from cost_model.estimate import estimate
@@ -194,10 +194,9 @@ def _parallelize(
             # selective recompute around FSDP2's experts
             constraints.setdefault("zero", (0, 2, 3))
             constraints.setdefault("recompute", ("none", "full"))
-        if graph.front_end == "export":
-            constraints.setdefault("cp", 1)  # the exported graph fixes the sequence
-            constraints.setdefault("sequence_parallel", False)
-            constraints.setdefault("dtype", "fp32")  # the exported graph pins fp32 (below)
+        # an exported graph's limits (fp32, no sequence or context parallelism) and a model
+        # without RoPE tables (no context parallelism): the search keeps to them itself
+        # (`runtime_refusal`)
         plan = _searched_plan(graph, cluster, global_batch_size, constraints)
         if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
@@ -499,31 +498,16 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
             f"make a plan for {world_size}"
         )
     plan.validate(graph, cluster)
+    # what this runtime cannot run with this model, whatever stack the plan was priced for
+    refusal = runtime_refusal(plan, graph.profile)
+    if refusal is not None:
+        raise PlanError(refusal)
     _check_context_expert(plan, graph)
-    if plan.dtype != "fp32" and graph.front_end == "export":
-        raise PlanError(
-            f"dtype = {plan.dtype!r}, but {graph.profile.name!r} was traced with torch.export "
-            "in fp32, and the exported graph pins that dtype (it drops casts that were no-ops "
-            "in fp32, such as an RMSNorm's cast back to the input dtype), so bf16/fp16 weights "
-            "would meet fp32 activations; use dtype 'fp32' for this model"
-        )
-    if plan.sequence_parallel and plan.tp_degree > 1 and graph.front_end == "export":
-        raise PlanError(
-            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {graph.profile.name!r} "
-            "was traced with torch.export, which inlines its norms (sequence parallelism shards "
-            "norm modules); turn sequence_parallel off (tensor parallelism itself works)"
-        )
 
 
 def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
     """What the cp and ep passes would refuse half-way, refused before any collective
     (`Plan.validate` has checked cp against the sequence and ep against the experts)."""
-    if plan.cp_degree > 1 and graph.front_end == "export":
-        raise PlanError(
-            f"cp_degree = {plan.cp_degree}, but {graph.profile.name!r} was traced with "
-            "torch.export, whose graph fixes the sequence length and position tables that "
-            "context parallelism must split; use cp_degree 1 for this model"
-        )
     if plan.ep_degree > 1 and plan.decisions.dp_wrapper == "ddp" and plan.zero_stage == 1:
         raise PlanError(
             f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
@@ -543,21 +527,6 @@ def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
         )
 
 
-def _check_positions(plan: Plan, model: nn.Module) -> None:
-    """Context parallelism cuts the RoPE tables (``rope_cos``/``rope_sin`` buffers) to each
-    rank's positions; a model without them would restart positions at 0 on every cp rank."""
-    if plan.cp_degree == 1:
-        return
-    if not any(
-        name in ("rope_cos", "rope_sin") for sub in model.modules() for name in sub._buffers
-    ):
-        raise PlanError(
-            f"cp_degree = {plan.cp_degree}, but {type(model).__name__} has no RoPE tables "
-            "(rope_cos/rope_sin buffers) for context parallelism to split by position; models "
-            "with learned position embeddings (GPT) are not supported: use cp_degree 1"
-        )
-
-
 def _has_attention(stage: StageModule) -> bool:
     return any(op.kind == "attention" for unit in stage.units for op in unit.profile.ops)
 
@@ -573,7 +542,6 @@ def _check_before_launch(
     """Every check of ``plan`` that needs no communication, raised alike on every rank."""
     _check_plan(plan, graph, cluster, world_size)
     _check_tensor_parallel(plan, model, graph)
-    _check_positions(plan, model)
     _check_memory(plan, graph, cluster, check_memory)
 
 

@@ -68,6 +68,8 @@ def model_graph(
         num_kv_heads=first_block.tp.num_kv_heads if first_block else None,
         traced_dtype_bytes=_dtype_bytes(graph.model),
         fingerprint=fingerprint(shapes, seq_len=graph.seq_len),
+        exported=graph.traced.front_end == "export",
+        rope_tables=_has_rope_tables(graph.model),
     )
     return ModelGraph(
         profile=profile,
@@ -163,3 +165,9 @@ def _collapse(paths: Sequence[str]) -> tuple[str, ...]:
             kept.append(path)
     order = {path: i for i, path in enumerate(dict.fromkeys(paths))}
     return tuple(sorted(kept, key=order.__getitem__))
+
+
+def _has_rope_tables(model: nn.Module) -> bool:
+    """Whether ``model`` keeps RoPE tables (``rope_cos``/``rope_sin`` buffers, the zoo's), which
+    context parallelism cuts to each rank's positions."""
+    return any(name in ("rope_cos", "rope_sin") for sub in model.modules() for name in sub._buffers)
