@@ -124,7 +124,14 @@ def test_first_incumbent_is_no_slower_than_any_manual_plan() -> None:
     )
     manual = []
     for tp, pp, ep, micro_batch, zero, recompute in itertools.product(
-        (1, 2), (1, 2), (1, 2, 4, 8), (1, 2), (0, 2), ("none", "selective", "full")
+        # no selective recompute: autoplan's runtime refuses it with ep under FSDP2, and the
+        # search leaves it out for MoE models (runtime_refusal)
+        (1, 2),
+        (1, 2),
+        (1, 2, 4, 8),
+        (1, 2),
+        (0, 2),
+        ("none", "full"),
     ):
         if (16 // (tp * pp)) % ep:
             continue
@@ -210,3 +217,21 @@ def test_search_prices_an_exported_model_as_the_runtime_runs_it() -> None:
         autoplan.search(graph, "dgx-h100-80g", global_batch=16, budget_s=0, dtype="bf16")
     with pytest.raises(InputError, match="inlines its norms"):
         autoplan.search(graph, "dgx-h100-80g", global_batch=16, sequence_parallel=True, tp=2)
+
+
+def test_a_moe_search_leaves_out_what_expert_parallelism_breaks() -> None:
+    """autoplan's runtime refuses ZeRO-1 (DDP + ZeroRedundancyOptimizer) and selective
+    recompute under FSDP2 with expert parallelism: the search offers neither for a MoE model
+    (as parallelize's own search), and asking for them names why."""
+    profile = with_routed_experts(
+        gpt_profile(num_layers=2, s=1024, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
+    )
+    plans = search_plans(profile, CLUSTER, global_batch=32, budget_s=None, top_k=8, ep=2).plans
+    assert len(plans) > 1 and all(plan.ep_degree == 2 for plan in plans)
+    for plan in plans:
+        assert plan.zero_stage != 1
+        assert all(stage.recompute != "selective" for stage in plan.stages)
+    with pytest.raises(InputError, match=r"zero=1: autoplan's runtime runs a mixture-of-experts"):
+        search_plans(profile, CLUSTER, global_batch=32, budget_s=0, zero=1)
+    # priced for another stack, the search may offer them
+    search_plans(profile, CLUSTER, global_batch=32, budget_s=0, zero=1, framework="megatron-lm")

@@ -767,9 +767,9 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
 
 def runtime_refusal(plan: Any, profile: ModelProfile) -> str | None:
     """Why autoplan's own runtime cannot run ``plan`` (its ``dtype``, ``tp_degree``,
-    ``sequence_parallel``, ``cp_degree``) on ``profile``'s model, or None: the one statement of
-    the rules that `Plan.validate` (for framework ``autoplan``), the search and `parallelize`
-    apply."""
+    ``sequence_parallel``, ``cp_degree``; for a `Plan`, its expert parallelism with its ZeRO
+    wrapper and recompute) on ``profile``'s model, or None: the one statement of the rules that
+    `Plan.validate` (for framework ``autoplan``), the search and `parallelize` apply."""
     name = profile.name
     if plan.cp_degree > 1 and profile.exported:
         return (
@@ -796,4 +796,23 @@ def runtime_refusal(plan: Any, profile: ModelProfile) -> str | None:
             "torch.export, which inlines its norms (sequence parallelism shards norm modules); "
             "turn sequence_parallel off (tensor parallelism itself works)"
         )
+    if plan.ep_degree > 1 and isinstance(plan, Plan):
+        wrapper = plan.decisions.dp_wrapper
+        if wrapper == "ddp" and plan.zero_stage == 1:
+            return (
+                f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
+                "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
+                "holding others (it broadcasts each updated parameter over the whole "
+                "data-parallel group); use zero_stage 0 or 2"
+            )
+        selective = any(stage.recompute == "selective" for stage in plan.stages)
+        if selective and wrapper in ("fsdp", "replicate"):
+            return (
+                f"recompute 'selective' with ep_degree = {plan.ep_degree} under FSDP2 "
+                f"({plan.zero_text}): the experts are wrapped on their own (their data-parallel "
+                "group differs from the block's), so FSDP2's hooks run inside the selectively "
+                "recomputed block and the recompute diverges from the forward; use recompute "
+                "'full' or 'none' on those stages, or zero_stage 0 without tensor or pipeline "
+                "parallelism (DDP)"
+            )
     return None

@@ -929,6 +929,11 @@ def _within_runtime(space: SearchSpace, profile: ModelProfile) -> SearchSpace:
         limits += [("sequence_parallel", (False,), {"sequence_parallel": True, "tp_degree": 2})]
     if not cp_ok:
         limits += [("cp", (1,), {"cp_degree": max(space.cp or (2,))})]
+    if profile.moe_layers:
+        # expert parallelism runs neither on DDP + ZeroRedundancyOptimizer (ZeRO-1) nor with
+        # selective recompute around FSDP2's separately wrapped experts: a MoE model's search
+        # leaves both out, as parallelize's own always has
+        limits += [("zero", (0, 2, 3), None), ("recompute", ("none", "full"), None)]
     for axis, kept, refused in limits:
         asked = getattr(space, axis)
         if axis == "dtype":
@@ -936,8 +941,16 @@ def _within_runtime(space: SearchSpace, profile: ModelProfile) -> SearchSpace:
         else:
             allowed = asked is None or any(choice in kept for choice in asked)
         if not allowed:
-            plan = {"dtype": "fp32", "sequence_parallel": False, "tp_degree": 1, "cp_degree": 1}
-            reason = runtime_refusal(SimpleNamespace(**{**plan, **refused}), profile)
+            if refused is None:
+                reason = (
+                    f"{axis}={_shown(asked)}: autoplan's runtime runs a mixture-of-experts model "
+                    "without ZeRO-1 and selective recompute (with expert parallelism they break "
+                    f"its wrappers); allow {_shown(kept)}"
+                )
+            else:
+                plan = {"dtype": "fp32", "sequence_parallel": False, "tp_degree": 1}
+                plan |= {"cp_degree": 1, "ep_degree": 1}
+                reason = str(runtime_refusal(SimpleNamespace(**{**plan, **refused}), profile))
             raise ConstraintError(f"{reason}; or price it for another stack (--framework)")
         if axis != "dtype" and asked is not None:
             kept = tuple(choice for choice in asked if choice in kept)

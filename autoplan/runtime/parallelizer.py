@@ -189,11 +189,6 @@ def _parallelize(
             constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
         if _layers_tp_cannot_shard(model, graph):
             constraints.setdefault("tp", 1)
-        if graph.profile.moe_layers:
-            # what expert parallelism cannot run with (`_check_context_expert`): ZeRO-1 on DDP,
-            # selective recompute around FSDP2's experts
-            constraints.setdefault("zero", (0, 2, 3))
-            constraints.setdefault("recompute", ("none", "full"))
         # an exported graph's limits (fp32, no sequence or context parallelism) and a model
         # without RoPE tables (no context parallelism): the search keeps to them itself
         # (`runtime_refusal`)
@@ -502,29 +497,6 @@ def _check_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, world_size: int
     refusal = runtime_refusal(plan, graph.profile)
     if refusal is not None:
         raise PlanError(refusal)
-    _check_context_expert(plan, graph)
-
-
-def _check_context_expert(plan: Plan, graph: ModelGraph) -> None:
-    """What the cp and ep passes would refuse half-way, refused before any collective
-    (`Plan.validate` has checked cp against the sequence and ep against the experts)."""
-    if plan.ep_degree > 1 and plan.decisions.dp_wrapper == "ddp" and plan.zero_stage == 1:
-        raise PlanError(
-            f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
-            "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
-            "holding others (it broadcasts each updated parameter over the whole data-parallel "
-            "group); use zero_stage 0 or 2"
-        )
-    selective = any(stage.recompute == "selective" for stage in plan.stages)
-    if plan.ep_degree > 1 and selective and plan.decisions.dp_wrapper in ("fsdp", "replicate"):
-        raise PlanError(
-            f"recompute 'selective' with ep_degree = {plan.ep_degree} under FSDP2 "
-            f"({plan.zero_text}): the experts are wrapped on their own (their data-parallel "
-            "group differs from the block's), so FSDP2's hooks run inside the selectively "
-            "recomputed block and the recompute diverges from the forward; use recompute "
-            "'full' or 'none' on those stages, or zero_stage 0 without tensor or pipeline "
-            "parallelism (DDP)"
-        )
 
 
 def _has_attention(stage: StageModule) -> bool:
