@@ -122,8 +122,24 @@ class LinkSpec:
             raise ValueError(
                 f"bandwidth_bytes_per_s = {self.bandwidth_bytes_per_s!r} must be positive"
             )
+        # Beyond these no link is built (a modem's kB/s, a chip's PB/s; a minute a message):
+        # a value out there is a slip of units, and it would overflow the step time.
+        if not _MIN_BANDWIDTH <= self.bandwidth_bytes_per_s <= _MAX_BANDWIDTH:
+            raise ValueError(
+                f"bandwidth_bytes_per_s = {self.bandwidth_bytes_per_s:g} is outside "
+                f"[{_MIN_BANDWIDTH:g}, {_MAX_BANDWIDTH:g}] bytes/s; check its unit "
+                "(e.g. '400GB/s')"
+            )
         if self.latency_s < 0:
             raise ValueError(f"latency_s = {self.latency_s!r} must be >= 0")
+        if self.latency_s > _MAX_LATENCY_S:
+            raise ValueError(
+                f"latency_s = {self.latency_s:g} s is over {_MAX_LATENCY_S:g} s; check its unit "
+                "(e.g. '5us')"
+            )
+
+
+_MIN_BANDWIDTH, _MAX_BANDWIDTH, _MAX_LATENCY_S = 1e3, 1e15, 60.0
 
 
 # The most devices a cluster may have: 2^20, ten times the largest training clusters built by
@@ -223,7 +239,7 @@ class Cluster:
     # ----------------------------------------------------------------------------- presets
 
     @classmethod
-    def preset(cls, name: str, nodes: int = 1, **overrides: object) -> Cluster:
+    def preset(cls, name: str, /, nodes: int = 1, **overrides: object) -> Cluster:
         """A shipped preset (one node as described by its vendor) scaled to ``nodes`` nodes.
 
         ``overrides`` use the flat keys of `OVERRIDE_KEYS`, e.g. ``inter_node_bandwidth="50GB/s"``.

@@ -124,6 +124,18 @@ def check_writable(path: str | Path, what: str, *, create_folder: bool = False) 
         )
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise SchemaError(f"{what} {str(target)!r} is not writable; choose another path")
+    # os.access says yes for root where the file system says no (/proc, a read-only mount):
+    # open it for appending, and remove it again if it was not there
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as error:
+        raise SchemaError(
+            f"{what} {str(target)!r} is not writable ({error.strerror}); choose another path"
+        ) from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def write_yaml(path: str | Path, data: object, header: str = "") -> None:

@@ -63,6 +63,11 @@ def test_cluster_show_table_and_json() -> None:
     assert data["device"]["memory_bytes"] == 80 * 2**30
 
 
+def test_a_cluster_may_be_renamed_by_an_override() -> None:
+    data = json.loads(run_cli("cluster", "show", "dgx-a100-80g:name=mine", "--json").stdout)
+    assert data["name"] == "mine" and data["num_devices"] == 8
+
+
 def test_cluster_show_from_file(tmp_path: Path) -> None:
     path = tmp_path / "mine.yaml"
     assert run_cli("cluster", "show", "dgx-h100-80g:nodes=2", "--json").returncode == 0
@@ -113,6 +118,28 @@ def test_validate_accepts_and_reports(tmp_path: Path) -> None:
         (("validate", "/tmp", "--cluster", "local"), "plan file '/tmp' is a directory"),
         (("cluster", "show", "dgx-a100-80g:nodes=x"), "nodes='x': expected a whole number"),
         (("cluster", "show", "dgx-a100-80g:memory=nan"), "memory='nan': cannot read 'nan'"),
+        (
+            ("cluster", "show", "dgx-a100-80g:inter_node_bandwidth=1e-300"),
+            "bandwidth_bytes_per_s = 1e-300 is outside [1000, 1e+15] bytes/s; check its unit",
+        ),
+        (
+            ("cluster", "show", "dgx-a100-80g:intra_node_latency=3600"),
+            "latency_s = 3600 s is over 60 s; check its unit",
+        ),
+        (
+            (
+                "plan",
+                "--model",
+                "gpt2-small",
+                "--cluster",
+                "dgx-a100-80g",
+                "--global-batch",
+                "8",
+                "-o",
+                "/proc/autoplan-plan.yaml",
+            ),
+            "-o/--output '/proc/autoplan-plan.yaml'",  # not writable (Linux), or no such folder
+        ),
         (
             (*ESTIMATE, "--global-batch", "8", "--dp", "3"),
             "dp x tp x pp = 3 x 1 x 1 = 3, but cluster 'dgx-a100-80g' has 8 devices; with tp = 1 "

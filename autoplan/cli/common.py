@@ -20,8 +20,19 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print machin
 
 
 def emit_json(data: object) -> None:
-    """Print ``data`` as JSON on stdout (the ``--json`` output of every command)."""
-    click.echo(json.dumps(data, indent=2))
+    """Print ``data`` as JSON on stdout (the ``--json`` output of every command): strict JSON,
+    so a number too large for a float (a cost at absurd token counts) is null, not Infinity."""
+    click.echo(json.dumps(_finite(data), indent=2, allow_nan=False))
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def console() -> Console:

@@ -42,6 +42,8 @@ from autoplan.cli.common import (
     search_options,
     trace_spec,
 )
+from cost_model.errors import SchemaError
+from cost_model.schema import check_writable
 
 PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -253,6 +255,10 @@ def check_picture_path(path: str, option: str) -> None:
         )
     if not target.parent.is_dir():
         raise WhatIfInputError(f"{option} {path!r}: folder {str(target.parent)!r} does not exist")
+    try:
+        check_writable(target, option)
+    except SchemaError as error:
+        raise WhatIfInputError(str(error)) from None
 
 
 def _plan_cell(row: WhatIfRow) -> str:
@@ -295,7 +301,9 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
     for index, cluster in enumerate(clusters):
         rows = [row for row in result.rows if row.cluster == cluster]
         table = compact_table(
-            f"best plan per size: {cluster} ({rows[0].devices_per_node} devices per node, "
+            # a size below a node is priced on part of one: the largest row's is the node's
+            f"best plan per size: {cluster} ({max(r.devices_per_node for r in rows)} devices "
+            "per node, "
             f"{fmt_bytes(rows[0].memory_capacity_bytes)} each)",
             caption=(
                 "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "

@@ -370,9 +370,9 @@ class Plan:
             next_unit = stage.last_unit + 1
         if self.model is not None and next_unit != self.model.num_units:
             raise PlanError(
-                f"stages end at unit {next_unit - 1} but model {self.model.name!r} has "
-                f"{self.model.num_units} units (0..{self.model.num_units - 1}); "
-                "extend the last stage's last_unit"
+                f"stages end at unit {next_unit - 1} but the plan's model.num_units = "
+                f"{self.model.num_units} (units 0..{self.model.num_units - 1}); extend the last "
+                "stage's last_unit, or correct model.num_units"
             )
 
     # ----------------------------------------------------------------------------- derived
