@@ -986,6 +986,12 @@ def framework_profile(spec: str) -> FrameworkProfile:
                 f"framework {spec!r}: {name} has no option {item!r}; "
                 + (f"its options: {known}" if known else "it takes no options")
             )
+        earlier = next((g for g in given if g.partition("=")[0] == key), None)
+        if earlier is not None:
+            raise FrameworkError(
+                f"framework {spec!r}: option {key!r} is given twice ({earlier}, {key}={value}); "
+                "give it once"
+            )
         changes.update(choices[value])
         given.append(f"{key}={value}")
     if not given:

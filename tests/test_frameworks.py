@@ -195,6 +195,8 @@ def test_a_stacks_own_flags_are_options_of_its_profile(graph: Any) -> None:
         framework_profile("megatron-lm-2021:ddp=apex")
     with pytest.raises(FrameworkError, match="torchtitan has no option 'ddp=torch'; it takes no"):
         framework_profile("torchtitan:ddp=torch")
+    with pytest.raises(FrameworkError, match=r"option 'ddp' is given twice \(ddp=local, ddp=torch"):
+        framework_profile("megatron-lm-2021:ddp=local,ddp=torch")
 
 
 def test_the_framework_is_recorded_and_searches_price_for_it(graph: Any, tmp_path: Path) -> None:

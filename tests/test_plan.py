@@ -233,7 +233,7 @@ BAD_PLANS: list[tuple[str, dict[str, Any], str]] = [
     (
         "model units not covered",
         {"model": {"name": "gpt", "num_units": 8, "seq_len": 64}},
-        "stages end at unit 5 but model 'gpt' has 8 units",
+        "stages end at unit 5 but the plan's model.num_units = 8 (units 0..7)",
     ),
     ("schema version", {"schema_version": 2}, "schema_version 2"),
     ("bad estimate", {"estimate": {"cluster": "x"}}, "missing required key 'estimate.num_devices'"),

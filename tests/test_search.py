@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from autoplan.contract.errors import NoFeasiblePlanError
+from autoplan.contract.errors import NoFeasiblePlanError, PlanError
 from autoplan.contract.plan import Plan, StagePlan
 from autoplan.planner.partition import evaluate
 from autoplan.planner.search import (
@@ -208,6 +208,20 @@ def test_errors_name_what_fails_and_only_that() -> None:
         NoFeasiblePlanError, match=r"with the constraints pp=2; .*or relax the constraints"
     ):
         search_plans(profile, round_cluster(num_nodes=4), global_batch=1, pp=2)
+
+
+def test_bf16_needs_a_device_that_states_it() -> None:
+    """A V100 states fp16 tensor cores and no bf16: a bf16 plan would be priced at the fp16
+    rate it cannot have, so search and manual plans refuse it."""
+    from autoplan import manual_plan
+
+    profile = gpt_profile(num_layers=2)
+    v100 = Cluster.preset("dgx2-v100-32g")
+    with pytest.raises(ConstraintError, match=r"dtype=bf16: V100-SXM3-32GB states no bf16"):
+        search_plans(profile, v100, global_batch=16, dtype="bf16")
+    with pytest.raises(PlanError, match=r"use dtype 'fp16'"):
+        manual_plan(profile, v100, global_batch=16, dtype="bf16")
+    assert search_plans(profile, v100, global_batch=16, budget_s=0).plans[0].dtype == "fp16"
 
 
 def test_cross_node_tp_needs_permission() -> None:

@@ -219,6 +219,13 @@ def search_plans(
         space = _within_runtime(space, profile)
     space = space.for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
+    device = cluster.device
+    rates = device.peak_flops
+    if space.dtype == "bf16" and device.kind == "gpu" and "bf16" not in rates and "fp16" in rates:
+        raise ConstraintError(
+            f"dtype=bf16: {device.name} states no bf16 rate, only fp16 (a V100 has no bf16 "
+            "tensor cores); pass dtype='fp16' (--dtype fp16)"
+        )
     space = _within_stack(space, stack, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
