@@ -75,11 +75,31 @@ def to_data(obj: object) -> Any:
     return obj
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the safe loader keeps
+    the last one silently: a hand edit that adds ``dp_degree: 4`` under ``dp_degree: 2``)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path, what: str) -> object:
     """Parse a YAML file; a missing file or bad syntax raises SchemaError naming the file."""
     path = Path(path)
     if path.is_dir():
         raise SchemaError(f"{what} file {str(path)!r} is a directory; pass a YAML file")
+    if path.exists() and not path.is_file():  # /dev/zero would be read for ever
+        raise SchemaError(f"{what} file {str(path)!r} is not a regular file; pass a YAML file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -93,7 +113,7 @@ def read_yaml(path: str | Path, what: str) -> object:
     if not text.strip():
         raise SchemaError(f"{what} file {str(path)!r} is empty")
     try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""

@@ -116,6 +116,7 @@ def test_validate_accepts_and_reports(tmp_path: Path) -> None:
             "plan file '/no/such/plan.yaml' does not exist",
         ),
         (("validate", "/tmp", "--cluster", "local"), "plan file '/tmp' is a directory"),
+        (("validate", "/dev/zero", "--cluster", "local"), "'/dev/zero' is not a regular file"),
         (("cluster", "show", "dgx-a100-80g:nodes=x"), "nodes='x': expected a whole number"),
         (("cluster", "show", "dgx-a100-80g:memory=nan"), "memory='nan': cannot read 'nan'"),
         (
@@ -183,7 +184,12 @@ def test_plan_errors_are_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("content", "fragment"),
-    [(b"", "is empty"), (b"# only a comment\n", "is empty"), (b"\xff\xfe", "is not UTF-8")],
+    [
+        (b"", "is empty"),
+        (b"# only a comment\n", "is empty"),
+        (b"\xff\xfe", "is not UTF-8"),
+        (b"name: a\nname: b\n", "at line 2: key 'name' is given twice; keep one"),
+    ],
 )
 def test_unreadable_files_say_why(tmp_path: Path, content: bytes, fragment: str) -> None:
     path = tmp_path / "file.yaml"
