@@ -71,11 +71,12 @@ def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         ["trace", "--model", "gpt2-small", "--all"],
         ["trace", "--model", "llama3-405b"],
+        ["trace", "--model", "deepseek-moe-16b"],  # its experts' line
         ["models"],
         ["cluster", "list"],
         ["cluster", "show", "dgx2-v100-32g"],
     ],
-    ids=lambda args: " ".join(args[:2]),
+    ids=lambda args: " ".join(args[:3]),
 )
 def test_command_output_fits_100_columns(args: list[str], plan_file: Path) -> None:
     result = CliRunner().invoke(cli, [a.replace("{plan}", str(plan_file)) for a in args])

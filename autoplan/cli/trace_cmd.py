@@ -78,7 +78,7 @@ def trace(
     out.print(trace_table(data, collapse=not show_all))
     out.print(LEGEND, markup=False)
     for line in moe_lines(data):
-        out.print(line, markup=False, soft_wrap=True)
+        out.print(line, markup=False)  # wrapped at the console's width, as the legend
     shared = [u for u in data["units"] if u["num_params_shared"]]
     for unit in shared:
         out.print(
