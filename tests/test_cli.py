@@ -261,3 +261,23 @@ def test_a_plan_estimate_prints_as_a_sentence() -> None:
         "on 64 dgx-a100-80g devices: a step takes 3.99 s (131,539 tokens/s, MFU 57.4%); peak "
         "memory predicted 74 GiB + 6 GiB reserve/margin of 80 GiB (fits)"
     )
+
+
+def test_validate_names_the_capacity_a_plan_was_made_for(tmp_path: Path) -> None:
+    """A plan made with a memory override, validated against the plain preset its file
+    names: the refusal says which capacity the plan was made for."""
+    from autoplan import manual_plan
+    from autoplan.models.spec import build_model
+    from autoplan.tracing import trace
+
+    graph = trace(build_model("llama3-8b"))
+    big = "dgx-h100-80g:nodes=2,memory=160GiB"
+    plan = manual_plan(graph, big, dp=16, global_batch=128, recompute="none", zero=1)
+    assert plan.estimate is not None
+    assert 80 * 2**30 < plan.estimate.peak_memory_bytes < 160 * 2**30
+    path = tmp_path / "big.yaml"
+    plan.to_yaml(path)
+    _assert_user_error(
+        run_cli("validate", str(path)),
+        "the plan was made for devices of 160 GiB, its estimate.memory_capacity_bytes",
+    )

@@ -18,6 +18,7 @@ from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from autoplan.export.checks import check_memory
 from cost_model.hardware import load_cluster
+from cost_model.results import MemoryCapacityError
 
 
 @click.command()
@@ -77,7 +78,19 @@ def validate(
     plan.validate(profile, target, allow_cross_node_tp=allow_cross_node_tp)
     peak = None
     if profile is not None:
-        memory = check_memory(plan, profile, target, allow_over_memory=allow_over_memory)
+        try:
+            memory = check_memory(plan, profile, target, allow_over_memory=allow_over_memory)
+        except MemoryCapacityError as error:
+            recorded = plan.estimate.memory_capacity_bytes if plan.estimate else 0
+            if not recorded or recorded == target.device.memory_bytes:
+                raise
+            gib = 2.0**30
+            raise MemoryCapacityError(
+                f"{error} (the plan was made for devices of {recorded / gib:g} GiB, its "
+                f"estimate.memory_capacity_bytes, and {target.name} has "
+                f"{target.device.memory_bytes / gib:g} GiB: pass --cluster with the overrides "
+                "it was made with, e.g. memory=...)"
+            ) from None
         peak = memory.peak_memory_bytes
         if not memory.fits:
             memory_note = f"WARNING (--allow-over-memory): {memory.problem}"
