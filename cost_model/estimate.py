@@ -778,8 +778,15 @@ _unit_content = operator.attrgetter(
 
 
 def _unit_key(unit: UnitProfile) -> tuple[object, ...]:
-    """A unit's content without its names, as a hashable value."""
-    return (_unit_content(unit), tuple(_op_content(op) for op in unit.ops))
+    """A unit's content without its names, as a hashable value (a MoE layer's experts op by
+    its place among the ops: its name carries the block index too)."""
+    content = _unit_content(unit)
+    moe = unit.moe
+    if moe is not None:
+        place = next((i for i, op in enumerate(unit.ops) if op.name == moe.experts_op), -1)
+        anonymous = dataclasses.replace(moe, experts_op=f"#{place}")
+        content = tuple(anonymous if value is moe else value for value in content)
+    return (content, tuple(_op_content(op) for op in unit.ops))
 
 
 def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
