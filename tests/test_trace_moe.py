@@ -241,3 +241,15 @@ def test_the_cost_model_reads_the_traced_experts() -> None:
     eight = autoplan.estimate(graph, cluster, autoplan.manual_plan(graph, cluster, ep=8, **args))
     assert eight.peak_memory_bytes < one.peak_memory_bytes
     assert eight.stages[0].ep_comm_s > 0 == one.stages[0].ep_comm_s
+
+
+def test_identical_moe_blocks_share_one_unit_class() -> None:
+    """The cost model prices a class of identical units once (`unit_classes`); the experts
+    op's name carries its block's index and must not make each MoE block a class of its own
+    (mixtral-8x7b's search spent 16 s pricing 32 copies)."""
+    from cost_model.estimate import unit_classes
+
+    profile = traced_preset("mixtral-8x7b").profile
+    classes = unit_classes(profile)
+    blocks = [i for i, unit in enumerate(profile.units) if unit.moe is not None]
+    assert len(blocks) == 32 and {classes[i] for i in blocks} == {blocks[0]}
