@@ -63,7 +63,7 @@ def calibrate_cmd(
         TimeElapsedColumn(),
         console=out,
         transient=True,
-        disable=as_json,
+        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
     ) as bar:
         task = bar.add_task("calibrating", total=1.0)
 

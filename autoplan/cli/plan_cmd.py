@@ -88,7 +88,7 @@ def plan_cmd(
         TimeElapsedColumn(),
         console=out,
         transient=True,
-        disable=as_json,
+        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
     ) as progress:
         task = progress.add_task(f"searching plans for {profile.name} on {target.name}", total=None)
 

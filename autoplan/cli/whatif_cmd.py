@@ -134,7 +134,7 @@ def whatif_cmd(
         TimeElapsedColumn(),
         console=out,
         transient=True,
-        disable=as_json,
+        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
     ) as progress:
         task = progress.add_task("what-if", total=len(specs) * len(sizes))
 
