@@ -220,6 +220,7 @@ def test_a_nul_byte_in_a_path_option_is_one_line(in_tmp_dir: Path) -> None:
         ("estimate", "--tp", "0"),
         ("plan", "--micro-batch", "0"),
         ("plan", "--dp", "2,-8"),
+        ("plan", "--tp", "1,,2"),  # an empty item: not read as "1,2"
     ],
 )
 def test_a_degree_or_batch_below_one_names_its_flag(command: str, option: str, value: str) -> None:

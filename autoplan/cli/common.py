@@ -56,13 +56,15 @@ def int_list(
     """Parse ``"2,4,8"`` into (2, 4, 8) for options that allow several values."""
     if value is None:
         return None
+    parts = [part.strip() for part in value.split(",")]
+    if not any(parts):
+        raise click.BadParameter("give at least one value")
+    if not all(parts):
+        raise click.BadParameter(f"{value!r} has an empty item; write e.g. '2,4,8'")
     try:
-        values = tuple(int(part) for part in value.split(",") if part.strip())
+        return tuple(int(part) for part in parts)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-    if not values:
-        raise click.BadParameter("give at least one value")
-    return values
 
 
 def positive_int_list(

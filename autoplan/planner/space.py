@@ -211,7 +211,7 @@ def _normalise(key: str, value: Any) -> Any:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero" else 1):
                 raise ConstraintError(f"{key}={value!r}: values must be whole numbers >= 1")
         if key == "zero" and any(v > 3 for v in values):
-            raise ConstraintError(f"zero={value!r}: ZeRO levels are 0, 1, 2, 3")
+            raise ConstraintError(f"zero={_show(values)}: ZeRO levels are 0, 1, 2, 3")
         return values
     if key in ("max_tp", "max_pp", "max_micro_batch", "cp_min_seq_len", "cp_min_local_tokens"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
