@@ -159,3 +159,13 @@ def test_a_sequence_past_the_learned_positions_is_refused() -> None:
                        r"positions of GPT2LMHeadModel \(transformer.wpe"):  # fmt: skip
         trace(_hf_gpt2(), seq_len=2 * S)
     assert trace(_hf_gpt2(), seq_len=S).profile.units
+
+
+def test_an_encoder_decoder_model_is_refused_by_name() -> None:
+    from autoplan.contract.errors import TraceError
+
+    config = transformers.T5Config(num_layers=1, d_model=H, num_heads=HEADS, d_ff=128, vocab_size=V)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(TraceError, match=r"T5ForConditionalGeneration is an encoder-decoder"):
+        trace(model, seq_len=S)

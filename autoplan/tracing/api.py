@@ -223,15 +223,26 @@ def _resolve_inputs(
     if seq_len is not None:
         _check_positive("seq_len", seq_len)
     config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) is True:
+        raise TraceError(
+            f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder): "
+            "autoplan plans models that run as one stack of blocks over input_ids (decoder-only "
+            "or encoder-only Transformers); trace its encoder or decoder on its own"
+        )
     max_len = config_int(config, ("seq_len",))
     if example_inputs is None:
         length = seq_len if seq_len is not None else config_int(config, _SEQ_LEN_KEYS)
         vocab = config_int(config, ("vocab_size",))
         if length is None or vocab is None:
+            missing = " and ".join(
+                name
+                for name, found in (("config.seq_len", length), ("config.vocab_size", vocab))
+                if found is None
+            )
             raise TraceError(
-                f"cannot build example inputs for {type(model).__name__}: it has no "
-                "config.seq_len and config.vocab_size; pass example_inputs=(input_ids,) or "
-                "seq_len=... (with a config.vocab_size)"
+                f"cannot build example inputs for {type(model).__name__}: it has no {missing}; "
+                "pass seq_len=... (and a config with vocab_size), or "
+                "example_inputs=(input_ids,)"
             )
         ids = torch.zeros((batch_size, length), dtype=torch.long, device=_model_device(model))
         args: tuple[Any, ...] = (ids,)
