@@ -173,8 +173,10 @@ def check_schema_version(data: object, supported: int, what: str) -> dict[str, A
     if version is None:
         raise SchemaError(f"{what} has no 'schema_version'; add 'schema_version: {supported}'")
     if version != supported:
+        kind = "" if isinstance(version, int) else f" (a {type(version).__name__}, not a number)"
         raise SchemaError(
-            f"{what} has schema_version {version!r}; this autoplan reads version {supported}"
+            f"{what} has schema_version {version!r}{kind}; this autoplan reads version "
+            f"{supported}: write 'schema_version: {supported}'"
         )
     return body
 

@@ -236,6 +236,7 @@ BAD_PLANS: list[tuple[str, dict[str, Any], str]] = [
         "stages end at unit 5 but the plan's model.num_units = 8 (units 0..7)",
     ),
     ("schema version", {"schema_version": 2}, "schema_version 2"),
+    ("schema version string", {"schema_version": "1"}, "'1' (a str, not a number)"),
     ("bad estimate", {"estimate": {"cluster": "x"}}, "missing required key 'estimate.num_devices'"),
 ]
 

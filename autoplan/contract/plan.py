@@ -530,6 +530,12 @@ class Plan:
     def _validate_model(self, profile: ModelProfile) -> None:
         model = self.model
         if model and model.fingerprint and profile.fingerprint != model.fingerprint:
+            if model.name == profile.name:
+                raise PlanError(
+                    f"plan's model.fingerprint {model.fingerprint} is not that of model "
+                    f"{profile.name!r} ({profile.fingerprint}): the model changed since the plan "
+                    "was made, or the file's model section was edited; search a new plan"
+                )
             raise PlanError(
                 f"plan was made for model {model.name!r} (fingerprint {model.fingerprint}), "
                 f"not {profile.name!r} (fingerprint {profile.fingerprint}); "

@@ -122,7 +122,8 @@ class SearchSpace:
         if self.micro_batch is not None and min(self.micro_batch) > self.max_micro_batch:
             raise ConstraintError(
                 f"micro_batch={_show(self.micro_batch)} contradicts "
-                f"max_micro_batch={self.max_micro_batch}"
+                f"max_micro_batch={self.max_micro_batch} (the search's largest micro-batch; "
+                "autoplan.search(..., max_micro_batch=N) raises it)"
             )
         virtual = self.virtual_stages or (1,)
         multi = [s for s in self.schedules if s not in ("gpipe", "1f1b")]
