@@ -212,8 +212,8 @@ def test_a_cluster_object_is_a_template_for_its_node(profile: ModelProfile) -> N
         (dict(num_devices=[12]), WhatIfInputError, "num_devices 12 is not whole nodes of"),
         (dict(num_devices=[0]), WhatIfInputError, "must be whole numbers >= 1"),
         (dict(num_devices=[]), WhatIfInputError, "num_devices is empty"),
-        (dict(tokens=-1.0), WhatIfInputError, "tokens = -1.0 must be a positive number"),
-        (dict(tokens=math.nan), WhatIfInputError, "must be a positive number"),
+        (dict(tokens=-1.0), WhatIfInputError, "tokens = -1.0 must be a finite positive number"),
+        (dict(tokens=math.nan), WhatIfInputError, "must be a finite positive number"),
         (dict(tokens="lots"), WhatIfInputError, "is not a number"),
         (dict(tokens=1e9, price_per_device_hour=0), WhatIfInputError, "price_per_device_hour"),
         (dict(price_per_device_hour=2.0), WhatIfInputError, "needs tokens"),
@@ -461,7 +461,7 @@ def _one_line_error(result: Any, fragment: str) -> None:
     [
         (["--num-devices", "12,20"], "num_devices 12, 20 are not whole nodes of 'dgx-a100-80g'"),
         (["--num-devices", "8,x"], "'x' is not a whole number"),
-        (["--num-devices", "8", "--tokens", "-3"], "--tokens = '-3' must be a positive number"),
+        (["--num-devices", "8", "--tokens", "-3"], "--tokens = '-3' must be a finite positive number"),
         (
             ["--num-devices", "8", "--tokens", "1e9", "--price-per-device-hour", "free"],
             "not a number",

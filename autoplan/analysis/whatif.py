@@ -340,7 +340,9 @@ def parse_positive(text: str | float | int, what: str, *, example: str) -> float
                 f"{what} = {text!r} is not a number; write e.g. {example}"
             ) from None
     if not math.isfinite(value) or value <= 0:
-        raise WhatIfInputError(f"{what} = {text!r} must be a positive number, e.g. {example}")
+        raise WhatIfInputError(
+            f"{what} = {text!r} must be a finite positive number, e.g. {example}"
+        )
     return value
 
 

@@ -34,7 +34,10 @@ def check_positive_ints(owner: str, fields: Iterable[tuple[str, object]]) -> Non
                 f"{owner}.{name} must be a positive int, got {value!r} ({type(value).__name__})"
             )
         if value <= 0:
-            raise ModelSpecError(f"{owner}.{name} must be a positive int, got {value}")
+            raise ModelSpecError(
+                f"{owner}.{name} must be a positive int, got {value}; give it 1 or more (e.g. "
+                f"--model NAME:{name}=...)"
+            )
         if value > MAX_SIZE.get(name, 2**40):
             raise ModelSpecError(
                 f"{owner}.{name} = {value:,} is more than the {MAX_SIZE.get(name, 2**40):,} "

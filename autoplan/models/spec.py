@@ -55,6 +55,11 @@ _DTYPES = {
     "half": torch.float16,
 }
 _EXAMPLE = "gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200"
+# a builder's own example where its required keys differ from gpt's (Mixtral 8x7B's sizes)
+_EXAMPLES = {
+    "moe": "moe:num_layers=32,hidden_size=4096,num_heads=32,seq_len=4096,vocab_size=32000,"
+    "num_experts=8,top_k=2,moe_ffn_hidden_size=14336",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,9 +156,10 @@ def parse_model_spec(spec: str) -> ModelSpec:
     if name in BUILDERS:
         missing = [k for k in _required_keys(name) if k not in overrides]
         if missing:
+            example = _EXAMPLES.get(name, _EXAMPLE)
             raise ModelSpecError(
                 f"model builder {name!r} needs {', '.join(_required_keys(name))}; missing: "
-                f"{', '.join(missing)} (e.g. {_EXAMPLE}); optional keys: "
+                f"{', '.join(missing)} (e.g. {example}); optional keys: "
                 f"{', '.join(k for k in keys if k not in _required_keys(name))}"
             )
     return ModelSpec(name=name, overrides=overrides)
