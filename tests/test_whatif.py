@@ -461,7 +461,10 @@ def _one_line_error(result: Any, fragment: str) -> None:
     [
         (["--num-devices", "12,20"], "num_devices 12, 20 are not whole nodes of 'dgx-a100-80g'"),
         (["--num-devices", "8,x"], "'x' is not a whole number"),
-        (["--num-devices", "8", "--tokens", "-3"], "--tokens = '-3' must be a finite positive number"),
+        (
+            ["--num-devices", "8", "--tokens", "-3"],
+            "--tokens = '-3' must be a finite positive number",
+        ),
         (
             ["--num-devices", "8", "--tokens", "1e9", "--price-per-device-hour", "free"],
             "not a number",
