@@ -101,6 +101,15 @@ class DeviceSpec:
             f"device {self.name!r} has no peak FLOP/s for {dtype!r}; add it under device.peak_flops"
         )
 
+    def missing_rate(self, dtype: str) -> str | None:
+        """Why ``dtype`` would be priced at a rate this device lacks, or None: bf16 on a GPU
+        that states fp16 tensor cores and no bf16 (a V100; `peak_flops_for` would lend it the
+        fp16 rate)."""
+        rates = self.peak_flops
+        if dtype == "bf16" and self.kind == "gpu" and "bf16" not in rates and "fp16" in rates:
+            return f"{self.name} states no bf16 rate, only fp16 (a V100 has no bf16 tensor cores)"
+        return None
+
     def fastest_training_dtype(self) -> str:
         """The training dtype (fp32, bf16, fp16) with the highest peak FLOP/s the device
         states; on a tie bf16 on GPUs (its range needs no loss scaling), fp32 on CPUs (torch's

@@ -503,17 +503,11 @@ class Plan:
                 f"{cluster.devices_per_node}); change the degrees so they multiply to "
                 f"{cluster.num_devices}"
             )
-        device = cluster.device
-        if (
-            self.dtype == "bf16"
-            and device.kind == "gpu"
-            and "bf16" not in device.peak_flops
-            and "fp16" in device.peak_flops
-        ):
+        missing = cluster.device.missing_rate(self.dtype)
+        if missing is not None:
             raise PlanError(
-                f"dtype = 'bf16', but {device.name} states no bf16 rate, only fp16 (a V100 has "
-                "no bf16 tensor cores); use dtype 'fp16', or add device.peak_flops.bf16 to the "
-                "cluster file"
+                f"dtype = {self.dtype!r}, but {missing}; use dtype 'fp16', or add "
+                f"device.peak_flops.{self.dtype} to the cluster file"
             )
         if not allow_cross_node_tp and self.tp_degree > 1:
             nodes = {cluster.node_of(r) for r in self.group_ranks("tp", 0)}

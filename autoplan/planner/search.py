@@ -66,7 +66,13 @@ from autoplan.planner.partition import (
     min_peak_memory,
     solve,
 )
-from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
+from autoplan.planner.space import (
+    ConstraintError,
+    SearchSpace,
+    recompute_modes,
+    shown,
+    strategies,
+)
 from cost_model.estimate import (
     CostModel,
     MemoryConstants,
@@ -219,13 +225,9 @@ def search_plans(
         space = _within_runtime(space, profile)
     space = space.for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
-    device = cluster.device
-    rates = device.peak_flops
-    if space.dtype == "bf16" and device.kind == "gpu" and "bf16" not in rates and "fp16" in rates:
-        raise ConstraintError(
-            f"dtype=bf16: {device.name} states no bf16 rate, only fp16 (a V100 has no bf16 "
-            "tensor cores); pass dtype='fp16' (--dtype fp16)"
-        )
+    missing = cluster.device.missing_rate(space.dtype or "")
+    if missing is not None:
+        raise ConstraintError(f"dtype={space.dtype}: {missing}; pass dtype='fp16' (--dtype fp16)")
     space = _within_stack(space, stack, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
@@ -950,9 +952,9 @@ def _within_runtime(space: SearchSpace, profile: ModelProfile) -> SearchSpace:
         if not allowed:
             if refused is None:
                 reason = (
-                    f"{axis}={_shown(asked)}: autoplan's runtime runs a mixture-of-experts model "
+                    f"{axis}={shown(asked)}: autoplan's runtime runs a mixture-of-experts model "
                     "without ZeRO-1 and selective recompute (with expert parallelism they break "
-                    f"its wrappers); allow {_shown(kept)}"
+                    f"its wrappers); allow {shown(kept)}"
                 )
             else:
                 plan = {"dtype": "fp32", "sequence_parallel": False, "tp_degree": 1}
@@ -1205,7 +1207,7 @@ def _no_feasible_plan(
     capacity = cluster.device.memory_bytes
     if not infeasible:
         given = [
-            f"{key}={_shown(value)}"
+            f"{key}={shown(value)}"
             for key in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "max_tp", "max_pp")
             if (value := getattr(space, key)) is not None
         ]
@@ -1297,10 +1299,3 @@ def _memory_fixes(space: SearchSpace) -> str:
     if space.dtype == "fp32":
         fixes.append("train in bf16")
     return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
-
-
-def _shown(value: object) -> str:
-    """A constraint as the user wrote it: ``8``, or ``2,4`` for a tuple of choices."""
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return str(value)

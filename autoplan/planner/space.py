@@ -117,11 +117,11 @@ class SearchSpace:
         for name, allowed, limit in (("tp", self.tp, self.max_tp), ("pp", self.pp, self.max_pp)):
             if allowed is not None and limit is not None and min(allowed) > limit:
                 raise ConstraintError(
-                    f"{name}={_show(allowed)} contradicts max_{name}={limit}; drop one of them"
+                    f"{name}={shown(allowed)} contradicts max_{name}={limit}; drop one of them"
                 )
         if self.micro_batch is not None and min(self.micro_batch) > self.max_micro_batch:
             raise ConstraintError(
-                f"micro_batch={_show(self.micro_batch)} contradicts "
+                f"micro_batch={shown(self.micro_batch)} contradicts "
                 f"max_micro_batch={self.max_micro_batch} (the search's largest micro-batch; "
                 "autoplan.search(..., max_micro_batch=N) raises it)"
             )
@@ -129,7 +129,7 @@ class SearchSpace:
         multi = [s for s in self.schedules if s not in ("gpipe", "1f1b")]
         if max(virtual) > 1 and not multi:
             raise ConstraintError(
-                f"virtual_stages={_show(virtual)} needs a schedule with several stages per rank "
+                f"virtual_stages={shown(virtual)} needs a schedule with several stages per rank "
                 f"('interleaved-1f1b', 'interleaved-zb', 'zbv' or 'dualpipev'), but "
                 f"schedules={list(self.schedules)}"
             )
@@ -150,7 +150,7 @@ class SearchSpace:
         for name, allowed in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp)):
             if allowed is not None and all(n % d for d in allowed):
                 raise ConstraintError(
-                    f"{name}={_show(allowed)} does not divide the {n} devices of {cluster.name!r}"
+                    f"{name}={shown(allowed)} does not divide the {n} devices of {cluster.name!r}"
                 )
         per_node = cluster.devices_per_node
         if (
@@ -159,40 +159,40 @@ class SearchSpace:
             and all(per_node % t for t in self.tp)
         ):
             raise ConstraintError(
-                f"tp={_show(self.tp)} does not fit inside a node of {per_node} devices; "
+                f"tp={shown(self.tp)} does not fit inside a node of {per_node} devices; "
                 "pass allow_cross_node_tp=True to allow it"
             )
         if self.pp is not None and min(self.pp) > profile.num_units:
             raise ConstraintError(
-                f"pp={_show(self.pp)} exceeds the {profile.num_units} pipeline units of "
+                f"pp={shown(self.pp)} exceeds the {profile.num_units} pipeline units of "
                 f"{profile.name!r}"
             )
         if self.dp is not None and all(global_batch % d for d in self.dp):
             raise ConstraintError(
-                f"dp={_show(self.dp)} does not divide global_batch={global_batch}"
+                f"dp={shown(self.dp)} does not divide global_batch={global_batch}"
             )
         if self.cp is not None and all(c > 1 and profile.seq_len % (2 * c) for c in self.cp):
             raise ConstraintError(
-                f"cp={_show(self.cp)}: 2 x cp must divide seq_len={profile.seq_len} of "
+                f"cp={shown(self.cp)}: 2 x cp must divide seq_len={profile.seq_len} of "
                 f"{profile.name!r} (torch's load-balanced causal sharding)"
             )
         if self.ep is not None and max(self.ep) > 1:
             layers = profile.moe_layers
             if not layers:
                 raise ConstraintError(
-                    f"ep={_show(self.ep)}: {profile.name!r} is dense (no mixture-of-experts "
+                    f"ep={shown(self.ep)}: {profile.name!r} is dense (no mixture-of-experts "
                     "layer); drop the ep constraint"
                 )
             experts = math.gcd(*(facts.num_experts for facts in layers))
             if all(experts % e for e in self.ep):
                 raise ConstraintError(
-                    f"ep={_show(self.ep)} does not divide the {experts} experts of {profile.name!r}"
+                    f"ep={shown(self.ep)} does not divide the {experts} experts of {profile.name!r}"
                 )
         counts = profile.tp_divisible_counts()
         if self.tp is not None and all(any(c % t for c in counts.values()) for t in self.tp):
             undivided = {k: v for k, v in counts.items() if any(v % t for t in self.tp)}
             raise ConstraintError(
-                f"tp={_show(self.tp)} does not divide the model's "
+                f"tp={shown(self.tp)} does not divide the model's "
                 f"{', '.join(f'{k}={v}' for k, v in undivided.items())}"
             )
 
@@ -200,7 +200,10 @@ class SearchSpace:
 _CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__}
 
 
-def _show(values: Sequence[object]) -> str:
+def shown(values: object) -> str:
+    """A constraint for a message: ``8`` for one value, ``[2, 4]`` for several."""
+    if not isinstance(values, (tuple, list)):
+        return str(values)
     return str(values[0]) if len(values) == 1 else str(list(values))
 
 
@@ -212,7 +215,7 @@ def _normalise(key: str, value: Any) -> Any:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero" else 1):
                 raise ConstraintError(f"{key}={value!r}: values must be whole numbers >= 1")
         if key == "zero" and any(v > 3 for v in values):
-            raise ConstraintError(f"zero={_show(values)}: ZeRO levels are 0, 1, 2, 3")
+            raise ConstraintError(f"zero={shown(values)}: ZeRO levels are 0, 1, 2, 3")
         return values
     if key in ("max_tp", "max_pp", "max_micro_batch", "cp_min_seq_len", "cp_min_local_tokens"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
