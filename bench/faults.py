@@ -50,6 +50,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.fault_cases import integrity_part  # noqa: E402
 from tests.jobs import Agent, example_args, free_port, start_agent  # noqa: E402
 
 NPROC = 2  # per agent ("node")
@@ -218,12 +219,17 @@ def main() -> None:
     parser.add_argument("--torchft-steps", type=int, default=3000)
     parser.add_argument("--torchft-faults", type=int, default=4)
     parser.add_argument(
-        "--part", choices=["all", "torchrun", "torchft"], default="all", help="Which part to run."
+        "--part",
+        choices=["all", "torchrun", "torchft", "integrity"],
+        default="all",
+        help="Which part to run.",
     )
     args = parser.parse_args()
     console = Console(width=110)
     if args.part == "torchft":
         raise SystemExit(0 if _torchft_part(args, console) else 1)
+    if args.part == "integrity":
+        raise SystemExit(0 if integrity_part(args, console) else 1)
     faults = _schedule(random.Random(args.seed), args.steps, args.every, args.faults)
     with tempfile.TemporaryDirectory(prefix="autoplan-faults-") as name:
         tmp = Path(name)
@@ -294,6 +300,7 @@ def main() -> None:
     failed = recovered != len(outcomes) or not finished
     if args.part == "all":
         failed |= not _torchft_part(args, console)
+        failed |= not integrity_part(args, console)
     if failed:
         raise SystemExit(1)
 
