@@ -4,6 +4,12 @@ Used by every file format autoplan reads (Cluster, Plan, calibration profiles). 
 unknown keys, missing keys, wrong types and bad values raise `SchemaError` naming the field
 path (``stages[2].first_unit``), the value and the expected form; ``load(dump(x)) == x``.
 A field may accept numbers with units (``80GiB``) by declaring ``metadata={"unit": ...}``.
+
+`read_yaml` reads bounded input: a file of at most `MAX_FILE_BYTES`, at most `MAX_NODES` YAML
+nodes nested at most `MAX_DEPTH` deep, no aliases (``*a``: PyYAML expands them into shared
+references, so a 1 KB file of nested aliases is billions of values when walked or printed),
+numbers of at most `MAX_NUMBER_CHARS` characters that neither overflow nor underflow a float.
+Messages show a user's value through `shown` (about 80 characters at most).
 """
 
 from __future__ import annotations
@@ -20,9 +26,22 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 
 from cost_model.errors import SchemaError
+from cost_model.messages import SHOWN_LIMIT
+from cost_model.messages import shown as shown
 from cost_model.units import Dimension, parse_quantity
 
 T = TypeVar("T")
+
+# Plan and cluster files are a few KB (a plan for 4,096 layers split into 4,096 stages is about
+# 250 KB and 30,000 nodes, nested 4 deep): these bounds are generous and keep a hostile file
+# to about a second of parsing and a few MB of memory.
+MAX_FILE_BYTES = 2**20
+MAX_NODES = 100_000
+MAX_DEPTH = 20
+MAX_NUMBER_CHARS = 100
+# A path in a message: a path is the user's own and bounded by the OS (PATH_MAX), so more of
+# it is shown than of other values.
+PATH_LIMIT = 160
 
 
 def unit_field(dimension: Dimension, **kwargs: Any) -> Any:
@@ -34,14 +53,14 @@ def from_data(cls: type[T], data: object, where: str = "") -> T:
     """Build dataclass ``cls`` from plain data, checking every key and type."""
     if not isinstance(data, Mapping):
         raise SchemaError(
-            f"{_at(where)}expected a mapping of keys for {cls.__name__}, got {data!r}"
+            f"{_at(where)}expected a mapping of keys for {cls.__name__}, got {shown(data)}"
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise SchemaError(
-            f"{_at(where)}unknown key {unknown[0]!r} for {cls.__name__}; "
+            f"{_at(where)}unknown key {shown(unknown[0])} for {cls.__name__}; "
             f"valid keys: {', '.join(fields)}"
         )
     kwargs: dict[str, Any] = {}
@@ -75,9 +94,52 @@ def to_data(obj: object) -> Any:
     return obj
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (the safe loader keeps
-    the last one silently: a hand edit that adds ``dp_degree: 4`` under ``dp_degree: 2``)."""
+class _Refused(yaml.MarkedYAMLError):
+    """A document `read_yaml` refuses (an alias, too deep, too many nodes, a bad number):
+    ``problem`` is the message's middle, ``fix`` its end."""
+
+    def __init__(self, problem: str, fix: str, mark: yaml.Mark | None) -> None:
+        super().__init__(problem=problem, problem_mark=mark)
+        self.fix = fix
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with the bounds of `read_yaml`, refusing a key given twice in one
+    mapping (the safe loader keeps the last one silently: a hand edit that adds
+    ``dp_degree: 4`` under ``dp_degree: 2``)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(
+                f"uses a YAML alias (*{shown(event.anchor, 40)[1:-1]})",
+                "write the value out (these files take no anchors or aliases)",
+                event.start_mark,
+            )
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise _Refused(
+                f"has more than {MAX_NODES:,} values (scalars, lists and mappings)",
+                "is it the right file?",
+                self.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(
+                    f"nests lists or mappings more than {MAX_DEPTH} deep",
+                    "check the brackets and the indentation (these files nest 4 deep)",
+                    self.peek_event().start_mark,
+                )
+            node: yaml.Node = super().compose_node(parent, index)  # type: ignore[misc]
+            return node
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
@@ -87,40 +149,99 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                    None, None, f"key {shown(key)} is given twice; keep one", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        _check_number_text(node)
+        value: int = super().construct_yaml_int(node)
+        return value
+
+    def construct_bounded_float(self, node: yaml.ScalarNode) -> float:
+        text = _check_number_text(node)
+        value: float = super().construct_yaml_float(node)
+        mantissa = text.lower().partition("e")[0]
+        if value == 0 and any(digit in mantissa for digit in "123456789"):
+            raise _Refused(
+                f"has {text}, which is too small for a number (it would read as 0)",
+                "write 0 or a number from 1e-300 to 1e300 (check its unit)",
+                node.start_mark,
+            )
+        if math.isinf(value) and ".inf" not in text.lower():
+            raise _Refused(
+                f"has {text}, which is too large for a number",
+                "write a number from 1e-300 to 1e300 (check its unit)",
+                node.start_mark,
+            )
+        return value
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_bounded_int)
+_BoundedLoader.add_constructor("tag:yaml.org,2002:float", _BoundedLoader.construct_bounded_float)
+
+
+def _check_number_text(node: yaml.ScalarNode) -> str:
+    """The text of a number node, refused when longer than `MAX_NUMBER_CHARS` (Python reads
+    at most 4,300 digits into an int and no field needs more than 20)."""
+    text = str(node.value)
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _Refused(
+            f"has a number of {len(text):,} characters ({text[:20]}...)",
+            f"numbers have at most {MAX_NUMBER_CHARS} characters",
+            node.start_mark,
+        )
+    return text
+
 
 def read_yaml(path: str | Path, what: str) -> object:
-    """Parse a YAML file; a missing file or bad syntax raises SchemaError naming the file."""
+    """Parse a YAML file within the bounds above; a missing, unreadable, oversized or refused
+    file or bad syntax raises SchemaError naming the file."""
     path = Path(path)
+    name = shown(str(path), PATH_LIMIT)
     if path.is_dir():
-        raise SchemaError(f"{what} file {str(path)!r} is a directory; pass a YAML file")
+        raise SchemaError(f"{what} file {name} is a directory; pass a YAML file")
     if path.exists() and not path.is_file():  # /dev/zero would be read for ever
-        raise SchemaError(f"{what} file {str(path)!r} is not a regular file; pass a YAML file")
+        raise SchemaError(f"{what} file {name} is not a regular file; pass a YAML file")
+    too_big = (
+        f"{what} files are at most {MAX_FILE_BYTES:,} bytes (1 MiB; they are a few KB): "
+        "is it the right file?"
+    )
     try:
-        text = path.read_text(encoding="utf-8")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise SchemaError(f"{what} file {name} is {size:,} bytes; {too_big}")
+        with path.open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
+        if len(raw) > MAX_FILE_BYTES:
+            raise SchemaError(f"{what} file {name} is over {MAX_FILE_BYTES:,} bytes; {too_big}")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
-        raise SchemaError(f"{what} file {str(path)!r} does not exist") from None
+        raise SchemaError(f"{what} file {name} does not exist") from None
     except UnicodeDecodeError as error:
         raise SchemaError(
-            f"{what} file {str(path)!r} is not UTF-8 text (byte {error.start}); pass a YAML file"
+            f"{what} file {name} is not UTF-8 text (byte {error.start}); pass a YAML file"
         ) from None
     except OSError as error:
-        raise SchemaError(f"cannot read {what} file {str(path)!r}: {error.strerror}") from None
+        raise SchemaError(f"cannot read {what} file {name}: {error.strerror}") from None
     if not text.strip():
-        raise SchemaError(f"{what} file {str(path)!r} is empty")
+        raise SchemaError(f"{what} file {name} is empty")
     try:
-        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+        loaded = yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader
+    except _Refused as error:
+        mark = error.problem_mark
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SchemaError(f"{what} file {name} {error.problem}{line}; {error.fix}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or "syntax error"
-        raise SchemaError(f"{what} file {str(path)!r} is not valid YAML{line}: {problem}") from None
+        problem = str(getattr(error, "problem", None) or "syntax error")
+        if len(problem) > 2 * SHOWN_LIMIT:  # PyYAML's problems quote tags and anchors whole
+            problem = problem[: 2 * SHOWN_LIMIT - 3] + "..."
+        raise SchemaError(f"{what} file {name} is not valid YAML{line}: {problem}") from None
     if loaded is None:
-        raise SchemaError(f"{what} file {str(path)!r} is empty (only comments)")
+        raise SchemaError(f"{what} file {name} is empty (only comments)")
     return loaded
 
 
@@ -172,10 +293,11 @@ def check_schema_version(data: object, supported: int, what: str) -> dict[str, A
     version = body.pop("schema_version", None)
     if version is None:
         raise SchemaError(f"{what} has no 'schema_version'; add 'schema_version: {supported}'")
-    if version != supported:
-        kind = "" if isinstance(version, int) else f" (a {type(version).__name__}, not a number)"
+    # `True == 1` and `1.0 == 1` in Python: the type is checked first
+    if type(version) is not int or version != supported:
+        kind = "" if type(version) is int else f" (a {type(version).__name__}, not a number)"
         raise SchemaError(
-            f"{what} has schema_version {version!r}{kind}; this autoplan reads version "
+            f"{what} has schema_version {shown(version)}{kind}; this autoplan reads version "
             f"{supported}: write 'schema_version: {supported}'"
         )
     return body
@@ -183,6 +305,13 @@ def check_schema_version(data: object, supported: int, what: str) -> dict[str, A
 
 def _at(where: str) -> str:
     return f"{where}: " if where else ""
+
+
+def _key_path(path: str, key: object) -> str:
+    """``peak_flops.fp32``; a long or odd key is shown quoted and shortened."""
+    if isinstance(key, str) and len(key) <= SHOWN_LIMIT // 2 and key.isprintable() and key:
+        return f"{path}.{key}"
+    return f"{path}[{shown(key, SHOWN_LIMIT // 2)}]"
 
 
 def _convert(hint: Any, value: object, path: str, unit: Dimension | None) -> Any:
@@ -198,36 +327,38 @@ def _convert(hint: Any, value: object, path: str, unit: Dimension | None) -> Any
     if origin is typing.Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
-            raise SchemaError(f"{path}: {value!r} is not one of {choices}")
+            raise SchemaError(f"{path}: {shown(value)} is not one of {choices}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise SchemaError(f"{path}: expected a list, got {value!r}")
+            raise SchemaError(f"{path}: expected a list, got {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{path}[{i}]", unit) for i, v in enumerate(value))
         if len(args) != len(value):
-            raise SchemaError(f"{path}: expected a list of {len(args)} items, got {value!r}")
+            raise SchemaError(f"{path}: expected a list of {len(args)} items, got {shown(value)}")
         return tuple(
             _convert(a, v, f"{path}[{i}]", unit)
             for i, (a, v) in enumerate(zip(args, value, strict=True))
         )
     if origin in (dict, Mapping) or origin is typing.Mapping:
         if not isinstance(value, Mapping):
-            raise SchemaError(f"{path}: expected a mapping, got {value!r}")
+            raise SchemaError(f"{path}: expected a mapping, got {shown(value)}")
         key_type, value_type = args
         return {
-            _convert(key_type, k, f"{path}.{k}", None): _convert(value_type, v, f"{path}.{k}", unit)
+            _convert(key_type, k, _key_path(path, k), None): _convert(
+                value_type, v, _key_path(path, k), unit
+            )
             for k, v in value.items()
         }
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_data(hint, value, path)
     if hint is bool:
         if not isinstance(value, bool):
-            raise SchemaError(f"{path}: expected true or false, got {value!r}")
+            raise SchemaError(f"{path}: expected true or false, got {shown(value)}")
         return value
     if hint is str:
         if not isinstance(value, str):
-            raise SchemaError(f"{path}: expected a string, got {value!r}")
+            raise SchemaError(f"{path}: expected a string, got {shown(value)}")
         return value
     if hint in (int, float):
         return _number(hint, value, path, unit)
@@ -238,7 +369,7 @@ def _convert(hint: Any, value: object, path: str, unit: Dimension | None) -> Any
 
 def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int | float:
     if isinstance(value, bool):
-        raise SchemaError(f"{path}: expected a number, got {value!r}")
+        raise SchemaError(f"{path}: expected a number, got {shown(value)}")
     if isinstance(value, str):
         try:
             number = parse_quantity(value, unit or "number")
@@ -247,13 +378,13 @@ def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int
     elif isinstance(value, (int, float)):
         number = value
     else:
-        raise SchemaError(f"{path}: expected a number, got {value!r}")
+        raise SchemaError(f"{path}: expected a number, got {shown(value)}")
     if not math.isfinite(number):
-        raise SchemaError(f"{path}: expected a finite number, got {value!r}")
+        raise SchemaError(f"{path}: expected a finite number, got {shown(value)}")
     if hint is int and unit == "bytes" and isinstance(value, str):
         return round(number)  # "2.2GiB" is not a whole number of bytes: the nearest one
     if hint is int:
         if float(number) != int(number):
-            raise SchemaError(f"{path}: expected a whole number, got {value!r}")
+            raise SchemaError(f"{path}: expected a whole number, got {shown(value)}")
         return int(number)
     return float(number)

@@ -57,9 +57,11 @@ from cost_model.schedules import (
     stage_rank,
 )
 from cost_model.schema import (
+    PATH_LIMIT,
     check_schema_version,
     from_data,
     read_yaml,
+    shown,
     to_data,
     unit_field,
     write_yaml,
@@ -81,6 +83,9 @@ MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
 # The four-axis layout a context-parallel plan uses by default (cp between dp and tp).
 CP_RANK_LAYOUT: tuple[MeshAxis, ...] = ("pp", "dp", "cp", "tp")
 DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16")
+# The largest degree, batch or unit index a plan may hold (2^53: floats count exactly up to it,
+# and the cost model computes in floats); far above any real job, it keeps messages short.
+MAX_COUNT = 2**53
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,10 +100,12 @@ class StagePlan:
         for name in ("first_unit", "last_unit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise PlanError(f"{name} = {value!r} must be a whole number")
+                raise PlanError(f"{name} = {shown(value)} must be a whole number")
+            if value > MAX_COUNT:
+                raise PlanError(f"{name} = {_count(value)} is over {MAX_COUNT:,}; give a real unit")
         if self.recompute not in RECOMPUTE_MODES:
             raise PlanError(
-                f"recompute = {self.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}"
+                f"recompute = {shown(self.recompute)} must be one of {', '.join(RECOMPUTE_MODES)}"
             )
         if self.first_unit < 0:
             raise PlanError(f"first_unit = {self.first_unit} must be >= 0")
@@ -201,9 +208,9 @@ class Plan:
     estimate: PlanEstimate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.schema_version != PLAN_SCHEMA_VERSION:
+        if type(self.schema_version) is not int or self.schema_version != PLAN_SCHEMA_VERSION:
             raise PlanError(
-                f"schema_version = {self.schema_version!r}; this autoplan reads version "
+                f"schema_version = {shown(self.schema_version)}; this autoplan reads version "
                 f"{PLAN_SCHEMA_VERSION}"
             )
         for name in (
@@ -219,26 +226,35 @@ class Plan:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
+                raise PlanError(f"{name} = {shown(value)} must be a whole number >= 1")
+            if value > MAX_COUNT:
+                raise PlanError(
+                    f"{name} = {_count(value)} is over {MAX_COUNT:,}; give the size of a real job"
+                )
         degrees = (self.dp_degree, self.tp_degree, self.pp_degree, self.cp_degree)
         if math.prod(degrees) > MAX_DEVICES:
             raise PlanError(
                 "dp_degree x tp_degree x pp_degree x cp_degree = "
-                f"{' x '.join(f'{d:,}' for d in degrees)} = {math.prod(degrees):,} devices is "
+                f"{' x '.join(_count(d) for d in degrees)} = {_count(math.prod(degrees))} "
+                "devices is "
                 f"more than the {MAX_DEVICES:,} autoplan plans for; give degrees of a real job"
             )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"zero_stage = {self.zero_stage!r} must be 0, 1, 2 or 3")
+            raise PlanError(f"zero_stage = {shown(self.zero_stage)} must be 0, 1, 2 or 3")
         if self.dtype not in DTYPE_NAMES:
-            raise PlanError(f"dtype = {self.dtype!r} must be one of {', '.join(DTYPE_NAMES)}")
+            raise PlanError(f"dtype = {shown(self.dtype)} must be one of {', '.join(DTYPE_NAMES)}")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule = {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+            raise PlanError(
+                f"schedule = {shown(self.schedule)} must be one of {', '.join(SCHEDULES)}"
+            )
         if not isinstance(self.sequence_parallel, bool):
-            raise PlanError(f"sequence_parallel = {self.sequence_parallel!r} must be true or false")
+            raise PlanError(
+                f"sequence_parallel = {shown(self.sequence_parallel)} must be true or false"
+            )
         try:
             stack = framework_profile(self.framework)
         except FrameworkError as error:
-            raise PlanError(f"framework = {self.framework!r}: {error}") from None
+            raise PlanError(f"framework = {shown(self.framework)}: {error}") from None
         # the spec in its normal form (``megatron-lm:`` is ``megatron-lm``)
         object.__setattr__(self, "framework", stack.name)
         if not isinstance(self.stages, tuple) or not all(
@@ -246,13 +262,13 @@ class Plan:
         ):
             raise PlanError("stages must be a tuple of StagePlan")
         if not isinstance(self.rank_layout, tuple) or not valid_layout(self.rank_layout):
-            shown = (
-                list(self.rank_layout)
+            layout = (
+                shown(list(self.rank_layout))
                 if isinstance(self.rank_layout, (tuple, list))
-                else repr(self.rank_layout)
+                else shown(self.rank_layout)
             )
             raise PlanError(
-                f"rank_layout = {shown} must order each of pp, dp, tp once, "
+                f"rank_layout = {layout} must order each of pp, dp, tp once, "
                 "and cp once or not at all (outermost first), e.g. [pp, dp, tp] or "
                 "[pp, dp, cp, tp]"
             )
@@ -262,7 +278,7 @@ class Plan:
                 f"{list(self.rank_layout)}; place it, e.g. [pp, dp, cp, tp]"
             )
         if not isinstance(self.ep_folding, bool):
-            raise PlanError(f"ep_folding = {self.ep_folding!r} must be true or false")
+            raise PlanError(f"ep_folding = {shown(self.ep_folding)} must be true or false")
         self._check_expert_layout()
         if self.ep_folding:
             self._check_folding()
@@ -284,7 +300,7 @@ class Plan:
             return
         if layout == "folded" and not self.folded_expert_groups:
             raise PlanError(
-                f"framework {self.framework!r} places an expert-parallel group on consecutive "
+                f"framework {shown(self.framework)} places an expert-parallel group on consecutive "
                 "ranks of the dp x cp x tp block (its expert rank generator), not inside dp: "
                 f"with ep_degree = {self.ep_degree} and tp_degree = {self.tp_degree}, "
                 f"cp_degree = {self.cp_degree} set ep_folding: true (and sequence_parallel "
@@ -292,7 +308,7 @@ class Plan:
             )
         if layout == "dp" and self.ep_folding:
             raise PlanError(
-                f"framework {self.framework!r} keeps expert parallelism inside data "
+                f"framework {shown(self.framework)} keeps expert parallelism inside data "
                 "parallelism: set ep_folding: false"
             )
 
@@ -498,7 +514,7 @@ class Plan:
                 names, values = names + " x cp_degree", [*values, self.cp_degree]
             raise PlanError(
                 f"{names} = {' x '.join(map(str, values))} = {self.num_devices} devices, but "
-                f"cluster {cluster.name!r} has "
+                f"cluster {shown(cluster.name)} has "
                 f"{cluster.num_devices} ({cluster.num_nodes} node(s) x "
                 f"{cluster.devices_per_node}); change the degrees so they multiply to "
                 f"{cluster.num_devices}"
@@ -506,7 +522,7 @@ class Plan:
         missing = cluster.device.missing_rate(self.dtype)
         if missing is not None:
             raise PlanError(
-                f"dtype = {self.dtype!r}, but {missing}; use dtype 'fp16', or add "
+                f"dtype = {shown(self.dtype)}, but {missing}; use dtype 'fp16', or add "
                 f"device.peak_flops.{self.dtype} to the cluster file"
             )
         if not allow_cross_node_tp and self.tp_degree > 1:
@@ -526,33 +542,34 @@ class Plan:
         if model and model.fingerprint and profile.fingerprint != model.fingerprint:
             if model.name == profile.name:
                 raise PlanError(
-                    f"plan's model.fingerprint {model.fingerprint} is not that of model "
-                    f"{profile.name!r} ({profile.fingerprint}): the model changed since the plan "
-                    "was made, or the file's model section was edited; search a new plan"
+                    f"plan's model.fingerprint {shown(model.fingerprint)[1:-1]} is not that of "
+                    f"model {shown(profile.name)} ({profile.fingerprint}): the model changed since "
+                    "the plan was made, or the file's model section was edited; search a new plan"
                 )
             raise PlanError(
-                f"plan was made for model {model.name!r} (fingerprint {model.fingerprint}), "
-                f"not {profile.name!r} (fingerprint {profile.fingerprint}); "
+                f"plan was made for model {shown(model.name)} "
+                f"(fingerprint {shown(model.fingerprint)[1:-1]}), "
+                f"not {shown(profile.name)} (fingerprint {profile.fingerprint}); "
                 "search a new plan for this model"
             )
         if model and model.seq_len != profile.seq_len:
             # the fingerprint hashes the sequence too, but a hand-edited file keeps the old one
             raise PlanError(
-                f"model.seq_len = {model.seq_len}, but model {profile.name!r} is traced at "
+                f"model.seq_len = {model.seq_len}, but model {shown(profile.name)} is traced at "
                 f"{profile.seq_len} tokens: the plan's memory and time are for "
                 f"{model.seq_len}; set model.seq_len back to {profile.seq_len}, or search a "
                 f"plan at {model.seq_len} tokens"
             )
         if self.num_units != profile.num_units:
             raise PlanError(
-                f"stages cover {self.num_units} units but model {profile.name!r} has "
+                f"stages cover {self.num_units} units but model {shown(profile.name)} has "
                 f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
             )
         for name, count in profile.tp_divisible_counts().items():
             if count % self.tp_degree != 0:
                 raise PlanError(
                     f"tp_degree = {self.tp_degree} does not divide {name} = {count} of model "
-                    f"{profile.name!r}; use a tp_degree that divides {count}"
+                    f"{shown(profile.name)}; use a tp_degree that divides {count}"
                 )
         self._validate_cp_ep(profile)
         if self.framework == DEFAULT_FRAMEWORK:
@@ -578,15 +595,15 @@ class Plan:
             if profile.seq_len % (2 * cp):
                 raise PlanError(
                     f"cp_degree = {cp}: 2 x cp_degree = {2 * cp} must divide seq_len = "
-                    f"{profile.seq_len} of model {profile.name!r} (torch's load-balanced causal "
-                    f"sharding cuts each sequence into 2 x cp chunks, chunks i and 2cp-1-i per "
-                    f"rank); use a cp_degree with 2 x cp_degree dividing {profile.seq_len}"
+                    f"{profile.seq_len} of model {shown(profile.name)} (torch's load-balanced "
+                    "causal sharding cuts each sequence into 2 x cp chunks, chunks i and 2cp-1-i "
+                    f"per rank); use a cp_degree with 2 x cp_degree dividing {profile.seq_len}"
                 )
             if profile.num_heads is None or not any(
                 op.kind == "attention" for unit in profile.units for op in unit.ops
             ):
                 raise PlanError(
-                    f"cp_degree = {cp} but model {profile.name!r} has no attention the trace "
+                    f"cp_degree = {cp} but model {shown(profile.name)} has no attention the trace "
                     "recognises (context parallelism shards attention along the sequence); "
                     "set cp_degree to 1"
                 )
@@ -594,23 +611,24 @@ class Plan:
         for facts in layers:
             if facts.top_k > facts.num_experts:
                 raise PlanError(
-                    f"model {profile.name!r} routes each token to top_k = {facts.top_k} experts "
-                    f"of num_experts = {facts.num_experts}; top_k must be <= num_experts: lower "
-                    "top_k or add experts"
+                    f"model {shown(profile.name)} routes each token to top_k = {facts.top_k} "
+                    f"experts of num_experts = {facts.num_experts}; top_k must be <= "
+                    "num_experts: lower top_k or add experts"
                 )
         ep = self.ep_degree
         if ep > 1:
             if not layers:
                 raise PlanError(
-                    f"ep_degree = {ep} but model {profile.name!r} is dense (no mixture-of-experts "
-                    "layer): expert parallelism needs experts to split; set ep_degree to 1"
+                    f"ep_degree = {ep} but model {shown(profile.name)} is dense (no "
+                    "mixture-of-experts layer): expert parallelism needs experts to split; set "
+                    "ep_degree to 1"
                 )
             for facts in layers:
                 if facts.num_experts % ep:
                     raise PlanError(
                         f"ep_degree = {ep} does not divide num_experts = {facts.num_experts} of "
-                        f"model {profile.name!r} (each expert-parallel rank holds num_experts / "
-                        "ep whole experts); use an ep_degree that divides "
+                        f"model {shown(profile.name)} (each expert-parallel rank holds "
+                        "num_experts / ep whole experts); use an ep_degree that divides "
                         f"{facts.num_experts} and dp_degree = {self.dp_degree}"
                     )
 
@@ -619,12 +637,12 @@ class Plan:
     @classmethod
     def from_data(cls, data: object, *, source: str = "plan") -> Plan:
         try:
-            body = check_schema_version(data, PLAN_SCHEMA_VERSION, f"plan {source!r}")
+            body = check_schema_version(data, PLAN_SCHEMA_VERSION, "the plan")
             return from_data(cls, body)
         except SchemaError as error:
-            raise PlanError(f"plan {source!r}: {error}") from None
+            raise PlanError(f"plan {shown(source, PATH_LIMIT)}: {error}") from None
         except PlanError as error:
-            raise PlanError(f"plan {source!r}: {error}") from None
+            raise PlanError(f"plan {shown(source, PATH_LIMIT)}: {error}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Plan:
@@ -700,6 +718,11 @@ class Plan:
         return replace(self, estimate=estimate)
 
 
+def _count(number: int) -> str:
+    """``1,024``; an absurd count by its size (``str`` of a huge int is slow or refused)."""
+    return f"{number:,}" if abs(number) < 10**30 else shown(number)
+
+
 def split_backward_conflict(
     schedule: Schedule, zero_stage: int, recompute: Iterable[Recompute]
 ) -> str | None:
@@ -718,7 +741,7 @@ def split_backward_conflict(
         return None
     if zero_stage == 3:
         return (
-            f"zero_stage = 3 with schedule {schedule!r}: with FSDP2 resharding parameters "
+            f"zero_stage = 3 with schedule {shown(schedule)}: with FSDP2 resharding parameters "
             "after forward (ZeRO-3), torch's split backward (backward-input, then "
             "backward-weight) silently gets the weight gradients wrong (measured: block "
             "gradients off by up to 45%); use zero_stage 2 (the same sharding of gradients "
@@ -728,7 +751,7 @@ def split_backward_conflict(
     for idx, mode in enumerate(recompute):
         if mode != "none":
             return (
-                f"stages[{idx}].recompute = {mode!r} with schedule {schedule!r}: a split "
+                f"stages[{idx}].recompute = {shown(mode)} with schedule {shown(schedule)}: a split "
                 "backward runs two backward passes over each micro-batch's graph; selective "
                 "recompute allows one (torch raises 'Trying to backward an extra time'), and "
                 "full recompute re-runs each block once for backward-input and once per "
@@ -785,28 +808,29 @@ def runtime_refusal(plan: Any, profile: ModelProfile) -> str | None:
     name = profile.name
     if plan.cp_degree > 1 and profile.exported:
         return (
-            f"cp_degree = {plan.cp_degree}, but {name!r} was traced with torch.export, whose "
+            f"cp_degree = {plan.cp_degree}, but {shown(name)} was traced with torch.export, whose "
             "graph fixes the sequence length and position tables that context parallelism "
             "must split; use cp_degree 1 for this model"
         )
     if plan.cp_degree > 1 and not profile.rope_tables:
         return (
-            f"cp_degree = {plan.cp_degree}, but {name!r} has no RoPE tables (rope_cos/rope_sin "
-            "buffers) for context parallelism to split by position; models with learned "
-            "position embeddings (GPT) are not supported: use cp_degree 1"
+            f"cp_degree = {plan.cp_degree}, but {shown(name)} has no RoPE tables "
+            "(rope_cos/rope_sin buffers) for context parallelism to split by position; models "
+            "with learned position embeddings (GPT) are not supported: use cp_degree 1"
         )
     if plan.dtype != "fp32" and profile.exported:
         return (
-            f"dtype = {plan.dtype!r}, but {name!r} was traced with torch.export in fp32, and "
+            f"dtype = {shown(plan.dtype)}, but {shown(name)} was traced with torch.export in "
+            "fp32, and "
             "the exported graph pins that dtype (it drops casts that were no-ops in fp32, such "
             "as an RMSNorm's cast back to the input dtype), so bf16/fp16 weights would meet "
             "fp32 activations; use dtype 'fp32' for this model"
         )
     if plan.sequence_parallel and plan.tp_degree > 1 and profile.exported:
         return (
-            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {name!r} was traced with "
-            "torch.export, which inlines its norms (sequence parallelism shards norm modules); "
-            "turn sequence_parallel off (tensor parallelism itself works)"
+            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {shown(name)} was traced "
+            "with torch.export, which inlines its norms (sequence parallelism shards norm "
+            "modules); turn sequence_parallel off (tensor parallelism itself works)"
         )
     if plan.ep_degree > 1 and isinstance(plan, Plan):
         wrapper = plan.decisions.dp_wrapper
