@@ -20,10 +20,13 @@ from typing import Any, Literal
 from cost_model import this_machine
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
+from cost_model.messages import shown_count
 from cost_model.schema import (
+    PATH_LIMIT,
     check_schema_version,
     from_data,
     read_yaml,
+    shown,
     to_data,
     unit_field,
     write_yaml,
@@ -67,26 +70,40 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
-            raise ValueError(f"device.memory_bytes = {self.memory_bytes!r} must be positive")
+            raise ValueError(f"device.memory_bytes = {shown(self.memory_bytes)} must be positive")
+        if self.memory_bytes > _MAX_MEMORY_BYTES:
+            raise ValueError(
+                f"device.memory_bytes = {shown_count(self.memory_bytes)} is over "
+                f"{_MAX_MEMORY_BYTES:,} bytes (1 EiB); check its unit (e.g. '80GiB')"
+            )
         if self.memory_bandwidth_bytes_per_s <= 0:
             raise ValueError(
-                f"device.memory_bandwidth_bytes_per_s = {self.memory_bandwidth_bytes_per_s!r} "
+                f"device.memory_bandwidth_bytes_per_s = {shown(self.memory_bandwidth_bytes_per_s)} "
                 "must be positive"
             )
+        _check_range("device.memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
         if self.host_link_bandwidth_bytes_per_s < 0:
             raise ValueError(
-                f"device.host_link_bandwidth_bytes_per_s = {self.host_link_bandwidth_bytes_per_s!r}"
-                " must be >= 0 (0: not stated)"
+                "device.host_link_bandwidth_bytes_per_s = "
+                f"{shown(self.host_link_bandwidth_bytes_per_s)} must be >= 0 (0: not stated)"
+            )
+        if self.host_link_bandwidth_bytes_per_s != 0:
+            _check_range(
+                "device.host_link_bandwidth_bytes_per_s",
+                self.host_link_bandwidth_bytes_per_s,
+                zero="not stated",
             )
         if not self.peak_flops:
             raise ValueError("device.peak_flops is empty; give at least 'fp32: <FLOP/s>'")
         for dtype, flops in self.peak_flops.items():
             if dtype not in DTYPES:
                 raise ValueError(
-                    f"device.peak_flops has unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+                    f"device.peak_flops has unknown dtype {shown(dtype)}; use one of "
+                    f"{', '.join(DTYPES)}"
                 )
             if flops <= 0:
-                raise ValueError(f"device.peak_flops.{dtype} = {flops!r} must be positive")
+                raise ValueError(f"device.peak_flops.{dtype} = {shown(flops)} must be positive")
+            _check_range(f"device.peak_flops.{dtype}", flops)
 
     def peak_flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``, falling back to a same-width dtype the device has."""
@@ -98,7 +115,8 @@ class DeviceSpec:
         if "fp32" in self.peak_flops:
             return self.peak_flops["fp32"]
         raise ClusterError(
-            f"device {self.name!r} has no peak FLOP/s for {dtype!r}; add it under device.peak_flops"
+            f"device {shown(self.name)} has no peak FLOP/s for {shown(dtype)}; add it under "
+            "device.peak_flops"
         )
 
     def missing_rate(self, dtype: str) -> str | None:
@@ -129,18 +147,11 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError(
-                f"bandwidth_bytes_per_s = {self.bandwidth_bytes_per_s!r} must be positive"
+                f"bandwidth_bytes_per_s = {shown(self.bandwidth_bytes_per_s)} must be positive"
             )
-        # Beyond these no link is built (a modem's kB/s, a chip's PB/s; a minute a message):
-        # a value out there is a slip of units, and it would overflow the step time.
-        if not _MIN_BANDWIDTH <= self.bandwidth_bytes_per_s <= _MAX_BANDWIDTH:
-            raise ValueError(
-                f"bandwidth_bytes_per_s = {self.bandwidth_bytes_per_s:g} is outside "
-                f"[{_MIN_BANDWIDTH:g}, {_MAX_BANDWIDTH:g}] bytes/s; check its unit "
-                "(e.g. '400GB/s')"
-            )
+        _check_range("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.latency_s < 0:
-            raise ValueError(f"latency_s = {self.latency_s!r} must be >= 0")
+            raise ValueError(f"latency_s = {shown(self.latency_s)} must be >= 0")
         if self.latency_s > _MAX_LATENCY_S:
             raise ValueError(
                 f"latency_s = {self.latency_s:g} s is over {_MAX_LATENCY_S:g} s; check its unit "
@@ -148,7 +159,27 @@ class LinkSpec:
             )
 
 
+# Beyond these no device or link is built (a modem's kB/s, a chip's PB/s; a minute a message;
+# a MFLOP/s, or 50 times a 2025 wafer-scale chip's 2e16 FLOP/s): a value out there is a slip of
+# units, and it would overflow or zero the step time.
 _MIN_BANDWIDTH, _MAX_BANDWIDTH, _MAX_LATENCY_S = 1e3, 1e15, 60.0
+_MIN_FLOPS, _MAX_FLOPS = 1e6, 1e18
+_MAX_MEMORY_BYTES = 2**60
+
+
+def _check_range(name: str, value: float, *, zero: str = "") -> None:
+    """Refuse a bandwidth (``..._bytes_per_s``) or a peak (``peak_flops``) outside the range
+    any device has, naming the range (and what ``zero`` means, for a field that takes 0)."""
+    low, high, unit, example = (
+        (_MIN_FLOPS, _MAX_FLOPS, "FLOP/s", "'312TFLOPS'")
+        if "flops" in name
+        else (_MIN_BANDWIDTH, _MAX_BANDWIDTH, "bytes/s", "'400GB/s'")
+    )
+    if not low <= value <= high:
+        raise ValueError(
+            f"{name} = {value:g} is outside [{low:g}, {high:g}] {unit}"
+            f"{f' (or 0: {zero})' if zero else ''}; check its unit (e.g. {example})"
+        )
 
 
 # The most devices a cluster may have: 2^20, ten times the largest training clusters built by
@@ -176,18 +207,21 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
-            raise ValueError(f"num_nodes = {self.num_nodes!r} must be at least 1")
+            raise ValueError(f"num_nodes = {shown(self.num_nodes)} must be at least 1")
         if self.devices_per_node < 1:
-            raise ValueError(f"devices_per_node = {self.devices_per_node!r} must be at least 1")
+            raise ValueError(
+                f"devices_per_node = {shown(self.devices_per_node)} must be at least 1"
+            )
         if self.num_nodes * self.devices_per_node > MAX_DEVICES:
             raise ValueError(
-                f"num_nodes x devices_per_node = {self.num_nodes:,} x {self.devices_per_node} "
-                f"= {self.num_nodes * self.devices_per_node:,} devices is more than the "
+                f"num_nodes x devices_per_node = {shown_count(self.num_nodes)} x "
+                f"{shown_count(self.devices_per_node)} = "
+                f"{shown_count(self.num_nodes * self.devices_per_node)} devices is more than the "
                 f"{MAX_DEVICES:,} autoplan plans for; give a real cluster size"
             )
         if self.shared_cores_per_node is not None and self.shared_cores_per_node < 1:
             raise ValueError(
-                f"shared_cores_per_node = {self.shared_cores_per_node!r} must be at least 1 "
+                f"shared_cores_per_node = {shown(self.shared_cores_per_node)} must be at least 1 "
                 "(or null: devices do not share cores)"
             )
         reserve = self.calibration.reserved_memory_bytes
@@ -221,18 +255,19 @@ class Cluster:
     @classmethod
     def from_data(cls, data: object, *, source: str = "cluster") -> Cluster:
         try:
-            body = check_schema_version(data, CLUSTER_SCHEMA_VERSION, f"cluster {source!r}")
+            body = check_schema_version(data, CLUSTER_SCHEMA_VERSION, "the cluster")
             # `num_devices` is derived (`autoplan cluster show --json` prints it); when a file
             # keeps it, it must agree with the nodes
             body = dict(body)
             stated = body.pop("num_devices", None)
             cluster = from_data(cls, body)
         except SchemaError as error:
-            raise ClusterError(f"cluster {source!r}: {error}") from None
+            raise ClusterError(f"cluster {shown(source, PATH_LIMIT)}: {error}") from None
         if stated is not None and stated != cluster.num_devices:
             raise ClusterError(
-                f"cluster {source!r}: num_devices = {stated!r} but num_nodes x devices_per_node "
-                f"= {cluster.num_nodes} x {cluster.devices_per_node} = {cluster.num_devices}; "
+                f"cluster {shown(source, PATH_LIMIT)}: num_devices = {shown(stated)} but "
+                f"num_nodes x devices_per_node = {cluster.num_nodes} x "
+                f"{cluster.devices_per_node} = {cluster.num_devices}; "
                 "drop num_devices (it is derived) or fix num_nodes"
             )
         return cluster
@@ -262,15 +297,15 @@ class Cluster:
             )
             if workers is not None and workers < 1:
                 raise ClusterError(
-                    f"cluster override devices_per_node={raw!r} must be at least 1 (the number "
-                    "of worker processes on this machine)"
+                    f"cluster override devices_per_node={shown(raw)} must be at least 1 (the "
+                    "number of worker processes on this machine)"
                 )
             base = cls.local(workers)
         else:
             if name not in preset_names():
                 raise ClusterError(
-                    f"unknown cluster preset {name!r}; valid presets: {', '.join(preset_names())} "
-                    "(or give a path to a cluster YAML file)"
+                    f"unknown cluster preset {shown(name)}; valid presets: "
+                    f"{', '.join(preset_names())} (or give a path to a cluster YAML file)"
                 )
             base = cls.preset_file(name)
         return base.with_overrides(nodes=nodes, **overrides)
@@ -301,14 +336,15 @@ class Cluster:
         for key, raw in overrides.items():
             if key not in OVERRIDE_KEYS and not key.startswith("peak_flops_"):
                 raise ClusterError(
-                    f"unknown cluster override {key!r}; valid keys: {', '.join(OVERRIDE_KEYS)}, "
-                    f"peak_flops_<dtype> ({', '.join(DTYPES)})"
+                    f"unknown cluster override {shown(key)}; valid keys: "
+                    f"{', '.join(OVERRIDE_KEYS)}, peak_flops_<dtype> ({', '.join(DTYPES)})"
                 )
             if key.startswith("peak_flops_"):
                 dtype = key.removeprefix("peak_flops_")
                 if dtype not in DTYPES:
                     raise ClusterError(
-                        f"unknown dtype in override {key!r}; use peak_flops_<{'|'.join(DTYPES)}>"
+                        f"unknown dtype in override {shown(key)}; use "
+                        f"peak_flops_<{'|'.join(DTYPES)}>"
                     )
                 flops = dict(device.get("peak_flops", self.device.peak_flops))
                 flops[dtype] = _override_value(key, raw, "flops", float)
@@ -334,7 +370,7 @@ class Cluster:
                 changes["calibration"] = dataclasses.replace(self.calibration, **calibration)
             return dataclasses.replace(self, **changes)
         except ValueError as error:
-            raise ClusterError(f"cluster {self.name!r} override: {error}") from None
+            raise ClusterError(f"cluster {shown(self.name)} override: {error}") from None
 
 
 # flat override key -> (part, attribute, unit dimension, python type)
@@ -367,19 +403,33 @@ def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> 
     except ValueError as error:
         if dimension == "number":  # a count or a plain fraction: no unit to show
             raise ClusterError(
-                f"cluster override {key}={raw!r}: expected "
+                f"cluster override {key}={shown(raw)}: expected "
                 f"{'a whole number' if kind is int else 'a number'}"
             ) from None
-        raise ClusterError(f"cluster override {key}={raw!r}: {error}") from None
+        accepted = _accepted(key)
+        raise ClusterError(
+            f"cluster override {key}={shown(raw)}: {error}"
+            + (f"; {key} takes {accepted}" if accepted else "")
+        ) from None
     if not math.isfinite(number):
-        raise ClusterError(f"cluster override {key}={raw!r} must be a finite number")
+        raise ClusterError(f"cluster override {key}={shown(raw)} must be a finite number")
     if kind is int:
         if dimension == "bytes":
             return round(number)  # 2.2GiB is not a whole number of bytes: the nearest one
         if number != int(number):
-            raise ClusterError(f"cluster override {key}={raw!r} must be a whole number")
+            raise ClusterError(f"cluster override {key}={shown(raw)} must be a whole number")
         return int(number)
     return number
+
+
+def _accepted(key: str) -> str | None:
+    """The values a bandwidth or peak override takes (for a message), else None."""
+    if key.startswith("peak_flops_"):
+        return f"{_MIN_FLOPS:g} to {_MAX_FLOPS:g} FLOP/s, e.g. '312TFLOPS'"
+    if key.endswith("bandwidth"):
+        span = f"{_MIN_BANDWIDTH:g} to {_MAX_BANDWIDTH:g} bytes/s, e.g. '32GB/s'"
+        return f"0 (not stated) or {span}" if key == "host_link_bandwidth" else span
+    return None
 
 
 def as_cluster(value: object) -> Cluster:
@@ -391,7 +441,7 @@ def as_cluster(value: object) -> Cluster:
         return load_cluster(value)
     raise ClusterError(
         f"cluster must be a Cluster or a spec string (e.g. 'dgx-a100-80g:nodes=4' or a YAML "
-        f"path), got {type(value).__name__} {value!r}"
+        f"path), got {type(value).__name__} {shown(value)}"
     )
 
 
@@ -425,7 +475,7 @@ def load_cluster(spec: str) -> Cluster:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise ClusterError(
-                f"cannot read cluster override {item!r} in {spec!r}; write key=value, "
+                f"cannot read cluster override {shown(item)} in {shown(spec)}; write key=value, "
                 "e.g. 'dgx-a100-80g:nodes=4,inter_node_bandwidth=50GB/s'"
             )
         overrides[key.strip()] = value.strip()

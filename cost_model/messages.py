@@ -63,6 +63,11 @@ def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
     return f"{text} ({size})" if size else text
 
 
+def shown_count(number: int) -> str:
+    """``1,024``; an absurd count by its size (``str`` of a huge int is slow or refused)."""
+    return f"{number:,}" if abs(number) < 10**30 else _int_text(number)
+
+
 def _str_text(value: str | bytes, limit: int) -> tuple[str, bool]:
     """``repr`` of ``value``, cut to about ``limit`` characters with ``...`` inside the quotes,
     and whether it was cut."""

@@ -166,13 +166,13 @@ class _BoundedLoader(yaml.SafeLoader):
         if value == 0 and any(digit in mantissa for digit in "123456789"):
             raise _Refused(
                 f"has {text}, which is too small for a number (it would read as 0)",
-                "write 0 or a number from 1e-300 to 1e300 (check its unit)",
+                "write 0 or a number from about 2.2e-308 to 1.8e308 (check its unit)",
                 node.start_mark,
             )
         if math.isinf(value) and ".inf" not in text.lower():
             raise _Refused(
                 f"has {text}, which is too large for a number",
-                "write a number from 1e-300 to 1e300 (check its unit)",
+                "write a number from about 2.2e-308 to 1.8e308 (check its unit)",
                 node.start_mark,
             )
         return value

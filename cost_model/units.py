@@ -8,8 +8,11 @@ units (bytes, FLOP/s, bytes/s, seconds). Plain numbers pass through unchanged. D
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
+
+from cost_model.messages import shown
 
 Dimension = Literal["bytes", "flops", "bandwidth", "time", "number"]
 
@@ -35,22 +38,41 @@ _PATTERN = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za
 def parse_quantity(value: object, dimension: Dimension) -> float:
     """Return ``value`` in base units of ``dimension``; raise ValueError naming the problem."""
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {shown(value)}")
     if isinstance(value, (int, float)):
         return float(value)
     if not isinstance(value, str):
-        raise ValueError(f"expected a number or a string with a unit, got {value!r}")
+        raise ValueError(f"expected a number or a string with a unit, got {shown(value)}")
     match = _PATTERN.match(value)
     if match is None:
-        raise ValueError(f"cannot read {value!r} as a quantity (e.g. '80GiB', '300GB/s', '5us')")
+        raise ValueError(
+            f"cannot read {shown(value)} as a quantity (e.g. '80GiB', '300GB/s', '5us')"
+        )
     number = float(match.group(1))
     unit = match.group(2)
-    if unit == "":
-        return number
-    scale = _unit_scale(unit, dimension)
+    scale = 1.0 if unit == "" else _unit_scale(unit, dimension)
     if scale is None:
-        raise ValueError(f"unit {unit!r} in {value!r} is not a unit of {_EXAMPLES[dimension]}")
-    return number * scale
+        raise ValueError(
+            f"unit {shown(unit, 20)} in {shown(value)} is not a unit of {_EXAMPLES[dimension]}"
+        )
+    return _in_range(number * scale, match.group(1), value)
+
+
+def _in_range(number: float, digits: str, value: str) -> float:
+    """``number``, refused when the text overflowed a float (to inf) or underflowed it (to 0:
+    ``1e-400GB/s`` would read as 0, which some fields take as "not stated")."""
+    mantissa = digits.lower().partition("e")[0]
+    if number == 0 and any(digit in mantissa for digit in "123456789"):
+        raise ValueError(
+            f"{shown(value)} is too small for a number: it would read as 0 (the smallest is "
+            "about 2.2e-308); check its unit"
+        )
+    if math.isinf(number):
+        raise ValueError(
+            f"{shown(value)} is too large for a number (the largest is about 1.8e308); check "
+            "its unit"
+        )
+    return number
 
 
 _EXAMPLES: dict[Dimension, str] = {

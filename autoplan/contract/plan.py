@@ -48,6 +48,7 @@ from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, as_cluster
+from cost_model.messages import shown_count
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -102,7 +103,9 @@ class StagePlan:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PlanError(f"{name} = {shown(value)} must be a whole number")
             if value > MAX_COUNT:
-                raise PlanError(f"{name} = {_count(value)} is over {MAX_COUNT:,}; give a real unit")
+                raise PlanError(
+                    f"{name} = {shown_count(value)} is over {MAX_COUNT:,}; give a real unit"
+                )
         if self.recompute not in RECOMPUTE_MODES:
             raise PlanError(
                 f"recompute = {shown(self.recompute)} must be one of {', '.join(RECOMPUTE_MODES)}"
@@ -229,15 +232,16 @@ class Plan:
                 raise PlanError(f"{name} = {shown(value)} must be a whole number >= 1")
             if value > MAX_COUNT:
                 raise PlanError(
-                    f"{name} = {_count(value)} is over {MAX_COUNT:,}; give the size of a real job"
+                    f"{name} = {shown_count(value)} is over {MAX_COUNT:,}; give the size of a "
+                    "real job"
                 )
         degrees = (self.dp_degree, self.tp_degree, self.pp_degree, self.cp_degree)
         if math.prod(degrees) > MAX_DEVICES:
             raise PlanError(
                 "dp_degree x tp_degree x pp_degree x cp_degree = "
-                f"{' x '.join(_count(d) for d in degrees)} = {_count(math.prod(degrees))} "
-                "devices is "
-                f"more than the {MAX_DEVICES:,} autoplan plans for; give degrees of a real job"
+                f"{' x '.join(shown_count(d) for d in degrees)} = "
+                f"{shown_count(math.prod(degrees))} devices is more than the {MAX_DEVICES:,} "
+                "autoplan plans for; give degrees of a real job"
             )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage = {shown(self.zero_stage)} must be 0, 1, 2 or 3")
@@ -716,11 +720,6 @@ class Plan:
 
     def with_estimate(self, estimate: PlanEstimate | None) -> Plan:
         return replace(self, estimate=estimate)
-
-
-def _count(number: int) -> str:
-    """``1,024``; an absurd count by its size (``str`` of a huge int is slow or refused)."""
-    return f"{number:,}" if abs(number) < 10**30 else shown(number)
 
 
 def split_backward_conflict(
