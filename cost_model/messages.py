@@ -37,16 +37,19 @@ class _Short(reprlib.Repr):
         return _str_text(x, self.maxstring)[0]
 
 
-def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
+def shown(value: object, limit: int = SHOWN_LIMIT, *, quoted: bool = True) -> str:
     """``repr(value)`` when it fits in ``limit`` characters; otherwise its start, ``...`` and
     its size: ``'aaaa...' (20,000,000 characters)``, ``[[1, 2], ...] (a list of 9 items)``,
-    ``an integer of about 5,000 digits``."""
+    ``an integer of about 5,000 digits``. A string without its quotes with ``quoted=False``
+    (``num_layers=abc``; escapes such as ``\n`` stay, so the message stays one line)."""
     if isinstance(value, bool) or value is None or isinstance(value, float):
         return repr(value)
     if isinstance(value, int):
         return _int_text(value)
     if isinstance(value, (str, bytes)):
         text, cut = _str_text(value, limit)
+        if not quoted and isinstance(value, str):
+            text = text[1:-1]
         if not cut:
             return text
         unit = "characters" if isinstance(value, str) else "bytes"

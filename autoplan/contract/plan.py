@@ -546,13 +546,14 @@ class Plan:
         if model and model.fingerprint and profile.fingerprint != model.fingerprint:
             if model.name == profile.name:
                 raise PlanError(
-                    f"plan's model.fingerprint {shown(model.fingerprint)[1:-1]} is not that of "
-                    f"model {shown(profile.name)} ({profile.fingerprint}): the model changed since "
-                    "the plan was made, or the file's model section was edited; search a new plan"
+                    "plan's model.fingerprint "
+                    f"{shown(model.fingerprint, quoted=False)} is not that of model "
+                    f"{shown(profile.name)} ({profile.fingerprint}): the model changed since the "
+                    "plan was made, or the file's model section was edited; search a new plan"
                 )
             raise PlanError(
                 f"plan was made for model {shown(model.name)} "
-                f"(fingerprint {shown(model.fingerprint)[1:-1]}), "
+                f"(fingerprint {shown(model.fingerprint, quoted=False)}), "
                 f"not {shown(profile.name)} (fingerprint {profile.fingerprint}); "
                 "search a new plan for this model"
             )

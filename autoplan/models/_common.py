@@ -15,6 +15,7 @@ from torch import Tensor, nn
 # The project-wide error type (an `InputError`, so a `ValueError`): one class, whichever of
 # `autoplan.ModelSpecError` or `autoplan.models.ModelSpecError` a caller catches.
 from autoplan.contract.errors import ModelSpecError as ModelSpecError
+from cost_model.messages import shown, shown_count
 
 # ---------------------------------------------------------------------------------------------
 # Config validation (called from the config dataclasses' __post_init__)
@@ -31,17 +32,18 @@ def check_positive_ints(owner: str, fields: Iterable[tuple[str, object]]) -> Non
     for name, value in fields:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelSpecError(
-                f"{owner}.{name} must be a positive int, got {value!r} ({type(value).__name__})"
+                f"{owner}.{name} must be a positive int, got {shown(value)} "
+                f"({type(value).__name__})"
             )
         if value <= 0:
             raise ModelSpecError(
-                f"{owner}.{name} must be a positive int, got {value}; give it 1 or more (e.g. "
-                f"--model NAME:{name}=...)"
+                f"{owner}.{name} must be a positive int, got {shown_count(value)}; give it 1 or "
+                f"more (e.g. --model NAME:{name}=...)"
             )
         if value > MAX_SIZE.get(name, 2**40):
             raise ModelSpecError(
-                f"{owner}.{name} = {value:,} is more than the {MAX_SIZE.get(name, 2**40):,} "
-                "autoplan models; give a real size"
+                f"{owner}.{name} = {shown_count(value)} is more than the "
+                f"{MAX_SIZE.get(name, 2**40):,} autoplan models; give a real size"
             )
 
 
@@ -61,9 +63,9 @@ def check_divisible(owner: str, name: str, value: int, by_name: str, by: int, wh
 def check_positive_float(owner: str, name: str, value: float) -> None:
     """Raise `ModelSpecError` unless `value` is a finite float > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ModelSpecError(f"{owner}.{name} must be a positive number, got {value!r}")
+        raise ModelSpecError(f"{owner}.{name} must be a positive number, got {shown(value)}")
     if value == float("inf"):
-        raise ModelSpecError(f"{owner}.{name} must be finite, got {value!r}")
+        raise ModelSpecError(f"{owner}.{name} must be finite, got {shown(value)}")
 
 
 # ---------------------------------------------------------------------------------------------

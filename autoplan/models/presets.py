@@ -16,6 +16,7 @@ from autoplan.models._common import ModelSpecError, build
 from autoplan.models.gpt import GPT, GPTConfig
 from autoplan.models.llama import Llama, LlamaConfig
 from autoplan.models.moe import MoE, MoEConfig
+from cost_model.messages import shown
 
 __all__ = ["list_presets", "preset", "preset_config"]
 
@@ -225,13 +226,13 @@ def _resolve(name: str, overrides: dict[str, Any], extra_keys: tuple[str, ...]) 
         config = _PRESETS[name]
     except KeyError:
         raise ModelSpecError(
-            f"unknown model preset {name!r}; valid presets: {', '.join(_PRESETS)}"
+            f"unknown model preset {shown(name)}; valid presets: {', '.join(_PRESETS)}"
         ) from None
     fields = [f.name for f in dataclasses.fields(config)]
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise ModelSpecError(
-            f"unknown override key(s) {unknown} for preset {name!r} "
+            f"unknown override key(s) {shown(unknown)} for preset {shown(name)} "
             f"({type(config).__name__}); valid keys: {', '.join([*fields, *extra_keys])}"
         )
     if (

@@ -36,6 +36,7 @@ from autoplan.models import (
     preset,
     preset_config,
 )
+from cost_model.schema import shown
 
 __all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "spec_of", "valid_keys"]
 
@@ -97,7 +98,9 @@ def _required_keys(name: str) -> list[str]:
 
 def _parse_value(spec: str, key: str, text: str, kind: str) -> Any:
     def fail(expected: str) -> ModelSpecError:
-        return ModelSpecError(f"{key}={text} in model spec {spec!r}: expected {expected}")
+        return ModelSpecError(
+            f"{key}={shown(text, quoted=False)} in model spec {shown(spec)}: expected {expected}"
+        )
 
     if key == "dtype":
         if text.lower() not in _DTYPES:
@@ -127,12 +130,12 @@ def parse_model_spec(spec: str) -> ModelSpec:
     presets = list_presets()
     if not name:
         raise ModelSpecError(
-            f"empty model spec {spec!r}; give a preset ({', '.join(presets)}) or a builder with "
-            f"its sizes, e.g. {_EXAMPLE}"
+            f"empty model spec {shown(spec)}; give a preset ({', '.join(presets)}) or a builder "
+            f"with its sizes, e.g. {_EXAMPLE}"
         )
     if name not in BUILDERS and name not in presets:
         raise ModelSpecError(
-            f"unknown model {name!r}; valid presets: {', '.join(presets)}; builders: "
+            f"unknown model {shown(name)}; valid presets: {', '.join(presets)}; builders: "
             f"{', '.join(BUILDERS)} (e.g. {_EXAMPLE})"
         )
     kinds = {f.name: str(f.type) for f in dataclasses.fields(_config_class(name))}
@@ -143,22 +146,23 @@ def parse_model_spec(spec: str) -> ModelSpec:
         key, text = key.strip(), text.strip()
         if not sep or not key or not text:
             raise ModelSpecError(
-                f"cannot read {item!r} in model spec {spec!r}; write key=value pairs separated "
-                f"by commas, e.g. {_EXAMPLE}"
+                f"cannot read {shown(item)} in model spec {shown(spec)}; write key=value pairs "
+                f"separated by commas, e.g. {_EXAMPLE}"
             )
         if key not in keys:
             raise ModelSpecError(
-                f"unknown key {key!r} for model {name!r} in {spec!r}; valid keys: {', '.join(keys)}"
+                f"unknown key {shown(key)} for model {shown(name)} in {shown(spec)}; valid keys: "
+                f"{', '.join(keys)}"
             )
         if key in overrides:
-            raise ModelSpecError(f"key {key!r} appears twice in model spec {spec!r}")
+            raise ModelSpecError(f"key {shown(key)} appears twice in model spec {shown(spec)}")
         overrides[key] = _parse_value(spec, key, text, kinds.get(key, "str"))
     if name in BUILDERS:
         missing = [k for k in _required_keys(name) if k not in overrides]
         if missing:
             example = _EXAMPLES.get(name, _EXAMPLE)
             raise ModelSpecError(
-                f"model builder {name!r} needs {', '.join(_required_keys(name))}; missing: "
+                f"model builder {shown(name)} needs {', '.join(_required_keys(name))}; missing: "
                 f"{', '.join(missing)} (e.g. {example}); optional keys: "
                 f"{', '.join(k for k in keys if k not in _required_keys(name))}"
             )
@@ -175,8 +179,8 @@ def build_model(spec: str | ModelSpec, **overrides: Any) -> nn.Module:
     for key, value in overrides.items():
         if key in merged and merged[key] != value:
             raise ModelSpecError(
-                f"{key} = {value!r} contradicts {key}={merged[key]!r} in model spec "
-                f"{parsed.name!r}; give it once"
+                f"{key} = {shown(value)} contradicts {key}={shown(merged[key])} in model spec "
+                f"{shown(parsed.name)}; give it once"
             )
         merged[key] = value
     if parsed.is_builder:
