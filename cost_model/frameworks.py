@@ -40,6 +40,7 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
+from cost_model.messages import shown
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
 from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy, is_subsequence
@@ -969,7 +970,7 @@ def framework_profile(spec: str) -> FrameworkProfile:
     name = name.strip()
     if not isinstance(spec, str) or name not in FRAMEWORKS:
         raise FrameworkError(
-            f"unknown framework {spec!r}; use one of {', '.join(FRAMEWORKS)} "
+            f"unknown framework {shown(spec)}; use one of {', '.join(FRAMEWORKS)} "
             f"(default {DEFAULT_FRAMEWORK})"
         )
     profile = FRAMEWORKS[name]
@@ -983,14 +984,14 @@ def framework_profile(spec: str) -> FrameworkProfile:
                 f"{option}={'|'.join(values)}" for option, values in profile.options.items()
             )
             raise FrameworkError(
-                f"framework {spec!r}: {name} has no option {item!r}; "
+                f"framework {shown(spec)}: {name} has no option {shown(item)}; "
                 + (f"its options: {known}" if known else "it takes no options")
             )
         earlier = next((g for g in given if g.partition("=")[0] == key), None)
         if earlier is not None:
             raise FrameworkError(
-                f"framework {spec!r}: option {key!r} is given twice ({earlier}, {key}={value}); "
-                "give it once"
+                f"framework {shown(spec)}: option {shown(key)} is given twice ({earlier}, "
+                f"{key}={value}); give it once"
             )
         changes.update(choices[value])
         given.append(f"{key}={value}")

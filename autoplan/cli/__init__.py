@@ -26,6 +26,7 @@ from autoplan.cli.trace_cmd import trace
 from autoplan.cli.validate_cmd import validate
 from autoplan.cli.whatif_cmd import whatif_cmd
 from autoplan.contract.errors import InputError
+from cost_model.schema import shown
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for arg in args:
         if "\x00" in arg:
             # no shell passes one; click's path checks would raise ValueError on it
-            _fail(f"argument {arg!r} contains a NUL byte; remove it", "UsageError", args, 2)
+            _fail(f"argument {shown(arg)} contains a NUL byte; remove it", "UsageError", args, 2)
     try:
         cli.main(args=args, prog_name="autoplan", standalone_mode=False)
     except click.exceptions.Exit as done:
@@ -67,11 +68,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         click.echo("autoplan: aborted", err=True)
         sys.exit(130)
     except InputError as error:
-        _fail(str(error), type(error).__name__, args, 2)
+        # a file that could not be written on a full disk (cost_model.files.OutputFileError)
+        # is a failure of the run: exit 1
+        _fail(str(error), type(error).__name__, args, getattr(error, "exit_code", 2))
+
+
+# The longest error line printed. Messages show values through `shown` (about 80 characters
+# each); this is the last resort for a message that embeds one whole (click's own, a library's).
+MAX_ERROR_CHARS = 1000
 
 
 def _fail(message: str, kind: str, args: Sequence[str], code: int) -> NoReturn:
     line = " ".join(message.split())  # one line, whatever the message held
+    if len(line) > MAX_ERROR_CHARS:  # keep the start (what) and the end (the fix)
+        cut = len(line) - MAX_ERROR_CHARS + 40
+        line = f"{line[:700]} ...[{cut:,} characters cut]... {line[700 + cut :]}"
     if "--json" in args:
         click.echo(json.dumps({"error": line, "kind": kind}))
     click.echo(f"autoplan: error: {line}", err=True)

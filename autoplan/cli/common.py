@@ -14,7 +14,7 @@ from rich.console import Console
 
 from autoplan._format import WIDTH
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
-from cost_model.schema import check_writable
+from cost_model.schema import check_writable, shown
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
@@ -60,11 +60,13 @@ def int_list(
     if not any(parts):
         raise click.BadParameter("give at least one value")
     if not all(parts):
-        raise click.BadParameter(f"{value!r} has an empty item; write e.g. '2,4,8'")
+        raise click.BadParameter(f"{shown(value)} has an empty item; write e.g. '2,4,8'")
     try:
         return tuple(int(part) for part in parts)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+        raise click.BadParameter(
+            f"{shown(value)} is not a comma-separated list of integers"
+        ) from None
 
 
 def positive_int_list(
@@ -73,7 +75,9 @@ def positive_int_list(
     """`int_list` for degrees and sizes: every value >= 1."""
     values = int_list(ctx, param, value)
     if values is not None and (bad := [v for v in values if v < 1]):
-        raise click.BadParameter(f"{', '.join(map(str, bad))}: values must be whole numbers >= 1")
+        raise click.BadParameter(
+            f"{shown(', '.join(map(shown, bad)), quoted=False)}: values must be whole numbers >= 1"
+        )
     return values
 
 
@@ -208,7 +212,7 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
 def finite_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
     """Click callback: a number of seconds must be finite (``inf``/``nan`` parse as floats)."""
     if not math.isfinite(value):
-        raise click.BadParameter(f"{value!r} is not a finite number of seconds", ctx, param)
+        raise click.BadParameter(f"{shown(value)} is not a finite number of seconds", ctx, param)
     return value
 
 
