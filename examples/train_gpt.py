@@ -21,6 +21,13 @@ R`` makes this torchrun job one of N torchft replica groups (``pip install
 'torch-autoplan[torchft]'``, a ``torchft_lighthouse`` at ``$TORCHFT_LIGHTHOUSE``): the groups
 average gradients every step, and one that dies drops out while the others go on; restarted,
 it heals from a peer and rejoins.
+
+A non-finite loss or gradient stops the job with one line naming the step, the rank and the
+newest good checkpoint (exit 1; ``--on-nan skip`` skips such steps instead). SIGTERM or SIGINT
+(``--save-on-signal``, on under torchrun) stops it after the current step, saves that step when
+the save fits the launcher's grace period, prints the step saved and the steps lost, and exits
+128 + the signal's number (143 for SIGTERM): non-zero, because the job did not finish. Resumed
+with another ``--lr`` or ``--global-batch``, it says so and applies them.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +54,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import autoplan
 from autoplan.data import Batches, load_corpus
 from autoplan.models import gpt
+from autoplan.runtime.trainer import NonFiniteError, TrainingStopped
+
+try:
+    from autoplan.runtime.checkpoint import CheckpointSaveError
+except ImportError:  # SHIM (issue 37, engineer C): until A's CheckpointSaveError lands
+
+    class CheckpointSaveError(RuntimeError):  # type: ignore[no-redef]
+        pass
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,6 +95,8 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
         checkpoint_dir=config.get("checkpoint_dir"),
         checkpoint_every=config.get("checkpoint_every", 50),
         timeout_s=config.get("timeout"),
+        on_nan=config.get("on_nan", "stop"),
+        save_on_signal=config.get("save_on_signal"),
         replicas=(
             autoplan.TorchFTReplicas(
                 replica_group=config["replica_group"],
@@ -280,12 +298,42 @@ def main() -> None:
     parser.add_argument(
         "--replica-group", type=int, default=0, metavar="R", help="This job's group: 0..N-1."
     )
+    parser.add_argument(
+        "--on-nan",
+        choices=("stop", "skip"),
+        default="stop",
+        help="A non-finite loss or gradient stops the job (default) or skips the step.",
+    )
+    parser.add_argument(
+        "--save-on-signal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SIGTERM/SIGINT save the current step before the job stops (default: under torchrun).",
+    )
     config = vars(parser.parse_args())
     if config["ray"]:
         run_with_ray(config)
         return
-    train(config)
-    dist.destroy_process_group()
+    code = 0
+    try:
+        train(config)
+    except TrainingStopped as stopped:
+        _say(str(stopped))
+        code = stopped.exit_code
+    except (NonFiniteError, CheckpointSaveError) as error:
+        # the same one line on every rank: rank 0 says it; a failure of the run, exit 1
+        _say(f"train_gpt: error: {error}", file=sys.stderr)
+        code = 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
+
+
+def _say(line: str, file: Any = None) -> None:
+    """Print on rank 0 (of a job that reached its process group, or any process before)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=file or sys.stdout, flush=True)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ to ``?`` to keep the vocabulary small (96 symbols).
 
 Guarantees: `load_corpus` is deterministic; `CharCorpus.encode`/`decode` round-trip the text;
 `CharCorpus.batch` draws the same (inputs, targets) windows for the same generator state on
-every rank, targets being the inputs shifted by one character.
+every rank, targets being the inputs shifted by one character; `Batches.config` names what
+makes its stream (a resumed job compares it with the checkpoint's).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,7 @@ class Batches:
         self.corpus = corpus
         self.batch_size = batch_size
         self.seq_len = seq_len
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.drawn = 0  # batches drawn so far
 
@@ -74,6 +77,17 @@ class Batches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.drawn += 1
         return self.corpus.batch(self.batch_size, self.seq_len, self.generator)
+
+    def config(self) -> dict[str, Any]:
+        """The settings that make this stream (JSON-able): another corpus, seed or sequence
+        length is another stream, in which a saved position means nothing."""
+        return {
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "corpus": f"{len(self.corpus.text):,} characters, sha256 "
+            + hashlib.sha256(self.corpus.text.encode()).hexdigest()[:16],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state(), "drawn": self.drawn}
