@@ -29,6 +29,7 @@ has one, is compared on resume), and the same arguments on every rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -301,6 +302,14 @@ class Trainer:
         """Resume from the newest complete checkpoint and compare its run with this one (on
         every rank, so a refusal fails everywhere); returns the lines naming what changed."""
         assert self.checkpointer is not None
+        # Refused before loading: another optimizer's state fails to load (or loads wrongly)
+        # with no word of why. Every checkpoint in a folder has the same optimizer class and
+        # data settings (a run that changed them was refused), so the newest marker says.
+        recorded = _recorded_run(self.checkpointer.directory)
+        if recorded is not None:
+            refusal = run_refusal(recorded.run, run, step=recorded.step, path=recorded.path)
+            if refusal is not None:
+                raise CheckpointError(refusal)
         wanted = [_hyperparameters(optimizer) for optimizer in self.model.optimizers]
         self.checkpointer.restore()
         info = self.checkpointer.restored
@@ -607,6 +616,31 @@ def run_changes(
             f"(applied; the data goes on from its position in batches of {shown(new_batch)})"
         )
     return tuple(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordedRun:
+    step: int
+    path: Path
+    run: Mapping[str, Any]
+
+
+def _recorded_run(directory: Path) -> _RecordedRun | None:
+    """The run the newest checkpoint marker in ``directory`` records (None: none does), read
+    before anything is loaded. SHIM (issue 37, engineer C): reads A's marker layout
+    (``step_NNNNNNNN/autoplan.json``, key ``run``) until the Checkpointer offers the run of
+    the checkpoint `restore` will load before loading it."""
+    if not directory.is_dir():
+        return None
+    for marker in sorted(directory.glob("step_*/autoplan.json"), reverse=True):
+        try:
+            data = json.loads(marker.read_text())
+            step = int(data["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: the Checkpointer judges it
+        if isinstance(data.get("run"), Mapping) and data["run"]:
+            return _RecordedRun(step=step, path=marker.parent, run=data["run"])
+    return None
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
