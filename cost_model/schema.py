@@ -26,6 +26,7 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 
 from cost_model.errors import SchemaError
+from cost_model.files import atomic_write_text, probe_folder
 from cost_model.messages import SHOWN_LIMIT
 from cost_model.messages import shown as shown
 from cost_model.units import Dimension, parse_quantity
@@ -266,23 +267,20 @@ def check_writable(path: str | Path, what: str, *, create_folder: bool = False) 
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise SchemaError(f"{what} {str(target)!r} is not writable; choose another path")
     # os.access says yes for root where the file system says no (/proc, a read-only mount):
-    # open it for appending, and remove it again if it was not there
-    existed = target.exists()
+    # create what an atomic write creates, a temporary file in the folder, and remove it
     try:
-        with open(target, "a"):
-            pass
+        probe_folder(target)
     except OSError as error:
         raise SchemaError(
             f"{what} {str(target)!r} is not writable ({error.strerror}); choose another path"
         ) from None
-    if not existed:
-        target.unlink(missing_ok=True)
 
 
 def write_yaml(path: str | Path, data: object, header: str = "") -> None:
-    """Write plain data as block-style YAML, keys in the given order."""
+    """Write plain data as block-style YAML, keys in the given order, atomically: the old
+    file stays whole when writing fails (`cost_model.files.OutputFileError`)."""
     text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
-    Path(path).write_text(header + text)
+    atomic_write_text(path, header + text)
 
 
 def check_schema_version(data: object, supported: int, what: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from matplotlib.ticker import FuncFormatter
 
 from autoplan.analysis.timeline import EVENT_KINDS, EventKind, Timeline
 from autoplan.analysis.whatif import WhatIfResult
+from cost_model.files import atomic_output
 
 __all__ = ["KIND_COLOURS", "KIND_LABELS", "save_figure", "timeline_figure", "whatif_figure"]
 
@@ -46,11 +47,16 @@ KIND_LABELS: dict[EventKind, str] = {
 }
 
 
-def save_figure(figure: Figure, path: str | Path, *, dpi: int = 120) -> Path:
-    """Write ``figure`` with the Agg renderer (PNG, or what the suffix names); return the path."""
+def save_figure(figure: Figure, path: str | Path, *, dpi: int = 120, what: str = "") -> Path:
+    """Write ``figure`` with the Agg renderer (PNG, or what the suffix names); return the path.
+
+    Written atomically (`cost_model.files.atomic_output`): on a failure (disk full, ...) the
+    old picture stays whole and `OutputFileError` names the path and the reason; ``what``
+    names the file in that message (``"--plot"``)."""
     out = Path(path)
     FigureCanvasAgg(figure)  # attach a non-interactive canvas: no display, no pyplot state
-    figure.savefig(out, dpi=dpi)
+    with atomic_output(out, what=what) as temporary:
+        figure.savefig(temporary, dpi=dpi, format=out.suffix.lstrip(".").lower() or None)
     return out
 
 

@@ -49,6 +49,7 @@ from autoplan.calibration._workers import DEFAULT_STALL_S, beat, join_workers
 from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
 from cost_model.estimate import estimate
+from cost_model.files import atomic_write_text
 from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile
 
@@ -207,7 +208,7 @@ def _runtime_worker(
         results.append(statistics.median(times))
         del trainer, model
     if rank == 0:
-        Path(out_file).write_text(json.dumps(results))
+        atomic_write_text(out_file, json.dumps(results))  # the parent reads it whole or not
     dist.destroy_process_group()
 
 

@@ -47,9 +47,9 @@ from autoplan.calibration.host_overheads import (
     fit_host_overheads,
     measure_runtime,
 )
-from autoplan.contract.errors import CalibrationError
 from cost_model import local_machine
 from cost_model.communication import ring_half_collective_time_s
+from cost_model.files import atomic_write_text
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
 from cost_model.schema import check_writable
@@ -304,8 +304,9 @@ def _comm_worker(
             "memory_bandwidth_bytes_per_s": bandwidth,
             "kernel_overhead_s": overhead,
         }
-        Path(out_file).write_text(
-            json.dumps({"backend": backend, "records": records, "compute": compute})
+        # the parent reads it whole or not at all
+        atomic_write_text(
+            out_file, json.dumps({"backend": backend, "records": records, "compute": compute})
         )
     dist.destroy_process_group()
 
@@ -531,12 +532,7 @@ def calibrate(
         cluster = dataclasses.replace(cluster, calibration=fit_host_overheads(profile, job, runs))
         measured = dataclasses.replace(measured, runtime=runs)
     # Store the one-node template; Cluster.local() sets the device count and memory again.
-    try:
-        cluster.to_yaml(path)
-    except OSError as error:
-        raise CalibrationError(
-            f"could not write the calibrated cluster to {str(path)!r}: {error.strerror}; "
-            "pass -o with a writable file"
-        ) from error
+    # atomic: a failed write (OutputFileError, one line) leaves the old calibration whole
+    cluster.to_yaml(path)
     logger.info("wrote calibrated cluster to %s", path)
     return cluster, path, measured

@@ -136,7 +136,7 @@ def explain_cmd(
         from autoplan.analysis.plots import save_figure, timeline_figure
 
         simulated = timeline_of(result.estimate, plan)
-        save_figure(timeline_figure(simulated), timeline_path)
+        save_figure(timeline_figure(simulated), timeline_path, what="--timeline")
         timeline = {
             "path": timeline_path,
             "schedule": simulated.schedule,

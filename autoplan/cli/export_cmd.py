@@ -10,20 +10,21 @@ as validate's). A plan the framework cannot express fails with one line naming e
 field, the option the framework lacks and the nearest plan it can run
 (`autoplan.export.ExportError`). A plan priced for another stack than the target exports with a
 note saying so (printed first, as a comment line).
+
+With ``-o DIR`` the files are written atomically, never through a symbolic link, and a file
+export did not write (or that was edited since) is replaced only with ``--force``
+(`autoplan.export.writing`); the same export twice succeeds.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from pathlib import Path
 
 import click
 
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
-from autoplan.contract.errors import InputError
 from autoplan.contract.plan import Plan
 from autoplan.export import FRAMEWORKS, check_devices, export_plan
+from autoplan.export.writing import ExportWrite, write_export
 from cost_model.hardware import load_cluster
 
 
@@ -62,6 +63,12 @@ from cost_model.hardware import load_cluster
 @click.option(
     "--allow-cross-node-tp", is_flag=True, help="Accept tensor-parallel groups that span nodes."
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With -o: replace files in the folder that autoplan export did not write (or that "
+    "were edited since); symbolic links are refused even so.",
+)
 @json_option
 def export_cmd(
     plan_path: str,
@@ -71,6 +78,7 @@ def export_cmd(
     cluster_spec: str | None,
     allow_over_memory: bool,
     allow_cross_node_tp: bool,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Write what launches a plan on Megatron-LM, torchtitan or DeepSpeed."""
@@ -95,15 +103,16 @@ def export_cmd(
     memory = result.memory
     if memory is not None and not memory.fits:
         click.echo(f"WARNING (--allow-over-memory): {memory.problem}", err=True)
-    written: list[str] = []
+    wrote: ExportWrite | None = None
     if output_dir is not None:
-        written = _write(Path(output_dir), result.files)
+        wrote = write_export(output_dir, result.files, force=force)
     if as_json:
         emit_json(
             {
                 "framework": result.framework,
                 "files": dict(result.files),
-                "written": written or None,
+                "written": None if wrote is None else [str(p) for p in wrote.paths],
+                "unchanged": None if wrote is None else [str(p) for p in wrote.unchanged],
                 "command": list(result.command),
                 "command_line": result.command_line,
                 "notes": list(result.notes),
@@ -121,9 +130,10 @@ def export_cmd(
         out.print(f"# using {cluster_note}", style="dim", markup=False, soft_wrap=True)
     if memory is not None and memory.fits:
         out.print(f"# checked: {memory}", style="dim", markup=False, soft_wrap=True)
-    if written:
-        for path in written:
-            out.print(f"wrote {path}", markup=False, soft_wrap=True)
+    if wrote is not None:
+        for path in wrote.paths:
+            verb = "unchanged" if path in wrote.unchanged else "wrote"
+            out.print(f"{verb} {path}", markup=False, soft_wrap=True)
     else:
         for name, text in result.files.items():
             out.print(f"# ---- {name} ----", style="bold", markup=False)
@@ -132,16 +142,3 @@ def export_cmd(
     out.print(result.command_line, markup=False, soft_wrap=True)
     for note in result.notes:
         out.print(f"# note: {note}", style="dim", markup=False, soft_wrap=True)
-
-
-def _write(directory: Path, files: Mapping[str, str]) -> list[str]:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for name, text in files.items():
-            path = directory / name
-            path.write_text(text)
-            paths.append(str(path))
-    except OSError as error:
-        raise InputError(f"-o/--output {str(directory)!r}: cannot write ({error})") from None
-    return paths

@@ -187,7 +187,7 @@ def whatif_cmd(
         # matplotlib takes about a second to import: only when a picture is asked for.
         from autoplan.analysis.plots import save_figure, whatif_figure
 
-        save_figure(whatif_figure(result), plot_path)
+        save_figure(whatif_figure(result), plot_path, what="--plot")
     if as_json:
         data = result.to_data()
         data["plot"] = plot_path
