@@ -10,7 +10,8 @@ size limit, ...) the temporary file is removed, the old file is left byte for by
 `OutputFileError` is raised with one line naming the path and the reason.
 
 A symlink at ``path`` is followed (the file it points to is replaced, as ``open(path, "w")``
-would); a caller that must not follow one (``autoplan export``) checks first. A replaced
+would); ``follow_symlinks=False`` replaces the link itself instead (``autoplan export``,
+which also refuses links before it writes). A replaced
 file keeps its permission bits; a new file gets the process's umask.
 """
 
