@@ -11,8 +11,8 @@ size limit, ...) the temporary file is removed, the old file is left byte for by
 
 A symlink at ``path`` is followed (the file it points to is replaced, as ``open(path, "w")``
 would); ``follow_symlinks=False`` replaces the link itself instead (``autoplan export``,
-which also refuses links before it writes). A replaced
-file keeps its permission bits; a new file gets the process's umask.
+which also refuses links before it writes). A replaced file keeps its permission bits; a new
+file gets the process's umask.
 """
 
 from __future__ import annotations
