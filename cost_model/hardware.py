@@ -467,7 +467,7 @@ def preset_names() -> list[str]:
 
 def load_cluster(spec: str) -> Cluster:
     """Resolve a CLI cluster spec: ``NAME[:key=value,...]`` or a path to a cluster YAML file."""
-    if spec.endswith((".yaml", ".yml")) or Path(spec).is_file():
+    if spec.endswith((".yaml", ".yml")) or _is_file(spec):
         return Cluster.from_yaml(spec)
     name, _, rest = spec.partition(":")
     overrides: dict[str, object] = {}
@@ -483,6 +483,13 @@ def load_cluster(spec: str) -> Cluster:
     return Cluster.preset(
         name, nodes=_override_value("nodes", nodes, "number", int) if nodes else 1, **overrides
     )
+
+
+def _is_file(spec: str) -> bool:
+    try:
+        return Path(spec).is_file()
+    except (OSError, ValueError):  # too long a name for a path (a 100 KB spec), a NUL byte
+        return False
 
 
 # ----------------------------------------------------------------------------- this machine

@@ -90,9 +90,13 @@ def _int_text(value: int) -> str:
     bits = abs(value).bit_length()
     if bits <= _INT_DIGITS * 3:  # < 10**36: at most 37 digits, cheap and always allowed
         return repr(value)
-    digits = int(bits * 0.30103) + 1  # log10(2): the count is exact or one too many
+    digits = int((bits - 1) * 0.30103) + 1  # log10(2): exact or one too few
+    about = "about "
+    if bits < 100_000:  # 10**digits is cheap up to here: make the count exact
+        digits += abs(value) >= 10**digits
+        about = ""
     sign = "a negative" if value < 0 else "an"
-    return f"{sign} integer of about {digits:,} digits"
+    return f"{sign} integer of {about}{digits:,} digits"
 
 
 def _size(value: Any) -> str | None:

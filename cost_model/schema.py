@@ -8,8 +8,9 @@ A field may accept numbers with units (``80GiB``) by declaring ``metadata={"unit
 `read_yaml` reads bounded input: a file of at most `MAX_FILE_BYTES`, at most `MAX_NODES` YAML
 nodes nested at most `MAX_DEPTH` deep, no aliases (``*a``: PyYAML expands them into shared
 references, so a 1 KB file of nested aliases is billions of values when walked or printed),
-numbers of at most `MAX_NUMBER_CHARS` characters that neither overflow nor underflow a float.
-Messages show a user's value through `shown` (about 80 characters at most).
+numbers of at most `MAX_NUMBER_CHARS` characters that neither overflow nor underflow a float;
+`from_data` takes strings of at most `MAX_STRING_CHARS` characters. Messages show a user's
+value through `shown` (about 80 characters at most).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ MAX_FILE_BYTES = 2**20
 MAX_NODES = 100_000
 MAX_DEPTH = 20
 MAX_NUMBER_CHARS = 100
+# A name, spec or description (a model spec naming every field of a builder is ~300).
+MAX_STRING_CHARS = 1000
 # A path in a message: a path is the user's own and bounded by the OS (PATH_MAX), so more of
 # it is shown than of other values.
 PATH_LIMIT = 160
@@ -357,6 +360,11 @@ def _convert(hint: Any, value: object, path: str, unit: Dimension | None) -> Any
     if hint is str:
         if not isinstance(value, str):
             raise SchemaError(f"{path}: expected a string, got {shown(value)}")
+        if len(value) > MAX_STRING_CHARS:
+            raise SchemaError(
+                f"{path}: {shown(value, SHOWN_LIMIT // 2)} is too long; a name or a description "
+                f"has at most {MAX_STRING_CHARS:,} characters"
+            )
         return value
     if hint in (int, float):
         return _number(hint, value, path, unit)
@@ -381,6 +389,8 @@ def _number(hint: type, value: object, path: str, unit: Dimension | None) -> int
         raise SchemaError(f"{path}: expected a finite number, got {shown(value)}")
     if hint is int and unit == "bytes" and isinstance(value, str):
         return round(number)  # "2.2GiB" is not a whole number of bytes: the nearest one
+    if hint is int and isinstance(number, int):
+        return number  # exact: float(number) would round a 17-digit count
     if hint is int:
         if float(number) != int(number):
             raise SchemaError(f"{path}: expected a whole number, got {shown(value)}")

@@ -49,6 +49,7 @@ from cost_model.errors import ClusterError
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
+from cost_model.messages import shown
 from cost_model.workload import ModelProfile
 
 __all__ = [
@@ -593,7 +594,7 @@ def plan_model_spec(plan: Plan, source: str) -> tuple[str, str]:
         parse_model_spec(name)
     except ModelSpecError:
         raise ExplainInputError(
-            f"{source}: model.name {name!r} is not a --model spec (a zoo preset or builder, "
+            f"{source}: model.name {shown(name)} is not a --model spec (a zoo preset or builder, "
             "e.g. gpt3-175b); pass --model NAME[:key=value,...]"
         ) from None
     return name, f"model {name} from {source} (model.name)"
@@ -612,7 +613,7 @@ def plan_cluster(plan: Plan, source: str) -> tuple[Cluster, str]:
         kind.check_devices([plan.num_devices])
     except (ClusterError, InputError) as error:
         raise ExplainInputError(
-            f"{source}: cannot rebuild estimate.cluster {recorded.cluster!r} with "
+            f"{source}: cannot rebuild estimate.cluster {shown(recorded.cluster)} with "
             f"{plan.num_devices} devices ({error}); pass --cluster NAME[:key=value,...]"
         ) from None
     cluster = kind.cluster(plan.num_devices)
