@@ -117,11 +117,14 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth = 0
         self._nodes = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+    def _next_event(self) -> Any:
+        return self.peek_event()  # type: ignore[no-untyped-call]
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self._next_event()
             raise _Refused(
-                f"uses a YAML alias (*{shown(event.anchor, 40)[1:-1]})",
+                f"uses a YAML alias (*{shown(event.anchor, 40, quoted=False)})",
                 "write the value out (these files take no anchors or aliases)",
                 event.start_mark,
             )
@@ -130,7 +133,7 @@ class _BoundedLoader(yaml.SafeLoader):
             raise _Refused(
                 f"has more than {MAX_NODES:,} values (scalars, lists and mappings)",
                 "is it the right file?",
-                self.peek_event().start_mark,
+                self._next_event().start_mark,
             )
         self._depth += 1
         try:
@@ -138,10 +141,9 @@ class _BoundedLoader(yaml.SafeLoader):
                 raise _Refused(
                     f"nests lists or mappings more than {MAX_DEPTH} deep",
                     "check the brackets and the indentation (these files nest 4 deep)",
-                    self.peek_event().start_mark,
+                    self._next_event().start_mark,
                 )
-            node: yaml.Node = super().compose_node(parent, index)  # type: ignore[misc]
-            return node
+            return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
