@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -206,16 +207,19 @@ def read_yaml(path: str | Path, what: str) -> object:
     file or bad syntax raises SchemaError naming the file."""
     path = Path(path)
     name = shown(str(path), PATH_LIMIT)
-    if path.is_dir():
-        raise SchemaError(f"{what} file {name} is a directory; pass a YAML file")
-    if path.exists() and not path.is_file():  # /dev/zero would be read for ever
-        raise SchemaError(f"{what} file {name} is not a regular file; pass a YAML file")
+    if "\x00" in str(path):
+        raise SchemaError(f"{what} file {name} contains a NUL byte; pass a YAML file")
     too_big = (
         f"{what} files are at most {MAX_FILE_BYTES:,} bytes (1 MiB; they are a few KB): "
         "is it the right file?"
     )
     try:
-        size = path.stat().st_size
+        status = path.stat()
+        if stat.S_ISDIR(status.st_mode):
+            raise SchemaError(f"{what} file {name} is a directory; pass a YAML file")
+        if not stat.S_ISREG(status.st_mode):  # /dev/zero would be read for ever
+            raise SchemaError(f"{what} file {name} is not a regular file; pass a YAML file")
+        size = status.st_size
         if size > MAX_FILE_BYTES:
             raise SchemaError(f"{what} file {name} is {size:,} bytes; {too_big}")
         with path.open("rb") as file:

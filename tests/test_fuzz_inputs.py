@@ -651,3 +651,23 @@ def test_bombs_through_the_real_command_line_in_bounded_memory(
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), done.stderr[-3000:]
         assert fragment in lines[0] and len(lines[0]) < 400, lines[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("p" * 100_000 + ".yaml", "(100,005 characters): File name too long"),
+        ("plan\x00.yaml", "contains a NUL byte"),
+        ("/dev/zero", "is not a regular file"),
+    ],
+)
+def test_an_unusable_path_is_an_input_error(path: str, fragment: str) -> None:
+    """Too long a name for the OS (ENAMETOOLONG from stat was a traceback), a NUL byte."""
+    with pytest.raises(PlanError, match=re.escape(fragment)):
+        Plan.from_yaml(path)
+    with pytest.raises(autoplan.ClusterError, match=re.escape(fragment)):
+        autoplan.Cluster.from_yaml(path)
+    if "\x00" not in path:  # the CLI refuses a NUL in any argument before this
+        _refused(("validate", path, "--cluster", CLUSTER), fragment)
+    if path.endswith(".yaml"):  # else a --cluster spec is a preset's name
+        _refused(("cluster", "show", path), fragment)
