@@ -644,7 +644,7 @@ def test_bombs_through_the_real_command_line_in_bounded_memory(
     for args, fragment in [
         (("validate", str(plan), "--cluster", CLUSTER), "uses a YAML alias (*a0) at line"),
         (("cluster", "show", str(cluster)), "uses a YAML alias (*a0) at line"),
-        (("validate", str(deep), "--cluster", str(cluster)), "more than 20 deep at line"),
+        (("validate", str(deep), "--cluster", CLUSTER), "more than 20 deep at line"),
     ]:
         done = _capped_cli(*args)
         assert done.returncode == 2, (args, done.returncode, done.stderr[-3000:])
