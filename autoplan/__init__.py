@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from autoplan.runtime.checkpoint import Checkpointer, CheckpointError
     from autoplan.runtime.parallelizer import parallelize
     from autoplan.runtime.replicas import TorchFTReplicas
-    from autoplan.runtime.trainer import Trainer
+    from autoplan.runtime.trainer import Trainer, TrainingStopped
     from autoplan.tracing import trace
 
 __version__ = "0.1.0"
@@ -54,6 +54,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Checkpointer": ("autoplan.runtime.checkpoint", "Checkpointer"),
     "CheckpointError": ("autoplan.runtime.checkpoint", "CheckpointError"),
     "Trainer": ("autoplan.runtime.trainer", "Trainer"),
+    "TrainingStopped": ("autoplan.runtime.trainer", "TrainingStopped"),
     "TorchFTReplicas": ("autoplan.runtime.replicas", "TorchFTReplicas"),
 }
 
@@ -88,6 +89,7 @@ __all__ = [
     "TorchFTReplicas",
     "TraceError",
     "Trainer",
+    "TrainingStopped",
     "__version__",
     "estimate",
     "explain",
