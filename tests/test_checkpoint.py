@@ -1,7 +1,9 @@
 """`autoplan.Checkpointer`: a job that stops and resumes from its latest complete checkpoint
 trains on exactly as the uninterrupted job does (loss, RNG draws and data position, step for
-step), under the same plan or another; incomplete checkpoints are skipped; bad folders,
-intervals and another model's checkpoints fail before the first step."""
+step), under the same plan or another; incomplete checkpoints are skipped; bad folders (a file,
+unwritable, another job's), intervals and another model's checkpoints fail before the first
+step, on every rank alike. Damaged checkpoints, failed saves, pruning and the folder's lock:
+tests/test_checkpoint_integrity.py."""
 
 from __future__ import annotations
 
@@ -176,10 +178,14 @@ def assert_equal_parameters(result: dict[str, Any], **tolerances: float) -> None
 
 
 def _bad_input_worker(rank: int, world_size: int, folder: str, blocker: str) -> list[str]:
+    import os
+
     from autoplan import Checkpointer
     from autoplan.contract.errors import PlanError
+    from autoplan.models import gpt
     from autoplan.runtime.checkpoint import CheckpointError
     from autoplan.runtime.parallelizer import parallelize
+    from tests.numerics import HEADS, HIDDEN, NUM_BLOCKS, SEQ
 
     messages = []
     job = parallelize(
@@ -190,27 +196,35 @@ def _bad_input_worker(rank: int, world_size: int, folder: str, blocker: str) -> 
             Checkpointer(folder, job, every=every)  # type: ignore[arg-type]
         except CheckpointError as error:
             messages.append(str(error))
+    for bad in (f"{blocker}/ckpt", blocker):
+        try:
+            Checkpointer(bad, job, every=2)
+        except CheckpointError as error:
+            messages.append(str(error))
+    saver = Checkpointer(folder, job, every=1)
+    os.environ["TORCHELASTIC_RUN_ID"] = "another-job"  # a second job on the folder
     try:
-        Checkpointer(f"{blocker}/ckpt", job, every=2)
+        Checkpointer(folder, job, every=1)
     except CheckpointError as error:
         messages.append(str(error))
-    saver = Checkpointer(folder, job, every=1)
+    del os.environ["TORCHELASTIC_RUN_ID"]
     # the checkpoint group waits on a lost peer as long as the training's group, not 30 min
     group_timeout = saver._group._get_backend(torch.device("cpu")).options._timeout
     messages.append(f"checkpoint group timeout {group_timeout.total_seconds():.0f} s")
     job.train_step(*batch(job.plan.global_batch_size, 0))
     saver.after_step()
     saver.close()
-    other = parallelize(
-        build_model("llama"),
-        plan=make_plan(dp=2),
-        loss_fn=loss_fn,
-        optimizer=optimizer_factory(),
-    )
-    try:
-        Checkpointer(folder, other, every=2).restore()
-    except CheckpointError as error:
-        messages.append(str(error))
+    for other in (build_model("llama"), gpt(NUM_BLOCKS, HIDDEN, HEADS, SEQ, 96, device="cpu")):
+        try:
+            Checkpointer(
+                folder,
+                parallelize(
+                    other, plan=make_plan(dp=2), loss_fn=loss_fn, optimizer=optimizer_factory()
+                ),
+                every=2,
+            ).restore()
+        except CheckpointError as error:
+            messages.append(str(error))
     zero1 = parallelize(
         build_model("gpt"),
         plan=make_plan(dp=2, zero=1),
@@ -236,8 +250,9 @@ def test_bad_checkpoint_arguments_fail_before_training(tmp_path: Path) -> None:
         timeout_s=200,
     )
     assert messages == same  # every rank fails alike
-    assert len(messages) == 7, messages
-    assert messages.pop(4) == "checkpoint group timeout 60 s"  # the default group's (dist_utils)
+    assert all("\n" not in message for message in messages)
+    assert len(messages) == 10, messages
+    assert messages.pop(6) == "checkpoint group timeout 60 s"  # the default group's (dist_utils)
     assert messages[0] == (
         "checkpoint interval every=0: must be a whole number of steps >= 1 (e.g. 100)"
     )
@@ -245,12 +260,28 @@ def test_bad_checkpoint_arguments_fail_before_training(tmp_path: Path) -> None:
     assert messages[2].startswith("checkpoint interval every=2.5:")
     assert messages[3].startswith(f"checkpoint folder '{blocker}/ckpt' is not writable (")
     assert messages[3].endswith("pass a folder this job can write to")
-    assert messages[4].startswith(f"checkpoint {tmp_path / 'ckpt' / 'step_00000001'} is of another")
-    assert (
-        "model (fingerprint " in messages[4]
-        and "; this job's model has fingerprint " in (messages[4])
+    assert messages[4] == (
+        f"checkpoint folder '{blocker}' is a file, not a folder: pass a folder (it is created "
+        "if missing), or move the file away"
     )
-    assert messages[5].startswith("state_dict() is not supported with zero_stage 1")
+    ckpt = tmp_path / "ckpt"
+    # the lock names its holder: this test's rank 0 process
+    assert messages[5].startswith(f"checkpoint folder {ckpt} is in use by job process:"), messages
+    assert f"lock file {ckpt / 'autoplan.lock'}): wait for it to end" in messages[5]
+    model_error = f"checkpoint {ckpt / 'step_00000001'} is of another model: "
+    fix = (
+        "; point --checkpoint-dir at this model's checkpoints or at an empty folder, or build "
+        "the model the checkpoint was saved from"
+    )
+    # llama: changed shapes first (grouped-query k/v, its MLP), the rest counted
+    assert messages[6] == (
+        model_error + "blocks.0.attn.k_proj.weight (32, 32) now (16, 32), "
+        "blocks.0.attn.v_proj.weight (32, 32) now (16, 32), blocks.0.mlp.up_proj.weight "
+        "(128, 32) now (64, 32), and 36 more" + fix
+    )
+    # one dimension changed (the vocabulary): named with both shapes (the head is tied to it)
+    assert messages[7] == model_error + "tok_emb.weight (64, 32) now (96, 32)" + fix
+    assert messages[8].startswith("state_dict() is not supported with zero_stage 1")
 
 
 def test_plans_that_cannot_be_checkpointed_are_refused_before_they_run(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Checkpoints of a `DistributedModel` job: saved every k steps in the background, resumed from
-the latest complete one, under the same plan or another (DCP reshards).
+"""Checkpoints of a `DistributedModel` job: saved every k steps in the background, verified,
+resumed from the newest intact one, under the same plan or another (DCP reshards).
 
 A checkpoint holds the model and optimizer state (under the model's own parameter names, so it
 loads under any plan), the step, each rank's random-number generator states and the data
@@ -7,52 +7,123 @@ position (any object with ``state_dict``/``load_state_dict``, the same on every 
 draws the whole global batch on every rank, e.g. `autoplan.data.Batches` or torchdata's
 ``StatefulDataLoader``), so a resumed job replays no sample and skips none.
 
-Layout: ``DIR/step_00000100/`` holds the files of ``torch.distributed.checkpoint`` and, written
-by rank 0 once every rank's files and DCP's ``.metadata`` are on disk, ``autoplan.json`` (step,
-model fingerprint, plan digest, world size). A folder without it was cut short (the job died
-mid-save): `restore` skips it, with a warning, for the previous complete one. The writes run in
-a background thread (``dcp.async_save``) on a process group of their own (gloo), so training
-goes on while they finish and their collectives never interleave with the job's.
+Layout: ``DIR/step_00000100/`` holds the files of ``torch.distributed.checkpoint`` (DCP) and
+``autoplan.json``, the marker: step, model fingerprint and every model tensor's full shape,
+plan digest, world size, the caller's ``run`` facts, the earliest non-finite step, the run it
+belongs to, and each file's size and SHA-256, all under a checksum of its own.
+``DIR/autoplan.lock`` names the job that holds the folder.
 
-Expects the default process group (`autoplan.parallelize` made it). Every rank constructs the
-`Checkpointer` with the same arguments; bad ones fail on every rank before the first step.
+Guarantees:
+
+- Saves run in the background (``dcp.async_save`` on a gloo group of their own, so their
+  collectives never interleave with the training's) into a hidden staging folder
+  ``DIR/.step_N.partial.*``. When every rank's writes are done, each rank hashes the files it
+  wrote; rank 0 gathers the hashes, writes the marker (fsynced), then renames the staging folder
+  to ``step_N`` and fsyncs ``DIR``. A ``step_N`` folder is therefore complete or absent; a job
+  killed mid-save leaves only a hidden staging folder.
+- A failed save (disk full, a file size limit, permission, a peer gone) is agreed by every rank
+  and raised as `CheckpointSaveError`, one line naming the step, the reason and the newest good
+  checkpoint, on every rank at the next `after_step` (which polls the save with one tiny
+  all-reduce per step while a save is in flight), `wait` or `close`. Its staging folder is
+  removed.
+- `restore` takes the newest checkpoint whose marker is whole, whose model matches and whose
+  every file has the recorded size and SHA-256 (the ranks split the files and combine their
+  verdicts), then loads it; a load that raises anyway (a damaged file that hashes right: an
+  older checkpoint without checksums) counts as damage too. Each skipped checkpoint is one
+  warning line on rank 0 naming the file and the reason. All ranks go through the same
+  candidates in the same order (rank 0 lists them), so all load the same step. Another
+  model's checkpoint is a `CheckpointError` naming the parameters whose shapes changed.
+- Pruning (``keep``) deletes only checkpoints of this run (the job that saved into the folder
+  first and every job that resumed from its checkpoints: markers carry the run's id), only
+  older than the newest checkpoint this job verified (saved or restored), keeps the ``keep``
+  newest verified ones and, once `note_nonfinite` reported a step, one verified checkpoint older
+  than it (every older one if this job verified none); the step is carried in later markers.
+  Folders of other runs, folders without a whole marker, and a ``step_N`` folder found where a
+  save must go (unless it is this run's and not verified: a damaged one) are never deleted;
+  the last is moved aside to ``DIR/.replaced.step_N.*``.
+- One job per folder: rank 0 creates ``DIR/autoplan.lock`` with ``O_CREAT | O_EXCL`` (atomic
+  on local file systems and NFSv3 and later; ``flock`` would die with its process but is
+  emulated with byte-range locks over NFS, absent on some network file systems, and carries no
+  identity to report), holding the job's identity (``TORCHELASTIC_RUN_ID``, host, boot id, pid,
+  process start, time), and touches it every `HEARTBEAT_S` seconds. Another job gets a
+  `CheckpointError` naming the holder, on every rank. A lock is taken over when it is this
+  job's (the same ``TORCHELASTIC_RUN_ID``: torchrun's restarts and elastic re-plans; or this
+  very process), when its process is gone (same host and boot), or, for another host, when its
+  heartbeat is older than `STALE_S` seconds (measured on the file system's clock). `close`
+  and the end of the process release it.
+
+Expects the default process group (`autoplan.parallelize` made it), a ``DIR`` every rank sees
+(a shared file system across nodes), and every rank constructing the `Checkpointer` with the
+same arguments; bad ones fail on every rank before the first step.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import threading
+import time
 import uuid
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from autoplan.contract.errors import InputError
+from cost_model.messages import shown
 from passes.progress import default_group_timeout
 from passes.runtime import DistributedModel
 
-__all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "Stateful"]
+__all__ = [
+    "HEARTBEAT_S",
+    "STALE_S",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "Stateful",
+]
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MARKER = "autoplan.json"
+_LOCK = "autoplan.lock"
+_METADATA = ".metadata"  # DCP's, written by its coordinator (rank 0)
+_FORMAT = 2  # of the marker; 1 (no "format" key): no checksums, no run id
+HEARTBEAT_S = 30.0  # the lock holder touches the lock file this often
+STALE_S = 600.0  # a lock of another host untouched this long is stale
+_SHOWN = 160  # characters of a path or reason in a message
 
 
 class CheckpointError(InputError):
-    """A checkpoint folder that cannot be used (another model, unwritable, bad interval)."""
+    """A checkpoint folder that cannot be used (another model, a file, in use by another job,
+    unwritable, a bad interval)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (disk full, permission, a peer gone): raised on every rank; the message
+    names the step, the reason and the newest good checkpoint."""
 
 
 class Stateful(Protocol):
@@ -70,13 +141,27 @@ class CheckpointInfo:
     world_size: int  # of the job that saved it
     plan_digest: str  # `Plan.digest` of the plan it was saved under
     model_fingerprint: str
+    run: dict[str, Any] = field(default_factory=dict)  # the saving job's ``run`` facts
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """How a save ended, the same on every rank."""
+
+    step: int
+    path: Path
+    error: str | None = None
+    save_s: float | None = None
+    pruned: tuple[int, ...] = ()
 
 
 class Checkpointer:
     """Save ``model`` (and ``data``) to ``directory`` every ``every`` steps; `restore` resumes.
 
-    ``keep``: how many complete checkpoints to keep (older ones are deleted once a newer one is
-    complete; None keeps all).
+    ``keep``: how many verified checkpoints of this run to keep (older ones are deleted once a
+    newer one is complete; None keeps all). ``run``: JSON-able facts about the run, written into
+    every marker and given back by `restore` as ``restored.run`` (compared by the caller).
+    The folder's lock is taken here and released by `close` (or when the process ends).
     """
 
     def __init__(
@@ -87,14 +172,21 @@ class Checkpointer:
         every: int,
         data: Stateful | None = None,
         keep: int | None = 2,
+        run: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise CheckpointError(
-                f"checkpoint interval every={every!r}: must be a whole number of steps >= 1 "
-                "(e.g. 100)"
+                f"checkpoint interval every={shown(every)}: must be a whole number of steps "
+                ">= 1 (e.g. 100)"
             )
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise CheckpointError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
+            raise CheckpointError(
+                f"keep={shown(keep)}: keep at least 1 checkpoint, or None for all"
+            )
+        try:  # as it reads back: JSON types only, string keys
+            self.run: dict[str, Any] = json.loads(json.dumps(dict(run or {}), allow_nan=False))
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"Checkpointer(run=...) must be JSON-able: {error}") from None
         model.check_checkpointable()
         self.directory = Path(directory)
         self.model = model
@@ -102,78 +194,282 @@ class Checkpointer:
         self.data = data
         self.keep = keep
         self.rank = dist.get_rank()
-        _check_writable(self.directory, self.rank)
+        self.world_size = dist.get_world_size()
         # DCP's async writes gather their results in a thread: on a group of their own, so they
         # never run concurrently with the training's collectives on the default group; with
         # its timeout, so a save waiting on a stopped peer fails as a training step would.
         self._group = dist.new_group(backend="gloo", timeout=default_group_timeout())
-        self._pending: Future[Any] | None = None
-        self._marked: threading.Event | None = None
+        # after_step's poll of a save in flight (the save's thread uses _group meanwhile)
+        self._poll_group = dist.new_group(backend="gloo", timeout=default_group_timeout())
+        self._agree_or_raise(_folder_problem(self.directory, self.rank))
+        self._lock: _FolderLock | None = None
+        refusal: str | None = None
+        job = _job_identity()
+        if self.rank == 0:
+            self._lock = _FolderLock(self.directory, job)
+            try:
+                self._lock.acquire()
+            except CheckpointError as error:
+                refusal, self._lock = str(error), None
+            except Exception as error:  # never leave the other ranks waiting for rank 0
+                refusal, self._lock = f"cannot lock {self.directory}: {_reason(error)}", None
+        refusal, job = self._broadcast((refusal, job))
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        self._job = job
+        self._run_id = job  # the run this job continues (`restore` adopts the checkpoint's)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoplan-ckpt")
+        self._pending: Future[_Outcome] | None = None
         self._last_saved: int | None = None
+        self._good: dict[int, Path] = {}  # checkpoints this job verified: saved or restored
+        self._nonfinite: int | None = None
+        self.last_complete_step: int | None = None  # newest verified checkpoint's step
+        self.last_save_s: float | None = None  # wall time of the last complete save
         self.restored: CheckpointInfo | None = None  # what `restore` loaded, if anything
+
+    # ------------------------------------------------------------------ collectives
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (over the checkpoint group)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
+
+    def _agree_or_raise(self, problem: str | None) -> None:
+        """Raise `CheckpointError` on every rank if any rank has a problem (the lowest's)."""
+        found = [p for p in self._gather(problem) if p is not None]
+        if found:
+            raise CheckpointError(found[0])
 
     # ------------------------------------------------------------------ saving
 
+    def note_nonfinite(self, step: int) -> None:
+        """Training met a non-finite loss or gradient at ``step``: pruning keeps a checkpoint
+        older than the earliest such step (this job's later markers carry it)."""
+        if self._nonfinite is None or step < self._nonfinite:
+            self._nonfinite = int(step)
+
     def after_step(self) -> bool:
-        """Call after each ``train_step``: starts a save when the step is a multiple of
-        ``every`` (returns whether it did)."""
+        """Call after each ``train_step``, on every rank: raises `CheckpointSaveError` if the
+        save in flight failed, and starts a save when the step is a multiple of ``every``
+        (returns whether it did)."""
+        if self._pending is not None:
+            done = torch.tensor([int(self._pending.done())], dtype=torch.int32)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+            if done.item():
+                self._collect()
         if self.model.step % self.every:
             return False
         self.save()
         return True
 
     def save(self) -> Path:
-        """Start saving the current step in the background (after the previous save finished);
-        returns its folder. It counts as complete as soon as its writes are done: rank 0 marks
-        it then, from the writer thread. `wait` or `close` blocks until it is."""
+        """Start saving the current step in the background (after the previous save finished;
+        raises `CheckpointSaveError` if that one failed); returns the folder it will have.
+        `wait` or `close` blocks until it is complete."""
         self.wait()
         step = self.model.step
-        target = self.directory / f"step_{step:08d}"
-        if self.rank == 0 and target.exists():
-            shutil.rmtree(target)  # a folder cut short by an earlier job at this step
-        dist.barrier(group=self._group)
-        state = self._state()
-        future = async_save(state, checkpoint_id=str(target), process_group=self._group)
-        assert isinstance(future, Future)
+        final = self.directory / f"step_{step:08d}"
+        staging = self.directory / (
+            f".step_{step:08d}.partial.{_tag(self._run_id)}.{_tag(self._job)}"
+        )
+        started = time.perf_counter()
+        problem = None
         if self.rank == 0:
-            # Rank 0 is DCP's coordinator: its save completes after every rank's files and the
-            # metadata are written, so its completion is the checkpoint's.
-            marker, marked = self._marker_data(), threading.Event()
-            future.add_done_callback(lambda done: self._completed(done, target, marker, marked))
-            self._marked = marked
-        self._pending = future
-        self._last_saved = step
-        return target
-
-    def _completed(
-        self, done: Future[Any], target: Path, marker: dict[str, Any], marked: threading.Event
-    ) -> None:
+            try:
+                if staging.exists():  # this job's own save of this step that failed
+                    shutil.rmtree(staging)
+                staging.mkdir()
+            except OSError as error:
+                problem = _reason(error)
+        problem = self._broadcast(problem)
+        if problem is not None:
+            raise CheckpointSaveError(self._failure(step, problem))
+        state = self._state()
+        marker = self._marker_data(step)
+        shapes = _shapes(state["model"])
         try:
-            if done.exception() is not None:
-                logger.error("checkpoint %s failed: %s", target, done.exception())
-                return
-            _write_marker(target, marker)
-            self._prune()
-        finally:
-            marked.set()
+            dcp_future = async_save(state, checkpoint_id=str(staging), process_group=self._group)
+        except (Exception, CheckpointException) as error:
+            raise CheckpointSaveError(self._failure(step, _reason(error))) from None
+        assert isinstance(dcp_future, Future)
+        self._pending = self._executor.submit(
+            self._finish,
+            dcp_future,
+            step=step,
+            staging=staging,
+            final=final,
+            marker=marker,
+            shapes=shapes,
+            started=started,
+            good=sorted(self._good),
+        )
+        self._last_saved = step
+        return final
+
+    def _finish(
+        self,
+        dcp_future: Future[Any],
+        *,
+        step: int,
+        staging: Path,
+        final: Path,
+        marker: dict[str, Any],
+        shapes: dict[str, list[int]],
+        started: float,
+        good: list[int],
+    ) -> _Outcome:
+        """The save's thread, on every rank: wait for DCP's writes, hash this rank's files,
+        agree on the outcome; rank 0 publishes the checkpoint (marker, rename) and prunes."""
+        mine: dict[str, Any] = {"error": None, "files": {}, "shapes": shapes}
+        try:
+            metadata = dcp_future.result()
+            mine["files"] = _hash_written(staging, metadata, self.rank, self.world_size)
+        except (Exception, CheckpointException) as error:
+            mine["error"] = _reason(error)
+        try:
+            everyone = self._gather(mine)
+        except Exception as error:  # the group broke: a peer is gone
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            return _Outcome(step, final, error=f"the ranks lost each other ({_reason(error)})")
+        verdict: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                verdict = self._publish(everyone, step, staging, final, marker, started, good)
+            except Exception as error:  # never leave the other ranks waiting for rank 0
+                shutil.rmtree(staging, ignore_errors=True)
+                verdict = {"error": _reason(error)}
+        try:
+            verdict = self._broadcast(verdict)
+        except Exception as error:
+            return _Outcome(step, final, error=f"the ranks lost each other ({_reason(error)})")
+        return _Outcome(
+            step,
+            final,
+            error=verdict.get("error"),
+            save_s=verdict.get("save_s"),
+            pruned=tuple(verdict.get("pruned", ())),
+        )
+
+    def _publish(
+        self,
+        everyone: list[dict[str, Any]],
+        step: int,
+        staging: Path,
+        final: Path,
+        marker: dict[str, Any],
+        started: float,
+        good: list[int],
+    ) -> dict[str, Any]:
+        """Rank 0: the marker and the rename that make the checkpoint complete, then pruning;
+        returns the verdict every rank gets."""
+        failed = [entry["error"] for entry in everyone if entry["error"] is not None]
+        if failed:
+            shutil.rmtree(staging, ignore_errors=True)
+            return {"error": failed[0]}
+        files: dict[str, Any] = {}
+        model_state: dict[str, list[int]] = {}
+        for entry in everyone:
+            files.update(entry["files"])
+            for name, shape in entry["shapes"].items():
+                model_state.setdefault(name, shape)
+        marker = {**marker, "files": files, "model_state": model_state}
+        try:
+            _write_synced(staging / _MARKER, _marker_bytes(marker))
+            _fsync_folder(staging)
+            if final.exists():
+                self._clear_way(final)
+            os.rename(staging, final)
+            _fsync_folder(self.directory)
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            return {"error": _reason(error)}
+        save_s = time.perf_counter() - started
+        try:
+            pruned = self._prune([*good, step])
+        except OSError as error:
+            logger.warning("could not prune checkpoints in %s: %s", self.directory, _reason(error))
+            pruned = []
+        return {"error": None, "save_s": save_s, "pruned": pruned}
+
+    def _clear_way(self, final: Path) -> None:
+        """A ``step_N`` folder where this save goes: a damaged one of this run is deleted, any
+        other moved aside (never deleted: this job cannot tell it wrote it)."""
+        marker, _ = _read_marker(final)
+        if marker is not None and marker.get("run_id") == self._run_id:
+            logger.warning("replacing checkpoint %s of this run with the new save", final)
+            shutil.rmtree(final)
+            return
+        aside = final.with_name(f".replaced.{final.name}.{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+        logger.warning(
+            "moved %s (%s) aside to %s to save this step; delete it when it is not needed",
+            final,
+            "another run's" if marker is not None else "incomplete",
+            aside.name,
+        )
+
+    def _prune(self, good: Iterable[int]) -> list[int]:
+        """Rank 0: delete this run's checkpoints the rules let go; returns their steps."""
+        ours: dict[int, Path] = {}
+        for path in _step_dirs(self.directory):
+            marker, _ = _read_marker(path)
+            if marker is not None and marker.get("run_id") == self._run_id:
+                ours[int(path.name[5:])] = path
+        doomed = _doomed(ours, good, self.keep, self._nonfinite)
+        for step in doomed:
+            shutil.rmtree(ours[step], ignore_errors=True)
+        tag = _tag(self._run_id)
+        for partial in self.directory.glob(f".step_*.partial.{tag}.*"):
+            shutil.rmtree(partial, ignore_errors=True)  # this run's saves that were cut short
+        return doomed
+
+    def _collect(self) -> None:
+        """Take the outcome of the save in flight (done on every rank); raise if it failed."""
+        assert self._pending is not None
+        future, self._pending = self._pending, None
+        outcome = future.result()
+        if outcome.error is not None:
+            raise CheckpointSaveError(self._failure(outcome.step, outcome.error))
+        for step in outcome.pruned:
+            self._good.pop(step, None)
+        self._good[outcome.step] = outcome.path
+        self.last_complete_step = max(self._good)
+        self.last_save_s = outcome.save_s
+
+    def _failure(self, step: int, reason: str) -> str:
+        if self._good:
+            newest = f"the newest good checkpoint is {self._good[max(self._good)]}"
+        else:
+            newest = "there is no good checkpoint of this job yet"
+        return f"checkpoint of step {step} failed: {shown(reason, _SHOWN, quoted=False)}; {newest}"
 
     def wait(self) -> None:
-        """Block until the save in progress (if any) is complete."""
-        if self._pending is None:
-            return
-        future, self._pending = self._pending, None
-        future.result()
-        if self._marked is not None:
-            self._marked.wait()  # callbacks run after result() returns elsewhere
-            self._marked = None
-        dist.barrier(group=self._group)  # rank 0's marker is written before anyone goes on
+        """Block until the save in flight (if any) is complete; raises `CheckpointSaveError`
+        on every rank if it failed."""
+        if self._pending is not None:
+            self._collect()
 
     def close(self, *, save: bool = True) -> None:
         """Call before the job ends: saves the last step too (unless ``save=False`` or it is
-        saved already) and waits until every save is complete."""
-        if save and self.model.step and self._last_saved != self.model.step:
-            self.save()
-        self.wait()
+        saved already), waits until every save is complete and releases the folder's lock."""
+        try:
+            if save and self.model.step and self._last_saved != self.model.step:
+                self.save()
+            self.wait()
+        finally:
+            if self._pending is None:
+                self._executor.shutdown(wait=False)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _state(self) -> dict[str, Any]:
         state: dict[str, Any] = dict(self.model.state_dict())
@@ -183,98 +479,467 @@ class Checkpointer:
             state["data"] = self.data.state_dict()
         return state
 
-    def _marker_data(self) -> dict[str, Any]:
+    def _marker_data(self, step: int) -> dict[str, Any]:
         return {
-            "step": self.model.step,
+            "format": _FORMAT,
+            "step": step,
             "model_fingerprint": self.model.fingerprint,
             "plan_digest": self.model.plan.digest(),
-            "world_size": dist.get_world_size(),
+            "world_size": self.world_size,
             "data": self.data is not None,
+            "run": self.run,
+            "nonfinite_step": self._nonfinite,
+            "run_id": self._run_id,
+            "job": self._job,
+            "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
-
-    def _prune(self) -> None:
-        if self.keep is None:
-            return
-        complete = [path for path in _step_dirs(self.directory) if (path / _MARKER).is_file()]
-        for path in complete[: -self.keep]:
-            shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint folder (None if there is none); warns about newer
-        folders that were cut short."""
+        """The newest checkpoint folder with a whole marker (None if there is none), on this
+        rank; `restore` also checks its files."""
         for path in reversed(_step_dirs(self.directory)):
-            if (path / _MARKER).is_file():
+            if _read_marker(path)[0] is not None:
                 return path
-            if self.rank == 0:
-                logger.warning(
-                    "skipping checkpoint %s: it is incomplete (no %s; the job stopped while "
-                    "saving it); using the previous complete one",
-                    path,
-                    _MARKER,
-                )
         return None
 
     def restore(self) -> int:
-        """Load the latest complete checkpoint into the model (and data); returns its step (0:
-        none yet, nothing loaded). Under another plan or world size the model and optimizer
-        state are resharded; each rank's RNG state comes back when that rank existed."""
-        path = self.latest()
-        if path is None:
-            return 0
-        marker = json.loads((path / _MARKER).read_text())
-        saved, mine = marker.get("model_fingerprint", ""), self.model.fingerprint
-        if saved and mine and saved != mine:
+        """Load the newest intact checkpoint into the model (and data); returns its step (0:
+        none, nothing loaded). Damaged and incomplete ones are skipped, one warning line each.
+        Under another plan or world size the model and optimizer state are resharded; each
+        rank's RNG state comes back when that rank existed. Raises `CheckpointError` for
+        another model's checkpoint, or when a checkpoint failed to load and none older did."""
+        self.wait()
+        candidates: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        problem: str | None = None
+        if self.rank == 0:
+            try:
+                for path in reversed(_step_dirs(self.directory)):
+                    marker, why = _read_marker(path)
+                    candidates.append((str(path), marker, why))
+            except OSError as error:
+                problem = f"cannot list checkpoints in {self.directory}: {_reason(error)}"
+        candidates, problem = self._broadcast((candidates, problem))
+        if problem is not None:
+            raise CheckpointError(problem)
+        shapes: dict[str, list[int]] | None = None
+        failed_load: str | None = None
+        for name, marker, problem in candidates:
+            path = Path(name)
+            if marker is None:
+                self._skip(path, problem or "no marker")
+                continue
+            if shapes is None:
+                shapes = self._gather_shapes()
+            mismatch = _model_mismatch(path, marker, shapes, self.model.fingerprint)
+            if mismatch is not None:
+                raise CheckpointError(mismatch)
+            problem = self._verify(path, marker)
+            if problem is not None:
+                self._skip(path, problem)
+                continue
+            problem = self._load(path, marker)
+            if problem is not None:
+                failed_load = f"{path.name} ({problem})"
+                self._skip(path, f"it does not load: {problem}")
+                continue
+            return self._restored(path, marker)
+        if failed_load is not None:
+            # the model holds part of a checkpoint now: starting it from step 0 would not be
+            # the fresh model the job began with
             raise CheckpointError(
-                f"checkpoint {path} is of another model (fingerprint {saved}); this job's model "
-                f"has fingerprint {mine}: point --checkpoint-dir at this model's checkpoints or "
-                "at an empty folder"
+                f"no checkpoint in {shown(str(self.directory), _SHOWN, quoted=False)} loads "
+                f"(the newest that passed its checks, {failed_load}, failed while loading): "
+                "move the folder away to start from step 0, or point --checkpoint-dir at "
+                "another folder"
             )
-        if marker.get("data") and self.data is None:
-            logger.warning("checkpoint %s holds a data position, but no data was given", path)
-        available = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        state = self._state()
-        rng_key = f"rng/rank{self.rank}"
-        if not _holds(available, rng_key):
-            state.pop(rng_key)
+        if candidates and self.rank == 0:
             logger.warning(
-                "checkpoint %s has no RNG state for rank %d (saved by %d ranks): keeping this "
-                "rank's",
-                path,
-                self.rank,
-                marker.get("world_size", "?"),
+                "no intact checkpoint in %s (%d skipped): starting from step 0",
+                self.directory,
+                len(candidates),
             )
-        if "data" in state and not _holds(available, "data"):
+        return 0
+
+    def _skip(self, path: Path, why: str) -> None:
+        if self.rank == 0:
+            logger.warning(
+                "skipping checkpoint %s: %s; trying the previous one",
+                path,
+                shown(why, _SHOWN, quoted=False),
+            )
+
+    def _gather_shapes(self) -> dict[str, list[int]]:
+        """This job's model tensors by name, their full shapes (every rank's stages)."""
+        union: dict[str, list[int]] = {}
+        for part in self._gather(_shapes(self.model.state_dict()["model"])):
+            for name, shape in part.items():
+                union.setdefault(name, shape)
+        return union
+
+    def _verify(self, path: Path, marker: dict[str, Any]) -> str | None:
+        """Every file's size and SHA-256 against the marker, the files split over the ranks;
+        the first problem (the same on every rank), or None."""
+        files: dict[str, Any] | None = marker.get("files")
+        if files is None:  # a marker of format 1: nothing to check against
+            if self.rank == 0:
+                logger.warning(
+                    "checkpoint %s was saved without checksums (an older autoplan): loading it "
+                    "unverified",
+                    path,
+                )
+            return None
+        names = sorted(files)
+        problems: list[tuple[str, str]] = []
+        for part in self._gather(_check_files(path, files, names[self.rank :: self.world_size])):
+            problems.extend(part)
+        if not problems:
+            return None
+        problems.sort(key=lambda item: names.index(item[0]))
+        first = f"{problems[0][0]} {problems[0][1]}"
+        return first + (f" (and {len(problems) - 1} more files)" if len(problems) > 1 else "")
+
+    def _load(self, path: Path, marker: dict[str, Any]) -> str | None:
+        """Load ``path`` into the model, the data and this rank's RNG; the reason it failed on
+        the lowest rank where it did (the same on every rank), or None."""
+        rng_key = f"rng/rank{self.rank}"
+        error: str | None = None
+        state: dict[str, Any] = {}
+        try:
+            available = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            state = self._state()
+            if not _holds(available, rng_key):
+                state.pop(rng_key)
+                logger.warning(
+                    "checkpoint %s has no RNG state for rank %d (saved by %s ranks): keeping "
+                    "this rank's",
+                    path,
+                    self.rank,
+                    marker.get("world_size", "?"),
+                )
+            no_data = "data" in state and not _holds(available, "data")
+        except (Exception, CheckpointException) as failure:
+            error, no_data = _reason(failure), False
+        verdicts = self._gather((error, no_data))
+        if any(lacks for _, lacks in verdicts):
             raise CheckpointError(
                 f"checkpoint {path} holds no data position; resume it without data=..."
             )
-        dcp_load(
-            state,
-            checkpoint_id=str(path),
-            process_group=self._group,
-            planner=DefaultLoadPlanner(allow_partial_load=False),
-        )
-        self.model.load_state_dict({"model": state["model"], "optimizer": state["optimizer"]})
+        errors: list[str] = [e for e, _ in verdicts if e is not None]
+        if errors:
+            return errors[0]
+        try:
+            dcp_load(
+                state,
+                checkpoint_id=str(path),
+                process_group=self._group,
+                planner=DefaultLoadPlanner(allow_partial_load=False),
+            )
+            self.model.load_state_dict({"model": state["model"], "optimizer": state["optimizer"]})
+        except (Exception, CheckpointException) as failure:
+            error = _reason(failure)
+        errors = [e for e in self._gather(error) if e is not None]
+        if errors:
+            return errors[0]
         self.model.step = int(state["progress"]["step"])
-        self._last_saved = self.model.step
         if rng_key in state:
             _set_rng_state(state[rng_key])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
+        return None
+
+    def _restored(self, path: Path, marker: dict[str, Any]) -> int:
+        step = self.model.step
+        self._last_saved = step
+        self._good = {step: path}
+        self.last_complete_step = step
+        # a checkpoint of an older autoplan carries no run id: this job starts a run of its
+        # own, and never prunes the older one's folders
+        self._run_id = str(marker.get("run_id") or self._job)
+        saved_nonfinite = marker.get("nonfinite_step")
+        if isinstance(saved_nonfinite, int):
+            self.note_nonfinite(saved_nonfinite)
+        if marker.get("data") and self.data is None and self.rank == 0:
+            logger.warning("checkpoint %s holds a data position, but no data was given", path)
+        run = marker.get("run")
         self.restored = CheckpointInfo(
             path=path,
-            step=self.model.step,
+            step=step,
             world_size=int(marker.get("world_size", 0)),
             plan_digest=str(marker.get("plan_digest", "")),
-            model_fingerprint=saved,
+            model_fingerprint=str(marker.get("model_fingerprint", "")),
+            run=dict(run) if isinstance(run, dict) else {},
         )
-        return self.model.step
+        return step
+
+
+# ---------------------------------------------------------------------- markers and files
+
+
+def _marker_bytes(marker: Mapping[str, Any]) -> bytes:
+    """The marker's text: ``marker`` and a SHA-256 of its canonical form."""
+    body = {key: value for key, value in marker.items() if key != "checksum"}
+    return (json.dumps({**body, "checksum": _canonical_digest(body)}, indent=1) + "\n").encode()
+
+
+def _canonical_digest(body: Mapping[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_marker(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(marker, None)`` for a whole marker of ``folder``, or ``(None, why not)``."""
+    path = folder / _MARKER
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, f"{_MARKER} is missing (the job stopped while saving it)"
+    except OSError as error:
+        return None, f"{_MARKER} cannot be read ({_reason(error)})"
+    try:
+        marker = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        return None, f"{_MARKER} is damaged (not JSON: {error})"
+    if not isinstance(marker, dict):
+        return None, f"{_MARKER} is damaged (not a JSON object)"
+    if "format" in marker or "checksum" in marker:  # format 1 had neither
+        saved = marker.pop("checksum", None)
+        if saved != _canonical_digest(marker):
+            return None, f"{_MARKER} is damaged (its checksum does not match its content)"
+        if not isinstance(marker.get("files"), dict) or not all(
+            isinstance(record, dict) for record in marker["files"].values()
+        ):
+            return None, f"{_MARKER} is damaged (no file list)"
+        shapes = marker.get("model_state")
+        if not isinstance(shapes, dict) or not all(
+            isinstance(shape, list) and all(isinstance(size, int) for size in shape)
+            for shape in shapes.values()
+        ):
+            return None, f"{_MARKER} is damaged (no model shapes)"
+    step = _STEP_DIR.match(folder.name)
+    if step is not None and marker.get("step") != int(step.group(1)):
+        return None, f"{_MARKER} is damaged (it names step {shown(marker.get('step'))})"
+    return marker, None
+
+
+def _hash_written(staging: Path, metadata: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """Size and SHA-256 of the files this rank wrote into ``staging``: DCP names them
+    ``__<rank>_<n>.distcp`` (torch/distributed/checkpoint/filesystem.py, ``_StoragePrefix``);
+    rank 0 also takes DCP's ``.metadata`` and any file named otherwise."""
+    names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
+    names.discard(None)
+    prefixes = tuple(f"__{r}_" for r in range(world_size))
+    mine = []
+    for name in sorted(str(n) for n in names):
+        writer = next((r for r, p in enumerate(prefixes) if name.startswith(p)), 0)
+        if writer == rank:
+            mine.append(name)
+    if rank == 0:
+        mine.append(_METADATA)
+    files = {}
+    for name in mine:
+        size, digest = _file_digest(staging / name)
+        files[name] = {"size": size, "sha256": digest, "rank": rank}
+    return files
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    with path.open("rb") as stream:
+        digest = hashlib.file_digest(stream, "sha256").hexdigest()
+        return stream.tell(), digest
+
+
+def _check_files(
+    folder: Path, files: Mapping[str, Any], names: Sequence[str]
+) -> list[tuple[str, str]]:
+    """``(name, what is wrong)`` for each of ``names`` that differs from its record."""
+    problems = []
+    for name in names:
+        record = files[name]
+        path = folder / name
+        try:
+            size = path.stat().st_size
+            if not isinstance(record, dict) or size != record.get("size"):
+                expected = record.get("size") if isinstance(record, dict) else "?"
+                how = "truncated" if isinstance(expected, int) and size < expected else "damaged"
+                problems.append((name, f"has {size} bytes, {expected} were written ({how})"))
+                continue
+            if _file_digest(path)[1] != record.get("sha256"):
+                problems.append((name, "fails its SHA-256 checksum (damaged)"))
+        except FileNotFoundError:
+            problems.append((name, "is missing"))
+        except OSError as error:
+            problems.append((name, f"cannot be read ({_reason(error)})"))
+    return problems
+
+
+def _shapes(model_state: Mapping[str, Any]) -> dict[str, list[int]]:
+    """Each tensor's full shape (a DTensor's ``shape`` is its global one)."""
+    return {
+        name: list(value.shape)
+        for name, value in model_state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _model_mismatch(
+    path: Path, marker: Mapping[str, Any], shapes: Mapping[str, list[int]], fingerprint: str
+) -> str | None:
+    """The one-line error for a checkpoint of another model, or None."""
+    saved: dict[str, list[int]] | None = marker.get("model_state")
+    if saved is None:  # format 1: its DCP metadata has the shapes
+        saved = _metadata_shapes(path)
+    changes = _model_changes(saved, shapes) if saved is not None else []
+    saved_fingerprint = str(marker.get("model_fingerprint", ""))
+    if not changes and not (fingerprint and saved_fingerprint and saved_fingerprint != fingerprint):
+        return None
+    if changes:
+        what = ", ".join(changes[:3]) + (
+            f", and {len(changes) - 3} more" if len(changes) > 3 else ""
+        )
+    else:
+        what = (
+            f"the same parameter shapes, but another structure or sequence length (fingerprint "
+            f"{saved_fingerprint}, this model's {fingerprint})"
+        )
+    return (
+        f"checkpoint {path} is of another model: {what}; point --checkpoint-dir at this model's "
+        "checkpoints or at an empty folder, or build the model the checkpoint was saved from"
+    )
+
+
+def _model_changes(saved: Mapping[str, list[int]], now: Mapping[str, list[int]]) -> list[str]:
+    """What differs, tensor by tensor: changed shapes first (``"h.0.q.weight (64, 64) now
+    (128, 64)"``, in the checkpoint's order), then tensors gone, then new ones."""
+    changed = [
+        f"{name} {_shape_text(shape)} now {_shape_text(now[name])}"
+        for name, shape in saved.items()
+        if name in now and list(now[name]) != list(shape)
+    ]
+    gone = [f"{name} {_shape_text(shape)} gone" for name, shape in saved.items() if name not in now]
+    new = [f"{name} {_shape_text(shape)} new" for name, shape in now.items() if name not in saved]
+    return changed + gone + new
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(size) for size in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _metadata_shapes(path: Path) -> dict[str, list[int]] | None:
+    """The model tensors' shapes in a checkpoint's DCP metadata (None: unreadable)."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:
+        return None
+    return {
+        key[len("model.") :]: list(value.size)
+        for key, value in metadata.items()
+        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)
+    }
+
+
+def _doomed(
+    ours: Iterable[int], good: Iterable[int], keep: int | None, nonfinite: int | None
+) -> list[int]:
+    """The steps of this run's checkpoints (``ours``) that pruning deletes: never one at or
+    after the newest verified (``good``) step, never the ``keep`` newest verified ones, and,
+    with a non-finite step, never the newest verified one before it (nor any before it when
+    none of those was verified)."""
+    verified = sorted(set(good))
+    if keep is None or not verified:
+        return []
+    kept = set(verified[-keep:])
+    floor = -1  # steps below it are all kept
+    if nonfinite is not None:
+        older = [step for step in verified if step < nonfinite]
+        if older:
+            kept.add(older[-1])
+        else:
+            floor = nonfinite
+    newest = verified[-1]
+    return sorted(step for step in ours if step not in kept and floor <= step < newest)
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
 
 
 def _holds(saved: Any, key: str) -> bool:
     """Whether a checkpoint's (flattened) keys hold ``key`` or entries under it."""
     return any(name == key or name.startswith(key + ".") for name in saved)
+
+
+def _tag(identity: str) -> str:
+    """A short file-name-safe tag of a job or run id."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some file systems refuse to fsync a folder (EINVAL)
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _reason(error: BaseException) -> str:
+    """One line for what went wrong: DCP's per-rank failures unwrapped, an OS error by its
+    message and errno name."""
+    if isinstance(error, CheckpointException):
+        for rank, failure in sorted(error.failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            return f"{_reason(inner)} on rank {rank}"
+    if isinstance(error, OSError) and error.strerror:
+        name = errno.errorcode.get(error.errno or 0)
+        where = f" ({Path(str(error.filename)).name})" if error.filename else ""
+        return f"{error.strerror}" + (f" ({name})" if name else "") + where
+    cause = error.__cause__ or error.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        return _reason(cause)
+    text = " ".join(str(error).split()) or type(error).__name__
+    if type(error).__name__ not in text:
+        text = f"{type(error).__name__}: {text}"
+    return shown(text, _SHOWN, quoted=False)
+
+
+def _folder_problem(directory: Path, rank: int) -> str | None:
+    """Why this rank cannot save into ``directory`` (None: it can)."""
+    shown_dir = shown(str(directory), _SHOWN)
+    try:
+        if directory.exists() and not directory.is_dir():
+            return (
+                f"checkpoint folder {shown_dir} is a file, not a folder: pass a folder (it is "
+                "created if missing), or move the file away"
+            )
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".autoplan-write-test-{rank}-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return (
+            f"checkpoint folder {shown_dir} is not writable ({error.strerror or error}); "
+            "pass a folder this job can write to"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- RNG
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -290,27 +955,218 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _step_dirs(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+# ---------------------------------------------------------------------- the folder's lock
+
+_PROCESS_JOB: tuple[int, str] | None = None
 
 
-def _write_marker(target: Path, data: dict[str, Any]) -> None:
-    partial = target / f".{_MARKER}.{uuid.uuid4().hex}"
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    partial.replace(target / _MARKER)  # atomic: a marker is whole or absent
+def _job_identity() -> str:
+    """This job's id: torchrun's ``TORCHELASTIC_RUN_ID`` (the same on every rank and across
+    its restarts); its default ``none`` (no ``--rdzv-id``) by the agent process; outside
+    torchrun, an id of this process."""
+    global _PROCESS_JOB
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    host = socket.gethostname()
+    if run_id == "none":
+        agent = os.getppid()
+        started = _process_start(agent)
+        if started is not None:
+            return f"torchrun-agent:{host}:{agent}:{started:.2f}"
+    pid = os.getpid()
+    if _PROCESS_JOB is None or _PROCESS_JOB[0] != pid:  # a forked child is another job
+        _PROCESS_JOB = (pid, f"process:{host}:{pid}:{uuid.uuid4().hex[:8]}")
+    return _PROCESS_JOB[1]
 
 
-def _check_writable(directory: Path, rank: int) -> None:
-    """Every rank writes its own files there: each checks, before the first step."""
+def _boot_id() -> str:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".autoplan-write-test-{rank}-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+class _FolderLock:
+    """``DIR/autoplan.lock`` for ``job`` (see the module docstring)."""
+
+    def __init__(self, directory: Path, job: str) -> None:
+        self.path = directory / _LOCK
+        self.job = job
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._held = False
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "pid": os.getpid(),
+            "process_start": _process_start(os.getpid()),
+            "since": datetime.now(UTC).isoformat(timespec="seconds"),
+            "token": self.token,
+        }
+
+    def acquire(self) -> None:
+        """Take the lock, or raise `CheckpointError` naming its holder."""
+        for _ in range(10):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._take_over_if_free()
+                continue
+            except OSError as error:
+                raise CheckpointError(
+                    f"cannot create the lock file {self.path} ({_reason(error)}); pass a folder "
+                    "this job can write to"
+                ) from None
+            try:
+                with os.fdopen(fd, "w") as stream:
+                    stream.write(json.dumps(self._identity()) + "\n")
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            except OSError as error:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise CheckpointError(
+                    f"cannot write the lock file {self.path} ({_reason(error)}); free space or "
+                    "pass another folder"
+                ) from None
+            self._held = True
+            atexit.register(self.release)
+            threading.Thread(target=self._beat, name="autoplan-ckpt-lock", daemon=True).start()
+            return
         raise CheckpointError(
-            f"checkpoint folder {str(directory)!r} is not writable ({error.strerror or error}); "
-            "pass a folder this job can write to"
-        ) from None
+            f"could not take the lock {self.path}: other jobs keep taking it; start one job at "
+            "a time on a checkpoint folder"
+        )
+
+    def _read(self) -> tuple[dict[str, Any] | None, float]:
+        """The holder's record (None: unreadable) and the lock file's age on the file
+        system's own clock (so clocks of other hosts do not matter)."""
+        try:
+            raw = self.path.read_text()
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            raise
+        except OSError:
+            return None, 0.0
+        probe = self.path.with_name(f".{_LOCK}.clock-{uuid.uuid4().hex}")
+        try:
+            probe.write_bytes(b"")
+            now = probe.stat().st_mtime
+            probe.unlink()
+        except OSError:
+            now = time.time()
+        try:
+            holder = json.loads(raw)
+        except ValueError:
+            holder = None
+        return (holder if isinstance(holder, dict) else None), now - mtime
+
+    def _take_over_if_free(self) -> None:
+        """Remove the lock file when the rules let this job take it; raise `CheckpointError`
+        naming the holder when they do not."""
+        holder: dict[str, Any] | None = None
+        age = 0.0
+        for _ in range(20):  # a lock created a moment ago may not be written yet
+            try:
+                holder, age = self._read()
+            except FileNotFoundError:
+                return
+            if holder is not None or age > 5.0:
+                break
+            time.sleep(0.05)
+        if holder is None:
+            raise CheckpointError(
+                f"the lock file {self.path} is unreadable: if no job uses "
+                f"{self.path.parent}, delete it and start again"
+            )
+        why = self._free(holder, age)
+        if why is None:
+            raise CheckpointError(self._held_message(holder))
+        aside = self.path.with_name(f".{_LOCK}.taken-{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, aside)  # only one job can move this file
+        except FileNotFoundError:
+            return
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            moved = None
+        if not isinstance(moved, dict) or moved.get("token") != holder.get("token"):
+            # another job replaced the stale lock meanwhile: put its lock back
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)
+        else:
+            logger.warning(
+                "taking over the checkpoint lock %s of job %s (%s)",
+                self.path,
+                shown(holder.get("job"), 80),
+                why,
+            )
+        with contextlib.suppress(OSError):
+            aside.unlink()
+
+    def _free(self, holder: Mapping[str, Any], age: float) -> str | None:
+        """Why ``holder``'s lock may be taken over, or None (it is held)."""
+        if holder.get("job") == self.job:
+            return "an earlier start of this job"
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id():
+            if not isinstance(pid, int):
+                return "it names no process"
+            started = _process_start(pid)
+            recorded = holder.get("process_start")
+            if started is None or (
+                isinstance(recorded, (int, float)) and abs(started - recorded) > 1.0
+            ):
+                return f"its process {pid} is gone"
+            return None
+        if age > STALE_S:
+            return f"no heartbeat for {age:.0f} s (more than {STALE_S:.0f} s)"
+        return None
+
+    def _held_message(self, holder: Mapping[str, Any]) -> str:
+        return (
+            f"checkpoint folder {self.path.parent} is in use by job "
+            f"{shown(holder.get('job'), 80, quoted=False)} (pid {shown(holder.get('pid'))} on "
+            f"{shown(holder.get('host'), 80, quoted=False)}, since "
+            f"{shown(holder.get('since'), 40, quoted=False)}; lock file {self.path}): wait for "
+            "it to end or pass another --checkpoint-dir; if that job is gone, delete the lock "
+            "file"
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self._mine():  # a later start of this job took it over
+                logger.debug("checkpoint lock %s is no longer this lock's", self.path)
+                return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def _mine(self) -> bool:
+        try:
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(holder, dict) and holder.get("token") == self.token
+
+    def release(self) -> None:
+        """Remove the lock file if it is still this lock's (idempotent)."""
+        self._stop.set()
+        if not self._held:
+            return
+        self._held = False
+        atexit.unregister(self.release)
+        if self._mine():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
