@@ -105,21 +105,21 @@ def test_each_kind_of_file_damage_is_named(tmp_path: Path) -> None:
     flipped[10_000] ^= 0x01  # one bit
     shard.write_bytes(bytes(flipped))
     assert _check_files(folder, files, names) == [
-        ("__0_0.distcp", "fails its SHA-256 checksum (damaged)")
+        ("__0_0.distcp", "is damaged (fails its SHA-256 checksum)")
     ]
     zeroed = bytearray(original)
     zeroed[8192:12288] = b"\0" * 4096
     shard.write_bytes(bytes(zeroed))
     assert _check_files(folder, files, names) == [
-        ("__0_0.distcp", "fails its SHA-256 checksum (damaged)")
+        ("__0_0.distcp", "is damaged (fails its SHA-256 checksum)")
     ]
     shard.write_bytes(original[:12_345])
     assert _check_files(folder, files, names) == [
-        ("__0_0.distcp", "has 12345 bytes, 20000 were written (truncated)")
+        ("__0_0.distcp", "is damaged (truncated: 12345 bytes of 20000 written)")
     ]
     shard.write_bytes(original + b"x")
     assert _check_files(folder, files, names) == [
-        ("__0_0.distcp", "has 20001 bytes, 20000 were written (damaged)")
+        ("__0_0.distcp", "is damaged (resized: 20001 bytes of 20000 written)")
     ]
     shard.write_bytes(original)
     (folder / ".metadata").unlink()
@@ -475,9 +475,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
     )
     root, other = results
     reasons = {
-        "bits flipped": f"{SHARD} fails its SHA-256 checksum (damaged)",
-        "truncated": "__0_0.distcp has ",
-        "4 KB zeroed": f"{SHARD} fails its SHA-256 checksum (damaged)",
+        "bits flipped": f"{SHARD} is damaged (fails its SHA-256 checksum)",
+        "truncated": "__0_0.distcp is damaged (truncated: ",
+        "4 KB zeroed": f"{SHARD} is damaged (fails its SHA-256 checksum)",
         ".metadata deleted": ".metadata is missing",
         "shard deleted": f"{SHARD} is missing",
         "marker garbled": "autoplan.json is damaged (not JSON: ",
@@ -497,7 +497,6 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
         assert skipped[0].startswith(f"skipping checkpoint {folder}: {reason}"), skipped
         assert skipped[0].endswith("; trying the previous one"), skipped
         assert not any(line.startswith("skipping") for line in other[case]["lines"]), case
-    assert "truncated)" in root["truncated"]["lines"][0]
     # the damaged step 4 of its own run was replaced by the resumed job's new save
     assert root["bits flipped"]["again"] == 4
     assert any("replacing checkpoint" in line for line in root["bits flipped"]["replaced_lines"])
@@ -522,7 +521,7 @@ def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from autoplan import Checkpointer
-    from autoplan.runtime.checkpoint import CheckpointSaveError
+    from autoplan.runtime.checkpoint import CheckpointError, CheckpointSaveError
 
     root = Path(folder)
     run = {"optimizer": "AdamW", "lr": 0.01, "global_batch": 8}
@@ -569,7 +568,21 @@ def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     restarted = _job()
     data = CountingBatches(restarted.plan.global_batch_size)
     checkpointer = Checkpointer(root, restarted, every=EVERY, data=data, keep=1, run=run)
-    result["resumed"] = checkpointer.restore()
+    fresh = _parameters(restarted)
+
+    def refuse(info: Any) -> None:
+        raise CheckpointError(f"refused {info.path.name}")
+
+    try:  # the caller refuses the checkpoint before it loads: nothing changes
+        checkpointer.restore(before_load=refuse)
+    except CheckpointError as error:
+        result["refused"] = str(error)
+    result["untouched"] = restarted.step == 0 and all(
+        torch.equal(fresh[k], v) for k, v in _parameters(restarted).items()
+    )
+    seen: list[Any] = []
+    result["resumed"] = checkpointer.restore(before_load=seen.append)
+    result["seen"] = [(info.step, info.run) for info in seen]
     assert checkpointer.restored is not None
     result["run"] = checkpointer.restored.run
     _train(restarted, data, checkpointer, 16)
@@ -605,6 +618,8 @@ def test_a_failed_save_is_reported_on_every_rank_and_pruning_keeps_good_state(
     # the restart resumed 12, read the run facts back, and still kept step 2 through its
     # own saves (the non-finite step came with the marker)
     assert first["resumed"] == 12
+    assert first["refused"] == "refused step_00000012" and first["untouched"]
+    assert first["seen"] == [(12, first["run"])]
     assert first["run"] == {"optimizer": "AdamW", "lr": 0.01, "global_batch": 8}
     # close released the lock
     assert first["after_restart"] == ["step_00000001", "step_00000002", "step_00000016"]

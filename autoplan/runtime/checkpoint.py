@@ -72,7 +72,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -504,12 +504,16 @@ class Checkpointer:
                 return path
         return None
 
-    def restore(self) -> int:
+    def restore(self, *, before_load: Callable[[CheckpointInfo], None] | None = None) -> int:
         """Load the newest intact checkpoint into the model (and data); returns its step (0:
         none, nothing loaded). Damaged and incomplete ones are skipped, one warning line each.
         Under another plan or world size the model and optimizer state are resharded; each
         rank's RNG state comes back when that rank existed. Raises `CheckpointError` for
-        another model's checkpoint, or when a checkpoint failed to load and none older did."""
+        another model's checkpoint, or when a checkpoint failed to load and none older did.
+
+        ``before_load`` is called on every rank with the checkpoint about to be loaded (after
+        its checks, before anything changes), e.g. to refuse its ``run``; it must decide the
+        same on every rank (the same marker is given to each)."""
         self.wait()
         candidates: list[tuple[str, dict[str, Any] | None, str | None]] = []
         problem: str | None = None
@@ -539,6 +543,8 @@ class Checkpointer:
             if problem is not None:
                 self._skip(path, problem)
                 continue
+            if before_load is not None:
+                before_load(_info(path, marker))
             problem = self._load(path, marker)
             if problem is not None:
                 failed_load = f"{path.name} ({problem})"
@@ -662,19 +668,24 @@ class Checkpointer:
             self.note_nonfinite(saved_nonfinite)
         if marker.get("data") and self.data is None and self.rank == 0:
             logger.warning("checkpoint %s holds a data position, but no data was given", path)
-        run = marker.get("run")
-        self.restored = CheckpointInfo(
-            path=path,
-            step=step,
-            world_size=int(marker.get("world_size", 0)),
-            plan_digest=str(marker.get("plan_digest", "")),
-            model_fingerprint=str(marker.get("model_fingerprint", "")),
-            run=dict(run) if isinstance(run, dict) else {},
-        )
+        self.restored = _info(path, marker)
         return step
 
 
 # ---------------------------------------------------------------------- markers and files
+
+
+def _info(path: Path, marker: Mapping[str, Any]) -> CheckpointInfo:
+    run = marker.get("run")
+    world_size = marker.get("world_size")
+    return CheckpointInfo(
+        path=path,
+        step=int(marker["step"]),
+        world_size=world_size if isinstance(world_size, int) else 0,
+        plan_digest=str(marker.get("plan_digest", "")),
+        model_fingerprint=str(marker.get("model_fingerprint", "")),
+        run=dict(run) if isinstance(run, dict) else {},
+    )
 
 
 def _marker_bytes(marker: Mapping[str, Any]) -> bytes:
@@ -760,13 +771,13 @@ def _check_files(
         path = folder / name
         try:
             size = path.stat().st_size
-            if not isinstance(record, dict) or size != record.get("size"):
-                expected = record.get("size") if isinstance(record, dict) else "?"
-                how = "truncated" if isinstance(expected, int) and size < expected else "damaged"
-                problems.append((name, f"has {size} bytes, {expected} were written ({how})"))
+            expected = record.get("size")
+            if size != expected:
+                how = "truncated" if isinstance(expected, int) and size < expected else "resized"
+                problems.append((name, f"is damaged ({how}: {size} bytes of {expected} written)"))
                 continue
             if _file_digest(path)[1] != record.get("sha256"):
-                problems.append((name, "fails its SHA-256 checksum (damaged)"))
+                problems.append((name, "is damaged (fails its SHA-256 checksum)"))
         except FileNotFoundError:
             problems.append((name, "is missing"))
         except OSError as error:
