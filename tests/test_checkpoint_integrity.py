@@ -277,9 +277,7 @@ def test_the_holder_keeps_its_lock_fresh(tmp_path: Path, monkeypatch: pytest.Mon
     lock.acquire()
     past = time.time() - 3600
     os.utime(tmp_path / "autoplan.lock", (past, past))
-    deadline = time.monotonic() + 60
-    while (tmp_path / "autoplan.lock").stat().st_mtime < past + 10:
-        assert time.monotonic() < deadline, "the heartbeat never touched the lock"
+    while (tmp_path / "autoplan.lock").stat().st_mtime < past + 10:  # pytest-timeout: a hang
         time.sleep(0.01)
     lock.release()
 
