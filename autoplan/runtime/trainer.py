@@ -29,7 +29,6 @@ has one, is compared on resume), and the same arguments on every rank.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -270,17 +269,13 @@ class Trainer:
         if checkpoint_dir is not None:
             run = run_facts(self.model.optimizers, self.model.plan.global_batch_size, data)
             # Constructed on every rank with the same arguments: bad ones fail everywhere.
-            # SHIM (issue 37, engineer C): run= until A's Checkpointer takes it
-            shim: dict[str, Any] = (
-                {"run": run} if "run" in Checkpointer.__init__.__code__.co_varnames else {}
-            )
             self.checkpointer = Checkpointer(
                 checkpoint_dir,
                 self.model,
                 every=checkpoint_every,
                 data=data,
                 keep=keep,
-                **shim,
+                run=run,
             )
             started = time.perf_counter()
             changes = self._restore(run)
@@ -302,23 +297,18 @@ class Trainer:
         """Resume from the newest complete checkpoint and compare its run with this one (on
         every rank, so a refusal fails everywhere); returns the lines naming what changed."""
         assert self.checkpointer is not None
-        # Refused before loading: another optimizer's state fails to load (or loads wrongly)
-        # with no word of why. Every checkpoint in a folder has the same optimizer class and
-        # data settings (a run that changed them was refused), so the newest marker says.
-        recorded = _recorded_run(self.checkpointer.directory)
-        if recorded is not None:
-            refusal = run_refusal(recorded.run, run, step=recorded.step, path=recorded.path)
+
+        def refuse(info: CheckpointInfo) -> None:
+            # Before loading: another optimizer's state fails to load, or loads wrongly.
+            refusal = run_refusal(info.run, run, step=info.step, path=info.path)
             if refusal is not None:
                 raise CheckpointError(refusal)
+
         wanted = [_hyperparameters(optimizer) for optimizer in self.model.optimizers]
-        self.checkpointer.restore()
+        self.checkpointer.restore(before_load=refuse)
         info = self.checkpointer.restored
         if info is None:
             return ()
-        saved_run: Mapping[str, Any] = getattr(info, "run", None) or {}
-        refusal = run_refusal(saved_run, run, step=info.step, path=info.path)
-        if refusal is not None:
-            raise CheckpointError(refusal)
         # The optimizer state brought the checkpoint's hyperparameters back with it: this
         # run's values (its optimizer factory's) are the ones it was given.
         loaded = [_hyperparameters(optimizer) for optimizer in self.model.optimizers]
@@ -326,7 +316,7 @@ class Trainer:
             for group, values in zip(optimizer.param_groups, groups, strict=True):
                 group.update(values)
         return run_changes(
-            saved_run,
+            info.run,
             run,
             step=info.step,
             saved_groups=loaded[0] if loaded else [],
@@ -616,31 +606,6 @@ def run_changes(
             f"(applied; the data goes on from its position in batches of {shown(new_batch)})"
         )
     return tuple(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class _RecordedRun:
-    step: int
-    path: Path
-    run: Mapping[str, Any]
-
-
-def _recorded_run(directory: Path) -> _RecordedRun | None:
-    """The run the newest checkpoint marker in ``directory`` records (None: none does), read
-    before anything is loaded. SHIM (issue 37, engineer C): reads A's marker layout
-    (``step_NNNNNNNN/autoplan.json``, key ``run``) until the Checkpointer offers the run of
-    the checkpoint `restore` will load before loading it."""
-    if not directory.is_dir():
-        return None
-    for marker in sorted(directory.glob("step_*/autoplan.json"), reverse=True):
-        try:
-            data = json.loads(marker.read_text())
-            step = int(data["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # damaged: the Checkpointer judges it
-        if isinstance(data.get("run"), Mapping) and data["run"]:
-            return _RecordedRun(step=step, path=marker.parent, run=data["run"])
-    return None
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
