@@ -117,6 +117,10 @@ def resume_worker(
         "resumed_parameters": resumed_parameters,
         "kept": [p.name for p in kept],
         "complete": [(p / "autoplan.json").is_file() for p in kept],
+        "aside": [
+            (p.name, (p / "__0_0.distcp").read_bytes())
+            for p in Path(folder).glob(".replaced.step_00000009.*")
+        ],
     }
 
 
@@ -159,9 +163,11 @@ def test_a_stopped_job_resumes_as_if_it_never_stopped(
                 atol=1e-6,
             )
             assert_equal_parameters(result, rtol=1e-4, atol=1e-5)  # tests/numerics.py
-        # keep=2: the two newest complete ones; 9 was rewritten whole over the cut-short one
+        # keep=2: the two newest complete ones; 9 was saved whole where the cut-short one was,
+        # which was moved aside, not deleted (nothing says this job wrote it)
         assert result["kept"] == ["step_00000006", "step_00000009"]
         assert result["complete"] == [True, True]
+        assert [content for _, content in result["aside"]] == [b"partial"]
 
 
 def assert_equal_parameters(result: dict[str, Any], **tolerances: float) -> None:

@@ -512,7 +512,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
 
 def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """A file size limit on rank 1 fails the save of step 4; the job goes on; a non-finite
-    step 5 keeps step 2 through later saves and a restart; another run's folder stays."""
+    step 5 keeps step 2 through later saves and a restart of the job; a job started anew
+    prunes only its own checkpoints; another job's folder stays throughout."""
     import resource
     import signal
 
@@ -529,10 +530,10 @@ def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     _train(job, data, checkpointer, 2)
     checkpointer.wait()
     result: dict[str, Any] = {"first_save_s": checkpointer.last_save_s}
-    if rank == 0:  # another run's checkpoint in the folder (an older step)
+    if rank == 0:  # another job's checkpoint in the folder (an older step)
         shutil.copytree(root / "step_00000002", root / "step_00000001")
         marker = json.loads((root / "step_00000001" / "autoplan.json").read_text())
-        marker.update(step=1, run_id="torchrun:another-run")
+        marker.update(step=1, job="torchrun:another-job")
         (root / "step_00000001" / "autoplan.json").write_bytes(_marker_bytes(marker))
     dist.barrier()
 
@@ -586,6 +587,17 @@ def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     _train(restarted, data, checkpointer, 16)
     checkpointer.close()
     result["after_restart"] = sorted(p.name for p in root.iterdir())
+
+    # a job started anew (another TORCHELASTIC_RUN_ID) resumes, and deletes only its own
+    os.environ["TORCHELASTIC_RUN_ID"] = "a-new-job"
+    anew = _job()
+    data = CountingBatches(anew.plan.global_batch_size)
+    checkpointer = Checkpointer(root, anew, every=EVERY, data=data, keep=1, run=run)
+    result["resumed_anew"] = checkpointer.restore()
+    _train(anew, data, checkpointer, 20)
+    checkpointer.close()
+    del os.environ["TORCHELASTIC_RUN_ID"]
+    result["after_anew"] = sorted(p.name for p in root.iterdir())
     return result
 
 
@@ -610,7 +622,7 @@ def test_a_failed_save_is_reported_on_every_rank_and_pruning_keeps_good_state(
     assert first["after_failure"] == ["autoplan.lock", "step_00000001", "step_00000002"]
     assert first["first_save_s"] is not None and first["first_save_s"] > 0
     # keep=1, a non-finite step 5: step 2 (older than it) stays, with the newest; another
-    # run's step 1 is never pruned
+    # job's step 1 is never pruned
     assert first["after_nonfinite"] == ["step_00000001", "step_00000002", "step_00000012"]
     assert first["last_complete_step"] == 12
     # the restart resumed 12, read the run facts back, and still kept step 2 through its
@@ -621,3 +633,11 @@ def test_a_failed_save_is_reported_on_every_rank_and_pruning_keeps_good_state(
     assert first["run"] == {"optimizer": "AdamW", "lr": 0.01, "global_batch": 8}
     # close released the lock
     assert first["after_restart"] == ["step_00000001", "step_00000002", "step_00000016"]
+    # the new job resumed 16, saved 18 and 20 (keep=1: 18 went) and left the earlier jobs'
+    assert first["resumed_anew"] == 16
+    assert first["after_anew"] == [
+        "step_00000001",
+        "step_00000002",
+        "step_00000016",
+        "step_00000020",
+    ]

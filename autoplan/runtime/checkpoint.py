@@ -33,14 +33,15 @@ Guarantees:
   warning line on rank 0 naming the file and the reason. All ranks go through the same
   candidates in the same order (rank 0 lists them), so all load the same step. Another
   model's checkpoint is a `CheckpointError` naming the parameters whose shapes changed.
-- Pruning (``keep``) deletes only checkpoints of this run (the job that saved into the folder
-  first and every job that resumed from its checkpoints: markers carry the run's id), only
-  older than the newest checkpoint this job verified (saved or restored), keeps the ``keep``
-  newest verified ones and, once `note_nonfinite` reported a step, one verified checkpoint older
-  than it (every older one if this job verified none); the step is carried in later markers.
-  Folders of other runs, folders without a whole marker, and a ``step_N`` folder found where a
-  save must go (unless it is this run's and not verified: a damaged one) are never deleted;
-  the last is moved aside to ``DIR/.replaced.step_N.*``.
+- Pruning (``keep``) deletes only checkpoints this job wrote (their marker, written after
+  every file was hashed, names the job; torchrun's restarts of a job keep its
+  ``TORCHELASTIC_RUN_ID``, so they prune their own), only older than the newest checkpoint
+  this job verified (saved or restored), keeps the ``keep`` newest verified ones and, once
+  `note_nonfinite` reported a step, one verified checkpoint older than it (every older one if
+  this job verified none); the step is carried in later markers. Other jobs' checkpoints (a
+  job started anew resumes from them and keeps them: one line says so), folders without a
+  whole marker and other jobs' cut-short saves are never deleted; another job's ``step_N``
+  folder where this job must save step N is moved aside to ``DIR/.replaced.step_N.*``.
 - One job per folder: rank 0 creates ``DIR/autoplan.lock`` with ``O_CREAT | O_EXCL`` (atomic
   on local file systems and NFSv3 and later; ``flock`` would die with its process but is
   emulated with byte-range locks over NFS, absent on some network file systems, and carries no
@@ -158,11 +159,11 @@ class _Outcome:
 class Checkpointer:
     """Save ``model`` (and ``data``) to ``directory`` every ``every`` steps; `restore` resumes.
 
-    ``keep``: how many verified checkpoints of this run to keep (older ones are deleted once a
-    newer one is complete; None keeps all). ``run``: JSON-able facts about the run, written into
-    every marker and given back by `restore` as ``restored.run`` (compared by the caller).
-    The folder's lock is taken here and released by `close` (or when the process ends).
-    """
+    ``keep``: how many verified checkpoints of this job to keep (older ones it wrote are deleted
+    once a newer one is complete; None keeps all). ``run``: JSON-able facts about the run,
+    written into every marker and given back by `restore` as ``restored.run`` (compared by the
+    caller). The folder's lock is taken here and released by `close` (or when the process
+    ends)."""
 
     def __init__(
         self,
@@ -217,7 +218,7 @@ class Checkpointer:
         if refusal is not None:
             raise CheckpointError(refusal)
         self._job = job
-        self._run_id = job  # the run this job continues (`restore` adopts the checkpoint's)
+        self._told_others = False  # the line about other jobs' checkpoints, once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoplan-ckpt")
         self._pending: Future[_Outcome] | None = None
         self._last_saved: int | None = None
@@ -276,9 +277,7 @@ class Checkpointer:
         self.wait()
         step = self.model.step
         final = self.directory / f"step_{step:08d}"
-        staging = self.directory / (
-            f".step_{step:08d}.partial.{_tag(self._run_id)}.{_tag(self._job)}"
-        )
+        staging = self.directory / (f".step_{step:08d}.partial.{_tag(self._job)}")
         started = time.perf_counter()
         problem = None
         if self.rank == 0:
@@ -400,11 +399,11 @@ class Checkpointer:
         return {"error": None, "save_s": save_s, "pruned": pruned}
 
     def _clear_way(self, final: Path) -> None:
-        """A ``step_N`` folder where this save goes: a damaged one of this run is deleted, any
-        other moved aside (never deleted: this job cannot tell it wrote it)."""
+        """A ``step_N`` folder where this save goes: this job's is replaced, any other moved
+        aside (never deleted: this job cannot tell it wrote it)."""
         marker, _ = _read_marker(final)
-        if marker is not None and marker.get("run_id") == self._run_id:
-            logger.warning("replacing checkpoint %s of this run with the new save", final)
+        if marker is not None and marker.get("job") == self._job:
+            logger.warning("replacing checkpoint %s of this job with the new save", final)
             shutil.rmtree(final)
             return
         aside = final.with_name(f".replaced.{final.name}.{uuid.uuid4().hex[:8]}")
@@ -412,23 +411,34 @@ class Checkpointer:
         logger.warning(
             "moved %s (%s) aside to %s to save this step; delete it when it is not needed",
             final,
-            "another run's" if marker is not None else "incomplete",
+            "another job's" if marker is not None else "incomplete",
             aside.name,
         )
 
     def _prune(self, good: Iterable[int]) -> list[int]:
-        """Rank 0: delete this run's checkpoints the rules let go; returns their steps."""
+        """Rank 0: delete this job's checkpoints the rules let go; returns their steps."""
         ours: dict[int, Path] = {}
+        others: list[str] = []
         for path in _step_dirs(self.directory):
             marker, _ = _read_marker(path)
-            if marker is not None and marker.get("run_id") == self._run_id:
+            if marker is not None and marker.get("job") == self._job:
                 ours[int(path.name[5:])] = path
+            elif marker is not None:
+                others.append(path.name)
         doomed = _doomed(ours, good, self.keep, self._nonfinite)
         for step in doomed:
             shutil.rmtree(ours[step], ignore_errors=True)
-        tag = _tag(self._run_id)
-        for partial in self.directory.glob(f".step_*.partial.{tag}.*"):
-            shutil.rmtree(partial, ignore_errors=True)  # this run's saves that were cut short
+        for partial in self.directory.glob(f".step_*.partial.{_tag(self._job)}"):
+            shutil.rmtree(partial, ignore_errors=True)  # this job's saves that were cut short
+        if doomed and others and not self._told_others:
+            self._told_others = True
+            logger.info(
+                "keeping %d checkpoints of earlier jobs in %s (%s): a job deletes only its own; "
+                "delete them when they are no longer needed",
+                len(others),
+                self.directory,
+                shown(", ".join(others), 80, quoted=False),
+            )
         return doomed
 
     def _collect(self) -> None:
@@ -489,7 +499,6 @@ class Checkpointer:
             "data": self.data is not None,
             "run": self.run,
             "nonfinite_step": self._nonfinite,
-            "run_id": self._run_id,
             "job": self._job,
             "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
@@ -660,9 +669,6 @@ class Checkpointer:
         self._last_saved = step
         self._good = {step: path}
         self.last_complete_step = step
-        # a checkpoint of an older autoplan carries no run id: this job starts a run of its
-        # own, and never prunes the older one's folders
-        self._run_id = str(marker.get("run_id") or self._job)
         saved_nonfinite = marker.get("nonfinite_step")
         if isinstance(saved_nonfinite, int):
             self.note_nonfinite(saved_nonfinite)
@@ -853,7 +859,7 @@ def _metadata_shapes(path: Path) -> dict[str, list[int]] | None:
 def _doomed(
     ours: Iterable[int], good: Iterable[int], keep: int | None, nonfinite: int | None
 ) -> list[int]:
-    """The steps of this run's checkpoints (``ours``) that pruning deletes: never one at or
+    """The steps of this job's checkpoints (``ours``) that pruning deletes: never one at or
     after the newest verified (``good``) step, never the ``keep`` newest verified ones, and,
     with a non-finite step, never the newest verified one before it (nor any before it when
     none of those was verified)."""
