@@ -9,8 +9,8 @@ draws the whole global batch on every rank, e.g. `autoplan.data.Batches` or torc
 
 Layout: ``DIR/step_00000100/`` holds the files of ``torch.distributed.checkpoint`` (DCP) and
 ``autoplan.json``, the marker: step, model fingerprint and every model tensor's full shape,
-plan digest, world size, the caller's ``run`` facts, the earliest non-finite step, the run it
-belongs to, and each file's size and SHA-256, all under a checksum of its own.
+plan digest, world size, the caller's ``run`` facts, the earliest non-finite step, the job
+that wrote it, and each file's size and SHA-256, all under a checksum of its own.
 ``DIR/autoplan.lock`` names the job that holds the folder.
 
 Guarantees:
@@ -28,11 +28,12 @@ Guarantees:
   removed.
 - `restore` takes the newest checkpoint whose marker is whole, whose model matches and whose
   every file has the recorded size and SHA-256 (the ranks split the files and combine their
-  verdicts), then loads it; a load that raises anyway (a damaged file that hashes right: an
-  older checkpoint without checksums) counts as damage too. Each skipped checkpoint is one
-  warning line on rank 0 naming the file and the reason. All ranks go through the same
-  candidates in the same order (rank 0 lists them), so all load the same step. Another
-  model's checkpoint is a `CheckpointError` naming the parameters whose shapes changed.
+  verdicts; so a restore reads the checkpoint twice), then loads it; a load that raises anyway
+  (a damaged file that hashes right: an older checkpoint without checksums) counts as damage
+  too. Each skipped checkpoint is one warning line on rank 0 naming the file and the reason.
+  All ranks go through the same candidates in the same order (rank 0 lists them), so all load
+  the same step. Another model's checkpoint is a `CheckpointError` naming the tensors whose
+  shapes changed; a ``DIR`` that is a file is one too, on every rank.
 - Pruning (``keep``) deletes only checkpoints this job wrote (their marker, written after
   every file was hashed, names the job; torchrun's restarts of a job keep its
   ``TORCHELASTIC_RUN_ID``, so they prune their own), only older than the newest checkpoint
@@ -40,8 +41,8 @@ Guarantees:
   `note_nonfinite` reported a step, one verified checkpoint older than it (every older one if
   this job verified none); the step is carried in later markers. Other jobs' checkpoints (a
   job started anew resumes from them and keeps them: one line says so), folders without a
-  whole marker and other jobs' cut-short saves are never deleted; another job's ``step_N``
-  folder where this job must save step N is moved aside to ``DIR/.replaced.step_N.*``.
+  whole marker and other jobs' cut-short saves are never deleted; a ``step_N`` folder not
+  written by this job where it must save step N is moved aside to ``DIR/.replaced.step_N.*``.
 - One job per folder: rank 0 creates ``DIR/autoplan.lock`` with ``O_CREAT | O_EXCL`` (atomic
   on local file systems and NFSv3 and later; ``flock`` would die with its process but is
   emulated with byte-range locks over NFS, absent on some network file systems, and carries no
