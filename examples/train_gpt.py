@@ -54,14 +54,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import autoplan
 from autoplan.data import Batches, load_corpus
 from autoplan.models import gpt
-from autoplan.runtime.trainer import NonFiniteError, TrainingStopped
-
-try:
-    from autoplan.runtime.checkpoint import CheckpointSaveError
-except ImportError:  # SHIM (issue 37, engineer C): until A's CheckpointSaveError lands
-
-    class CheckpointSaveError(RuntimeError):  # type: ignore[no-redef]
-        pass
+from autoplan.runtime.checkpoint import CheckpointSaveError
+from autoplan.runtime.trainer import NonFiniteError  # SHIM (issue 37, C): autoplan's, from B
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -317,7 +311,7 @@ def main() -> None:
     code = 0
     try:
         train(config)
-    except TrainingStopped as stopped:
+    except autoplan.TrainingStopped as stopped:
         _say(str(stopped))
         code = stopped.exit_code
     except (NonFiniteError, CheckpointSaveError) as error:
