@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from autoplan.runtime.replicas import TorchFTReplicas
     from autoplan.runtime.trainer import Trainer, TrainingStopped
     from autoplan.tracing import trace
+    from passes.runtime import NonFiniteError
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Trainer": ("autoplan.runtime.trainer", "Trainer"),
     "TrainingStopped": ("autoplan.runtime.trainer", "TrainingStopped"),
     "TorchFTReplicas": ("autoplan.runtime.replicas", "TorchFTReplicas"),
+    "NonFiniteError": ("passes.runtime", "NonFiniteError"),
 }
 
 
@@ -81,6 +83,7 @@ __all__ = [
     "ModelRef",
     "ModelSpecError",
     "NoFeasiblePlanError",
+    "NonFiniteError",
     "Plan",
     "PlanError",
     "PlanEstimate",

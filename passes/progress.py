@@ -1,4 +1,5 @@
-"""Which rank stopped: each rank records the training step it is on in the job's key-value store.
+"""Which rank stopped or crashed: each rank records in the job's key-value store the training
+step it is on and, when it fails, its error.
 
 A rank that stops making progress (a SIGSTOPped or wedged process, a dead host whose
 connections stay open) leaves its peers waiting in a collective until the process-group
@@ -7,40 +8,289 @@ reads every rank's last recorded step from the store: the ranks behind the other
 that stopped, and the error says so. It works on every backend (NCCL's watchdog and flight
 recorder dump more; this is what gloo has) and costs one store write per step.
 
-Expects the default process group to be initialised; without a store it records nothing.
+A rank that fails records its error (`RankFailures.record`) before it tears its process groups
+down: a *primary* failure is its own, a *secondary* one a collective that failed because a peer
+had failed first. A peer whose collective then fails finds the record and raises a
+`CrashedRankError` naming the rank and its error, at once, instead of a `StalledRankError` after
+the timeout; and the failing ranks agree through the store which one prints the job's error
+(`autoplan.runtime.rank_failures`).
+
+Expects the default process group to be initialised (or a store given); without a store it
+records nothing.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-__all__ = ["StalledRankError", "StepProgress", "default_group_timeout"]
+from autoplan.contract.errors import InputError
+
+__all__ = [
+    "PEER_WAIT_S",
+    "CrashedRankError",
+    "RankFailure",
+    "RankFailures",
+    "StalledRankError",
+    "StepProgress",
+    "default_group_timeout",
+    "first_message",
+    "looks_like_peer_failure",
+]
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "autoplan/step/"
+_FAILED = "autoplan/failed/"  # + rank: that rank's `RankFailure`, as JSON
+_FAILED_COUNT = "autoplan/failed_count"  # how many ranks recorded a failure
+_FAILED_RANKS = "autoplan/failed_rank/"  # + n (1, 2, ...): the n-th rank that recorded one
+_REPORTER = "autoplan/failure_reporter"  # the rank that prints the job's error (compare_set)
+_REPORTED = "autoplan/failure_reported"  # set once that rank has printed it
+_MESSAGE_CHARS = 500  # of an error's first line kept in the store
+
+# How long a rank whose collective failed waits for a peer's record of a crash. A peer records
+# its error when it reaches the except path or the excepthook; the `finally` blocks on its way
+# there (a launcher script's destroy_process_group, say) may close its connections first.
+PEER_WAIT_S = 5.0
+# gloo's and NCCL's words for a collective that failed because of a peer (gloo: "Connection
+# closed by peer ... typically caused by a remote worker crashing"); torch.distributed.DistError
+# covers the errors torch classifies itself.
+_PEER_WORDS = re.compile(
+    r"connection|closed by peer|reset by peer|broken pipe|timed out|timeout|remote worker|"
+    r"gloo|nccl|socket",
+    re.IGNORECASE,
+)
 
 
 class StalledRankError(RuntimeError):
     """A collective timed out because other ranks stopped making progress (named)."""
 
 
-class StepProgress:
-    """This rank's step in the store, and the verdict on who stalled when a collective fails."""
+class CrashedRankError(RuntimeError):
+    """A collective failed because other ranks had failed first: it names them and their
+    errors (recorded in the job's store)."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float | None = None) -> None:
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFailure:
+    """One rank's failure as recorded in the store."""
+
+    rank: int
+    primary: bool  # its own failure (False: a collective failed because a peer had failed)
+    error_type: str  # the exception's class name
+    message: str  # the first line of its message (at most _MESSAGE_CHARS characters)
+    input_error: bool  # an `InputError` (a user's mistake: one line, no traceback)
+    step: int  # the training step it had started (0: none yet)
+
+    @property
+    def summary(self) -> str:
+        """``Type: message`` (just the message for an InputError, which says it all)."""
+        return self.message if self.input_error else f"{self.error_type}: {self.message}"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "primary": self.primary,
+                "error_type": self.error_type,
+                "message": self.message,
+                "input_error": self.input_error,
+                "step": self.step,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RankFailure:
+        data = json.loads(text)
+        return cls(
+            rank=int(data["rank"]),
+            primary=bool(data["primary"]),
+            error_type=str(data["error_type"]),
+            message=str(data["message"]),
+            input_error=bool(data["input_error"]),
+            step=int(data["step"]),
+        )
+
+
+class RankFailures:
+    """This rank's failure in the job's store, the other ranks' failures, and the choice of the
+    one rank that reports them. Every method survives a store that is gone (it then knows
+    nothing, and says so in the log)."""
+
+    def __init__(self, rank: int, world_size: int, store: Store | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store if store is not None else _default_store()
+        self.mine: RankFailure | None = None  # what this rank recorded (the first record wins)
+
+    def record(self, error: BaseException, *, primary: bool, step: int = 0) -> RankFailure:
+        """Record this rank's failure (once: a later call returns the first record)."""
+        if self.mine is not None:
+            return self.mine
+        self.mine = RankFailure(
+            rank=self.rank,
+            primary=primary,
+            error_type=type(error).__name__,
+            message=first_message(error)[:_MESSAGE_CHARS],
+            input_error=isinstance(error, InputError),
+            step=step,
+        )
+        if self.store is not None:
+            try:
+                self.store.set(f"{_FAILED}{self.rank}", self.mine.to_json())
+                slot = self.store.add(_FAILED_COUNT, 1)
+                self.store.set(f"{_FAILED_RANKS}{slot}", str(self.rank))
+            except Exception as failure:
+                logger.warning("could not record rank %d's failure: %s", self.rank, failure)
+        return self.mine
+
+    def read(self) -> dict[int, RankFailure]:
+        """Every rank's recorded failure, by rank."""
+        if self.store is None:
+            return {}
+        found: dict[int, RankFailure] = {}
+        try:
+            count = int(self.store.add(_FAILED_COUNT, 0))
+            for slot in range(1, count + 1):
+                key = f"{_FAILED_RANKS}{slot}"
+                if not self.store.check([key]):  # being written: get() would wait
+                    continue
+                rank = int(bytes(self.store.get(key)).decode())
+                text = bytes(self.store.get(f"{_FAILED}{rank}")).decode()
+                found[rank] = RankFailure.from_json(text)
+        except Exception as failure:  # the store itself may be gone with the job
+            logger.warning("could not read the ranks' failures from the store: %s", failure)
+        return found
+
+    def wait(
+        self, done: Callable[[dict[int, RankFailure]], bool], timeout_s: float
+    ) -> dict[int, RankFailure]:
+        """`read`, again every 20 ms until ``done`` holds or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.read()
+            if done(found) or time.monotonic() >= deadline or self.store is None:
+                return found
+            time.sleep(0.02)
+
+    def crashed(self, error: BaseException, wait_s: float = PEER_WAIT_S) -> CrashedRankError | None:
+        """If ``error`` is a collective that failed because other ranks had failed first (they
+        recorded primary failures), the error naming them. Waits up to ``wait_s`` for such a
+        record when the error reads like a peer's failure (``looks_like_peer_failure``)."""
+        if not looks_like_peer_failure(error):
+            return None
+        found = self.wait(lambda found: bool(self._crashed_peers(found)), wait_s)
+        peers = self._crashed_peers(found)
+        if not peers:
+            return None
+        named = "; ".join(
+            f"rank {peer.rank} crashed"
+            + (f" at step {peer.step}" if peer.step else "")
+            + f": {peer.summary}"
+            for peer in peers[:3]
+        )
+        more = f" (and {len(peers) - 3} more ranks)" if len(peers) > 3 else ""
+        return CrashedRankError(
+            f"{named}{more}; rank {self.rank}'s collective with it failed: "
+            f"{first_message(error)[:200]}"
+        )
+
+    def _crashed_peers(self, found: dict[int, RankFailure]) -> list[RankFailure]:
+        return [f for rank, f in sorted(found.items()) if f.primary and rank != self.rank]
+
+    def claim_report(self) -> bool:
+        """Whether this rank is the one that prints the job's error (the first to ask is)."""
+        if self.store is None:
+            return True
+        try:
+            mine = str(self.rank)
+            return bytes(self.store.compare_set(_REPORTER, "", mine)).decode() == mine
+        except Exception as failure:
+            logger.warning("could not agree on who reports the failure: %s", failure)
+            return True
+
+    def reported(self) -> None:
+        """The job's error is printed (the others may exit now)."""
+        if self.store is not None:
+            try:
+                self.store.set(_REPORTED, "1")
+            except Exception as failure:
+                logger.warning("could not record that the failure was reported: %s", failure)
+
+    def wait_reported(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until some rank printed the job's error; whether one did."""
+        if self.store is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.store.check([_REPORTED]):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+        except Exception:
+            return False
+        return True
+
+
+def looks_like_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an error down its chain of causes) reads like a collective that
+    failed because of another rank: a `torch.distributed.DistError` or a RuntimeError in gloo's
+    or NCCL's words."""
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain of causes is short; a cycle is not followed forever
+        if seen is None:
+            return False
+        if isinstance(seen, dist.DistError | CrashedRankError | StalledRankError):
+            return True
+        if isinstance(seen, RuntimeError) and _PEER_WORDS.search(str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class StepProgress:
+    """This rank's step in the store, and the verdict on who crashed or stalled when a
+    collective fails."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float | None = None,
+        failures: RankFailures | None = None,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s  # the process group's, when known (for the message)
         self._store = _default_store()
+        # the job's (parallelize makes it: the excepthook shares it), or this rank's own
+        self.failures = failures or RankFailures(rank, world_size, self._store)
+        self._step = 0
+
+    def explain(self, error: BaseException) -> CrashedRankError | StalledRankError | None:
+        """This rank failed mid-step with ``error``: record it in the store, and return the
+        error naming the ranks at fault (a `CrashedRankError` if they recorded a crash, a
+        `StalledRankError` if they are behind), or None if it is this rank's own failure."""
+        crashed = self.failures.crashed(error)
+        if crashed is not None:
+            self.failures.record(crashed, primary=False, step=self._step)
+            return crashed
+        stalled = self.stalled(error)
+        self.failures.record(stalled or error, primary=True, step=self._step)
+        return stalled
 
     def started(self, step: int) -> None:
         """Record that this rank started ``step`` (1-based)."""
+        self._step = step
         if self._store is not None:
             self._store.set(f"{_PREFIX}{self.rank}", str(step))
 
@@ -64,7 +314,7 @@ class StepProgress:
             + f", while rank {self.rank} "
             f"reached step {mine} and waited for {'them' if len(behind) > 1 else 'it'}"
             + (f" for the process-group timeout ({timeout:.0f} s)" if timeout else "")
-            + f"; the collective failed with: {_first_message(error)}"
+            + f"; the collective failed with: {first_message(error)}"
         )
 
     def _steps(self) -> dict[int, int]:
@@ -82,7 +332,7 @@ class StepProgress:
         return steps
 
 
-def _first_message(error: BaseException) -> str:
+def first_message(error: BaseException) -> str:
     """The first line of the first non-empty message down the chain of causes (DDP re-raises
     gloo's timeout as an empty RuntimeError)."""
     seen: BaseException | None = error

@@ -13,15 +13,20 @@ materialise, pipeline) and an optimizer factory. Guarantees:
 - `state_dict()` / `load_state_dict()` carry the model and the optimizer under the model's own
   parameter names (a tied parameter under the name of its first use), as DTensors where
   sharded: ``torch.distributed.checkpoint`` saves and loads them, and a checkpoint saved under
-  one plan loads under another (DCP reshards).
+  one plan loads under another (DCP reshards);
+- every step checks the loss (last pipeline stage) and every local gradient for NaN and inf and
+  agrees on the verdict with one small all-reduce (MAX) over the default group, before any
+  optimizer steps: a non-finite step raises `NonFiniteError` on every rank (``on_nan="stop"``)
+  or is skipped on every rank (``"skip"``). The same all-reduce carries `request_stop`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,14 +43,17 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from passes._log import log_rank0
 from passes.context_parallel import ContextParallelResult
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
-from passes.progress import StepProgress, default_group_timeout
+from passes.progress import RankFailures, StepProgress, default_group_timeout
 from passes.split import SplitModel, TiedParameter, original_fqn
 
 __all__ = [
     "DistributedModel",
+    "NonFiniteError",
+    "OnNaN",
     "OptimizerFactory",
     "ReplicaSync",
     "TiedGradientSync",
@@ -55,6 +63,38 @@ logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+OnNaN = Literal["stop", "skip"]
+ON_NAN_CHOICES: tuple[OnNaN, ...] = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were NaN or inf (``on_nan="stop"``). Raised on every rank with
+    the same message, before any optimizer stepped; the process groups are left intact."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _StepVerdict:
+    """What every rank agreed on after a step's backward (`DistributedModel._agree`)."""
+
+    loss_rank: int | None  # the lowest rank whose loss was not finite (None: all finite)
+    grad_rank: int | None  # the lowest rank holding a non-finite gradient
+    stop: bool  # some rank called `request_stop`
+    world_size: int
+
+    @property
+    def finite(self) -> bool:
+        return self.loss_rank is None and self.grad_rank is None
+
+    @property
+    def what(self) -> str:
+        """What was not finite: the loss if it was (the gradients follow from it)."""
+        return "non-finite loss" if self.loss_rank is not None else "non-finite gradient"
+
+    @property
+    def where(self) -> str:
+        rank = self.loss_rank if self.loss_rank is not None else self.grad_rank
+        return f"(seen first on rank {rank} of {self.world_size})"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,8 +265,14 @@ class DistributedModel:
         replicas: ReplicaSync | None = None,
         context: ContextParallelResult | None = None,
         after_backward: tuple[Callable[[], None], ...] = (),
+        on_nan: OnNaN = "stop",
+        failures: RankFailures | None = None,
     ) -> None:
         self.plan = plan
+        self.on_nan = on_nan  # what a non-finite loss or gradient does: "stop" or "skip"
+        self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss (on_nan="skip")
+        self._stop_here = False  # request_stop was called on this rank
+        self._stop_agreed = False  # some rank's request reached every rank
         # context parallelism: the layout that cuts each sequence into this rank's tokens
         self.context = context
         # gradient work after every backward (expert gradients DDP leaves alone)
@@ -252,7 +298,7 @@ class DistributedModel:
         self._local_batch = plan.micro_batch_size * plan.num_micro_batches
         self._aliases = _checkpoint_aliases(split)
         self.step = 0  # optimizer steps taken (restored with a checkpoint)
-        self._progress = StepProgress(mesh.rank, plan.num_devices, timeout_s)
+        self._progress = StepProgress(mesh.rank, plan.num_devices, timeout_s, failures)
 
     def _make_optimizer(
         self, factory: OptimizerFactory, wrapped: nn.Module
@@ -315,15 +361,43 @@ class DistributedModel:
             start += self.replicas.index * self.plan.global_batch_size
         return batch[start : start + self._local_batch].to(self.device)
 
+    @property
+    def on_nan(self) -> OnNaN:
+        """What a non-finite loss or gradient does: "stop" (`NonFiniteError` on every rank) or
+        "skip" (no optimizer step on any rank; the step counts, `skipped_steps` records it)."""
+        return self._on_nan
+
+    @on_nan.setter
+    def on_nan(self, value: OnNaN) -> None:
+        if value not in ON_NAN_CHOICES:
+            raise PlanError(f"on_nan={value!r}: use 'stop' (the default) or 'skip'")
+        self._on_nan = value
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop: the next `train_step`'s all-reduce carries the request and
+        sets `stop_requested` on every rank. Only sets a flag: safe in a signal handler."""
+        self._stop_here = True
+
+    @property
+    def stop_requested(self) -> bool:
+        """True on every rank once a `train_step`'s all-reduce saw any rank's `request_stop`."""
+        return self._stop_agreed
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch; returns its mean loss (same on all ranks).
+
+        A non-finite loss or gradient on any rank is seen by every rank before any optimizer
+        steps (one all-reduce of a flag): with ``on_nan="stop"`` every rank raises the same
+        `NonFiniteError` (``step`` unchanged); with ``"skip"`` no rank steps its optimizer,
+        the gradients are dropped, ``step`` advances and `skipped_steps` records it.
 
         If this rank fails mid-step, the process groups are torn down before the error
         propagates: the other ranks, blocked in a collective with it, fail at once ("connection
         closed by peer") instead of waiting for the process-group timeout. The job cannot
-        continue anyway: the ranks no longer agree on the sequence of collectives. If a
-        collective fails because other ranks stopped making progress (it waited for them for the
-        process-group timeout), the error is a `StalledRankError` that names them.
+        continue anyway: the ranks no longer agree on the sequence of collectives. A rank whose
+        collective fails because another rank crashed first (it recorded its error in the job's
+        store) raises a `CrashedRankError` that names it; one whose collective waited for the
+        process-group timeout because other ranks stopped making progress, a `StalledRankError`.
         """
         # Checked before the first collective: a bad batch raises on every rank, harmlessly.
         local_inputs = self._data_parallel_slice(inputs, "inputs")
@@ -332,26 +406,58 @@ class DistributedModel:
             # this cp rank's tokens of every sequence (load-balanced chunks r and 2cp-1-r)
             local_inputs = self.context.shard(local_inputs)
             local_targets = self.context.shard(local_targets)
-        self._progress.started(self.step + 1)
+        step = self.step + 1
+        self._progress.started(step)
         try:
-            loss = self._train_step(local_inputs, local_targets)
+            loss, verdict = self._train_step(local_inputs, local_targets)
         except BaseException as error:
-            stalled = self._progress.stalled(error) if isinstance(error, Exception) else None
-            logger.error(
-                "rank %d failed during train_step%s; tearing down the process groups so the "
-                "other ranks stop too",
-                self.mesh.rank,
-                f" ({stalled})" if stalled else "",
+            reported = self._failed(error)
+            if reported is None:
+                raise
+            raise reported from error
+        self._stop_agreed = self._stop_agreed or verdict.stop
+        if not verdict.finite:
+            if self.on_nan == "stop":
+                raise NonFiniteError(
+                    f"{verdict.what} at step {step} {verdict.where}: no optimizer step taken; "
+                    "lower the learning rate, or skip such steps (on_nan='skip', --on-nan "
+                    "skip), and resume from the last good checkpoint"
+                )
+            self.skipped_steps.append(step)
+            log_rank0(
+                logger,
+                logging.WARNING,
+                "skipped step %d: %s %s; no optimizer step, gradients dropped (on_nan='skip'; "
+                "%d skipped so far)",
+                step,
+                verdict.what,
+                verdict.where,
+                len(self.skipped_steps),
             )
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            if stalled is not None:
-                raise stalled from error
-            raise
-        self.step = self.replicas.step if self.replicas is not None else self.step + 1
+        assert loss is not None
+        self.step = self.replicas.step if self.replicas is not None else step
         return loss
 
-    def _train_step(self, local_inputs: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
+    def _failed(self, error: BaseException) -> Exception | None:
+        """This rank failed mid-step: record it, tear the process groups down, and return the
+        error naming the peer that crashed or stalled if that is what it was."""
+        reported = self._progress.explain(error) if isinstance(error, Exception) else None
+        logger.error(
+            "rank %d failed during train_step%s; tearing down the process groups so the "
+            "other ranks stop too",
+            self.mesh.rank,
+            f" ({reported})" if reported else "",
+        )
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return reported
+
+    def _train_step(
+        self, local_inputs: torch.Tensor, local_targets: torch.Tensor
+    ) -> tuple[torch.Tensor | None, _StepVerdict]:
+        """Forward, backward, the verdict on the gradients, and the optimizer step unless the
+        verdict says no; returns the reduced loss (None when the step stops on a non-finite
+        value: every rank skips the loss's all-reduce alike) and the verdict."""
         for stage in self._stages:
             stage.optimizer.zero_grad(set_to_none=True)
         if self.replicas is not None:
@@ -371,13 +477,67 @@ class DistributedModel:
             finish()
         self._align_gradients()
         self.tied_sync()
+        grads = self._local_gradients()
+        loss_flag = self._nonfinite_loss(losses)
         if self.replicas is not None:
-            self.replicas.average(self._local_gradients())
-            if not self.replicas.commit():  # a group failed mid-step: nobody steps
-                return self._reduce_loss(losses)
+            # The flag rides with the gradients: every replica group then sees every group's
+            # loss verdict (and the same averaged gradients), so all groups decide alike.
+            self.replicas.average([*grads, loss_flag])
+        verdict = self._agree(loss_flag, grads)
+        if self.replicas is not None and not self.replicas.commit():
+            # a group failed mid-step: nobody steps (the verdict on this step does not count)
+            return self._reduce_loss(losses), dataclasses.replace(
+                verdict, loss_rank=None, grad_rank=None
+            )
+        if not verdict.finite:
+            if self.on_nan == "stop":
+                return None, verdict
+            for stage in self._stages:
+                stage.optimizer.zero_grad(set_to_none=True)
+            return self._reduce_loss(losses), verdict
         for stage in self._stages:
             stage.optimizer.step()
-        return self._reduce_loss(losses)
+        return self._reduce_loss(losses), verdict
+
+    def _nonfinite_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 if a loss of this rank's micro-batches is NaN or inf, else 0.0 (shape (1,))."""
+        if not losses:  # not the last pipeline stage
+            return torch.zeros(1, dtype=torch.float32, device=self.device)
+        local = torch.stack([_local(loss).detach().float() for loss in losses])
+        return (~torch.isfinite(local)).any().float().reshape(1)
+
+    @torch.no_grad()
+    def _agree(self, loss_flag: torch.Tensor, grads: list[torch.Tensor]) -> _StepVerdict:
+        """Every rank's verdict on this step, from ONE all-reduce (MAX) of three integers over
+        the default group: the stop request, and for a non-finite loss and a non-finite
+        gradient the lowest rank that saw it (as world - rank, so the maximum is the lowest).
+
+        The gradient check is one fused pass over the local gradients (local shards of
+        DTensors): the max-norm is NaN or inf exactly when an element is (the 2-norm would
+        overflow to inf on large finite values). Megatron-LM checks loss and gradients for
+        NaN the same way (``--check-for-nan-in-loss-and-grad``, on by default there)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mark = world - rank
+        grad_bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        if grads:
+            # torch.nn.utils.clip_grad_norm_ uses the same fused kernel
+            norms = torch._foreach_norm(grads, float("inf"))
+            grad_bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+        flags = torch.stack(
+            [
+                torch.tensor(int(self._stop_here), dtype=torch.int64, device=self.device),
+                (loss_flag[0] > 0).to(torch.int64) * mark,
+                grad_bad.to(torch.int64) * mark,
+            ]
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, loss_code, grad_code = (int(value) for value in flags.tolist())
+        return _StepVerdict(
+            loss_rank=world - loss_code if loss_code else None,
+            grad_rank=world - grad_code if grad_code else None,
+            stop=bool(stop),
+            world_size=world,
+        )
 
     def _local_gradients(self) -> list[torch.Tensor]:
         """Every local gradient once (a DTensor's local shard: the same shard on the same rank

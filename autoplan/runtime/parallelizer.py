@@ -31,7 +31,6 @@ import datetime
 import functools
 import logging
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -46,10 +45,12 @@ from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.graph import ModelGraph
 from autoplan.contract.plan import Plan, runtime_refusal
 from autoplan.planner.search import search_plans
+from autoplan.runtime import rank_failures
 from autoplan.tracing import trace
 from cost_model.estimate import estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
+from cost_model.messages import shown
 from passes import (
     ContextParallelResult,
     DistributedModel,
@@ -72,7 +73,8 @@ from passes import (
     split_stages,
     uses_ddp,
 )
-from passes.runtime import OptimizerFactory
+from passes.progress import RankFailures
+from passes.runtime import ON_NAN_CHOICES, OnNaN, OptimizerFactory
 from passes.split import StageModule
 
 __all__ = ["parallelize"]
@@ -102,6 +104,7 @@ def parallelize(
     seed: int = 0,
     timeout_s: float | None = None,
     check_memory: bool = True,
+    on_nan: OnNaN = "stop",
 ) -> DistributedModel:
     """Build this rank's part of ``model`` for ``plan`` (searched when None); see the module doc.
 
@@ -113,9 +116,22 @@ def parallelize(
     `DEFAULT_TIMEOUT_S`); every rank must pass the same plan (checked: `PlanError` on all). A
     plan whose predicted peak memory exceeds the device's fails on every rank before any
     allocation (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
-    anyway with a warning.
+    anyway with a warning. ``on_nan``: what a non-finite loss or gradient does in
+    `DistributedModel.train_step` ("stop": `NonFiniteError` on every rank; "skip": the step is
+    skipped on every rank).
+
+    Once the process group exists, an exception that ends any rank of the job is reported once,
+    by the lowest failing rank, before the launcher tears the job down
+    (`autoplan.runtime.rank_failures`); a rank whose collective fails because another rank
+    crashed raises `CrashedRankError` naming it.
     """
+    failures: RankFailures | None = None
     try:
+        _check_arguments(model, plan, loss_fn, optimizer, global_batch_size, on_nan)
+        world_size, local_world = _job_shape()
+        device = _device()
+        created = _init_process_group(device, timeout_s)
+        failures = _report_failures()
         return _parallelize(
             model,
             cluster,
@@ -128,33 +144,48 @@ def parallelize(
             seed=seed,
             timeout_s=timeout_s,
             check_memory=check_memory,
+            on_nan=on_nan,
+            job=_Job(
+                world_size=world_size,
+                local_world=local_world,
+                device=device,
+                created=created,
+                failures=failures,
+            ),
         )
     except InputError:
-        _one_line_under_torchrun()
+        if failures is None:
+            rank_failures.one_line_without_store()
         raise
+    except Exception as error:
+        # a collective that failed because another rank had failed: name it
+        if failures is None:
+            raise
+        crashed = failures.crashed(error)
+        if crashed is None:
+            raise
+        failures.record(crashed, primary=False)
+        raise crashed from error
 
 
-def _one_line_under_torchrun() -> None:
-    """Under torchrun every rank raises the same `InputError`: print it once, as one line
-    (rank 0), instead of a traceback per rank. Installed only when such an error escapes
-    `parallelize`; other exceptions keep the usual traceback."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or getattr(sys.excepthook, "_autoplan", False):
-        return
-    previous = sys.excepthook
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    """What `parallelize` learnt of the job before building anything."""
 
-    def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
-        if not isinstance(error, InputError):
-            previous(kind, error, trace)
-            return
-        if int(os.environ.get("RANK", "0")) == 0:
-            world = os.environ.get("WORLD_SIZE", "?")
-            print(
-                f"autoplan: error: {error} (every one of the {world} ranks stopped)",
-                file=sys.stderr,
-            )
+    world_size: int
+    local_world: int  # processes per node
+    device: torch.device
+    created: bool  # parallelize created the default process group
+    failures: RankFailures
 
-    hook._autoplan = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+
+def _report_failures() -> RankFailures:
+    """This rank's failure records in the job's store; under torchrun, or in any job of more
+    than one process, the excepthook that reports a failure once (`rank_failures`)."""
+    failures = RankFailures(dist.get_rank(), dist.get_world_size())
+    if "TORCHELASTIC_RUN_ID" in os.environ or dist.get_world_size() > 1:
+        rank_failures.install(failures)
+    return failures
 
 
 def _parallelize(
@@ -170,11 +201,10 @@ def _parallelize(
     seed: int,
     timeout_s: float | None,
     check_memory: bool,
+    on_nan: OnNaN,
+    job: _Job,
 ) -> DistributedModel:
-    _check_arguments(model, plan, loss_fn, optimizer, global_batch_size)
-    world_size, local_world = _job_shape()
-    device = _device()
-    created = _init_process_group(device, timeout_s)
+    world_size, local_world, device = job.world_size, job.local_world, job.device
     _agree_on_plan(plan, device)  # the first collective: nothing below can hang on a mismatch
     if graph is None:
         graph = _trace(model, plan)
@@ -271,9 +301,11 @@ def _parallelize(
         pipeline=pipeline,
         optimizer=optimizer,
         device=device,
-        timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if created else None,
+        timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if job.created else None,
         fingerprint=graph.profile.fingerprint,
         search_time_s=search_time_s,
+        on_nan=on_nan,
+        failures=job.failures,
     )
 
 
@@ -295,6 +327,7 @@ def _check_arguments(
     loss_fn: object,
     optimizer: object,
     global_batch_size: object,
+    on_nan: object,
 ) -> None:
     """Every rank refuses the same wrong argument before any collective (`PlanError`)."""
     if not isinstance(model, nn.Module):
@@ -318,6 +351,8 @@ def _check_arguments(
         or global_batch_size < 1
     ):
         raise PlanError(f"global_batch_size={global_batch_size!r} must be a whole number >= 1")
+    if on_nan not in ON_NAN_CHOICES:
+        raise PlanError(f"on_nan={shown(on_nan)}: use 'stop' (the default) or 'skip'")
 
 
 # ----------------------------------------------------------------------------- job
