@@ -33,6 +33,7 @@ with another ``--lr`` or ``--global-batch``, it says so and applies them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -55,7 +56,6 @@ import autoplan
 from autoplan.data import Batches, load_corpus
 from autoplan.models import gpt
 from autoplan.runtime.checkpoint import CheckpointSaveError
-from autoplan.runtime.trainer import NonFiniteError  # SHIM (issue 37, C): autoplan's, from B
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -308,26 +308,27 @@ def main() -> None:
     if config["ray"]:
         run_with_ray(config)
         return
-    code = 0
     try:
         train(config)
-    except autoplan.TrainingStopped as stopped:
-        _say(str(stopped))
-        code = stopped.exit_code
-    except (NonFiniteError, CheckpointSaveError) as error:
-        # the same one line on every rank: rank 0 says it; a failure of the run, exit 1
-        _say(f"train_gpt: error: {error}", file=sys.stderr)
-        code = 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(code)
+    except autoplan.TrainingStopped as stopped:  # a signal: the job did not finish
+        _end_job(str(stopped), sys.stdout)
+        sys.exit(stopped.exit_code)
+    except (autoplan.NonFiniteError, CheckpointSaveError) as error:  # a failure of the run
+        _end_job(f"train_gpt: error: {error}", sys.stderr)
+        sys.exit(1)
+    dist.destroy_process_group()
 
 
-def _say(line: str, file: Any = None) -> None:
-    """Print on rank 0 (of a job that reached its process group, or any process before)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=file or sys.stdout, flush=True)
+def _end_job(line: str, file: Any) -> None:
+    """Every rank raised the same one line: rank 0 prints it, and the others wait for that at
+    a barrier (torchrun's agent stops every worker as soon as one exits)."""
+    joined = dist.is_initialized()
+    if (dist.get_rank() if joined else int(os.environ.get("RANK", "0"))) == 0:
+        print(line, file=file, flush=True)
+    if joined:
+        with contextlib.suppress(Exception):  # a peer gone: nobody left to wait for
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

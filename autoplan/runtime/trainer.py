@@ -53,15 +53,7 @@ from autoplan.runtime.replicas import TorchFTReplicas
 from cost_model.hardware import Cluster
 from cost_model.messages import shown
 from passes import log_rank0
-from passes.runtime import DistributedModel, OptimizerFactory
-
-try:
-    from passes.runtime import NonFiniteError
-except ImportError:  # SHIM (issue 37, engineer C): until B's NonFiniteError lands
-
-    class NonFiniteError(RuntimeError):  # type: ignore[no-redef]
-        pass
-
+from passes.runtime import DistributedModel, NonFiniteError, OptimizerFactory
 
 __all__ = ["Setup", "StatefulBatches", "Trainer", "TrainingStopped", "default_signal_grace_s"]
 
@@ -255,8 +247,7 @@ class Trainer:
             search_constraints=search_constraints,
             seed=seed,
             timeout_s=timeout_s,
-            # SHIM (issue 37, engineer C): until B's parallelize takes on_nan
-            **({} if on_nan == "stop" else {"on_nan": on_nan}),
+            on_nan=on_nan,
         )
         self.replicas = None if replicas is None else replicas.connect(self.model)
         if self.replicas is not None:
@@ -362,8 +353,7 @@ class Trainer:
                     self._tell_skipped_steps()
                     self.checkpointer.after_step()
                 yield loss
-                # SHIM (issue 37, engineer C): getattr until B's stop_requested lands
-                if getattr(self.model, "stop_requested", False) and self.model.step < total:
+                if self.model.stop_requested and self.model.step < total:
                     raise self._stop(handler)
             self.close()
         finally:
@@ -382,7 +372,7 @@ class Trainer:
         """Steps skipped for a non-finite loss (``on_nan="skip"``) go to the checkpointer, which
         then keeps a checkpoint older than the first of them."""
         assert self.checkpointer is not None
-        skipped = getattr(self.model, "skipped_steps", ())  # SHIM until B's lands
+        skipped = self.model.skipped_steps
         for step in skipped[self._skips_told :]:
             self.checkpointer.note_nonfinite(step)
         self._skips_told = len(skipped)
@@ -392,16 +382,16 @@ class Trainer:
         finish, nothing else is saved, and the message names the checkpoint to resume from."""
         self._diverged = True
         if self.checkpointer is None:
-            return error
+            return NonFiniteError(f"{error}; this run saves no checkpoints (no checkpoint_dir)")
         self.checkpointer.close(save=False)
         newest = self.checkpointer.last_complete_step
         where = (
-            f"the newest good checkpoint is step {newest} ({self._step_path(newest)}): resume "
-            "from it with a smaller learning rate, or with on_nan='skip'"
+            f"the newest good checkpoint is step {newest} ({self._step_path(newest)})"
             if newest is not None
-            else "there is no checkpoint to resume from"
+            else "there is no checkpoint yet"
         )
-        return NonFiniteError(f"{error}; nothing saved from it, {where}")
+        # B's message names the step, the rank and the fix; this adds where to resume from
+        return NonFiniteError(f"{error}; {where}, nothing saved after it")
 
     def _stop(self, handler: _StopOnSignal | None) -> TrainingStopped:
         """Every rank agreed to stop after this step: save it if the save fits what is left of
