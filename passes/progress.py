@@ -89,7 +89,6 @@ class RankFailure:
     error_type: str  # the exception's class name
     message: str  # the first line of its message (at most _MESSAGE_CHARS characters)
     input_error: bool  # an `InputError` (a user's mistake: one line, no traceback)
-    step: int  # the training step it had started (0: none yet)
 
     @property
     def summary(self) -> str:
@@ -104,7 +103,6 @@ class RankFailure:
                 "error_type": self.error_type,
                 "message": self.message,
                 "input_error": self.input_error,
-                "step": self.step,
             }
         )
 
@@ -117,7 +115,6 @@ class RankFailure:
             error_type=str(data["error_type"]),
             message=str(data["message"]),
             input_error=bool(data["input_error"]),
-            step=int(data["step"]),
         )
 
 
@@ -131,8 +128,14 @@ class RankFailures:
         self.world_size = world_size
         self.store = store if store is not None else _default_store()
         self.mine: RankFailure | None = None  # what this rank recorded (the first record wins)
+        self._store_failed = False  # a store operation failed: said once, not asked again
 
-    def record(self, error: BaseException, *, primary: bool, step: int = 0) -> RankFailure:
+    def _lost(self, what: str, failure: Exception) -> None:
+        if not self._store_failed:
+            logger.warning("could not %s in the job's store: %s", what, failure)
+        self._store_failed = True
+
+    def record(self, error: BaseException, *, primary: bool) -> RankFailure:
         """Record this rank's failure (once: a later call returns the first record)."""
         if self.mine is not None:
             return self.mine
@@ -142,7 +145,6 @@ class RankFailures:
             error_type=type(error).__name__,
             message=first_message(error)[:_MESSAGE_CHARS],
             input_error=isinstance(error, InputError),
-            step=step,
         )
         if self.store is not None:
             try:
@@ -150,12 +152,12 @@ class RankFailures:
                 slot = self.store.add(_FAILED_COUNT, 1)
                 self.store.set(f"{_FAILED_RANKS}{slot}", str(self.rank))
             except Exception as failure:
-                logger.warning("could not record rank %d's failure: %s", self.rank, failure)
+                self._lost(f"record rank {self.rank}'s failure", failure)
         return self.mine
 
     def read(self) -> dict[int, RankFailure]:
         """Every rank's recorded failure, by rank."""
-        if self.store is None:
+        if self.store is None or self._store_failed:
             return {}
         found: dict[int, RankFailure] = {}
         try:
@@ -168,7 +170,7 @@ class RankFailures:
                 text = bytes(self.store.get(f"{_FAILED}{rank}")).decode()
                 found[rank] = RankFailure.from_json(text)
         except Exception as failure:  # the store itself may be gone with the job
-            logger.warning("could not read the ranks' failures from the store: %s", failure)
+            self._lost("read the ranks' failures", failure)
         return found
 
     def wait(
@@ -178,7 +180,9 @@ class RankFailures:
         deadline = time.monotonic() + timeout_s
         while True:
             found = self.read()
-            if done(found) or time.monotonic() >= deadline or self.store is None:
+            if done(found) or time.monotonic() >= deadline:
+                return found
+            if self.store is None or self._store_failed:
                 return found
             time.sleep(0.02)
 
@@ -192,20 +196,22 @@ class RankFailures:
         peers = self._crashed_peers(found)
         if not peers:
             return None
-        named = "; ".join(
-            f"rank {peer.rank} crashed"
-            + (f" at step {peer.step}" if peer.step else "")
-            + f": {peer.summary}"
-            for peer in peers[:3]
-        )
+        named = "; ".join(f"rank {peer.rank} crashed: {peer.summary}" for peer in peers[:3])
         more = f" (and {len(peers) - 3} more ranks)" if len(peers) > 3 else ""
+        them = "it" if len(peers) == 1 else "them"
         return CrashedRankError(
-            f"{named}{more}; rank {self.rank}'s collective with it failed: "
+            f"{named}{more}; rank {self.rank}'s collective with {them} failed: "
             f"{first_message(error)[:200]}"
         )
 
     def _crashed_peers(self, found: dict[int, RankFailure]) -> list[RankFailure]:
-        return [f for rank, f in sorted(found.items()) if f.primary and rank != self.rank]
+        """Other ranks' own failures; not a peer's report of a stall (that peer was waiting,
+        like this rank, for one that stopped)."""
+        return [
+            f
+            for rank, f in sorted(found.items())
+            if f.primary and rank != self.rank and f.error_type != StalledRankError.__name__
+        ]
 
     def claim_report(self) -> bool:
         """Whether this rank is the one that prints the job's error (the first to ask is)."""
@@ -215,7 +221,7 @@ class RankFailures:
             mine = str(self.rank)
             return bytes(self.store.compare_set(_REPORTER, "", mine)).decode() == mine
         except Exception as failure:
-            logger.warning("could not agree on who reports the failure: %s", failure)
+            self._lost("agree on who reports the failure", failure)
             return True
 
     def reported(self) -> None:
@@ -224,7 +230,7 @@ class RankFailures:
             try:
                 self.store.set(_REPORTED, "1")
             except Exception as failure:
-                logger.warning("could not record that the failure was reported: %s", failure)
+                self._lost("record that the failure was reported", failure)
 
     def wait_reported(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until some rank printed the job's error; whether one did."""
@@ -274,7 +280,6 @@ class StepProgress:
         self._store = _default_store()
         # the job's (parallelize makes it: the excepthook shares it), or this rank's own
         self.failures = failures or RankFailures(rank, world_size, self._store)
-        self._step = 0
 
     def explain(self, error: BaseException) -> CrashedRankError | StalledRankError | None:
         """This rank failed mid-step with ``error``: record it in the store, and return the
@@ -282,15 +287,14 @@ class StepProgress:
         `StalledRankError` if they are behind), or None if it is this rank's own failure."""
         crashed = self.failures.crashed(error)
         if crashed is not None:
-            self.failures.record(crashed, primary=False, step=self._step)
+            self.failures.record(crashed, primary=False)
             return crashed
         stalled = self.stalled(error)
-        self.failures.record(stalled or error, primary=True, step=self._step)
+        self.failures.record(stalled or error, primary=True)
         return stalled
 
     def started(self, step: int) -> None:
         """Record that this rank started ``step`` (1-based)."""
-        self._step = step
         if self._store is not None:
             self._store.set(f"{_PREFIX}{self.rank}", str(step))
 

@@ -8,8 +8,7 @@ about to end a rank, the hook:
 1. records it in the job's store (`passes.progress.RankFailures`) as *primary* (the rank's own
    failure) or *secondary* (a collective that failed because a peer had recorded a failure first:
    a `CrashedRankError`, or an error in gloo's words while such a record exists);
-2. tears the rank's process groups down, so peers blocked in a collective with it fail at once
-   (and find the record) instead of waiting for the process-group timeout;
+2. destroys the rank's process groups;
 3. a primary rank waits up to `GRACE_S` for the other ranks' records, then the lowest primary
    rank prints the job's error: one line for an `InputError` (``autoplan: error: <message>
    (rank 1; 2 ranks stopped)``), its traceback and that line for any other exception; the store
@@ -18,7 +17,17 @@ about to end a rank, the hook:
    torchrun's agent stops every worker as soon as the first one exits, and must not stop the
    printer first. The printer, in turn, holds back a SIGTERM that arrives while it decides and
    prints (at most `GRACE_S` plus a store round trip) and acts on it right after; no signal is
-   swallowed.
+   swallowed;
+5. the process then ends within `EXIT_S`: its exit closes its sockets, and that is what makes
+   the peers' collectives with it fail at once ("Connection closed by peer"), so they find the
+   record and raise `CrashedRankError` instead of waiting for the process-group timeout.
+
+Why 5: on gloo (torch 2.13) neither ``destroy_process_group`` nor ``ProcessGroup.abort`` or
+``shutdown`` closes a group's connections while a peer waits on them (checked: a peer's send
+still waits for the timeout), and Python's exit joins every non-daemon thread first: a
+checkpoint writer blocked in a collective with a peer that waits for this process holds the
+exit until the timeout. So after `EXIT_S` a daemon thread runs the exit handlers
+(``atexit``: a checkpoint folder's lock is released) and ends the process with ``os._exit(1)``.
 
 Without a store (an error before the process group exists) every rank raised the same error
 (the checks before the group are identical on every rank): rank 0 prints it.
@@ -26,10 +35,13 @@ Without a store (an error before the process group exists) every rank raised the
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
@@ -46,13 +58,15 @@ from passes.progress import (
     StalledRankError,
 )
 
-__all__ = ["GRACE_S", "REPORT_WAIT_S", "FailureReport", "install", "summary_line"]
+__all__ = ["EXIT_S", "GRACE_S", "REPORT_WAIT_S", "FailureReport", "install", "summary_line"]
 
 # How long the first failing rank waits for lower ranks' records before it decides it is the
 # lowest: a peer whose collective failed because of it records within milliseconds.
 GRACE_S = 1.0
 # How long a rank that does not print waits for the one that does (then it prints its own).
 REPORT_WAIT_S = 10.0
+# How long the normal exit may take after the hook before the process ends regardless.
+EXIT_S = 3.0
 
 _Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
@@ -68,9 +82,18 @@ class FailureReport:
     def __call__(
         self, kind: type[BaseException], error: BaseException, trace: TracebackType | None
     ) -> None:
-        if not isinstance(error, Exception):  # KeyboardInterrupt and the like: as usual
+        if not isinstance(error, Exception) or hasattr(sys, "ps1"):
+            # KeyboardInterrupt and the like, or an interactive session: as usual
             self.previous(kind, error, trace)
             return
+        try:
+            self._report(kind, error, trace)
+        finally:
+            _exit_within(EXIT_S)
+
+    def _report(
+        self, kind: type[BaseException], error: Exception, trace: TracebackType | None
+    ) -> None:
         with _SigtermHeld():
             mine = self._record(error)
             if dist.is_initialized():
@@ -160,6 +183,22 @@ class _SigtermHeld:
             sys.stdout.flush()
             sys.stderr.flush()
             signal.raise_signal(signal.SIGTERM)
+
+
+def _exit_within(seconds: float) -> None:
+    """End the process ``seconds`` from now if its normal exit has not (see the module doc)."""
+
+    def end() -> None:
+        time.sleep(seconds)
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1)
+
+    threading.Thread(target=end, name="autoplan-exit", daemon=True).start()
 
 
 def install(failures: RankFailures) -> None:
