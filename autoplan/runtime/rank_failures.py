@@ -97,7 +97,8 @@ class FailureReport:
         with _SigtermHeld():
             mine = self._record(error)
             if dist.is_initialized():
-                dist.destroy_process_group()  # peers in a collective with this rank fail now
+                # no abort at exit; on gloo the peers fail when this process ends (EXIT_S)
+                dist.destroy_process_group()
             if mine.primary and self._lowest_primary() and self.failures.claim_report():
                 self._print(kind, error, trace, mine)
                 return
