@@ -332,15 +332,25 @@ class CostModel:
             costs[share.unit_idx] = dataclasses.replace(
                 own, dp_sync_s=share.sync_s, post_sync_s=post
             )
+        # (units that shared one cost object and one expert sync still share the result: a
+        # 4,096-layer mixture of experts would otherwise hold 4,096 objects per plan costed)
+        # (keyed by identity; each entry keeps its original alive, so no id is reused)
+        synced: dict[tuple[int, int], tuple[UnitCost, UnitCost]] = {}
         for index, experts in enumerate(expert_sync):
             if experts is not None and (experts.sync_s or experts.post_sync_s):
                 # the expert gradients reduce over their own group, after the dense ones
                 own = costs[index]
-                costs[index] = dataclasses.replace(
-                    own,
-                    dp_sync_s=own.dp_sync_s + experts.sync_s,
-                    post_sync_s=own.post_sync_s + experts.post_sync_s,
-                )
+                key = (id(own), id(experts))
+                if key not in synced:
+                    synced[key] = (
+                        own,
+                        dataclasses.replace(
+                            own,
+                            dp_sync_s=own.dp_sync_s + experts.sync_s,
+                            post_sync_s=own.post_sync_s + experts.post_sync_s,
+                        ),
+                    )
+                costs[index] = synced[key][1]
         return stretched(costs, self.sharing(strategy))
 
     def _zero3_gathers(self, index: int, tp_degree: int) -> int:

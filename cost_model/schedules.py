@@ -43,12 +43,13 @@ backward-input frees nothing, torch's ``stage_backward_input`` retains the graph
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from cost_model.errors import InputError
 
@@ -100,6 +101,16 @@ class Action:
 # every one (far beyond any real job: a step of 2^20 sequences at micro-batch 1 and dp 16 has
 # 65,536), so an absurd global batch is an error, not an out-of-memory.
 MAX_MICRO_BATCHES = 100_000
+# The most compute actions a step may have (`ScheduleSpec.num_actions`: stages x micro-batches
+# x 2, or 3 under a split backward): torch's schedule class builds every one and the cost
+# model compiles and walks them all, about 400 bytes an action at the peak of that build
+# (`bench/limits.py`), so the largest schedule takes under 1 GiB and about 20 s. Far beyond any
+# published run (Llama 3 405B: 16 ranks x 8 stages x 16 micro-batches x 2 = 4,096 actions);
+# reached only by thousands of stages with thousands of micro-batches.
+MAX_SCHEDULE_ACTIONS = 2**21
+# The actions each memoised schedule table (orders, compiled graph, held micro-batches, rank
+# paths) may keep across the schedules it holds: the least recently used go first.
+_CACHED_ACTIONS = 2**21
 
 
 def interleaved_rounds(num_micro_batches: int, pp_degree: int) -> int:
@@ -175,10 +186,23 @@ class ScheduleSpec:
                     f"{2 * p} for 'dualpipev' (torch's ScheduleDualPipeV requires it); raise "
                     "num_micro_batches or use 'zbv'"
                 )
+        if self.num_actions > MAX_SCHEDULE_ACTIONS:
+            raise ScheduleError(
+                f"{p * v:,} stages x {m:,} micro-batches = {self.num_actions:,} actions per step: "
+                f"the cost model simulates every action and takes at most "
+                f"{MAX_SCHEDULE_ACTIONS:,}; use fewer pipeline stages (pp x virtual stages), a "
+                "larger micro-batch or a smaller global batch"
+            )
 
     @property
     def num_stages(self) -> int:
         return self.pp_degree * self.virtual_stages
+
+    @property
+    def num_actions(self) -> int:
+        """The compute actions of all ranks in one step, at most: a forward and a backward of
+        every micro-batch through every stage (three under a split backward)."""
+        return (3 if self.splits_backward else 2) * self.num_stages * self.num_micro_batches
 
     @property
     def placement(self) -> Placement:
@@ -194,8 +218,9 @@ class ScheduleSpec:
         return stage_rank(self.placement, self.pp_degree, stage_idx)
 
     def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
-        """The stages pipeline rank ``pp_rank`` runs, in stage order."""
-        return tuple(s for s in range(self.num_stages) if self.stage_rank(s) == pp_rank)
+        """The stages pipeline rank ``pp_rank`` runs, in stage order: one per chunk of ``p``
+        stages (the inverse of `stage_rank`, without visiting every stage)."""
+        return rank_stages(self.placement, self.pp_degree, self.virtual_stages, pp_rank)
 
 
 def stage_rank(placement: Placement, pp_degree: int, stage_idx: int) -> int:
@@ -205,6 +230,47 @@ def stage_rank(placement: Placement, pp_degree: int, stage_idx: int) -> int:
     if placement == "loop" or chunk % 2 == 0:
         return offset
     return pp_degree - 1 - offset
+
+
+def rank_stages(
+    placement: Placement, pp_degree: int, virtual_stages: int, pp_rank: int
+) -> tuple[int, ...]:
+    """The stages pipeline rank ``pp_rank`` runs under a placement, in stage order: one in
+    each chunk of ``pp_degree`` stages (the inverse of `stage_rank`)."""
+    p = pp_degree
+    if not 0 <= pp_rank < p:
+        return ()
+    return tuple(
+        chunk * p + (pp_rank if placement == "loop" or chunk % 2 == 0 else p - 1 - pp_rank)
+        for chunk in range(virtual_stages)
+    )
+
+
+_Table = TypeVar("_Table")
+
+
+def _memoised(table: Callable[[ScheduleSpec], _Table]) -> Callable[[ScheduleSpec], _Table]:
+    """``table`` memoised on the (hashable, frozen) spec, least recently used first out, within
+    `_CACHED_ACTIONS` actions of the schedules it holds (the latest always kept): the planner
+    asks for the same few schedules often, and a few huge ones must not pile up."""
+    cache: OrderedDict[ScheduleSpec, _Table] = OrderedDict()
+    held = [0]  # actions of the cached schedules
+
+    @functools.wraps(table)
+    def cached(spec: ScheduleSpec) -> _Table:
+        found = cache.get(spec)
+        if found is not None:
+            cache.move_to_end(spec)
+            return found
+        value = table(spec)
+        cache[spec] = value
+        held[0] += spec.num_actions
+        while held[0] > _CACHED_ACTIONS and len(cache) > 1:
+            old, _ = cache.popitem(last=False)
+            held[0] -= old.num_actions
+        return value
+
+    return cached
 
 
 def _next_interleavable(m: int, p: int) -> int:
@@ -217,7 +283,7 @@ def _next_interleavable(m: int, p: int) -> int:
 # ------------------------------------------------------------------------------ orders
 
 
-@functools.lru_cache(maxsize=512)
+@_memoised
 def pipeline_order(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ...]:
     """Each pipeline rank's compute actions in the order torch's schedule class runs them.
 
@@ -362,20 +428,21 @@ class CompiledSchedule:
     the position of the rank's previous action, ``data_pred[j]`` the producer of its input,
     ``transfer[j]`` the boundary whose link that input crosses (``num_stages`` for none) and
     ``slot[j]`` its duration slot (4 stage + kind). The sentinel position ``len(actions)``
-    stands for "nothing" (time 0).
+    stands for "nothing" (time 0). The per-action tables are int arrays (8 bytes an entry, a
+    tenth of a tuple of large ints: a schedule may have millions of actions).
     """
 
     spec: ScheduleSpec
     actions: tuple[Action, ...]
-    ranks: tuple[int, ...]
-    rank_pred: tuple[int, ...]
-    data_pred: tuple[int, ...]
-    transfer: tuple[int, ...]
-    slot: tuple[int, ...]
+    ranks: Sequence[int]
+    rank_pred: Sequence[int]
+    data_pred: Sequence[int]
+    transfer: Sequence[int]
+    slot: Sequence[int]
     rank_last: tuple[int, ...]  # position of each rank's last action
 
 
-@functools.lru_cache(maxsize=512)
+@_memoised
 def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
     """The action graph of ``spec``'s orders, topologically sorted (memoised on the spec)."""
     orders = pipeline_order(spec)
@@ -387,30 +454,48 @@ def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
     # Every action by its rank-major index, and the index of the action that produces its
     # input (-1: none) with the boundary that input crosses (num_stages: none).
     flat = [a for actions in orders for a in actions]
-    index = {(a.stage_idx, a.kind, a.microbatch_idx): k for k, a in enumerate(flat)}
-    producer = [-1] * len(flat)
-    boundary = [num_stages] * len(flat)
+    m = spec.num_micro_batches
+
+    def key(stage_idx: int, kind: str, microbatch_idx: int) -> int:
+        """An action's place in `index`: (stage, kind slot, micro-batch), row-major."""
+        return (4 * stage_idx + _KIND_SLOT[kind]) * m + microbatch_idx
+
+    # index[key]: the rank-major index of that action (-1: none)
+    index = array.array("q", [-1]) * (4 * num_stages * m)
+    for k, a in enumerate(flat):
+        assert 0 <= a.microbatch_idx < m, f"{spec}: {a} numbers micro-batches past {m}"
+        index[key(a.stage_idx, a.kind, a.microbatch_idx)] = k
+
+    def found(stage_idx: int, kind: str, microbatch_idx: int) -> int:
+        k = index[key(stage_idx, kind, microbatch_idx)]
+        assert k >= 0, f"{spec}: no {stage_idx}{kind}{microbatch_idx} in the orders"
+        return k
+
+    producer = array.array("q", [-1]) * len(flat)
+    boundary = array.array("q", [num_stages]) * len(flat)
     for k, a in enumerate(flat):
         s, kind, i = a.stage_idx, a.kind, a.microbatch_idx
         if kind == "F":
             if s > 0:
-                producer[k] = index[(s - 1, "F", i)]
+                producer[k] = found(s - 1, "F", i)
                 if rank_of[s - 1] != rank_of[s]:
                     boundary[k] = s - 1
         elif kind == "W":
-            producer[k] = index[(s, "I", i)]
+            producer[k] = found(s, "I", i)
         elif s == num_stages - 1:
-            producer[k] = index[(s, "F", i)]
+            producer[k] = found(s, "F", i)
         else:
-            grad = index.get((s + 1, "I", i), index.get((s + 1, "B", i)))
-            assert grad is not None, f"{spec}: no backward of stage {s + 1} for micro-batch {i}"
+            grad = index[key(s + 1, "I", i)]
+            if grad < 0:
+                grad = index[key(s + 1, "B", i)]
+            assert grad >= 0, f"{spec}: no backward of stage {s + 1} for micro-batch {i}"
             producer[k] = grad
             if rank_of[s + 1] != rank_of[s]:
                 boundary[k] = s
 
     # Topological order: advance every rank as far as its inputs allow, round after round.
-    position = [-1] * len(flat)
-    sequence: list[int] = []
+    position = array.array("q", [-1]) * len(flat)
+    sequence = array.array("q")
     bounds = list(itertools.accumulate((len(a) for a in orders), initial=0))
     cursor = bounds[:-1]
     remaining = len(flat)
@@ -428,7 +513,7 @@ def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
                 moved = True
         assert moved, f"{spec}: torch's order deadlocks at {cursor}"
     sentinel = len(sequence)
-    ranks, rank_pred, data_pred, transfer, slot = [], [], [], [], []
+    ranks, rank_pred, data_pred, transfer, slot = (array.array("q") for _ in range(5))
     last = [sentinel] * len(orders)
     for k in sequence:
         a = flat[k]
@@ -442,11 +527,11 @@ def compile_schedule(spec: ScheduleSpec) -> CompiledSchedule:
     return CompiledSchedule(
         spec=spec,
         actions=tuple(flat[k] for k in sequence),
-        ranks=tuple(ranks),
-        rank_pred=tuple(rank_pred),
-        data_pred=tuple(data_pred),
-        transfer=tuple(transfer),
-        slot=tuple(slot),
+        ranks=ranks,
+        rank_pred=rank_pred,
+        data_pred=data_pred,
+        transfer=transfer,
+        slot=slot,
         rank_last=tuple(last),
     )
 
@@ -568,7 +653,7 @@ def critical_path(
     return CriticalPath(slots=slots, transfers=transfers, tail_rank=r)
 
 
-@functools.lru_cache(maxsize=512)
+@_memoised
 def rank_paths(spec: ScheduleSpec) -> tuple[CriticalPath, ...]:
     """For each rank, one path through all of its actions: the chain of inputs that leads to
     its first action, its whole order, and the chain its last action's output feeds (a
@@ -646,14 +731,14 @@ def _crossings(schedule: ScheduleName, p: int, v: int) -> tuple[int, ...]:
     """`sends_at_end` per micro-batch."""
     if p == 1 or schedule == "1f1b":
         return (0,) * p
-    # the rank placement does not depend on the micro-batches: any valid count will do
-    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=2 * p)
-    last = spec.num_stages - 1
+    # (the rank placement does not depend on the micro-batches)
+    placement: Placement = "v" if schedule in V_SCHEDULES else "loop"
+    last = p * v - 1
     out = []
     for r in range(p):
-        stages = spec.rank_stages(r)
-        backward = sum(1 for s in stages if s > 0 and spec.stage_rank(s - 1) != r)
-        forward = sum(1 for s in stages if s < last and spec.stage_rank(s + 1) != r)
+        stages = rank_stages(placement, p, v, r)
+        backward = sum(1 for s in stages if s > 0 and stage_rank(placement, p, s - 1) != r)
+        forward = sum(1 for s in stages if s < last and stage_rank(placement, p, s + 1) != r)
         out.append(backward if schedule == "gpipe" else forward + backward)
     return tuple(out)
 
@@ -723,7 +808,7 @@ class HeldProfile:
     sends: tuple[int, ...]  # [point]: boundary tensors held by pending sends
 
 
-@functools.lru_cache(maxsize=512)
+@_memoised
 def held_microbatches(spec: ScheduleSpec) -> tuple[HeldProfile, ...]:
     """Per pipeline rank, the candidate peak points of held activations (see `HeldProfile`)."""
     orders = pipeline_order(spec)
@@ -791,13 +876,32 @@ _Point = tuple[tuple[tuple[int, int], ...], int]
 
 def _maximal(points: set[_Point]) -> tuple[_Point, ...]:
     """The points no other point dominates (every held and retained count and the pending
-    sends at least as large)."""
-    flats = sorted(
-        (((*(c for pair in pt[0] for c in pair), pt[1]), pt) for pt in points),
-        key=lambda item: -sum(item[0]),
-    )
-    kept: list[tuple[tuple[int, ...], _Point]] = []
-    for fp, point in flats:
-        if not any(all(x >= y for x, y in zip(k, fp, strict=True)) for k, _ in kept):
-            kept.append((fp, point))
-    return tuple(sorted(point for _, point in kept))
+    sends at least as large), in sorted order.
+
+    By bit sets, as a rank of a long interleaved zero-bubble schedule has thousands of points
+    (pairwise comparisons took minutes): for each coordinate and value, the points at least
+    that large there are the bits of one int; a point is dominated when the intersection of
+    its coordinates' sets holds another point (distinct points: that one is larger)."""
+    listed = sorted(points)
+    flats = [(*(c for pair in pt[0] for c in pair), pt[1]) for pt in listed]
+    if not flats:
+        return ()
+    at_least: list[dict[int, int]] = []  # [coordinate][value]: points with at least the value
+    for j in range(len(flats[0])):
+        masks: dict[int, int] = {}
+        running = 0
+        for value, index in sorted(((fp[j], i) for i, fp in enumerate(flats)), reverse=True):
+            running |= 1 << index
+            masks[value] = running  # (the last of equal values: all of them)
+        at_least.append(masks)
+    kept = []
+    for index, fp in enumerate(flats):
+        own = 1 << index
+        common = -1
+        for masks, value in zip(at_least, fp, strict=True):
+            common &= masks[value]
+            if common == own:
+                break
+        if common == own:
+            kept.append(listed[index])
+    return tuple(kept)

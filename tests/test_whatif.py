@@ -450,7 +450,7 @@ def _one_line_error(result: Any, fragment: str) -> None:
     lines = [
         line
         for line in result.stderr.strip().splitlines()
-        if not re.fullmatch(r"what-if: \d+/\d+ searches done", line)
+        if not re.fullmatch(r"what-if: (\d+/\d+ searches done|.* \(\d+ s\))", line)
     ]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("autoplan: error: ") and fragment in lines[0], lines[0]

@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +41,12 @@ from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, load_cluster
+from cost_model.messages import shown
 from cost_model.workload import ModelProfile
 
 __all__ = [
+    "DEFAULT_TOTAL_BUDGET_S",
+    "MAX_SEARCHES",
     "ClusterType",
     "TrainingCost",
     "WhatIfInputError",
@@ -59,6 +62,12 @@ __all__ = [
 
 SECONDS_PER_DAY = 86400.0
 SECONDS_PER_HOUR = 3600.0
+# Seconds a what-if may spend on its searches in all (`whatif`'s ``total_budget_s``): no search
+# starts after it, and each gets at most what is left of it as its budget. 50 cluster types
+# took ~10 minutes without one.
+DEFAULT_TOTAL_BUDGET_S = 300.0
+# The most searches (cluster types x device counts) one what-if takes.
+MAX_SEARCHES = 1024
 # What a search process costs before its first search: spawn, then import torch, OR-tools and
 # torch's pipeline schedules (about 3 s of one core, measured on this project's 2-core machine).
 _POOL_START_S = 3.0
@@ -108,6 +117,9 @@ class WhatIfRow:
     # How much faster than this plan an unfinished solver call might still be, as a fraction of
     # its step time (`SearchStats.optimality_gap`); 0 when the plan is proven best in the space.
     optimality_gap: float = 0.0
+    # False: the what-if's total budget ran out before this size's search started (``reason``
+    # says so); not a verdict on the size
+    searched: bool = True
 
     @property
     def fits(self) -> bool:
@@ -138,6 +150,7 @@ class WhatIfRow:
             },
             "search_time_s": self.search_time_s,
             "optimality_gap": self.optimality_gap,
+            "searched": self.searched,
             "plan": None if self.plan is None else self.plan.to_data(),
         }
 
@@ -155,6 +168,12 @@ class WhatIfResult:
     constraints: tuple[tuple[str, str], ...]  # search constraints, as text
     rows: tuple[WhatIfRow, ...]
     total_time_s: float
+    total_budget_s: float | None = None  # the cap the searches ran under (None: none)
+
+    @property
+    def not_run(self) -> int:
+        """Rows whose search never started: the total budget ran out first."""
+        return sum(1 for row in self.rows if not row.searched)
 
     def rows_of(self, cluster: str) -> tuple[WhatIfRow, ...]:
         """The rows of one cluster type, by ascending device count."""
@@ -177,6 +196,8 @@ class WhatIfResult:
             "constraints": dict(self.constraints),
             "rows": [row.to_data() for row in self.rows],
             "total_time_s": self.total_time_s,
+            "total_budget_s": self.total_budget_s,
+            "not_run": self.not_run,
         }
 
 
@@ -394,6 +415,7 @@ def whatif(
     cluster_overrides: Mapping[str, object] | None = None,
     time_limit_s: float = 10.0,
     budget_s: float | None = 10.0,
+    total_budget_s: float | None = DEFAULT_TOTAL_BUDGET_S,
     progress: Callable[[WhatIfProgress], None] | None = None,
     workers: int | None = None,
     framework: str = DEFAULT_FRAMEWORK,
@@ -408,11 +430,25 @@ def whatif(
     By default they run here while the rest would end before a process could start, then in one
     process per CPU core. ``time_limit_s`` and
     ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
+    ``total_budget_s``: seconds for all the searches together (None: no cap): no search starts
+    once it is spent, and each gets at most what is left of it as its budget; the sizes not
+    reached are rows with ``searched=False`` (`WhatIfResult.not_run` counts them), never
+    dropped. A search that is running when it runs out ends within its own budget.
     ``framework``: price every plan for that training stack (`autoplan.search`).
+    At most `MAX_SEARCHES` cluster types x device counts.
     """
     start = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
+    if total_budget_s is not None and (
+        isinstance(total_budget_s, bool)
+        or not isinstance(total_budget_s, (int, float))
+        or not 0 < total_budget_s < math.inf
+    ):
+        raise WhatIfInputError(
+            f"total_budget_s = {shown(total_budget_s)} must be a number of seconds > 0, or None "
+            "(no cap)"
+        )
     sizes = _check_device_counts(num_devices)
     token_count, price = parse_cost_inputs(
         tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
@@ -424,6 +460,7 @@ def whatif(
     )
     if not specs:
         raise WhatIfInputError("no cluster type given; name at least one, e.g. dgx-a100-80g")
+    check_search_count(len(specs), len(sizes))
     types = [cluster_type(spec, cluster_overrides) for spec in specs]
     labels = [t.label for t in types]
     for label in labels:
@@ -441,6 +478,17 @@ def whatif(
     total = len(jobs)
     found: dict[tuple[str, int], _Found] = {}
     reported = [-1]  # the last completed count reported
+    cap_end = math.inf if total_budget_s is None else start + total_budget_s
+
+    def limits() -> tuple[float, float | None] | None:
+        """A search's per-solve limit and budget within what is left of the total budget;
+        None when it is spent (the search does not start)."""
+        left = cap_end - time.perf_counter()
+        if left <= 0:
+            return None
+        if math.isinf(left):
+            return time_limit_s, budget_s
+        return min(time_limit_s, left), left if budget_s is None else min(budget_s, left)
 
     def report(kind: ClusterType, n: int) -> None:
         reported[0] = len(found)
@@ -452,11 +500,14 @@ def whatif(
     count = min(workers or os.cpu_count() or 1, total)
     pending = list(jobs)
 
-    def run_here(kind: ClusterType, n: int, cluster: Cluster) -> None:
+    def run_here(kind: ClusterType, n: int, cluster: Cluster) -> bool:
+        """Run one search here; False when the total budget is spent (it does not start)."""
+        within = limits()
+        if within is None:
+            return False
         report(kind, n)
-        found[kind.label, n] = _best_plan(
-            n, profile, cluster, global_batch, (time_limit_s, budget_s), constraints
-        )
+        found[kind.label, n] = _best_plan(n, profile, cluster, global_batch, within, constraints)
+        return True
 
     if count > 1 and workers is None:
         # By default the searches run here while the rest, at the pace so far, would end before
@@ -470,43 +521,64 @@ def whatif(
             if done and spent / done * len(pending) > _POOL_START_S:
                 break
             t0 = time.perf_counter()
-            run_here(*pending.pop(0))
+            if not run_here(*pending[0]):
+                break
+            pending.pop(0)
             spent += time.perf_counter() - t0
     if count <= 1:
-        for job in pending:
-            run_here(*job)
-    elif pending:
+        while pending and run_here(*pending[0]):
+            pending.pop(0)
+    elif pending and limits() is not None:
         # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
         # separate processes, started fresh ("spawn": OR-tools threads and fork do not mix).
+        # Submitted one per free worker, each with what is left of the total budget.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
             max_workers=min(count, len(pending)), mp_context=context, initializer=_warm_worker
         ) as pool:
-            futures = {
-                pool.submit(
-                    _best_plan,
-                    n,
-                    profile,
-                    cluster,
-                    global_batch,
-                    (time_limit_s, budget_s),
-                    dict(constraints),
-                ): (kind, n)
-                for kind, n, cluster in pending
-            }
-            report(*futures[next(iter(futures))])
-            for future in as_completed(futures):
-                kind, n = futures[future]
-                found[kind.label, n] = future.result()
-                report(kind, n)
+            running: dict[Future[_Found], tuple[ClusterType, int]] = {}
+
+            def submit() -> None:
+                while pending and len(running) < min(count, total):
+                    within = limits()
+                    if within is None:
+                        return
+                    kind, n, cluster = pending.pop(0)
+                    future = pool.submit(
+                        _best_plan, n, profile, cluster, global_batch, within, dict(constraints)
+                    )
+                    running[future] = (kind, n)
+
+            submit()
+            if running:
+                report(*next(iter(running.values())))
+            while running:
+                ended, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in ended:
+                    kind, n = running.pop(future)
+                    found[kind.label, n] = future.result()
+                    report(kind, n)
+                submit()
+    # the searches the total budget left unstarted: rows that say so
+    for kind, n, cluster in pending:
+        found[kind.label, n] = _Found(
+            num_devices=n,
+            cluster=cluster,
+            plan=None,
+            reason=f"not run: the what-if's total budget ({total_budget_s:g} s) ran out",
+            search_time_s=0.0,
+            optimality_gap=0.0,
+            searched=False,
+        )
     rows: list[WhatIfRow] = []
     for kind in types:
         rows += _rows(kind.label, [found[kind.label, n] for n in sizes], token_count, price)
     # the pool reports each search as it ends, the last one included; the others as they start
-    if progress is not None and types and reported[0] != total:
+    ran = total - len(pending)
+    if progress is not None and types and reported[0] != ran:
         progress(
             WhatIfProgress(
-                completed=total, total=total, cluster=types[-1].label, num_devices=sizes[-1]
+                completed=ran, total=total, cluster=types[-1].label, num_devices=sizes[-1]
             )
         )
     return WhatIfResult(
@@ -519,7 +591,18 @@ def whatif(
         constraints=tuple((k, str(v)) for k, v in constraints.items()),
         rows=tuple(rows),
         total_time_s=time.perf_counter() - start,
+        total_budget_s=total_budget_s,
     )
+
+
+def check_search_count(num_types: int, num_sizes: int) -> None:
+    """Raise `WhatIfInputError` when cluster types x device counts passes `MAX_SEARCHES`."""
+    if num_types * num_sizes > MAX_SEARCHES:
+        raise WhatIfInputError(
+            f"{num_types:,} cluster types x {num_sizes:,} device counts = "
+            f"{num_types * num_sizes:,} searches: a what-if runs at most {MAX_SEARCHES:,}; "
+            "split it into several"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -532,6 +615,7 @@ class _Found:
     reason: str | None
     search_time_s: float
     optimality_gap: float
+    searched: bool = True
 
 
 def _warm_worker() -> None:
@@ -625,6 +709,7 @@ def _rows(
                 training=training,
                 search_time_s=f.search_time_s,
                 optimality_gap=f.optimality_gap,
+                searched=f.searched,
             )
         )
     return rows

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autoplan._format import (
@@ -31,9 +30,11 @@ from autoplan.cli.common import (
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
+from autoplan.cli.progress import search_status, status_reporter
 from autoplan.contract.plan import Plan
 from autoplan.planner.search import SearchProgress, search_plans
 from cost_model.hardware import load_cluster
+from cost_model.messages import shown
 
 
 @click.command("plan")
@@ -80,20 +81,18 @@ def plan_cmd(
     if output is not None:
         check_output_path(output, "-o/--output")
     out = console()
-    profile = trace_spec(model_spec).profile
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-        transient=True,
-        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
-    ) as progress:
-        task = progress.add_task(f"searching plans for {profile.name} on {target.name}", total=None)
+    # progress on stderr: a bar on a terminal, else a status line every few seconds
+    with status_reporter("plan", enabled=not as_json) as status:
+        status.update(f"tracing {shown(model_spec, quoted=False)}")
+        profile = trace_spec(model_spec).profile
+        status.update(f"searching plans for {profile.name} on {target.name}")
 
         def report(step: SearchProgress) -> None:
-            progress.update(task, completed=step.visited, total=step.total)
+            status.update(
+                search_status(step.phase, step.visited, step.total, step.best_step_time_s),
+                completed=step.visited,
+                total=step.total or None,
+            )
 
         result = search_plans(
             profile,

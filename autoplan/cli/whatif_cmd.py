@@ -8,12 +8,12 @@ that say why.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autoplan._format import (
@@ -23,10 +23,12 @@ from autoplan._format import (
     fmt_time,
 )
 from autoplan.analysis.whatif import (
+    DEFAULT_TOTAL_BUDGET_S,
     WhatIfInputError,
     WhatIfProgress,
     WhatIfResult,
     WhatIfRow,
+    check_search_count,
     cluster_type,
     parse_cost_inputs,
     split_cluster_specs,
@@ -36,13 +38,16 @@ from autoplan.cli.common import (
     budget_s,
     console,
     emit_json,
+    finite_seconds,
     framework_option,
     json_option,
     search_constraints,
     search_options,
     trace_spec,
 )
+from autoplan.cli.progress import status_reporter
 from cost_model.errors import SchemaError
+from cost_model.messages import shown as shown_value
 from cost_model.schema import check_writable
 
 PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
@@ -93,6 +98,15 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     multiple=True,
     help="Cluster override for every type, key=value, e.g. inter_node_bandwidth=100GB/s.",
 )
+@click.option(
+    "--total-budget",
+    type=click.FloatRange(min=0.0),
+    callback=finite_seconds,
+    default=DEFAULT_TOTAL_BUDGET_S,
+    show_default=True,
+    help="Seconds for all the searches together (each --budget at most what is left); sizes "
+    "not reached are listed as not run (0: no cap).",
+)
 @search_options(with_dp=False)
 @framework_option
 @json_option
@@ -107,6 +121,7 @@ def whatif_cmd(
     plot_path: str | None,
     set_items: tuple[str, ...],
     time_limit: float,
+    total_budget: float,
     framework: str,
     as_json: bool,
     **options: Any,
@@ -119,34 +134,30 @@ def whatif_cmd(
     )
     overrides = parse_overrides(set_items)
     specs = [spec for text in cluster_specs for spec in split_cluster_specs(text)]
+    check_search_count(len(specs), len(set(sizes)))
     for spec in specs:
         cluster_type(spec, overrides).check_devices(sizes)
     if plot_path is not None:
         check_picture_path(plot_path, "--plot")
     constraints = search_constraints(options)
 
-    profile = trace_spec(model_spec).profile
     out = console()
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-        transient=True,
-        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
-    ) as progress:
-        task = progress.add_task("what-if", total=len(specs) * len(sizes))
-
-        plain = not out.is_terminal and not as_json  # no live bar: a line per search on stderr
+    cap = total_budget or None  # (0: no cap)
+    # progress on stderr: a bar on a terminal, else a line per finished search and a status
+    # line every few seconds
+    with status_reporter("what-if", enabled=not as_json) as status:
+        status.update(f"tracing {shown_value(model_spec, quoted=False)}")
+        profile = trace_spec(model_spec).profile
+        plain = not sys.stderr.isatty() and not as_json
         shown: set[int] = set()
 
         def report(step: WhatIfProgress) -> None:
-            progress.update(
-                task,
+            status.update(
+                f"{step.completed}/{step.total} searches done; planning {step.cluster} x "
+                f"{step.num_devices} devices"
+                + (f" (total budget {cap:g} s)" if cap is not None else ""),
                 completed=step.completed,
                 total=step.total,
-                description=f"planning {step.cluster} x {step.num_devices} devices",
             )
             if plain and step.completed not in shown:
                 shown.add(step.completed)
@@ -162,9 +173,15 @@ def whatif_cmd(
             cluster_overrides=overrides,
             time_limit_s=time_limit,
             budget_s=budget_s(options),
+            total_budget_s=cap,
             progress=report,
             framework=framework,
             **constraints,
+        )
+    if not result.feasible_rows and result.not_run:
+        raise WhatIfInputError(
+            f"no plan for {result.model} in the {len(result.rows) - result.not_run} searches "
+            f"run; {not_run_line(result)}"
         )
     if not result.feasible_rows:
         reasons = "; ".join(f"{r.cluster} x {r.num_devices}: {r.reason}" for r in result.rows)
@@ -204,11 +221,24 @@ def whatif_cmd(
     out.print(header)
     out.print(whatif_table(result, currency=currency))
     out.print(
-        f"{len(result.rows)} searches in {result.total_time_s:.1f} s; scaling efficiency = "
+        f"{len(result.rows) - result.not_run} searches in {result.total_time_s:.1f} s; scaling "
+        "efficiency = "
         "tokens/s per device relative to the smallest size with a plan" + scaling_note(result)
     )
+    if result.not_run:
+        out.print(not_run_line(result))
     if plot_path is not None:
         out.print(f"wrote {plot_path}")
+
+
+def not_run_line(result: WhatIfResult) -> str:
+    """``12 of 50 searches not run: ...``: how many the total budget left out and the fix."""
+    cap = result.total_budget_s or 0.0
+    return (
+        f"{result.not_run} of {len(result.rows)} searches not run: the --total-budget of "
+        f"{cap:g} s ran out; raise it (e.g. --total-budget {max(2 * cap, 60.0):g}, or 0 for no "
+        "cap) or ask for fewer cluster types and sizes"
+    )
 
 
 def parse_device_counts(text: str) -> list[int]:
@@ -263,6 +293,8 @@ def check_picture_path(path: str, option: str) -> None:
 
 def _plan_cell(row: WhatIfRow) -> str:
     plan = row.plan
+    if not row.searched:
+        return "not run (the total budget ran out)"
     if plan is None:
         return f"no plan: {row.reason}"
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")

@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 from autoplan.contract.errors import NoFeasiblePlanError
 from autoplan.contract.plan import (
@@ -112,6 +112,8 @@ _MAX_SEEDS = 256
 _SEED_SHARE = 0.3
 _IMPROVED = 4
 _IMPROVE_SHARE = 0.6
+# Outer choices enumerated between two progress reports (`SearchProgress`).
+_REPORT_EVERY = 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,11 +172,14 @@ class SearchStats:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchProgress:
-    """Reported after each solver call: how far the visit is."""
+    """How far the search is: reported every `_REPORT_EVERY` outer choices while it enumerates
+    them (``visited`` of them so far, ``total`` 0: not known yet), after each candidate it
+    splits evenly for a first plan (``phase`` "seed") and after each one it visits."""
 
     visited: int
     total: int
     best_step_time_s: float | None
+    phase: Literal["enumerate", "seed", "visit"] = "visit"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -269,7 +274,15 @@ def search_plans(
     pending: list[_Pending] = []
     # the stack's rule -> the first plan it refused so, and how many
     refusals: dict[str, tuple[Refusal, int]] = {}
-    for strategy, refusal in _stack_strategies(space, stack, profile, cluster, global_batch):
+    for enumerated, (strategy, refusal) in enumerate(
+        _stack_strategies(space, stack, profile, cluster, global_batch), start=1
+    ):
+        if progress is not None and enumerated % _REPORT_EVERY == 0:
+            progress(
+                SearchProgress(
+                    visited=enumerated, total=0, best_step_time_s=None, phase="enumerate"
+                )
+            )
         if refusal is not None:
             first, count = refusals.get(refusal.rule, (refusal, 0))
             refusals[refusal.rule] = (first, count + 1)
@@ -347,6 +360,15 @@ def search_plans(
         if found is not None:
             offer(order, candidate, found)
         seeded.append((found.step_time_s if found else math.inf, order, candidate))
+        if progress is not None:
+            progress(
+                SearchProgress(
+                    visited=len(seeded),
+                    total=len(seeded) + frontier.remaining(),
+                    best_step_time_s=-max(best)[0] if best else None,
+                    phase="seed",
+                )
+            )
     seeded.sort(key=lambda item: (item[0], item[1]))
     improve_end = t0 + _IMPROVE_SHARE * (deadline - t0)
     for _, order, candidate in seeded[: 0 if own_cuts.only else max(_IMPROVED, top_k)]:
@@ -1121,15 +1143,28 @@ def _problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
         )
         for mode, costs in candidate.by_mode.items()
     }
-    boundaries = [
-        tuple(model.boundary(c, strategy, s) for c in first) for s in range(spec.num_stages)
-    ]
+    # A boundary's cost depends on the stage and its last unit's output bytes only: priced
+    # once per stage and distinct size, and stages with equal rows share one row (thousands of
+    # stages of thousands of units would otherwise hold millions of floats).
+    sizes: dict[float, int] = {}  # output bytes -> index among the distinct sizes
+    size_of = [sizes.setdefault(c.output_bytes, len(sizes)) for c in first]
+    sample = {c.output_bytes: c for c in reversed(first)}  # a unit of each size
+    rows: dict[tuple[float, ...], tuple[float, ...]] = {}
+    transfer_s, message_s = [], []
+    for s in range(spec.num_stages):
+        priced = [model.boundary(sample[size], strategy, s) for size in sizes]
+        by_size = tuple(b.transfer_s for b in priced)
+        row = rows.get(by_size)
+        if row is None:
+            row = rows[by_size] = tuple(by_size[k] for k in size_of)
+        transfer_s.append(row)
+        message_s.append(priced[0].message_s)  # (unit 0's size comes first)
     return PartitionProblem(
         spec=spec,
         modes=tables,
         static_bytes=tuple(c.static_bytes for c in first),
-        transfer_s=tuple(tuple(b.transfer_s for b in row) for row in boundaries),
-        message_s=tuple(row[0].message_s for row in boundaries),
+        transfer_s=tuple(transfer_s),
+        message_s=tuple(message_s),
         memory_capacity_bytes=candidate.usable_bytes,
         send_bytes=boundary_send_bytes(first, cluster.calibration),
         tail_constants_s=(fixed, fixed),
