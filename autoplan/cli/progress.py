@@ -99,9 +99,13 @@ def status_reporter(prefix: str, *, enabled: bool = True) -> Iterator[Status]:
 def search_status(phase: str, visited: int, total: int, best_step_time_s: float | None) -> str:
     """One search's progress as a status text: ``searching, 1,234 of 13,195 candidates
     visited, best step 17.3 s``; the phases before the visit say what they do."""
-    best = f", best step {fmt_time(best_step_time_s)}" if best_step_time_s is not None else ""
+    best = (
+        f", best step {fmt_time(best_step_time_s)}"
+        if best_step_time_s is not None
+        else ", no plan found yet"
+    )
     if phase == "enumerate":
         return f"searching, {visited:,} candidates enumerated"
     if phase == "seed":
-        return f"searching, first guesses: {visited:,} candidates split evenly{best}"
+        return f"searching, first guesses: {visited:,} of the candidates split evenly{best}"
     return f"searching, {visited:,} of {total:,} candidates visited{best}"
