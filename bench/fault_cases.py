@@ -11,7 +11,8 @@ newest kept). For each case it prints:
   checkpoint costs its interval; a SIGTERM that saved costs 0);
 - good checkpoints lost: checkpoints that were complete and intact before the fault and are
   gone afterwards with no newer intact one in their place (the target is 0);
-- tracebacks: Python tracebacks in the job's output (the target is 0).
+- tracebacks: Python tracebacks in the job's output (the target is 0), torchrun's own excluded:
+  its agent prints one whenever a worker exits non-zero or the agent itself is signalled.
 
 A case passes when it was detected, lost no good checkpoint, printed no traceback and, where
 the job resumed, its losses equal the uninterrupted run's bit for bit (same plan, same
@@ -145,17 +146,24 @@ def _account(case: Case, ckpt: Path, good_before: dict[int, dict[str, str]],
     case.good_left = len(still | set(after))
 
 
+TRACEBACKS: list[str] = []  # the counted tracebacks' text, shown after the table
+
+
 def _tracebacks(text: str) -> int:
-    """Tracebacks the job's processes printed. torchrun's agent always ends a job whose worker
-    exited non-zero by raising its own ``ChildFailedError`` (a traceback of the launcher, whatever
-    the workers printed): that one is not autoplan's and is not counted."""
+    """Tracebacks the job's processes printed. torchrun's agent prints its own traceback when a
+    worker exited non-zero (``ChildFailedError``) and when the agent itself gets SIGTERM
+    (``SignalException``), whatever the workers did: those are the launcher's, not autoplan's,
+    and are not counted."""
     blocks = text.split("Traceback (most recent call last)")[1:]
-    return sum("ChildFailedError" not in block.split("\n\n")[0] for block in blocks)
+    launcher = ("ChildFailedError", "SignalException")
+    counted = [b for b in blocks if not any(n in b.split("\n\n")[0] for n in launcher)]
+    TRACEBACKS.extend("\n".join(block.splitlines()[:25]) for block in counted)
+    return len(counted)
 
 
 def _find(pattern: str, text: str) -> str | None:
     match = re.search(pattern, text, re.MULTILINE)
-    return None if match is None else match.group(0).strip()[:160]
+    return None if match is None else match.group(0).strip()[:400]
 
 
 def _resumed(text: str) -> int | None:
@@ -209,7 +217,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 
 
 def _damaged(base: Path, work: Path, name: str, expected: dict[int, float]) -> Case:
-    case = Case(f"newest checkpoint: {name}")
+    case = Case(f"damaged: {name}")
     ckpt = work / "ckpt"
     shutil.copytree(base, ckpt)
     good_before = _snapshot(ckpt)
@@ -235,17 +243,22 @@ def _damaged(base: Path, work: Path, name: str, expected: dict[int, float]) -> C
 def _nan(base: Path, work: Path, mode: str) -> Case:
     """Resumed with a learning rate that diverges at once: the loss turns non-finite a step
     or two later."""
-    case = Case(f"non-finite loss, --on-nan {mode}")
+    case = Case(f"NaN, --on-nan {mode}")
     ckpt = work / "ckpt"
     shutil.copytree(base, ckpt)
     good_before = _snapshot(ckpt)
     job = _run(work, ckpt, BASE + 6, extra=("--lr", "1e10", "--on-nan", mode))
-    case.detected = _find(r"^.*(non-finite|NaN|nan|inf).*step \d+.*$", job.output)
+    case.detected = _find(
+        r"^.*(non-finite .* at step \d+|skipped step \d+: non-finite).*$", job.output
+    )
     case.resumed = _resumed(job.output)
     case.tracebacks = _tracebacks(job.output)
     after = _snapshot(ckpt)
     bad = [step for step, loss in job.losses if loss != loss or abs(loss) == float("inf")]
     first_bad = min(bad, default=None)
+    said = re.search(r"at step (\d+)|skipped step (\d+)", case.detected or "")
+    if first_bad is None and said is not None:  # a stopped step logs no loss: its line says it
+        first_bad = int(said.group(1) or said.group(2))
     if mode == "stop":
         if job.code != 1:
             case.problems.append(f"exit {job.code}, not 1")
@@ -286,7 +299,7 @@ def _tmpfs(path: Path, size_kb: int) -> Iterator[bool]:
 def _full_disk(base: Path, work: Path) -> Case:
     """The checkpoint folder on a small file system that fills up mid-run (a filler file
     written once the job has saved twice more)."""
-    case = Case("disk full while saving")
+    case = Case("disk full")
     size_kb = sum(p.stat().st_size for p in base.rglob("*") if p.is_file()) // 1024 * 4
     with _tmpfs(work / "fs", size_kb) as mounted:
         if not mounted:
@@ -329,7 +342,7 @@ def _full_disk(base: Path, work: Path) -> Case:
 
 def _sigterm(work: Path, expected: dict[int, float]) -> Case:
     """A scheduler's SIGTERM to the whole job (agent and workers, as Slurm signals a step)."""
-    case = Case("SIGTERM from the scheduler")
+    case = Case("SIGTERM (scheduler)")
     ckpt = work / "ckpt"
     agent = _start(work, ckpt, 40, every=10)
     stop_at = 0
@@ -344,7 +357,7 @@ def _sigterm(work: Path, expected: dict[int, float]) -> Case:
             break
         time.sleep(0.02)
     job = _finish(agent, work)
-    case.detected = _find(r"^.*(SIGTERM|signal).*$", job.output)
+    case.detected = _find(r"^.*stopped by SIG\w+ after step \d+.*$", job.output)
     done_steps = max((s for s, _ in job.losses), default=stop_at)
     good_before = _snapshot(ckpt)
     again = _run(work / "again", ckpt, done_steps + 4, every=10)
@@ -359,7 +372,7 @@ def _sigterm(work: Path, expected: dict[int, float]) -> Case:
 
 def _two_jobs(work: Path) -> Case:
     """A second job started on the folder of a running one."""
-    case = Case("two jobs on one checkpoint folder")
+    case = Case("two jobs, one folder")
     ckpt = work / "ckpt"
     first = _start(work / "first", ckpt, 300, every=10)  # still running when the second starts
     deadline = time.monotonic() + HANG_S
@@ -406,15 +419,18 @@ def integrity_part(args: argparse.Namespace, console: Console) -> bool:
         cases.append(_full_disk(base, tmp / "disk"))
         cases.append(_sigterm(tmp / "sigterm", expected))
         cases.append(_two_jobs(tmp / "two"))
-    table = Table(title=f"checkpoint integrity: {NPROC} processes, base run of {BASE} steps "
-                  f"saved every {EVERY}", box=None)  # fmt: skip
-    for column in ("case", "detected", "resumed", "lost", "good lost", "good left", "tb",
-                   "losses", "ok"):  # fmt: skip
-        table.add_column(column, justify="left" if column in ("case", "detected") else "right")
+    table = Table(
+        title=f"checkpoint integrity: {NPROC} processes, base run of {BASE} steps saved every "
+        f"{EVERY}",
+        box=None,
+    )
+    for column in ("case", "detected", "resumed from", "steps lost", "good lost", "good left",
+                   "tracebacks", "losses", "ok"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "case" else "right")
     for case in cases:
         table.add_row(
             case.name,
-            (case.detected or "NOT detected") if case.ran else case.note,
+            ("yes" if case.detected else "NO") if case.ran else "not run",
             "-" if case.resumed is None else str(case.resumed),
             "-" if case.steps_lost is None else str(case.steps_lost),
             str(case.good_lost),
@@ -424,11 +440,16 @@ def integrity_part(args: argparse.Namespace, console: Console) -> bool:
             "yes" if case.passed else ("-" if not case.ran else "NO"),
         )
     console.print(table)
+    console.print("what each job said (its own line, paths shortened to the folder's name):")
     for case in cases:
-        if case.note and case.ran:
-            console.print(f"  {case.name}: {case.note}")
+        line = re.sub(r"/\S*/(step_\d+|ckpt)", r"\1", case.detected or case.note)
+        console.print(f"  {case.name}: {line}", soft_wrap=True, highlight=False)
+        if case.note and case.ran and case.detected:
+            console.print(f"    ({case.note})", highlight=False)
         for problem in case.problems:
-            console.print(f"  [red]{case.name}: {problem}")
+            console.print(f"    [red]{problem}")
+    for text in TRACEBACKS:
+        console.print(f"[red]a traceback:[/red]\n{text}", highlight=False)
     ran = [case for case in cases if case.ran]
     passed = sum(case.passed for case in ran)
     console.print(
