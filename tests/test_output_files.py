@@ -27,6 +27,7 @@ import pytest
 
 from autoplan.export.writing import MANIFEST, write_export
 from cost_model.files import OutputFileError, atomic_output, atomic_write_text, is_temporary
+from cost_model.messages import shown
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,8 +356,11 @@ def test_export_never_follows_or_replaces_a_link(tmp_path: Path) -> None:
     for force in (False, True):
         with pytest.raises(OutputFileError) as raised:
             write_export(out, {"a.json": "{}\n"}, force=force)
+        # paths as messages show them: shortened past 160 characters, a link's target past 80
+        # (pytest's tmp_path under xdist workers is long enough to be shortened)
         assert str(raised.value) == (
-            f"-o/--output: {str(out / 'a.json')!r} is a symbolic link (to {str(victim)!r}); "
+            f"-o/--output: {shown(str(out / 'a.json'), 160)} is a symbolic link (to "
+            f"{shown(str(victim), 80)}); "
             "export does not write through or replace links: remove the link or choose another "
             "folder"
         )
