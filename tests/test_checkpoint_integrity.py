@@ -30,17 +30,16 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autoplan.runtime.checkpoint import (
-    CheckpointError,
-    _check_files,
-    _doomed,
+from autoplan.runtime.checkpoint import CheckpointError, _doomed
+from autoplan.runtime.checkpoint_files import (
     _file_digest,
-    _FolderLock,
-    _marker_bytes,
     _model_changes,
-    _read_marker,
-    _reason,
+    check_files,
+    marker_bytes,
+    read_marker,
+    reason,
 )
+from autoplan.runtime.checkpoint_lock import FolderLock
 from tests.dist_utils import run_distributed
 from tests.numerics import build_model, loss_fn, make_plan, optimizer_factory
 from tests.test_checkpoint import CountingBatches, _parameters
@@ -57,28 +56,28 @@ def _folder_with_marker(tmp_path: Path, step: int = 30) -> tuple[Path, dict[str,
         length, digest = _file_digest(folder / name)
         files[name] = {"size": length, "sha256": digest, "rank": 0}
     marker = {"format": 2, "step": step, "files": files, "model_state": {"w": [4, 2]}}
-    (folder / "autoplan.json").write_bytes(_marker_bytes(marker))
+    (folder / "autoplan.json").write_bytes(marker_bytes(marker))
     return folder, marker
 
 
 def test_a_marker_reads_back_whole_or_says_what_is_wrong(tmp_path: Path) -> None:
     folder, marker = _folder_with_marker(tmp_path)
-    read, problem = _read_marker(folder)
+    read, problem = read_marker(folder)
     assert problem is None and read == marker
     path = folder / "autoplan.json"
     text = path.read_text()
 
     path.write_text(text.replace('"step": 30', '"step": 31'))  # one digit changed
-    assert _read_marker(folder) == (
+    assert read_marker(folder) == (
         None,
         "autoplan.json is damaged (its checksum does not match its content)",
     )
     path.write_text(text[: len(text) // 2])  # cut short
-    assert str(_read_marker(folder)[1]).startswith("autoplan.json is damaged (not JSON: ")
+    assert str(read_marker(folder)[1]).startswith("autoplan.json is damaged (not JSON: ")
     path.write_bytes(b"\0" * 100)
-    assert str(_read_marker(folder)[1]).startswith("autoplan.json is damaged (not JSON: ")
+    assert str(read_marker(folder)[1]).startswith("autoplan.json is damaged (not JSON: ")
     path.unlink()
-    assert _read_marker(folder) == (
+    assert read_marker(folder) == (
         None,
         "autoplan.json is missing (the job stopped while saving it)",
     )
@@ -86,50 +85,50 @@ def test_a_marker_reads_back_whole_or_says_what_is_wrong(tmp_path: Path) -> None
     other = tmp_path / "step_00000040"
     other.mkdir()
     (other / "autoplan.json").write_text(text)
-    assert _read_marker(other) == (None, "autoplan.json is damaged (it names step 30)")
+    assert read_marker(other) == (None, "autoplan.json is damaged (it names step 30)")
     # an older autoplan's marker (no checksums) still reads
     legacy = {"step": 30, "model_fingerprint": "abc", "world_size": 2}
     path.write_text(json.dumps(legacy))
-    assert _read_marker(folder) == (legacy, None)
+    assert read_marker(folder) == (legacy, None)
 
 
 def test_each_kind_of_file_damage_is_named(tmp_path: Path) -> None:
     folder, marker = _folder_with_marker(tmp_path)
     files = marker["files"]
     names = sorted(files)
-    assert _check_files(folder, files, names) == []
+    assert check_files(folder, files, names) == []
 
     shard = folder / "__0_0.distcp"
     original = shard.read_bytes()
     flipped = bytearray(original)
     flipped[10_000] ^= 0x01  # one bit
     shard.write_bytes(bytes(flipped))
-    assert _check_files(folder, files, names) == [
+    assert check_files(folder, files, names) == [
         ("__0_0.distcp", "is damaged (fails its SHA-256 checksum)")
     ]
     zeroed = bytearray(original)
     zeroed[8192:12288] = b"\0" * 4096
     shard.write_bytes(bytes(zeroed))
-    assert _check_files(folder, files, names) == [
+    assert check_files(folder, files, names) == [
         ("__0_0.distcp", "is damaged (fails its SHA-256 checksum)")
     ]
     shard.write_bytes(original[:12_345])
-    assert _check_files(folder, files, names) == [
+    assert check_files(folder, files, names) == [
         ("__0_0.distcp", "is damaged (truncated: 12345 bytes of 20000 written)")
     ]
     shard.write_bytes(original + b"x")
-    assert _check_files(folder, files, names) == [
+    assert check_files(folder, files, names) == [
         ("__0_0.distcp", "is damaged (resized: 20001 bytes of 20000 written)")
     ]
     shard.write_bytes(original)
     (folder / ".metadata").unlink()
     (folder / "__1_0.distcp").unlink()
-    assert _check_files(folder, files, names) == [
+    assert check_files(folder, files, names) == [
         (".metadata", "is missing"),
         ("__1_0.distcp", "is missing"),
     ]
     # a rank checks only its share
-    assert _check_files(folder, files, ["__0_0.distcp"]) == []
+    assert check_files(folder, files, ["__0_0.distcp"]) == []
 
 
 def test_a_changed_model_is_named_tensor_by_tensor() -> None:
@@ -146,12 +145,12 @@ def test_a_changed_model_is_named_tensor_by_tensor() -> None:
 
 def test_reasons_are_one_line_with_the_os_error() -> None:
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    assert _reason(full) == "No space left on device (ENOSPC)"
+    assert reason(full) == "No space left on device (ENOSPC)"
     big = OSError(errno.EFBIG, os.strerror(errno.EFBIG), "/ck/.step_4/__1_0.distcp")
     wrapped = CheckpointException("save", {1: (big, traceback.StackSummary())})
-    assert _reason(wrapped) == "File too large (EFBIG) (__1_0.distcp) on rank 1"
-    assert _reason(RuntimeError("a\nb   c")) == "RuntimeError: a b c"
-    long = _reason(ValueError("x" * 5000))  # torch's paragraph-long messages: the start
+    assert reason(wrapped) == "File too large (EFBIG) (__1_0.distcp) on rank 1"
+    assert reason(RuntimeError("a\nb   c")) == "RuntimeError: a b c"
+    long = reason(ValueError("x" * 5000))  # torch's paragraph-long messages: the start
     assert long.startswith("ValueError: xxx") and long.endswith("(5,012 characters)"), long
     try:
         try:
@@ -159,7 +158,7 @@ def test_reasons_are_one_line_with_the_os_error() -> None:
         except OSError as error:
             raise RuntimeError("unexpected pos 4096") from error
     except RuntimeError as error:
-        assert _reason(error) == "No space left on device (ENOSPC)"
+        assert reason(error) == "No space left on device (ENOSPC)"
 
 
 # ----------------------------------------------------------------------------- pruning
@@ -198,13 +197,13 @@ def _holder(folder: Path) -> dict[str, Any]:
 
 
 def test_a_second_job_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    first = _FolderLock(tmp_path, "torchrun:job-a")
+    first = FolderLock(tmp_path, "torchrun:job-a")
     first.acquire()
     holder = _holder(tmp_path)
     assert holder["job"] == "torchrun:job-a"
     assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
     with pytest.raises(CheckpointError) as refused:
-        _FolderLock(tmp_path, "torchrun:job-b").acquire()
+        FolderLock(tmp_path, "torchrun:job-b").acquire()
     assert str(refused.value) == (
         f"checkpoint folder {tmp_path} is in use by job torchrun:job-a (pid {os.getpid()} on "
         f"{socket.gethostname()}, since {holder['since']}; lock file {tmp_path}/autoplan.lock): "
@@ -213,7 +212,7 @@ def test_a_second_job_is_refused_naming_the_holder(tmp_path: Path) -> None:
     )
     assert _holder(tmp_path)["token"] == first.token  # untouched
     # a restart of the same job (the same TORCHELASTIC_RUN_ID) takes it over
-    again = _FolderLock(tmp_path, "torchrun:job-a")
+    again = FolderLock(tmp_path, "torchrun:job-a")
     again.acquire()
     assert _holder(tmp_path)["token"] == again.token
     first.release()  # no longer the first's: left alone
@@ -243,37 +242,37 @@ def test_stale_locks_are_taken_over_and_live_ones_are_not(tmp_path: Path) -> Non
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     _write_lock(tmp_path, pid=ended.pid)
-    mine = _FolderLock(tmp_path, "torchrun:new")
+    mine = FolderLock(tmp_path, "torchrun:new")
     mine.acquire()
     assert _holder(tmp_path)["token"] == mine.token
     mine.release()
     # a pid that lives again as another process (its start time differs)
     _write_lock(tmp_path, pid=os.getpid(), process_start=12.0)
-    mine = _FolderLock(tmp_path, "torchrun:new")
+    mine = FolderLock(tmp_path, "torchrun:new")
     mine.acquire()
     mine.release()
     # another host: held while its heartbeat is fresh ...
     _write_lock(tmp_path, host="elsewhere", boot_id="x", pid=1)
     with pytest.raises(CheckpointError, match=r"is in use by job torchrun:gone \(pid 1 on elsewh"):
-        _FolderLock(tmp_path, "torchrun:new").acquire()
+        FolderLock(tmp_path, "torchrun:new").acquire()
     # ... and stale once untouched for more than STALE_S (by the file system's clock)
     past = time.time() - 3600
     os.utime(lock, (past, past))
-    mine = _FolderLock(tmp_path, "torchrun:new")
+    mine = FolderLock(tmp_path, "torchrun:new")
     mine.acquire()
     mine.release()
     # an unreadable lock is not guessed at
     lock.write_text("{")
     os.utime(lock, (past, past))
     with pytest.raises(CheckpointError, match=r"autoplan\.lock is unreadable: if no job uses"):
-        _FolderLock(tmp_path, "torchrun:new").acquire()
+        FolderLock(tmp_path, "torchrun:new").acquire()
 
 
 def test_the_holder_keeps_its_lock_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import autoplan.runtime.checkpoint as checkpoint
+    import autoplan.runtime.checkpoint_lock as checkpoint_lock
 
-    monkeypatch.setattr(checkpoint, "HEARTBEAT_S", 0.02)
-    lock = _FolderLock(tmp_path, "torchrun:beating")
+    monkeypatch.setattr(checkpoint_lock, "HEARTBEAT_S", 0.02)
+    lock = FolderLock(tmp_path, "torchrun:beating")
     lock.acquire()
     past = time.time() - 3600
     os.utime(tmp_path / "autoplan.lock", (past, past))
@@ -285,8 +284,8 @@ def test_the_holder_keeps_its_lock_fresh(tmp_path: Path, monkeypatch: pytest.Mon
 def test_the_lock_goes_when_the_process_ends(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path; "
-        "from autoplan.runtime.checkpoint import _FolderLock; "
-        "_FolderLock(Path(sys.argv[1]), 'torchrun:short').acquire(); "
+        "from autoplan.runtime.checkpoint_lock import FolderLock; "
+        "FolderLock(Path(sys.argv[1]), 'torchrun:short').acquire(); "
         "print((Path(sys.argv[1]) / 'autoplan.lock').is_file())"
     )
     done = subprocess.run(
@@ -340,7 +339,7 @@ def _loads_badly(folder: Path) -> None:
     path.write_bytes(os.urandom(path.stat().st_size))
     marker = json.loads((folder / "autoplan.json").read_text())
     marker["files"][SHARD]["sha256"] = _file_digest(path)[1]
-    (folder / "autoplan.json").write_bytes(_marker_bytes(marker))
+    (folder / "autoplan.json").write_bytes(marker_bytes(marker))
 
 
 def _damage_cases(tensor: torch.Tensor) -> dict[str, Any]:
@@ -482,7 +481,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
         "marker deleted": "autoplan.json is missing (the job stopped while saving it)",
         "does not load": "it does not load: ",
     }
-    for index, (case, reason) in enumerate(reasons.items()):
+    for index, (case, why) in enumerate(reasons.items()):
         for result in results:
             # the previous checkpoint's state exactly: weights, step, data position
             assert result[case]["resumed"] == 2, (case, result[case])
@@ -492,7 +491,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
         skipped = [line for line in root[case]["lines"] if line.startswith("skipping")]
         # one line, on rank 0 only, naming the folder, the file and the reason
         assert len(skipped) == 1, (case, root[case]["lines"])
-        assert skipped[0].startswith(f"skipping checkpoint {folder}: {reason}"), skipped
+        assert skipped[0].startswith(f"skipping checkpoint {folder}: {why}"), skipped
         assert skipped[0].endswith("; trying the previous one"), skipped
         assert not any(line.startswith("skipping") for line in other[case]["lines"]), case
     # the damaged step 4 of its own run was replaced by the resumed job's new save
@@ -534,7 +533,7 @@ def full_disk_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         shutil.copytree(root / "step_00000002", root / "step_00000001")
         marker = json.loads((root / "step_00000001" / "autoplan.json").read_text())
         marker.update(step=1, job="torchrun:another-job")
-        (root / "step_00000001" / "autoplan.json").write_bytes(_marker_bytes(marker))
+        (root / "step_00000001" / "autoplan.json").write_bytes(marker_bytes(marker))
     dist.barrier()
 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

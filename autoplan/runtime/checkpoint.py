@@ -43,16 +43,14 @@ Guarantees:
   job started anew resumes from them and keeps them: one line says so), folders without a
   whole marker and other jobs' cut-short saves are never deleted; a ``step_N`` folder not
   written by this job where it must save step N is moved aside to ``DIR/.replaced.step_N.*``.
-- One job per folder: rank 0 creates ``DIR/autoplan.lock`` with ``O_CREAT | O_EXCL`` (atomic
-  on local file systems and NFSv3 and later; ``flock`` would die with its process but is
-  emulated with byte-range locks over NFS, absent on some network file systems, and carries no
-  identity to report), holding the job's identity (``TORCHELASTIC_RUN_ID``, host, boot id, pid,
-  process start, time), and touches it every `HEARTBEAT_S` seconds. Another job gets a
-  `CheckpointError` naming the holder, on every rank. A lock is taken over when it is this
-  job's (the same ``TORCHELASTIC_RUN_ID``: torchrun's restarts and elastic re-plans; or this
-  very process), when its process is gone (same host and boot), or, for another host, when its
-  heartbeat is older than `STALE_S` seconds (measured on the file system's clock). `close`
+- One job per folder: rank 0 takes ``DIR/autoplan.lock`` (`checkpoint_lock`: the job's
+  identity, a heartbeat every `HEARTBEAT_S` seconds, the rules for taking over a stale lock,
+  `STALE_S`). Another job gets a `CheckpointError` naming the holder, on every rank. `close`
   and the end of the process release it.
+
+`checkpoint_files` holds the marker, the checksums and the checks of files, `checkpoint_lock`
+the lock; this module holds the `Checkpointer`, which runs them on every rank and agrees on
+the outcome.
 
 Expects the default process group (`autoplan.parallelize` made it), a ``DIR`` every rank sees
 (a shared file system across nodes), and every rank constructing the `Checkpointer` with the
@@ -61,37 +59,45 @@ same arguments; bad ones fail on every rank before the first step.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import errno
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from autoplan.contract.errors import InputError
+from autoplan.runtime.checkpoint_files import (
+    MARKER,
+    SHOWN,
+    CheckpointError,
+    check_files,
+    folder_problem,
+    fsync_folder,
+    hash_written,
+    marker_bytes,
+    model_mismatch,
+    read_marker,
+    reason,
+    step_dirs,
+    tensor_shapes,
+    write_synced,
+)
+from autoplan.runtime.checkpoint_lock import HEARTBEAT_S, STALE_S, FolderLock, job_identity
 from cost_model.messages import shown
 from passes.progress import default_group_timeout
 from passes.runtime import DistributedModel
@@ -108,19 +114,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_MARKER = "autoplan.json"
-_LOCK = "autoplan.lock"
-_METADATA = ".metadata"  # DCP's, written by its coordinator (rank 0)
 _FORMAT = 2  # of the marker; 1 (no "format" key): no checksums, no run id
-HEARTBEAT_S = 30.0  # the lock holder touches the lock file this often
-STALE_S = 600.0  # a lock of another host untouched this long is stale
-_SHOWN = 160  # characters of a path or reason in a message
-
-
-class CheckpointError(InputError):
-    """A checkpoint folder that cannot be used (another model, a file, in use by another job,
-    unwritable, a bad interval)."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -203,18 +197,18 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo", timeout=default_group_timeout())
         # after_step's poll of a save in flight (the save's thread uses _group meanwhile)
         self._poll_group = dist.new_group(backend="gloo", timeout=default_group_timeout())
-        self._agree_or_raise(_folder_problem(self.directory, self.rank))
-        self._lock: _FolderLock | None = None
+        self._agree_or_raise(folder_problem(self.directory, self.rank))
+        self._lock: FolderLock | None = None
         refusal: str | None = None
-        job = _job_identity()
+        job = job_identity()
         if self.rank == 0:
-            self._lock = _FolderLock(self.directory, job)
+            self._lock = FolderLock(self.directory, job)
             try:
                 self._lock.acquire()
             except CheckpointError as error:
                 refusal, self._lock = str(error), None
             except Exception as error:  # never leave the other ranks waiting for rank 0
-                refusal, self._lock = f"cannot lock {self.directory}: {_reason(error)}", None
+                refusal, self._lock = f"cannot lock {self.directory}: {reason(error)}", None
         refusal, job = self._broadcast((refusal, job))
         if refusal is not None:
             raise CheckpointError(refusal)
@@ -287,17 +281,17 @@ class Checkpointer:
                     shutil.rmtree(staging)
                 staging.mkdir()
             except OSError as error:
-                problem = _reason(error)
+                problem = reason(error)
         problem = self._broadcast(problem)
         if problem is not None:
             raise CheckpointSaveError(self._failure(step, problem))
         state = self._state()
         marker = self._marker_data(step)
-        shapes = _shapes(state["model"])
+        shapes = tensor_shapes(state["model"])
         try:
             dcp_future = async_save(state, checkpoint_id=str(staging), process_group=self._group)
         except (Exception, CheckpointException) as error:
-            raise CheckpointSaveError(self._failure(step, _reason(error))) from None
+            raise CheckpointSaveError(self._failure(step, reason(error))) from None
         assert isinstance(dcp_future, Future)
         self._pending = self._executor.submit(
             self._finish,
@@ -330,26 +324,26 @@ class Checkpointer:
         mine: dict[str, Any] = {"error": None, "files": {}, "shapes": shapes}
         try:
             metadata = dcp_future.result()
-            mine["files"] = _hash_written(staging, metadata, self.rank, self.world_size)
+            mine["files"] = hash_written(staging, metadata, self.rank, self.world_size)
         except (Exception, CheckpointException) as error:
-            mine["error"] = _reason(error)
+            mine["error"] = reason(error)
         try:
             everyone = self._gather(mine)
         except Exception as error:  # the group broke: a peer is gone
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            return _Outcome(step, final, error=f"the ranks lost each other ({_reason(error)})")
+            return _Outcome(step, final, error=f"the ranks lost each other ({reason(error)})")
         verdict: dict[str, Any] = {}
         if self.rank == 0:
             try:
                 verdict = self._publish(everyone, step, staging, final, marker, started, good)
             except Exception as error:  # never leave the other ranks waiting for rank 0
                 shutil.rmtree(staging, ignore_errors=True)
-                verdict = {"error": _reason(error)}
+                verdict = {"error": reason(error)}
         try:
             verdict = self._broadcast(verdict)
         except Exception as error:
-            return _Outcome(step, final, error=f"the ranks lost each other ({_reason(error)})")
+            return _Outcome(step, final, error=f"the ranks lost each other ({reason(error)})")
         return _Outcome(
             step,
             final,
@@ -382,27 +376,27 @@ class Checkpointer:
                 model_state.setdefault(name, shape)
         marker = {**marker, "files": files, "model_state": model_state}
         try:
-            _write_synced(staging / _MARKER, _marker_bytes(marker))
-            _fsync_folder(staging)
+            write_synced(staging / MARKER, marker_bytes(marker))
+            fsync_folder(staging)
             if final.exists():
                 self._clear_way(final)
             os.rename(staging, final)
-            _fsync_folder(self.directory)
+            fsync_folder(self.directory)
         except OSError as error:
             shutil.rmtree(staging, ignore_errors=True)
-            return {"error": _reason(error)}
+            return {"error": reason(error)}
         save_s = time.perf_counter() - started
         try:
             pruned = self._prune([*good, step])
         except OSError as error:
-            logger.warning("could not prune checkpoints in %s: %s", self.directory, _reason(error))
+            logger.warning("could not prune checkpoints in %s: %s", self.directory, reason(error))
             pruned = []
         return {"error": None, "save_s": save_s, "pruned": pruned}
 
     def _clear_way(self, final: Path) -> None:
         """A ``step_N`` folder where this save goes: this job's is replaced, any other moved
         aside (never deleted: this job cannot tell it wrote it)."""
-        marker, _ = _read_marker(final)
+        marker, _ = read_marker(final)
         if marker is not None and marker.get("job") == self._job:
             logger.warning("replacing checkpoint %s of this job with the new save", final)
             shutil.rmtree(final)
@@ -420,8 +414,8 @@ class Checkpointer:
         """Rank 0: delete this job's checkpoints the rules let go; returns their steps."""
         ours: dict[int, Path] = {}
         others: list[str] = []
-        for path in _step_dirs(self.directory):
-            marker, _ = _read_marker(path)
+        for path in step_dirs(self.directory):
+            marker, _ = read_marker(path)
             if marker is not None and marker.get("job") == self._job:
                 ours[int(path.name[5:])] = path
             elif marker is not None:
@@ -455,12 +449,12 @@ class Checkpointer:
         self.last_complete_step = max(self._good)
         self.last_save_s = outcome.save_s
 
-    def _failure(self, step: int, reason: str) -> str:
+    def _failure(self, step: int, why: str) -> str:
         if self._good:
             newest = f"the newest good checkpoint is {self._good[max(self._good)]}"
         else:
             newest = "there is no good checkpoint of this job yet"
-        return f"checkpoint of step {step} failed: {shown(reason, _SHOWN, quoted=False)}; {newest}"
+        return f"checkpoint of step {step} failed: {shown(why, SHOWN, quoted=False)}; {newest}"
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raises `CheckpointSaveError`
@@ -509,8 +503,8 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest checkpoint folder with a whole marker (None if there is none), on this
         rank; `restore` also checks its files."""
-        for path in reversed(_step_dirs(self.directory)):
-            if _read_marker(path)[0] is not None:
+        for path in reversed(step_dirs(self.directory)):
+            if read_marker(path)[0] is not None:
                 return path
         return None
 
@@ -529,11 +523,11 @@ class Checkpointer:
         problem: str | None = None
         if self.rank == 0:
             try:
-                for path in reversed(_step_dirs(self.directory)):
-                    marker, why = _read_marker(path)
+                for path in reversed(step_dirs(self.directory)):
+                    marker, why = read_marker(path)
                     candidates.append((str(path), marker, why))
             except OSError as error:
-                problem = f"cannot list checkpoints in {self.directory}: {_reason(error)}"
+                problem = f"cannot list checkpoints in {self.directory}: {reason(error)}"
         candidates, problem = self._broadcast((candidates, problem))
         if problem is not None:
             raise CheckpointError(problem)
@@ -546,7 +540,7 @@ class Checkpointer:
                 continue
             if shapes is None:
                 shapes = self._gather_shapes()
-            mismatch = _model_mismatch(path, marker, shapes, self.model.fingerprint)
+            mismatch = model_mismatch(path, marker, shapes, self.model.fingerprint)
             if mismatch is not None:
                 raise CheckpointError(mismatch)
             problem = self._verify(path, marker)
@@ -565,7 +559,7 @@ class Checkpointer:
             # the model holds part of a checkpoint now: starting it from step 0 would not be
             # the fresh model the job began with
             raise CheckpointError(
-                f"no checkpoint in {shown(str(self.directory), _SHOWN, quoted=False)} loads "
+                f"no checkpoint in {shown(str(self.directory), SHOWN, quoted=False)} loads "
                 f"(the newest that passed its checks, {failed_load}, failed while loading): "
                 "move the folder away to start from step 0, or point --checkpoint-dir at "
                 "another folder"
@@ -583,13 +577,13 @@ class Checkpointer:
             logger.warning(
                 "skipping checkpoint %s: %s; trying the previous one",
                 path,
-                shown(why, _SHOWN, quoted=False),
+                shown(why, SHOWN, quoted=False),
             )
 
     def _gather_shapes(self) -> dict[str, list[int]]:
         """This job's model tensors by name, their full shapes (every rank's stages)."""
         union: dict[str, list[int]] = {}
-        for part in self._gather(_shapes(self.model.state_dict()["model"])):
+        for part in self._gather(tensor_shapes(self.model.state_dict()["model"])):
             for name, shape in part.items():
                 union.setdefault(name, shape)
         return union
@@ -608,7 +602,7 @@ class Checkpointer:
             return None
         names = sorted(files)
         problems: list[tuple[str, str]] = []
-        for part in self._gather(_check_files(path, files, names[self.rank :: self.world_size])):
+        for part in self._gather(check_files(path, files, names[self.rank :: self.world_size])):
             problems.extend(part)
         if not problems:
             return None
@@ -636,7 +630,7 @@ class Checkpointer:
                 )
             no_data = "data" in state and not _holds(available, "data")
         except (Exception, CheckpointException) as failure:
-            error, no_data = _reason(failure), False
+            error, no_data = reason(failure), False
         verdicts = self._gather((error, no_data))
         if any(lacks for _, lacks in verdicts):
             raise CheckpointError(
@@ -654,7 +648,7 @@ class Checkpointer:
             )
             self.model.load_state_dict({"model": state["model"], "optimizer": state["optimizer"]})
         except (Exception, CheckpointException) as failure:
-            error = _reason(failure)
+            error = reason(failure)
         errors = [e for e in self._gather(error) if e is not None]
         if errors:
             return errors[0]
@@ -679,7 +673,7 @@ class Checkpointer:
         return step
 
 
-# ---------------------------------------------------------------------- markers and files
+# ---------------------------------------------------------------------- helpers
 
 
 def _info(path: Path, marker: Mapping[str, Any]) -> CheckpointInfo:
@@ -693,168 +687,6 @@ def _info(path: Path, marker: Mapping[str, Any]) -> CheckpointInfo:
         model_fingerprint=str(marker.get("model_fingerprint", "")),
         run=dict(run) if isinstance(run, dict) else {},
     )
-
-
-def _marker_bytes(marker: Mapping[str, Any]) -> bytes:
-    """The marker's text: ``marker`` and a SHA-256 of its canonical form."""
-    body = {key: value for key, value in marker.items() if key != "checksum"}
-    return (json.dumps({**body, "checksum": _canonical_digest(body)}, indent=1) + "\n").encode()
-
-
-def _canonical_digest(body: Mapping[str, Any]) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _read_marker(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """``(marker, None)`` for a whole marker of ``folder``, or ``(None, why not)``."""
-    path = folder / _MARKER
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None, f"{_MARKER} is missing (the job stopped while saving it)"
-    except OSError as error:
-        return None, f"{_MARKER} cannot be read ({_reason(error)})"
-    try:
-        marker = json.loads(raw)
-    except (ValueError, RecursionError) as error:
-        return None, f"{_MARKER} is damaged (not JSON: {error})"
-    if not isinstance(marker, dict):
-        return None, f"{_MARKER} is damaged (not a JSON object)"
-    if "format" in marker or "checksum" in marker:  # format 1 had neither
-        saved = marker.pop("checksum", None)
-        if saved != _canonical_digest(marker):
-            return None, f"{_MARKER} is damaged (its checksum does not match its content)"
-        if not isinstance(marker.get("files"), dict) or not all(
-            isinstance(record, dict) for record in marker["files"].values()
-        ):
-            return None, f"{_MARKER} is damaged (no file list)"
-        shapes = marker.get("model_state")
-        if not isinstance(shapes, dict) or not all(
-            isinstance(shape, list) and all(isinstance(size, int) for size in shape)
-            for shape in shapes.values()
-        ):
-            return None, f"{_MARKER} is damaged (no model shapes)"
-    step = _STEP_DIR.match(folder.name)
-    if step is not None and marker.get("step") != int(step.group(1)):
-        return None, f"{_MARKER} is damaged (it names step {shown(marker.get('step'))})"
-    return marker, None
-
-
-def _hash_written(staging: Path, metadata: Any, rank: int, world_size: int) -> dict[str, Any]:
-    """Size and SHA-256 of the files this rank wrote into ``staging``: DCP names them
-    ``__<rank>_<n>.distcp`` (torch/distributed/checkpoint/filesystem.py, ``_StoragePrefix``);
-    rank 0 also takes DCP's ``.metadata`` and any file named otherwise."""
-    names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
-    names.discard(None)
-    prefixes = tuple(f"__{r}_" for r in range(world_size))
-    mine = []
-    for name in sorted(str(n) for n in names):
-        writer = next((r for r, p in enumerate(prefixes) if name.startswith(p)), 0)
-        if writer == rank:
-            mine.append(name)
-    if rank == 0:
-        mine.append(_METADATA)
-    files = {}
-    for name in mine:
-        size, digest = _file_digest(staging / name)
-        files[name] = {"size": size, "sha256": digest, "rank": rank}
-    return files
-
-
-def _file_digest(path: Path) -> tuple[int, str]:
-    with path.open("rb") as stream:
-        digest = hashlib.file_digest(stream, "sha256").hexdigest()
-        return stream.tell(), digest
-
-
-def _check_files(
-    folder: Path, files: Mapping[str, Any], names: Sequence[str]
-) -> list[tuple[str, str]]:
-    """``(name, what is wrong)`` for each of ``names`` that differs from its record."""
-    problems = []
-    for name in names:
-        record = files[name]
-        path = folder / name
-        try:
-            size = path.stat().st_size
-            expected = record.get("size")
-            if size != expected:
-                how = "truncated" if isinstance(expected, int) and size < expected else "resized"
-                problems.append((name, f"is damaged ({how}: {size} bytes of {expected} written)"))
-                continue
-            if _file_digest(path)[1] != record.get("sha256"):
-                problems.append((name, "is damaged (fails its SHA-256 checksum)"))
-        except FileNotFoundError:
-            problems.append((name, "is missing"))
-        except OSError as error:
-            problems.append((name, f"cannot be read ({_reason(error)})"))
-    return problems
-
-
-def _shapes(model_state: Mapping[str, Any]) -> dict[str, list[int]]:
-    """Each tensor's full shape (a DTensor's ``shape`` is its global one)."""
-    return {
-        name: list(value.shape)
-        for name, value in model_state.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def _model_mismatch(
-    path: Path, marker: Mapping[str, Any], shapes: Mapping[str, list[int]], fingerprint: str
-) -> str | None:
-    """The one-line error for a checkpoint of another model, or None."""
-    saved: dict[str, list[int]] | None = marker.get("model_state")
-    if saved is None:  # format 1: its DCP metadata has the shapes
-        saved = _metadata_shapes(path)
-    changes = _model_changes(saved, shapes) if saved is not None else []
-    saved_fingerprint = str(marker.get("model_fingerprint", ""))
-    if not changes and not (fingerprint and saved_fingerprint and saved_fingerprint != fingerprint):
-        return None
-    if changes:
-        what = ", ".join(changes[:3]) + (
-            f", and {len(changes) - 3} more" if len(changes) > 3 else ""
-        )
-    else:
-        what = (
-            f"the same parameter shapes, but another structure or sequence length (fingerprint "
-            f"{saved_fingerprint}, this model's {fingerprint})"
-        )
-    return (
-        f"checkpoint {path} is of another model: {what}; point --checkpoint-dir at this model's "
-        "checkpoints or at an empty folder, or build the model the checkpoint was saved from"
-    )
-
-
-def _model_changes(saved: Mapping[str, list[int]], now: Mapping[str, list[int]]) -> list[str]:
-    """What differs, tensor by tensor: changed shapes first (``"h.0.q.weight (64, 64) now
-    (128, 64)"``, in the checkpoint's order), then tensors gone, then new ones."""
-    changed = [
-        f"{name} {_shape_text(shape)} now {_shape_text(now[name])}"
-        for name, shape in saved.items()
-        if name in now and list(now[name]) != list(shape)
-    ]
-    gone = [f"{name} {_shape_text(shape)} gone" for name, shape in saved.items() if name not in now]
-    new = [f"{name} {_shape_text(shape)} new" for name, shape in now.items() if name not in saved]
-    return changed + gone + new
-
-
-def _shape_text(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(size) for size in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _metadata_shapes(path: Path) -> dict[str, list[int]] | None:
-    """The model tensors' shapes in a checkpoint's DCP metadata (None: unreadable)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception:
-        return None
-    return {
-        key[len("model.") :]: list(value.size)
-        for key, value in metadata.items()
-        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)
-    }
 
 
 def _doomed(
@@ -879,12 +711,6 @@ def _doomed(
     return sorted(step for step in ours if step not in kept and floor <= step < newest)
 
 
-def _step_dirs(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-
-
 def _holds(saved: Any, key: str) -> bool:
     """Whether a checkpoint's (flattened) keys hold ``key`` or entries under it."""
     return any(name == key or name.startswith(key + ".") for name in saved)
@@ -893,68 +719,6 @@ def _holds(saved: Any, key: str) -> bool:
 def _tag(identity: str) -> str:
     """A short file-name-safe tag of a job or run id."""
     return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as error:  # some file systems refuse to fsync a folder (EINVAL)
-        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _reason(error: BaseException) -> str:
-    """One line for what went wrong: DCP's per-rank failures unwrapped, an OS error by its
-    message and errno name."""
-    if isinstance(error, CheckpointException):
-        for rank, failure in sorted(error.failures.items()):
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            return f"{_reason(inner)} on rank {rank}"
-    if isinstance(error, OSError) and error.strerror:
-        name = errno.errorcode.get(error.errno or 0)
-        where = f" ({Path(str(error.filename)).name})" if error.filename else ""
-        return f"{error.strerror}" + (f" ({name})" if name else "") + where
-    cause = error.__cause__ or error.__context__
-    if isinstance(cause, OSError) and cause.strerror:
-        return _reason(cause)
-    text = " ".join(str(error).split()) or type(error).__name__
-    if type(error).__name__ not in text:
-        text = f"{type(error).__name__}: {text}"
-    return shown(text, _SHOWN, quoted=False)
-
-
-def _folder_problem(directory: Path, rank: int) -> str | None:
-    """Why this rank cannot save into ``directory`` (None: it can)."""
-    shown_dir = shown(str(directory), _SHOWN)
-    try:
-        if directory.exists() and not directory.is_dir():
-            return (
-                f"checkpoint folder {shown_dir} is a file, not a folder: pass a folder (it is "
-                "created if missing), or move the file away"
-            )
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".autoplan-write-test-{rank}-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        return (
-            f"checkpoint folder {shown_dir} is not writable ({error.strerror or error}); "
-            "pass a folder this job can write to"
-        )
-    return None
 
 
 # ---------------------------------------------------------------------- RNG
@@ -971,220 +735,3 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-# ---------------------------------------------------------------------- the folder's lock
-
-_PROCESS_JOB: tuple[int, str] | None = None
-
-
-def _job_identity() -> str:
-    """This job's id: torchrun's ``TORCHELASTIC_RUN_ID`` (the same on every rank and across
-    its restarts); its default ``none`` (no ``--rdzv-id``) by the agent process; outside
-    torchrun, an id of this process."""
-    global _PROCESS_JOB
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
-        return f"torchrun:{run_id}"
-    host = socket.gethostname()
-    if run_id == "none":
-        agent = os.getppid()
-        started = _process_start(agent)
-        if started is not None:
-            return f"torchrun-agent:{host}:{agent}:{started:.2f}"
-    pid = os.getpid()
-    if _PROCESS_JOB is None or _PROCESS_JOB[0] != pid:  # a forked child is another job
-        _PROCESS_JOB = (pid, f"process:{host}:{pid}:{uuid.uuid4().hex[:8]}")
-    return _PROCESS_JOB[1]
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _process_start(pid: int) -> float | None:
-    try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
-        return None
-
-
-class _FolderLock:
-    """``DIR/autoplan.lock`` for ``job`` (see the module docstring)."""
-
-    def __init__(self, directory: Path, job: str) -> None:
-        self.path = directory / _LOCK
-        self.job = job
-        self.token = uuid.uuid4().hex
-        self._stop = threading.Event()
-        self._held = False
-
-    def _identity(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "host": socket.gethostname(),
-            "boot_id": _boot_id(),
-            "pid": os.getpid(),
-            "process_start": _process_start(os.getpid()),
-            "since": datetime.now(UTC).isoformat(timespec="seconds"),
-            "token": self.token,
-        }
-
-    def acquire(self) -> None:
-        """Take the lock, or raise `CheckpointError` naming its holder."""
-        for _ in range(10):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                self._take_over_if_free()
-                continue
-            except OSError as error:
-                raise CheckpointError(
-                    f"cannot create the lock file {self.path} ({_reason(error)}); pass a folder "
-                    "this job can write to"
-                ) from None
-            try:
-                with os.fdopen(fd, "w") as stream:
-                    stream.write(json.dumps(self._identity()) + "\n")
-                    stream.flush()
-                    os.fsync(stream.fileno())
-            except OSError as error:
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
-                raise CheckpointError(
-                    f"cannot write the lock file {self.path} ({_reason(error)}); free space or "
-                    "pass another folder"
-                ) from None
-            self._held = True
-            atexit.register(self.release)
-            threading.Thread(target=self._beat, name="autoplan-ckpt-lock", daemon=True).start()
-            return
-        raise CheckpointError(
-            f"could not take the lock {self.path}: other jobs keep taking it; start one job at "
-            "a time on a checkpoint folder"
-        )
-
-    def _read(self) -> tuple[dict[str, Any] | None, float]:
-        """The holder's record (None: unreadable) and the lock file's age on the file
-        system's own clock (so clocks of other hosts do not matter)."""
-        try:
-            raw = self.path.read_text()
-            mtime = self.path.stat().st_mtime
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return None, 0.0
-        probe = self.path.with_name(f".{_LOCK}.clock-{uuid.uuid4().hex}")
-        try:
-            probe.write_bytes(b"")
-            now = probe.stat().st_mtime
-            probe.unlink()
-        except OSError:
-            now = time.time()
-        try:
-            holder = json.loads(raw)
-        except ValueError:
-            holder = None
-        return (holder if isinstance(holder, dict) else None), now - mtime
-
-    def _take_over_if_free(self) -> None:
-        """Remove the lock file when the rules let this job take it; raise `CheckpointError`
-        naming the holder when they do not."""
-        holder: dict[str, Any] | None = None
-        age = 0.0
-        for _ in range(20):  # a lock created a moment ago may not be written yet
-            try:
-                holder, age = self._read()
-            except FileNotFoundError:
-                return
-            if holder is not None or age > 5.0:
-                break
-            time.sleep(0.05)
-        if holder is None:
-            raise CheckpointError(
-                f"the lock file {self.path} is unreadable: if no job uses "
-                f"{self.path.parent}, delete it and start again"
-            )
-        why = self._free(holder, age)
-        if why is None:
-            raise CheckpointError(self._held_message(holder))
-        aside = self.path.with_name(f".{_LOCK}.taken-{uuid.uuid4().hex}")
-        try:
-            os.rename(self.path, aside)  # only one job can move this file
-        except FileNotFoundError:
-            return
-        try:
-            moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
-            moved = None
-        if not isinstance(moved, dict) or moved.get("token") != holder.get("token"):
-            # another job replaced the stale lock meanwhile: put its lock back
-            with contextlib.suppress(OSError):
-                os.link(aside, self.path)
-        else:
-            logger.warning(
-                "taking over the checkpoint lock %s of job %s (%s)",
-                self.path,
-                shown(holder.get("job"), 80),
-                why,
-            )
-        with contextlib.suppress(OSError):
-            aside.unlink()
-
-    def _free(self, holder: Mapping[str, Any], age: float) -> str | None:
-        """Why ``holder``'s lock may be taken over, or None (it is held)."""
-        if holder.get("job") == self.job:
-            return "an earlier start of this job"
-        pid = holder.get("pid")
-        if holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id():
-            if not isinstance(pid, int):
-                return "it names no process"
-            started = _process_start(pid)
-            recorded = holder.get("process_start")
-            if started is None or (
-                isinstance(recorded, (int, float)) and abs(started - recorded) > 1.0
-            ):
-                return f"its process {pid} is gone"
-            return None
-        if age > STALE_S:
-            return f"no heartbeat for {age:.0f} s (more than {STALE_S:.0f} s)"
-        return None
-
-    def _held_message(self, holder: Mapping[str, Any]) -> str:
-        return (
-            f"checkpoint folder {self.path.parent} is in use by job "
-            f"{shown(holder.get('job'), 80, quoted=False)} (pid {shown(holder.get('pid'))} on "
-            f"{shown(holder.get('host'), 80, quoted=False)}, since "
-            f"{shown(holder.get('since'), 40, quoted=False)}; lock file {self.path}): wait for "
-            "it to end or pass another --checkpoint-dir; if that job is gone, delete the lock "
-            "file"
-        )
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            if not self._mine():  # a later start of this job took it over
-                logger.debug("checkpoint lock %s is no longer this lock's", self.path)
-                return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
-
-    def _mine(self) -> bool:
-        try:
-            holder = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(holder, dict) and holder.get("token") == self.token
-
-    def release(self) -> None:
-        """Remove the lock file if it is still this lock's (idempotent)."""
-        self._stop.set()
-        if not self._held:
-            return
-        self._held = False
-        atexit.unregister(self.release)
-        if self._mine():
-            with contextlib.suppress(OSError):
-                self.path.unlink()
