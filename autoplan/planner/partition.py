@@ -950,21 +950,13 @@ def unit_runs(problem: PartitionProblem) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _RunsModel:
-    """The runs formulation's model, variables and read-back (see `_runs_model`)."""
+class _RunsModel(_CutModel):
+    """The runs formulation's model: the cut formulation's variables and read-back, each cut
+    defined by the run its previous unit lies in and its place there (see `_runs_model`)."""
 
-    model: cp_model.CpModel
-    scaled: _Scaled
     runs: tuple[tuple[int, int], ...]  # (first unit, length) of each run
-    use: list[list[Expr]]  # [stage][mode]: the stage runs the mode
     pick: list[list[Expr]]  # [j - 1][run]: the last unit before cut j lies in the run
     offset: list[list[Expr]]  # [j - 1][run]: its place in that run (0 in the others)
-    cut: list[Expr]  # [j]: the first unit of stage j (and n at j = S)
-    stage: _StageSums
-    tail: list[Expr]  # [rank]
-    memory: list[list[Expr]]  # [rank][candidate peak point]: the rank's bytes there
-    z: cp_model.IntVar
-    ceiling: cp_model.IntVar
 
     def hint(self, cuts: Cuts) -> None:
         """Replace the model's hint by ``cuts``."""
@@ -978,11 +970,6 @@ class _RunsModel:
                 if not isinstance(self.offset[j - 1][r], int):
                     self.model.add_hint(self.offset[j - 1][r], last - first if inside else 0)
         _hint_modes(self.model, self.use, self.scaled.mode_names, cuts.modes)
-
-    def read(self, solver: cp_model.CpSolver) -> Cuts:
-        """The partition of the solver's solution."""
-        starts = tuple(c if isinstance(c, int) else solver.value(c) for c in self.cut[:-1])
-        return Cuts(starts, _read_modes(solver, self.use, self.scaled.mode_names))
 
 
 def _runs_model(problem: PartitionProblem) -> _RunsModel:
