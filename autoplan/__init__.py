@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from autoplan.api import estimate, manual_plan, search
     from autoplan.contract.graph import ModelGraph
     from autoplan.export import export_plan
-    from autoplan.runtime.checkpoint import Checkpointer, CheckpointError
+    from autoplan.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
     from autoplan.runtime.parallelizer import parallelize
     from autoplan.runtime.replicas import TorchFTReplicas
     from autoplan.runtime.trainer import Trainer, TrainingStopped
     from autoplan.tracing import trace
+    from passes.progress import CrashedRankError, StalledRankError
     from passes.runtime import NonFiniteError
 
 __version__ = "0.1.0"
@@ -54,10 +55,13 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "export_plan": ("autoplan.export", "export_plan"),
     "Checkpointer": ("autoplan.runtime.checkpoint", "Checkpointer"),
     "CheckpointError": ("autoplan.runtime.checkpoint", "CheckpointError"),
+    "CheckpointSaveError": ("autoplan.runtime.checkpoint", "CheckpointSaveError"),
     "Trainer": ("autoplan.runtime.trainer", "Trainer"),
     "TrainingStopped": ("autoplan.runtime.trainer", "TrainingStopped"),
     "TorchFTReplicas": ("autoplan.runtime.replicas", "TorchFTReplicas"),
     "NonFiniteError": ("passes.runtime", "NonFiniteError"),
+    "CrashedRankError": ("passes.progress", "CrashedRankError"),
+    "StalledRankError": ("passes.progress", "StalledRankError"),
 }
 
 
@@ -73,9 +77,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "Checkpointer",
     "Cluster",
     "ClusterError",
+    "CrashedRankError",
     "DeviceSpec",
     "InputError",
     "LinkSpec",
@@ -89,6 +95,7 @@ __all__ = [
     "PlanEstimate",
     "SchemaError",
     "StagePlan",
+    "StalledRankError",
     "TorchFTReplicas",
     "TraceError",
     "Trainer",
