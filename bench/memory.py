@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import sys
@@ -114,6 +115,12 @@ def main() -> int:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--only", default="", help="measure only plans whose summary has this")
     parser.add_argument("--cuda", action="store_true", help="single-GPU plans on this GPU")
+    parser.add_argument(
+        "--write-residuals",
+        action="store_true",
+        help="write each rank's log(measured / predicted) to cost_model/validation/"
+        "residuals.json (the peak-memory ranges of `cost_model.uncertainty`)",
+    )
     args = parser.parse_args()
     if args.cuda:
         return cuda_main()
@@ -142,7 +149,13 @@ def main() -> int:
                 guess = predicted.ranks[r["pp_rank"]].memory.predicted_bytes
                 error = (guess - r["peak_bytes"]) / r["peak_bytes"]
                 rows.append(
-                    {"plan": _describe(plan), **r, "predicted_bytes": guess, "error": error}
+                    {
+                        "plan": _describe(plan),
+                        **r,
+                        "predicted_bytes": guess,
+                        "error": error,
+                        "features": list(predicted.features),
+                    }
                 )
             kib = 1024.0
             print(
@@ -165,6 +178,24 @@ def main() -> int:
         report[str(world)] = {"rows": rows, "median_abs_error": median, "max_abs_error": worst}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
+    if args.write_residuals and not args.only:
+        from cost_model.uncertainty import write_residuals
+
+        write_residuals(
+            "memory",
+            [
+                {
+                    "id": f"{world} procs, {row['plan']}, rank {row['rank']}",
+                    "source": "this machine (bench/memory.py)",
+                    "features": row["features"],
+                    "residual": round(math.log(row["peak_bytes"] / row["predicted_bytes"]), 6),
+                }
+                for world, part in report.items()
+                for row in part["rows"]
+            ],
+            "bench/memory.py",
+        )
+        print("wrote the residuals to cost_model/validation/residuals.json")
     return 0 if ok else 1
 
 

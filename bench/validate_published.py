@@ -41,6 +41,7 @@ from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.strategy import folded_ep_factors
+from cost_model.uncertainty import MIN_ROWS, Residual, ResidualModel, write_residuals
 from cost_model.workload import ModelProfile
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -101,6 +102,7 @@ class Result:
     case: Case
     estimate: Estimate
     step_time_s: float  # the estimate's, or its adaptation to the run's training stack
+    num_params: int = 0  # the model's
 
     @property
     def error(self) -> float:
@@ -577,7 +579,9 @@ def predict(case: Case, cluster: Cluster | None = None) -> Result:
     profile = profile_for(case.dims)
     plan: Plan = manual_plan(profile, cluster, **case.plan_args)
     est = estimate(profile, cluster, plan)
-    return Result(case=case, estimate=est, step_time_s=est.step_time_s)
+    return Result(
+        case=case, estimate=est, step_time_s=est.step_time_s, num_params=profile.num_params
+    )
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -1034,6 +1038,87 @@ def loso_report(held: list[HeldOutSource], results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------- residuals and coverage
+
+ORIGIN = "bench/validate_published.py"
+
+
+def step_residuals(held: list[HeldOutSource]) -> list[dict[str, Any]]:
+    """Each scored row's leave-one-source-out residual, log(published / predicted step), with
+    its plan's features and what the MFU check needs (`cost_model.uncertainty`)."""
+    rows = []
+    for h in held:
+        for r in h.results:
+            rows.append(
+                {
+                    "id": r.case.run_id,
+                    "source": r.case.source_id,
+                    "features": list(r.estimate.features),
+                    "residual": round(math.log(r.case.published_step_s / r.step_time_s), 6),
+                    "device": r.case.cluster.device.name,
+                    "params": r.num_params,
+                    # the run's MFU in autoplan's FLOP count: predicted MFU x predicted/published
+                    "measured_mfu": round(
+                        r.estimate.mfu * r.step_time_s / r.case.published_step_s, 6
+                    ),
+                }
+            )
+    return sorted(rows, key=lambda row: row["id"])
+
+
+def memory_residuals(results: Iterable[Result]) -> list[dict[str, Any]]:
+    """Each scored row with a published peak: log(published / predicted allocator peak)."""
+    return [
+        {
+            "id": r.case.run_id,
+            "source": r.case.source_id,
+            "features": list(r.estimate.features),
+            "residual": round(-math.log1p(error), 6),
+        }
+        for r, error in memory_errors(results)
+    ]
+
+
+def _model(rows: Iterable[dict[str, Any]]) -> ResidualModel:
+    return ResidualModel(
+        Residual(
+            run_id=r["id"], source=r["source"], features=tuple(r["features"]), value=r["residual"]
+        )
+        for r in rows
+    )
+
+
+def coverage_report(rows: list[dict[str, Any]]) -> str:
+    """The 80% intervals' calibration: each scored row against the interval sized from the
+    other sources' residuals (its own source's are never used), overall, per source and per
+    feature; then the features with fewer than MIN_ROWS rows."""
+    model = _model(rows)
+    inside, total, per = model.coverage()
+    lines = [
+        "",
+        "80% ranges, leave-one-source-out (each row's range sized without its own source):",
+        f"  coverage {inside} of {total} rows = {inside / total:.1%} (nominal 80%); "
+        f"feature spread tau {model.tau:.3f}",
+    ]
+    for source, (i, n) in per.items():
+        lines.append(f"  {source:22s} {i:4d} of {n:4d} inside ({i / n:.0%})")
+    by_feature: dict[str, list[bool]] = {}
+    for source in per:
+        others = model.without_source(source)
+        for r in model.residuals:
+            if r.source != source:
+                continue
+            iv = others.interval(r.features)
+            hit = math.log(iv.low) <= r.value <= math.log(iv.high)
+            for f in r.features:
+                by_feature.setdefault(f, []).append(hit)
+    lines.append("  by feature (rows, coverage):")
+    for f, hits in sorted(by_feature.items()):
+        flag = "" if len(hits) >= MIN_ROWS else "  (unvalidated: fewer than 5 rows)"
+        lines.append(f"    {f:44s} {len(hits):4d} {sum(hits) / len(hits):6.0%}{flag}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -1041,6 +1126,12 @@ def main(argv: list[str] | None = None) -> int:
         "--fit", action="store_true", help="re-fit every fitted constant on its own rows"
     )
     parser.add_argument("--only", default="", help="comma-separated run-id prefixes")
+    parser.add_argument(
+        "--write-residuals",
+        action="store_true",
+        help="write the step and memory residuals the product's ranges are sized by "
+        "(cost_model/validation/residuals.json)",
+    )
     parser.add_argument(
         "--scored", action="store_true", help="predict only the scored rows (fit, held out)"
     )
@@ -1096,7 +1187,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(report(results, skipped))
         if not prefixes and not args.scored:
-            print(loso_report(leave_one_source_out(rows, assumptions, results), results))
+            held = leave_one_source_out(rows, assumptions, results)
+            print(loso_report(held, results))
+            step_rows = step_residuals(held)
+            print(coverage_report(step_rows))
+            if args.write_residuals:
+                write_residuals("step", step_rows, ORIGIN)
+                write_residuals("memory", memory_residuals(results), ORIGIN)
+                print("wrote the residuals to cost_model/validation/residuals.json")
     return 0
 
 

@@ -82,6 +82,7 @@ from cost_model.results import (
 )
 from cost_model.schedules import ScheduleName, ScheduleSpec, StageTimes, held_microbatches, simulate
 from cost_model.strategy import GroupPlacement, PlanLike, Strategy, group_placements
+from cost_model.uncertainty import plan_features, with_ranges
 from cost_model.unit_cost import UnitCost
 from cost_model.workload import ModelProfile, OpProfile, UnitProfile
 
@@ -563,7 +564,7 @@ class CostModel:
                 optimizer, self.profile, self.cluster, strategy, est, costs
             )
             est = est.with_step_time(step)
-        return est
+        return with_ranges(est, plan_features(plan, self.framework))
 
     def _estimate(self, plan: PlanLike) -> Estimate:
         profile, cluster = self.profile, self.cluster

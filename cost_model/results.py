@@ -128,6 +128,14 @@ class Estimate:
     fits: bool
     stages: tuple[StageEstimate, ...]
     ranks: tuple[RankEstimate, ...]
+    # 80% intervals (`cost_model.uncertainty`): of the step time, and of the peak memory (the
+    # same quantity as peak_memory_bytes); (0, 0) until `uncertainty.with_ranges` sets them
+    step_time_range_s: tuple[float, float] = (0.0, 0.0)
+    peak_memory_range_bytes: tuple[float, float] = (0.0, 0.0)
+    # the plan's features by which the ranges are sized, and those fewer than 5 published rows
+    # validate ("interleaved-zb without recompute: 0 published rows")
+    features: tuple[str, ...] = ()
+    unvalidated: tuple[str, ...] = ()
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for JSON output."""
@@ -137,9 +145,11 @@ class Estimate:
         """This estimate with another step time (a stack whose engine re-times the step,
         `cost_model.frameworks`), and the throughput and MFU that follow from it."""
         scale = self.step_time_s / step_time_s
+        low, high = self.step_time_range_s
         return dataclasses.replace(
             self,
             step_time_s=step_time_s,
+            step_time_range_s=(low / scale, high / scale),
             tokens_per_s=self.tokens_per_s * scale,
             model_tflops_per_device=self.model_tflops_per_device * scale,
             mfu=self.mfu * scale,

@@ -1,0 +1,271 @@
+"""How far off a prediction may be: 80% intervals of the step time and the peak memory, sized by
+the measured residuals of the validation benches.
+
+Expects ``cost_model/validation/residuals.json``, written by ``bench/validate_published.py
+--write-residuals`` (step times: each scored published run's leave-one-source-out residual,
+with the features of its plan; peak memory: the published peaks) and ``bench/memory.py
+--write-residuals`` (peak tensor memory measured on CPU processes). A residual is
+``log(measured / predicted)``.
+
+Guarantees: `step_interval` and `memory_interval` are pure functions of a plan's features and the
+shipped residuals, the same on every rank and every run; an interval always contains the
+prediction (factors ``low <= 1 <= high``); a feature with fewer than `MIN_ROWS` validating rows
+widens the interval by the spread between features' biases (below), so the less a plan's
+features were checked, the wider its range. The derivation is in docs/cost-model.md
+("How far off a figure may be").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cost_model.frameworks import framework_profile
+from cost_model.strategy import PlanLike, Strategy
+
+if TYPE_CHECKING:
+    from cost_model.results import Estimate
+
+RESIDUALS_PATH = Path(__file__).resolve().parent / "validation" / "residuals.json"
+COVERAGE = 0.8  # the interval's nominal coverage: 80% of measured values inside
+# A feature is "validated" when at least this many scored rows use it: below it a group's own
+# 10% and 90% quantiles are not estimable (with 4 rows the sample's extremes already lie inside
+# the 10-90% band most of the time), so the feature counts as unseen.
+MIN_ROWS = 5
+# z of the normal's 90% quantile: the half-width of a centred 80% interval in standard deviations
+_Z80 = 1.2815515655446004
+
+# A stack with no published runs of its own is checked through the stack whose engine it shares:
+# autoplan's runtime is torch's own FSDP2, DTensor tensor parallelism, torch.distributed.
+# pipelining and SDPA attention, as torchtitan's is (cost_model/frameworks.py, both profiles).
+VALIDATED_THROUGH: dict[str, str] = {"autoplan": "torchtitan"}
+
+
+def plan_features(plan: PlanLike, framework: str) -> tuple[str, ...]:
+    """The features of ``plan`` priced for ``framework`` by which the residuals are grouped:
+    its pipeline schedule, each recompute mode it uses (and each with the schedule: a pair the
+    cost model prices jointly through the schedule's memory), its ZeRO level, tensor, sequence,
+    context and expert parallelism, its precision and its training stack."""
+    strategy = Strategy.of(plan)
+    modes = sorted({s.recompute for s in plan.stages})
+    schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
+    features = [f"schedule {schedule}"]
+    for mode in modes:
+        features.append(f"recompute {mode}")
+        recompute = "without recompute" if mode == "none" else f"with {mode} recompute"
+        features.append(f"{schedule} {recompute}")
+    features.append(f"ZeRO-{strategy.zero_stage}" if strategy.zero_stage else "no ZeRO")
+    if strategy.tp_degree > 1:
+        features.append("tensor parallel")
+    if strategy.sequence_parallel:
+        features.append("sequence parallel")
+    if strategy.cp_degree > 1:
+        features.append("context parallel")
+    if strategy.ep_degree > 1:
+        features.append("expert parallel")
+    features.append(f"dtype {strategy.dtype}")
+    name = framework_profile(framework).name.partition(":")[0]
+    features.append(f"stack {VALIDATED_THROUGH.get(name, name)}")
+    return tuple(features)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Residual:
+    """One measured run: ``value = log(measured / predicted)`` (step time or peak memory)."""
+
+    run_id: str
+    source: str  # the publication (or "this machine"): the unit of leave-one-source-out
+    features: tuple[str, ...]
+    value: float
+    # for the MFU check (`best_published_mfu`): the run's device, model parameters, measured MFU
+    device: str = ""
+    params: float = 0.0
+    measured_mfu: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interval:
+    """Multiplicative factors of an 80% interval (``low <= 1 <= high``) and the plan's features
+    that fewer than `MIN_ROWS` residuals validate, with their row counts."""
+
+    low: float
+    high: float
+    unvalidated: tuple[tuple[str, int], ...] = ()
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear interpolation between order statistics)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (pos - lo) * (ordered[hi] - ordered[lo])
+
+
+class ResidualModel:
+    """Intervals from a set of residuals grouped by feature.
+
+    For a plan with features F: each validated feature f (n_f >= `MIN_ROWS` rows) estimates the
+    plan's error distribution by its rows' 10% and 90% quantiles; the interval's ends are the
+    means of these estimates (with no validated feature, the quantiles of all rows). Each
+    unvalidated feature then widens both ends in quadrature by z80 x tau: its bias is unknown,
+    modelled as a draw from the biases seen where the model met something new, tau being the
+    larger of the spread (standard deviation) of the validated features' median residuals and
+    that of the sources' median held-out residuals. The interval always contains 1 (the
+    prediction). docs/cost-model.md compares this with the alternatives (the union of the
+    groups' ranges covers 89% of held-out rows at twice the width).
+    """
+
+    def __init__(self, residuals: Iterable[Residual]) -> None:
+        self.residuals = tuple(residuals)
+        self._groups: dict[str, list[float]] = {}
+        for r in self.residuals:
+            for f in r.features:
+                self._groups.setdefault(f, []).append(r.value)
+        values = [r.value for r in self.residuals]
+        self._all = (
+            (_quantile(values, (1 - COVERAGE) / 2), _quantile(values, (1 + COVERAGE) / 2))
+            if values
+            else (0.0, 0.0)
+        )
+        medians = [statistics.median(v) for v in self._groups.values() if len(v) >= MIN_ROWS]
+        sources: dict[str, list[float]] = {}
+        for r in self.residuals:
+            sources.setdefault(r.source, []).append(r.value)
+        source_medians = [statistics.median(v) for v in sources.values()]
+        self.tau = max(
+            statistics.pstdev(medians) if len(medians) >= 2 else 0.0,
+            statistics.pstdev(source_medians) if len(source_medians) >= 2 else 0.0,
+        )
+        self._quantiles = {
+            f: (_quantile(v, (1 - COVERAGE) / 2), _quantile(v, (1 + COVERAGE) / 2))
+            for f, v in self._groups.items()
+            if len(v) >= MIN_ROWS
+        }
+
+    def rows(self, feature: str) -> int:
+        """How many residuals use ``feature``."""
+        return len(self._groups.get(feature, ()))
+
+    def without_source(self, source: str) -> ResidualModel:
+        """The model of every residual but ``source``'s (to size that source's own intervals)."""
+        return ResidualModel(r for r in self.residuals if r.source != source)
+
+    def interval(self, features: Iterable[str]) -> Interval:
+        """The 80% interval of a plan with ``features`` (see the class)."""
+        features = tuple(features)
+        known = [self._quantiles[f] for f in features if f in self._quantiles]
+        low, high = (
+            (statistics.fmean(q[0] for q in known), statistics.fmean(q[1] for q in known))
+            if known
+            else self._all
+        )
+        unvalidated = tuple((f, self.rows(f)) for f in features if f not in self._quantiles)
+        widen = _Z80 * self.tau * math.sqrt(len(unvalidated))
+        low = -math.hypot(max(0.0, -low), widen)
+        high = math.hypot(max(0.0, high), widen)
+        return Interval(low=math.exp(low), high=math.exp(high), unvalidated=unvalidated)
+
+    def coverage(self) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """Leave-one-source-out calibration: each residual against the interval sized without
+        its source. Returns (inside, total, per source (inside, total))."""
+        per: dict[str, tuple[int, int]] = {}
+        for source in sorted({r.source for r in self.residuals}):
+            others = self.without_source(source)
+            mine = [r for r in self.residuals if r.source == source]
+            inside = 0
+            for r in mine:
+                iv = others.interval(r.features)
+                inside += math.log(iv.low) <= r.value <= math.log(iv.high)
+            per[source] = (inside, len(mine))
+        return sum(i for i, _ in per.values()), sum(n for _, n in per.values()), per
+
+
+def _residual(data: dict[str, Any]) -> Residual:
+    return Residual(
+        run_id=str(data["id"]),
+        source=str(data["source"]),
+        features=tuple(data["features"]),
+        value=float(data["residual"]),
+        device=str(data.get("device", "")),
+        params=float(data.get("params", 0.0)),
+        measured_mfu=float(data.get("measured_mfu", 0.0)),
+    )
+
+
+@cache
+def shipped() -> tuple[ResidualModel, ResidualModel]:
+    """The step-time and peak-memory models of the shipped residuals."""
+    data = json.loads(RESIDUALS_PATH.read_text())
+    return (
+        ResidualModel(_residual(r) for r in data["step"]),
+        ResidualModel(_residual(r) for r in data["memory"]),
+    )
+
+
+def step_interval(features: Sequence[str]) -> Interval:
+    """The 80% interval of a step time predicted for a plan with ``features``."""
+    return shipped()[0].interval(features)
+
+
+def memory_interval(features: Sequence[str]) -> Interval:
+    """The 80% interval of a peak memory predicted for a plan with ``features``."""
+    return shipped()[1].interval(features)
+
+
+def memory_upper_factor(features: Sequence[str] = ()) -> float:
+    """The factor from a predicted peak to the upper end of its 80% range (>= 1)."""
+    return memory_interval(features).high
+
+
+def with_ranges(est: Estimate, features: Sequence[str]) -> Estimate:
+    """``est`` with its step-time and peak-memory ranges and its unvalidated features."""
+    step = step_interval(features)
+    memory = memory_interval(features)
+    return dataclasses.replace(
+        est,
+        step_time_range_s=(est.step_time_s * step.low, est.step_time_s * step.high),
+        peak_memory_range_bytes=(
+            est.peak_memory_bytes * memory.low,
+            est.peak_memory_bytes * memory.high,
+        ),
+        features=tuple(features),
+        unvalidated=tuple(f"{f}: {n} published rows" for f, n in step.unvalidated),
+    )
+
+
+def best_published_mfu(device: str, params: float) -> Residual | None:
+    """The published run with the highest measured MFU on ``device`` for a model within a
+    factor 2 of ``params`` parameters (None: no such run)."""
+    runs = [
+        r
+        for r in shipped()[0].residuals
+        if r.device == device and r.params and 0.5 <= params / r.params <= 2.0
+    ]
+    return max(runs, key=lambda r: r.measured_mfu, default=None)
+
+
+def write_residuals(section: str, rows: Sequence[dict[str, Any]], origin: str) -> None:
+    """Replace ``section`` ("step" or "memory") rows of ``origin`` (the bench that measured
+    them) in the shipped residual file; the benches' ``--write-residuals``."""
+    from cost_model.files import atomic_write_text
+
+    data: dict[str, Any] = {"step": [], "memory": []}
+    if RESIDUALS_PATH.exists():
+        data = json.loads(RESIDUALS_PATH.read_text())
+    kept = [r for r in data[section] if r.get("origin") != origin]
+    data[section] = kept + [{**r, "origin": origin} for r in rows]
+    data["about"] = (
+        "log(measured / predicted) per run: written by bench/validate_published.py and "
+        "bench/memory.py --write-residuals; read by cost_model/uncertainty.py"
+    )
+    RESIDUALS_PATH.parent.mkdir(exist_ok=True)
+    atomic_write_text(RESIDUALS_PATH, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    shipped.cache_clear()
