@@ -36,6 +36,25 @@ def fmt_time(seconds: float) -> str:
     return _scaled(seconds, _TIME_UNITS)
 
 
+def fmt_time_bounds(seconds: float, bounds: Sequence[float]) -> str:
+    """An 80% range in the unit of its prediction ``seconds``: "15.9-18.8 s" ("-" if none)."""
+    low, high = bounds
+    if high <= 0:
+        return "-"
+    scale, unit = next(
+        ((scale, unit) for scale, unit in _TIME_UNITS if abs(seconds) >= scale), _TIME_UNITS[-1]
+    )
+    return f"{low / scale:.3g}-{high / scale:.3g} {unit}"
+
+
+def fmt_time_range(seconds: float, bounds: Sequence[float]) -> str:
+    """A predicted time with its 80% range: "16.6 s, 80% range 15.9-18.8 s" (without a range,
+    bounds (0, 0), the time alone)."""
+    if bounds[1] <= 0:
+        return fmt_time(seconds)
+    return f"{fmt_time(seconds)}, 80% range {fmt_time_bounds(seconds, bounds)}"
+
+
 def fmt_count(value: float) -> str:
     return _scaled(value, ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1.0, "")))
 

@@ -12,6 +12,7 @@ from autoplan._format import (
     fmt_memory,
     fmt_recompute,
     fmt_time,
+    fmt_time_range,
 )
 from autoplan.api import default_dp, estimate, manual_plan
 from autoplan.cli.common import (
@@ -171,7 +172,8 @@ def summary_line(result: Estimate) -> str:
     """Two lines: the step and its throughput, then the peak memory and whether it fits."""
     fits = "fits" if result.fits else "DOES NOT FIT"
     return (
-        f"step {fmt_time(result.step_time_s)} (pipeline {fmt_time(result.pipeline_time_s)}, "
+        f"step {fmt_time_range(result.step_time_s, result.step_time_range_s)} "
+        f"(pipeline {fmt_time(result.pipeline_time_s)}, "
         f"bubble {result.bubble_fraction:.1%}, tail {fmt_time(result.tail_s)}) | "
         f"{result.tokens_per_s:,.0f} tokens/s | MFU {result.mfu:.1%}\n"
         f"{result.model_tflops_per_device:.1f} TFLOP/s per device | peak memory "

@@ -16,6 +16,7 @@ from autoplan._format import (
     fmt_recompute,
     fmt_schedule,
     fmt_time,
+    fmt_time_bounds,
 )
 from autoplan.api import estimate
 from autoplan.cli.common import (
@@ -159,6 +160,7 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
         "recompute",
         *(("layout",) if layouts else ()),
         "step",
+        "80% range",
         "MFU",
         "memory",
     ):
@@ -182,6 +184,7 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             fmt_recompute(s.recompute for s in plan.stages),
             *(("/".join(plan.rank_layout),) if layouts else ()),
             fmt_time(e.step_time_s),
+            fmt_time_bounds(e.step_time_s, e.step_time_range_s),
             f"{e.mfu:.1%}",
             fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
         )

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from autoplan._format import fmt_memory, fmt_time
+from autoplan._format import fmt_memory, fmt_time_range
 from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
@@ -161,6 +161,14 @@ class PlanEstimate:
     # of the peak: the framework reserve and allocator margin (0: not recorded), and the device
     memory_reserve_bytes: int = unit_field("bytes", default=0)
     memory_capacity_bytes: int = unit_field("bytes", default=0)
+    # the 80% range of the step time, and the upper end of the peak's (0: not recorded)
+    step_time_low_s: float = unit_field("time", default=0.0)
+    step_time_high_s: float = unit_field("time", default=0.0)
+    peak_memory_high_bytes: int = unit_field("bytes", default=0)
+
+    @property
+    def step_time_range_s(self) -> tuple[float, float]:
+        return (self.step_time_low_s, self.step_time_high_s)
 
     def __str__(self) -> str:
         """One sentence: "on 64 dgx-a100-80g devices: a step takes 3.99 s (131,539 tokens/s,
@@ -177,7 +185,8 @@ class PlanEstimate:
         )
         return (
             f"on {self.num_devices} {self.cluster} devices: a step takes "
-            f"{fmt_time(self.step_time_s)} ({self.tokens_per_s:,.0f} tokens/s, MFU "
+            f"{fmt_time_range(self.step_time_s, self.step_time_range_s)} "
+            f"({self.tokens_per_s:,.0f} tokens/s, MFU "
             f"{self.mfu:.1%}); peak memory {memory}{fits}"
         )
 
@@ -797,6 +806,9 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
         peak_memory_bytes=int(result.peak_memory_bytes),
         memory_reserve_bytes=int(result.peak_rank.memory.reserve_bytes),
         memory_capacity_bytes=int(result.memory_capacity_bytes),
+        step_time_low_s=result.step_time_range_s[0],
+        step_time_high_s=result.step_time_range_s[1],
+        peak_memory_high_bytes=int(result.peak_memory_range_bytes[1]),
     )
 
 
