@@ -33,6 +33,7 @@ from cost_model.estimate import estimate as _estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.stage_splits import StageSplitError, stage_starts
+from cost_model.uncertainty import DEFAULT_OBJECTIVE
 from cost_model.workload import ModelProfile
 
 __all__ = ["default_dp", "estimate", "manual_plan", "profile_of", "search"]
@@ -250,6 +251,7 @@ def search(
     budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
     framework: str = ...,
+    objective: str = ...,
     **constraints: Any,
 ) -> Plan: ...
 
@@ -265,6 +267,7 @@ def search(
     budget_s: float | None = ...,
     progress: Callable[[SearchProgress], None] | None = ...,
     framework: str = ...,
+    objective: str = ...,
     **constraints: Any,
 ) -> list[Plan]: ...
 
@@ -279,6 +282,7 @@ def search(
     budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
     framework: str = DEFAULT_FRAMEWORK,
+    objective: str = DEFAULT_OBJECTIVE,
     **constraints: Any,
 ) -> Plan | list[Plan]:
     """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
@@ -289,7 +293,10 @@ def search(
     ``max_micro_batch``, ``virtual_stages``, ``schedules``, ``zero``, ``recompute``,
     ``sequence_parallel``, ``rank_layouts``, ``dtype``, ``allow_cross_node_tp``. With
     ``top_k`` it returns the ``top_k`` best plans, ranked. Each plan carries its estimate.
-    ``framework``: price the plans for that training stack (`manual_plan`).
+    ``framework``: price the plans for that training stack (`manual_plan`). ``objective``:
+    "pessimistic" (default) ranks plans by the upper end of their step's 80% range, "expected"
+    by the predicted step; plans within 2% of the best tie, and ties go to the plan with fewer
+    unvalidated features, then more memory headroom.
     """
     result = search_plans(
         profile_of(model_or_graph),
@@ -300,6 +307,7 @@ def search(
         budget_s=budget_s,
         progress=progress,
         framework=framework,
+        objective=objective,
         **constraints,
     )
     return list(result.plans) if top_k is not None else result.plans[0]

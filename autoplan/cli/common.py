@@ -174,6 +174,15 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),
         click.option(
+            "--objective",
+            # cost_model.uncertainty.OBJECTIVES (not imported: the CLI starts fast)
+            type=click.Choice(["pessimistic", "expected"]),
+            default="pessimistic",
+            show_default=True,
+            help="What the search minimises: the upper end of the step's 80% range "
+            "(pessimistic) or the predicted step (expected).",
+        ),
+        click.option(
             "--time-limit",
             type=click.FloatRange(min=0.01),
             callback=finite_seconds,

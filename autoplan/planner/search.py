@@ -35,11 +35,12 @@ needs.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -91,6 +92,15 @@ from cost_model.memory import activation_bytes, activation_scale, local_num_para
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import Strategy
+from cost_model.uncertainty import (
+    DEFAULT_OBJECTIVE,
+    OBJECTIVES,
+    TIE_FRACTION,
+    objective_factor,
+    plan_features,
+    step_interval,
+    strategy_features,
+)
 from cost_model.workload import ModelProfile
 
 logger = logging.getLogger(__name__)
@@ -200,11 +210,15 @@ def search_plans(
     budget_s: float | None = DEFAULT_BUDGET_S,
     progress: Callable[[SearchProgress], None] | None = None,
     framework: str = DEFAULT_FRAMEWORK,
+    objective: str = DEFAULT_OBJECTIVE,
     **constraints: Any,
 ) -> SearchResult:
-    """The ``top_k`` fastest plans that fit (see the module docstring). ``time_limit_s`` caps
+    """The ``top_k`` best plans that fit (see the module docstring). ``time_limit_s`` caps
     one stage-partition solve; ``budget_s`` the whole visit (None: visit until proven).
-    ``framework``: the training stack the plans are priced for (`cost_model.frameworks`)."""
+    ``framework``: the training stack the plans are priced for (`cost_model.frameworks`).
+    ``objective``: what "best" minimises, "pessimistic" (the upper end of the step's 80%
+    range, the default) or "expected" (the predicted step); plans within `TIE_FRACTION` of the
+    best tie, and ties go to fewer unvalidated features, then more memory headroom."""
     # Every bound, floor and table below reads the cluster as the framework's stack runs on it.
     cluster = framework_profile(framework).cluster_for(profile, cluster)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -213,6 +227,11 @@ def search_plans(
         raise NoFeasiblePlanError(
             f"global_batch={global_batch:,} sequences is more than the {MAX_GLOBAL_BATCH:,} "
             "autoplan plans for; give a real batch size"
+        )
+    if objective not in OBJECTIVES:
+        raise NoFeasiblePlanError(
+            f"objective={shown(objective)} is not one autoplan knows; use one of "
+            f"{', '.join(OBJECTIVES)}"
         )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise NoFeasiblePlanError(f"top_k={top_k!r} must be a whole number >= 1")
@@ -317,22 +336,49 @@ def search_plans(
     stats.enumerate_s = time.perf_counter() - start
     deadline = math.inf if budget_s is None else start + budget_s
 
-    best: list[tuple[float, int, Candidate, Partition]] = []  # max-heap on step time
+    # The objective is the step times a factor of the plan's features (1: "expected"; the
+    # upper end of its 80% range: "pessimistic"), at least 1, so a step bound bounds it too.
+    factors: dict[tuple[Strategy, frozenset[Recompute]], float] = {}
+
+    def factor(strategy: Strategy, modes: Iterable[Recompute]) -> float:
+        key = (strategy, frozenset(modes))
+        if key not in factors:
+            features = strategy_features(strategy, key[1], framework)
+            factors[key] = objective_factor(features, objective)
+        return factors[key]
+
+    def least_factor(candidate: Candidate) -> float:
+        """The least factor of any mix of the candidate's recompute modes a partition uses."""
+        modes = tuple(candidate.by_mode)
+        return min(
+            factor(candidate.strategy, mix)
+            for size in range(1, len(modes) + 1)
+            for mix in itertools.combinations(modes, size)
+        )
+
+    # max-heap on the objective: the top_k; every candidate's best partition, for the ties
+    best: list[tuple[float, int, Candidate, Partition]] = []
+    offered: dict[int, tuple[float, Candidate, Partition]] = {}
 
     def kth() -> float:
-        return -best[0][0] if len(best) == top_k else math.inf
+        """The objective a candidate must beat, widened by the tie band: a plan within it of
+        the best is still visited, for the ties."""
+        return -best[0][0] * (1.0 + TIE_FRACTION) if len(best) == top_k else math.inf
 
     def offer(order: int, candidate: Candidate, found: Partition) -> None:
+        value = found.step_time_s * factor(candidate.strategy, found.modes)
+        if order in offered and offered[order][0] <= value:
+            return  # the same outer choice: keep its better partition
+        offered[order] = (value, candidate, found)
         for index, entry in enumerate(best):
-            if entry[1] == order:  # the same outer choice: keep its better partition
-                if found.step_time_s < -entry[0]:
-                    best[index] = (-found.step_time_s, order, candidate, found)
-                    heapq.heapify(best)
+            if entry[1] == order:
+                best[index] = (-value, order, candidate, found)
+                heapq.heapify(best)
                 return
         if len(best) < top_k:
-            heapq.heappush(best, (-found.step_time_s, order, candidate, found))
-        elif found.step_time_s < -best[0][0]:
-            heapq.heapreplace(best, (-found.step_time_s, order, candidate, found))
+            heapq.heappush(best, (-value, order, candidate, found))
+        elif value < -best[0][0]:
+            heapq.heapreplace(best, (-value, order, candidate, found))
 
     # Phase 2: a strong incumbent before any proof. The even split of each candidate in the
     # visiting order (a few simulations each) until the seed share of the budget is spent,
@@ -397,10 +443,12 @@ def search_plans(
         visited += 1
         strategy = candidate.strategy
         bound = candidate.time_lower_bound_s
-        if bound >= kth():
+        # the candidate's cutoff on its step: no partition of it beats the objective to beat
+        least = least_factor(candidate)
+        if bound * least >= kth():
             stats.pruned_bound += 1
             continue
-        cutoff = kth() if len(best) == top_k else None
+        cutoff = kth() / least if len(best) == top_k else None
         if cutoff is not None and strategy.virtual_stages > 1 and time.perf_counter() < deadline:
             # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
             t0 = time.perf_counter()
@@ -416,7 +464,7 @@ def search_plans(
             unproven.extend(rest)
             break
         problem = problems.pop(order) if order in problems else _problem(candidate, model)
-        key = problem.content_key()
+        key = (problem.content_key(), least)
         t0 = time.perf_counter()
         if own_cuts.only:
             # the stack's own cut, one recompute mode throughout: nothing to solve
@@ -476,10 +524,39 @@ def search_plans(
     if unproven:
         worst = -best[0][0]
         stats.optimality_gap = max(0.0, max((worst - low) / worst for low in unproven))
-    ranked = sorted(best, key=lambda e: (-e[0], e[1]))
-    plans = tuple(_to_plan(model, c, p, global_batch) for _, _, c, p in ranked)
+    plans = _ranked(model, offered, top_k, global_batch)
     stats.total_s = time.perf_counter() - start
     return SearchResult(plans=plans, stats=stats)
+
+
+def _ranked(
+    model: CostModel,
+    offered: dict[int, tuple[float, Candidate, Partition]],
+    top_k: int,
+    global_batch: int,
+) -> tuple[Plan, ...]:
+    """The ``top_k`` best of the offered plans: by objective, except that plans within
+    `TIE_FRACTION` of the best tie and go first by fewer unvalidated features, then by more
+    memory left at the upper end of their peak's range (then objective, then visiting order:
+    deterministic)."""
+    by_value = sorted(offered.items(), key=lambda item: (item[1][0], item[0]))
+    best = by_value[0][1][0]
+    tied = [item for item in by_value if item[1][0] <= best * (1.0 + TIE_FRACTION)]
+    rest = by_value[len(tied) :][: max(0, top_k - len(tied))]
+
+    def plan_of(item: tuple[int, tuple[float, Candidate, Partition]]) -> Plan:
+        _, (_, candidate, partition) = item
+        return _to_plan(model, candidate, partition, global_batch)
+
+    def tie_key(pair: tuple[tuple[int, tuple[float, Candidate, Partition]], Plan]) -> Any:
+        (order, (value, _, _)), plan = pair
+        e = plan.estimate
+        assert e is not None
+        unvalidated = len(step_interval(plan_features(plan, model.framework)).unvalidated)
+        return (unvalidated, e.peak_memory_high_bytes - e.memory_capacity_bytes, value, order)
+
+    ties = sorted(((item, plan_of(item)) for item in tied), key=tie_key)
+    return tuple(plan for _, plan in ties[:top_k]) + tuple(plan_of(item) for item in rest)
 
 
 # ------------------------------------------------------------------------------ visit order
