@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from autoplan import api
 from autoplan._format import fmt_time
+from autoplan.analysis.coverage import Coverage, coverage
 from autoplan.analysis.whatif import cluster_type, infeasible_reason
 from autoplan.contract.errors import InputError, ModelSpecError, NoFeasiblePlanError
 from autoplan.contract.plan import MESH_AXES, Plan
@@ -201,6 +202,8 @@ class Explanation:
     memory: tuple[RankMemory, ...]
     alternatives: tuple[Alternative, ...]
     notes: tuple[str, ...]
+    # where the plan leaves the published runs the cost model was checked on
+    coverage: Coverage | None = None
 
     def to_data(self) -> dict[str, Any]:
         return {
@@ -209,6 +212,7 @@ class Explanation:
             "num_devices": self.num_devices,
             "plan": self.plan.to_data(),
             "estimate": self.estimate.to_data(),
+            "coverage": None if self.coverage is None else dataclasses.asdict(self.coverage),
             "critical_path": {
                 **dataclasses.asdict(self.critical_path),
                 "summary": self.critical_path.summary(),
@@ -294,6 +298,7 @@ def explain(
         ),
         alternatives=tuple(found),
         notes=tuple(notes),
+        coverage=coverage(plan, profile, cluster, result),
     )
 
 

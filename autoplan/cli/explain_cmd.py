@@ -171,6 +171,8 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
     for note in result.notes:
         out.print(f"note: {note}")
+    for line in result.coverage.lines() if result.coverage else ():
+        out.print(f"[bold]coverage:[/] {line}")
     if result.alternatives:
         out.print("[bold]why not ...[/]")
         for alternative in result.alternatives:

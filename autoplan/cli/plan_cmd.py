@@ -18,6 +18,7 @@ from autoplan._format import (
     fmt_time,
     fmt_time_bounds,
 )
+from autoplan.analysis.coverage import coverage
 from autoplan.api import estimate
 from autoplan.cli.common import (
     budget_s,
@@ -132,6 +133,8 @@ def plan_cmd(
     detail = estimate(profile, target, best)
     out.print(stage_table(detail))
     out.print(summary_line(detail))
+    for line in coverage(best, profile, target, detail).lines():
+        out.print(f"[bold]coverage:[/] {line}")
     if output is not None:
         out.print(f"wrote {output}")
 
