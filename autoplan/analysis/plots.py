@@ -69,6 +69,18 @@ def whatif_figure(result: WhatIfResult) -> Figure:
         ok = [r for r in rows if r.tokens_per_s is not None and r.scaling_efficiency is not None]
         x = [r.num_devices for r in ok]
         (line,) = throughput.plot(x, [r.tokens_per_s for r in ok], marker="o", label=label)
+        # the throughput at the ends of the step's 80% range
+        ranged = [r for r in ok if r.tokens_per_s_range is not None]
+        if ranged:
+            throughput.fill_between(
+                [r.num_devices for r in ranged],
+                [r.tokens_per_s_range[0] for r in ranged],  # type: ignore[index]
+                [r.tokens_per_s_range[1] for r in ranged],  # type: ignore[index]
+                color=line.get_color(),
+                alpha=0.2,
+                linewidth=0,
+                label=f"{label}: 80% range",
+            )
         efficiency.plot(
             x,
             [100.0 * (r.scaling_efficiency or 0.0) for r in ok],

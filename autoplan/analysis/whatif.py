@@ -42,6 +42,7 @@ from autoplan.planner.space import ConstraintError, SearchSpace
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, load_cluster
 from cost_model.messages import shown
+from cost_model.uncertainty import DEFAULT_OBJECTIVE, OBJECTIVES
 from cost_model.workload import ModelProfile
 
 __all__ = [
@@ -110,6 +111,8 @@ class WhatIfRow:
     tokens_per_s: float | None
     mfu: float | None
     peak_memory_bytes: float | None
+    # the 80% range of the step (`cost_model.uncertainty`), and of the throughput it gives
+    step_time_range_s: tuple[float, float] | None
     scaling_efficiency: float | None  # per-device throughput / that of the baseline size
     scaling_baseline_devices: int | None  # the smallest size of this type with a plan
     training: TrainingCost | None
@@ -125,6 +128,16 @@ class WhatIfRow:
     def fits(self) -> bool:
         return self.plan is not None
 
+    @property
+    def tokens_per_s_range(self) -> tuple[float, float] | None:
+        """The throughput at the ends of the step's 80% range (slowest first)."""
+        if self.step_time_range_s is None or self.tokens_per_s is None:
+            return None
+        assert self.step_time_s is not None
+        low, high = self.step_time_range_s
+        per_step = self.tokens_per_s * self.step_time_s
+        return (per_step / high, per_step / low) if low > 0 else None
+
     def to_data(self) -> dict[str, Any]:
         return {
             "cluster": self.cluster,
@@ -135,6 +148,8 @@ class WhatIfRow:
             "fits": self.fits,
             "reason": self.reason,
             "step_time_s": self.step_time_s,
+            "step_time_range_s": self.step_time_range_s,
+            "tokens_per_s_range": self.tokens_per_s_range,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -419,6 +434,7 @@ def whatif(
     progress: Callable[[WhatIfProgress], None] | None = None,
     workers: int | None = None,
     framework: str = DEFAULT_FRAMEWORK,
+    objective: str = DEFAULT_OBJECTIVE,
     **constraints: Any,
 ) -> WhatIfResult:
     """The best plan and its speed and cost for every cluster type and device count.
@@ -434,8 +450,8 @@ def whatif(
     once it is spent, and each gets at most what is left of it as its budget; the sizes not
     reached are rows with ``searched=False`` (`WhatIfResult.not_run` counts them), never
     dropped. A search that is running when it runs out ends within its own budget.
-    ``framework``: price every plan for that training stack (`autoplan.search`).
-    At most `MAX_SEARCHES` cluster types x device counts.
+    ``framework``: price every plan for that training stack, ``objective``: what each search
+    minimises (`autoplan.search`). At most `MAX_SEARCHES` cluster types x device counts.
     """
     start = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -471,7 +487,12 @@ def whatif(
     # Unknown or contradictory constraints, or an unknown framework, fail before any search.
     SearchSpace.from_constraints(**constraints)
     framework_profile(framework)
-    constraints = {**constraints, "framework": framework}
+    if objective not in OBJECTIVES:
+        raise WhatIfInputError(
+            f"objective = {shown(objective)} is not one autoplan knows; use one of "
+            f"{', '.join(OBJECTIVES)}"
+        )
+    constraints = {**constraints, "framework": framework, "objective": objective}
     profile = api.profile_of(model_or_graph)
 
     jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]
@@ -702,6 +723,7 @@ def _rows(
                 tokens_per_s=e.tokens_per_s if e else None,
                 mfu=e.mfu if e else None,
                 peak_memory_bytes=float(e.peak_memory_bytes) if e else None,
+                step_time_range_s=e.step_time_range_s if e else None,
                 scaling_efficiency=(
                     e.tokens_per_s / n / baseline[1] if e is not None and baseline else None
                 ),

@@ -21,6 +21,7 @@ from autoplan._format import (
     fmt_bytes,
     fmt_recompute,
     fmt_time,
+    fmt_time_bounds,
 )
 from autoplan.analysis.whatif import (
     DEFAULT_TOTAL_BUDGET_S,
@@ -347,7 +348,17 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
             if index == len(clusters) - 1
             else None,
         )
-        for name in ("devices", "plan", "step", "tokens/s", "MFU", "memory", "scaling", "gap"):
+        for name in (
+            "devices",
+            "plan",
+            "step",
+            "80% range",
+            "tokens/s",
+            "MFU",
+            "memory",
+            "scaling",
+            "gap",
+        ):
             if name == "plan":
                 table.add_column(name, justify="left", overflow="fold", ratio=1)
             else:
@@ -355,13 +366,14 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
         for row in rows:
             cells = [f"{row.num_devices:,}", _plan_cell(row)]
             if row.plan is None:
-                table.add_row(*cells, *["-"] * 6, style="dim")
+                table.add_row(*cells, *["-"] * 7, style="dim")
                 continue
             assert row.step_time_s is not None and row.tokens_per_s is not None
             assert row.mfu is not None and row.peak_memory_bytes is not None
             table.add_row(
                 *cells,
                 fmt_time(row.step_time_s),
+                fmt_time_bounds(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
                 f"{row.tokens_per_s:,.0f}",
                 f"{row.mfu:.1%}",
                 f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
