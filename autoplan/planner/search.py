@@ -174,6 +174,9 @@ class SearchStats:
     # How much faster than the returned best an unfinished candidate might still be, as a
     # fraction of the best step time (0: the result is proven optimal in the space).
     optimality_gap: float = 0.0
+    # the least objective of the plans found (the objective's optimum when the gap is 0): the
+    # returned best is within `TIE_FRACTION` of it (a tie gone to fewer unvalidated features)
+    best_objective_s: float | None = None
     enumerate_s: float = 0.0
     costs_s: float = 0.0
     solver_s: float = 0.0
@@ -524,6 +527,7 @@ def search_plans(
     if unproven:
         worst = -best[0][0]
         stats.optimality_gap = max(0.0, max((worst - low) / worst for low in unproven))
+    stats.best_objective_s = min(value for value, _, _ in offered.values())
     plans = _ranked(model, offered, top_k, global_batch)
     stats.total_s = time.perf_counter() - start
     return SearchResult(plans=plans, stats=stats)
