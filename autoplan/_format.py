@@ -47,6 +47,14 @@ def fmt_time_bounds(seconds: float, bounds: Sequence[float]) -> str:
     return f"{low / scale:.3g}-{high / scale:.3g} {unit}"
 
 
+def fmt_range_percent(seconds: float, bounds: Sequence[float]) -> str:
+    """An 80% range relative to its prediction, for narrow table cells: "-8/+14%"."""
+    low, high = bounds
+    if high <= 0 or seconds <= 0:
+        return "-"
+    return f"{100 * (low / seconds - 1):.0f}/+{100 * (high / seconds - 1):.0f}%"
+
+
 def fmt_time_range(seconds: float, bounds: Sequence[float]) -> str:
     """A predicted time with its 80% range: "16.6 s, 80% range 15.9-18.8 s" (without a range,
     bounds (0, 0), the time alone)."""

@@ -275,7 +275,13 @@ def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path)
         assert len(ax.get_lines()) == len(sweep.clusters)
         legend = ax.get_legend()
         assert legend is not None
-        assert [t.get_text() for t in legend.get_texts()] == list(sweep.clusters)
+        texts = [t.get_text() for t in legend.get_texts()]
+        if ax is throughput:
+            # each line with its shaded 80% range
+            ranges = [f"{c}: 80% range" for c in sweep.clusters]
+            assert sorted(texts) == sorted([*sweep.clusters, *ranges])
+        else:
+            assert texts == list(sweep.clusters)
         for line, label in zip(ax.get_lines(), sweep.clusters, strict=True):
             # sizes without a plan are left out of the line
             assert np.asarray(line.get_xdata()).tolist() == [
@@ -288,6 +294,12 @@ def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path)
     assert np.asarray(efficiency.get_lines()[0].get_ydata()).tolist() == pytest.approx(
         [100 * (r.scaling_efficiency or 0) for r in a100 if r.fits]
     )
+    # the A100 band spans the throughput at the ends of each size's step range
+    band = throughput.collections[0].get_paths()[0].vertices
+    ranged = [r.tokens_per_s_range for r in a100 if r.fits and r.tokens_per_s_range]
+    assert ranged
+    assert band[:, 1].min() == pytest.approx(min(low for low, _ in ranged))
+    assert band[:, 1].max() == pytest.approx(max(high for _, high in ranged))
     out = save_figure(figure, tmp_path / "whatif.png")
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
 

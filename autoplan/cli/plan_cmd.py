@@ -13,10 +13,10 @@ from autoplan._format import (
     MEMORY_CELL_CAPTION,
     compact_table,
     fmt_memory_cell,
+    fmt_range_percent,
     fmt_recompute,
     fmt_schedule,
     fmt_time,
-    fmt_time_bounds,
 )
 from autoplan.analysis.coverage import coverage
 from autoplan.api import estimate
@@ -142,7 +142,10 @@ def plan_cmd(
 def ranked_table(plans: tuple[Plan, ...]) -> Table:
     """The ranked plans, one line each, with their rank layouts (outermost axis first) when
     they differ (the chosen plan's split is in its stage table)."""
-    table = compact_table("best plans (rank 1 is chosen)", caption=MEMORY_CELL_CAPTION)
+    table = compact_table(
+        "best plans (rank 1 is chosen)",
+        caption="range: the step's 80% range around it; " + MEMORY_CELL_CAPTION,
+    )
     # The rank layout only when the plans differ in it: then it may be all that tells two apart.
     layouts = len({plan.rank_layout for plan in plans}) > 1
     # cp and ep columns only when a plan uses them
@@ -163,7 +166,8 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
         "recompute",
         *(("layout",) if layouts else ()),
         "step",
-        "80% range",
+        # the step's 80% range, where the width allows (the chosen plan's is printed below)
+        *(() if layouts else ("range",)),
         "MFU",
         "memory",
     ):
@@ -187,7 +191,7 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             fmt_recompute(s.recompute for s in plan.stages),
             *(("/".join(plan.rank_layout),) if layouts else ()),
             fmt_time(e.step_time_s),
-            fmt_time_bounds(e.step_time_s, e.step_time_range_s),
+            *(() if layouts else (fmt_range_percent(e.step_time_s, e.step_time_range_s),)),
             f"{e.mfu:.1%}",
             fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
         )

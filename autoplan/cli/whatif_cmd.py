@@ -19,9 +19,9 @@ from rich.table import Table
 from autoplan._format import (
     compact_table,
     fmt_bytes,
+    fmt_range_percent,
     fmt_recompute,
     fmt_time,
-    fmt_time_bounds,
 )
 from autoplan.analysis.whatif import (
     DEFAULT_TOTAL_BUDGET_S,
@@ -342,7 +342,8 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
                 "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: "
                 "the peak device's predicted tensors, framework "
-                "reserve and allocator margin, of its capacity; gap: a plan up to this much "
+                "reserve and allocator margin, of its capacity; range: the step's 80% range "
+                "around it; gap: a plan up to this much "
                 "faster may exist (the search's budget ended before it proved otherwise)"
             )
             if index == len(clusters) - 1
@@ -352,7 +353,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
             "devices",
             "plan",
             "step",
-            "80% range",
+            "range",
             "tokens/s",
             "MFU",
             "memory",
@@ -373,7 +374,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
             table.add_row(
                 *cells,
                 fmt_time(row.step_time_s),
-                fmt_time_bounds(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
+                fmt_range_percent(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
                 f"{row.tokens_per_s:,.0f}",
                 f"{row.mfu:.1%}",
                 f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
