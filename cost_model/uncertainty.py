@@ -253,13 +253,15 @@ def with_ranges(est: Estimate, features: Sequence[str]) -> Estimate:
     """``est`` with its step-time and peak-memory ranges and its unvalidated features."""
     step = step_interval(features)
     memory = memory_interval(features)
+    # the residuals are of tensors and their allocator margin; the framework reserve (the CUDA
+    # context, library buffers) is a fixed calibration figure outside the allocator
+    peak = est.peak_rank.memory
+    fixed = peak.reserve_bytes - peak.margin_bytes
+    scaled = est.peak_memory_bytes - fixed
     return dataclasses.replace(
         est,
         step_time_range_s=(est.step_time_s * step.low, est.step_time_s * step.high),
-        peak_memory_range_bytes=(
-            est.peak_memory_bytes * memory.low,
-            est.peak_memory_bytes * memory.high,
-        ),
+        peak_memory_range_bytes=(fixed + scaled * memory.low, fixed + scaled * memory.high),
         features=tuple(features),
         unvalidated=tuple(f"{f}: {n} published rows" for f, n in step.unvalidated),
     )
