@@ -41,7 +41,13 @@ from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.strategy import folded_ep_factors
-from cost_model.uncertainty import MIN_ROWS, Residual, ResidualModel, write_residuals
+from cost_model.uncertainty import (
+    MIN_ROWS,
+    RESIDUALS_PATH,
+    Residual,
+    ResidualModel,
+    write_residuals,
+)
 from cost_model.workload import ModelProfile
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -1079,6 +1085,22 @@ def memory_residuals(results: Iterable[Result]) -> list[dict[str, Any]]:
     ]
 
 
+def staleness(rows: list[dict[str, Any]]) -> str:
+    """Whether the shipped step residuals (what the product's ranges are sized by) are this
+    run's: a cost-model change moves them, and ``--write-residuals`` ships the new ones."""
+    shipped_rows = {
+        (r["id"], r["residual"], tuple(r["features"]))
+        for r in json.loads(RESIDUALS_PATH.read_text())["step"]
+    }
+    mine = {(r["id"], r["residual"], tuple(r["features"])) for r in rows}
+    if shipped_rows == mine:
+        return f"  the shipped residuals ({RESIDUALS_PATH.name}) are this run's"
+    return (
+        f"  the shipped residuals differ from this run's in {len(shipped_rows ^ mine)} entries: "
+        "re-run with --write-residuals"
+    )
+
+
 def _model(rows: Iterable[dict[str, Any]]) -> ResidualModel:
     return ResidualModel(
         Residual(
@@ -1191,6 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
             print(loso_report(held, results))
             step_rows = step_residuals(held)
             print(coverage_report(step_rows))
+            print(staleness(step_rows))
             if args.write_residuals:
                 write_residuals("step", step_rows, ORIGIN)
                 write_residuals("memory", memory_residuals(results), ORIGIN)
