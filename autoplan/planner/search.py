@@ -350,14 +350,16 @@ def search_plans(
             factors[key] = objective_factor(features, objective)
         return factors[key]
 
-    def least_factor(candidate: Candidate) -> float:
-        """The least factor of any mix of the candidate's recompute modes a partition uses."""
-        modes = tuple(candidate.by_mode)
+    def least_of(strategy: Strategy, modes: tuple[Recompute, ...]) -> float:
+        """The least factor of any mix of ``modes`` a partition of ``strategy`` uses."""
         return min(
-            factor(candidate.strategy, mix)
+            factor(strategy, mix)
             for size in range(1, len(modes) + 1)
             for mix in itertools.combinations(modes, size)
         )
+
+    def least_factor(candidate: Candidate) -> float:
+        return least_of(candidate.strategy, tuple(candidate.by_mode))
 
     # max-heap on the objective: the top_k; every candidate's best partition, for the ties
     best: list[tuple[float, int, Candidate, Partition]] = []
@@ -462,7 +464,12 @@ def search_plans(
                 continue
         if time.perf_counter() > deadline and best:
             # Out of time: the rest are unproven; their bounds give the gap.
-            rest = [bound] + [c.time_lower_bound_s for _, _, c in seeded] + frontier.floors()
+            # on the objective: each bound times its choice's least factor
+            rest = (
+                [bound * least]
+                + [c.time_lower_bound_s * least_factor(c) for _, _, c in seeded]
+                + frontier.floors(least_of)
+            )
             stats.unvisited = len(rest)
             unproven.extend(rest)
             break
@@ -507,7 +514,7 @@ def search_plans(
         elif solve_stats.status in ("UNKNOWN", "FEASIBLE"):
             stats.solver_timeouts += 1
             # what the solver proved, or at least the candidate's own proven bound
-            unproven.append(max(solve_stats.lower_bound_s, candidate.time_lower_bound_s))
+            unproven.append(least * max(solve_stats.lower_bound_s, candidate.time_lower_bound_s))
             logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, strategy)
         if found is not None:
             offer(order, candidate, found)
@@ -619,10 +626,17 @@ class _Frontier:
         _, index, candidate = heapq.heappop(ready)
         return index, candidate
 
-    def floors(self) -> list[float]:
-        """Proven lower bounds on the step of every choice not popped yet."""
-        return [e.time_floor_s for e in self._pending] + [
-            c.time_lower_bound_s for _, _, c in self._ready
+    def floors(
+        self, least: Callable[[Strategy, tuple[Recompute, ...]], float] | None = None
+    ) -> list[float]:
+        """Proven lower bounds on the step of every choice not popped yet (on the objective:
+        each times ``least(strategy, modes)``, its least objective factor)."""
+
+        def factor(strategy: Strategy, modes: tuple[Recompute, ...]) -> float:
+            return 1.0 if least is None else least(strategy, modes)
+
+        return [e.time_floor_s * factor(e.strategy, e.modes) for e in self._pending] + [
+            c.time_lower_bound_s * factor(c.strategy, tuple(c.by_mode)) for _, _, c in self._ready
         ]
 
     def remaining(self) -> int:
