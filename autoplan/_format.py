@@ -55,12 +55,12 @@ def fmt_range_percent(seconds: float, bounds: Sequence[float]) -> str:
     return f"{100 * (low / seconds - 1):.0f}/+{100 * (high / seconds - 1):.0f}%"
 
 
-def fmt_time_range(seconds: float, bounds: Sequence[float]) -> str:
-    """A predicted time with its 80% range: "16.6 s, 80% range 15.9-18.8 s" (without a range,
+def fmt_time_range(seconds: float, bounds: Sequence[float], level: float = 0.8) -> str:
+    """A predicted time with its range: "16.6 s, 80% range 15.9-18.8 s" (without a range,
     bounds (0, 0), the time alone)."""
     if bounds[1] <= 0:
         return fmt_time(seconds)
-    return f"{fmt_time(seconds)}, 80% range {fmt_time_bounds(seconds, bounds)}"
+    return f"{fmt_time(seconds)}, {level:.0%} range {fmt_time_bounds(seconds, bounds)}"
 
 
 def fmt_count(value: float) -> str:

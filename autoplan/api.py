@@ -33,7 +33,7 @@ from cost_model.estimate import estimate as _estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.stage_splits import StageSplitError, stage_starts
-from cost_model.uncertainty import DEFAULT_OBJECTIVE
+from cost_model.uncertainty import DEFAULT_OBJECTIVE, check_range_level, with_ranges
 from cost_model.workload import ModelProfile
 
 __all__ = ["default_dp", "estimate", "manual_plan", "profile_of", "search"]
@@ -223,8 +223,12 @@ def estimate(
     plan: Plan,
     *,
     allow_cross_node_tp: bool = False,
+    range_level: float = 0.8,
 ) -> Estimate:
     """The cost model's prediction for ``plan``: step time, throughput, MFU, memory per stage.
+
+    The step time and peak memory carry ``range_level`` ranges (default 80%: the measured value
+    falls inside in 8 of 10 cases; docs/cost-model.md, "How far off a figure may be").
 
     Validates the plan against the model and the cluster first (raises `PlanError`). A plan
     that does not fit in memory still gets an estimate with ``fits=False``; call
@@ -236,8 +240,10 @@ def estimate(
         raise PlanError(
             f"plan must be a Plan (e.g. Plan.from_yaml(path)), got {type(plan).__name__}"
         )
+    level = check_range_level(range_level)
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
-    return _estimate(profile, cluster, plan)
+    result = _estimate(profile, cluster, plan)
+    return result if level == result.range_level else with_ranges(result, result.features, level)
 
 
 @overload

@@ -132,6 +132,7 @@ class Estimate:
     # same quantity as peak_memory_bytes); (0, 0) until `uncertainty.with_ranges` sets them
     step_time_range_s: tuple[float, float] = (0.0, 0.0)
     peak_memory_range_bytes: tuple[float, float] = (0.0, 0.0)
+    range_level: float = 0.8  # the share of outcomes the ranges hold
     # the plan's features by which the ranges are sized, and those fewer than 5 published rows
     # validate ("interleaved-zb without recompute: 0 published rows")
     features: tuple[str, ...] = ()

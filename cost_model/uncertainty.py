@@ -27,11 +27,18 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cost_model.errors import InputError
 from cost_model.frameworks import framework_profile
+from cost_model.messages import shown
 from cost_model.strategy import PlanLike, Strategy
 
 if TYPE_CHECKING:
     from cost_model.results import Estimate
+
+
+class RangeLevelError(InputError):
+    """A requested range level is not a fraction in (0, 1) (the message names the value)."""
+
 
 RESIDUALS_PATH = Path(__file__).resolve().parent / "validation" / "residuals.json"
 COVERAGE = 0.8  # the interval's nominal coverage: 80% of measured values inside
@@ -39,8 +46,6 @@ COVERAGE = 0.8  # the interval's nominal coverage: 80% of measured values inside
 # 10% and 90% quantiles are not estimable (with 4 rows the sample's extremes already lie inside
 # the 10-90% band most of the time), so the feature counts as unseen.
 MIN_ROWS = 5
-# z of the normal's 90% quantile: the half-width of a centred 80% interval in standard deviations
-_Z80 = 1.2815515655446004
 
 # A stack with no published runs of its own is checked through the stack whose engine it shares:
 # autoplan's runtime is torch's own FSDP2, DTensor tensor parallelism, torch.distributed.
@@ -148,12 +153,7 @@ class ResidualModel:
         for r in self.residuals:
             for f in r.features:
                 self._groups.setdefault(f, []).append(r.value)
-        values = [r.value for r in self.residuals]
-        self._all = (
-            (_quantile(values, (1 - COVERAGE) / 2), _quantile(values, (1 + COVERAGE) / 2))
-            if values
-            else (0.0, 0.0)
-        )
+        self._values = [r.value for r in self.residuals]
         medians = [statistics.median(v) for v in self._groups.values() if len(v) >= MIN_ROWS]
         sources: dict[str, list[float]] = {}
         for r in self.residuals:
@@ -163,11 +163,7 @@ class ResidualModel:
             statistics.pstdev(medians) if len(medians) >= 2 else 0.0,
             statistics.pstdev(source_medians) if len(source_medians) >= 2 else 0.0,
         )
-        self._quantiles = {
-            f: (_quantile(v, (1 - COVERAGE) / 2), _quantile(v, (1 + COVERAGE) / 2))
-            for f, v in self._groups.items()
-            if len(v) >= MIN_ROWS
-        }
+        self._validated = {f for f, v in self._groups.items() if len(v) >= MIN_ROWS}
 
     def rows(self, feature: str) -> int:
         """How many residuals use ``feature``."""
@@ -177,17 +173,28 @@ class ResidualModel:
         """The model of every residual but ``source``'s (to size that source's own intervals)."""
         return ResidualModel(r for r in self.residuals if r.source != source)
 
-    def interval(self, features: Iterable[str]) -> Interval:
-        """The 80% interval of a plan with ``features`` (see the class)."""
+    @cache  # noqa: B019 (the models live as long as the process: `shipped`)
+    def _ends(self, feature: str | None, level: float) -> tuple[float, float]:
+        """The (1 - level) / 2 and (1 + level) / 2 quantiles of a feature's residuals (None:
+        of all of them)."""
+        values = self._values if feature is None else self._groups[feature]
+        if not values:
+            return (0.0, 0.0)
+        return (_quantile(values, (1 - level) / 2), _quantile(values, (1 + level) / 2))
+
+    def interval(self, features: Iterable[str], level: float = COVERAGE) -> Interval:
+        """The ``level`` interval (default 80%) of a plan with ``features`` (see the class)."""
         features = tuple(features)
-        known = [self._quantiles[f] for f in features if f in self._quantiles]
+        known = [self._ends(f, level) for f in features if f in self._validated]
         low, high = (
             (statistics.fmean(q[0] for q in known), statistics.fmean(q[1] for q in known))
             if known
-            else self._all
+            else self._ends(None, level)
         )
-        unvalidated = tuple((f, self.rows(f)) for f in features if f not in self._quantiles)
-        widen = _Z80 * self.tau * math.sqrt(len(unvalidated))
+        unvalidated = tuple((f, self.rows(f)) for f in features if f not in self._validated)
+        # z of the normal's (1 + level) / 2 quantile: a centred interval's half-width in sigmas
+        z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+        widen = z * self.tau * math.sqrt(len(unvalidated))
         low = -math.hypot(max(0.0, -low), widen)
         high = math.hypot(max(0.0, high), widen)
         return Interval(low=math.exp(low), high=math.exp(high), unvalidated=unvalidated)
@@ -229,19 +236,34 @@ def shipped() -> tuple[ResidualModel, ResidualModel]:
     )
 
 
-def step_interval(features: Sequence[str]) -> Interval:
-    """The 80% interval of a step time predicted for a plan with ``features``."""
-    return _interval(0, tuple(features))
+def step_interval(features: Sequence[str], level: float = COVERAGE) -> Interval:
+    """The ``level`` interval of a step time predicted for a plan with ``features``."""
+    return _interval(0, tuple(features), level)
 
 
-def memory_interval(features: Sequence[str]) -> Interval:
-    """The 80% interval of a peak memory predicted for a plan with ``features``."""
-    return _interval(1, tuple(features))
+def memory_interval(features: Sequence[str], level: float = COVERAGE) -> Interval:
+    """The ``level`` interval of a peak memory predicted for a plan with ``features``."""
+    return _interval(1, tuple(features), level)
 
 
 @cache
-def _interval(kind: int, features: tuple[str, ...]) -> Interval:
-    return shipped()[kind].interval(features)
+def _interval(kind: int, features: tuple[str, ...], level: float) -> Interval:
+    return shipped()[kind].interval(features, level)
+
+
+def check_range_level(level: object) -> float:
+    """``level`` as the coverage of a range (0 < level < 1), or `RangeLevelError`."""
+    if (
+        isinstance(level, bool)
+        or not isinstance(level, (int, float))
+        or not math.isfinite(level)
+        or not 0 < level < 1
+    ):
+        raise RangeLevelError(
+            f"range level {shown(level)} must be a fraction between 0 and 1 (exclusive), the "
+            "share of outcomes a range holds: e.g. 0.8 for an 80% range (the default)"
+        )
+    return float(level)
 
 
 def memory_upper_factor(features: Sequence[str] = ()) -> float:
@@ -249,10 +271,12 @@ def memory_upper_factor(features: Sequence[str] = ()) -> float:
     return memory_interval(features).high
 
 
-def with_ranges(est: Estimate, features: Sequence[str]) -> Estimate:
-    """``est`` with its step-time and peak-memory ranges and its unvalidated features."""
-    step = step_interval(features)
-    memory = memory_interval(features)
+def with_ranges(est: Estimate, features: Sequence[str], level: float = COVERAGE) -> Estimate:
+    """``est`` with its step-time and peak-memory ``level`` ranges and its unvalidated
+    features (always those of the 80% range: a feature is unvalidated by its row count)."""
+    level = check_range_level(level)
+    step = step_interval(features, level)
+    memory = memory_interval(features, level)
     # the residuals are of tensors and their allocator margin; the framework reserve (the CUDA
     # context, library buffers) is a fixed calibration figure outside the allocator
     peak = est.peak_rank.memory
@@ -262,6 +286,7 @@ def with_ranges(est: Estimate, features: Sequence[str]) -> Estimate:
         est,
         step_time_range_s=(est.step_time_s * step.low, est.step_time_s * step.high),
         peak_memory_range_bytes=(fixed + scaled * memory.low, fixed + scaled * memory.high),
+        range_level=level,
         features=tuple(features),
         unvalidated=tuple(f"{f}: {n} published rows" for f, n in step.unvalidated),
     )

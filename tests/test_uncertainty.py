@@ -4,6 +4,7 @@ objective; the coverage lines of `autoplan.analysis.coverage`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -11,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from autoplan.analysis.coverage import coverage
+from autoplan.api import estimate as api_estimate
 from autoplan.api import manual_plan
 from autoplan.cli import cli
 from autoplan.contract.errors import NoFeasiblePlanError
@@ -20,6 +22,7 @@ from cost_model.hardware import Cluster
 from cost_model.uncertainty import (
     MIN_ROWS,
     TIE_FRACTION,
+    RangeLevelError,
     Residual,
     ResidualModel,
     plan_features,
@@ -164,3 +167,27 @@ def test_gpt3_175b_at_the_edge_of_what_was_validated() -> None:
     assert found.best_published_mfu < found.mfu
     assert any(g.feature == "schedule interleaved-zb" for g in found.gains)
     assert "the gain comes from schedule interleaved-zb" in lines
+
+
+@pytest.mark.parametrize("level", [float("nan"), -0.2, 0.0, 1.0, 1.5, True, "0.8"])
+def test_a_bad_range_level_is_named(level: object) -> None:
+    profile = gpt_profile(num_layers=2, h=128, s=64)
+    cluster = round_cluster(num_nodes=1)
+    plan = manual_plan(profile, cluster, global_batch=8)
+    with pytest.raises(RangeLevelError, match="must be a fraction between 0 and 1"):
+        api_estimate(profile, cluster, plan, range_level=level)  # type: ignore[arg-type]
+
+
+def test_a_wider_level_gives_a_wider_range() -> None:
+    profile = gpt_profile(num_layers=2, h=128, s=64)
+    cluster = round_cluster(num_nodes=1)
+    plan = manual_plan(profile, cluster, global_batch=8)
+    ranges = [api_estimate(profile, cluster, plan, range_level=lv) for lv in (0.5, 0.8, 0.95)]
+    assert ranges[1].step_time_range_s == estimate(profile, cluster, plan).step_time_range_s
+    for narrow, wide in itertools.pairwise(ranges):
+        assert wide.step_time_range_s[0] < narrow.step_time_range_s[0]
+        assert wide.step_time_range_s[1] > narrow.step_time_range_s[1]
+    args = ["estimate", "--model", "gpt2-small", "--cluster", "dgx-a100-80g"]
+    result = CliRunner().invoke(cli, [*args, "--global-batch", "8", "--range-level", "nan"])
+    assert result.exit_code == 2
+    assert "range level nan must be a fraction between 0 and 1" in result.output

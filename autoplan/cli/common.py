@@ -218,6 +218,16 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def range_level(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Click callback: a range level is a fraction in (0, 1)."""
+    from cost_model.uncertainty import RangeLevelError, check_range_level
+
+    try:
+        return check_range_level(value)
+    except RangeLevelError as error:
+        raise click.BadParameter(str(error), ctx, param) from None
+
+
 def finite_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
     """Click callback: a number of seconds must be finite (``inf``/``nan`` parse as floats)."""
     if not math.isfinite(value):

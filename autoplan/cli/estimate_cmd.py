@@ -21,6 +21,7 @@ from autoplan.cli.common import (
     emit_json,
     framework_option,
     json_option,
+    range_level,
     trace_spec,
 )
 from autoplan.contract.plan import DTypeName, Recompute, Schedule
@@ -97,6 +98,14 @@ from cost_model.hardware import load_cluster
     help="Pipeline stages per pipeline rank (> 1 with --schedule interleaved-1f1b).",
 )
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
+@click.option(
+    "--range-level",
+    type=float,
+    default=0.8,
+    show_default=True,
+    callback=range_level,
+    help="Share of outcomes the step's and the peak's ranges hold (0.8: an 80% range).",
+)
 @dtype_option
 @framework_option
 @json_option
@@ -115,6 +124,7 @@ def estimate_cmd(
     schedule: Schedule | None,
     virtual_stages: int,
     sequence_parallel: bool,
+    range_level: float,
     dtype: DTypeName | None,
     framework: str,
     as_json: bool,
@@ -144,7 +154,7 @@ def estimate_cmd(
         dtype=dtype,
         framework=framework,
     )
-    result = estimate(profile, target, plan)
+    result = estimate(profile, target, plan, range_level=range_level)
     if as_json:
         data = result.to_data()
         data["model"] = profile.name
@@ -172,7 +182,7 @@ def summary_line(result: Estimate) -> str:
     """Two lines: the step and its throughput, then the peak memory and whether it fits."""
     fits = "fits" if result.fits else "DOES NOT FIT"
     return (
-        f"step {fmt_time_range(result.step_time_s, result.step_time_range_s)} "
+        f"step {fmt_time_range(result.step_time_s, result.step_time_range_s, result.range_level)} "
         f"(pipeline {fmt_time(result.pipeline_time_s)}, "
         f"bubble {result.bubble_fraction:.1%}, tail {fmt_time(result.tail_s)}) | "
         f"{result.tokens_per_s:,.0f} tokens/s | MFU {result.mfu:.1%}\n"
