@@ -472,7 +472,13 @@ class CostModel:
         added_host_s = 0.0 if on_gpu else host.microbatch_s
         loss = loss_cost(unit, strategy, cluster, traced)
         memory = unit_bytes(
-            unit, weights, mode, traced, local_params=n_local, loss_saved_bytes=loss.saved_bytes
+            unit,
+            weights,
+            mode,
+            traced,
+            local_params=n_local,
+            loss_saved_bytes=loss.saved_bytes,
+            stack=self.stack.saved_activations,
         )
         forward_s = (
             forward_compute_s

@@ -40,6 +40,7 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
+from cost_model.memory import SelectiveScope, StackActivations
 from cost_model.messages import shown
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
@@ -94,6 +95,12 @@ class FrameworkProfile:
     # attention efficiency); unfused: Q K^T, softmax, dropout and x V with the s x s scores in
     # memory (`unfused_attention_efficiency`).
     attention: AttentionKernel | None = None
+    # The dropout probability the stack's runs use (hidden and attention alike; 0: none, as the
+    # traced models): with it a block keeps 1-byte masks (`cost_model.memory.StackActivations`).
+    dropout: float = 0.0
+    # What its selective recompute drops from memory (`cost_model.memory.SelectiveScope`;
+    # ``None``: the traced cheap ops' outputs, as autoplan's runtime).
+    selective_recompute: SelectiveScope | None = None
     # An unfused core's bytes per score element, forward and backward (``None``: 13 and 19,
     # `unfused_attention_efficiency`).
     unfused_score_bytes: tuple[float, float] | None = None
@@ -381,6 +388,15 @@ class FrameworkProfile:
                 )
         return None
 
+    @property
+    def saved_activations(self) -> StackActivations:
+        """What the stack saves for backward beyond the traced model (`cost_model.memory`)."""
+        return StackActivations(
+            unfused_attention=self.attention == "unfused",
+            dropout=self.dropout > 0,
+            selective=self.selective_recompute or "traced-ops",
+        )
+
     def overlaps_dp_sync(self, strategy: Strategy) -> bool:
         """Whether the stack runs ``strategy``'s data-parallel gradient sync during the
         backward (the cluster's `dp_overlap_fraction` still bounds how much), not after it."""
@@ -563,6 +579,15 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "recompute, outputs freed once sent, --overlap-grad-reduce"
             ),
             attention="fused",
+            # --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
+            # arguments.py); the hidden one keeps a 1-byte mask in bias_dropout_add
+            # (megatron/core/fusions/fused_bias_dropout.py), the attention one none inside the
+            # fused kernel. Recipes that set both to 0 (most Llama ones): option dropout=0.
+            dropout=0.1,
+            # --recompute-granularity selective checkpoints core attention only
+            # (--recompute-modules defaults to core_attn, megatron/core/transformer/
+            # transformer_config.py): every other saved tensor stays.
+            selective_recompute="attention-core",
             # Transformer Engine's DotProductAttention runs cuDNN's fused attention on Hopper.
             # cuDNN on H100 SXM5, head dim 128, sequences 2k-16k, no causal mask: 595-617
             # TFLOP/s forward and 465-518 backward (Shah et al. 2024, FlashAttention-3, Fig. 5),
@@ -608,6 +633,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             interleaved_microbatches="pp-or-more",
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
+                "dropout": {"0.1": {"dropout": 0.1}, "0": {"dropout": 0.0}},
                 "split": {
                     "layers": {"pipeline_split": "layers"},
                     "layers-with-edges": {"pipeline_split": "layers-with-edges"},
@@ -685,6 +711,12 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "(gradient all-reduce after the backward)"
             ),
             attention="unfused",
+            # --hidden-dropout and --attention-dropout default to 0.1 (megatron/arguments.py):
+            # Korthikanti et al. 2022's activation count assumes both (section 4.1)
+            dropout=0.1,
+            # --recompute-activations / --recompute-granularity selective: CoreAttention only
+            # (megatron/model/transformer.py, _checkpointed_attention_forward)
+            selective_recompute="attention-core",
             full_recompute_early_stop=0.0,
             selective_gemm_recompute_fraction=0.0,
             pipeline_boundary_retention=0.0,
@@ -694,6 +726,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dp_overlap=0.0,
             options={
                 "ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}},
+                "dropout": {"0.1": {"dropout": 0.1}, "0": {"dropout": 0.0}},
                 # sail-sg/zero-bubble-pipeline-parallelism: Megatron-LM with the zero-bubble
                 # schedules of Qi et al. 2024 (ZB-V is torch's ScheduleZBVZeroBubble)
                 "fork": {
@@ -745,6 +778,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             # MLP's output projections as torch.nn.Dropout, not fused with the residual add.
             separate_bias_add=1.0,
             separate_output_dropout=1.0,
+            # hidden and attention dropout 0.1 (arguments.py defaults)
+            dropout=0.1,
             full_recompute_early_stop=0.0,
             selective_gemm_recompute_fraction=0.0,
             # model/distributed.py: flatten the gradients, all-reduce, unflatten and copy back
@@ -812,6 +847,8 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                 "ZeRO-1 weight all-gather)"
             ),
             attention="unfused",
+            # tr11-176B-ml.slurm passes no dropout flag: megatron/arguments.py's 0.1 for both
+            dropout=0.1,
             full_recompute_early_stop=0.0,
             selective_gemm_recompute_fraction=0.0,
             pipeline_boundary_retention=0.0,

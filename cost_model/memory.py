@@ -17,11 +17,18 @@ divide only with sequence parallelism (4.2.2). Selective recompute (section 5) d
 cheap-to-recompute attention-core bytes; full recompute keeps only each unit's input (section 5:
 2sbh per layer, divided by t when sequence parallelism shards it). Recompute applies to
 transformer blocks only: Megatron-LM checkpoints its layers, not the embedding or the head.
+
+The saved bytes are the traced model's (autograd's saved tensors, `autoplan.tracing`): a fused
+SDPA kernel and no dropout. A stack that saves more or drops other bytes under selective
+recompute says so in `StackActivations` (its `FrameworkProfile.saved_activations`): an unfused
+attention core's s x s scores, dropout masks, and Megatron-LM's selective recompute, which
+re-runs the attention core only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from cost_model.strategy import DTYPE_BYTES, RECOMPUTED_UNIT_KINDS, DataParallelWrapper, Strategy
 from cost_model.workload import UnitProfile
@@ -120,15 +127,82 @@ def static_bytes(
     )
 
 
+# What "selective" recompute drops: "traced-ops", the outputs of the cheap ops the trace saw
+# (`cost_model.strategy.SELECTIVE_SAVED_KINDS`: autoplan's runtime); "attention-core", the
+# attention core only (Korthikanti et al. 2022, section 5: Megatron-LM's
+# --recompute-granularity selective checkpoints CoreAttention; with a fused kernel, whose saved
+# Q, K, V and output the projections keep anyway, that drops nothing).
+SelectiveScope = Literal["traced-ops", "attention-core"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StackActivations:
+    """What a training stack saves for a block's backward beyond the traced model, whose
+    attention is one fused SDPA kernel (no s x s scores kept) and which has no dropout.
+
+    Korthikanti et al. 2022, section 4.1, per layer (s tokens, b samples, h hidden, a heads,
+    16-bit activations): an unfused core keeps the softmax output (2as^2b) and, with attention
+    dropout, its mask (as^2b, 1 byte an element) and output (2as^2b): the 5as^2b term; hidden
+    dropout after the attention and the MLP keeps a 1-byte mask each (sbh + sbh).
+    """
+
+    # the attention core keeps its s x s scores (softmax output) for every head
+    unfused_attention: bool = False
+    # dropout runs (probability > 0): on an unfused core's scores, and after each row-parallel
+    # linear (Megatron's bias-dropout-add after the attention and the MLP projections)
+    dropout: bool = False
+    selective: SelectiveScope = "traced-ops"
+
+
+# the traced model's own accounting (autoplan's runtime)
+TRACED_ACTIVATIONS = StackActivations()
+
+
+def stack_saved_bytes(
+    unit: UnitProfile, strategy: Strategy, stack: StackActivations, *, scores: bool
+) -> float:
+    """Bytes per micro-batch on one device that ``stack`` keeps beyond the trace's saved ones
+    (`StackActivations`); ``scores``: whether an unfused core's scores are kept (not under
+    selective recompute).
+
+    Scores: heads x queries x keys of each traced attention op (its ``Q K^T`` GEMM; an unfused
+    core computes the full square even under a causal mask), split by TP with the heads. Masks:
+    one byte per output element of each row-parallel GEMM (the hidden size per token), outside
+    the TP region, so split only by sequence parallelism.
+    """
+    if unit.kind not in RECOMPUTABLE_KINDS:
+        return 0.0
+    t = strategy.tp_degree
+    replicated_div = t if strategy.sequence_parallel else 1
+    width = strategy.dtype_bytes
+    total = 0.0
+    for op in unit.ops:
+        if op.gemm is None:
+            continue
+        elements = float(op.gemm.m_per_sample * op.gemm.n * op.gemm.batch)
+        if op.kind == "attention" and stack.unfused_attention and scores:
+            # softmax output; with dropout its 1-byte mask and its output, which x V saves
+            per_element = width + (1 + width if stack.dropout else 0)
+            total += per_element * elements / t
+        elif op.kind == "matmul" and op.tp == "row" and stack.dropout:
+            total += elements / replicated_div
+    return total * strategy.micro_batch_size
+
+
 def activation_scale(strategy: Strategy, traced_dtype_bytes: int) -> float:
     """Factor from the profile's per-sample bytes to one micro-batch at the plan's dtype."""
     return strategy.micro_batch_size * strategy.dtype_bytes / traced_dtype_bytes
 
 
 def activation_bytes(
-    unit: UnitProfile, strategy: Strategy, recompute: str, traced_dtype_bytes: int
+    unit: UnitProfile,
+    strategy: Strategy,
+    recompute: str,
+    traced_dtype_bytes: int,
+    stack: StackActivations = TRACED_ACTIVATIONS,
 ) -> float:
-    """Bytes ``unit`` keeps for backward, per in-flight micro-batch, on one device."""
+    """Bytes ``unit`` keeps for backward, per in-flight micro-batch, on one device, as
+    ``stack`` saves them (`StackActivations`; default: the traced model's own)."""
     t = strategy.tp_degree
     replicated_div = t if strategy.sequence_parallel else 1
     scale = activation_scale(strategy, traced_dtype_bytes)
@@ -138,18 +212,24 @@ def activation_bytes(
         return unit.input_bytes * scale / replicated_div
     sharded = unit.saved_bytes_sharded
     replicated = unit.saved_bytes_replicated
-    if mode == "selective":
+    if mode == "selective" and stack.selective == "traced-ops":
         sharded -= unit.saved_bytes_selective_sharded
         replicated -= unit.saved_bytes_selective_replicated
-    elif mode != "none":
+    elif mode not in ("none", "selective"):
         raise ValueError(f"unknown recompute mode {recompute!r}; use none, selective or full")
-    return (sharded / t + replicated / replicated_div) * scale
+    extra = stack_saved_bytes(unit, strategy, stack, scores=mode == "none")
+    return (sharded / t + replicated / replicated_div) * scale + extra
 
 
-def working_bytes(unit: UnitProfile, strategy: Strategy, traced_dtype_bytes: int) -> float:
+def working_bytes(
+    unit: UnitProfile,
+    strategy: Strategy,
+    traced_dtype_bytes: int,
+    stack: StackActivations = TRACED_ACTIVATIONS,
+) -> float:
     """Transient bytes while ``unit`` runs its backward: the gradients of its intermediates (or
     its recomputed activations), about one micro-batch of its un-recomputed activations."""
-    return activation_bytes(unit, strategy, "none", traced_dtype_bytes)
+    return activation_bytes(unit, strategy, "none", traced_dtype_bytes, stack)
 
 
 def weight_grad_input_bytes(

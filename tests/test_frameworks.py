@@ -169,7 +169,8 @@ def test_megatron_profiles_price_what_those_stacks_do(graph: Any) -> None:
     # backward): the first pipeline rank, which sends the most, holds less.
     pp = {"pp": 4, "micro_batch": 1}
     held = step("autoplan", **pp).ranks[0].memory.total_bytes
-    assert step("megatron-lm", **pp).ranks[0].memory.total_bytes < held
+    # (without dropout, whose masks the traced model does not keep either)
+    assert step("megatron-lm:dropout=0", **pp).ranks[0].memory.total_bytes < held
     # torchtitan's op-level SAC re-runs every second matmul: slower than keeping them all.
     selective = {"tp": 2, "recompute": "selective"}
     assert step("torchtitan", **selective).step_time_s > step("autoplan", **selective).step_time_s

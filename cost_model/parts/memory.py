@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from cost_model.memory import (
     RECOMPUTABLE_KINDS,
+    TRACED_ACTIVATIONS,
+    StackActivations,
     activation_bytes,
     activation_scale,
     static_bytes,
@@ -45,10 +47,12 @@ def unit_bytes(
     *,
     local_params: float,
     loss_saved_bytes: float,
+    stack: StackActivations = TRACED_ACTIVATIONS,
 ) -> UnitBytes:
     """The bytes of ``unit`` under ``recompute`` (its own mode), whose device stores
     ``local_params`` parameters before data-parallel sharding; ``loss_saved_bytes``: what the
-    loss after it keeps for the backward (`cost_model.parts.compute.loss_cost`)."""
+    loss after it keeps for the backward (`cost_model.parts.compute.loss_cost`); ``stack``:
+    what the training stack saves beyond the trace (`cost_model.memory.StackActivations`)."""
     state = static_bytes(
         local_params,
         strategy.dtype,
@@ -58,8 +62,11 @@ def unit_bytes(
     )
     scale = activation_scale(strategy, traced_dtype_bytes)
     boundary_div = strategy.tp_degree if strategy.sequence_parallel else 1
-    held = activation_bytes(unit, strategy, recompute, traced_dtype_bytes) + loss_saved_bytes
-    working = working_bytes(unit, strategy, traced_dtype_bytes) + loss_saved_bytes
+    held = activation_bytes(unit, strategy, recompute, traced_dtype_bytes, stack) + loss_saved_bytes
+    working = working_bytes(unit, strategy, traced_dtype_bytes, stack) + loss_saved_bytes
+    # what a split backward keeps from its input half to its weight half: the traced saved
+    # tensors and the GEMMs' output gradients; an unfused core's scores and the dropout masks
+    # serve the input gradient only, freed by then
     retained = (
         activation_bytes(unit, strategy, "none", traced_dtype_bytes)
         + weight_grad_input_bytes(unit, strategy, traced_dtype_bytes)
