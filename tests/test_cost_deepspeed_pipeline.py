@@ -27,6 +27,7 @@ from cost_model.parts.deepspeed_pipeline import (
     deepspeed_pipe_step_s,
 )
 from cost_model.strategy import Strategy, group_placements
+from cost_model.uncertainty import TIE_FRACTION
 
 FRAMEWORK = "megatron-deepspeed"
 
@@ -164,10 +165,22 @@ def test_the_search_ranks_a_deepspeed_engine_stack_by_the_step_its_engine_takes(
     llama = autoplan.trace(autoplan.models.preset("llama3-8b"))
     cluster = "dgx-a100-80g:nodes=2"
     found = autoplan.search(
-        llama, cluster, global_batch=128, top_k=3, framework=FRAMEWORK, budget_s=None
+        llama,
+        cluster,
+        global_batch=128,
+        top_k=3,
+        framework=FRAMEWORK,
+        budget_s=None,
+        objective="expected",  # by the step itself
     )  # to the proof (a few seconds: its own cuts need no solver), not to a deadline
     steps = [plan.estimate.step_time_s for plan in found if plan.estimate is not None]
-    assert len(steps) == len(found) >= 2 and steps == sorted(steps)
+    assert len(steps) == len(found) >= 2
+    # ranked by the step, except that plans within 2% of the fastest tie (going to fewer
+    # unvalidated features, then more memory headroom)
+    band = min(steps) * (1 + TIE_FRACTION)
+    outside = [step for step in steps if step > band]
+    assert all(step <= band for step in steps[: len(steps) - len(outside)])
+    assert outside == sorted(outside)
     for plan in found:
         # BigScience's fork: --checkpoint-activations only, no --sequence-parallel
         assert not plan.sequence_parallel
