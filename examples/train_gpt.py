@@ -7,7 +7,8 @@
 Every rank builds the model on the meta device (no memory), and `autoplan.Trainer` finds a plan
 for the running job (rank 0 searches and broadcasts it; or uses ``--plan``), materialises each
 rank's shard and trains. The corpus is CPython's bundled language reference (``pydoc_data``): no
-downloads. Rank 0 prints the plan, shows a progress bar and prints the first and last loss.
+downloads. Rank 0 prints the plan, shows a progress bar, prints the first and last loss, and the
+predicted step time against the measured one (the median after warm-up).
 
 With ``--checkpoint-dir`` the job saves every ``--checkpoint-every`` steps (in the background)
 and, started again, resumes from the latest complete checkpoint: the same batches, the same
@@ -74,6 +75,8 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
     group may exist already). ``config`` holds the command line's options by name."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("autoplan.runtime.replicas").setLevel(logging.INFO)
+    # the end-of-run predicted-vs-measured line is printed below, not logged a second time
+    logging.getLogger("autoplan.runtime.step_timing").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     corpus = load_corpus()
     data = Batches(corpus, config["global_batch"], config["seq_len"], seed=0)  # same on all ranks
@@ -148,6 +151,9 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
             f"loss: start {losses[0]:.3f} (mean of first 10: {first:.3f}), end {losses[-1]:.3f} "
             f"(mean of last 10: {last:.3f}); {len(losses)} steps in {elapsed:.0f} s"
         )
+        timing = trainer.step_timing()
+        if timing is not None:
+            console.print(timing.line(), soft_wrap=True, highlight=False, markup=False)
     if trainer.replicas is not None:
         # Replica groups hold the same weights at the same step: each prints their digest.
         digest = _weights_digest(trainer.model)

@@ -17,13 +17,16 @@ materialise, pipeline) and an optimizer factory. Guarantees:
 - every step checks the loss (last pipeline stage) and every local gradient for NaN and inf and
   agrees on the verdict with one small all-reduce (MAX) over the default group, before any
   optimizer steps: a non-finite step raises `NonFiniteError` on every rank (``on_nan="stop"``)
-  or is skipped on every rank (``"skip"``). The same all-reduce carries `request_stop`.
+  or is skipped on every rank (``"skip"``). The same all-reduce carries `request_stop`;
+- `step_times_s` holds each `train_step`'s wall time on this rank, and `predicted_step_s` /
+  `predicted_step_range_s` what the cost model predicted for it (set by `autoplan.parallelize`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -320,6 +323,11 @@ class DistributedModel:
         self._local_batch = plan.micro_batch_size * plan.num_micro_batches
         self._aliases = _checkpoint_aliases(split)
         self.step = 0  # optimizer steps taken (restored with a checkpoint)
+        # wall time of each train_step of this process on this rank, and the cost model's
+        # prediction and its 80% range (None: not predicted)
+        self.step_times_s: list[float] = []
+        self.predicted_step_s: float | None = None
+        self.predicted_step_range_s: tuple[float, float] | None = None
         self._progress = StepProgress(mesh.rank, plan.num_devices, timeout_s, failures)
 
     def _make_optimizer(
@@ -430,6 +438,7 @@ class DistributedModel:
             local_targets = self.context.shard(local_targets)
         step = self.step + 1
         self._progress.started(step)
+        started = time.perf_counter()
         try:
             loss, verdict = self._train_step(local_inputs, local_targets)
         except BaseException as error:
@@ -458,6 +467,7 @@ class DistributedModel:
             )
         assert loss is not None
         self.step = self.replicas.step if self.replicas is not None else step
+        self.step_times_s.append(time.perf_counter() - started)
         return loss
 
     def _failed(self, error: BaseException) -> Exception | None:

@@ -29,6 +29,15 @@ def test_train_gpt_example_learns(tmp_path: Path) -> None:
     first, last = float(match.group(1)), float(match.group(2))
     # Uniform guessing over the 97 characters costs ln 97 = 4.57; 60 steps reach about 3.
     assert last < first - 0.5, (first, last)
+    # the end-of-run line: the prediction for the plan against the median measured step
+    timing = re.search(
+        r"predicted ([0-9.]+) ms a step \(range [0-9.]+-[0-9.]+ ms\), measured ([0-9.]+) ms "
+        r"\(([+-][0-9]+)%; median of 57 steps\)",
+        out,
+    )
+    assert timing, out[-2000:]
+    predicted, measured = float(timing.group(1)), float(timing.group(2))
+    assert int(timing.group(3)) == pytest.approx(100 * (predicted / measured - 1), abs=2)
 
 
 def _run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -51,6 +51,7 @@ from cost_model.estimate import estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.messages import shown
+from cost_model.results import Estimate
 from passes import (
     ContextParallelResult,
     DistributedModel,
@@ -209,8 +210,9 @@ def _parallelize(
     if graph is None:
         graph = _trace(model, plan)
     cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
+    predicted: Estimate | None = None
     if plan is not None:
-        _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
+        predicted = _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
     search_time_s: float | None = None
     if plan is None:
         started = time.perf_counter()
@@ -226,7 +228,7 @@ def _parallelize(
         if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
             graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
         # same plan, same verdict on every rank
-        _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
+        predicted = _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
         search_time_s = time.perf_counter() - started
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
@@ -291,7 +293,7 @@ def _parallelize(
     if meta and not uses_ddp(plan):
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
-    return DistributedModel(
+    distributed = DistributedModel(
         context=context,
         after_backward=tuple(finish),
         plan=plan,
@@ -307,6 +309,12 @@ def _parallelize(
         on_nan=on_nan,
         failures=job.failures,
     )
+    # what the cost model predicts for this plan on the job's cluster (`autoplan.runtime.
+    # step_timing` compares it with the measured steps)
+    assert predicted is not None  # the plan was given or searched, and checked either way
+    distributed.predicted_step_s = predicted.step_time_s
+    distributed.predicted_step_range_s = predicted.step_time_range_s
+    return distributed
 
 
 def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
@@ -545,14 +553,15 @@ def _check_before_launch(
     cluster: Cluster,
     world_size: int,
     check_memory: bool,
-) -> None:
-    """Every check of ``plan`` that needs no communication, raised alike on every rank."""
+) -> Estimate:
+    """Every check of ``plan`` that needs no communication, raised alike on every rank;
+    returns the plan's estimate on ``cluster`` (as autoplan's runtime runs it)."""
     _check_plan(plan, graph, cluster, world_size)
     _check_tensor_parallel(plan, model, graph)
-    _check_memory(plan, graph, cluster, check_memory)
+    return _check_memory(plan, graph, cluster, check_memory)
 
 
-def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> None:
+def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> Estimate:
     """The memory check of `autoplan validate` and the search (`Estimate.require_fits`), from
     the plan alone: the same verdict on every rank, before anything is allocated. A plan
     priced for another training stack is checked as this runtime runs it."""
@@ -566,10 +575,11 @@ def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) 
         plan = dataclasses.replace(plan, framework=DEFAULT_FRAMEWORK, estimate=None)
     result = estimate(graph.profile, cluster, plan)
     if result.fits:
-        return
+        return result
     if check:
         result.require_fits()
     logger.warning("check_memory=False, running anyway: %s", result.memory_problem())
+    return result
 
 
 def _layers_tp_cannot_shard(model: nn.Module, graph: ModelGraph) -> list[str]:

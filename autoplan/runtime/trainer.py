@@ -19,7 +19,8 @@ Train. Every (re)start of the job:
 
 `Trainer.setup` records what the start cost (`Setup`: search, build and restore times, and
 whether the plan changed from the checkpoint's), and rank 0 logs it, so a re-planned restart
-says what it re-planned and how long resharding took.
+says what it re-planned and how long resharding took. When `steps` finishes, rank 0 logs the
+predicted against the measured step time (`Trainer.step_timing`, `autoplan.runtime.step_timing`).
 
 Expects the model on the meta device (or the same weights on every rank), a ``data`` iterator
 that yields the whole global batch ``(inputs, targets)`` on every rank and has
@@ -50,6 +51,7 @@ from autoplan.contract.plan import Plan
 from autoplan.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointInfo
 from autoplan.runtime.parallelizer import DEFAULT_OPTIMIZER, LossFn, parallelize
 from autoplan.runtime.replicas import TorchFTReplicas
+from autoplan.runtime.step_timing import StepTiming, log_step_timing, step_timing
 from cost_model.hardware import Cluster
 from cost_model.messages import shown
 from passes import log_rank0
@@ -318,6 +320,11 @@ class Trainer:
     def plan(self) -> Plan:
         return self.model.plan
 
+    def step_timing(self) -> StepTiming | None:
+        """This run's predicted step time and its measured median on this rank (None before
+        any step after the warm-up); `steps` logs it when it finishes."""
+        return step_timing(self.model)
+
     @property
     def step(self) -> int:
         """Optimizer steps taken so far (restored from the checkpoint on a restart)."""
@@ -355,6 +362,7 @@ class Trainer:
                 yield loss
                 if self.model.stop_requested and self.model.step < total:
                     raise self._stop(handler)
+            log_step_timing(self.model)
             self.close()
         finally:
             if handler is not None:
