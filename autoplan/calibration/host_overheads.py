@@ -166,6 +166,8 @@ def _runtime_worker(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
+        # parallelize's memory check describes the job's cluster: not measured again here
+        AUTOPLAN_MEASURE_LOCAL="0",
     )
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if cuda:
