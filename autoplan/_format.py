@@ -81,6 +81,20 @@ def fmt_memory(peak_bytes: float, reserve_bytes: float, capacity_bytes: float) -
     )
 
 
+def fmt_headroom(
+    peak_bytes: float, capacity_bytes: float, headroom: float, usable_bytes: float = 0.0
+) -> str:
+    """What a device's peak leaves free, with the headroom it is checked with: "8.8 GiB free
+    (headroom 10%)"; given the largest peak that fits (`Estimate.usable_memory_bytes`), also
+    that: "15.9 GiB free (headroom 10% and the peak's range: fits up to 63.5 GiB)"."""
+    free = capacity_bytes - peak_bytes
+    left = f"{fmt_bytes(free)} free" if free >= 0 else f"{fmt_bytes(-free)} over the device"
+    if usable_bytes <= 0:
+        return f"{left} (headroom {headroom:.0%})"
+    fits = f"fits up to {fmt_bytes(usable_bytes)}"
+    return f"{left} (headroom {headroom:.0%} and the peak's range: {fits})"
+
+
 # Columns the CLI lays its output out for: a table's natural width stays within it (a test runs
 # every command and checks), and output that is not a terminal is printed this wide.
 WIDTH = 100
@@ -127,6 +141,12 @@ def fmt_memory_cell(peak_bytes: float, reserve_bytes: float, capacity_bytes: flo
         return f"{_short_bytes(peak_bytes)}/{_short_bytes(capacity_bytes)}"
     predicted = _short_bytes(peak_bytes - reserve_bytes)
     return f"{predicted}+{_short_bytes(reserve_bytes)}/{_short_bytes(capacity_bytes)}"
+
+
+def fmt_free_cell(peak_bytes: float, capacity_bytes: float) -> str:
+    """A table cell for what a device's peak leaves free: "15.9G" ("-1.2G": over)."""
+    free = capacity_bytes - peak_bytes
+    return _short_bytes(free) if free >= 0 else f"-{_short_bytes(-free)}"
 
 
 MEMORY_CELL_CAPTION = (

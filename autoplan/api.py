@@ -32,6 +32,7 @@ from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, as_cluster
+from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, check_memory_headroom
 from cost_model.stage_splits import StageSplitError, stage_starts
 from cost_model.uncertainty import DEFAULT_OBJECTIVE, check_range_level, with_ranges
 from cost_model.workload import ModelProfile
@@ -224,6 +225,7 @@ def estimate(
     *,
     allow_cross_node_tp: bool = False,
     range_level: float = 0.8,
+    memory_headroom: float | None = None,
 ) -> Estimate:
     """The cost model's prediction for ``plan``: step time, throughput, MFU, memory per stage.
 
@@ -232,7 +234,10 @@ def estimate(
 
     Validates the plan against the model and the cluster first (raises `PlanError`). A plan
     that does not fit in memory still gets an estimate with ``fits=False``; call
-    ``Estimate.require_fits()`` to turn that into an error listing the numbers.
+    ``Estimate.require_fits()`` to turn that into an error listing the numbers. ``fits`` keeps
+    ``memory_headroom`` of each device free beyond the upper end of the peak's range (a fraction
+    in [0, 0.9); None: the plan's recorded ``memory_headroom``, else the default, 0.1;
+    `MemoryHeadroomError` otherwise).
     """
     profile = profile_of(model_or_graph)
     cluster = as_cluster(cluster)
@@ -241,8 +246,10 @@ def estimate(
             f"plan must be a Plan (e.g. Plan.from_yaml(path)), got {type(plan).__name__}"
         )
     level = check_range_level(range_level)
+    if memory_headroom is not None:
+        check_memory_headroom(memory_headroom)
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
-    result = _estimate(profile, cluster, plan)
+    result = _estimate(profile, cluster, plan, memory_headroom=memory_headroom)
     return result if level == result.range_level else with_ranges(result, result.features, level)
 
 
@@ -258,6 +265,7 @@ def search(
     progress: Callable[[SearchProgress], None] | None = ...,
     framework: str = ...,
     objective: str = ...,
+    memory_headroom: float = ...,
     **constraints: Any,
 ) -> Plan: ...
 
@@ -274,6 +282,7 @@ def search(
     progress: Callable[[SearchProgress], None] | None = ...,
     framework: str = ...,
     objective: str = ...,
+    memory_headroom: float = ...,
     **constraints: Any,
 ) -> list[Plan]: ...
 
@@ -289,6 +298,7 @@ def search(
     progress: Callable[[SearchProgress], None] | None = None,
     framework: str = DEFAULT_FRAMEWORK,
     objective: str = DEFAULT_OBJECTIVE,
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
     **constraints: Any,
 ) -> Plan | list[Plan]:
     """The fastest plan for ``model_or_graph`` on ``cluster`` that fits in memory.
@@ -302,7 +312,9 @@ def search(
     ``framework``: price the plans for that training stack (`manual_plan`). ``objective``:
     "pessimistic" (default) ranks plans by the upper end of their step's 80% range, "expected"
     by the predicted step; plans within 2% of the best tie, and ties go to the plan with fewer
-    unvalidated features, then more memory headroom.
+    unvalidated features, then more memory headroom. ``memory_headroom``: the share of each
+    device every plan leaves free beyond the upper end of its peak's range (a fraction in
+    [0, 0.9), default 0.1; docs/cost-model.md, "Memory headroom"); each plan records it.
     """
     result = search_plans(
         profile_of(model_or_graph),
@@ -314,6 +326,7 @@ def search(
         progress=progress,
         framework=framework,
         objective=objective,
+        memory_headroom=memory_headroom,
         **constraints,
     )
     return list(result.plans) if top_k is not None else result.plans[0]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from cost_model.errors import InputError
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import Cluster
+from cost_model.headroom import check_memory_headroom, plan_memory_headroom, usable_capacity_bytes
 from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params, static_bytes
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
 from cost_model.parts.context_parallel import local_unit, ring_attention_cost
@@ -132,9 +133,19 @@ class CostModel:
     """
 
     def __init__(
-        self, profile: ModelProfile, cluster: Cluster, framework: str = DEFAULT_FRAMEWORK
+        self,
+        profile: ModelProfile,
+        cluster: Cluster,
+        framework: str = DEFAULT_FRAMEWORK,
+        *,
+        memory_headroom: float | None = None,
     ) -> None:
         self.profile = profile
+        # the share of device memory plans keep free (`cost_model.headroom`); None: each plan's
+        # own (its recorded ``memory_headroom``, else the default)
+        self.memory_headroom = (
+            None if memory_headroom is None else check_memory_headroom(memory_headroom)
+        )
         self.stack = framework_profile(framework)
         self.framework = self.stack.name  # the spec in its normal form
         # the cluster as the framework's stack runs on it (`cost_model.frameworks`)
@@ -555,6 +566,14 @@ class CostModel:
         )
         return cost, dp, expert_dp
 
+    def usable_capacity_bytes(self, plan: PlanLike | None = None) -> float:
+        """The largest predicted peak a device may hold (`usable_capacity_bytes`) with this
+        model's headroom, or ``plan``'s when the model has none."""
+        headroom = self.memory_headroom
+        if headroom is None:
+            headroom = plan_memory_headroom(plan)
+        return usable_capacity_bytes(float(self.cluster.device.memory_bytes), headroom)
+
     # ------------------------------------------------------------------------- estimate
 
     def estimate(self, plan: PlanLike) -> Estimate:
@@ -619,6 +638,7 @@ class CostModel:
         constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
         send_bytes = boundary_send_bytes(next(iter(by_mode.values())), cluster.calibration)
         capacity = float(cluster.device.memory_bytes)
+        usable = self.usable_capacity_bytes(plan)
         held = held_microbatches(spec)
         ranks = []
         stage_estimates: list[StageEstimate | None] = [None] * len(stages)
@@ -640,7 +660,7 @@ class CostModel:
                     bubble_s=idle,
                     tail_s=rank_tail[r],
                     memory=memory,
-                    fits=memory.total_bytes <= capacity,
+                    fits=memory.total_bytes <= usable,
                 )
             )
             for k, s in enumerate(rank_stages[r]):
@@ -702,7 +722,9 @@ class CostModel:
             mfu=flops_per_device_per_s / cluster.device.peak_flops_for(strategy.dtype),
             peak_memory_bytes=peak_memory,
             memory_capacity_bytes=capacity,
-            fits=peak_memory <= capacity,
+            fits=peak_memory <= usable,
+            memory_headroom=plan_memory_headroom(plan, self.memory_headroom),
+            memory_usable_bytes=usable,
             stages=tuple(s for s in stage_estimates if s is not None),
             ranks=tuple(ranks),
         )
@@ -744,13 +766,23 @@ def _stretched_boundary(raw: Boundary, factors: SharingFactors) -> Boundary:
 # ------------------------------------------------------------------------------- functions
 
 
-def estimate(profile: ModelProfile, cluster: Cluster, plan: PlanLike) -> Estimate:
+def estimate(
+    profile: ModelProfile,
+    cluster: Cluster,
+    plan: PlanLike,
+    *,
+    memory_headroom: float | None = None,
+) -> Estimate:
     """Step time, throughput, MFU and per-device memory of ``plan`` (see the module docstring).
 
     The step time is the simulation of the schedule's own orders (`cost_model.schedules`) with
     the units' costs, so the planner, ``explain`` and the timeline all see one number.
+    ``fits`` keeps ``memory_headroom`` of each device free beyond the upper end of the peak's
+    range (None: the plan's recorded headroom, else `DEFAULT_MEMORY_HEADROOM`).
     """
-    return CostModel(profile, cluster, plan.framework).estimate(plan)
+    return CostModel(profile, cluster, plan.framework, memory_headroom=memory_headroom).estimate(
+        plan
+    )
 
 
 def unit_costs(

@@ -137,6 +137,11 @@ class Estimate:
     # validate ("interleaved-zb without recompute: 0 published rows")
     features: tuple[str, ...] = ()
     unvalidated: tuple[str, ...] = ()
+    # the share of the capacity kept free beyond the upper end of the peak's range, and the
+    # largest predicted peak that fits with it (`cost_model.headroom.usable_capacity_bytes`;
+    # 0: the capacity itself); ``fits`` compares the peak with it
+    memory_headroom: float = 0.0
+    memory_usable_bytes: float = 0.0
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for JSON output."""
@@ -170,6 +175,17 @@ class Estimate:
             f"+ reserve and margin {r.memory.reserve_bytes / gib:.1f}"
             for r in self.ranks
         )
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """The largest predicted peak that fits: the capacity less the headroom and the
+        peak's range (the capacity when no headroom was checked)."""
+        return self.memory_usable_bytes or self.memory_capacity_bytes
+
+    @property
+    def memory_free_bytes(self) -> float:
+        """Device memory the predicted peak leaves free (negative: over the capacity)."""
+        return self.memory_capacity_bytes - self.peak_memory_bytes
 
     @property
     def peak_rank(self) -> RankEstimate:
@@ -240,9 +256,32 @@ class Estimate:
                 "a higher ZeRO level (3 shards the weights too), more tensor or pipeline "
                 "parallelism, or more devices"
             )
+        limit = f"; {self._headroom_rule()}" if self.memory_usable_bytes else ""
+        if m.total_bytes <= self.memory_capacity_bytes:
+            # within the device, not within the headroom: say by how much, and the headroom
+            return (
+                f"plan does not fit with the memory headroom: pipeline rank {peak.pp_rank} needs "
+                f"{format_bytes(m.total_bytes)} per device, {self._headroom_rule()}: over by "
+                f"{format_bytes(m.total_bytes - self.usable_memory_bytes)} (largest: {largest}); "
+                f"fix: {fixes}; or a smaller headroom (memory_headroom=, --memory-headroom; "
+                "0.05 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), or override the "
+                "check (check_memory=False, --allow-over-memory) to run it at the edge"
+            )
         return (
             f"plan does not fit: pipeline rank {peak.pp_rank} needs {format_bytes(m.total_bytes)} "
             f"per device, the device has {format_bytes(self.memory_capacity_bytes)} on "
-            f"{self.cluster}{edge} (largest: {largest}); fix: {fixes}; or override the check "
-            "(check_memory=False, --allow-over-memory) to run it anyway"
+            f"{self.cluster}{edge}{limit} (largest: {largest}); fix: {fixes}; or override the "
+            "check (check_memory=False, --allow-over-memory) to run it anyway"
+        )
+
+    def _headroom_rule(self) -> str:
+        """What the check allows: "with its 80% range (x1.13) and a 10% memory headroom, a
+        device of 80 GiB on dgx-a100-80g holds a predicted peak of at most 63.5 GiB"."""
+        kept = self.memory_capacity_bytes * (1.0 - self.memory_headroom)
+        factor = kept / self.usable_memory_bytes
+        return (
+            f"with the upper end of its range (x{factor:.2f}) and a {self.memory_headroom:.0%} "
+            f"memory headroom, a device of {format_bytes(self.memory_capacity_bytes)} on "
+            f"{self.cluster} holds a predicted peak of at most "
+            f"{format_bytes(self.usable_memory_bytes)}"
         )

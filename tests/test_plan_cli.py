@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from autoplan import Cluster
 from autoplan.contract.plan import Plan
+from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, usable_capacity_bytes
 from tests.conftest import run_cli
 
 MODEL = "gpt:num_layers=4,hidden_size=256,num_heads=8,seq_len=128,vocab_size=4096"
@@ -103,8 +105,18 @@ def test_no_feasible_plan_is_one_line_with_the_numbers() -> None:
         result, "no plan for 'gpt3-175b' fits 'dgx-a100-80g': the least memory per device"
     )
     assert "the device has 80.0 GiB" in result.stderr and "more devices" in result.stderr
-    # 175e9 parameters x 16 bytes (bf16 weights and grads, fp32 Adam) over 78 usable GiB each
-    assert "optimizer state alone need at least 36 devices of this type" in result.stderr
+    # 175e9 parameters x 16 bytes (bf16 weights and grads, fp32 Adam), 2,602 GiB, over the
+    # tensor bytes a device may hold: 80 GiB less the 10% memory headroom, over the peak's range
+    # factor, less the 2 GiB reserve, over the 5% allocator margin (about 58.6 GiB): 45 devices
+    peak = usable_capacity_bytes(80 * 2**30, DEFAULT_MEMORY_HEADROOM)
+    usable = (peak - 2 * 2**30) / 1.05
+    found = re.search(
+        r"alone need at least (\d+) devices of this type \(([\d,]+) GiB\)", result.stderr
+    )
+    assert found is not None, result.stderr
+    state = float(found[2].replace(",", "")) * 2**30
+    assert int(found[1]) == math.ceil(state / usable)
+    assert f"a predicted peak may use {peak / 2**30:.1f} GiB (memory headroom 10%" in result.stderr
 
 
 def test_contradictory_constraints_are_one_line() -> None:

@@ -43,11 +43,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from autoplan._format import fmt_memory, fmt_time_range
+from autoplan._format import fmt_headroom, fmt_memory, fmt_time_range
 from autoplan.contract.errors import PlanError, SchemaError
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, as_cluster
+from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
@@ -165,6 +166,10 @@ class PlanEstimate:
     step_time_low_s: float = unit_field("time", default=0.0)
     step_time_high_s: float = unit_field("time", default=0.0)
     peak_memory_high_bytes: int = unit_field("bytes", default=0)
+    # the largest peak that fits with the plan's memory headroom and the peak's range, and that
+    # headroom (0: not recorded; the peak is then judged against the capacity)
+    memory_usable_bytes: int = unit_field("bytes", default=0)
+    memory_headroom: float = 0.0
 
     @property
     def step_time_range_s(self) -> tuple[float, float]:
@@ -175,14 +180,18 @@ class PlanEstimate:
         MFU 57.4%); peak memory predicted 70.8 GiB + 5.5 GiB reserve/margin of 80 GiB"."""
         fits = ""
         if self.memory_capacity_bytes:
-            fits = (
-                " (fits)"
-                if self.peak_memory_bytes <= self.memory_capacity_bytes
-                else (" (DOES NOT FIT)")
-            )
+            usable = self.memory_usable_bytes or self.memory_capacity_bytes
+            fits = " (fits)" if self.peak_memory_bytes <= usable else (" (DOES NOT FIT)")
         memory = fmt_memory(
             self.peak_memory_bytes, self.memory_reserve_bytes, self.memory_capacity_bytes
         )
+        if self.memory_usable_bytes:
+            memory += ", " + fmt_headroom(
+                self.peak_memory_bytes,
+                self.memory_capacity_bytes,
+                self.memory_headroom,
+                self.memory_usable_bytes,
+            )
         return (
             f"on {self.num_devices} {self.cluster} devices: a step takes "
             f"{fmt_time_range(self.step_time_s, self.step_time_range_s)} "
@@ -217,6 +226,10 @@ class Plan:
     # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
     # or a stack `autoplan export` writes a launch config for.
     framework: str = DEFAULT_FRAMEWORK
+    # The share of each device's memory the plan was made to leave free beyond the upper end of
+    # its peak's range (`cost_model.headroom`); None (files written before it existed): the
+    # default. `autoplan validate` and `parallelize` check the plan with it.
+    memory_headroom: float | None = field(default=None, compare=False)
     estimate: PlanEstimate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -292,6 +305,11 @@ class Plan:
             )
         if not isinstance(self.ep_folding, bool):
             raise PlanError(f"ep_folding = {shown(self.ep_folding)} must be true or false")
+        if self.memory_headroom is not None:
+            try:
+                check_memory_headroom(self.memory_headroom)
+            except MemoryHeadroomError as error:
+                raise PlanError(f"memory_headroom: {error}") from None
         self._check_expert_layout()
         if self.ep_folding:
             self._check_folding()
@@ -680,6 +698,8 @@ class Plan:
                 del data[name]
         if not data["ep_folding"]:
             del data["ep_folding"]
+        if data["memory_headroom"] is None:
+            del data["memory_headroom"]
         return data
 
     @property
@@ -718,6 +738,7 @@ class Plan:
         plans have the same digest build the same job."""
         data = self.to_data()
         data.pop("estimate", None)
+        data.pop("memory_headroom", None)  # a planning margin: the job it builds is the same
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:15]
 
@@ -809,6 +830,8 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
         step_time_low_s=result.step_time_range_s[0],
         step_time_high_s=result.step_time_range_s[1],
         peak_memory_high_bytes=int(result.peak_memory_range_bytes[1]),
+        memory_usable_bytes=int(result.memory_usable_bytes),
+        memory_headroom=result.memory_headroom,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan._format import fmt_headroom
 from autoplan.contract.errors import InputError
 from autoplan.contract.plan import HasProfile, Plan
 from cost_model.estimate import estimate
@@ -39,6 +40,9 @@ class MemoryCheck:
     capacity_bytes: float
     fits: bool
     problem: str  # `Estimate.memory_problem`: "" when it fits
+    # the headroom checked, and the largest peak that fits with it (`cost_model.headroom`)
+    memory_headroom: float = 0.0
+    usable_bytes: float = 0.0
 
     def __str__(self) -> str:
         if not self.fits:
@@ -46,7 +50,10 @@ class MemoryCheck:
         return (
             f"peak memory {self.peak_memory_bytes / _GIB:.1f} GiB of "
             f"{self.capacity_bytes / _GIB:.1f} GiB per device on {self.cluster} "
-            f"({self.num_devices} devices)"
+            f"({self.num_devices} devices), "
+            + fmt_headroom(
+                self.peak_memory_bytes, self.capacity_bytes, self.memory_headroom, self.usable_bytes
+            )
         )
 
 
@@ -67,11 +74,17 @@ def check_model(
 
 
 def check_memory(
-    plan: Plan, profile: ModelProfile, cluster: Cluster, *, allow_over_memory: bool = False
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    *,
+    allow_over_memory: bool = False,
+    memory_headroom: float | None = None,
 ) -> MemoryCheck:
-    """The one memory check (`Estimate.require_fits`) of the plan's estimate on ``cluster``;
-    raises `MemoryCapacityError` unless ``allow_over_memory`` (then `MemoryCheck.fits` says)."""
-    result = estimate(profile, cluster, plan)
+    """The one memory check (`Estimate.require_fits`) of the plan's estimate on ``cluster``,
+    with ``memory_headroom`` (None: the plan's recorded one, else the default); raises
+    `MemoryCapacityError` unless ``allow_over_memory`` (then `MemoryCheck.fits` says)."""
+    result = estimate(profile, cluster, plan, memory_headroom=memory_headroom)
     if not allow_over_memory:
         result.require_fits()
     return MemoryCheck(
@@ -81,6 +94,8 @@ def check_memory(
         capacity_bytes=result.memory_capacity_bytes,
         fits=result.fits,
         problem=result.memory_problem(),
+        memory_headroom=result.memory_headroom,
+        usable_bytes=result.usable_memory_bytes,
     )
 
 

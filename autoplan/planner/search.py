@@ -88,6 +88,11 @@ from cost_model.frameworks import (
     framework_profile,
 )
 from cost_model.hardware import Cluster
+from cost_model.headroom import (
+    DEFAULT_MEMORY_HEADROOM,
+    plan_memory_headroom,
+    usable_capacity_bytes,
+)
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
 from cost_model.stage_splits import StageSplitError
@@ -214,6 +219,7 @@ def search_plans(
     progress: Callable[[SearchProgress], None] | None = None,
     framework: str = DEFAULT_FRAMEWORK,
     objective: str = DEFAULT_OBJECTIVE,
+    memory_headroom: float | None = DEFAULT_MEMORY_HEADROOM,
     **constraints: Any,
 ) -> SearchResult:
     """The ``top_k`` best plans that fit (see the module docstring). ``time_limit_s`` caps
@@ -221,7 +227,10 @@ def search_plans(
     ``framework``: the training stack the plans are priced for (`cost_model.frameworks`).
     ``objective``: what "best" minimises, "pessimistic" (the upper end of the step's 80%
     range, the default) or "expected" (the predicted step); plans within `TIE_FRACTION` of the
-    best tie, and ties go to fewer unvalidated features, then more memory headroom."""
+    best tie, and ties go to fewer unvalidated features, then more memory headroom.
+    ``memory_headroom``: the share of each device kept free beyond the upper end of a plan's
+    peak range (`cost_model.headroom`; None: the default); every plan returned fits with it and
+    records it."""
     # Every bound, floor and table below reads the cluster as the framework's stack runs on it.
     cluster = framework_profile(framework).cluster_for(profile, cluster)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -236,6 +245,7 @@ def search_plans(
             f"objective={shown(objective)} is not one autoplan knows; use one of "
             f"{', '.join(OBJECTIVES)}"
         )
+    headroom = plan_memory_headroom(None, memory_headroom)  # (None: the default)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise NoFeasiblePlanError(f"top_k={top_k!r} must be a whole number >= 1")
     if not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
@@ -265,7 +275,7 @@ def search_plans(
     stats = SearchStats()
     start = time.perf_counter()
 
-    model = CostModel(profile, cluster, framework)
+    model = CostModel(profile, cluster, framework, memory_headroom=headroom)
     tables = _BoundTables(model)
     own_cuts = _OwnCuts(profile, framework)
 
@@ -292,7 +302,8 @@ def search_plans(
     # costs are computed lazily, in order of that floor, when the visit needs them
     # (`_Frontier`): the visit order is the order key's, without costing every choice.
     memory_infeasible: list[Strategy] = []
-    capacity = float(cluster.device.memory_bytes)
+    # the largest predicted peak a plan may have (the headroom and the peak's range taken off)
+    capacity = model.usable_capacity_bytes()
     pending: list[_Pending] = []
     # the stack's rule -> the first plan it refused so, and how many
     refusals: dict[str, tuple[Refusal, int]] = {}
@@ -672,7 +683,7 @@ class _BoundTables:
             buffer_bytes=0.0,
             reserved_bytes=cal.reserved_memory_bytes,
             allocator_overhead_fraction=cal.allocator_overhead_fraction,
-        ).usable_bytes(float(cluster.device.memory_bytes))
+        ).usable_bytes(model.usable_capacity_bytes())
         # representative unit -> how many units share its content
         self.class_counts = Counter(model.classes)
         # per sample at the traced dtype: the smallest tensor a pipeline stage can send
@@ -866,7 +877,7 @@ def _candidate(strategy: Strategy, modes: Sequence[Recompute], tables: _BoundTab
     first = next(iter(by_mode.values()))
     p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
     constants = memory_constants(first, cluster, strategy)
-    usable = constants.usable_bytes(float(cluster.device.memory_bytes))
+    usable = constants.usable_bytes(model.usable_capacity_bytes())
     # Identical units share their cost objects: bound over distinct units with multiplicity.
     overlap = model.dp_overlap(strategy)
     largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
@@ -1299,6 +1310,7 @@ def _plan_of(
         dtype=s.dtype,  # type: ignore[arg-type]
         rank_layout=s.rank_layout,
         framework=model.framework,
+        memory_headroom=model.memory_headroom,
     )
     return plan
 
@@ -1395,8 +1407,10 @@ def _no_feasible_plan(
         buffer_bytes=0.0,
         reserved_bytes=cal.reserved_memory_bytes,
         allocator_overhead_fraction=cal.allocator_overhead_fraction,
-    ).usable_bytes(capacity)
+    ).usable_bytes(tables.model.usable_capacity_bytes())
     floor = math.ceil(state / usable)
+    # the least plan would fit with no headroom (the peak's range still counted)
+    headroom_helps = least is not None and least <= usable_capacity_bytes(capacity, 0.0)
     devices = (
         f"; its weights, gradients and optimizer state alone need at least {floor} devices of "
         f"this type ({state / gib:,.0f} GiB)"
@@ -1406,16 +1420,22 @@ def _no_feasible_plan(
     return NoFeasiblePlanError(
         f"no plan for {profile.name!r} fits {cluster.name!r}: the least memory per device any of "
         f"the {stats.candidates} candidate plans needs is {amount}, the device has "
-        f"{capacity / gib:.1f} GiB{devices}; {_memory_fixes(space)}",
+        f"{capacity / gib:.1f} GiB, of which a predicted peak may use "
+        f"{tables.model.usable_capacity_bytes() / gib:.1f} GiB (memory headroom "
+        f"{tables.model.memory_headroom:.0%} and the peak's range){devices}; "
+        f"{_memory_fixes(space, headroom_helps)}",
         least_memory_bytes=least,
         capacity_bytes=float(capacity),
     )
 
 
-def _memory_fixes(space: SearchSpace) -> str:
-    """The fixes for a search in which nothing fits: more or larger devices, and lifting the
-    constraints the user set that keep memory-saving choices out (only those)."""
+def _memory_fixes(space: SearchSpace, headroom_helps: bool = False) -> str:
+    """The fixes for a search in which nothing fits: more or larger devices, a lower memory
+    headroom if one would let the least plan fit, and lifting the constraints the user set that
+    keep memory-saving choices out (only those)."""
     fixes = ["use more devices or devices with more memory"]
+    if headroom_helps:
+        fixes.append("lower the memory headroom (memory_headroom=, --memory-headroom)")
     if "full" not in space.recompute:
         fixes.append("allow recompute 'full'")
     if 3 not in space.zero:
