@@ -314,7 +314,7 @@ def search(
     by the predicted step; plans within 2% of the best tie, and ties go to the plan with fewer
     unvalidated features, then more memory headroom. ``memory_headroom``: the share of each
     device every plan leaves free beyond the upper end of its peak's range (a fraction in
-    [0, 0.9), default 0.1; docs/cost-model.md, "Memory headroom"); each plan records it.
+    [0, 0.9), default 0.1; docs/guide.md, "Memory headroom"); each plan records it.
     """
     result = search_plans(
         profile_of(model_or_graph),

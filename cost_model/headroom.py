@@ -7,7 +7,7 @@ and its stage-partition solver all compare a predicted peak with, so the search 
 plan the others refuse: a peak fits when the upper end of its 80% range (the prediction times
 `memory_upper_factor`) stays within the capacity less the headroom.
 
-What each term covers (docs/cost-model.md, "Memory headroom"), so nothing is counted twice
+What each term covers (docs/guide.md, "Memory headroom"), so nothing is counted twice
 unsaid: the predicted peak already holds the framework reserve (CUDA context, library buffers)
 and the allocator margin (`Calibration.allocator_overhead_fraction`: the caching allocator's
 steady-state cached-but-unused share of the tensors, 5% on the GPU presets); the range factor
@@ -46,27 +46,38 @@ class MemoryHeadroomError(InputError):
 def check_memory_headroom(value: object) -> float:
     """``value`` as a memory headroom (a number in [0, `MAX_MEMORY_HEADROOM`)), or
     `MemoryHeadroomError` naming it, the valid range and the default."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value < MAX_MEMORY_HEADROOM
-    ):
-        raise MemoryHeadroomError(
-            f"memory headroom {shown(value)} must be a fraction of device memory in "
-            f"[0, {MAX_MEMORY_HEADROOM:g}): the share each device keeps free beyond the predicted "
-            f"peak, e.g. 0.1 for 10% (the default, {DEFAULT_MEMORY_HEADROOM:g})"
-        )
-    return float(value)
+    if not _valid(value):
+        raise MemoryHeadroomError(_refusal(shown(value)))
+    return float(value)  # type: ignore[arg-type]  # (a real number: `_valid`)
 
 
 def parse_memory_headroom(text: str) -> float:
-    """A headroom given as text (a command-line option), checked by `check_memory_headroom`."""
+    """A headroom given as text (a command-line option), checked as `check_memory_headroom`
+    checks a number; the refusal names the text as given."""
     try:
-        value: object = float(text)
+        value = float(text)
     except ValueError:
-        value = text
-    return check_memory_headroom(value)
+        raise MemoryHeadroomError(_refusal(shown(text))) from None
+    if not _valid(value):
+        raise MemoryHeadroomError(_refusal(shown(text)))
+    return value
+
+
+def _valid(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and 0 <= value < MAX_MEMORY_HEADROOM
+    )
+
+
+def _refusal(value_text: str) -> str:
+    return (
+        f"memory headroom {value_text} must be a fraction of device memory in "
+        f"[0, {MAX_MEMORY_HEADROOM:g}): the share each device keeps free beyond the predicted "
+        f"peak, e.g. {DEFAULT_MEMORY_HEADROOM:g} for {DEFAULT_MEMORY_HEADROOM:.0%} (the default)"
+    )
 
 
 def plan_memory_headroom(plan: object, given: float | None = None) -> float:

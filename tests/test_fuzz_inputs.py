@@ -158,24 +158,25 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "plan": (
         ("--model", "--cluster", "--global-batch", "--tp", "--pp", "--dp", "--micro-batch",
          "--max-tp", "--max-pp", "--zero", "--recompute", "--schedules", "--dtype",
-         "--time-limit", "--top", "-o", "--framework"),
+         "--time-limit", "--top", "-o", "--framework", "--memory-headroom"),
         ("--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8", "--budget", "1"),
     ),
     "estimate": (
         ("--model", "--cluster", "--global-batch", "--tp", "--pp", "--dp", "--micro-batch",
-         "--recompute", "--zero", "--schedule", "--virtual-stages", "--dtype", "--framework"),
+         "--recompute", "--zero", "--schedule", "--virtual-stages", "--dtype", "--framework",
+         "--memory-headroom"),
         ("--model", MODEL, "--cluster", CLUSTER, "--global-batch", "8"),
     ),
     "whatif": (
         ("--model", "--cluster", "--num-devices", "--global-batch", "--tokens",
          "--price-per-device-hour", "--currency", "--set", "--plot", "--max-tp", "--zero",
-         "--framework"),
+         "--framework", "--memory-headroom"),
         ("--model", MODEL, "--cluster", CLUSTER, "--num-devices", "8", "--global-batch", "8",
          "--budget", "1"),
     ),
     "trace": (("--model", "--batch-size", "--seq-len"), ("--model", MODEL)),
     "cluster show": ((), (CLUSTER,)),
-    "validate": (("--cluster", "--model"), ("/no/such/plan.yaml",)),
+    "validate": (("--cluster", "--model", "--memory-headroom"), ("/no/such/plan.yaml",)),
 }  # fmt: skip
 
 
@@ -271,10 +272,10 @@ def test_generated_api_calls(graph: Any, data: st.DataObject) -> None:
                         "framework"],
         "search": ["global_batch", "tp", "pp", "dp", "micro_batch", "zero", "recompute",
                    "schedules", "dtype", "max_tp", "max_pp", "top_k", "time_limit_s",
-                   "framework"],
+                   "framework", "memory_headroom"],
         "Plan": ["dp_degree", "tp_degree", "pp_degree", "micro_batch_size", "num_micro_batches",
                  "global_batch_size", "schedule", "zero_stage", "dtype", "virtual_stages",
-                 "sequence_parallel", "rank_layout", "framework"],
+                 "sequence_parallel", "rank_layout", "framework", "memory_headroom"],
         "estimate": [],
     }[call]  # fmt: skip
     bad = {key: data.draw(API_VALUES) for key in data.draw(st.sets(st.sampled_from(keys or ["_"])))}

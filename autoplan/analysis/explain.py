@@ -250,25 +250,28 @@ def explain(
     budget_s: float | None = 10.0,
     progress: Callable[[str], None] | None = None,
     framework: str | None = None,
+    memory_headroom: float | None = None,
 ) -> Explanation:
     """Explain ``plan`` on ``cluster`` (module docstring); ``top_k`` search alternatives.
 
     ``alternatives=False`` skips the searches (breakdown and critical path only); each search
     visits candidates for at most ``budget_s`` seconds (None: until every one is proven), as
     `autoplan.search`. ``framework``: price the plan (and its alternatives) for that training
-    stack instead of the one it records.
+    stack instead of the one it records. ``memory_headroom``: check the plan's memory, and
+    search its alternatives, with it (None: the plan's recorded one, else the default).
     """
     if framework is not None and framework != plan.framework:
         framework_profile(framework)  # an unknown name fails here, naming the known ones
         plan = dataclasses.replace(plan, framework=framework, estimate=None)
     profile = api.profile_of(model_or_graph)
-    result = api.estimate(profile, cluster, plan)
+    result = api.estimate(profile, cluster, plan, memory_headroom=memory_headroom)
     notes: list[str] = []
     if not result.fits:
         notes.append(f"this plan does not fit: {result.memory_report()}")
+        notes.append(result.memory_problem())
     found: list[Alternative] = []
     if alternatives:
-        limits = _Limits(time_limit_s, budget_s)
+        limits = _Limits(time_limit_s, budget_s, result.memory_headroom)
         found += _search_alternatives(
             plan, profile, cluster, result, top_k, limits, notes, progress
         )
@@ -409,6 +412,7 @@ class _Limits(NamedTuple):
 
     time_limit_s: float
     budget_s: float | None
+    memory_headroom: float  # the explained plan's: its alternatives keep as much free
 
 
 def _search_alternatives(
@@ -433,6 +437,7 @@ def _search_alternatives(
             framework=plan.framework,
             time_limit_s=limits.time_limit_s,
             budget_s=limits.budget_s,
+            memory_headroom=limits.memory_headroom,
         ).plans
     except (NoFeasiblePlanError, ConstraintError) as error:
         notes.append(f"the search finds no plan to compare with: {infeasible_reason(error)}")
@@ -469,6 +474,7 @@ def _constrained(
             framework=plan.framework,
             time_limit_s=limits.time_limit_s,
             budget_s=limits.budget_s,
+            memory_headroom=limits.memory_headroom,
             **constraints,
         ).plans[0]
     except NoFeasiblePlanError as error:

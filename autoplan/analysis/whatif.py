@@ -41,6 +41,7 @@ from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, load_cluster
+from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, plan_memory_headroom
 from cost_model.messages import shown
 from cost_model.uncertainty import DEFAULT_OBJECTIVE, OBJECTIVES
 from cost_model.workload import ModelProfile
@@ -404,12 +405,20 @@ def _check_device_counts(num_devices: Sequence[int]) -> tuple[int, ...]:
 
 
 def infeasible_reason(error: InputError) -> str:
-    """A short reason for a planner error: ``needs 97.3 GiB per device of 80.0 GiB``."""
+    """A short reason for a planner error: ``needs 97.3 GiB per device of 80.0 GiB``, or when
+    the least need is within the device but not its headroom, ``needs 71.0 GiB per device, over
+    the 63.5 GiB its headroom leaves of 80.0 GiB``."""
     message = str(error)
     least = getattr(error, "least_memory_bytes", None)
     capacity = getattr(error, "capacity_bytes", None)
+    usable = getattr(error, "usable_bytes", None)
     if least is not None and capacity is not None:
         gib = 2.0**30
+        if usable is not None and least <= capacity:
+            return (
+                f"does not fit: needs {least / gib:.1f} GiB per device, over the "
+                f"{usable / gib:.1f} GiB its headroom leaves of {capacity / gib:.1f} GiB"
+            )
         return f"does not fit: needs {least / gib:.1f} GiB per device of {capacity / gib:.1f} GiB"
     if "no degrees/batching combination" in message:
         return "no degrees/batching combination satisfies the constraints"
@@ -435,6 +444,7 @@ def whatif(
     workers: int | None = None,
     framework: str = DEFAULT_FRAMEWORK,
     objective: str = DEFAULT_OBJECTIVE,
+    memory_headroom: float | None = DEFAULT_MEMORY_HEADROOM,
     **constraints: Any,
 ) -> WhatIfResult:
     """The best plan and its speed and cost for every cluster type and device count.
@@ -451,7 +461,8 @@ def whatif(
     reached are rows with ``searched=False`` (`WhatIfResult.not_run` counts them), never
     dropped. A search that is running when it runs out ends within its own budget.
     ``framework``: price every plan for that training stack, ``objective``: what each search
-    minimises (`autoplan.search`). At most `MAX_SEARCHES` cluster types x device counts.
+    minimises and ``memory_headroom`` the share of each device its plans leave free
+    (`autoplan.search`). At most `MAX_SEARCHES` cluster types x device counts.
     """
     start = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -492,7 +503,13 @@ def whatif(
             f"objective = {shown(objective)} is not one autoplan knows; use one of "
             f"{', '.join(OBJECTIVES)}"
         )
-    constraints = {**constraints, "framework": framework, "objective": objective}
+    memory_headroom = plan_memory_headroom(None, memory_headroom)  # (None: the default)
+    constraints = {
+        **constraints,
+        "framework": framework,
+        "objective": objective,
+        "memory_headroom": memory_headroom,
+    }
     profile = api.profile_of(model_or_graph)
 
     jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]

@@ -120,6 +120,30 @@ dtype_option = click.option(
 )
 
 
+def memory_headroom(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """Click callback: a memory headroom is a fraction of device memory in [0, 0.9) (None:
+    not given, the plan's recorded one or the default)."""
+    if value is None:
+        return None
+    from cost_model.headroom import MemoryHeadroomError, parse_memory_headroom
+
+    try:
+        return parse_memory_headroom(value)
+    except MemoryHeadroomError as error:
+        raise click.BadParameter(str(error), ctx, param) from None
+
+
+memory_headroom_option = click.option(
+    "--memory-headroom",
+    callback=memory_headroom,
+    default=None,
+    metavar="FRACTION",
+    # cost_model.headroom.DEFAULT_MEMORY_HEADROOM (not imported: the CLI starts fast)
+    help="Share of each device's memory to keep free beyond the upper end of the predicted "
+    "peak's range, in [0, 0.9) [0.1, or the plan file's memory_headroom].",
+)
+
+
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
     ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
@@ -182,6 +206,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             help="What the search minimises: the upper end of the step's 80% range "
             "(pessimistic) or the predicted step (expected).",
         ),
+        memory_headroom_option,
         click.option(
             "--time-limit",
             type=click.FloatRange(min=0.01),
@@ -214,7 +239,8 @@ def search_constraints(options: dict[str, Any]) -> dict[str, Any]:
     return {
         key: value
         for key, value in options.items()
-        if key not in ("time_limit", "budget") and value not in (None, False)
+        # (identity: a headroom of 0.0 equals False)
+        if key not in ("time_limit", "budget") and value is not None and value is not False
     }
 
 

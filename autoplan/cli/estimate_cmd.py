@@ -9,6 +9,7 @@ from autoplan._format import (
     collapse_runs,
     compact_table,
     fmt_bytes,
+    fmt_headroom,
     fmt_memory,
     fmt_recompute,
     fmt_time,
@@ -21,6 +22,7 @@ from autoplan.cli.common import (
     emit_json,
     framework_option,
     json_option,
+    memory_headroom_option,
     range_level,
     trace_spec,
 )
@@ -106,6 +108,7 @@ from cost_model.hardware import load_cluster
     callback=range_level,
     help="Share of outcomes the step's and the peak's ranges hold (0.8: an 80% range).",
 )
+@memory_headroom_option
 @dtype_option
 @framework_option
 @json_option
@@ -125,6 +128,7 @@ def estimate_cmd(
     virtual_stages: int,
     sequence_parallel: bool,
     range_level: float,
+    memory_headroom: float | None,
     dtype: DTypeName | None,
     framework: str,
     as_json: bool,
@@ -154,7 +158,9 @@ def estimate_cmd(
         dtype=dtype,
         framework=framework,
     )
-    result = estimate(profile, target, plan, range_level=range_level)
+    result = estimate(
+        profile, target, plan, range_level=range_level, memory_headroom=memory_headroom
+    )
     if as_json:
         data = result.to_data()
         data["model"] = profile.name
@@ -176,6 +182,7 @@ def estimate_cmd(
     out.print(summary_line(result))
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")
+        out.print(result.memory_problem(), markup=False)
 
 
 def summary_line(result: Estimate) -> str:
@@ -191,6 +198,13 @@ def summary_line(result: Estimate) -> str:
             result.peak_memory_bytes,
             result.peak_rank.memory.reserve_bytes,
             result.memory_capacity_bytes,
+        )
+        + ", "
+        + fmt_headroom(
+            result.peak_memory_bytes,
+            result.memory_capacity_bytes,
+            result.memory_headroom,
+            result.usable_memory_bytes,
         )
         + f": {fits}"
     )

@@ -28,6 +28,7 @@ from autoplan.cli.common import (
     emit_json,
     finite_seconds,
     json_option,
+    memory_headroom_option,
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
@@ -87,6 +88,7 @@ from cost_model.hardware import load_cluster
     default=None,
     help=f"Training stack to price the plan for ({', '.join(FRAMEWORKS)}) [the plan's].",
 )
+@memory_headroom_option
 @json_option
 def explain_cmd(
     plan_path: str,
@@ -98,6 +100,7 @@ def explain_cmd(
     time_limit: float,
     budget: float,
     framework: str | None,
+    memory_headroom: float | None,
     as_json: bool,
 ) -> None:
     """Explain a plan: where its step time goes and what the alternatives would cost."""
@@ -129,6 +132,7 @@ def explain_cmd(
             budget_s=budget if budget > 0 else None,
             progress=None if status is None else status.update,
             framework=framework,
+            memory_headroom=memory_headroom,
         )
     timeline: dict[str, Any] | None = None
     if timeline_path is not None:
@@ -182,10 +186,13 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
 def memory_table(result: Explanation) -> Table:
     """Each pipeline rank's peak memory per device against the capacity, in GiB (ranks whose
     cells agree share a row)."""
+    e = result.estimate
     table = compact_table(
         "memory per device at the peak (GiB)",
         caption="activations: held micro-batches; working: one backward's working set, p2p and "
-        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin",
+        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin; "
+        f"fits: total at most {fmt_gib(e.usable_memory_bytes)} (the capacity less the "
+        f"{e.memory_headroom:.0%} memory headroom and the peak's 80% range)",
     )
     for name in (
         "rank",

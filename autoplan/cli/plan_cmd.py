@@ -142,9 +142,13 @@ def plan_cmd(
 def ranked_table(plans: tuple[Plan, ...]) -> Table:
     """The ranked plans, one line each, with their rank layouts (outermost axis first) when
     they differ (the chosen plan's split is in its stage table)."""
+    headroom = plans[0].estimate.memory_headroom if plans[0].estimate else 0.0
     table = compact_table(
         "best plans (rank 1 is chosen)",
-        caption="range: the step's 80% range around it; " + MEMORY_CELL_CAPTION,
+        caption="range: the step's 80% range around it; "
+        + MEMORY_CELL_CAPTION
+        + f"; each plan keeps {headroom:.0%} of the device free beyond the peak's 80% range "
+        "(memory headroom)",
     )
     # The rank layout only when the plans differ in it: then it may be all that tells two apart.
     layouts = len({plan.rank_layout for plan in plans}) > 1

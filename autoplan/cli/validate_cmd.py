@@ -3,20 +3,29 @@
 Without ``--cluster`` the cluster the plan file records is used (``estimate.cluster`` with the
 plan's device count), as `autoplan explain` does, and the output says so.
 
-Memory is checked as `autoplan.parallelize` checks it (`Estimate.require_fits`: the predicted
-per-rank peak against the device's memory) whenever the model is known: ``--model``, or the
-plan file's ``model.name`` when that is a model spec. ``--allow-over-memory`` turns the failure
-into a warning; without a model the output says that memory was not checked."""
+Memory is checked as `autoplan.parallelize` checks it (`Estimate.require_fits`: the upper end
+of the predicted per-rank peak's range against the device's memory less the memory headroom:
+``--memory-headroom``, else the plan file's ``memory_headroom``, else the default) whenever the
+model is known: ``--model``, or the plan file's ``model.name`` when that is a model spec.
+``--allow-over-memory`` turns the failure into a warning; without a model the output says that
+memory was not checked."""
 
 from __future__ import annotations
 
 import click
 
+from autoplan._format import fmt_headroom
 from autoplan.analysis.explain import ExplainInputError, plan_cluster, plan_model_spec
-from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.cli.common import (
+    console,
+    emit_json,
+    json_option,
+    memory_headroom_option,
+    trace_spec,
+)
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
-from autoplan.export.checks import check_memory
+from autoplan.export.checks import MemoryCheck, check_memory
 from cost_model.hardware import load_cluster
 from cost_model.results import MemoryCapacityError
 
@@ -43,6 +52,7 @@ from cost_model.results import MemoryCapacityError
     is_flag=True,
     help="Warn instead of failing when the predicted peak memory exceeds the device's.",
 )
+@memory_headroom_option
 @click.option(
     "--checkpoint",
     "checkpointed",
@@ -56,6 +66,7 @@ def validate(
     model_spec: str | None,
     allow_cross_node_tp: bool,
     allow_over_memory: bool,
+    memory_headroom: float | None,
     checkpointed: bool,
     as_json: bool,
 ) -> None:
@@ -77,20 +88,35 @@ def validate(
     profile = trace_spec(model_spec).profile if model_spec else None
     plan.validate(profile, target, allow_cross_node_tp=allow_cross_node_tp)
     peak = None
+    memory: MemoryCheck | None = None
     if profile is not None:
         try:
-            memory = check_memory(plan, profile, target, allow_over_memory=allow_over_memory)
+            memory = check_memory(
+                plan,
+                profile,
+                target,
+                allow_over_memory=allow_over_memory,
+                memory_headroom=memory_headroom,
+            )
         except MemoryCapacityError as error:
+            notes = []
+            if memory_headroom is None and plan.memory_headroom is not None:
+                notes.append(
+                    f"the headroom is the plan file's memory_headroom, {plan.memory_headroom:g}, "
+                    "which it was made with; --memory-headroom checks it with another"
+                )
             recorded = plan.estimate.memory_capacity_bytes if plan.estimate else 0
-            if not recorded or recorded == target.device.memory_bytes:
+            if recorded and recorded != target.device.memory_bytes:
+                gib = 2.0**30
+                notes.append(
+                    f"the plan was made for devices of {recorded / gib:g} GiB, its "
+                    f"estimate.memory_capacity_bytes, and {target.name} has "
+                    f"{target.device.memory_bytes / gib:g} GiB: pass --cluster with the "
+                    "overrides it was made with, e.g. memory=..."
+                )
+            if not notes:
                 raise
-            gib = 2.0**30
-            raise MemoryCapacityError(
-                f"{error} (the plan was made for devices of {recorded / gib:g} GiB, its "
-                f"estimate.memory_capacity_bytes, and {target.name} has "
-                f"{target.device.memory_bytes / gib:g} GiB: pass --cluster with the overrides "
-                "it was made with, e.g. memory=...)"
-            ) from None
+            raise MemoryCapacityError(f"{error} ({'; '.join(notes)})") from None
         peak = memory.peak_memory_bytes
         if not memory.fits:
             memory_note = f"WARNING (--allow-over-memory): {memory.problem}"
@@ -98,7 +124,10 @@ def validate(
         else:
             gib = 2.0**30
             memory_note = (
-                f"peak memory {peak / gib:.1f} GiB of {memory.capacity_bytes / gib:.1f} GiB"
+                f"peak memory {peak / gib:.1f} GiB of {memory.capacity_bytes / gib:.1f} GiB, "
+                + fmt_headroom(
+                    peak, memory.capacity_bytes, memory.memory_headroom, memory.usable_bytes
+                )
             )
     against = f"{target.name} ({target.num_devices} devices)"
     if profile is not None:
@@ -111,6 +140,8 @@ def validate(
                 "cluster": target.name,
                 "model": profile.name if profile else None,
                 "peak_memory_bytes": peak,
+                "memory_headroom": memory.memory_headroom if memory else None,
+                "usable_memory_bytes": memory.usable_bytes if memory else None,
                 "memory": memory_note,
                 "cluster_note": cluster_note or None,
             }

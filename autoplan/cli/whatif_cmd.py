@@ -19,6 +19,7 @@ from rich.table import Table
 from autoplan._format import (
     compact_table,
     fmt_bytes,
+    fmt_free_cell,
     fmt_range_percent,
     fmt_recompute,
     fmt_time,
@@ -331,6 +332,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
     train."""
     tables: list[Table] = []
     clusters = list(dict.fromkeys(row.cluster for row in result.rows))
+    headroom = f"{float(dict(result.constraints).get('memory_headroom', 0.1)):.0%}"
     for index, cluster in enumerate(clusters):
         rows = [row for row in result.rows if row.cluster == cluster]
         table = compact_table(
@@ -342,7 +344,9 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
                 "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: "
                 "the peak device's predicted tensors, framework "
-                "reserve and allocator margin, of its capacity; range: the step's 80% range "
+                "reserve and allocator margin, of its capacity, then what it leaves free (plans "
+                f"keep {headroom} of it free beyond the peak's 80% range); range: the step's "
+                "80% range "
                 "around it; gap: a plan up to this much "
                 "faster may exist (the search's budget ended before it proved otherwise)"
             )
@@ -377,7 +381,8 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 fmt_range_percent(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
                 f"{row.tokens_per_s:,.0f}",
                 f"{row.mfu:.1%}",
-                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
+                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%} "
+                f"{fmt_free_cell(row.peak_memory_bytes, row.memory_capacity_bytes)}",
                 f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
                 f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
             )

@@ -37,7 +37,8 @@ class NoFeasiblePlanError(InputError):
     """No plan in the searched space fits the cluster.
 
     When memory is the reason, ``least_memory_bytes`` is the least any candidate needs per
-    device and ``capacity_bytes`` the device's memory (None otherwise).
+    device, ``capacity_bytes`` the device's memory and ``usable_bytes`` the most a predicted
+    peak may take of it with the memory headroom and the peak's range (None otherwise).
     """
 
     def __init__(
@@ -46,7 +47,9 @@ class NoFeasiblePlanError(InputError):
         *,
         least_memory_bytes: float | None = None,
         capacity_bytes: float | None = None,
+        usable_bytes: float | None = None,
     ) -> None:
         super().__init__(message)
         self.least_memory_bytes = least_memory_bytes
         self.capacity_bytes = capacity_bytes
+        self.usable_bytes = usable_bytes

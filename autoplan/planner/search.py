@@ -1426,6 +1426,7 @@ def _no_feasible_plan(
         f"{_memory_fixes(space, headroom_helps)}",
         least_memory_bytes=least,
         capacity_bytes=float(capacity),
+        usable_bytes=tables.model.usable_capacity_bytes(),
     )
 
 

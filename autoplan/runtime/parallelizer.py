@@ -50,6 +50,7 @@ from autoplan.tracing import trace
 from cost_model.estimate import estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
+from cost_model.headroom import check_memory_headroom
 from cost_model.messages import shown
 from cost_model.results import Estimate
 from passes import (
@@ -106,6 +107,7 @@ def parallelize(
     timeout_s: float | None = None,
     check_memory: bool = True,
     on_nan: OnNaN = "stop",
+    memory_headroom: float | None = None,
 ) -> DistributedModel:
     """Build this rank's part of ``model`` for ``plan`` (searched when None); see the module doc.
 
@@ -117,9 +119,11 @@ def parallelize(
     `DEFAULT_TIMEOUT_S`); every rank must pass the same plan (checked: `PlanError` on all). A
     plan whose predicted peak memory exceeds the device's fails on every rank before any
     allocation (`MemoryCapacityError`, `Estimate.require_fits`); ``check_memory=False`` runs it
-    anyway with a warning. ``on_nan``: what a non-finite loss or gradient does in
-    `DistributedModel.train_step` ("stop": `NonFiniteError` on every rank; "skip": the step is
-    skipped on every rank).
+    anyway with a warning. ``memory_headroom``: the share of each device the plan must leave
+    free beyond the upper end of its peak's range (`cost_model.headroom`; None: the plan's
+    recorded one, else the default; a searched plan is searched with it). ``on_nan``: what a
+    non-finite loss or gradient does in `DistributedModel.train_step` ("stop":
+    `NonFiniteError` on every rank; "skip": the step is skipped on every rank).
 
     Once the process group exists, an exception that ends any rank of the job is reported once,
     by the lowest failing rank, before the launcher tears the job down
@@ -129,6 +133,8 @@ def parallelize(
     failures: RankFailures | None = None
     try:
         _check_arguments(model, plan, loss_fn, optimizer, global_batch_size, on_nan)
+        if memory_headroom is not None:
+            check_memory_headroom(memory_headroom)  # on every rank, before any process group
         world_size, local_world = _job_shape()
         device = _device()
         created = _init_process_group(device, timeout_s)
@@ -146,6 +152,7 @@ def parallelize(
             timeout_s=timeout_s,
             check_memory=check_memory,
             on_nan=on_nan,
+            memory_headroom=memory_headroom,
             job=_Job(
                 world_size=world_size,
                 local_world=local_world,
@@ -203,10 +210,15 @@ def _parallelize(
     timeout_s: float | None,
     check_memory: bool,
     on_nan: OnNaN,
+    memory_headroom: float | None,
     job: _Job,
 ) -> DistributedModel:
     world_size, local_world, device = job.world_size, job.local_world, job.device
     _agree_on_plan(plan, device)  # the first collective: nothing below can hang on a mismatch
+    if memory_headroom is not None:  # the plan is checked, or searched, with it
+        search_constraints = {**(search_constraints or {}), "memory_headroom": memory_headroom}
+        if plan is not None:
+            plan = dataclasses.replace(plan, memory_headroom=memory_headroom)
     if graph is None:
         graph = _trace(model, plan)
     cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
