@@ -23,6 +23,9 @@ from cost_model.workload import ModelProfile
 
 __all__ = ["Coverage", "FeatureGain", "coverage"]
 
+# a step difference below this is no gain: the search's own tie band is 2%, noise well below it
+GAIN_NOISE = 0.005
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FeatureGain:
@@ -56,14 +59,22 @@ class Coverage:
             out.append("validated by fewer than 5 published rows: " + "; ".join(self.unvalidated))
         if self.above_published:
             assert self.best_published_mfu is not None
-            gains = ", ".join(
-                f"{g.feature} ({g.relative:+.1%} step against {g.alternative})" for g in self.gains
-            )
-            out.append(
+            head = (
                 f"predicted MFU {self.mfu:.1%} is above the best published run of this size on "
                 f"this GPU ({self.best_published_mfu:.1%}, {self.best_published_run})"
-                + (f"; the gain comes from {gains}" if gains else "")
             )
+            # a feature "gains" when its validated alternative is slower by more than noise
+            gaining = [g for g in self.gains if g.relative <= -GAIN_NOISE]
+            if gaining:
+                head += "; the gain comes from " + ", ".join(
+                    f"{g.feature} ({g.relative:+.1%} step against {g.alternative})" for g in gaining
+                )
+            elif self.unvalidated:
+                head += (
+                    "; none of its unvalidated features accounts for it (each within "
+                    f"{GAIN_NOISE:.1%} of its validated alternative)"
+                )
+            out.append(head)
         return out
 
 
