@@ -143,12 +143,6 @@ def fmt_memory_cell(peak_bytes: float, reserve_bytes: float, capacity_bytes: flo
     return f"{predicted}+{_short_bytes(reserve_bytes)}/{_short_bytes(capacity_bytes)}"
 
 
-def fmt_free_cell(peak_bytes: float, capacity_bytes: float) -> str:
-    """A table cell for what a device's peak leaves free: "15.9G" ("-1.2G": over)."""
-    free = capacity_bytes - peak_bytes
-    return _short_bytes(free) if free >= 0 else f"-{_short_bytes(-free)}"
-
-
 MEMORY_CELL_CAPTION = (
     "memory per device: predicted + reserve and allocator margin / capacity (G = GiB, M = MiB)"
 )

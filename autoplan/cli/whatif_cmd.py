@@ -19,7 +19,6 @@ from rich.table import Table
 from autoplan._format import (
     compact_table,
     fmt_bytes,
-    fmt_free_cell,
     fmt_range_percent,
     fmt_recompute,
     fmt_time,
@@ -344,7 +343,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
                 "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: "
                 "the peak device's predicted tensors, framework "
-                "reserve and allocator margin, of its capacity, then what it leaves free (plans "
+                "reserve and allocator margin, as a share of its capacity (the rest is free; plans "
                 f"keep {headroom} of it free beyond the peak's 80% range); range: the step's "
                 "80% range "
                 "around it; gap: a plan up to this much "
@@ -381,8 +380,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 fmt_range_percent(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
                 f"{row.tokens_per_s:,.0f}",
                 f"{row.mfu:.1%}",
-                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%} "
-                f"{fmt_free_cell(row.peak_memory_bytes, row.memory_capacity_bytes)}",
+                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
                 f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
                 f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
             )
