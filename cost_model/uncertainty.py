@@ -266,9 +266,10 @@ def check_range_level(level: object) -> float:
     return float(level)
 
 
-def memory_upper_factor(features: Sequence[str] = ()) -> float:
-    """The factor from a predicted peak to the upper end of its 80% range (>= 1)."""
-    return memory_interval(features).high
+def memory_upper_factor() -> float:
+    """The factor from a predicted peak to the upper end of its 80% range (>= 1), the same for
+    every plan (`with_ranges`)."""
+    return memory_interval(()).high
 
 
 def with_ranges(est: Estimate, features: Sequence[str], level: float = COVERAGE) -> Estimate:
@@ -276,16 +277,18 @@ def with_ranges(est: Estimate, features: Sequence[str], level: float = COVERAGE)
     features (always those of the 80% range: a feature is unvalidated by its row count)."""
     level = check_range_level(level)
     step = step_interval(features, level)
-    memory = memory_interval(features, level)
-    # the residuals are of tensors and their allocator margin; the framework reserve (the CUDA
-    # context, library buffers) is a fixed calibration figure outside the allocator
-    peak = est.peak_rank.memory
-    fixed = peak.reserve_bytes - peak.margin_bytes
-    scaled = est.peak_memory_bytes - fixed
+    # One memory factor for every plan, on the whole peak: the one the memory check applies
+    # (`cost_model.headroom.usable_capacity_bytes`), so a plan fits exactly when the upper end
+    # of the range it shows stays within the capacity less its headroom. (Its residuals are
+    # nearly all of one runtime on CPU: per-feature groups would only split that one source.)
+    memory = memory_interval((), level)
     return dataclasses.replace(
         est,
         step_time_range_s=(est.step_time_s * step.low, est.step_time_s * step.high),
-        peak_memory_range_bytes=(fixed + scaled * memory.low, fixed + scaled * memory.high),
+        peak_memory_range_bytes=(
+            est.peak_memory_bytes * memory.low,
+            est.peak_memory_bytes * memory.high,
+        ),
         range_level=level,
         features=tuple(features),
         unvalidated=tuple(f"{f}: {n} published rows" for f, n in step.unvalidated),
