@@ -809,7 +809,7 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
         lines.append(
             f"{c.run_id:44s} {c.status:9s} {c.gpu:9s} {c.num_gpus:5d}  {_config(c):32s} "
             f"{c.published_step_s:9.3f}s {r.step_time_s:9.3f}s {r.error:+7.1%}  "
-            f"{r.estimate.peak_memory_bytes / 2**30:.0f}GiB{'' if r.estimate.fits else ' (!)'}"
+            f"{r.estimate.peak_memory_bytes / 2**30:.0f}GiB{' (!)' if over_capacity(r) else ''}"
             + (f"  [{c.note}]" if c.note else "")
         )
     lines.append("")
@@ -867,6 +867,13 @@ def allocator_peak_bytes(r: Result) -> float:
     return r.estimate.peak_memory_bytes - r.case.cluster.calibration.reserved_memory_bytes
 
 
+def over_capacity(r: Result) -> bool:
+    """Whether the predicted peak itself is over the device (the product's ``fits`` also keeps
+    a headroom and the peak's range free: a plan it would not choose, not a run that could not
+    have run)."""
+    return r.estimate.peak_memory_bytes > r.estimate.memory_capacity_bytes
+
+
 def memory_errors(results: Iterable[Result]) -> list[tuple[Result, float]]:
     """Scored rows with a published peak: (row, predicted / published - 1)."""
     return [
@@ -894,7 +901,7 @@ def memory_report(results: list[Result]) -> list[str]:
             f"  scored rows {len(scored)}: median |error| {statistics.median(scored):.1%}, "
             f"max {max(scored):.1%}"
         )
-    over = [r for r in results if not r.estimate.fits]
+    over = [r for r in results if over_capacity(r)]
     # the product's own edge rule (`Estimate.fits_without_margin`), not a per-row note
     edge = [r for r in over if not r.case.memory_note and r.estimate.fits_without_margin]
     unexplained = [r for r in over if not r.case.memory_note and r not in edge]
