@@ -34,13 +34,14 @@ Not described: fp8 training.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
-from cost_model.memory import SelectiveScope, StackActivations
+from cost_model.memory import RECOMPUTE_MODULES, RecomputeModule, SelectiveScope, StackActivations
 from cost_model.messages import shown
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
@@ -101,6 +102,11 @@ class FrameworkProfile:
     # What its selective recompute drops from memory (`cost_model.memory.SelectiveScope`;
     # ``None``: the traced cheap ops' outputs, as autoplan's runtime).
     selective_recompute: SelectiveScope | None = None
+    # With selective_recompute "modules": the submodules it checkpoints (Megatron-Core's
+    # --recompute-modules, `cost_model.memory.RECOMPUTE_MODULES`). Memory only: the re-run's
+    # time stays the stack's selective price (the traced cheap ops,
+    # `cost_model.parts.compute.recompute_s`), short of a whole MoE layer's forward for "moe".
+    recompute_modules: tuple[RecomputeModule, ...] = ("core_attn",)
     # An unfused core's bytes per score element, forward and backward (``None``: 13 and 19,
     # `unfused_attention_efficiency`).
     unfused_score_bytes: tuple[float, float] | None = None
@@ -395,6 +401,7 @@ class FrameworkProfile:
             unfused_attention=self.attention == "unfused",
             dropout=self.dropout > 0,
             selective=self.selective_recompute or "traced-ops",
+            recompute_modules=self.recompute_modules,
         )
 
     def overlaps_dp_sync(self, strategy: Strategy) -> bool:
@@ -559,6 +566,16 @@ _LLM_FOUNDRY = FrameworkProfile(
 )
 
 
+def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
+    """Option values for every non-empty set of `RECOMPUTE_MODULES`, in their order."""
+    sets = (
+        names
+        for size in range(1, len(RECOMPUTE_MODULES) + 1)
+        for names in itertools.combinations(RECOMPUTE_MODULES, size)
+    )
+    return {"+".join(names): {"recompute_modules": names} for names in sets}
+
+
 FRAMEWORKS: dict[str, FrameworkProfile] = {
     profile.name: profile
     for profile in (
@@ -586,8 +603,9 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dropout=0.1,
             # --recompute-granularity selective checkpoints core attention only
             # (--recompute-modules defaults to core_attn, megatron/core/transformer/
-            # transformer_config.py): every other saved tensor stays.
-            selective_recompute="attention-core",
+            # transformer_config.py): every other saved tensor stays. Option
+            # recompute_modules=layernorm+moe etc. for runs that name other modules.
+            selective_recompute="modules",
             # Transformer Engine's DotProductAttention runs cuDNN's fused attention on Hopper.
             # cuDNN on H100 SXM5, head dim 128, sequences 2k-16k, no causal mask: 595-617
             # TFLOP/s forward and 465-518 backward (Shah et al. 2024, FlashAttention-3, Fig. 5),
@@ -634,6 +652,10 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             options={
                 "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
                 "dropout": {"0.1": {"dropout": 0.1}, "0": {"dropout": 0.0}},
+                # --recompute-modules (with --recompute-granularity selective): the modules
+                # joined by "+" in Megatron's order (core_attn+moe_act+layernorm+moe), what
+                # `cost_model.memory.recomputed_module_bytes` prices
+                "recompute_modules": _recompute_module_options(),
                 "split": {
                     "layers": {"pipeline_split": "layers"},
                     "layers-with-edges": {"pipeline_split": "layers-with-edges"},
@@ -716,7 +738,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
             dropout=0.1,
             # --recompute-activations / --recompute-granularity selective: CoreAttention only
             # (megatron/model/transformer.py, _checkpointed_attention_forward)
-            selective_recompute="attention-core",
+            selective_recompute="modules",
             full_recompute_early_stop=0.0,
             selective_gemm_recompute_fraction=0.0,
             pipeline_boundary_retention=0.0,

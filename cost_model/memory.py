@@ -22,7 +22,7 @@ The saved bytes are the traced model's (autograd's saved tensors, `autoplan.trac
 SDPA kernel and no dropout. A stack that saves more or drops other bytes under selective
 recompute says so in `StackActivations` (its `FrameworkProfile.saved_activations`): an unfused
 attention core's s x s scores, dropout masks, and Megatron-LM's selective recompute, which
-re-runs the attention core only.
+re-runs the submodules --recompute-modules names (the attention core by default).
 """
 
 from __future__ import annotations
@@ -128,11 +128,22 @@ def static_bytes(
 
 
 # What "selective" recompute drops: "traced-ops", the outputs of the cheap ops the trace saw
-# (`cost_model.strategy.SELECTIVE_SAVED_KINDS`: autoplan's runtime); "attention-core", the
-# attention core only (Korthikanti et al. 2022, section 5: Megatron-LM's
-# --recompute-granularity selective checkpoints CoreAttention; with a fused kernel, whose saved
-# Q, K, V and output the projections keep anyway, that drops nothing).
-SelectiveScope = Literal["traced-ops", "attention-core"]
+# (`cost_model.strategy.SELECTIVE_SAVED_KINDS`: autoplan's runtime); "modules", the submodules
+# a Megatron stack checkpoints (`StackActivations.recompute_modules`).
+SelectiveScope = Literal["traced-ops", "modules"]
+
+# Megatron-Core's --recompute-modules the cost model prices (megatron/core/transformer/
+# transformer_config.py, TransformerConfig.recompute_modules, default ["core_attn"]; read at
+# NVIDIA/Megatron-LM d98e8a64dd): "core_attn" checkpoints the attention core (Korthikanti et al.
+# 2022, section 5; with a fused kernel, whose saved Q, K, V and output the projections keep
+# anyway, that drops nothing); "layernorm" the input and pre-MLP norms, discarding their outputs
+# (transformer_layer.py, recompute_input_layernorm / recompute_pre_mlp_layernorm); "moe_act" the
+# routed experts' activation function, discarding its output (moe/experts.py,
+# activation_recompute); "moe" the whole MoE layer under tensor_parallel.checkpoint, which keeps
+# its input only (moe/moe_layer.py, moe_layer_recompute). Not priced: "mlp", "shared_experts",
+# "mla_up_proj" and the rest (no row uses them).
+RecomputeModule = Literal["core_attn", "moe_act", "layernorm", "moe"]
+RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "moe_act", "layernorm", "moe")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +163,8 @@ class StackActivations:
     # linear (Megatron's bias-dropout-add after the attention and the MLP projections)
     dropout: bool = False
     selective: SelectiveScope = "traced-ops"
+    # with selective "modules": the ones checkpointed (`RECOMPUTE_MODULES`)
+    recompute_modules: tuple[RecomputeModule, ...] = ("core_attn",)
 
 
 # the traced model's own accounting (autoplan's runtime)
@@ -189,6 +202,61 @@ def stack_saved_bytes(
     return total * strategy.micro_batch_size
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleBytes:
+    """Saved bytes per sample at the traced dtype, by TP bucket (`UnitProfile`)."""
+
+    sharded: float = 0.0
+    replicated: float = 0.0
+
+
+def recomputed_module_bytes(
+    unit: UnitProfile, modules: tuple[RecomputeModule, ...], traced_dtype_bytes: int
+) -> ModuleBytes:
+    """The saved bytes that Megatron-Core's selective recompute of ``modules`` drops from a
+    block (`RECOMPUTE_MODULES`), per sample at the traced dtype.
+
+    "layernorm": each hidden-stream norm's output (the QKV and MLP/router input), the block
+    input's size (the norms: the block's parameter-reading reductions outside the TP region;
+    their inputs stay, the checkpoint's own). "moe" (a MoE block): all the MoE layer saved but
+    its input, as the trace counted it (`cost_model.workload.MoELayerFacts`: the traced
+    SwiGLU ``GroupedExperts``): per token-expert assignment the expert input and the expert
+    output the weighted combine keeps (2h), the gate and up outputs, the SiLU output and their
+    product (4f; Megatron-Core's fused SwiGLU keeps 3f, megatron/core/fusions/
+    fused_bias_swiglu.py, but the layer drops them all); per token the router's probabilities
+    (E); a shared expert's four f-sized tensors (inside the TP region). "moe_act": the
+    activation's output, the down projection's input (f per assignment). "core_attn" drops
+    nothing here (a fused core saves nothing the projections do not; an unfused core's scores
+    are `stack_saved_bytes`').
+    """
+    if unit.kind not in RECOMPUTABLE_KINDS:
+        return ModuleBytes()
+    sharded = replicated = 0.0
+    if "layernorm" in modules:
+        norms = sum(
+            1
+            for op in unit.ops
+            if op.kind == "reduction" and op.tp == "replicated" and op.param_bytes_read > 0
+        )
+        replicated += norms * unit.input_bytes
+    moe = unit.moe
+    if moe is not None and ("moe" in modules or "moe_act" in modules):
+        routed = float(moe.routed_tokens_per_sample)
+        ffn = moe.expert_ffn_hidden_size
+        if "moe" in modules:
+            tokens = routed / moe.top_k
+            per_routed = 2 * moe.hidden_size + 4 * ffn
+            replicated += (routed * per_routed + tokens * moe.num_experts) * traced_dtype_bytes
+            shared_ffn = moe.shared_expert_params / (moe.num_gemms * moe.hidden_size)
+            sharded += tokens * 4 * shared_ffn * traced_dtype_bytes
+        else:
+            replicated += routed * ffn * traced_dtype_bytes
+    return ModuleBytes(
+        sharded=min(sharded, unit.saved_bytes_sharded),
+        replicated=min(replicated, unit.saved_bytes_replicated),
+    )
+
+
 def activation_scale(strategy: Strategy, traced_dtype_bytes: int) -> float:
     """Factor from the profile's per-sample bytes to one micro-batch at the plan's dtype."""
     return strategy.micro_batch_size * strategy.dtype_bytes / traced_dtype_bytes
@@ -212,12 +280,18 @@ def activation_bytes(
         return unit.input_bytes * scale / replicated_div
     sharded = unit.saved_bytes_sharded
     replicated = unit.saved_bytes_replicated
+    scores = mode == "none"
     if mode == "selective" and stack.selective == "traced-ops":
         sharded -= unit.saved_bytes_selective_sharded
         replicated -= unit.saved_bytes_selective_replicated
-    elif mode not in ("none", "selective"):
+    elif mode == "selective":
+        dropped = recomputed_module_bytes(unit, stack.recompute_modules, traced_dtype_bytes)
+        sharded -= dropped.sharded
+        replicated -= dropped.replicated
+        scores = "core_attn" not in stack.recompute_modules
+    elif mode != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}; use none, selective or full")
-    extra = stack_saved_bytes(unit, strategy, stack, scores=mode == "none")
+    extra = stack_saved_bytes(unit, strategy, stack, scores=scores)
     return (sharded / t + replicated / replicated_div) * scale + extra
 
 

@@ -30,6 +30,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 import autoplan
 from autoplan.models import preset
@@ -287,3 +288,99 @@ def test_torchtitan_published_peaks() -> None:
     for run_id, result in rows.items():
         predicted = validate_published.allocator_peak_bytes(result) / GIB
         assert predicted == pytest.approx(_printed_gib(run_id), rel=0.05), run_id
+
+
+# ----------------------------------------------------- Megatron-Core's --recompute-modules
+
+# Qwen3-235B-A22B's layer (the Megatron-Core MoE model zoo's Qwen3-235B-A22B.yaml): hidden 4096,
+# 64 query heads and 4 KV groups of 128, 128 SwiGLU experts of 1536, top 8. One layer, 4k tokens.
+Q3_S, Q3_H, Q3_K, Q3_F, Q3_E = 4096, 4096, 8, 1536, 128
+
+
+@cache
+def _qwen3_block() -> tuple[UnitProfile, int]:
+    from autoplan.models.moe import MoE, MoEConfig
+
+    config = MoEConfig(
+        num_layers=1,
+        hidden_size=Q3_H,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        seq_len=Q3_S,
+        vocab_size=151936,
+        ffn_hidden_size=12288,
+        num_experts=Q3_E,
+        top_k=Q3_K,
+        moe_ffn_hidden_size=Q3_F,
+    )
+    with torch.device("meta"):
+        model = MoE(config)
+    profile: ModelProfile = autoplan.trace(model, name="qwen3-layer").profile
+    return _block(profile), profile.traced_dtype_bytes
+
+
+def _qwen3_kept(modules: str, *, tp: int = 1) -> tuple[float, float]:
+    """One Qwen3 layer's bytes under megatron-lm's selective recompute of ``modules``, in units
+    of sbh (bf16, micro-batch 1), and the same with no recompute."""
+    block, traced = _qwen3_block()
+    stack = framework_profile(f"megatron-lm:dropout=0,recompute_modules={modules}")
+    strategy = Strategy(tp_degree=tp, sequence_parallel=tp > 1, micro_batch_size=1, dtype="bf16")
+    sbh = Q3_S * Q3_H * 2
+    kept = activation_bytes(block, strategy, "selective", traced, stack.saved_activations)
+    none = activation_bytes(block, strategy, "none", traced, stack.saved_activations)
+    return kept / sbh, none / sbh
+
+
+def test_recompute_modules_drop_the_modules_bytes() -> None:
+    """megatron-lm:recompute_modules=... (Megatron-Core's --recompute-modules,
+    transformer_config.py) drops what each module's recompute frees, in units of sbh per layer:
+    core_attn nothing with a fused kernel (the default: selective keeps what no recompute
+    keeps); layernorm the two norms' outputs (2); moe_act the experts' activation output
+    (k f / h = 3); moe the whole MoE layer but its input (k (2h + 4f) / h + E / h = 28.03: the
+    expert inputs and the combine's expert outputs, the gate, up, SiLU and product tensors, the
+    router's probabilities). With layernorm + moe what is left outside the TP region is the two
+    norms' inputs and their normalized copies (4 sbh): the MoE bytes are exactly the trace's."""
+    attention, none = _qwen3_kept("core_attn")
+    assert attention == pytest.approx(none, rel=1e-9)
+    moe_layer = Q3_K * (2 * Q3_H + 4 * Q3_F) / Q3_H + Q3_E / Q3_H
+    assert none - _qwen3_kept("layernorm")[0] == pytest.approx(2.0, rel=1e-6)
+    assert none - _qwen3_kept("moe_act")[0] == pytest.approx(Q3_K * Q3_F / Q3_H, rel=1e-6)
+    assert none - _qwen3_kept("moe")[0] == pytest.approx(moe_layer, rel=1e-6)
+    both, _ = _qwen3_kept("layernorm+moe")
+    assert none - both == pytest.approx(2.0 + moe_layer, rel=1e-6)
+    assert both == pytest.approx(_qwen3_kept("core_attn+layernorm+moe")[0], rel=1e-9)
+    # moe already drops the activation output: moe_act adds nothing to it
+    assert _qwen3_kept("moe_act+moe")[0] == pytest.approx(_qwen3_kept("moe")[0], rel=1e-9)
+    block, traced = _qwen3_block()
+    sharded = block.saved_bytes_sharded / traced / (Q3_S * Q3_H)
+    assert both - sharded == pytest.approx(4.0, rel=0.02)
+    # with sequence parallelism every dropped byte is outside the TP region: divided by t
+    sp_none = _qwen3_kept("core_attn", tp=4)[0]
+    assert sp_none - _qwen3_kept("layernorm+moe", tp=4)[0] == pytest.approx(
+        (2.0 + moe_layer) / 4, rel=1e-6
+    )
+
+
+def test_recompute_modules_option_rejects_other_orders() -> None:
+    """The option takes the modules in Megatron's order, joined by '+'; another spelling is a
+    one-line error listing the values."""
+    with pytest.raises(Exception, match="has no option"):
+        framework_profile("megatron-lm:recompute_modules=mlp")
+    assert framework_profile("megatron-lm:recompute_modules=moe_act+layernorm").name.endswith(
+        "recompute_modules=moe_act+layernorm"
+    )
+
+
+def test_moe_zoo_long_context_rows_fit() -> None:
+    """The Megatron-Core MoE model zoo's Qwen3-235B long-context rows ran on 80 GB H100s with
+    --recompute-modules layernorm moe (bench/data/validation_assumptions_moe.yaml): priced so,
+    they fit (72 GiB; 183 GiB with the attention core alone, which frees nothing there)."""
+    runs, assumptions = validate_published.load()
+    row = next(r for r in runs if r["id"] == "mcore-moezoo-h100-qwen3-235b-256g-s16k-cp1")
+    case = validate_published.build_case(row, assumptions)
+    assert isinstance(case, validate_published.Case)
+    assert "recompute_modules=layernorm+moe" in case.plan_args["framework"]
+    estimate = validate_published.predict(case).estimate
+    # under the device's 80 GiB (the bench's check; the plan's safety headroom is another one)
+    assert 60 < estimate.peak_memory_bytes / GIB < 80
