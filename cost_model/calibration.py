@@ -72,6 +72,11 @@ class Calibration:
     # Per unit per optimizer step when its parameters are distributed tensors (sharded by TP or
     # FSDP2): the optimizer dispatches through the tensor subclass.
     sharded_optimizer_unit_overhead_s: float = unit_field("time", default=0.0)
+    # Per parameter tensor per optimizer step, on the host: an optimizer that loops over its
+    # tensors (torch's Adam/AdamW on CPU, where neither foreach nor fused is the default)
+    # dispatches about a dozen ops for each. Added on CPU workers; 0 on the GPU presets
+    # (foreach/fused kernels: `kernel_overhead_s` per unit). Measured by the `local` preset.
+    optimizer_tensor_overhead_s: float = unit_field("time", default=0.0)
     # Per pipeline message (an activation sent forward or a gradient sent back, per
     # micro-batch and stage boundary): the schedule's bookkeeping around the send/recv
     # (buffers, shape checks, waits), beyond the link's latency.
@@ -177,6 +182,7 @@ class Calibration:
             "tp_module_overhead_s",
             "dp_unit_overhead_s",
             "sharded_optimizer_unit_overhead_s",
+            "optimizer_tensor_overhead_s",
             "pp_message_overhead_s",
             "tp_block_host_floor_s",
             "step_overhead_s",

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cost_model.compute import BACKWARD_BYTES_FACTOR
 from cost_model.files import OutputFileError
 from cost_model.hardware import Cluster, LinkSpec
 
@@ -53,7 +54,11 @@ __all__ = [
 MATMUL_SIZES = (64, 128, 256, 512)
 # (batch, heads, sequence, head size): a small model's causal attention
 ATTENTION_SHAPE = (4, 4, 128, 32)
-CHAIN_OPS = 100
+# traced ops of one GPT block (`_Block`): 2 norms, 6 linears, attention, GELU, 2 adds
+BLOCK_OPS = 12
+OVERHEAD_BLOCKS = 4
+OPTIMIZER_TENSORS = 32
+RUNTIME_STEP_COLLECTIVES = 2
 ALL_REDUCE_BYTES = (4096, 4 * 2**20)
 
 
@@ -65,6 +70,7 @@ class QuickRates:
     bf16_flops_per_s: float
     memory_bandwidth_bytes_per_s: float  # of vector kernels (`_vector_bandwidth`)
     op_overhead_s: float  # one op forward or backward in a training step
+    optimizer_tensor_s: float  # the step's fixed time per parameter tensor (check, optimizer)
     attention_forward: tuple[float, float]  # (FLOPs as the trace counts them, seconds)
     attention_backward: tuple[float, float]
     all_reduce: tuple[tuple[int, float], ...]  # (bytes, seconds) over 2 gloo ranks
@@ -167,43 +173,106 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+class _Block:
+    """A GPT-2 style pre-LN transformer block in plain torch (the zoo's `gpt` block, nanoGPT's,
+    Hugging Face GPT-2's): LayerNorm, separate q/k/v projections, causal SDPA, output
+    projection, residual add, LayerNorm, up projection, tanh GELU, down projection, residual
+    add. Its trace counts `BLOCK_OPS` ops; running it also runs the glue a real block has
+    (views, transposes, module calls, autograd nodes)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        from torch import nn
+
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.act = nn.GELU(approximate="tanh")
+
+    def __call__(self, x: Any) -> Any:
+        import torch.nn.functional as F
+
+        b, t, h = x.shape
+        y = self.ln_1(x)
+        q, k, v = (
+            p(y).view(b, t, self.heads, h // self.heads).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.down(self.act(self.up(self.ln_2(x))))
+
+
 def _op_overhead_s(budget_s: float) -> float:
-    """One op of a training step, forward or backward: a chain of tiny multiplications with
-    autograd recording, then its backward, per op and direction."""
+    """One op of a training step, forward or backward, as the trace counts ops: a stack of
+    tiny transformer blocks (`_Block`, kernels of a few hundred FLOPs) forward and backward,
+    per traced op and direction. Module calls, views and autograd's bookkeeping included,
+    which a bare tiny kernel (~3 us here) leaves out and a real step pays (~3x that)."""
     import torch
 
-    weight = torch.ones(16, requires_grad=True)
+    blocks = [_Block(8, 2) for _ in range(OVERHEAD_BLOCKS)]
+    x = torch.randn(1, 4, 8, requires_grad=True)
 
-    def chain() -> None:
-        x = weight
-        for _ in range(CHAIN_OPS):
-            x = x * 1.0001
-        x.sum().backward()  # type: ignore[no-untyped-call]
+    def step() -> None:
+        y = x
+        for block in blocks:
+            y = block(y)
+        y.sum().backward()  # type: ignore[no-untyped-call]
 
-    return fastest(chain, budget_s) / (2 * CHAIN_OPS)
+    return fastest(step, budget_s) / (2 * BLOCK_OPS * OVERHEAD_BLOCKS)
 
 
-def _vector_bandwidth(budget_s: float) -> float:
-    """Bytes per second that a small model's vector kernels reach, counted as the trace counts
-    them (each op's inputs and outputs): a LayerNorm, a GELU four times as wide and a residual
-    add. On CPU these are bound by their arithmetic (exp, erf, the reductions), not by a copy's
-    bandwidth, and their activations stay in cache."""
+def _optimizer_tensor_s(budget_s: float) -> float:
+    """One parameter tensor's share of the work a training step does once per tensor after the
+    backward, on CPU: autoplan's runtime checks every gradient for NaN/inf (one fused 2-norm,
+    each norm cast and stacked: `passes.runtime._nonfinite`), then AdamW steps (torch's default
+    on CPU is its per-tensor loop, about a dozen ops a tensor). Over tensors small enough that
+    the arithmetic does not count (the model prices that by bytes)."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(OPTIMIZER_TENSORS)]
+    grads = [torch.randn(8) for _ in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> None:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        torch.isfinite(torch.stack([n.to(torch.float64) for n in norms]).sum())
+        optimizer.step()
+
+    return fastest(step, budget_s) / OPTIMIZER_TENSORS
+
+
+def _vector_bandwidth(budget_s: float, op_overhead_s: float) -> float:
+    """Bytes per second that a GPT block's vector kernels reach, forward and backward, counted
+    as the cost model counts them (each op's inputs and outputs forward, `BACKWARD_BYTES_FACTOR`
+    times that backward): a LayerNorm, a tanh GELU four times as wide (GPT-2's and the zoo
+    GPT's; Llama's SiLU is several times faster) and a residual add, each op's fixed cost
+    (``op_overhead_s``, which the model adds apart) taken off. On CPU these are bound by their
+    arithmetic (tanh, the reductions), not by a copy's bandwidth."""
     import torch
     import torch.nn.functional as F
 
     b, s, h = 8, 64, 128
-    x = torch.randn(b, s, h)
-    wide = torch.randn(b, s, 4 * h)
-    weight, bias = torch.ones(h), torch.zeros(h)
+    x = torch.randn(b, s, h, requires_grad=True)
+    wide = torch.randn(b, s, 4 * h, requires_grad=True)
+    weight = torch.ones(h, requires_grad=True)
+    bias = torch.zeros(h, requires_grad=True)
 
     def ops() -> None:
-        F.layer_norm(x, (h,), weight, bias)
-        F.gelu(wide)
-        torch.add(x, x)
+        out = (
+            F.layer_norm(x, (h,), weight, bias).sum()
+            + F.gelu(wide, approximate="tanh").sum()
+            + torch.add(x, x).sum()
+        )
+        out.backward()  # type: ignore[no-untyped-call]
 
+    # the three sums, their adds and backward (small next to the kernels) are left in
     # LayerNorm reads and writes h, GELU 4h, add reads 2 and writes 1 (4 bytes each)
-    moved = 4 * b * s * (2 * h + 2 * 4 * h + 3 * h)
-    return moved / fastest(ops, budget_s)
+    moved = 4 * b * s * (2 * h + 2 * 4 * h + 3 * h) * (1 + BACKWARD_BYTES_FACTOR)
+    seconds = fastest(ops, budget_s) - 2 * 3 * op_overhead_s
+    return moved / max(seconds, 1e-9)
 
 
 def _attention(budget_s: float) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -298,8 +367,9 @@ def measure(budget_s: float = 0.1) -> QuickRates:
         n = MATMUL_SIZES[-1]
         a16, b16 = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
         bf16 = 2.0 * n**3 / fastest(lambda: a16 @ b16, budget_s)
-        bandwidth = _vector_bandwidth(budget_s)
         overhead = _op_overhead_s(2 * budget_s)
+        bandwidth = _vector_bandwidth(budget_s, overhead)
+        optimizer = _optimizer_tensor_s(budget_s)
         attention_forward, attention_backward = _attention(budget_s)
         all_reduce = _all_reduce(budget_s)
     return QuickRates(
@@ -307,6 +377,7 @@ def measure(budget_s: float = 0.1) -> QuickRates:
         bf16_flops_per_s=bf16,
         memory_bandwidth_bytes_per_s=bandwidth,
         op_overhead_s=overhead,
+        optimizer_tensor_s=optimizer,
         attention_forward=attention_forward,
         attention_backward=attention_backward,
         all_reduce=all_reduce,
@@ -348,7 +419,11 @@ def measured_cluster(base: Cluster, rates: QuickRates) -> Cluster:
         memory_efficiency=1.0,
         intra_node_comm_efficiency=1.0,
         kernel_overhead_s=rates.op_overhead_s,
+        optimizer_tensor_overhead_s=rates.optimizer_tensor_s,
         dp_overlap_fraction=0.0,  # gloo moves the bytes with the worker's only core
+        # autoplan's runtime ends each step with two small all-reduces over the job (the
+        # verdict on non-finite values, the mean loss: passes.runtime `_agree`, `_reduce_loss`)
+        step_overhead_s=RUNTIME_STEP_COLLECTIVES * rates.all_reduce[0][1],
     )
     stamp = time.strftime("%Y-%m-%d %H:%M")
     return dataclasses.replace(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import subprocess
@@ -30,11 +31,12 @@ sys.path.insert(0, str(HERE))
 
 from train_gpt import small_gpt  # noqa: E402
 
+# the training job's processes (`python examples/demo.py --processes 2` for another count)
 NUM_PROCESSES = 4
 GLOBAL_BATCH = 16
 
 
-def main() -> None:
+def main(num_processes: int = NUM_PROCESSES) -> None:
     console = cli_console()  # the CLI's: 100 columns when not a terminal
     OUT.mkdir(exist_ok=True)
 
@@ -42,8 +44,8 @@ def main() -> None:
     graph = autoplan.trace(small_gpt(), name="small-gpt")
     console.print(trace_table(trace_data(graph)))
 
-    console.rule(f"2. Search a plan for {NUM_PROCESSES} processes on this machine")
-    cluster = autoplan.Cluster.local(num_devices=NUM_PROCESSES)
+    console.rule(f"2. Search a plan for {num_processes} processes on this machine")
+    cluster = autoplan.Cluster.local(num_devices=num_processes)
     source = "measured" if "calibrated" in cluster.description else "defaults; `autoplan calibrate`"
     console.print(
         f"{cluster.name}: {cluster.num_devices} worker processes on {os.cpu_count()} CPU cores, "
@@ -56,13 +58,13 @@ def main() -> None:
     plans[0].to_yaml(plan_path)
     console.print(f"saved the best plan to {plan_path}")
 
-    console.rule(f"3. Train it: torchrun --nproc-per-node {NUM_PROCESSES}")
+    console.rule(f"3. Train it: torchrun --nproc-per-node {num_processes}")
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={NUM_PROCESSES}",
+        f"--nproc-per-node={num_processes}",
         str(HERE / "train_gpt.py"),
         "--plan",
         str(plan_path),
@@ -126,4 +128,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--processes",
+        type=int,
+        choices=range(1, 65),
+        metavar="N",
+        default=NUM_PROCESSES,
+        help=f"processes of the training job [{NUM_PROCESSES}]",
+    )
+    main(parser.parse_args().processes)

@@ -4,6 +4,7 @@ line at the end of a run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_measured_cluster_inverts_the_cost_model_at_the_measured_shapes() -> Non
         bf16_flops_per_s=200e9,
         memory_bandwidth_bytes_per_s=30e9,
         op_overhead_s=3e-6,
+        optimizer_tensor_s=15e-6,
         # forward: 1e6 FLOPs in 40 us + 3 us of op overhead: 2.5e10 FLOP/s, 25% of the peak
         attention_forward=(1e6, 43e-6),
         attention_backward=(2e6, 53e-6),
@@ -124,6 +126,36 @@ def test_measured_cluster_inverts_the_cost_model_at_the_measured_shapes() -> Non
     assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
     assert cluster.calibration.kernel_overhead_s == 3e-6
     assert cluster.device.memory_bandwidth_bytes_per_s == 30e9
+    assert cluster.calibration.optimizer_tensor_overhead_s == 15e-6
+    # the runtime's two small all-reduces a step (verdict, loss), each the 4 KiB one's time
+    assert cluster.calibration.step_overhead_s == pytest.approx(2 * (2e-4 + 4096 / 1e9))
+
+
+def test_optimizer_tensor_overhead_prices_each_parameter_tensor_on_cpu() -> None:
+    # the zoo GPT block: 2 LayerNorms (one count each: a norm's bias is not told apart) and
+    # 6 linears with biases (2 each) = 14; the embedding unit: 2 tables, no bias
+    from autoplan.models import gpt
+    from autoplan.tracing import trace
+    from cost_model.estimate import estimate
+    from cost_model.parts.host import parameter_tensors
+
+    profile = trace(gpt(2, 64, 4, 32, 128, device="meta")).profile
+    block = next(u for u in profile.units if u.kind == "block")
+    embedding = profile.units[0]
+    assert parameter_tensors(block) == 14
+    assert parameter_tensors(embedding) == 2
+    base = Cluster.preset_file("local")
+    assert base.calibration.optimizer_tensor_overhead_s == 0.0
+    priced = dataclasses.replace(
+        base,
+        calibration=dataclasses.replace(base.calibration, optimizer_tensor_overhead_s=1e-4),
+    )
+    from autoplan.api import manual_plan
+
+    plan = manual_plan(profile, base, global_batch=4, dtype="fp32")
+    tensors = sum(parameter_tensors(u) for u in profile.units)
+    added = estimate(profile, priced, plan).step_time_s - estimate(profile, base, plan).step_time_s
+    assert added == pytest.approx(tensors * 1e-4, rel=1e-6)
 
 
 _CONCURRENT = """

@@ -38,7 +38,24 @@ def host_cost(
     optimizer_s = 0.0
     if local_params > 0 and (strategy.tp_degree > 1 or per_unit_dp_groups(strategy)):
         optimizer_s = cal.sharded_optimizer_unit_overhead_s
+    if local_params > 0 and cal.optimizer_tensor_overhead_s > 0:
+        optimizer_s += parameter_tensors(unit) * cal.optimizer_tensor_overhead_s
     return HostCost(microbatch_s=microbatch_s, optimizer_s=optimizer_s)
+
+
+def parameter_tensors(unit: UnitProfile) -> int:
+    """The parameter tensors an optimizer steps for ``unit``, from its ops: one per op that
+    reads parameters, and a linear's bias where it reads more than its weight (a norm's bias
+    is not told apart: GPT-2's LayerNorms count 1 of their 2, Llama's RMSNorms exactly)."""
+    bytes_per_param = unit.param_bytes / unit.num_params if unit.num_params else 4.0
+    count = 0
+    for op in unit.ops:
+        if op.param_bytes_read <= 0:
+            continue
+        count += 1
+        if op.gemm is not None and op.param_bytes_read > op.gemm.k * op.gemm.n * bytes_per_param:
+            count += 1
+    return count
 
 
 def host_floor_wait(forward_s: float, backward_s: float, floor_s: float) -> tuple[float, float]:
