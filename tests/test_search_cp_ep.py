@@ -13,7 +13,7 @@ from autoplan.contract.errors import InputError
 from autoplan.planner.search import search_plans
 from autoplan.planner.space import CP_MIN_LOCAL_TOKENS, SearchSpace, strategies
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM
-from cost_model.uncertainty import memory_upper_factor
+from cost_model.uncertainty import TIE_FRACTION, memory_upper_factor
 from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
 
 CLUSTER = round_cluster(num_nodes=2, devices_per_node=8)
@@ -84,12 +84,16 @@ def test_search_beats_every_even_split_plan() -> None:
         gpt_profile(num_layers=2, s=16384, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
     )
     cluster = round_cluster(num_nodes=1, devices_per_node=8)
-    result = search_plans(profile, cluster, global_batch=8, budget_s=None, time_limit_s=10.0)
+    result = search_plans(
+        profile, cluster, global_batch=8, budget_s=None, time_limit_s=10.0, objective="expected"
+    )
     best = result.plans[0]
     assert best.estimate is not None
     assert autoplan.estimate(profile, cluster, best).step_time_s == pytest.approx(
         best.estimate.step_time_s
     )
+    found = result.stats.best_objective_s
+    assert found is not None
     for tp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
         if tp * cp > 8:
             continue
@@ -100,7 +104,9 @@ def test_search_beats_every_even_split_plan() -> None:
             )
             assert plan.estimate is not None
             if plan.estimate.peak_memory_bytes <= plan.estimate.memory_usable_bytes:  # (fits)
-                assert best.estimate.step_time_s <= plan.estimate.step_time_s * (1 + 1e-6)
+                # the optimum beats it; the plan returned may be a tie within 2% of the optimum
+                assert found <= plan.estimate.step_time_s * (1 + 1e-6)
+                assert best.estimate.step_time_s <= found * (1 + TIE_FRACTION) * (1 + 1e-9)
 
 
 def test_first_incumbent_is_no_slower_than_any_manual_plan() -> None:

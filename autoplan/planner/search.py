@@ -102,7 +102,6 @@ from cost_model.uncertainty import (
     OBJECTIVES,
     TIE_FRACTION,
     objective_factor,
-    plan_features,
     step_interval,
     strategy_features,
 )
@@ -570,15 +569,17 @@ def _ranked(
         _, (_, candidate, partition) = item
         return _to_plan(model, candidate, partition, global_batch)
 
-    def tie_key(pair: tuple[tuple[int, tuple[float, Candidate, Partition]], Plan]) -> Any:
-        (order, (value, _, _)), plan = pair
-        e = plan.estimate
-        assert e is not None
-        unvalidated = len(step_interval(plan_features(plan, model.framework)).unvalidated)
-        return (unvalidated, e.peak_memory_high_bytes - e.memory_capacity_bytes, value, order)
+    def tie_key(item: tuple[int, tuple[float, Candidate, Partition]]) -> Any:
+        # from the partition's own numbers (no estimate per tied plan): its unvalidated
+        # features, then the tensor bytes it leaves of its budget (the device bytes left
+        # beyond the range's upper end, up to the factors every candidate shares)
+        order, (value, candidate, partition) = item
+        features = strategy_features(candidate.strategy, partition.modes, model.framework)
+        room = candidate.usable_bytes - partition.peak_memory_bytes
+        return (len(step_interval(features).unvalidated), -room, value, order)
 
-    ties = sorted(((item, plan_of(item)) for item in tied), key=tie_key)
-    return tuple(plan for _, plan in ties[:top_k]) + tuple(plan_of(item) for item in rest)
+    ties = sorted(tied, key=tie_key)[:top_k]
+    return tuple(plan_of(item) for item in ties) + tuple(plan_of(item) for item in rest)
 
 
 # ------------------------------------------------------------------------------ visit order
