@@ -52,6 +52,9 @@ from cost_model.communication import ring_half_collective_time_s
 from cost_model.files import atomic_write_text
 from cost_model.hardware import Cluster, LinkSpec
 from cost_model.local_machine import calibrated_path
+from cost_model.local_rates import AlphaBeta, fit_half_efficiency_flops
+from cost_model.local_rates import fit_alpha_beta as _fit_alpha_beta
+from cost_model.local_rates import timeit as _timeit
 from cost_model.schema import check_writable
 from cost_model.strategy import GroupPlacement
 
@@ -97,64 +100,12 @@ class Measurements:
     runtime: tuple[RuntimeMeasurement, ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AlphaBeta:
-    latency_s: float
-    bandwidth_bytes_per_s: float
-
-
-def fit_half_efficiency_flops(points: Sequence[tuple[float, float]]) -> float:
-    """``W_half`` from (work_flops, efficiency) points: median of ``W (1/e - 1)``.
-
-    ``e(W) = W / (W + W_half)`` is a fixed cost of ``W_half / peak`` per call. The points where
-    that cost dominates carry it: first those below 75% efficiency, else below 90%, else below
-    99.9%. Near the peak, ``W (1/e - 1)`` multiplies a few percent of noise (or of cache effects
-    the model does not have) by a large ``W``.
-    """
-    for ceiling in (0.75, 0.9, 0.999):
-        estimates = [w * (1.0 / e - 1.0) for w, e in points if 0.0 < e <= ceiling]
-        if estimates:
-            return statistics.median(estimates)
-    return 0.0
-
-
 def fit_alpha_beta(world_size: int, small: CommMeasurement, large: CommMeasurement) -> AlphaBeta:
-    """Latency and bandwidth of the ring all-reduce model from a small and a large message.
-
-    ``t(N) = 2 (G-1) alpha + 2 (G-1)/G N / B``: two equations, two unknowns.
-    """
-    g = world_size
-    steps = 2 * (g - 1)
-    volume = 2 * (g - 1) / g
-    slope = (large.time_s - small.time_s) / max(large.size_bytes - small.size_bytes, 1)
-    bandwidth = volume / slope if slope > 0 else float("inf")
-    latency = max(small.time_s - volume * small.size_bytes / bandwidth, 0.0) / steps
-    return AlphaBeta(latency_s=max(latency, 1e-7), bandwidth_bytes_per_s=min(bandwidth, 1e13))
-
-
-# ------------------------------------------------------------------------------- measuring
-
-
-def _timeit(
-    fn: Callable[[], object], budget_s: float, sync: Callable[[], None], windows: int = 5
-) -> float:
-    """Seconds per call of ``fn``: the median of ``windows`` windows of about ``budget_s /
-    windows`` each (after one warm-up call), robust to a disturbed window either way."""
-    fn()
-    sync()
-    rates = []
-    for _ in range(windows):
-        calls = 0
-        start = time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= budget_s / windows and calls >= 2:
-                break
-        rates.append(elapsed / calls)
-    return statistics.median(rates)
+    """Latency and bandwidth of the ring all-reduce model from a small and a large message
+    (`cost_model.local_rates.fit_alpha_beta`, from the measurements' sizes and times)."""
+    return _fit_alpha_beta(
+        world_size, (small.size_bytes, small.time_s), (large.size_bytes, large.time_s)
+    )
 
 
 def measure_compute(
