@@ -163,8 +163,10 @@ def parallel_cases(cluster: Any, skipped: list[str]) -> Iterator[Case]:
 
 
 def _fits(graph: Any, cluster: Any, plan: Any) -> bool:
-
-    return bool(autoplan.estimate(graph, cluster, plan).fits)
+    """Whether the predicted peak itself fits the GPU: the bench measures what can run, also
+    where the product would keep a plan off for its headroom and the peak's range."""
+    result = autoplan.estimate(graph, cluster, plan)
+    return bool(result.peak_memory_bytes <= result.memory_capacity_bytes)
 
 
 # ----------------------------------------------------------------------------- measuring
