@@ -46,7 +46,13 @@ def main(num_processes: int = NUM_PROCESSES) -> None:
 
     console.rule(f"2. Search a plan for {num_processes} processes on this machine")
     cluster = autoplan.Cluster.local(num_devices=num_processes)
-    source = "measured" if "calibrated" in cluster.description else "defaults; `autoplan calibrate`"
+    source = (
+        "calibrated"
+        if "calibrated" in cluster.description
+        else "measured on first use; `autoplan calibrate` refines them"
+        if "measured on first use" in cluster.description
+        else "defaults; `autoplan calibrate`"
+    )
     console.print(
         f"{cluster.name}: {cluster.num_devices} worker processes on {os.cpu_count()} CPU cores, "
         f"{cluster.device.peak_flops_for('fp32') / 1e9:.0f} GFLOP/s each ({source})"
