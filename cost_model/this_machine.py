@@ -49,6 +49,9 @@ def calibrated_path() -> Path:
 
 
 MEASURE_ENV = "AUTOPLAN_MEASURE_LOCAL"
+# Part of the cache key: bumped when `local_rates` changes what it measures or writes, so a
+# newer autoplan measures again instead of reading an older one's file.
+MEASUREMENT_VERSION = 2
 
 
 def _cache_folder() -> Path:
@@ -68,7 +71,7 @@ def _cpu_model() -> str:
 
 def machine_key(cpu_cores: int, ram_bytes: int) -> str:
     """A digest of what the measured rates depend on: host, CPU model, cores (all, and those
-    this process may use), RAM and torch's version."""
+    this process may use), RAM, torch's version and `MEASUREMENT_VERSION`."""
     import torch
 
     facts = (
@@ -79,6 +82,7 @@ def machine_key(cpu_cores: int, ram_bytes: int) -> str:
         cpu_cores,
         ram_bytes,
         torch.__version__,
+        MEASUREMENT_VERSION,
     )
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:12]
 

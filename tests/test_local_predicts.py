@@ -58,8 +58,11 @@ def test_first_use_measures_caches_and_reuses(
     assert first.calibration.kernel_overhead_s != preset.calibration.kernel_overhead_s
     assert "rates measured on first use" in first.description
     assert first.device.peak_flops["fp32"] > 0 and first.intra_node.latency_s > 0
-    # the host constants of the training stack stay the preset's until `autoplan calibrate`
-    assert first.calibration.dp_unit_overhead_s == preset.calibration.dp_unit_overhead_s
+    # the runtime's host costs: the shipped fit, scaled by this machine's measured op cost
+    fit = local_rates.RUNTIME_HOST_FIT
+    scale = first.calibration.kernel_overhead_s / fit.runtime_op_s
+    assert first.calibration.tp_module_overhead_s == pytest.approx(fit.tp_module_s * scale)
+    assert first.calibration.all_gather_efficiency == fit.all_gather_efficiency
     again = Cluster.local(num_devices=4)
     assert len(calls) == 1  # read from the cache
     assert again.device.peak_flops == first.device.peak_flops
@@ -124,7 +127,14 @@ def test_measured_cluster_inverts_the_cost_model_at_the_measured_shapes() -> Non
     )
     assert cluster.intra_node.latency_s == pytest.approx(1e-4, rel=1e-6)
     assert cluster.intra_node.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
-    assert cluster.calibration.kernel_overhead_s == 3e-6
+    # host costs of the distributed runtime: the shipped fit at this machine's op cost
+    fit = local_rates.RUNTIME_HOST_FIT
+    scale = 3e-6 / fit.reference_op_s
+    assert cluster.calibration.kernel_overhead_s == pytest.approx(fit.runtime_op_s * scale)
+    assert cluster.calibration.sharded_optimizer_unit_overhead_s == pytest.approx(
+        fit.sharded_optimizer_unit_s * scale
+    )
+    assert cluster.calibration.reduce_scatter_efficiency == fit.reduce_scatter_efficiency
     assert cluster.device.memory_bandwidth_bytes_per_s == 30e9
     assert cluster.calibration.optimizer_tensor_overhead_s == 15e-6
     # the runtime's two small all-reduces a step (verdict, loss), each the 4 KiB one's time
