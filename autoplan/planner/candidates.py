@@ -1,0 +1,468 @@
+"""The search's outer choices costed and bounded: `Candidate`, `BoundTables`, and the
+stage-partition problem of a candidate.
+
+Expects a `CostModel` of one model on one cluster (the cluster as the framework's stack runs
+on it). Guarantees: `BoundTables.memory_bound` and ``floors`` and a `Candidate`'s
+``time_lower_bound_s`` and ``memory_lower_bound_bytes`` are proven lower bounds on every plan
+of their outer choice (`autoplan.planner.search` prunes by them); ``order_key_s`` and the
+order floor only order the visit. Each table is cached by a `strategy_keys.Projection` of the
+strategy fields it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from autoplan.contract.plan import Recompute
+from autoplan.planner.bounds import pipeline_factor, share_range
+from autoplan.planner.partition import ModeCosts, PartitionProblem
+from autoplan.planner.strategy_keys import ACTIVATION_KEY, FLOOR_KEY, PARAMS_KEY, STATE_KEY
+from cost_model.estimate import (
+    CostModel,
+    MemoryConstants,
+    UnitCost,
+    boundary_send_bytes,
+    memory_constants,
+)
+from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
+from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.strategy import Strategy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One outer choice: its per-unit costs under each recompute mode and its bounds."""
+
+    strategy: Strategy
+    by_mode: dict[Recompute, tuple[UnitCost, ...]]
+    constants: MemoryConstants
+    time_lower_bound_s: float
+    memory_lower_bound_bytes: float  # tensor bytes (before buffers and allocator overhead)
+    usable_bytes: float
+    order_key_s: float  # the visiting order: an even-split estimate (heuristic, not a bound)
+    work_s: float  # least per-micro-batch work of the units (memory-forced recompute included)
+    fixed_s: float  # the loop's fixed overhead per step
+    forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
+    weight_cells: tuple[int, int]  # the units' weight shares of their backward
+
+    def schedule_bound_s(self, deadline: float = math.inf) -> float:
+        """A proven lower bound on the step from the schedule's own paths
+        (`bounds.pipeline_factor`): costlier than ``time_lower_bound_s``, computed on demand
+        and shared by every candidate with the same schedule, degrees and shares (weaker if
+        cut short at ``deadline``)."""
+        spec = self.strategy.schedule_spec
+        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells, deadline=deadline)
+        return self.work_s * factor + self.fixed_s
+
+
+class BoundTables:
+    """The search's bounds (memory, compute floors) for one model on one cluster, over the
+    `CostModel` that prices them; each table is keyed by the strategy fields it reads."""
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self.profile = profile = model.profile
+        self.cluster = cluster = model.cluster
+        self._params: dict[tuple[object, ...], float] = {}
+        self._least_act: dict[tuple[object, ...], float] = {}
+        self._memory: dict[tuple[object, ...], tuple[float, float]] = {}
+        # the cost model without core sharing: `floors` applies each strategy's own stretch
+        self._apart = model
+        if cluster.shared_cores_per_node is not None:
+            self._apart = CostModel(
+                profile, replace(cluster, shared_cores_per_node=None), model.framework
+            )
+        self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        # per floor key: the units' recompute curve, alone (`RecomputeCurve`)
+        self._floor_curves: dict[tuple[object, ...], RecomputeCurve] = {}
+        cal = cluster.calibration
+        # at least the usable bytes of any plan's device (no buffers counted)
+        self._usable_at_most = MemoryConstants(
+            buffer_bytes=0.0,
+            reserved_bytes=cal.reserved_memory_bytes,
+            allocator_overhead_fraction=cal.allocator_overhead_fraction,
+        ).usable_bytes(model.usable_capacity_bytes())
+        # representative unit -> how many units share its content
+        self.class_counts = Counter(model.classes)
+        # per sample at the traced dtype: the smallest tensor a pipeline stage can send
+        self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
+        # the routed experts' parameters (stored E / ep per device)
+        self._expert_params = sum(facts.expert_params for facts in profile.moe_layers)
+
+    def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """A lower bound on the device memory of any plan with these outer choices, plus the
+        reserved bytes and the allocator overhead: the larger of (a) weights, gradients,
+        optimizer state and the activations of the fewest micro-batches any rank holds (under
+        the leanest recompute mode), spread evenly over the pipeline ranks, and (b) at the
+        step's end, the same state and the boundary tensors the ranks' pending sends keep
+        (`sends_at_end`, each at least the smallest output a stage can end with), spread
+        evenly, or the busiest rank's sends alone if more."""
+        inflight = least_held(strategy.schedule_spec)
+        state, least_act = self._state(strategy, modes)
+        p = strategy.pp_degree
+        per_rank = (state + inflight * least_act) / p
+        # (not cached: the sends depend on the schedule's micro-batches; a few operations)
+        sends = sends_at_end(strategy.schedule_spec)
+        cal = self.cluster.calibration
+        if any(sends):
+            scale = activation_scale(strategy, self.profile.traced_dtype_bytes)
+            scale /= strategy.tp_degree if strategy.sequence_parallel else 1
+            scale /= strategy.cp_degree
+            size = self._smallest_output * scale * cal.pipeline_boundary_retention
+            per_rank = max(per_rank, (state + sum(sends) * size) / p, max(sends) * size)
+        return (1.0 + cal.allocator_overhead_fraction) * per_rank + cal.reserved_memory_bytes
+
+    def _state(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
+        """`_state_memory`, cached by the strategy fields it reads."""
+        whole = STATE_KEY.key(strategy, tuple(modes))
+        found = self._memory.get(whole)
+        if found is None:
+            found = self._state_memory(strategy, modes)
+            self._memory[whole] = found
+        return found
+
+    def _state_memory(self, strategy: Strategy, modes: Sequence[Recompute]) -> tuple[float, float]:
+        """(weights, gradients and optimizer state of all ranks; the activations of one
+        micro-batch through every unit under the leanest mode), in bytes."""
+        key = PARAMS_KEY.key(strategy)
+        params = self._params.get(key)
+        if params is None:
+            params = sum(
+                local_num_params(
+                    unit,
+                    strategy.tp_degree,
+                    count_shared=strategy.pp_degree > 1,
+                    shared_expert_whole=self.model.shared_expert_whole(strategy),
+                )
+                for unit in self.profile.units
+            )
+            self._params[key] = params
+        # as `CostModel` stores them: dense weights data-parallel over dp x cp, the routed
+        # experts E / ep per device over dp x cp / ep
+        # (the weights' view decides as the strategy: `Strategy.weights_view`)
+        state = static_bytes(
+            params - self._expert_params,
+            strategy.dtype,
+            strategy.runtime_zero_stage,
+            strategy.weight_dp_degree,
+            strategy.dp_wrapper,
+        ).total_bytes
+        if self._expert_params:
+            experts = strategy.expert_view
+            state += static_bytes(
+                self._expert_params / strategy.ep_degree,
+                strategy.dtype,
+                experts.runtime_zero_stage,
+                experts.dp_degree,
+                experts.dp_wrapper,
+            ).total_bytes
+        act_key = ACTIVATION_KEY.key(strategy, tuple(modes))
+        least_act = self._least_act.get(act_key)
+        if least_act is None:
+            traced = self.profile.traced_dtype_bytes
+            least_act = 0.0
+            for rep, count in self.class_counts.items():
+                unit = self.model.local_unit(rep, strategy.cp_degree)
+                least_act += count * min(
+                    activation_bytes(unit, strategy, mode, traced)
+                    + (
+                        self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
+                        if unit.moe is not None
+                        else 0.0
+                    )
+                    for mode in modes
+                )
+            self._least_act[act_key] = least_act
+        return state, least_act
+
+    def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
+        """(a floor under the order key, a proven lower bound on the step) from the units'
+        costs with one device per TP group and nothing else: no data or pipeline parallelism
+        (their collectives, sharding and host time only add), TP groups on adjacent ranks
+        (the fastest links), times stretched by the strategy's own core sharing (CPU rigs).
+        The bound counts compute alone (no communication at all)."""
+        key = FLOOR_KEY.key(strategy, modes)
+        work = self._floor_work.get(key)
+        if work is None:
+            # (dp = ep: the experts split as in the strategy, their all-to-all on the nearest
+            # ranks; the cp ring on the strategy's own cp degree, its ranks the nearest too)
+            alone = replace(
+                strategy,
+                dp_degree=strategy.ep_degree,
+                pp_degree=1,
+                virtual_stages=1,
+                num_micro_batches=1,
+                schedule="1f1b",
+                zero_stage=0,
+            )
+            by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
+            self._floor_curves[key] = RecomputeCurve.of(
+                [
+                    (count, [(c[rep].activation_bytes, c[rep].time_s) for c in by_mode])
+                    for rep, count in self.class_counts.items()
+                ]
+            )
+            order_work = order_largest = compute_work = compute_largest = 0.0
+            for rep, count in self.class_counts.items():
+                full = min(costs[rep].time_s for costs in by_mode)
+                compute = min(
+                    costs[rep].forward_compute_s
+                    + costs[rep].backward_compute_s
+                    + costs[rep].recompute_s
+                    for costs in by_mode
+                )
+                order_work += count * full
+                order_largest = max(order_largest, full)
+                compute_work += count * compute
+                compute_largest = max(compute_largest, compute)
+            work = (order_work, order_largest, compute_work, compute_largest)
+            self._floor_work[key] = work
+        stretch = self.model.sharing(strategy).pipeline
+        order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)
+        p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+        fixed = self.model.step_overhead_s(strategy)
+        spec = strategy.schedule_spec
+        time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
+        # The recompute the order key's even cut must buy (`costed_candidate`), from the same units
+        # alone: no more state than `_state_memory`'s, no less usable memory than without
+        # buffers, times no longer than the strategy's, so it stays under the key.
+        held = even_held(spec)
+        overflow = 1.0
+        if held > least_held(spec):
+            state, least_act = self._state(strategy, modes)
+            room = p * self._usable_at_most - state
+            order_work = stretch * self._floor_curves[key].time_within(room / held, saturate=True)
+            overflow = even_overflow(held, room, least_act)
+            if math.isinf(overflow):
+                return math.inf, time_floor
+        share = max(order_work / p, order_largest)
+        order_floor = overflow * (even_pipeline_s(share, order_work, p, v, m) + fixed)
+        return order_floor, time_floor
+
+
+def costed_candidate(
+    strategy: Strategy, modes: Sequence[Recompute], tables: BoundTables
+) -> Candidate:
+    """Per-unit costs of one outer choice and lower bounds on its step time and memory."""
+    model, cluster = tables.model, tables.cluster
+    by_mode = {mode: model.unit_costs(strategy, mode) for mode in modes}
+    first = next(iter(by_mode.values()))
+    p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches
+    constants = memory_constants(first, cluster, strategy)
+    usable = constants.usable_bytes(model.usable_capacity_bytes())
+    # Identical units share their cost objects: bound over distinct units with multiplicity.
+    overlap = model.dp_overlap(strategy)
+    largest = tail_a = tail_b = least_act = static_sum = static_max = 0.0
+    classes: list[tuple[int, list[tuple[float, float]]]] = []  # (count, [(bytes, time)])
+    for rep, count in tables.class_counts.items():
+        per_mode = [costs[rep] for costs in by_mode.values()]
+        largest = max(largest, min(c.time_s for c in per_mode))
+        tail_a += count * min(c.post_sync_s + c.optimizer_s for c in per_mode)
+        tail_b += count * min(
+            c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s for c in per_mode
+        )
+        least_act += count * min(c.activation_bytes for c in per_mode)
+        static_sum += count * per_mode[0].static_bytes
+        static_max = max(static_max, per_mode[0].static_bytes)
+        classes.append((count, [(c.activation_bytes, c.time_s) for c in per_mode]))
+    spec = strategy.schedule_spec
+    # Each rank's stages all hold at least this many micro-batches at once at some point.
+    least_inflight = least_held(spec)
+    memory_bound = max((static_sum + least_inflight * least_act) / p, static_max)
+    # Rank r needs static_r + held_r * act_r <= usable, so summed over the ranks the
+    # activations held per micro-batch cannot exceed (p * usable - static) / least held:
+    # the recompute modes must at least buy that much memory back.
+    budget = (p * usable - static_sum) / least_inflight if least_inflight else math.inf
+    curve = RecomputeCurve.of(classes)
+    total = curve.time_within(budget)
+    if math.isinf(total):  # not even the leanest recompute modes fit: no plan does
+        memory_bound = math.inf
+    work = total  # the units' own work (what `schedule_bound` scales)
+    # Every message of every boundary costs its host time on some rank (busy work), whatever
+    # the cut; links only delay (they are not counted).
+    # (every crossing boundary posts its messages at the same host cost: count them)
+    crossings = boundary_crossings(strategy)
+    messages = 2 * crossings * model.boundary(first[0], strategy, 0).message_s if crossings else 0.0
+    total += messages
+    # Proven: the pipeline's bound (`pipeline_lower_bound_s`), after which some rank's tail
+    # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
+    # (the busiest rank's at least the average).
+    fixed = model.step_overhead_s(strategy)
+    time_bound = max(
+        pipeline_lower_bound_s(spec, total, largest) + fixed,
+        m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
+    )
+    units = [costs[rep] for costs in by_mode.values() for rep in tables.class_counts]
+    forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
+    weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
+    # Visiting order: evenly cut stages (`even_pipeline_s`), plus the average tail. The work
+    # pays for the recompute an even cut needs: every rank holds its share of the activations
+    # as often as its schedule makes it (`even_held`), not as rarely as the bound above may
+    # assume (`least_held`, 1 for every schedule but GPipe, as if one stage of each rank could
+    # take all of them). Ordered by the bound's work instead, memory-tight pipelines with
+    # large micro-batches, whose cuts must recompute nearly everything, came first by up to a
+    # third of their step and used up the budget before plans without that recompute (e.g.
+    # expert parallelism on one pipeline rank) were reached; and if no even cut fits even
+    # under the leanest modes, it goes behind by its overflow (`even_overflow`).
+    held = even_held(spec)
+    order_work = total
+    if held > least_inflight:
+        order_work = messages + curve.time_within((p * usable - static_sum) / held, saturate=True)
+    share = max(order_work / p, largest)
+    order_key = even_pipeline_s(share, order_work, p, v, m) + max(0.0, tail_a, tail_b) / p + fixed
+    overflow = even_overflow(held, p * usable - static_sum, least_act)
+    order_key = math.inf if math.isinf(overflow) else overflow * order_key
+    return Candidate(
+        order_key_s=order_key,
+        work_s=work,
+        fixed_s=fixed,
+        forward_cells=share_range(forward_shares or [0.0, 1.0]),
+        weight_cells=share_range(weight_shares or [0.0, 1.0]),
+        strategy=strategy,
+        by_mode=by_mode,
+        constants=constants,
+        time_lower_bound_s=time_bound,
+        memory_lower_bound_bytes=memory_bound,
+        usable_bytes=usable,
+    )
+
+
+def boundary_crossings(strategy: Strategy) -> int:
+    """Stage boundaries whose two stages sit on different pipeline ranks: all of them when
+    p > 1, but the turn of a V (stage p-1 to p, both on rank p-1)."""
+    if strategy.pp_degree == 1:
+        return 0
+    return strategy.num_stages - 1 - (strategy.schedule_placement == "v")
+
+
+def even_pipeline_s(share_s: float, work_s: float, p: int, v: int, m: int) -> float:
+    """The visiting order's pipeline time of an even cut: ``max(m, p) T + (min(m, p) - 1) T' / v``
+    with ``T`` a rank's share of the per-micro-batch work (``share_s``: ``work_s / p``, or the
+    largest unit if more) and ``T' = work_s / p``. One stage per rank: 1F1B's ``(m + p - 1) T``;
+    ``v`` stages per rank and ``m >= p``: the bubble shrinks to ``(p - 1) T / v`` (Narayanan
+    et al. 2021, section 2.2). With fewer micro-batches than ranks every chunk waits for the
+    whole pipeline: one micro-batch runs its ``p v`` stages in turn, ``p T``. (The former key,
+    ``(m - 1/v) T + p T / v``, gave one micro-batch ``T + (p - 1) T / v`` and put pipelines of
+    one or two micro-batches first at half their step.) Monotone in both times, so the floors
+    stay under the keys."""
+    return max(m, p) * share_s + (min(m, p) * work_s / p - share_s) / v
+
+
+def even_overflow(held: float, room_bytes: float, least_act_bytes: float) -> float:
+    """How far an even cut overflows memory under the leanest modes, as a factor >= 1 on the
+    visiting order's key: ``held`` rank shares of ``least_act_bytes`` must fit the
+    ``room_bytes`` the pipeline ranks' state leaves. When they do not (e.g. a split backward,
+    which cannot recompute), only cuts that load the ranks holding fewer micro-batches can
+    fit: ordered behind by the overflow, finitely, so that a model no even cut fits keeps an
+    order; inf when no room is left at all (the memory bound drops those). Smaller with more
+    room and fewer bytes, so the floors (more room, fewer bytes) stay under the keys."""
+    need = held * least_act_bytes
+    if need <= room_bytes:
+        return 1.0
+    return need / room_bytes if room_bytes > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeCurve:
+    """The least summed unit time as a function of the activation bytes the units may hold:
+    the LP relaxation of choosing a recompute mode per unit (a multiple-choice knapsack).
+    Units start at their fastest mode (``time_s``, holding ``held_bytes``) and buy bytes back
+    along the lower convex hull of their modes, cheapest seconds-per-byte first,
+    fractionally (``segments``: seconds per byte saved, bytes it can save, ascending)."""
+
+    time_s: float
+    held_bytes: float
+    segments: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def of(cls, classes: list[tuple[int, list[tuple[float, float]]]]) -> RecomputeCurve:
+        """From each class of ``count`` identical units and its (bytes, time) per mode."""
+        time = 0.0
+        held = 0.0
+        segments: list[tuple[float, float]] = []
+        for count, points in classes:
+            start = min(points, key=lambda point: (point[1], point[0]))  # fastest, then smallest
+            time += count * start[1]
+            held += count * start[0]
+            current = start
+            while True:
+                cheaper = [q for q in points if q[0] < current[0]]
+                if not cheaper:
+                    break
+                nxt = min(cheaper, key=lambda q: ((q[1] - current[1]) / (current[0] - q[0]), q[0]))
+                slope = max(0.0, (nxt[1] - current[1]) / (current[0] - nxt[0]))
+                segments.append((slope, count * (current[0] - nxt[0])))
+                current = nxt
+        return cls(time, held, tuple(sorted(segments)))
+
+    def time_within(self, budget: float, *, saturate: bool = False) -> float:
+        """A lower bound on the summed unit time when their activation bytes must fit
+        ``budget``. Returns inf if even the leanest modes cannot fit (the memory bound rejects
+        such candidates anyway), or with ``saturate`` the time of the leanest modes."""
+        time = self.time_s
+        excess = self.held_bytes - budget
+        for slope, saves in self.segments:
+            if excess <= 0:
+                break
+            used = min(saves, excess)
+            time += slope * used
+            excess -= used
+        return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
+
+
+def partition_problem(candidate: Candidate, model: CostModel) -> PartitionProblem:
+    """The stage-partition problem of a candidate, in the cost model's own terms."""
+    cluster = model.cluster
+    strategy = candidate.strategy
+    spec = strategy.schedule_spec
+    overlap = model.dp_overlap(strategy)
+    first = next(iter(candidate.by_mode.values()))
+    fixed = model.step_overhead_s(strategy)
+    # rank tail = max(0, sync - overlap * backward) + post + optimizer (+ the fixed overhead)
+    #           = max(0, post + opt, post + opt + sync - overlap * backward): two tail terms
+    tables = {
+        mode: ModeCosts(
+            forward_s=tuple(c.forward_s for c in costs),
+            backward_s=tuple(c.backward_s for c in costs),
+            weight_s=tuple(c.weight_s for c in costs),
+            activation_bytes=tuple(c.activation_bytes for c in costs),
+            retained_bytes=tuple(c.retained_bytes for c in costs),
+            tail_s=(
+                tuple(c.post_sync_s + c.optimizer_s for c in costs),
+                tuple(
+                    c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s
+                    for c in costs
+                ),
+            ),
+        )
+        for mode, costs in candidate.by_mode.items()
+    }
+    # A boundary's cost depends on the stage and its last unit's output bytes only: priced
+    # once per stage and distinct size, and stages with equal rows share one row (thousands of
+    # stages of thousands of units would otherwise hold millions of floats).
+    sizes: dict[float, int] = {}  # output bytes -> index among the distinct sizes
+    size_of = [sizes.setdefault(c.output_bytes, len(sizes)) for c in first]
+    sample = {c.output_bytes: c for c in reversed(first)}  # a unit of each size
+    rows: dict[tuple[float, ...], tuple[float, ...]] = {}
+    transfer_s, message_s = [], []
+    for s in range(spec.num_stages):
+        priced = [model.boundary(sample[size], strategy, s) for size in sizes]
+        by_size = tuple(b.transfer_s for b in priced)
+        row = rows.get(by_size)
+        if row is None:
+            row = rows[by_size] = tuple(by_size[k] for k in size_of)
+        transfer_s.append(row)
+        message_s.append(priced[0].message_s)  # (unit 0's size comes first)
+    return PartitionProblem(
+        spec=spec,
+        modes=tables,
+        static_bytes=tuple(c.static_bytes for c in first),
+        transfer_s=tuple(transfer_s),
+        message_s=tuple(message_s),
+        memory_capacity_bytes=candidate.usable_bytes,
+        send_bytes=boundary_send_bytes(first, cluster.calibration),
+        tail_constants_s=(fixed, fixed),
+    )

@@ -1,0 +1,154 @@
+"""Cache keys of the search's tables: projections of `Strategy` onto the fields a value reads.
+
+Expects nothing. Guarantees: each `Projection` sorts every field of `Strategy` into the ones
+its cached value reads (``reads``, or through ``derived`` values) and the ones it does not
+(``ignores``), checked against `dataclasses.fields(Strategy)` when this module is imported: a
+field added to `Strategy` stops the import until every cache says whether it reads it, so a
+key cannot go stale by a field nobody listed. `tests/test_search.py` checks each ``ignores``
+against the uncached values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from cost_model.strategy import Strategy
+
+STRATEGY_FIELDS = frozenset(f.name for f in fields(Strategy))
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """The part of a `Strategy` one cached value depends on.
+
+    ``reads``: fields or properties of `Strategy` the value reads, in key order; ``derived``:
+    (name, function) of values computed from the strategy that the value reads in place of
+    the fields behind them (e.g. ``pp_degree > 1``); ``ignores``: the fields the value does
+    not read except through ``derived``. Every field must be in exactly one of ``reads`` and
+    ``ignores``."""
+
+    name: str
+    reads: tuple[str, ...]
+    ignores: frozenset[str]
+    derived: tuple[tuple[str, Callable[[Strategy], object]], ...] = ()
+
+    def __post_init__(self) -> None:
+        read = STRATEGY_FIELDS & set(self.reads)
+        both = read & self.ignores
+        missing = STRATEGY_FIELDS - read - self.ignores
+        unknown = self.ignores - STRATEGY_FIELDS
+        if both or missing or unknown:
+            raise TypeError(
+                f"the cache key {self.name!r} must sort every Strategy field into reads or "
+                f"ignores: both {sorted(both)}, neither {sorted(missing)}, not fields "
+                f"{sorted(unknown)}"
+            )
+
+    def key(self, strategy: Strategy, *extra: object) -> tuple[object, ...]:
+        """The key of ``strategy`` (and ``extra``: what else the value reads, e.g. modes)."""
+        return (
+            *(getattr(strategy, name) for name in self.reads),
+            *(function(strategy) for _, function in self.derived),
+            *extra,
+        )
+
+
+def _pipelined(strategy: Strategy) -> bool:
+    return strategy.pp_degree > 1
+
+
+# The parameters a device holds of the whole model before any data-parallel sharding: the
+# TP split, whether the tied embeddings count twice (on different pipeline ranks) and whether
+# the shared expert runs whole (`CostModel.shared_expert_whole`).
+PARAMS_KEY = Projection(
+    "params",
+    reads=("tp_degree", "sequence_parallel"),
+    derived=(("pipelined", _pipelined),),
+    # (``pipelined`` reads pp_degree)
+    ignores=frozenset(
+        {
+            "dp_degree",
+            "pp_degree",
+            "virtual_stages",
+            "micro_batch_size",
+            "num_micro_batches",
+            "schedule",
+            "zero_stage",
+            "dtype",
+            "rank_layout",
+            "cp_degree",
+            "ep_degree",
+            "ep_folding",
+        }
+    ),
+)
+# The activations of one micro-batch through every unit under the leanest mode (with the
+# modes as an extra).
+ACTIVATION_KEY = Projection(
+    "least activations",
+    reads=(
+        "tp_degree",
+        "sequence_parallel",
+        "micro_batch_size",
+        "cp_degree",
+        "ep_degree",
+        "dtype",
+    ),
+    ignores=frozenset(
+        {
+            "dp_degree",
+            "pp_degree",
+            "virtual_stages",
+            "num_micro_batches",
+            "schedule",
+            "zero_stage",
+            "rank_layout",
+            "ep_folding",
+        }
+    ),
+)
+# `BoundTables._state`: the state memory and the least activations (modes as an extra);
+# ``dp_wrapper`` reads the schedule and the micro-batches (GPipe with several micro-batches
+# runs no DDP).
+STATE_KEY = Projection(
+    "state memory",
+    reads=(
+        "tp_degree",
+        "sequence_parallel",
+        "micro_batch_size",
+        "dtype",
+        "pp_degree",
+        "dp_degree",
+        "zero_stage",
+        "dp_wrapper",
+        "cp_degree",
+        "ep_degree",
+        "ep_folding",
+    ),
+    ignores=frozenset({"virtual_stages", "num_micro_batches", "schedule", "rank_layout"}),
+)
+# `BoundTables.floors`: the units' costs with one device per TP group (modes as an extra).
+FLOOR_KEY = Projection(
+    "compute floors",
+    reads=(
+        "tp_degree",
+        "sequence_parallel",
+        "micro_batch_size",
+        "dtype",
+        "cp_degree",
+        "ep_degree",
+        "ep_folding",
+    ),
+    ignores=frozenset(
+        {
+            "dp_degree",
+            "pp_degree",
+            "virtual_stages",
+            "num_micro_batches",
+            "schedule",
+            "zero_stage",
+            "rank_layout",
+        }
+    ),
+)
