@@ -12,24 +12,30 @@ import dataclasses
 import itertools
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
 from autoplan.contract.errors import NoFeasiblePlanError, PlanError
 from autoplan.contract.plan import Plan, StagePlan
-from autoplan.planner.partition import evaluate
-from autoplan.planner.search import (
-    SearchStats,
-    _BoundTables,
-    _candidate,
-    _Frontier,
-    _Pending,
-    _problem,
-    _RecomputeCurve,
+from autoplan.planner.candidates import (
+    BoundTables,
+    RecomputeCurve,
     boundary_crossings,
-    search_plans,
+    costed_candidate,
+    partition_problem,
 )
+from autoplan.planner.partition import evaluate
+from autoplan.planner.search import SearchStats, _Frontier, _Pending, search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
+from autoplan.planner.strategy_keys import (
+    ACTIVATION_KEY,
+    FLOOR_KEY,
+    PARAMS_KEY,
+    STATE_KEY,
+    STRATEGY_FIELDS,
+    Projection,
+)
 from cost_model.estimate import CostModel, estimate
 from cost_model.hardware import Cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, usable_capacity_bytes
@@ -87,14 +93,14 @@ def _random_case(seed: int) -> tuple[object, Cluster, int, dict[str, object]]:
 
 def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[no-untyped-def]
     space = SearchSpace.from_constraints(**constraints)
-    cache = _BoundTables(CostModel(profile, cluster))
+    cache = BoundTables(CostModel(profile, cluster))
     best = math.inf
     checked = 0
     # every outer choice, the dominated ones (GPipe beside 1F1B, ZeRO-1 beside ZeRO-2, layouts
     # that cannot differ) included: skipping them must lose nothing
     for strategy in strategies(space, profile, cluster, global_batch, skip_dominated=False):
-        candidate = _candidate(strategy, recompute_modes(space, strategy.schedule), cache)
-        problem = _problem(candidate, cache.model)
+        candidate = costed_candidate(strategy, recompute_modes(space, strategy.schedule), cache)
+        problem = partition_problem(candidate, cache.model)
         n, num_stages = problem.num_units, problem.num_stages
         for cuts in itertools.combinations(range(1, n), num_stages - 1):
             allowed = recompute_modes(space, strategy.schedule)
@@ -294,7 +300,7 @@ def test_memory_aware_time_bound_by_hand() -> None:
     # Two identical units, modes (bytes, seconds): none (10, 1.0), selective (6, 1.2),
     # full (1, 2.0). From "none" the hull goes to selective (0.2 s / 4 B = 0.05 s/B), then to
     # full (0.8 s / 5 B = 0.16 s/B); each segment saves that many bytes per unit.
-    curve = _RecomputeCurve.of([(2, [(10.0, 1.0), (6.0, 1.2), (1.0, 2.0)])])
+    curve = RecomputeCurve.of([(2, [(10.0, 1.0), (6.0, 1.2), (1.0, 2.0)])])
     assert curve.time_within(25.0) == pytest.approx(2.0)  # fits as is
     # 20 B held, budget 12: save 8 B at 0.05 s/B -> 2.0 + 0.4 = 2.4 (both selective)
     assert curve.time_within(12.0) == pytest.approx(2.4)
@@ -333,18 +339,18 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int, experts: int) 
     if experts:
         profile = with_routed_experts(profile, num_experts=experts, top_k=2, expert_ffn=128)
     space = SearchSpace.from_constraints(**constraints)
-    cache = _BoundTables(CostModel(profile, cluster))
+    cache = BoundTables(CostModel(profile, cluster))
     rng = random.Random(seed)
     pending = []
     for index, strategy in enumerate(strategies(space, profile, cluster, global_batch)):
         modes = recompute_modes(space, strategy.schedule)
         order_floor, time_floor = cache.floors(strategy, modes)
-        candidate = _candidate(strategy, modes, cache)
+        candidate = costed_candidate(strategy, modes, cache)
         pending.append(_Pending(order_floor, time_floor, index, strategy, modes))
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             continue  # dropped as it is costed
         assert order_floor <= candidate.order_key_s * (1 + 1e-12)
-        problem = _problem(candidate, cache.model)
+        problem = partition_problem(candidate, cache.model)
         n, S = problem.num_units, problem.num_stages
         for _ in range(3):
             cuts = sorted(rng.sample(range(1, n), S - 1))
@@ -360,6 +366,105 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int, experts: int) 
     fitting = [
         e
         for e in pending
-        if (c := _candidate(e.strategy, e.modes, cache)).memory_lower_bound_bytes <= c.usable_bytes
+        if (c := costed_candidate(e.strategy, e.modes, cache)).memory_lower_bound_bytes
+        <= c.usable_bytes
     ]
     assert len(popped) == len(fitting)
+
+
+# Other values of every `Strategy` field (a field added to `Strategy` fails the test below until
+# it is named here, and `strategy_keys` refuses to import until every key sorts it).
+_OTHER_VALUES: dict[str, tuple[object, ...]] = {
+    "tp_degree": (1, 2, 4),
+    "dp_degree": (1, 2, 4, 8),
+    "pp_degree": (1, 2, 4),
+    "virtual_stages": (1, 2),
+    "micro_batch_size": (1, 2),
+    "num_micro_batches": (1, 2, 4, 8),
+    "schedule": SCHEDULES,
+    "zero_stage": (0, 1, 2, 3),
+    "sequence_parallel": (False, True),
+    "dtype": ("bf16", "fp32"),
+    "rank_layout": (
+        ("pp", "dp", "tp"),
+        ("dp", "pp", "tp"),
+        ("pp", "dp", "cp", "tp"),
+        ("pp", "cp", "dp", "tp"),
+    ),
+    "cp_degree": (1, 2),
+    "ep_degree": (1, 2, 4),
+    "ep_folding": (False, True),
+}
+
+
+def test_cache_keys_name_every_field_their_values_read() -> None:
+    """Each table's key (`strategy_keys`): changing a field the key ignores while the key stays
+    the same leaves the table's value, computed afresh, unchanged."""
+    assert set(_OTHER_VALUES) == STRATEGY_FIELDS
+    profile = with_routed_experts(
+        gpt_profile(num_layers=2, s=1024, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
+    )
+    cluster = round_cluster(num_nodes=2, devices_per_node=8)
+    model = CostModel(profile, cluster)
+    space = SearchSpace(cp=(1, 2))
+    found = list(strategies(space, profile, cluster, 32))
+    bases = found[:: max(1, len(found) // 12)]
+    values: dict[str, Callable[[BoundTables, Strategy, tuple[str, ...]], object]] = {
+        PARAMS_KEY.name: lambda t, s, m: t._param_count(s),
+        ACTIVATION_KEY.name: lambda t, s, m: t._least_activations(s, m),
+        STATE_KEY.name: lambda t, s, m: t._state_memory(s, m),
+        FLOOR_KEY.name: lambda t, s, m: t._floor_tables(s, m),
+    }
+    compared: dict[tuple[str, str], int] = {}
+    for projection in (PARAMS_KEY, ACTIVATION_KEY, STATE_KEY, FLOOR_KEY):
+        value = values[projection.name]
+        for base in bases:
+            modes = tuple(recompute_modes(space, base.schedule))
+            before = value(BoundTables(model), base, modes)
+            for name in sorted(projection.ignores):
+                for other in _OTHER_VALUES[name]:
+                    changed = _changed(base, name, other)
+                    if changed in (None, base) or projection.key(changed) != projection.key(base):
+                        continue
+                    assert changed is not None
+                    after = value(BoundTables(model), changed, modes)
+                    assert after == before, (projection.name, name, base, other)
+                    compared[projection.name, name] = compared.get((projection.name, name), 0) + 1
+    # every ignored field was changed at least once under an unchanged key
+    for projection in (PARAMS_KEY, ACTIVATION_KEY, STATE_KEY, FLOOR_KEY):
+        for name in projection.ignores:
+            assert compared.get((projection.name, name), 0) > 0, (projection.name, name)
+    # and a field named ``unkeyed`` is read indeed (once its key holds it, it moves to reads)
+    for projection in (PARAMS_KEY, ACTIVATION_KEY, STATE_KEY, FLOOR_KEY):
+        value = values[projection.name]
+        for name in projection.unkeyed:
+            moved = False
+            for base in bases:
+                modes = tuple(recompute_modes(space, base.schedule))
+                for other in _OTHER_VALUES[name]:
+                    changed = _changed(base, name, other)
+                    if changed is not None:
+                        before = value(BoundTables(model), base, modes)
+                        moved |= value(BoundTables(model), changed, modes) != before
+            assert moved, (projection.name, name)
+
+
+def _changed(strategy: Strategy, name: str, value: object) -> Strategy | None:
+    """``strategy`` with field ``name`` set to ``value`` (None: that is no strategy)."""
+    try:
+        return dataclasses.replace(strategy, **{name: value})
+    except ValueError:
+        return None
+
+
+def test_a_key_that_misses_a_field_is_refused() -> None:
+    """A projection that leaves a `Strategy` field unsorted (e.g. one added to `Strategy`
+    later) cannot be built."""
+    with pytest.raises(TypeError, match=r"none \['zero_stage'\]"):
+        Projection(
+            "test",
+            reads=("tp_degree",),
+            ignores=STRATEGY_FIELDS - {"tp_degree", "zero_stage"},
+        )
+    with pytest.raises(TypeError, match=r"several \['tp_degree'\]"):
+        Projection("test", reads=("tp_degree",), ignores=STRATEGY_FIELDS)

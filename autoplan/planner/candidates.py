@@ -130,16 +130,7 @@ class BoundTables:
         key = PARAMS_KEY.key(strategy)
         params = self._params.get(key)
         if params is None:
-            params = sum(
-                local_num_params(
-                    unit,
-                    strategy.tp_degree,
-                    count_shared=strategy.pp_degree > 1,
-                    shared_expert_whole=self.model.shared_expert_whole(strategy),
-                )
-                for unit in self.profile.units
-            )
-            self._params[key] = params
+            params = self._params[key] = self._param_count(strategy)
         # as `CostModel` stores them: dense weights data-parallel over dp x cp, the routed
         # experts E / ep per device over dp x cp / ep
         # (the weights' view decides as the strategy: `Strategy.weights_view`)
@@ -162,21 +153,78 @@ class BoundTables:
         act_key = ACTIVATION_KEY.key(strategy, tuple(modes))
         least_act = self._least_act.get(act_key)
         if least_act is None:
-            traced = self.profile.traced_dtype_bytes
-            least_act = 0.0
-            for rep, count in self.class_counts.items():
-                unit = self.model.local_unit(rep, strategy.cp_degree)
-                least_act += count * min(
-                    activation_bytes(unit, strategy, mode, traced)
-                    + (
-                        self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
-                        if unit.moe is not None
-                        else 0.0
-                    )
-                    for mode in modes
-                )
-            self._least_act[act_key] = least_act
+            least_act = self._least_act[act_key] = self._least_activations(strategy, modes)
         return state, least_act
+
+    def _param_count(self, strategy: Strategy) -> float:
+        """The parameters of all units on one device before data-parallel sharding (cached
+        by `strategy_keys.PARAMS_KEY`)."""
+        return sum(
+            local_num_params(
+                unit,
+                strategy.tp_degree,
+                count_shared=strategy.pp_degree > 1,
+                shared_expert_whole=self.model.shared_expert_whole(strategy),
+            )
+            for unit in self.profile.units
+        )
+
+    def _least_activations(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
+        """The activations of one micro-batch through every unit under the leanest of
+        ``modes`` (cached by `strategy_keys.ACTIVATION_KEY`)."""
+        traced = self.profile.traced_dtype_bytes
+        least_act = 0.0
+        for rep, count in self.class_counts.items():
+            unit = self.model.local_unit(rep, strategy.cp_degree)
+            least_act += count * min(
+                activation_bytes(unit, strategy, mode, traced)
+                + (
+                    self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
+                    if unit.moe is not None
+                    else 0.0
+                )
+                for mode in modes
+            )
+        return least_act
+
+    def _floor_tables(
+        self, strategy: Strategy, modes: tuple[Recompute, ...]
+    ) -> tuple[tuple[float, float, float, float], RecomputeCurve]:
+        """The units' work with one device per TP group (order work, its largest unit, compute
+        work, its largest unit) and their recompute curve, alone (cached by
+        `strategy_keys.FLOOR_KEY`)."""
+        # (dp = ep: the experts split as in the strategy, their all-to-all on the nearest
+        # ranks; the cp ring on the strategy's own cp degree, its ranks the nearest too)
+        alone = replace(
+            strategy,
+            dp_degree=strategy.ep_degree,
+            pp_degree=1,
+            virtual_stages=1,
+            num_micro_batches=1,
+            schedule="1f1b",
+            zero_stage=0,
+        )
+        by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
+        curve = RecomputeCurve.of(
+            [
+                (count, [(c[rep].activation_bytes, c[rep].time_s) for c in by_mode])
+                for rep, count in self.class_counts.items()
+            ]
+        )
+        order_work = order_largest = compute_work = compute_largest = 0.0
+        for rep, count in self.class_counts.items():
+            full = min(costs[rep].time_s for costs in by_mode)
+            compute = min(
+                costs[rep].forward_compute_s
+                + costs[rep].backward_compute_s
+                + costs[rep].recompute_s
+                for costs in by_mode
+            )
+            order_work += count * full
+            order_largest = max(order_largest, full)
+            compute_work += count * compute
+            compute_largest = max(compute_largest, compute)
+        return (order_work, order_largest, compute_work, compute_largest), curve
 
     def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
         """(a floor under the order key, a proven lower bound on the step) from the units'
@@ -187,38 +235,7 @@ class BoundTables:
         key = FLOOR_KEY.key(strategy, modes)
         work = self._floor_work.get(key)
         if work is None:
-            # (dp = ep: the experts split as in the strategy, their all-to-all on the nearest
-            # ranks; the cp ring on the strategy's own cp degree, its ranks the nearest too)
-            alone = replace(
-                strategy,
-                dp_degree=strategy.ep_degree,
-                pp_degree=1,
-                virtual_stages=1,
-                num_micro_batches=1,
-                schedule="1f1b",
-                zero_stage=0,
-            )
-            by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
-            self._floor_curves[key] = RecomputeCurve.of(
-                [
-                    (count, [(c[rep].activation_bytes, c[rep].time_s) for c in by_mode])
-                    for rep, count in self.class_counts.items()
-                ]
-            )
-            order_work = order_largest = compute_work = compute_largest = 0.0
-            for rep, count in self.class_counts.items():
-                full = min(costs[rep].time_s for costs in by_mode)
-                compute = min(
-                    costs[rep].forward_compute_s
-                    + costs[rep].backward_compute_s
-                    + costs[rep].recompute_s
-                    for costs in by_mode
-                )
-                order_work += count * full
-                order_largest = max(order_largest, full)
-                compute_work += count * compute
-                compute_largest = max(compute_largest, compute)
-            work = (order_work, order_largest, compute_work, compute_largest)
+            work, self._floor_curves[key] = self._floor_tables(strategy, modes)
             self._floor_work[key] = work
         stretch = self.model.sharing(strategy).pipeline
         order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)

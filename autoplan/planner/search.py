@@ -33,7 +33,8 @@ needs (`diagnosis`).
 
 Seams: `stack_filter` cuts the space to what the framework's stack runs; `candidates` costs
 and bounds the outer choices (its tables keyed by `strategy_keys`); `incumbents` holds the
-top k and the cutoff; this module enumerates, seeds and visits.
+top k and the cutoff; `readback` turns partitions into ranked plans; this module enumerates,
+seeds and visits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from autoplan.contract.errors import NoFeasiblePlanError
-from autoplan.contract.plan import ModelRef, Plan, Recompute, StagePlan, plan_estimate
+from autoplan.contract.plan import Plan, Recompute
 from autoplan.planner.candidates import (
     BoundTables,
     Candidate,
@@ -68,6 +69,7 @@ from autoplan.planner.partition import (
     heuristic,
     solve,
 )
+from autoplan.planner.readback import plan_of, ranked
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, shown
 from autoplan.planner.stack_filter import stack_strategies, within_runtime, within_stack
 from cost_model.estimate import CostModel
@@ -79,9 +81,6 @@ from cost_model.strategy import Strategy
 from cost_model.uncertainty import (
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
-    TIE_FRACTION,
-    step_interval,
-    strategy_features,
 )
 from cost_model.workload import ModelProfile
 
@@ -250,7 +249,7 @@ def search_plans(
         worst = incumbents.worst()
         stats.optimality_gap = max(0.0, max((worst - low) / worst for low in unproven))
     stats.best_objective_s = min(value for value, _, _ in incumbents.offered.values())
-    plans = _ranked(model, incumbents.offered, top_k, global_batch)
+    plans = ranked(model, incumbents.offered, top_k, global_batch)
     stats.total_s = time.perf_counter() - start
     return SearchResult(plans=plans, stats=stats)
 
@@ -422,7 +421,7 @@ class _Run:
             replace(
                 cut,
                 step_time_s=model.estimate(
-                    _plan_of(model, candidate, cut, self.global_batch)
+                    plan_of(model, candidate, cut, self.global_batch)
                 ).step_time_s,
             )
             for cut in cuts
@@ -596,38 +595,6 @@ def _partition(
     return found, solve_stats
 
 
-def _ranked(
-    model: CostModel,
-    offered: dict[int, tuple[float, Candidate, Partition]],
-    top_k: int,
-    global_batch: int,
-) -> tuple[Plan, ...]:
-    """The ``top_k`` best of the offered plans: by objective, except that plans within
-    `TIE_FRACTION` of the best tie and go first by fewer unvalidated features, then by more
-    memory left at the upper end of their peak's range (then objective, then visiting order:
-    deterministic)."""
-    by_value = sorted(offered.items(), key=lambda item: (item[1][0], item[0]))
-    best = by_value[0][1][0]
-    tied = [item for item in by_value if item[1][0] <= best * (1.0 + TIE_FRACTION)]
-    rest = by_value[len(tied) :][: max(0, top_k - len(tied))]
-
-    def plan_of(item: tuple[int, tuple[float, Candidate, Partition]]) -> Plan:
-        _, (_, candidate, partition) = item
-        return _to_plan(model, candidate, partition, global_batch)
-
-    def tie_key(item: tuple[int, tuple[float, Candidate, Partition]]) -> Any:
-        # from the partition's own numbers (no estimate per tied plan): its unvalidated
-        # features, then the tensor bytes it leaves of its budget (the device bytes left
-        # beyond the range's upper end, up to the factors every candidate shares)
-        order, (value, candidate, partition) = item
-        features = strategy_features(candidate.strategy, partition.modes, model.framework)
-        room = candidate.usable_bytes - partition.peak_memory_bytes
-        return (len(step_interval(features).unvalidated), -room, value, order)
-
-    ties = sorted(tied, key=tie_key)[:top_k]
-    return tuple(plan_of(item) for item in ties) + tuple(plan_of(item) for item in rest)
-
-
 # ------------------------------------------------------------------------------ visit order
 
 
@@ -729,61 +696,3 @@ class _OwnCuts:
         if starts is None:
             return []
         return [evaluate(problem, starts, (mode,) * len(starts)) for mode in problem.modes]
-
-
-# ------------------------------------------------------------------------------ read back
-
-
-def _plan_of(
-    model: CostModel, candidate: Candidate, partition: Partition, global_batch: int
-) -> Plan:
-    """The plan of an outer choice with its stage cuts (no estimate attached)."""
-    profile = model.profile
-    s = candidate.strategy
-    ends = (*partition.stage_starts[1:], profile.num_units)
-    stages = tuple(
-        StagePlan(first_unit=a, last_unit=b - 1, recompute=mode)
-        for a, b, mode in zip(partition.stage_starts, ends, partition.modes, strict=True)
-    )
-    plan = Plan(
-        model=ModelRef.of(profile),
-        dp_degree=s.dp_degree,
-        tp_degree=s.tp_degree,
-        pp_degree=s.pp_degree,
-        cp_degree=s.cp_degree,
-        ep_degree=s.ep_degree,
-        ep_folding=s.ep_folding,
-        virtual_stages=s.virtual_stages,
-        stages=stages,
-        micro_batch_size=s.micro_batch_size,
-        num_micro_batches=s.num_micro_batches,
-        global_batch_size=global_batch,
-        schedule=s.schedule,
-        zero_stage=s.zero_stage,
-        sequence_parallel=s.sequence_parallel,
-        dtype=s.dtype,  # type: ignore[arg-type]
-        rank_layout=s.rank_layout,
-        framework=model.framework,
-        memory_headroom=model.memory_headroom,
-    )
-    return plan
-
-
-def _to_plan(
-    model: CostModel,
-    candidate: Candidate,
-    partition: Partition,
-    global_batch: int,
-) -> Plan:
-    plan = _plan_of(model, candidate, partition, global_batch)
-    s = candidate.strategy
-    result = model.estimate(plan)
-    # The solver kept every rank within memory by the same numbers `require_fits` checks.
-    assert result.fits, result.memory_problem()
-    # The solver optimised the cost model's own simulation: the two must agree.
-    assert math.isclose(result.step_time_s, partition.step_time_s, rel_tol=1e-6), (
-        result.step_time_s,
-        partition.step_time_s,
-        s,
-    )
-    return plan.with_estimate(plan_estimate(result, model.cluster))
