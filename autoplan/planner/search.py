@@ -104,7 +104,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# (the names the tests knew these by, before `candidates` held them)
+# (the names tests/test_search_limits.py reaches these by, from before `candidates` held them)
 _BoundTables = BoundTables
 _RecomputeCurve = RecomputeCurve
 _candidate = costed_candidate
