@@ -13,13 +13,18 @@ degrees, the layout and the cluster's node shape.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Protocol
 
+# the name sets and layout rules are `cost_model.degrees`'; re-exported under their names here
+from cost_model.degrees import AXES as AXES
+from cost_model.degrees import LEGACY_AXES as LEGACY_AXES
+from cost_model.degrees import RECOMPUTE_MODES, Axis, RecomputeMode
+from cost_model.degrees import folded_ep_factors as folded_ep_factors
+from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
 from cost_model.schedules import (
     SCHEDULES,
@@ -33,19 +38,14 @@ from cost_model.schedules import (
 )
 from cost_model.workload import OpKind, UnitKind
 
-Axis = Literal["pp", "dp", "cp", "tp"]
-# The axes a rank layout orders. A layout may leave out "cp" (the three-axis layouts of plans
-# written before context parallelism): a missing axis has degree 1 and no place.
-AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")
-LEGACY_AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
 # Communication groups of the mesh, named by the axes they span: a mesh axis, the
 # data-parallel group of dense weights under context parallelism ("dp_cp": their gradients
 # reduce over dp x cp, as torchtitan's dp_shard_cp mesh), and the expert-parallel split of dp
 # ("ep": ep consecutive dp ranks; "edp_cp": the ranks that hold the same experts, over which
 # expert gradients reduce). See `mesh_groups`.
 GroupName = Literal["pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp"]
-RecomputeMode = Literal["none", "selective", "full"]
-RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+# the name sets (`cost_model.degrees`), as this module exported them before
+RECOMPUTE_ORDER = RECOMPUTE_MODES
 # How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.
 DataParallelWrapper = Literal["none", "ddp", "replicate", "fsdp"]
 
@@ -106,19 +106,6 @@ def is_subsequence(axes: Sequence[str], order: Sequence[str]) -> bool:
     """``axes`` appear in ``order`` in the same relative order."""
     position = iter(order)
     return all(axis in position for axis in axes)
-
-
-def valid_layout(layout: Sequence[str]) -> bool:
-    """Whether ``layout`` orders pp, dp, tp once each, with cp once or left out."""
-    try:
-        return tuple(layout) in _VALID_LAYOUTS
-    except TypeError:  # unhashable entries: not axis names
-        return False
-
-
-_VALID_LAYOUTS = frozenset(itertools.permutations(AXES)) | frozenset(
-    itertools.permutations(LEGACY_AXES)
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -353,28 +340,6 @@ _AXIS_PIECES: dict[str, frozenset[str]] = {
 }
 _EP_PIECES = frozenset({"tp_in", "cp_in", "dp_in"})
 _EDP_PIECES = frozenset({"tp_out", "cp_out", "dp_out"})
-
-
-def folded_ep_factors(ep: int, tp: int, cp: int, dp: int) -> tuple[int, int, int] | None:
-    """How ``ep`` consecutive ranks of the dp x cp x tp block (tp innermost) split over the
-    axes, as (of tp, of cp, of dp); None when the groups are not products of axis parts (ep
-    must divide the innermost axis it reaches into, and take every rank of those inside)."""
-    parts = []
-    rest = ep
-    for size in (tp, cp, dp):
-        if rest <= size:
-            if size % rest:
-                return None
-            parts.append(rest)
-            rest = 1
-        else:
-            if rest % size:
-                return None
-            parts.append(size)
-            rest //= size
-    if rest != 1:
-        return None
-    return parts[0], parts[1], parts[2]
 
 
 def mesh_groups(

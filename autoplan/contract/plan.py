@@ -41,19 +41,35 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from autoplan._format import fmt_headroom, fmt_memory, fmt_time_range
 from autoplan.contract.errors import PlanError, SchemaError
+from cost_model.degrees import (
+    AXES,
+    LEGACY_AXES,
+    Axis,
+    RecomputeMode,
+    count_problems,
+    degree_product,
+    is_whole,
+    model_problems,
+    shape_problems,
+)
+from cost_model.degrees import COUNT_FIELDS as _COUNT_FIELDS
+from cost_model.degrees import DTYPE_NAMES as DTYPE_NAMES
+from cost_model.degrees import MAX_COUNT as MAX_COUNT
+from cost_model.degrees import RECOMPUTE_MODES as RECOMPUTE_MODES
+from cost_model.degrees import DTypeName as DTypeName
+from cost_model.degrees import sequence_parallel_problems as _sp_problems
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
-from cost_model.hardware import MAX_DEVICES, Cluster, as_cluster
+from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
-    ScheduleError,
     ScheduleName,
     ScheduleSpec,
     stage_rank,
@@ -69,25 +85,20 @@ from cost_model.schema import (
     write_yaml,
 )
 from cost_model.stage_splits import StageSplitError, even_stage_starts
-from cost_model.strategy import Decisions, Strategy, folded_ep_factors, valid_layout
+from cost_model.strategy import Decisions, Strategy, valid_layout
 from cost_model.workload import ModelProfile
 
 PLAN_SCHEMA_VERSION = 1
 
+# The name sets are the cost model's (`cost_model.degrees`), under the names plans use.
 Schedule = ScheduleName
-Recompute = Literal["none", "selective", "full"]
-MeshAxis = Literal["pp", "dp", "cp", "tp"]
-_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "cp", "tp")
-DTypeName = Literal["fp32", "bf16", "fp16"]
+Recompute = RecomputeMode
+MeshAxis = Axis
+_AXES = AXES
 SCHEDULES: tuple[Schedule, ...] = _SCHEDULE_NAMES
-RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-MESH_AXES: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
+MESH_AXES: tuple[MeshAxis, ...] = LEGACY_AXES
 # The four-axis layout a context-parallel plan uses by default (cp between dp and tp).
-CP_RANK_LAYOUT: tuple[MeshAxis, ...] = ("pp", "dp", "cp", "tp")
-DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16")
-# The largest degree, batch or unit index a plan may hold (2^53: floats count exactly up to it,
-# and the cost model computes in floats); far above any real job, it keeps messages short.
-MAX_COUNT = 2**53
+CP_RANK_LAYOUT: tuple[MeshAxis, ...] = AXES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,7 +112,7 @@ class StagePlan:
     def __post_init__(self) -> None:
         for name in ("first_unit", "last_unit"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_whole(value, None):
                 raise PlanError(f"{name} = {shown(value)} must be a whole number")
             if value > MAX_COUNT:
                 raise PlanError(
@@ -238,33 +249,7 @@ class Plan:
                 f"schema_version = {shown(self.schema_version)}; this autoplan reads version "
                 f"{PLAN_SCHEMA_VERSION}"
             )
-        for name in (
-            "dp_degree",
-            "tp_degree",
-            "pp_degree",
-            "cp_degree",
-            "ep_degree",
-            "virtual_stages",
-            "micro_batch_size",
-            "num_micro_batches",
-            "global_batch_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name} = {shown(value)} must be a whole number >= 1")
-            if value > MAX_COUNT:
-                raise PlanError(
-                    f"{name} = {shown_count(value)} is over {MAX_COUNT:,}; give the size of a "
-                    "real job"
-                )
-        degrees = (self.dp_degree, self.tp_degree, self.pp_degree, self.cp_degree)
-        if math.prod(degrees) > MAX_DEVICES:
-            raise PlanError(
-                "dp_degree x tp_degree x pp_degree x cp_degree = "
-                f"{' x '.join(shown_count(d) for d in degrees)} = "
-                f"{shown_count(math.prod(degrees))} devices is more than the {MAX_DEVICES:,} "
-                "autoplan plans for; give degrees of a real job"
-            )
+        _raise_first(count_problems({name: getattr(self, name) for name in _COUNT_FIELDS}))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage = {shown(self.zero_stage)} must be 0, 1, 2 or 3")
         if self.dtype not in DTYPE_NAMES:
@@ -311,16 +296,7 @@ class Plan:
             except MemoryHeadroomError as error:
                 raise PlanError(f"memory_headroom: {error}") from None
         self._check_expert_layout()
-        if self.ep_folding:
-            self._check_folding()
-        elif self.dp_degree % self.ep_degree:
-            raise PlanError(
-                f"ep_degree = {self.ep_degree} does not divide dp_degree = {self.dp_degree}: "
-                "expert parallelism splits the experts over ep of the data-parallel ranks "
-                "(dp = ep x expert-data-parallel); use an ep_degree that divides dp_degree"
-            )
-        self._check_batching()
-        self._check_schedule()
+        _raise_first(shape_problems(self, len(self.stages)))
         self._check_stages()
 
     def _check_expert_layout(self) -> None:
@@ -350,24 +326,6 @@ class Plan:
         consecutive data-parallel ranks are the same ranks."""
         return self.ep_folding or self.tp_degree == self.cp_degree == 1
 
-    def _check_folding(self) -> None:
-        block = self.dp_degree * self.cp_degree * self.tp_degree
-        tp, cp, dp = self.tp_degree, self.cp_degree, self.dp_degree
-        if folded_ep_factors(self.ep_degree, tp, cp, dp) is None:
-            choices = [e for e in range(1, block + 1) if folded_ep_factors(e, tp, cp, dp)]
-            raise PlanError(
-                f"ep_degree = {self.ep_degree} with ep_folding does not fold over tp {tp} x cp "
-                f"{cp} x dp {dp}: a folded expert-parallel group is ep consecutive ranks of that "
-                "block (tp innermost), which must divide the innermost axis it reaches into and "
-                f"take all of those inside; use one of {choices}"
-            )
-        if self.tp_degree > 1 and not self.sequence_parallel:
-            raise PlanError(
-                f"ep_folding with tp_degree = {self.tp_degree} needs sequence_parallel: true: "
-                "folded expert parallelism gives every TP rank its own tokens to route, which "
-                "only sequence parallelism splits; set sequence_parallel: true or ep_folding: false"
-            )
-
     def _block_index(self, rank: int) -> tuple[int, int]:
         """(pipeline rank, index in the data-sharded block): the block numbers the dp x cp x tp
         ranks of one pipeline rank tp innermost, then cp, then dp."""
@@ -383,30 +341,8 @@ class Plan:
         coord = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         return sum(coord[axis] * self.axis_stride(axis) for axis in _AXES)
 
-    def _check_batching(self) -> None:
-        expected = self.micro_batch_size * self.num_micro_batches * self.dp_degree
-        if self.global_batch_size != expected:
-            raise PlanError(
-                f"global_batch_size = {self.global_batch_size} must equal micro_batch_size x "
-                f"num_micro_batches x dp_degree = {self.micro_batch_size} x "
-                f"{self.num_micro_batches} x {self.dp_degree} = {expected}; "
-                "change one of them so the batch divides evenly"
-            )
-
-    def _check_schedule(self) -> None:
-        # One rule book: the schedule model's, which states torch's requirements.
-        try:
-            self.schedule_spec  # noqa: B018 (constructing the spec checks it)
-        except ScheduleError as error:
-            raise PlanError(str(error)) from None
-
     def _check_stages(self) -> None:
-        expected = self.pp_degree * self.virtual_stages
-        if len(self.stages) != expected:
-            raise PlanError(
-                f"stages has {len(self.stages)} entries; pp_degree x virtual_stages = "
-                f"{self.pp_degree} x {self.virtual_stages} = {expected} are needed"
-            )
+        # the stage count is checked with the degrees (`shape_problems`)
         next_unit = 0
         for idx, stage in enumerate(self.stages):
             if stage.first_unit != next_unit:
@@ -539,12 +475,11 @@ class Plan:
         if conflict is not None:
             raise PlanError(conflict)
         if self.num_devices != cluster.num_devices:
-            names = "dp_degree x tp_degree x pp_degree"
-            values = [self.dp_degree, self.tp_degree, self.pp_degree]
-            if self.cp_degree > 1:
-                names, values = names + " x cp_degree", [*values, self.cp_degree]
+            names, values, _ = degree_product(
+                self.dp_degree, self.tp_degree, self.pp_degree, self.cp_degree
+            )
             raise PlanError(
-                f"{names} = {' x '.join(map(str, values))} = {self.num_devices} devices, but "
+                f"{names} = {values} = {self.num_devices} devices, but "
                 f"cluster {shown(cluster.name)} has "
                 f"{cluster.num_devices} ({cluster.num_nodes} node(s) x "
                 f"{cluster.devices_per_node}); change the degrees so they multiply to "
@@ -597,72 +532,12 @@ class Plan:
                 f"stages cover {self.num_units} units but model {shown(profile.name)} has "
                 f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
             )
-        for name, count in profile.tp_divisible_counts().items():
-            if count % self.tp_degree != 0:
-                raise PlanError(
-                    f"tp_degree = {self.tp_degree} does not divide {name} = {count} of model "
-                    f"{shown(profile.name)}; use a tp_degree that divides {count}"
-                )
-        self._validate_cp_ep(profile)
+        _raise_first(model_problems(self, profile))
         if self.framework == DEFAULT_FRAMEWORK:
             refusal = runtime_refusal(self, profile)
             if refusal is not None:
                 raise PlanError(refusal)
-        if self.sequence_parallel:
-            if self.tp_degree == 1:
-                raise PlanError(
-                    "sequence_parallel: true needs tp_degree > 1 (it splits the TP-replicated "
-                    "work along the sequence); set it to false"
-                )
-            if profile.seq_len % self.tp_degree != 0:
-                raise PlanError(
-                    f"sequence_parallel needs tp_degree = {self.tp_degree} to divide seq_len = "
-                    f"{profile.seq_len}; change tp_degree or turn sequence_parallel off"
-                )
-
-    def _validate_cp_ep(self, profile: ModelProfile) -> None:
-        """Context and expert parallelism against the model (issue 21's rules)."""
-        cp = self.cp_degree
-        if cp > 1:
-            if profile.seq_len % (2 * cp):
-                raise PlanError(
-                    f"cp_degree = {cp}: 2 x cp_degree = {2 * cp} must divide seq_len = "
-                    f"{profile.seq_len} of model {shown(profile.name)} (torch's load-balanced "
-                    "causal sharding cuts each sequence into 2 x cp chunks, chunks i and 2cp-1-i "
-                    f"per rank); use a cp_degree with 2 x cp_degree dividing {profile.seq_len}"
-                )
-            if profile.num_heads is None or not any(
-                op.kind == "attention" for unit in profile.units for op in unit.ops
-            ):
-                raise PlanError(
-                    f"cp_degree = {cp} but model {shown(profile.name)} has no attention the trace "
-                    "recognises (context parallelism shards attention along the sequence); "
-                    "set cp_degree to 1"
-                )
-        layers = profile.moe_layers
-        for facts in layers:
-            if facts.top_k > facts.num_experts:
-                raise PlanError(
-                    f"model {shown(profile.name)} routes each token to top_k = {facts.top_k} "
-                    f"experts of num_experts = {facts.num_experts}; top_k must be <= "
-                    "num_experts: lower top_k or add experts"
-                )
-        ep = self.ep_degree
-        if ep > 1:
-            if not layers:
-                raise PlanError(
-                    f"ep_degree = {ep} but model {shown(profile.name)} is dense (no "
-                    "mixture-of-experts layer): expert parallelism needs experts to split; set "
-                    "ep_degree to 1"
-                )
-            for facts in layers:
-                if facts.num_experts % ep:
-                    raise PlanError(
-                        f"ep_degree = {ep} does not divide num_experts = {facts.num_experts} of "
-                        f"model {shown(profile.name)} (each expert-parallel rank holds "
-                        "num_experts / ep whole experts); use an ep_degree that divides "
-                        f"{facts.num_experts} and dp_degree = {self.dp_degree}"
-                    )
+        _raise_first(_sp_problems(self, profile.seq_len))
 
     # ----------------------------------------------------------------------------- files
 
@@ -751,6 +626,13 @@ class Plan:
 
     def with_estimate(self, estimate: PlanEstimate | None) -> Plan:
         return replace(self, estimate=estimate)
+
+
+def _raise_first(problems: Iterable[str]) -> None:
+    """Raise `PlanError` with the first of ``problems`` (the validity rules of
+    `cost_model.degrees`), if any."""
+    for problem in problems:
+        raise PlanError(problem)
 
 
 def split_backward_conflict(
