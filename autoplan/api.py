@@ -28,6 +28,7 @@ from autoplan.contract.plan import (
     plan_estimate,
 )
 from autoplan.planner.search import DEFAULT_BUDGET_S, SearchProgress, search_plans
+from cost_model.degrees import degree_product, is_whole
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
@@ -110,7 +111,7 @@ def manual_plan(
         ("global_batch", global_batch),
         ("virtual_stages", virtual_stages),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_whole(value):
             raise PlanError(f"{name} = {value!r} must be a whole number >= 1")
     if cp > 1 and rank_layout is MESH_AXES:
         rank_layout = CP_RANK_LAYOUT  # the default layout, with cp placed
@@ -121,15 +122,13 @@ def manual_plan(
         )
     if dp is None:
         dp = default_dp(cluster, tp, pp, cp)
-    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+    elif not is_whole(dp):
         raise PlanError(f"dp = {dp!r} must be a whole number >= 1")
-    elif dp * tp * pp * cp != cluster.num_devices:
+    elif (product := degree_product(dp, tp, pp, cp, suffix=""))[2] != cluster.num_devices:
         default_dp(cluster, tp, pp, cp)  # tp x pp (x cp) must divide the devices first
-        names, values = "dp x tp x pp", [dp, tp, pp]
-        if cp > 1:
-            names, values = names + " x cp", [*values, cp]
+        names, values, devices = product
         raise PlanError(
-            f"{names} = {' x '.join(map(str, values))} = {dp * tp * pp * cp}, but cluster "
+            f"{names} = {values} = {devices}, but cluster "
             f"{cluster.name!r} has {cluster.num_devices} devices; with tp = {tp} and pp = {pp}"
             f"{f' and cp = {cp}' if cp > 1 else ''} use dp = "
             f"{cluster.num_devices // (tp * pp * cp)} (or leave dp out)"

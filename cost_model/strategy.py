@@ -22,7 +22,9 @@ from typing import Literal, Protocol
 # the name sets and layout rules are `cost_model.degrees`'; re-exported under their names here
 from cost_model.degrees import AXES as AXES
 from cost_model.degrees import LEGACY_AXES as LEGACY_AXES
-from cost_model.degrees import RECOMPUTE_MODES, Axis, RecomputeMode
+from cost_model.degrees import RECOMPUTE_MODES
+from cost_model.degrees import Axis as Axis
+from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster

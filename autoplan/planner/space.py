@@ -42,6 +42,16 @@ from autoplan.contract.plan import (
     Schedule,
     split_backward_conflict,
 )
+from cost_model.degrees import (
+    DTYPE_NAMES,
+    ZERO_STAGES,
+    cp_fits_sequence,
+    experts_common,
+    is_whole,
+    sp_fits,
+    tp_fits_node,
+    tp_undivided,
+)
 from cost_model.hardware import Cluster
 from cost_model.schedules import V_SCHEDULES, ScheduleError
 from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
@@ -87,7 +97,7 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] | None = None
     # every schedule the runtime builds; the combinations it refuses are skipped
     schedules: tuple[Schedule, ...] = SCHEDULES
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     rank_layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
@@ -145,7 +155,8 @@ class SearchSpace:
             raise ConstraintError("sequence_parallel=True needs tp > 1, but tp=1")
 
     def check_cluster(self, cluster: Cluster, profile: ModelProfile, global_batch: int) -> None:
-        """Reject fixed choices that cannot work on this cluster or model, naming them."""
+        """Reject fixed choices that cannot work on this cluster or model, naming them: the
+        rules of `cost_model.degrees`, broken by every value a constraint allows."""
         n = cluster.num_devices
         for name, allowed in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp)):
             if allowed is not None and all(n % d for d in allowed):
@@ -156,7 +167,7 @@ class SearchSpace:
         if (
             self.tp is not None
             and not self.allow_cross_node_tp
-            and all(per_node % t for t in self.tp)
+            and not any(tp_fits_node(t, per_node) for t in self.tp)
         ):
             raise ConstraintError(
                 f"tp={shown(self.tp)} does not fit inside a node of {per_node} devices; "
@@ -171,26 +182,26 @@ class SearchSpace:
             raise ConstraintError(
                 f"dp={shown(self.dp)} does not divide global_batch={global_batch}"
             )
-        if self.cp is not None and all(c > 1 and profile.seq_len % (2 * c) for c in self.cp):
+        if self.cp is not None and not any(cp_fits_sequence(c, profile.seq_len) for c in self.cp):
             raise ConstraintError(
                 f"cp={shown(self.cp)}: 2 x cp must divide seq_len={profile.seq_len} of "
                 f"{profile.name!r} (torch's load-balanced causal sharding)"
             )
         if self.ep is not None and max(self.ep) > 1:
-            layers = profile.moe_layers
-            if not layers:
+            if not profile.moe_layers:
                 raise ConstraintError(
                     f"ep={shown(self.ep)}: {profile.name!r} is dense (no mixture-of-experts "
                     "layer); drop the ep constraint"
                 )
-            experts = math.gcd(*(facts.num_experts for facts in layers))
+            experts = experts_common(profile)
             if all(experts % e for e in self.ep):
                 raise ConstraintError(
                     f"ep={shown(self.ep)} does not divide the {experts} experts of {profile.name!r}"
                 )
-        counts = profile.tp_divisible_counts()
-        if self.tp is not None and all(any(c % t for c in counts.values()) for t in self.tp):
-            undivided = {k: v for k, v in counts.items() if any(v % t for t in self.tp)}
+        if self.tp is not None and all(tp_undivided(t, profile) for t in self.tp):
+            missed = {name for t in self.tp for name in tp_undivided(t, profile)}
+            counts = profile.tp_divisible_counts()
+            undivided = {k: v for k, v in counts.items() if k in missed}
             raise ConstraintError(
                 f"tp={shown(self.tp)} does not divide the model's "
                 f"{', '.join(f'{k}={v}' for k, v in undivided.items())}"
@@ -212,13 +223,13 @@ def _normalise(key: str, value: Any) -> Any:
     if key in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "zero"):
         values = _as_tuple(key, value)
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "zero" else 1):
+            if not is_whole(v, 0 if key == "zero" else 1):
                 raise ConstraintError(f"{key}={value!r}: values must be whole numbers >= 1")
         if key == "zero" and any(v > 3 for v in values):
             raise ConstraintError(f"zero={shown(values)}: ZeRO levels are 0, 1, 2, 3")
         return values
     if key in ("max_tp", "max_pp", "max_micro_batch", "cp_min_seq_len", "cp_min_local_tokens"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_whole(value):
             raise ConstraintError(f"{key}={value!r} must be a whole number >= 1")
         return value
     if key == "schedules":
@@ -252,7 +263,7 @@ def _normalise(key: str, value: Any) -> Any:
     if key == "allow_cross_node_tp":
         return bool(value)
     if key == "dtype":
-        if value not in ("fp32", "bf16", "fp16"):
+        if value not in DTYPE_NAMES:
             raise ConstraintError(f"dtype={value!r}; use fp32, bf16 or fp16")
         return value
     raise AssertionError(key)
@@ -291,14 +302,13 @@ def strategies(
     (the tests' brute force enumerates them to show skipping them loses nothing)."""
     space = space.for_cluster(cluster)
     n = cluster.num_devices
-    counts = profile.tp_divisible_counts()
     tp_choices = [
         t
         for t in _divisors(n)
         if (space.tp is None or t in space.tp)
         and (space.max_tp is None or t <= space.max_tp)
-        and (space.allow_cross_node_tp or cluster.devices_per_node % t == 0)
-        and all(c % t == 0 for c in counts.values())
+        and (space.allow_cross_node_tp or tp_fits_node(t, cluster.devices_per_node))
+        and not tp_undivided(t, profile)
     ]
     for tp in tp_choices:
         for pp in _divisors(n // tp):
@@ -340,7 +350,7 @@ def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[
     return [
         cp
         for cp in _divisors(devices)
-        if (cp == 1 or profile.seq_len % (2 * cp) == 0)
+        if cp_fits_sequence(cp, profile.seq_len)
         and (
             cp in space.cp
             if space.cp is not None
@@ -352,8 +362,7 @@ def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[
 def ep_choices(space: SearchSpace, profile: ModelProfile, dp: int) -> list[int]:
     """Expert-parallel degrees to try with ``dp`` data-parallel ranks: 1 for a dense model,
     else the divisors of dp that divide every layer's expert count."""
-    layers = profile.moe_layers
-    experts = math.gcd(*(facts.num_experts for facts in layers)) if layers else 1
+    experts = experts_common(profile)
     return [ep for ep in _divisors(math.gcd(dp, experts)) if space.ep is None or ep in space.ep]
 
 
@@ -371,7 +380,7 @@ def expert_layouts(
         folded_spelling = False not in allowed
         pairs += [(ep, folded_spelling) for ep in ep_choices(space, profile, dp) if ep > 1]
     if True in allowed and differ and profile.moe_layers:
-        experts = math.gcd(*(facts.num_experts for facts in profile.moe_layers))
+        experts = experts_common(profile)
         pairs += [
             (ep, True)
             for ep in _divisors(experts)
@@ -447,7 +456,7 @@ def _schedules(
     sp_choices = [
         sp
         for sp in space.sequence_parallel
-        if (not sp or (tp > 1 and profile.seq_len % tp == 0))
+        if (not sp or sp_fits(tp, profile.seq_len))
         # a folded ep group takes TP ranks only if each routes its own tokens
         and (sp or not (ep_folding and ep > 1 and tp > 1))
     ]
