@@ -34,6 +34,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cost_model.degrees import RECOMPUTE_MODES
 from cost_model.errors import InputError
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import Cluster
@@ -263,7 +264,7 @@ class CostModel:
         """Every unit's costs on one device, with ``recompute`` applied to the units it covers;
         units of one class (`unit_classes`) share one object unless data-parallel grouping
         gives each its own share."""
-        if recompute not in ("none", "selective", "full"):
+        if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {recompute!r}; use none, selective or full")
         key = (self._costs_key(strategy), recompute)
         found = self._costs.get(key)

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.contract.errors import InputError
-from autoplan.contract.plan import Plan
+from autoplan.contract.plan import RECOMPUTE_MODES, Plan
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
 from cost_model.hardware import Cluster
@@ -99,7 +99,7 @@ def _variants(plan: Plan, feature: str) -> list[tuple[str, Plan]]:
                 out.append((schedule, _with_schedule(plan, schedule, virtual)))
     elif feature.startswith("recompute "):
         mode = feature.removeprefix("recompute ")
-        for other in ("none", "selective", "full"):
+        for other in RECOMPUTE_MODES:
             if other == mode:
                 continue
             stages = tuple(

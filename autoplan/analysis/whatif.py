@@ -39,6 +39,7 @@ from autoplan.contract.errors import InputError, NoFeasiblePlanError
 from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace
+from cost_model.degrees import is_whole
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import MAX_DEVICES, Cluster, load_cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, plan_memory_headroom
@@ -390,7 +391,7 @@ def _check_device_counts(num_devices: Sequence[int]) -> tuple[int, ...]:
         )
     if not num_devices:
         raise WhatIfInputError("num_devices is empty; give at least one device count")
-    bad = [n for n in num_devices if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    bad = [n for n in num_devices if not is_whole(n)]
     if bad:
         raise WhatIfInputError(
             f"num_devices {', '.join(map(repr, bad))}: device counts must be whole numbers >= 1"
@@ -465,7 +466,7 @@ def whatif(
     (`autoplan.search`). At most `MAX_SEARCHES` cluster types x device counts.
     """
     start = time.perf_counter()
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    if not is_whole(global_batch):
         raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
     if total_budget_s is not None and (
         isinstance(total_budget_s, bool)

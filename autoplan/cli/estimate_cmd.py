@@ -26,7 +26,7 @@ from autoplan.cli.common import (
     range_level,
     trace_spec,
 )
-from autoplan.contract.plan import DTypeName, Recompute, Schedule
+from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
@@ -80,7 +80,7 @@ from cost_model.hardware import load_cluster
 )
 @click.option(
     "--recompute",
-    type=click.Choice(["none", "selective", "full"]),
+    type=click.Choice(list(RECOMPUTE_MODES)),
     default="none",
     show_default=True,
     help="Activation recompute on every stage.",

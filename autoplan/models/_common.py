@@ -15,6 +15,7 @@ from torch import Tensor, nn
 # The project-wide error type (an `InputError`, so a `ValueError`): one class, whichever of
 # `autoplan.ModelSpecError` or `autoplan.models.ModelSpecError` a caller catches.
 from autoplan.contract.errors import ModelSpecError as ModelSpecError
+from cost_model.degrees import is_whole
 from cost_model.messages import shown, shown_count
 
 # ---------------------------------------------------------------------------------------------
@@ -30,7 +31,7 @@ MAX_SIZE = {"num_layers": 4096, "hidden_size": 2**20, "seq_len": 2**24, "vocab_s
 def check_positive_ints(owner: str, fields: Iterable[tuple[str, object]]) -> None:
     """Raise `ModelSpecError` unless every value is a positive int (bools rejected)."""
     for name, value in fields:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_whole(value, None):
             raise ModelSpecError(
                 f"{owner}.{name} must be a positive int, got {shown(value)} "
                 f"({type(value).__name__})"

@@ -62,6 +62,7 @@ from autoplan.models.llama import (
     init_swiglu,
     resolve_head_dim,
 )
+from cost_model.degrees import is_whole
 
 __all__ = [
     "GroupedExperts",
@@ -125,7 +126,7 @@ class MoEConfig:
             ("num_shared_experts", self.num_shared_experts),
             ("num_dense_layers", self.num_dense_layers),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_whole(value, 0):
                 raise ModelSpecError(f"{owner}.{name} must be a whole number >= 0, got {value!r}")
         if self.top_k > self.num_experts:
             raise ModelSpecError(

@@ -98,6 +98,7 @@ from autoplan.runtime.checkpoint_files import (
     write_synced,
 )
 from autoplan.runtime.checkpoint_lock import HEARTBEAT_S, STALE_S, FolderLock, job_identity
+from cost_model.degrees import is_whole
 from cost_model.messages import shown
 from passes.progress import default_group_timeout
 from passes.runtime import DistributedModel
@@ -170,12 +171,12 @@ class Checkpointer:
         keep: int | None = 2,
         run: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_whole(every):
             raise CheckpointError(
                 f"checkpoint interval every={shown(every)}: must be a whole number of steps "
                 ">= 1 (e.g. 100)"
             )
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        if keep is not None and not is_whole(keep):
             raise CheckpointError(
                 f"keep={shown(keep)}: keep at least 1 checkpoint, or None for all"
             )

@@ -47,6 +47,7 @@ from autoplan.contract.plan import Plan, runtime_refusal
 from autoplan.planner.search import search_plans
 from autoplan.runtime import rank_failures
 from autoplan.tracing import trace
+from cost_model.degrees import is_whole
 from cost_model.estimate import estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import Cluster, as_cluster
@@ -365,11 +366,7 @@ def _check_arguments(
             "optimizer must be a callable that builds an optimizer from parameters (e.g. "
             f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer).__name__}"
         )
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, int)
-        or global_batch_size < 1
-    ):
+    if global_batch_size is not None and not is_whole(global_batch_size):
         raise PlanError(f"global_batch_size={global_batch_size!r} must be a whole number >= 1")
     if on_nan not in ON_NAN_CHOICES:
         raise PlanError(f"on_nan={shown(on_nan)}: use 'stop' (the default) or 'skip'")

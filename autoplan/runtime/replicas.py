@@ -37,6 +37,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from cost_model.degrees import is_whole
 from passes.runtime import DistributedModel, ReplicaSync
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class TorchFTReplicas:
     def __post_init__(self) -> None:
         for name in ("replica_group", "num_replica_groups", "min_replicas"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_whole(value, 0):
                 raise PlanError(f"{name} = {value!r} must be a whole number >= 0")
         if self.num_replica_groups < 1 or not 0 <= self.replica_group < self.num_replica_groups:
             raise PlanError(

@@ -45,6 +45,7 @@ from autoplan.tracing.unit_profiles import (
     profile_units,
 )
 from autoplan.tracing.units import assign_units, find_blocks
+from cost_model.degrees import is_whole
 from cost_model.workload import MoELayerFacts
 
 __all__ = ["ExampleInputs", "trace"]
@@ -212,7 +213,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole(value):
         raise TraceError(f"{name} = {value!r} must be a whole number >= 1")
 
 
