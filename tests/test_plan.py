@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +15,16 @@ from hypothesis import strategies as st
 
 from autoplan import Cluster, ModelRef, Plan, PlanError, PlanEstimate, StagePlan
 from autoplan.contract.plan import RECOMPUTE_MODES, SCHEDULES, even_stages
+from cost_model.degrees import (
+    COUNT_FIELDS,
+    count_problems,
+    model_problems,
+    sequence_parallel_problems,
+    shape_problems,
+)
+from cost_model.hardware import load_cluster
 from cost_model.workload import ModelProfile, OpProfile, TpStructure, UnitProfile
+from tests.cost_profiles import gpt_profile, with_routed_experts
 
 
 @st.composite
@@ -392,3 +403,141 @@ def test_cross_node_tp_can_be_allowed() -> None:
         global_batch_size=1,
     )
     plan.validate(None, Cluster.preset("dgx-a100-80g", nodes=2), allow_cross_node_tp=True)
+
+
+# ---------------------------------------------------------------- the validity rules themselves
+
+# What a refusal says: the rule it breaks, then how to mend it (a "must be ..." or "N are
+# needed" states the values that are allowed, which is the fix for a single field).
+_RULE_WORDS = (
+    "must",
+    "needs",
+    "are needed",
+    "does not divide",
+    "does not fold",
+    "shards",
+    "is over",
+    "more than",
+)
+_FIX_WORDS = (
+    "use ",
+    "set ",
+    "change ",
+    "give ",
+    "lower ",
+    "turn ",
+    "raise ",
+    "extend",
+    "must be ",
+    # the stage count: the message names the count that is needed
+    "are needed",
+)
+
+
+def _degrees(**changes: Any) -> SimpleNamespace:
+    """The fields `cost_model.degrees` reads, at a consistent default (dp 2, tp 2, pp 2)."""
+    fields: dict[str, Any] = dict(
+        dp_degree=2,
+        tp_degree=2,
+        pp_degree=2,
+        cp_degree=1,
+        ep_degree=1,
+        ep_folding=False,
+        sequence_parallel=False,
+        virtual_stages=1,
+        micro_batch_size=1,
+        num_micro_batches=4,
+        global_batch_size=8,
+        schedule="1f1b",
+    )
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def _counts(**changes: object) -> dict[str, object]:
+    values: dict[str, object] = {name: 1 for name in COUNT_FIELDS}
+    values.update(changes)
+    return values
+
+
+_DENSE = gpt_profile(num_layers=4, s=128, h=256, a=8)
+_MOE = with_routed_experts(_DENSE, num_experts=6, top_k=2, expert_ffn=64)
+_TOP_K = with_routed_experts(_DENSE, num_experts=2, top_k=4, expert_ffn=64)
+_NO_ATTENTION = _profile(num_heads=8, seq_len=64)
+
+# (label, the problems, the value the first must name): one case per refusal of the module
+_REFUSALS: list[tuple[str, Callable[[], Iterator[str]], str]] = [
+    ("not whole", lambda: count_problems(_counts(tp_degree=1.5)), "tp_degree = 1.5"),
+    ("a bool", lambda: count_problems(_counts(pp_degree=True)), "pp_degree = True"),
+    ("below one", lambda: count_problems(_counts(dp_degree=0)), "dp_degree = 0"),
+    ("over MAX_COUNT", lambda: count_problems(_counts(num_micro_batches=2**60)), f"{2**60:,}"),
+    (
+        "too many devices",
+        lambda: count_problems(_counts(dp_degree=2**11, tp_degree=2**10)),
+        "2,048",
+    ),
+    ("ep in dp", lambda: shape_problems(_degrees(ep_degree=4), 2), "ep_degree = 4"),
+    ("folding", lambda: shape_problems(_degrees(ep_degree=3, ep_folding=True), 2), "ep_degree = 3"),
+    (
+        "folding sp",
+        lambda: shape_problems(_degrees(ep_degree=2, ep_folding=True), 2),
+        "tp_degree = 2",
+    ),
+    ("batch", lambda: shape_problems(_degrees(global_batch_size=9), 2), "global_batch_size = 9"),
+    (
+        "schedule",
+        lambda: shape_problems(_degrees(num_micro_batches=1, global_batch_size=2), 2),
+        "= 1",
+    ),
+    ("stage count", lambda: shape_problems(_degrees(), 3), "stages has 3 entries"),
+    ("tp counts", lambda: model_problems(_degrees(tp_degree=3), _DENSE), "tp_degree = 3"),
+    ("cp sequence", lambda: model_problems(_degrees(cp_degree=3), _DENSE), "cp_degree = 3"),
+    ("cp attention", lambda: model_problems(_degrees(cp_degree=2), _NO_ATTENTION), "cp_degree = 2"),
+    ("top_k", lambda: model_problems(_degrees(), _TOP_K), "top_k = 4"),
+    ("ep dense", lambda: model_problems(_degrees(ep_degree=2), _DENSE), "ep_degree = 2"),
+    (
+        "ep experts",
+        lambda: model_problems(_degrees(ep_degree=4, dp_degree=4), _MOE),
+        "ep_degree = 4",
+    ),
+    (
+        "sp tp 1",
+        lambda: sequence_parallel_problems(_degrees(tp_degree=1, sequence_parallel=True), 64),
+        "sequence_parallel: true",
+    ),
+    (
+        "sp seq",
+        lambda: sequence_parallel_problems(_degrees(sequence_parallel=True), 63),
+        "seq_len = 63",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("problems", "value"), [(p, v) for _, p, v in _REFUSALS], ids=[label for label, *_ in _REFUSALS]
+)
+def test_every_refusal_names_the_value_the_rule_and_the_fix(
+    problems: Callable[[], Iterator[str]], value: str
+) -> None:
+    message = next(problems())
+    assert "\n" not in message
+    assert value in message
+    assert any(word in message for word in _RULE_WORDS), message
+    assert any(word in message for word in _FIX_WORDS), message
+
+
+def test_the_validity_rules_refuse_nothing_consistent_and_plan_raises_their_text() -> None:
+    consistent = _degrees(ep_degree=2)
+    assert list(count_problems({n: getattr(consistent, n, 1) for n in COUNT_FIELDS})) == []
+    assert list(shape_problems(consistent, 2)) == []
+    assert list(model_problems(_degrees(ep_degree=2, cp_degree=2), _MOE)) == []
+    assert list(sequence_parallel_problems(_degrees(sequence_parallel=True), 64)) == []
+    # Plan raises the rule's own line (the same text), first rule first
+    with pytest.raises(PlanError) as info:
+        _plan(global_batch_size=9)
+    assert str(info.value) == next(shape_problems(_degrees(global_batch_size=9), 2))
+    with pytest.raises(PlanError) as info:
+        _plan(tp_degree=3, stages=even_stages(_DENSE.num_units, 2)).validate(
+            _DENSE, load_cluster("dgx-a100-80g:devices_per_node=6,nodes=2")
+        )
+    assert str(info.value) == next(model_problems(_degrees(tp_degree=3), _DENSE))
