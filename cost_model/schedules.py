@@ -77,6 +77,8 @@ TORCH_SCHEDULE_CLASSES: dict[ScheduleName, str] = {
 }
 SPLIT_BACKWARD: frozenset[ScheduleName] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 V_SCHEDULES: frozenset[ScheduleName] = frozenset({"zbv", "dualpipev"})
+# the schedules that run one stage per pipeline rank (virtual_stages = 1)
+ONE_STAGE_SCHEDULES: frozenset[ScheduleName] = frozenset({"gpipe", "1f1b"})
 
 
 class ScheduleError(InputError):
@@ -148,7 +150,7 @@ class ScheduleSpec:
                 f"and takes at most {MAX_MICRO_BATCHES:,}; use a larger micro-batch or a smaller "
                 "global batch"
             )
-        if name in ("gpipe", "1f1b") and v != 1:
+        if name in ONE_STAGE_SCHEDULES and v != 1:
             raise ScheduleError(
                 f"schedule {name!r} runs one stage per pipeline rank, got virtual_stages = {v}; "
                 "use 'interleaved-1f1b' or 'interleaved-zb' for virtual stages, or set "

@@ -53,7 +53,7 @@ from cost_model.degrees import (
     tp_undivided,
 )
 from cost_model.hardware import Cluster
-from cost_model.schedules import V_SCHEDULES, ScheduleError
+from cost_model.schedules import ONE_STAGE_SCHEDULES, V_SCHEDULES, ScheduleError
 from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
 
@@ -136,7 +136,7 @@ class SearchSpace:
                 "autoplan.search(..., max_micro_batch=N) raises it)"
             )
         virtual = self.virtual_stages or (1,)
-        multi = [s for s in self.schedules if s not in ("gpipe", "1f1b")]
+        multi = [s for s in self.schedules if s not in ONE_STAGE_SCHEDULES]
         if max(virtual) > 1 and not multi:
             raise ConstraintError(
                 f"virtual_stages={shown(virtual)} needs a schedule with several stages per rank "
@@ -146,7 +146,7 @@ class SearchSpace:
         if (
             self.pp is not None
             and max(self.pp) == 1
-            and not set(self.schedules) & {"gpipe", "1f1b"}
+            and not set(self.schedules) & ONE_STAGE_SCHEDULES
         ):
             raise ConstraintError(
                 f"schedules={list(self.schedules)} need pp >= 2, but pp=1; allow '1f1b'"
@@ -437,7 +437,7 @@ def _schedules(
             # One pipeline rank: the same actions back to back either way, and GPipe holds
             # every micro-batch's activations (and cannot use DDP): 1F1B is never worse.
             continue
-        if schedule in ("gpipe", "1f1b"):
+        if schedule in ONE_STAGE_SCHEDULES:
             counts: Sequence[int] = (1,)
         elif schedule in V_SCHEDULES:
             counts = (2,)
