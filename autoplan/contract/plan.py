@@ -55,6 +55,7 @@ from cost_model.degrees import (
     is_whole,
     model_problems,
     shape_problems,
+    tp_fits_node,
 )
 from cost_model.degrees import COUNT_FIELDS as _COUNT_FIELDS
 from cost_model.degrees import DTYPE_NAMES as DTYPE_NAMES
@@ -493,7 +494,7 @@ class Plan:
             )
         if not allow_cross_node_tp and self.tp_degree > 1:
             nodes = {cluster.node_of(r) for r in self.group_ranks("tp", 0)}
-            if len(nodes) > 1 or cluster.devices_per_node % self.tp_degree != 0:
+            if len(nodes) > 1 or not tp_fits_node(self.tp_degree, cluster.devices_per_node):
                 raise PlanError(
                     f"tp_degree = {self.tp_degree} with rank_layout {list(self.rank_layout)} "
                     f"puts a tensor-parallel group across nodes of {cluster.devices_per_node} "
