@@ -72,6 +72,7 @@ from autoplan.planner.partition import (
 from autoplan.planner.readback import plan_of, ranked
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, shown
 from autoplan.planner.stack_filter import stack_strategies, within_runtime, within_stack
+from cost_model.degrees import is_whole
 from cost_model.estimate import CostModel
 from cost_model.frameworks import DEFAULT_FRAMEWORK, Refusal, framework_profile
 from cost_model.hardware import Cluster
@@ -264,7 +265,7 @@ def _checked_arguments(
 ) -> float:
     """The memory headroom the search plans with; `NoFeasiblePlanError` for an argument out
     of range (in the order the arguments are checked)."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    if not is_whole(global_batch):
         raise NoFeasiblePlanError(f"global_batch={global_batch!r} must be a whole number >= 1")
     if global_batch > MAX_GLOBAL_BATCH:
         raise NoFeasiblePlanError(
@@ -277,7 +278,7 @@ def _checked_arguments(
             f"{', '.join(OBJECTIVES)}"
         )
     headroom = plan_memory_headroom(None, memory_headroom)  # (None: the default)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if not is_whole(top_k):
         raise NoFeasiblePlanError(f"top_k={top_k!r} must be a whole number >= 1")
     if not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
         raise NoFeasiblePlanError(f"time_limit_s={time_limit_s!r} must be a number of seconds > 0")
