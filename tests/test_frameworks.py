@@ -49,6 +49,16 @@ def _changed(a: Calibration, b: Calibration) -> set[str]:
     return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
 
 
+def _fields(profile: Any) -> list[tuple[str, Any]]:
+    """A profile's fields by name, those of its nested records (`Pricing` and the like) as
+    its own."""
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(profile):
+        value = getattr(profile, f.name)
+        out += _fields(value) if dataclasses.is_dataclass(value) else [(f.name, value)]
+    return out
+
+
 def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) -> None:
     cluster = autoplan.Cluster.preset("dgx-a100-80g")
     names = {
@@ -67,10 +77,9 @@ def test_every_profile_changes_only_what_it_names_and_is_idempotent(graph: Any) 
         assert twice == once, profile.name
         set_fields = {
             field
-            for f in dataclasses.fields(profile)
-            if f.name not in ("name", "version", "summary", "sources")
-            and getattr(profile, f.name) is not None
-            for field in names.get(f.name, {f.name})
+            for name, value in _fields(profile)
+            if name not in ("name", "version", "summary", "sources") and value is not None
+            for field in names.get(name, {name})
         }
         assert _changed(cluster.calibration, once.calibration) <= set_fields, profile.name
         assert once.device == cluster.device and once.inter_node == cluster.inter_node

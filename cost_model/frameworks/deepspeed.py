@@ -1,0 +1,67 @@
+"""DeepSpeed's engine, as `autoplan export` launches it."""
+
+from __future__ import annotations
+
+from cost_model.frameworks.profile import EngineBehaviour, FrameworkProfile, Pricing
+
+DEEPSPEED = FrameworkProfile(
+    name="deepspeed",
+    version="DeepSpeed 0.10 and later, as `autoplan export` launches it",
+    summary=(
+        "DeepSpeed's engine: the model's own attention, reentrant activation "
+        "checkpointing, PipelineEngine frees sent activations, ZeRO's bucketed "
+        "gradient reduction"
+    ),
+    pricing=Pricing(
+        # deepspeed.checkpointing.CheckpointFunction is reentrant
+        # (deepspeed/runtime/activation_checkpointing/checkpointing.py).
+        full_recompute_early_stop=0.0,
+        # PipelineEngine sends an activation and drops its reference once the next stage
+        # holds it (deepspeed/runtime/pipe/engine.py, _exec_send_activations).
+        pipeline_boundary_retention=0.0,
+    ),
+    # ZeRO reduces gradients in buckets as they are produced with overlap_comm, which
+    # `autoplan export` sets (its default: on at ZeRO-3 only, zero/config.py
+    # overlap_comm_valid; at ZeRO-1 the hooks reduce during the last micro-batch's
+    # backward, zero/stage_1_and_2.py process_gradients). Without ZeRO the engine
+    # all-reduces after the backward (engine.py allreduce_gradients, buffered fallback),
+    # and with a PipelineModule it turns overlap_comm off ("Pipeline parallelism does
+    # not support overlapped communication") and reduces after the schedule
+    # (pipe/engine.py _exec_reduce_grads). DeepSpeed 0.19.8.
+    dp_overlap=1.0,
+    # the overlap rule of the comment above: ZeRO stages 1-3 only, and none with a pipeline
+    engine_behaviour=EngineBehaviour(
+        dp_overlap_zero_stages=(1, 2, 3),
+        pipeline_dp_overlap=False,
+    ),
+    # ZeRO-3 gathers module by module, coalesced up to stage3_prefetch_bucket_size
+    # (deepspeed/runtime/zero/partitioned_param_coordinator.py).
+    zero3_gathers="per-module",
+    # PipelineModule(partition_method="uniform"), as `autoplan export` writes it: the
+    # layers evenly (deepspeed/runtime/utils.py, partition_uniform), autoplan's even split
+    stage_cuts="own",
+    # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
+    schedules=("1f1b",),
+    # sequence_parallel_size is Ulysses attention-head parallelism (deepspeed/sequence)
+    sequence_parallel=False,
+    # PipelineModule(activation_checkpoint_interval=...): one setting for every stage
+    recompute_scope="global",
+    # deepspeed.checkpointing re-runs whole layers: no selective recompute
+    recompute_modes=("none", "full"),
+    # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+    # parallelism", and has no AutoTP path (tensor_parallel.autotp_size shards a model
+    # in DeepSpeedEngine only; deepspeed/runtime/pipe/engine.py)
+    pipeline_max_zero=1,
+    pipeline_tensor_parallel=False,
+    # PipeModelDataParallelTopology: pipe, data, model (deepspeed/runtime/pipe/topology.py)
+    rank_layouts=(("pp", "dp", "tp"),),
+    # its sequence parallelism is Ulysses (an all-to-all over attention heads,
+    # deepspeed/sequence/layer.py), and its experts are a model-code argument
+    # (deepspeed.moe.layer.MoE(ep_size=...)), not a plan degree
+    context_parallel=False,
+    expert_parallel=False,
+    sources=(
+        "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
+        "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",
+    ),
+)

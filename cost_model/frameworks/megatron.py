@@ -1,0 +1,295 @@
+"""Megatron-LM: Megatron-Core (`megatron-lm`), its 2020-2022 releases (`megatron-lm-2021`), its
+first release (`megatron-lm-2019`) and BigScience's Megatron-DeepSpeed (`megatron-deepspeed`)."""
+
+from __future__ import annotations
+
+import itertools
+
+from cost_model.frameworks.profile import Capabilities, FrameworkProfile, OptionValue, Pricing
+from cost_model.memory import RECOMPUTE_MODULES
+
+
+def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
+    """Option values for every non-empty set of `RECOMPUTE_MODULES`, in their order."""
+    sets = (
+        names
+        for size in range(1, len(RECOMPUTE_MODULES) + 1)
+        for names in itertools.combinations(RECOMPUTE_MODULES, size)
+    )
+    return {"+".join(names): {"recompute_modules": names} for names in sets}
+
+
+MEGATRON_LM = FrameworkProfile(
+    name="megatron-lm",
+    version="Megatron-Core 0.5 and later (2024-), as `autoplan export` launches it",
+    summary=(
+        "Megatron-LM with Transformer Engine's fused attention, reentrant full "
+        "recompute, outputs freed once sent, --overlap-grad-reduce"
+    ),
+    pricing=Pricing(
+        attention="fused",
+        # Transformer Engine's DotProductAttention runs cuDNN's fused attention on Hopper.
+        # cuDNN on H100 SXM5, head dim 128, sequences 2k-16k, no causal mask: 595-617
+        # TFLOP/s forward and 465-518 backward (Shah et al. 2024, FlashAttention-3, Fig. 5),
+        # 1.6x FlashAttention-2's 362-370 and 291-322 there. Forward and backward weighted
+        # by their FLOPs (1 : 2.5): 3.5 / (989 / 607 + 2.5 x 989 / 516) = 0.54 of the peak.
+        attention_efficiency_by_device={"H100": 0.54},
+        # CheckpointFunction is a reentrant torch.autograd.Function: the backward re-runs
+        # the block's whole forward (megatron/core/tensor_parallel/random.py).
+        full_recompute_early_stop=0.0,
+        # --recompute-granularity selective re-runs the attention core only (softmax,
+        # dropout, the two bmm), keeping every projection GEMM's output
+        # (megatron/core/transformer/attention.py, checkpoint_core_attention).
+        selective_gemm_recompute_fraction=0.0,
+        # schedules.py deallocate_output_tensor frees a stage output once sent, and the
+        # p2p layer waits for each batch of sends (p2p_communication.py, wait_on_reqs).
+        pipeline_boundary_retention=0.0,
+    ),
+    # --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
+    # arguments.py); the hidden one keeps a 1-byte mask in bias_dropout_add
+    # (megatron/core/fusions/fused_bias_dropout.py), the attention one none inside the
+    # fused kernel. Recipes that set both to 0 (most Llama ones): option dropout=0.
+    dropout=0.1,
+    # --recompute-granularity selective checkpoints core attention only
+    # (--recompute-modules defaults to core_attn, megatron/core/transformer/
+    # transformer_config.py): every other saved tensor stays. Option
+    # recompute_modules=layernorm+moe etc. for runs that name other modules.
+    selective_recompute="modules",
+    # --overlap-grad-reduce (set by the export): bucketed all-reduce/reduce-scatter
+    # during the backward (megatron/core/distributed/distributed_data_parallel.py);
+    # without it (Megatron's default) the reduction follows the backward.
+    dp_overlap=1.0,
+    # Megatron-Core's expert rank generator orders tp-cp-ep-dp-pp for the dense layers
+    # and etp-ep-edp-pp for the experts over the same ranks: with
+    # --expert-tensor-parallel-size 1 an ep group is ep consecutive ranks of the
+    # tp x cp x dp block (megatron/core/parallel_state.py, initialize_model_parallel;
+    # Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
+    expert_layout="folded",
+    # SharedExpertMLP is built with the dense layers' TP config (column- and row-parallel
+    # linears, megatron/core/transformer/moe/shared_experts.py)
+    moe_shared_expert="tensor-parallel",
+    # get_num_layers_to_build: the layers evenly over the stages unless a layout, uneven
+    # first and last stages or --account-for-embedding/loss-in-pipeline-split say else
+    pipeline_split="layers",
+    # get_forward_backward_func: 1F1B, or interleaved 1F1B with virtual stages
+    # (megatron/core/pipeline_parallel/schedules.py)
+    schedules=("1f1b", "interleaved-1f1b"),
+    # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
+    # stage alike (megatron/core/transformer/transformer_block.py)
+    recompute_scope="global",
+    capabilities=Capabilities(
+        # validate_args: "When using MoE and tensor parallelism, sequence parallelism must be
+        # used" (megatron/training/arguments.py)
+        moe_tp_needs_sequence_parallel=True,
+        # forward_backward_pipelining_with_interleaving: groups of >= pp micro-batches
+        interleaved_microbatches="pp-or-more",
+    ),
+    options={
+        "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},
+        "dropout": {"0.1": {"dropout": 0.1}, "0": {"dropout": 0.0}},
+        # --recompute-modules (with --recompute-granularity selective): the modules
+        # joined by "+" in Megatron's order (core_attn+moe_act+layernorm+moe), what
+        # `cost_model.memory.recomputed_module_bytes` prices
+        "recompute_modules": _recompute_module_options(),
+        "split": {
+            "layers": {"pipeline_split": "layers"},
+            "layers-with-edges": {"pipeline_split": "layers-with-edges"},
+        },
+    },
+    sources=(
+        "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
+        "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",
+        "Shah et al. 2024, FlashAttention-3 (arXiv:2407.08608), Fig. 5 (cuDNN on H100)",
+        "NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py",
+        "NVIDIA/Megatron-LM megatron/training/arguments.py (--overlap-grad-reduce)",
+    ),
+)
+
+MEGATRON_LM_2021 = FrameworkProfile(
+    name="megatron-lm-2021",
+    version="Megatron-LM 2.x-3.0 (2020-2022: before flash attention and Megatron-Core)",
+    summary=(
+        "Megatron-LM as in Narayanan et al. 2021 and Korthikanti et al. 2022: unfused "
+        "attention core, reentrant full recompute, outputs freed once sent, local DDP "
+        "(gradient all-reduce after the backward)"
+    ),
+    pricing=Pricing(
+        attention="unfused",
+        full_recompute_early_stop=0.0,
+        selective_gemm_recompute_fraction=0.0,
+        pipeline_boundary_retention=0.0,
+    ),
+    # --hidden-dropout and --attention-dropout default to 0.1 (megatron/arguments.py):
+    # Korthikanti et al. 2022's activation count assumes both (section 4.1)
+    dropout=0.1,
+    # --recompute-activations / --recompute-granularity selective: CoreAttention only
+    # (megatron/model/transformer.py, _checkpointed_attention_forward)
+    selective_recompute="modules",
+    # --DDP-impl defaulted to 'local': one all-reduce of the contiguous gradient buffer
+    # after the backward (megatron/arguments.py, megatron/model/distributed.py);
+    # 'torch' is torch's DDP, whose buckets overlap the backward.
+    dp_overlap=0.0,
+    options={
+        "ddp": {"local": {"dp_overlap": 0.0}, "torch": {"dp_overlap": 1.0}},
+        "dropout": {"0.1": {"dropout": 0.1}, "0": {"dropout": 0.0}},
+        # sail-sg/zero-bubble-pipeline-parallelism: Megatron-LM with the zero-bubble
+        # schedules of Qi et al. 2024 (ZB-V is torch's ScheduleZBVZeroBubble)
+        "fork": {
+            "zero-bubble": {"schedules": ("1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")}
+        },
+    },
+    # the layers evenly over the stages (megatron/model/transformer.py, ParallelTransformer
+    # asserts that the stages divide them), the embedding first and the head last
+    pipeline_split="layers",
+    stage_cuts="own",
+    # megatron/schedules.py: 1F1B, interleaved 1F1B with --virtual-pipeline-model-
+    # parallel-size (Narayanan et al. 2021)
+    schedules=("1f1b", "interleaved-1f1b"),
+    # --checkpoint-activations: every layer of every stage (megatron/model/transformer.py)
+    recompute_scope="global",
+    capabilities=Capabilities(
+        # the interleaved schedule: megatron/schedules.py asserts num_microbatches % pp == 0,
+        # megatron/arguments.py pp > 2 (v2.5, 3d718bfc)
+        interleaved_microbatches="multiple-of-pp",
+    ),
+    # --use-distributed-optimizer (ZeRO-1) from d07d29df (2022-06-08, absent at v2.5
+    # and v2.6); no FSDP, ZeRO-2 or -3 in megatron/arguments.py before Megatron-Core
+    zero_stages=(0, 1),
+    # --context-parallel-size came with Megatron-Core (292543d3, 2023-10)
+    context_parallel=False,
+    sources=(
+        "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
+        "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
+    ),
+)
+
+MEGATRON_LM_2019 = FrameworkProfile(
+    name="megatron-lm-2019",
+    version="Megatron-LM of Shoeybi et al. 2019 (NVIDIA/Megatron-LM 93ab4bea, torch 1.1)",
+    summary=(
+        "Megatron-LM's first release: tensor parallelism only, an unfused attention core "
+        "with separate scale and mask passes, bias adds and hidden dropout as kernels of "
+        "their own, reentrant full recompute, local DDP after the backward, apex's "
+        "FP16_Optimizer over a per-tensor FusedAdam"
+    ),
+    pricing=Pricing(
+        attention="unfused",
+        # mpu/transformer.py, GPT2ParallelSelfAttention: matmul(Q, K^T) writes the scores,
+        # then `/ sqrt(d)`, `* mask` and `- 10000 * (1 - mask)` each read and write them before
+        # the softmax (+12 bytes over the 2021 core's 13); backward, the division's and the
+        # product's gradients read and write the score gradient (+8 over 19).
+        unfused_score_bytes=(25.0, 27.0),
+        # torch 1.1's F.linear (the NGC 19.05 image, docker/Dockerfile) runs a 3-D input as
+        # matmul, then `output += bias`; the row-parallel linears add theirs after the
+        # all-reduce (mpu/layers.py). Hidden dropout (0.1) follows the attention's and the
+        # MLP's output projections as torch.nn.Dropout, not fused with the residual add.
+        separate_bias_add=1.0,
+        separate_output_dropout=1.0,
+        full_recompute_early_stop=0.0,
+        selective_gemm_recompute_fraction=0.0,
+        # fp16/fp16.py, FP16_Optimizer per parameter and step, bytes per parameter: zero the
+        # fp16 and fp32 gradients (6); the overflow check's x.float().sum() (10); copy the
+        # fp16 gradient to the fp32 master (6); unscale it (8); the clip's norm (4); apex's
+        # FusedAdam, one tensor at a time (read weight, gradient, two moments; write weight
+        # and moments: 28); copy the master to the fp16 weight (6); and the local DDP's
+        # flatten and unflatten copies of the fp16 gradients (8): 76 bytes, where a fused
+        # Adam moves 30. Not priced: the overflow check's and the clip's host sync per
+        # tensor (two per parameter tensor a step).
+        optimizer_bytes_per_param=76.0,
+        # mpu/cross_entropy.py, _VocabParallelCrossEntropy on the fp32 logits: clone (8), max
+        # (4), subtract in place (8), exp (8), sum (4), divide in place (8): 40 bytes per
+        # logit forward; backward, the in-place scale of the saved softmax (8).
+        loss_forward_bytes_per_logit=40.0,
+        loss_backward_bytes_per_logit=8.0,
+        # torch 1.1's torch.cuda.get_rng_state and set_rng_state copy the CUDA generator's
+        # 200 MTGP32 states of 4120 bytes (824,000 bytes) with a synchronous cudaMemcpy
+        # (aten/src/THC/THCTensorRandom.cu, THCRandom_getRNGState/setRNGState; Philox-only
+        # from torch 1.3). mpu/random.py runs the attention's dropout inside
+        # get_cuda_rng_tracker().fork(): get, set, get, set, on every run of a layer's
+        # forward (4 copies); its CheckpointFunction gets the state in the forward and, in
+        # the backward, gets it and sets it twice (4 more). "Cloning caused major performance
+        # issues for +4 GPU cases" (its _set_cuda_rng_state).
+        block_sync_copy_bytes=4 * 824_000.0,
+        checkpoint_sync_copy_bytes=4 * 824_000.0,
+    ),
+    # hidden and attention dropout 0.1 (arguments.py defaults)
+    dropout=0.1,
+    # model/distributed.py: flatten the gradients, all-reduce, unflatten and copy back
+    # after the backward (USE_TORCH_DDP = False in pretrain_gpt2.py)
+    dp_overlap=0.0,
+    # What remains of Shoeybi et al.'s step times once the above is priced, and tensor
+    # parallelism does not shrink: fitted with the V100 GEMM rate to their 1.2B on one
+    # GPU and on 8 (bench/data/validation_assumptions.yaml, fitted_constants). Part of
+    # it is the overflow check's and the clip's host sync per parameter tensor.
+    step_overhead_s=0.197,
+    pipeline_parallel=False,
+    # no distributed optimizer, no sequence parallelism, whole-layer checkpointing only
+    zero_stages=(0,),
+    sequence_parallel=False,
+    recompute_modes=("none", "full"),
+    recompute_scope="global",
+    context_parallel=False,
+    expert_parallel=False,
+    dtypes=("fp16", "fp32"),
+    sources=(
+        "NVIDIA/Megatron-LM 93ab4bea mpu/transformer.py, mpu/layers.py, mpu/cross_entropy.py",
+        "NVIDIA/Megatron-LM 93ab4bea fp16/fp16.py, model/distributed.py, pretrain_gpt2.py",
+        "NVIDIA/Megatron-LM 93ab4bea docker/Dockerfile (nvcr.io/nvidia/pytorch:19.05)",
+        "NVIDIA/Megatron-LM 93ab4bea mpu/random.py (RNG tracker fork, CheckpointFunction)",
+        "pytorch/pytorch aten/src/THC/THCTensorRandom.cu before 1.3 (RNG state copies)",
+    ),
+)
+
+MEGATRON_DEEPSPEED = FrameworkProfile(
+    name="megatron-deepspeed",
+    version=(
+        "Megatron-DeepSpeed with DeepSpeed's pipeline engine, BF16_Optimizer or its fp16 "
+        "optimizers (2022)"
+    ),
+    summary=(
+        "Megatron-DeepSpeed as BigScience trained BLOOM: Megatron's unfused attention "
+        "core, reentrant full recompute, DeepSpeed's PipelineEngine (gradient all-reduce "
+        "after the flush, 1/t-sliced stage transfers) with BF16_Optimizer (fp32 gradient "
+        "accumulation and all-reduce, ZeRO-1 weight all-gather) or, in fp16, "
+        "DeepSpeedZeroOptimizer (fp16 accumulation and all-reduce, loss-scale checks, "
+        "ZeRO-1 weight all-gather)"
+    ),
+    pricing=Pricing(
+        attention="unfused",
+        full_recompute_early_stop=0.0,
+        selective_gemm_recompute_fraction=0.0,
+        pipeline_boundary_retention=0.0,
+    ),
+    # tr11-176B-ml.slurm passes no dropout flag: megatron/arguments.py's 0.1 for both
+    dropout=0.1,
+    # ZeRO's reduce buckets and ZeRO-3's prefetch overlap the backward; the pipeline
+    # engine's after-flush all-reduce is its own (the engine re-times it).
+    dp_overlap=1.0,
+    engine="deepspeed-pipe",
+    zero3_gathers="per-module",
+    # GPTModelPipe's PipelineModule(partition_method="type:transformer"): the decoder
+    # layers balanced over the stages (evenly where they divide; where they do not,
+    # autoplan's even split of the units stands in for DeepSpeed's balanced one)
+    pipeline_split="layers",
+    stage_cuts="own",
+    # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
+    schedules=("1f1b",),
+    recompute_scope="global",
+    # bigscience-workshop/Megatron-DeepSpeed megatron/arguments.py (007719ad): only
+    # --checkpoint-activations (whole layers) and no --sequence-parallel
+    recompute_modes=("none", "full"),
+    sequence_parallel=False,
+    # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+    # parallelism" (deepspeed/runtime/pipe/engine.py); Megatron's TP runs inside it
+    pipeline_max_zero=1,
+    sources=(
+        "bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py (GPTModelPipe)",
+        "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",
+        "deepspeedai/DeepSpeed deepspeed/runtime/bf16_optimizer.py (2022)",
+        "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py (2022)",
+        "deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py (2022)",
+        "deepspeedai/DeepSpeed deepspeed/runtime/fp16/fused_optimizer.py (2022)",
+        "bigscience-workshop/bigscience train/tr11-176B-ml/README.md",
+        "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md",
+    ),
+)

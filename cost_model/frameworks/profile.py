@@ -1,0 +1,535 @@
+"""The profile type: `FrameworkProfile`, its nested records, `Refusal` and `FrameworkError`.
+
+A profile states one training stack's behaviour and limits (`cost_model.frameworks`); this
+module holds the type and the rules that read it (`FrameworkProfile.refusal`, `plan_refusal`,
+`cluster_for`), the stacks' own modules hold the values with their sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cost_model.errors import InputError
+from cost_model.hardware import Cluster
+from cost_model.memory import RecomputeModule, SelectiveScope, StackActivations
+from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
+from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
+from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy, is_subsequence
+from cost_model.workload import ModelProfile
+
+AttentionKernel = Literal["fused", "unfused"]
+# A training engine that re-times the whole step (`cost_model.parts.deepspeed_pipeline`).
+Engine = Literal["deepspeed-pipe"]
+# How ZeRO-3 gathers weights: one collective per unit (FSDP2's fully_shard per block) or one
+# per prefetch bucket of modules (DeepSpeed, `cost_model.parts.data_parallel`).
+Zero3Gathers = Literal["per-unit", "per-module"]
+# Where a stack places an expert-parallel group (`FrameworkProfile.expert_layout`).
+ExpertLayout = Literal["dp", "folded"]
+
+DEFAULT_FRAMEWORK = "autoplan"
+
+
+# a profile field an option sets: a number, a name, or names (e.g. the schedules)
+OptionValue = float | str | tuple[str, ...]
+
+
+class FrameworkError(InputError):
+    """An unknown framework name or option, or a plan priced for a stack that cannot run it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refusal:
+    """Why a stack cannot run a plan: the plan's value, the stack's rule, and the nearest
+    change the stack runs. Prints as one line, ``value: rule; fix``."""
+
+    # what the plan does, with its numbers: "schedule gpipe", "zero 1 with pp 2"
+    value: str
+    # the stack's limit, the same for every plan it refuses so (the search counts by it)
+    rule: str
+    # the nearest plan the stack runs: "set --schedule 1f1b"
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.value}: {self.rule}; {self.fix}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pricing:
+    """What the stack changes in the cluster's calibration (`FrameworkProfile.cluster_for`):
+    its attention kernel and the `Calibration` fields of the same names; ``None``: as the
+    cluster's calibration says."""
+
+    # fused: one flash/memory-efficient kernel (the trace's SDPA op, at the calibration's
+    # attention efficiency); unfused: Q K^T, softmax, dropout and x V with the s x s scores in
+    # memory (`unfused_attention_efficiency`).
+    attention: AttentionKernel | None = None
+    # An unfused core's bytes per score element, forward and backward (``None``: 13 and 19,
+    # `unfused_attention_efficiency`).
+    unfused_score_bytes: tuple[float, float] | None = None
+    # The fused attention kernel's rate where the stack's kernel is known to differ from the
+    # FlashAttention-1/2-era rate the presets hold: `Calibration.attention_efficiency` by device
+    # name prefix (e.g. "H100"), in the trace's causal-counted FLOPs.
+    attention_efficiency_by_device: Mapping[str, float] = field(default_factory=dict)
+    # `Calibration.full_recompute_early_stop`: 1 when full recompute stops once every saved
+    # tensor is back (torch's non-reentrant checkpoint since 2.1), 0 when it re-runs the
+    # whole forward (reentrant checkpointing).
+    full_recompute_early_stop: float | None = None
+    # `Calibration.selective_gemm_recompute_fraction`: the share of forward GEMM work that
+    # selective recompute re-runs.
+    selective_gemm_recompute_fraction: float | None = None
+    # `Calibration.pipeline_boundary_retention`: 1 keeps every sent activation until its
+    # backward (torch.distributed.pipelining), 0 frees it once sent.
+    pipeline_boundary_retention: float | None = None
+    # `Calibration.block_sync_copy_bytes` and `checkpoint_sync_copy_bytes`.
+    block_sync_copy_bytes: float | None = None
+    checkpoint_sync_copy_bytes: float | None = None
+    # `Calibration.separate_bias_add`, `separate_output_dropout` and `optimizer_bytes_per_param`.
+    separate_bias_add: float | None = None
+    separate_output_dropout: float | None = None
+    optimizer_bytes_per_param: float | None = None
+    # `Calibration.loss_saved_bytes_per_logit`.
+    loss_saved_bytes_per_logit: float | None = None
+    # `Calibration.loss_forward_bytes_per_logit` and `loss_backward_bytes_per_logit`.
+    loss_forward_bytes_per_logit: float | None = None
+    loss_backward_bytes_per_logit: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineBehaviour:
+    """When the stack's engine overlaps the data-parallel gradient sync with the backward
+    (`FrameworkProfile.overlaps_dp_sync`)."""
+
+    # The ZeRO stages at which the stack can overlap the sync at all (``None``: every one), and
+    # whether it can with pipeline parallelism; elsewhere the sync follows the backward
+    # (`overlaps_dp_sync`).
+    dp_overlap_zero_stages: tuple[int, ...] | None = None
+    pipeline_dp_overlap: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capabilities:
+    """Limits of the stack that only `FrameworkProfile.refusal` reads (the others, which the
+    search and the exporters read too, are `FrameworkProfile` fields)."""
+
+    # The least ZeRO stage with context parallelism (a stack that shards the weights over
+    # dp x cp whenever cp > 1); ``None``: any.
+    cp_min_zero: int | None = None
+    # A mixture-of-experts model with tensor parallelism needs sequence parallelism.
+    moe_tp_needs_sequence_parallel: bool = False
+    # What its interleaved schedule needs of the micro-batches: at least pp (Megatron-Core's
+    # groups of pp or more), or a multiple of pp on more than 2 ranks (Megatron-LM 2021).
+    interleaved_microbatches: Literal["pp-or-more", "multiple-of-pp"] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrameworkProfile:
+    """A training stack's behaviour; ``None``: as the cluster's calibration says."""
+
+    name: str
+    # The releases whose behaviour this describes (behaviour changed at the stated versions).
+    version: str
+    summary: str
+    # The calibration it prices the stack with (`Pricing`).
+    pricing: Pricing = field(default_factory=Pricing)
+    # How its engine overlaps the data-parallel sync (`EngineBehaviour`).
+    engine_behaviour: EngineBehaviour = field(default_factory=EngineBehaviour)
+    # Limits of its engine read by `refusal` alone (`Capabilities`).
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    # The dropout probability the stack's runs use (hidden and attention alike; 0: none, as the
+    # traced models): with it a block keeps 1-byte masks (`cost_model.memory.StackActivations`).
+    dropout: float = 0.0
+    # What its selective recompute drops from memory (`cost_model.memory.SelectiveScope`;
+    # ``None``: the traced cheap ops' outputs, as autoplan's runtime).
+    selective_recompute: SelectiveScope | None = None
+    # With selective_recompute "modules": the submodules it checkpoints (Megatron-Core's
+    # --recompute-modules, `cost_model.memory.RECOMPUTE_MODULES`). Memory only: the re-run's
+    # time stays the stack's selective price (the traced cheap ops,
+    # `cost_model.parts.compute.recompute_s`), short of a whole MoE layer's forward for "moe".
+    recompute_modules: tuple[RecomputeModule, ...] = ("core_attn",)
+    # Whether gradient sync overlaps the backward (1) or follows it (0); the cluster's
+    # `dp_overlap_fraction` still bounds it (a CPU worker's one core cannot overlap).
+    dp_overlap: float | None = None
+    # `Calibration.tp_block_host_floor_s`: the least time a tensor-parallel block takes per
+    # micro-batch on a GPU, set by the stack's host work for it (written on GPU clusters only:
+    # a CPU worker's host time adds to its compute, `autoplan calibrate` measures it there).
+    tp_block_host_floor_s: float | None = None
+    # `Calibration.step_overhead_s`: the stack's own fixed time per step, where one is known.
+    step_overhead_s: float | None = None
+    # An engine whose accumulation, gradient sync and optimizer step differ from autoplan's
+    # runtime as a whole (``None``: priced part by part as above). DeepSpeed's pipeline engine
+    # wraps Adam in the optimizer its engine picks (deepspeed/runtime/engine.py,
+    # _configure_optimizer): BF16_Optimizer for bf16 below ZeRO-3, DeepSpeedZeroOptimizer for
+    # fp16 at ZeRO-1, FP16_Optimizer for fp16 without ZeRO; other plans are priced part by part
+    # (`cost_model.parts.deepspeed_pipeline.deepspeed_pipe_optimizer`).
+    engine: Engine | None = None
+    zero3_gathers: Zero3Gathers | None = None
+    # Where the stack puts an expert-parallel group: "folded" over consecutive ranks of the
+    # dp x cp x tp block with the experts not tensor-parallel (`Plan.ep_folding`), or "dp"
+    # inside data parallelism; ``None``: the plan says (autoplan's runtime runs both).
+    expert_layout: ExpertLayout | None = None
+    # A MoE layer's shared expert under sequence parallelism: "whole" on each TP rank's own
+    # tokens, or "tensor-parallel" like the dense MLPs; ``None``: autoplan's runtime ("whole").
+    moe_shared_expert: Literal["whole", "tensor-parallel"] | None = None
+    # How the stack cuts the model into pipeline stages when no cut is stated
+    # (`cost_model.stage_splits`): `autoplan.manual_plan` builds that cut for this framework;
+    # ``None``: autoplan's even split of the units.
+    pipeline_split: PipelineSplit | None = None
+    # "own": the stack cuts the stages itself (`pipeline_split`, else evenly over the units)
+    # and takes no stated cut, so the search prices that cut only; ``None``: a plan may state
+    # any cut (autoplan's runtime, Megatron-LM's --pipeline-model-parallel-layout, torchtitan's
+    # split points).
+    stage_cuts: Literal["own"] | None = None
+    # The pipeline schedules the stack runs (the search keeps to them); ``None``: every one
+    # autoplan's runtime builds (torch.distributed.pipelining's).
+    schedules: tuple[ScheduleName, ...] | None = None
+    # False: the stack has no Megatron-style sequence parallelism (the search leaves it out).
+    sequence_parallel: bool | None = None
+    # The recompute modes the stack has (the search keeps to them); ``None``: all three.
+    recompute_modes: tuple[RecomputeMode, ...] | None = None
+    # "global": one recompute setting for the whole model, so every stage alike (the search
+    # prices each mode alone); ``None``: a setting per stage (autoplan's runtime).
+    recompute_scope: Literal["global"] | None = None
+    # False: the stack has no pipeline parallelism, or no Megatron-style tensor parallelism.
+    pipeline_parallel: bool = True
+    tensor_parallel: bool = True
+    # The ZeRO stages the stack runs, in autoplan's terms (FSDP's SHARD_GRAD_OP is 2,
+    # FULL_SHARD 3); ``None``: 0-3. The search offers these only.
+    zero_stages: tuple[int, ...] | None = None
+    # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
+    # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
+    pipeline_max_zero: int | None = None
+    pipeline_tensor_parallel: bool = True
+    # The orders of its process groups the stack builds, outermost first, as the search's
+    # ``rank_layouts`` (the search keeps to them; cp sits just outside tp); ``None``: both
+    # of autoplan's ([pp, dp, tp] and [dp, pp, tp]).
+    rank_layouts: tuple[tuple[Axis, ...], ...] | None = None
+    # False: the stack has no context parallelism of autoplan's kind (ring attention over
+    # sequence chunks), or no expert parallelism, as a plan degree (`refusal`).
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    # The training dtypes the stack runs (``None``: fp32, bf16 and fp16).
+    dtypes: tuple[str, ...] | None = None
+    sources: tuple[str, ...] = ()
+    # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
+    # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
+    options: Mapping[str, Mapping[str, Mapping[str, OptionValue]]] = field(default_factory=dict)
+
+    def refusal(self, strategy: Strategy, *, moe: bool = False) -> Refusal | None:
+        """Why the stack cannot run ``strategy``'s outer choices on a model (``moe``: with
+        experts); None when it can."""
+        name, z = self.name, strategy.zero_stage
+        tp, pp, cp = strategy.tp_degree, strategy.pp_degree, strategy.cp_degree
+        if not self.context_parallel and cp > 1:
+            return Refusal(
+                value=f"cp {cp}",
+                rule=f"{name} has no ring-attention context parallelism",
+                fix="set --cp 1",
+            )
+        if not self.expert_parallel and strategy.ep_degree > 1:
+            return Refusal(
+                value=f"ep {strategy.ep_degree}",
+                rule=f"{name} has no expert parallelism as a plan degree",
+                fix="set --ep 1",
+            )
+        if not self.pipeline_parallel and pp > 1:
+            return Refusal(
+                value=f"pp {pp}", rule=f"{name} has no pipeline parallelism", fix="set --pp 1"
+            )
+        if not self.tensor_parallel and tp > 1:
+            return Refusal(
+                value=f"tp {tp}",
+                rule=f"{name} has no Megatron-style tensor parallelism",
+                fix="set --tp 1",
+            )
+        if self.zero_stages is not None and z not in self.zero_stages:
+            # the next stage up (the same traffic, less memory), else the largest below
+            nearest = min((s for s in self.zero_stages if s > z), default=max(self.zero_stages))
+            return Refusal(
+                value=f"zero {z}",
+                rule=f"{name} runs only ZeRO {', '.join(map(str, self.zero_stages))}",
+                fix=f"set --zero {nearest}",
+            )
+        if (
+            self.capabilities.cp_min_zero is not None
+            and cp > 1
+            and z < self.capabilities.cp_min_zero
+        ):
+            return Refusal(
+                value=f"zero {z} with cp {cp}",
+                rule=f"{name} shards the weights over dp x cp with context parallelism",
+                fix=f"set --zero {self.capabilities.cp_min_zero} or more, or --cp 1",
+            )
+        if (
+            self.capabilities.moe_tp_needs_sequence_parallel
+            and moe
+            and tp > 1
+            and not strategy.sequence_parallel
+        ):
+            return Refusal(
+                value=f"tp {tp} without sequence parallelism on a mixture-of-experts model",
+                rule=f"{name} needs sequence parallelism for experts with tp > 1",
+                fix="set --sequence-parallel, or --tp 1",
+            )
+        if pp == 1:
+            return None
+        m = strategy.num_micro_batches
+        if strategy.schedule == "interleaved-1f1b":
+            value = f"interleaved-1f1b with m = {m} micro-batch{'es' if m > 1 else ''} on pp = {pp}"
+            if self.capabilities.interleaved_microbatches == "pp-or-more" and m < pp:
+                return Refusal(
+                    value=value,
+                    rule=f"{name}'s interleaved schedule needs m >= pp",
+                    fix=f"use at least {pp} micro-batches, or --schedule 1f1b",
+                )
+            if self.capabilities.interleaved_microbatches == "multiple-of-pp" and (
+                m % pp or pp <= 2
+            ):
+                fix = (
+                    f"use a multiple of {pp} micro-batches ({-(-m // pp) * pp})"
+                    if pp > 2
+                    else "use pp > 2"
+                )
+                return Refusal(
+                    value=value,
+                    rule=(
+                        f"{name}'s interleaved schedule needs pp > 2 and a multiple of pp "
+                        "micro-batches"
+                    ),
+                    fix=f"{fix}, or --schedule 1f1b",
+                )
+        if not self.pipeline_tensor_parallel and tp > 1:
+            return Refusal(
+                value=f"tp {tp} with pp {pp}",
+                rule=f"{name}'s pipeline engine has no tensor parallelism",
+                fix="set --tp 1, or --pp 1",
+            )
+        if self.pipeline_max_zero is not None and z > self.pipeline_max_zero:
+            return Refusal(
+                value=f"zero {z} with pp {pp}",
+                rule=f"{name}'s pipeline engine runs ZeRO {self.pipeline_max_zero} at most",
+                fix=f"set --zero {self.pipeline_max_zero}, or --pp 1",
+            )
+        return None
+
+    def plan_refusal(self, plan: PlanLike, profile: ModelProfile) -> Refusal | None:
+        """Why the stack cannot run ``plan`` on ``profile``'s model: `refusal` of its outer
+        choices, its schedule, sequence parallelism, dtype, its stages' recompute, its rank
+        order and, for a stack that cuts its stages itself, its stage cut; None when it can."""
+        strategy = Strategy.of(plan)
+        name = self.name
+        if (why := self.refusal(strategy, moe=bool(profile.moe_layers))) is not None:
+            return why
+        pipelined = strategy.pp_degree > 1
+        gpipe_order = runs_in_gpipe_order(
+            strategy.schedule, strategy.num_micro_batches, strategy.pp_degree
+        )
+        if (
+            self.schedules is not None
+            and pipelined
+            and strategy.schedule not in self.schedules
+            and not (gpipe_order and "1f1b" in self.schedules)
+        ):
+            return Refusal(
+                value=f"schedule {strategy.schedule}",
+                rule=f"{name} runs only {', '.join(self.schedules)}",
+                fix=_nearest_schedule(self.schedules, strategy.virtual_stages),
+            )
+        if self.sequence_parallel is False and strategy.sequence_parallel:
+            return Refusal(
+                value="sequence parallelism",
+                rule=f"{name} has no Megatron-style sequence parallelism",
+                fix="leave out --sequence-parallel",
+            )
+        if self.dtypes is not None and strategy.dtype not in self.dtypes:
+            return Refusal(
+                value=f"dtype {strategy.dtype}",
+                rule=f"{name} trains in {' or '.join(self.dtypes)}",
+                fix=f"set --dtype {self.dtypes[0]}",
+            )
+        modes = sorted({stage.recompute for stage in plan.stages}, key=_RECOMPUTE_ORDER.index)
+        allowed = self.recompute_modes
+        if allowed is not None and not set(modes) <= set(allowed):
+            refused = next(mode for mode in modes if mode not in allowed)
+            # the next mode up that the stack has (keeps less), else the heaviest it has
+            heavier = _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(refused) :]
+            nearest = next((mode for mode in heavier if mode in allowed), allowed[-1])
+            return Refusal(
+                value=f"recompute {refused}",
+                rule=f"{name} has only {' and '.join(allowed)} recompute",
+                fix=f"set --recompute {nearest}",
+            )
+        if self.recompute_scope == "global" and len(modes) > 1:
+            return Refusal(
+                value=f"recompute {' and '.join(modes)} by stage",
+                rule=f"{name} has one recompute setting for all stages",
+                fix=f"set --recompute {modes[-1]} for all",
+            )
+        if self.rank_layouts is not None:
+            # as the stack sees it: the axes of degree > 1, cp just outside tp
+            used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
+            orders: list[list[str]] = [
+                [*layout[:-1], "cp", layout[-1]] for layout in self.rank_layouts
+            ]
+            if not any(is_subsequence(used, order) for order in orders):
+                shown = " or ".join(str(list(layout)) for layout in self.rank_layouts)
+                return Refusal(
+                    value=f"rank_layout {list(strategy.rank_layout)}",
+                    rule=f"{name} orders its process groups {shown}",
+                    fix=f"set rank_layout {list(self.rank_layouts[0])}",
+                )
+        if self.stage_cuts == "own" and len(plan.stages) > 1:
+            cuts = [(stage.first_unit, stage.last_unit) for stage in plan.stages]
+            try:
+                starts = self.stage_starts(profile, len(plan.stages))
+            except StageSplitError as err:
+                return Refusal(
+                    value=f"{len(plan.stages)} stages",
+                    rule=f"{name} cuts the stages itself: {err}",
+                    fix="price another pipeline degree",
+                )
+            ends = [*starts[1:], profile.num_units]
+            own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
+            if cuts != own:
+                return Refusal(
+                    value=f"stages {_cuts_text(cuts)}",
+                    rule=f"{name} cuts the stages itself",
+                    fix=f"use its cut {_cuts_text(own)} (leave the stages to it)",
+                )
+        return None
+
+    @property
+    def saved_activations(self) -> StackActivations:
+        """What the stack saves for backward beyond the traced model (`cost_model.memory`)."""
+        return StackActivations(
+            unfused_attention=self.pricing.attention == "unfused",
+            dropout=self.dropout > 0,
+            selective=self.selective_recompute or "traced-ops",
+            recompute_modules=self.recompute_modules,
+        )
+
+    def overlaps_dp_sync(self, strategy: Strategy) -> bool:
+        """Whether the stack runs ``strategy``'s data-parallel gradient sync during the
+        backward (the cluster's `dp_overlap_fraction` still bounds how much), not after it."""
+        if self.dp_overlap is not None and self.dp_overlap <= 0:
+            return False
+        if (
+            self.engine_behaviour.dp_overlap_zero_stages is not None
+            and strategy.zero_stage not in self.engine_behaviour.dp_overlap_zero_stages
+        ):
+            return False
+        return self.engine_behaviour.pipeline_dp_overlap or strategy.pp_degree == 1
+
+    def stage_starts(self, profile: ModelProfile, num_stages: int) -> tuple[int, ...]:
+        """The first unit of each stage as this stack cuts ``num_stages`` stages when no cut
+        is stated (`cost_model.stage_splits.own_stage_starts`): what `autoplan.manual_plan`
+        and the search build for it; `StageSplitError` where its rule cuts inside a unit."""
+        return own_stage_starts(profile, num_stages, self.pipeline_split)
+
+    def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
+        """``cluster`` with this stack's behaviour in its calibration."""
+        cal = cluster.calibration
+        changes: dict[str, float] = {}
+        if self.pricing.attention == "unfused" and profile.num_heads:
+            # an unfused core computes every score; the trace counts a causal kernel's half
+            head_dim, fraction = round(profile.head_dim), profile.score_fraction
+            forward, backward = self.pricing.unfused_score_bytes or (None, None)
+            changes["attention_efficiency"] = (
+                unfused_attention_efficiency(cluster, head_dim, "forward", forward) * fraction
+            )
+            changes["attention_backward_efficiency"] = (
+                unfused_attention_efficiency(cluster, head_dim, "backward", backward) * fraction
+            )
+        if self.pricing.attention == "fused":
+            for prefix, value in self.pricing.attention_efficiency_by_device.items():
+                if cluster.device.name.startswith(prefix):
+                    changes["attention_efficiency"] = value
+        for name in (
+            "full_recompute_early_stop",
+            "selective_gemm_recompute_fraction",
+            "pipeline_boundary_retention",
+            "loss_saved_bytes_per_logit",
+            "loss_forward_bytes_per_logit",
+            "loss_backward_bytes_per_logit",
+            "separate_bias_add",
+            "separate_output_dropout",
+            "optimizer_bytes_per_param",
+            "block_sync_copy_bytes",
+            "checkpoint_sync_copy_bytes",
+        ):
+            value = getattr(self.pricing, name)
+            if value is not None:
+                changes[name] = value
+        if self.step_overhead_s is not None:
+            changes["step_overhead_s"] = self.step_overhead_s
+        if self.tp_block_host_floor_s is not None and cluster.device.kind == "gpu":
+            changes["tp_block_host_floor_s"] = self.tp_block_host_floor_s
+        if self.dp_overlap is not None:
+            changes["dp_overlap_fraction"] = min(cal.dp_overlap_fraction, self.dp_overlap)
+        if not changes:
+            return cluster
+        return dataclasses.replace(cluster, calibration=dataclasses.replace(cal, **changes))
+
+
+def unfused_attention_efficiency(
+    cluster: Cluster,
+    head_dim: int,
+    direction: Literal["forward", "backward"] = "forward",
+    score_bytes: float | None = None,
+) -> float:
+    """Effective efficiency of an unfused attention core (Q K^T, softmax, dropout, x V: Megatron-LM
+    2019-2022's CoreAttention with FusedScaleMaskSoftmax), in the terms of the fused attention op
+    the trace records, for its forward or its backward.
+
+    Per score element of one head and sample, in 16-bit elements and a 1-byte dropout mask:
+
+    - forward, 4 d GEMM FLOPs: Q K^T writes the score (2 bytes), the fused scale-mask-softmax
+      reads and writes it (4), dropout reads it and writes its output and mask (5), x V reads
+      that output (2): 13 bytes;
+    - backward, 8 d GEMM FLOPs: dO V^T writes the probability gradient (2), dropout's backward
+      reads it and the mask and writes (5), the softmax's backward reads it and the saved
+      probabilities and writes (6), the Q and K gradients each read it (4), V's gradient
+      reads the saved dropout output (2): 19 bytes.
+
+    ``score_bytes`` replaces the direction's 13 or 19 for a core with other passes (Megatron-LM
+    2019's separate scale and mask: `Pricing.unfused_score_bytes`).
+
+    GEMM FLOPs at the GEMM efficiency, bytes at the memory efficiency:
+    ``eff = 1 / (1 / e_gemm + bytes * peak / (flops * bandwidth))``: datasheet and calibration
+    only.
+    """
+    cal = cluster.calibration
+    peak = cluster.device.peak_flops_for("bf16")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
+    default_bytes, score_flops = (
+        (13.0, 4.0 * head_dim) if direction == "forward" else (19.0, 8.0 * head_dim)
+    )
+    score_bytes = default_bytes if score_bytes is None else score_bytes
+    return min(
+        1.0, 1.0 / (1.0 / cal.gemm_efficiency + score_bytes * peak / (score_flops * bandwidth))
+    )
+
+
+# recompute modes from the least kept to the most
+_RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+
+
+def _nearest_schedule(allowed: tuple[ScheduleName, ...], virtual_stages: int) -> str:
+    """The change to an ``allowed`` schedule nearest a plan with ``virtual_stages`` stages a
+    rank: one with as many stages a rank where there is one, 1F1B for one stage a rank."""
+    several = [s for s in allowed if s not in ("gpipe", "1f1b")]
+    if virtual_stages > 1 and several:
+        pick = several[0]
+        v_fix = " --virtual-stages 2" if pick in V_SCHEDULES and virtual_stages != 2 else ""
+        return f"set --schedule {pick}{v_fix}"
+    one = [s for s in ("1f1b", "gpipe") if s in allowed]
+    if one:
+        return f"set --schedule {one[0]}" + (" --virtual-stages 1" if virtual_stages > 1 else "")
+    return f"set --schedule {allowed[0]} --virtual-stages 2"
+
+
+def _cuts_text(cuts: list[tuple[int, int]]) -> str:
+    """Stages as unit ranges, ``[0-4, 5-9]``."""
+    return "[" + ", ".join(f"{first}-{last}" for first, last in cuts) + "]"

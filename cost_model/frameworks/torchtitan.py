@@ -1,0 +1,41 @@
+"""torchtitan: torch.distributed.pipelining, FSDP2, op-level selective checkpointing."""
+
+from __future__ import annotations
+
+from cost_model.frameworks.profile import Capabilities, FrameworkProfile, Pricing
+
+TORCHTITAN = FrameworkProfile(
+    name="torchtitan",
+    version="torchtitan 0.1 and later",
+    summary=(
+        "torchtitan: SDPA/flex attention, op-level selective activation checkpointing "
+        "(every second mm re-run), torch.distributed.pipelining, FSDP2"
+    ),
+    pricing=Pricing(
+        attention="fused",
+        full_recompute_early_stop=1.0,
+        # selective_ac_option = "op" (its llama3 configs' default): "Saves output of all
+        # compute ops, except every second mm" (torchtitan parallelize_llama.py,
+        # _custom_policy).
+        selective_gemm_recompute_fraction=0.5,
+        pipeline_boundary_retention=1.0,
+        # cross_entropy on the fp32 logits (torchtitan/components/loss.py).
+        loss_saved_bytes_per_logit=4.0,
+    ),
+    dp_overlap=1.0,
+    # activation_checkpoint.mode: one setting for every block of every stage
+    recompute_scope="global",
+    # ParallelDims: pp, dp_replicate, dp_shard, cp, tp (torchtitan/distributed/
+    # parallel_dims.py)
+    rank_layouts=(("pp", "dp", "tp"),),
+    capabilities=Capabilities(
+        # with cp > 1 FSDP shards the weights over dp_shard x cp (ParallelDims' fsdp mesh)
+        cp_min_zero=1,
+    ),
+    # training.mixed_precision_param: bfloat16 or float32 (torchtitan/config/configs.py)
+    dtypes=("bf16", "fp32"),
+    sources=(
+        "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
+        "pytorch/torchtitan torchtitan/components/loss.py",
+    ),
+)
