@@ -5,7 +5,10 @@ a solver stopped by its time limit is reported, never asserted on."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -281,3 +284,38 @@ def test_no_feasible_plan_says_bound_unknown_when_the_solver_times_out() -> None
     # no figure is claimed as the least (the what-if table then quotes the message instead)
     assert info.value.least_memory_bytes is None
     assert message.endswith("; use more devices or devices with more memory"), message
+
+
+# a 1F1B problem of 3 units in 2 stages, priced and brute-forced in a fresh interpreter
+_NO_SOLVER = """
+import sys
+from autoplan.planner.partition import ModeCosts, PartitionProblem, brute_force, evaluate
+from cost_model.schedules import ScheduleSpec
+
+ones = (1.0, 1.0, 1.0)
+costs = ModeCosts(
+    forward_s=ones, backward_s=ones, weight_s=ones, activation_bytes=ones, retained_bytes=ones
+)
+spec = ScheduleSpec(schedule="1f1b", pp_degree=2, virtual_stages=1, num_micro_batches=2)
+problem = PartitionProblem(
+    spec=spec,
+    modes={"none": costs},
+    static_bytes=ones,
+    transfer_s=(ones, ones),
+    message_s=(0.0, 0.0),
+    memory_capacity_bytes=100.0,
+)
+assert brute_force(problem) is not None
+evaluate(problem, (0, 2), ("none", "none"))
+print(sorted({name.split(".")[0] for name in sys.modules} & {"ortools", "pandas"}))
+"""
+
+
+def test_the_problem_and_its_reference_load_no_solver() -> None:
+    # a training process handed its plan, and the brute-force oracle, never import OR-tools
+    # (with pandas, ~0.4 s): only the solver's builders do
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_SOLVER], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -131,7 +131,7 @@ def test_the_runs_formulation_takes_over_from_large_cut_models(
     assert not partition._uniform_middle(problem)
     assert isinstance(partition._step_model(problem, None), partition._CutModel)
     # past the cut formulation's size the default is the runs one, with the same optimum
-    monkeypatch.setattr(partition, "_CUT_MODEL_ENTRIES", 0)
+    monkeypatch.setattr(partition.formulations, "_CUT_MODEL_ENTRIES", 0)  # (read there)
     assert isinstance(partition._step_model(problem, None), partition._RunsModel)
     found, stats = solve(problem)
     expected = brute_force(problem)

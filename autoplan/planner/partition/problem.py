@@ -1,0 +1,338 @@
+"""The stage-partition problem and its reference, without a solver: the records
+(`PartitionProblem` with its per-mode `ModeCosts`, a `Partition`, the solver's results),
+`evaluate` (the simulated step and memory of a partition: what the solver optimises),
+`brute_force` (the optimum by enumeration, the oracle of small problems) and the structure of
+the units (runs of interchangeable units, which pick the formulation).
+
+Expects cost tables as `autoplan.planner.candidates` builds them from the cost model. Imports no
+OR-tools. Guarantees `evaluate` is the one definition of a partition's step and memory that the
+formulations, the heuristics and `solve` all check their partitions against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from autoplan.contract.plan import Recompute
+from cost_model.schedules import ScheduleSpec, StageTimes, held_microbatches, simulate
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModeCosts:
+    """Per-unit costs under one recompute mode (one entry per unit)."""
+
+    forward_s: tuple[float, ...]  # one micro-batch
+    backward_s: tuple[float, ...]  # one micro-batch, recompute included
+    weight_s: tuple[float, ...]  # of backward_s, the deferred weight gradient (split schedules)
+    activation_bytes: tuple[float, ...]  # held per in-flight micro-batch
+    retained_bytes: tuple[float, ...]  # held between a split backward's two halves
+    tail_s: tuple[tuple[float, ...], ...] = ()  # per tail term j, each unit's contribution
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionProblem:
+    """One stage-partition problem: the cost tables of a fixed outer configuration."""
+
+    spec: ScheduleSpec
+    modes: Mapping[Recompute, ModeCosts]
+    static_bytes: tuple[float, ...]
+    # transfer_s[s][u]: link time of the boundary after stage s when its last unit is u (0 for
+    # the last stage and between stages on one rank).
+    transfer_s: tuple[tuple[float, ...], ...]
+    # message_s[s]: host time of one message over the boundary after stage s (the forward's
+    # output, busy on stage s's rank; the gradient back, busy on stage s + 1's rank).
+    message_s: tuple[float, ...]
+    memory_capacity_bytes: float
+    # bytes each pending send holds (`cost_model.estimate.boundary_send_bytes`)
+    send_bytes: float = 0.0
+    # the rank tail: max(0, max_j (sum over the rank's units of tail_s[j] + constant j))
+    tail_constants_s: tuple[float, ...] = ()
+    unit_names: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        n, S = self.num_units, self.num_stages
+        assert 1 <= S <= n, (S, n)
+        assert len(self.transfer_s) == S and all(len(row) == n for row in self.transfer_s)
+        assert len(self.message_s) == S
+        assert self.modes, "at least one recompute mode"
+        for costs in self.modes.values():
+            for table in (
+                costs.forward_s,
+                costs.backward_s,
+                costs.weight_s,
+                costs.activation_bytes,
+                costs.retained_bytes,
+            ):
+                assert len(table) == n
+            assert len(costs.tail_s) == len(self.tail_constants_s)
+            assert all(len(t) == n for t in costs.tail_s)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.static_bytes)
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.num_stages
+
+    @property
+    def num_tail_terms(self) -> int:
+        return len(self.tail_constants_s)
+
+    def content_key(self) -> tuple[object, ...]:
+        """Equal for problems with the same tables (outer choices that cost the same)."""
+        # transfer_s as its distinct rows and each stage's index among them: equal for equal
+        # tables, and hashed in the time of the few distinct rows (stages share rows)
+        by_id = {id(row): row for row in self.transfer_s}
+        by_value: dict[tuple[float, ...], int] = {}
+        index = {key: by_value.setdefault(tuple(row), len(by_value)) for key, row in by_id.items()}
+        return (
+            self.spec,
+            tuple(self.modes.items()),
+            self.static_bytes,
+            tuple(by_value),
+            tuple(index[id(row)] for row in self.transfer_s),
+            self.message_s,
+            self.memory_capacity_bytes,
+            self.send_bytes,
+            self.tail_constants_s,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Partition:
+    """Stage cuts and modes with their simulated step and memory."""
+
+    stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
+    modes: tuple[Recompute, ...]
+    step_time_s: float
+    rank_memory_bytes: tuple[float, ...]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.rank_memory_bytes)
+
+    def stage_units(self, num_units: int) -> list[range]:
+        ends = (*self.stage_starts[1:], num_units)
+        return [range(a, b) for a, b in zip(self.stage_starts, ends, strict=True)]
+
+
+# ------------------------------------------------------------------ reference
+
+
+def stage_times(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[StageTimes]:
+    """Each stage's times for the simulation, as `cost_model.estimate.stage_times` makes them."""
+    n, S = problem.num_units, problem.num_stages
+    ends = (*stage_starts[1:], n)
+    split = problem.spec.splits_backward
+    out = []
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        costs = problem.modes[modes[s]]
+        units = range(start, end)
+        previous = problem.message_s[s - 1] if s > 0 else 0.0
+        out.append(
+            StageTimes(
+                forward_s=sum(costs.forward_s[u] for u in units) + problem.message_s[s],
+                backward_s=sum(costs.backward_s[u] for u in units) + previous,
+                weight_s=sum(costs.weight_s[u] for u in units) if split else 0.0,
+                transfer_s=problem.transfer_s[s][end - 1] if s < S - 1 else 0.0,
+            )
+        )
+    return out
+
+
+def rank_tails(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[float]:
+    """Each pipeline rank's tail: ``max(0, max_j sum of its units' tail_s[j] + constant j)``."""
+    spec = problem.spec
+    ends = (*stage_starts[1:], problem.num_units)
+    terms = [list(problem.tail_constants_s) for _ in range(spec.pp_degree)]
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        r = spec.stage_rank(s)
+        for j, table in enumerate(problem.modes[modes[s]].tail_s):
+            terms[r][j] += sum(table[start:end])
+    return [max([0.0, *t]) for t in terms]
+
+
+def rank_memory(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[float]:
+    """Each rank's static bytes plus its activations at its largest candidate peak point."""
+    ends = (*stage_starts[1:], problem.num_units)
+    static, act, kept = [], [], []
+    for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
+        costs = problem.modes[modes[s]]
+        static.append(sum(problem.static_bytes[start:end]))
+        act.append(sum(costs.activation_bytes[start:end]))
+        # the first stage has no input gradient: torch runs its whole backward at W
+        kept.append(act[-1] if s == 0 else sum(costs.retained_bytes[start:end]))
+    out = []
+    for held in held_microbatches(problem.spec):
+        peak = max(
+            sends * problem.send_bytes
+            + sum(h * act[s] + k * kept[s] for (h, k), s in zip(point, held.stages, strict=True))
+            for point, sends in zip(held.points, held.sends, strict=True)
+        )
+        out.append(sum(static[s] for s in held.stages) + peak)
+    return out
+
+
+def evaluate(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> Partition:
+    """The simulated step and the memory of a partition: the reference the solver optimises."""
+    sim = simulate(
+        problem.spec,
+        stage_times(problem, stage_starts, modes),
+        rank_tails(problem, stage_starts, modes),
+    )
+    return Partition(
+        stage_starts=tuple(stage_starts),
+        modes=tuple(modes),
+        step_time_s=sim.step_time_s,
+        rank_memory_bytes=tuple(rank_memory(problem, stage_starts, modes)),
+    )
+
+
+def brute_force(problem: PartitionProblem) -> Partition | None:
+    """The optimum by enumerating every cut set and mode assignment (small problems only)."""
+    best: Partition | None = None
+    n, num_stages = problem.num_units, problem.num_stages
+    mode_names = tuple(problem.modes)
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        starts = (0, *cuts)
+        for modes in itertools.product(mode_names, repeat=num_stages):
+            candidate = evaluate(problem, starts, modes)
+            if candidate.peak_memory_bytes > problem.memory_capacity_bytes:
+                continue
+            if best is None or candidate.step_time_s < best.step_time_s:
+                best = candidate
+    return best
+
+
+# -------------------------------------------------------------------- results
+
+
+# OPTIMAL (proven), FEASIBLE (time or round limit: best found, not proven), INFEASIBLE
+# (memory), CUTOFF (nothing beats the cutoff), UNKNOWN (time limit, nothing found)
+SolveStatus = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "CUTOFF", "UNKNOWN"]
+# CP-SAT's own status of one solve
+SolverStatus = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN"]
+ModelKind = Literal["cut", "count", "runs"]
+
+
+class Cuts(NamedTuple):
+    """A partition before evaluation: where each stage starts and its recompute mode."""
+
+    stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
+    modes: tuple[Recompute, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveStats:
+    """What one `solve` did."""
+
+    status: SolveStatus
+    wall_time_s: float
+    num_variables: int
+    rounds: int = 0  # CP-SAT solves (one per batch of path cuts)
+    num_paths: int = 0  # path cuts in the final model
+    lower_bound_s: float = 0.0  # proven lower bound on the step time (inf if infeasible)
+
+
+class SolveResult(NamedTuple):
+    """What `solve` returns: the best partition (None if none fits or beats the cutoff)."""
+
+    partition: Partition | None
+    stats: SolveStats
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakMemory:
+    """What `min_peak_memory` found: the least per-device peak memory a partition needs, when
+    the solver found a partition at all."""
+
+    status: SolverStatus  # OPTIMAL: ``least_bytes`` is proven least; FEASIBLE: the best found
+    least_bytes: float | None  # None: bound unknown (the solver found no partition in time)
+
+
+class ImproveResult(NamedTuple):
+    """What `improve` returns: the best partition that fits (its start if none does) and
+    every accepted one, the start first."""
+
+    best: Partition
+    accepted: list[Partition]
+
+
+class HeuristicResult(NamedTuple):
+    """What `heuristic` returns: the best partition that fits (None if none was found) and
+    every partition met on the way."""
+
+    best: Partition | None
+    seen: list[Partition]
+
+
+# ------------------------------------------------------------- unit structure
+
+
+def _block_counts(stage_starts: Sequence[int], num_units: int) -> list[int]:
+    """Blocks per stage of a partition of [first unit, blocks..., last unit]."""
+    ends = (*stage_starts[1:], num_units)
+    last = len(stage_starts) - 1
+    return [
+        b - a - (s == 0) - (s == last)
+        for s, (a, b) in enumerate(zip(stage_starts, ends, strict=True))
+    ]
+
+
+def _starts_from_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    """The stage starts of a partition with ``counts`` blocks per stage (see `_block_counts`)."""
+    starts = [0]
+    for s, count in enumerate(counts[:-1]):
+        starts.append(starts[-1] + count + (s == 0))
+    return tuple(starts)
+
+
+def _unit_rows(problem: PartitionProblem) -> list[Sequence[float]]:
+    """Every per-unit table of ``problem`` (each distinct transfer row once: stages share
+    rows)."""
+    rows: list[Sequence[float]] = [problem.static_bytes]
+    rows += {id(row): row for row in problem.transfer_s}.values()
+    for costs in problem.modes.values():
+        rows += [
+            costs.forward_s,
+            costs.backward_s,
+            costs.weight_s,
+            costs.activation_bytes,
+            costs.retained_bytes,
+            *costs.tail_s,
+        ]
+    return rows
+
+
+def _uniform_middle(problem: PartitionProblem) -> bool:
+    """Whether units 1..n-2 are interchangeable (same value in every table)."""
+    n = problem.num_units
+    if n < 3 or problem.num_stages == 1:
+        return False
+    return all(len(set(row[1 : n - 1])) == 1 for row in _unit_rows(problem))
+
+
+def unit_runs(problem: PartitionProblem) -> tuple[tuple[int, int], ...]:
+    """The units as maximal runs of interchangeable ones (the same value in every table), each
+    as (its first unit, its length), in order: a traced Transformer's embedding, blocks and
+    head are three; a mixture of experts with a dense first layer four."""
+    rows = _unit_rows(problem)
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for u in range(1, problem.num_units + 1):
+        if u == problem.num_units or any(row[u] != row[start] for row in rows):
+            runs.append((start, u - start))
+            start = u
+    return tuple(runs)

@@ -1,0 +1,309 @@
+"""Optimal pipeline-stage cuts and per-stage recompute: `solve` (the least simulated step
+that fits in memory) and `min_peak_memory` (the least peak any partition needs).
+
+Method: simulation verified by a proven bound, made exact by lazy path cuts. The simulated
+step is the longest path through the schedule's action graph; the graph depends only on the
+schedule and its degrees, the durations on the cuts. Every path's length is a linear function
+of the stages' times (how many forwards, backwards, weight gradients and link crossings of each
+stage it passes, plus one rank's tail), so every path is a lower bound on the step of every
+partition. The CP-SAT model (`autoplan.planner.partition.formulations`) minimises ``z``
+subject to ``z >= path_k`` for a set of paths (at first each rank's full order with its fill
+and drain, and the critical paths of the heuristic's partitions); the solution is simulated;
+if its simulated step exceeds its ``z``, its critical paths join the set and the model is
+solved again, else it is optimal: no partition's simulated step is below its own ``z``, which
+is at least the optimum of the model. Each round also demands a strictly better step than the
+best partition simulated so far, so a round without a solution proves that partition optimal.
+Exact up to the integer scaling (see `autoplan.planner.partition.scaled`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from autoplan.contract.plan import Recompute
+from autoplan.planner.partition.formulations import Expr, _peak_model, _step_model, _StepModel
+from autoplan.planner.partition.heuristics import heuristic
+from autoplan.planner.partition.problem import (
+    Cuts,
+    ModelKind,
+    Partition,
+    PartitionProblem,
+    PeakMemory,
+    SolveResult,
+    SolverStatus,
+    SolveStats,
+    SolveStatus,
+    evaluate,
+    rank_tails,
+    stage_times,
+)
+from cost_model.schedules import CriticalPath, critical_path, rank_paths, simulate
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
+
+logger = logging.getLogger(__name__)
+
+# Rounds of the lazy path loop before it returns its best simulated partition with a gap.
+_MAX_ROUNDS = 60
+
+
+# ------------------------------------------------------------------ path cuts
+
+
+def _path_key(path: CriticalPath) -> tuple[object, ...]:
+    """Equal for paths that give the same cut."""
+    return (
+        tuple(sorted(path.slots.items())),
+        tuple(sorted(path.transfers.items())),
+        path.tail_rank,
+    )
+
+
+def _path_length(built: _StepModel, path: CriticalPath) -> Expr:
+    """The path's length as a model expression: its actions' stage times (each with the host
+    time of the message it posts), its link crossings and its rank's tail. The path exists in
+    every partition's action graph, so it is a lower bound on every simulated step."""
+    st, message = built.stage, built.scaled.message
+    S = len(st.forward)
+    expr: Expr = built.tail[path.tail_rank]
+    for slot, count in path.slots.items():
+        s, kind = divmod(slot, 4)
+        send_f = message[s]  # the forward posts its output's message
+        send_b = message[s - 1] if s > 0 else 0  # the backward its gradient's
+        if kind == 0:  # F
+            expr += count * (st.forward[s] + send_f)
+        elif kind == 1:  # B
+            expr += count * (st.backward[s] + send_b)
+        elif kind == 2:  # I: the backward without its weight half
+            expr += count * (st.backward[s] + send_b - st.weight[s])
+        else:  # W
+            expr += count * st.weight[s]
+    for boundary, count in path.transfers.items():
+        assert boundary < S - 1
+        expr += count * st.transfer[boundary]
+    return expr
+
+
+def _add_path(built: _StepModel, path: CriticalPath, seen: set[tuple[object, ...]]) -> None:
+    """``z >= the path's length``, unless ``seen`` holds the path already (then adds it)."""
+    key = _path_key(path)
+    if key in seen:
+        return
+    seen.add(key)
+    built.model.add(built.z >= _path_length(built, path))
+
+
+def _set_ceiling(built: _StepModel, value: int) -> None:
+    """Fix ``ceiling`` to ``value`` clamped to [0, path bound]: z may not exceed it."""
+    value = max(0, min(value, built.scaled.path_bound))
+    domain = built.ceiling.proto.domain  # a fixed variable: domain [value, value]
+    domain[0] = value
+    domain[1] = value
+
+
+def _solver_status(status: cp_model.CpSolverStatus) -> SolverStatus:
+    """CP-SAT's name of ``status``."""
+    from ortools.sat.python import cp_model
+
+    if status == cp_model.OPTIMAL:
+        return "OPTIMAL"
+    if status == cp_model.FEASIBLE:
+        return "FEASIBLE"
+    if status == cp_model.INFEASIBLE:
+        return "INFEASIBLE"
+    if status == cp_model.MODEL_INVALID:
+        return "MODEL_INVALID"
+    return "UNKNOWN"
+
+
+# ---------------------------------------------------------------------- solve
+
+
+class _Seeded(NamedTuple):
+    """A step model with its first path cuts and hint (see `_seeded_model`)."""
+
+    built: _StepModel
+    seen: set[tuple[object, ...]]  # the path cuts in the model
+    best: Partition | None  # the heuristic's best partition that fits (the hint)
+
+
+def _seeded_model(problem: PartitionProblem, kind: ModelKind | None, *, deadline: float) -> _Seeded:
+    """The step model of ``problem`` in formulation ``kind`` with its first path cuts: each
+    rank's full order (`rank_paths`) and the critical paths of every partition the heuristic
+    met (stopped at ``deadline``), hinted with the heuristic's best partition that fits."""
+    built = _step_model(problem, kind)
+    seen: set[tuple[object, ...]] = set()
+    for path in rank_paths(problem.spec):
+        _add_path(built, path, seen)
+    best, seeds = heuristic(problem, deadline=deadline)
+    for seed in seeds:
+        for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
+            _add_path(built, path, seen)
+    if best is not None:
+        built.hint(Cuts(best.stage_starts, best.modes))
+    return _Seeded(built, seen, best)
+
+
+def _round_solver(time_limit_s: float, num_workers: int) -> cp_model.CpSolver:
+    """A CP-SAT solver for one round of `solve`."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = num_workers
+    # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove
+    # that a candidate cannot beat the cutoff.
+    solver.parameters.linearization_level = 2
+    return solver
+
+
+def solve(
+    problem: PartitionProblem,
+    *,
+    time_limit_s: float = 10.0,
+    num_workers: int = 1,
+    model: ModelKind | None = None,
+    cutoff_s: float | None = None,
+    relative_gap: float = 0.0,
+) -> SolveResult:
+    """The partition with the least simulated step that fits in memory (None if none fits)
+    and what the solve did (its status, rounds and proven lower bound).
+
+    ``cutoff_s``: only partitions faster than this are of interest (the search passes its
+    incumbent); None then also means "none beats the cutoff" (status ``CUTOFF``).
+    ``relative_gap``: stop (status ``OPTIMAL``) once the best simulated partition is within
+    this fraction of a proven lower bound; 0 asks for the exact optimum. ``model``
+    forces a formulation (tests compare each with brute force); by default the smallest exact
+    one for the problem is used. See the module docstring for the method.
+    """
+    start = time.perf_counter()
+    spec = problem.spec
+    built, seen, best = _seeded_model(problem, model, deadline=start + time_limit_s)
+    # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
+    slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
+    unit = built.scaled.time_unit_s
+    bound = 0.0  # proven: no partition's simulated step is below it
+    status: SolveStatus = "UNKNOWN"
+    rounds = 0
+    wall = 0.0
+    from ortools.sat.python import cp_model
+
+    while rounds < _MAX_ROUNDS:
+        if best is not None and best.step_time_s <= bound * (1.0 + relative_gap):
+            status = "OPTIMAL"
+            break
+        limit = math.inf if cutoff_s is None else cutoff_s
+        if best is not None:
+            limit = min(limit, best.step_time_s / (1.0 + relative_gap))
+        remaining = time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            status = "FEASIBLE" if best is not None else "UNKNOWN"
+            break
+        rounds += 1
+        solver = _round_solver(remaining, num_workers)
+        # demand a strictly better step than the limit (up to rounding)
+        _set_ceiling(
+            built,
+            math.floor(limit / unit) - 1 + slack
+            if math.isfinite(limit)
+            else built.scaled.path_bound,
+        )
+        result = solver.solve(built.model)
+        wall += solver.wall_time
+        if result == cp_model.INFEASIBLE:
+            if best is not None and (cutoff_s is None or best.step_time_s < cutoff_s):
+                status = "OPTIMAL"  # within relative_gap: none is below limit
+                bound = max(bound, min(limit, best.step_time_s))
+            else:
+                # memory, or nothing beats the cutoff (the search counts both as pruned)
+                status = "CUTOFF" if cutoff_s is not None else "INFEASIBLE"
+                bound = math.inf
+            break
+        if result not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            status = "FEASIBLE" if best is not None else "UNKNOWN"
+            bound = max(bound, (solver.best_objective_bound - slack) * unit)
+            break
+        cuts = built.read(solver)
+        found = evaluate(problem, *cuts)
+        if found.peak_memory_bytes > problem.memory_capacity_bytes:
+            # the model's rounded bytes let through what the simulation says overflows (never
+            # seen since `_fine_byte_unit`): no proof from this model, keep what fits
+            logger.info(
+                "partition model rounding: a solution needs %.4g bytes of %.4g (%s)",
+                found.peak_memory_bytes,
+                problem.memory_capacity_bytes,
+                spec,
+            )
+            status = "FEASIBLE" if best is not None else "UNKNOWN"
+            break
+        if best is None or found.step_time_s < best.step_time_s:
+            best = found
+        lower = solver.objective_value * unit
+        if result == cp_model.OPTIMAL:
+            # every partition's simulated step is at least its z (up to rounding)
+            bound = max(bound, lower - slack * unit)
+            if found.step_time_s <= lower + slack * unit:
+                status = "OPTIMAL"
+                break
+        else:
+            bound = max(bound, (solver.best_objective_bound - slack) * unit)
+        for path in _critical_paths_of(problem, *cuts):
+            _add_path(built, path, seen)
+        built.hint(Cuts(best.stage_starts, best.modes))
+    else:
+        status = "FEASIBLE" if best is not None else "UNKNOWN"
+    stats = SolveStats(
+        status=status,
+        wall_time_s=wall,
+        num_variables=len(built.model.proto.variables),
+        rounds=rounds,
+        num_paths=len(seen),
+        lower_bound_s=bound,
+    )
+    if best is not None and cutoff_s is not None and best.step_time_s >= cutoff_s:
+        best = None
+    if status in ("INFEASIBLE", "CUTOFF", "UNKNOWN"):
+        best = None
+    return SolveResult(best, stats)
+
+
+def _critical_paths_of(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> list[CriticalPath]:
+    """The longest path ending on each rank (the global one among them): adding them all per
+    round converges in far fewer rounds than the global one alone."""
+    spec = problem.spec
+    sim = simulate(
+        spec,
+        stage_times(problem, stage_starts, modes),
+        rank_tails(problem, stage_starts, modes),
+    )
+    return [critical_path(spec, sim, rank) for rank in range(spec.pp_degree)]
+
+
+def min_peak_memory(
+    problem: PartitionProblem, *, time_limit_s: float = 10.0, model: ModelKind | None = None
+) -> PeakMemory:
+    """The least per-device peak memory any partition of ``problem`` needs, whatever the
+    solver's status (``time_limit_s`` may be 0). ``least_bytes`` is the simulated peak of the
+    partition CP-SAT found (proven least when the status is OPTIMAL), or None when it found
+    none: the bound is then unknown (a time limit, or a model the rounding made infeasible)."""
+    built = _peak_model(problem, model)
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    status = solver.solve(built.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return PeakMemory(status=_solver_status(status), least_bytes=None)
+    cuts = built.read(solver)
+    return PeakMemory(
+        status=_solver_status(status),
+        least_bytes=evaluate(problem, *cuts).peak_memory_bytes,
+    )
