@@ -308,7 +308,7 @@ def fitted_constants(assumptions: dict[str, Any]) -> tuple[FittedConstant, ...]:
         shipped = getattr(_SHIPPED_PROFILES[c.framework], c.name)
         if shipped != c.value:
             raise ValueError(
-                f"fitted constant {c.key} = {c.value}, but cost_model/frameworks.py's "
+                f"fitted constant {c.key} = {c.value}, but cost_model/frameworks/'s "
                 f"{c.framework} profile ships {shipped}: make them agree"
             )
     return constants

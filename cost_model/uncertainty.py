@@ -49,7 +49,7 @@ MIN_ROWS = 5
 
 # A stack with no published runs of its own is checked through the stack whose engine it shares:
 # autoplan's runtime is torch's own FSDP2, DTensor tensor parallelism, torch.distributed.
-# pipelining and SDPA attention, as torchtitan's is (cost_model/frameworks.py, both profiles).
+# pipelining and SDPA attention, as torchtitan's is (cost_model/frameworks/, both profiles).
 VALIDATED_THROUGH: dict[str, str] = {"autoplan": "torchtitan"}
 
 
