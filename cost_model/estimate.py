@@ -13,10 +13,11 @@ simulation's longest paths, `autoplan.planner.partition`):
   (`parts.optimizer`), wrapper host time (`parts.host`) and bytes (`parts.memory`); then the
   runtime's grouping of data-parallel collectives (`parts.data_parallel.grouped_dp_sync`) and
   CPU core sharing (`parts.core_sharing`, the identity on GPUs).
-- per stage (`stage_times`): the sums over its units, the host time of its messages, and the
-  link time of its boundary (`boundary_costs`: the last unit's output to the next stage's rank).
+- per stage (`stage_times`, in `cost_model.stage_terms` with the planner's linear form): the
+  sums over its units, the host time of its messages, and the link time of its boundary
+  (`boundary_costs`: the last unit's output to the next stage's rank).
 - tail after a rank's last action: ``max(0, dp_sync - overlap * backward_window) + post_sync +
-  optimizer`` (`rank_tail_s`) plus the loop's fixed `step_overhead_s`.
+  optimizer`` (`rank_tail_s`, ibid.) plus the loop's fixed `step_overhead_s`.
 - step time: `cost_model.schedules.simulate` of the schedule's own action orders (torch's) with
   those times: ``max over ranks of (end of the rank's last action + its tail)``.
 - memory of rank r = (1 + allocator overhead) * (static bytes + activations held at the rank's
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.degrees import RECOMPUTE_MODES
@@ -82,7 +82,8 @@ from cost_model.results import (
     RankEstimate,
     StageEstimate,
 )
-from cost_model.schedules import ScheduleName, ScheduleSpec, StageTimes, held_microbatches, simulate
+from cost_model.schedules import ScheduleName, held_microbatches, simulate
+from cost_model.stage_terms import rank_tail_s, stage_times
 from cost_model.strategy import GroupPlacement, PlanLike, Strategy, group_placements
 from cost_model.uncertainty import plan_features, with_ranges
 from cost_model.unit_cost import UnitCost
@@ -850,43 +851,3 @@ def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
     for index, unit in enumerate(profile.units):
         classes.append(index if index == 0 else first.setdefault(_unit_key(unit), index))
     return tuple(classes)
-
-
-def stage_times(
-    stage_units: Sequence[Sequence[UnitCost]],
-    boundaries: Sequence[Boundary],
-    spec: ScheduleSpec,
-) -> list[StageTimes]:
-    """Per-micro-batch times of each stage for the schedule simulation: the units' forward and
-    backward; the host time of the forward message to the next stage on the forward, of the
-    gradient message to the previous stage on the backward; under a split backward, the
-    units' weight gradients as the deferred part."""
-    out = []
-    for idx, units in enumerate(stage_units):
-        previous = boundaries[idx - 1].message_s if idx > 0 else 0.0
-        out.append(
-            StageTimes(
-                forward_s=sum(u.forward_s for u in units) + boundaries[idx].message_s,
-                backward_s=sum(u.backward_s for u in units) + previous,
-                weight_s=sum(u.weight_s for u in units) if spec.splits_backward else 0.0,
-                transfer_s=boundaries[idx].transfer_s,
-            )
-        )
-    return out
-
-
-def rank_tail_s(rank_units: Sequence[UnitCost], dp_overlap_fraction: float) -> float:
-    """Work of one pipeline rank after its last backward: gradient sync not hidden behind that
-    backward, then non-overlappable communication and the optimizer step.
-
-    ``max(0, sum dp_sync - overlap * sum backward) + sum post_sync + sum optimizer``: the
-    gradient buckets of the last micro-batch's backward start as soon as they are ready (torch
-    DDP, Li et al. 2020, section 3.2.3), so only what outlasts that backward is exposed.
-    """
-    sync = sum(u.dp_sync_s for u in rank_units)
-    window = dp_overlap_fraction * sum(u.backward_s for u in rank_units)
-    return (
-        max(0.0, sync - window)
-        + sum(u.post_sync_s for u in rank_units)
-        + sum(u.optimizer_s for u in rank_units)
-    )

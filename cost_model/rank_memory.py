@@ -1,5 +1,6 @@
 """A pipeline rank's memory: the cut-independent terms (`memory_constants`), the activations
-held at the rank's peak point of the schedule (`peak_activations`) and the rank's total
+held at the rank's peak point of the schedule (`peak_activations`: `held_peak` of each stage's
+`stage_held_bytes`, which the planner's partition uses too) and the rank's total
 (`rank_memory`), from its units' `UnitCost` bytes.
 
 memory of rank r = (1 + allocator overhead) * (static bytes + activations held at the rank's
@@ -78,18 +79,37 @@ class HeldActivations(NamedTuple):
 def peak_activations(
     stage_units: Sequence[Sequence[UnitCost]], held: HeldProfile, send_bytes: float
 ) -> HeldActivations:
-    """The largest activation total over the rank's candidate peak points (the schedule's
-    held and retained micro-batches per stage, `cost_model.schedules.held_microbatches`), with
-    ``send_bytes`` for each boundary tensor its pending sends hold (`boundary_send_bytes`)."""
+    """The largest activation total over the rank's candidate peak points (`held_peak` of its
+    stages' `stage_held_bytes`)."""
     per_stage = [
-        (
-            sum(u.activation_bytes for u in stage_units[s]),
-            # the first stage has no input gradient: torch skips its backward-input and runs
-            # its whole backward at W (stage.py, backward_one_chunk), keeping only activations
-            sum(u.activation_bytes if s == 0 else u.retained_bytes for u in stage_units[s]),
+        stage_held_bytes(
+            s,
+            [u.activation_bytes for u in stage_units[s]],
+            [u.retained_bytes for u in stage_units[s]],
         )
         for s in held.stages
     ]
+    return held_peak(per_stage, held, send_bytes)
+
+
+def stage_held_bytes(
+    stage_idx: int, activation_bytes: Sequence[float], retained_bytes: Sequence[float]
+) -> tuple[float, float]:
+    """Stage ``stage_idx``'s bytes per micro-batch from its units' activation and retained
+    bytes: what an in-flight micro-batch holds, and what one holds between a split backward's
+    two halves. The first stage has no input gradient: torch skips its backward-input and
+    runs its whole backward at W (stage.py, backward_one_chunk), keeping only activations."""
+    act = sum(activation_bytes)
+    return act, act if stage_idx == 0 else sum(retained_bytes)
+
+
+def held_peak(
+    per_stage: Sequence[tuple[float, float]], held: HeldProfile, send_bytes: float
+) -> HeldActivations:
+    """The largest activation total over a rank's candidate peak points (the schedule's held
+    and retained micro-batches per stage, `cost_model.schedules.held_microbatches`), from each
+    of its stages' `stage_held_bytes` in ``held.stages`` order, with ``send_bytes`` for each
+    boundary tensor its pending sends hold (`boundary_send_bytes`)."""
     best = HeldActivations(0.0, tuple(0 for _ in held.stages))
     for point, sends in zip(held.points, held.sends, strict=True):
         total = sends * send_bytes + sum(

@@ -4,15 +4,17 @@ a solver stopped by its time limit is reported, never asserted on."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import pytest
 
 from autoplan.contract.errors import NoFeasiblePlanError
+from autoplan.planner.candidates import BoundTables, costed_candidate, partition_problem
 from autoplan.planner.partition import (
     ModeCosts,
     PartitionProblem,
@@ -22,10 +24,18 @@ from autoplan.planner.partition import (
     evaluate,
     min_peak_memory,
     rank_balanced_hint,
+    rank_memory,
+    rank_tails,
     solve,
+    stage_times,
 )
+from autoplan.planner.readback import plan_of
 from autoplan.planner.search import search_plans
+from autoplan.planner.space import SearchSpace, recompute_modes, strategies
+from cost_model.estimate import CostModel
+from cost_model.memory import RECOMPUTABLE_KINDS
 from cost_model.schedules import SCHEDULES, ScheduleError, ScheduleSpec, StageTimes, simulate
+from cost_model.stage_terms import rank_tail_s, rank_tail_terms, tail_of_terms
 from tests.cost_profiles import gpt_profile, round_cluster
 
 
@@ -319,3 +329,71 @@ def test_the_problem_and_its_reference_load_no_solver() -> None:
         [sys.executable, "-c", _NO_SOLVER], cwd=root, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
+def test_evaluate_agrees_with_the_estimate_of_its_plan(schedule: str) -> None:
+    # the solver optimises `evaluate`; the search reports `CostModel.estimate` of the plan:
+    # both build stage times and tails from `cost_model.stage_terms` and peaks from
+    # `cost_model.rank_memory`, so every stage time is the same float, the tails and steps
+    # agree up to the linear tail's rounding, and the memory up to the order of the sums
+    profile = gpt_profile(num_layers=6, h=256, s=128, a=8, vocab=1024)
+    cluster = round_cluster(num_nodes=2)
+    space = SearchSpace.from_constraints(
+        pp=(2,), tp=(1,), micro_batch=(1,), schedules=(schedule,), zero=(1,)
+    ).for_cluster(cluster)
+    model = CostModel(profile, cluster, "autoplan")
+    tables = BoundTables(model)
+    rng = random.Random(7)
+    checked = 0
+    for strategy in itertools.islice(strategies(space, profile, cluster, 16), 4):
+        candidate = costed_candidate(strategy, recompute_modes(space, schedule), tables)
+        problem = partition_problem(candidate, model)
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(1, problem.num_units), problem.num_stages - 1))
+            starts = (0, *cuts)
+            modes = tuple(rng.choice(list(problem.modes)) for _ in starts)
+            found = evaluate(problem, starts, modes)
+            result = model.estimate(plan_of(model, candidate, found, 16))
+            assert [
+                (s.forward_s, s.backward_s, s.weight_s, s.transfer_s) for s in result.stages
+            ] == [astuple(t) for t in stage_times(problem, starts, modes)]
+            tails = rank_tails(problem, starts, modes)
+            assert [r.tail_s for r in result.ranks] == pytest.approx(tails, rel=1e-9, abs=1e-15)
+            assert result.step_time_s == pytest.approx(found.step_time_s, rel=1e-9)
+            memory = rank_memory(problem, starts, modes)
+            for rank, held in zip(result.ranks, memory, strict=True):
+                # the estimate adds the rank's own working set beyond the largest block's
+                # (`cost_model.rank_memory.rank_memory`), then the constant terms
+                units = [
+                    candidate.by_mode[plan_stage.recompute][u]
+                    for plan_stage in (result.stages[s] for s in rank.stages)
+                    for u in range(plan_stage.first_unit, plan_stage.last_unit + 1)
+                ]
+                working = [u.working_bytes for u in units if u.kind in RECOMPUTABLE_KINDS]
+                own = max(working, default=0.0) - candidate.constants.block_working_bytes
+                expected = candidate.constants.total_bytes(held + own)
+                assert rank.memory.total_bytes == pytest.approx(expected, rel=1e-12)
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("sync_s", [0.0, 1e-4, 1.0])
+def test_the_linear_tail_terms_make_the_rank_tail(sync_s: float) -> None:
+    # `rank_tail_terms` restate `rank_tail_s` as max(b, a + b) for max(0, a) + b: the solver's
+    # tail and the estimate's agree whether the sync hides behind the backward or not
+    profile = gpt_profile(num_layers=4, h=256, s=128, a=8, vocab=1024)
+    cluster = round_cluster(num_nodes=2)
+    space = SearchSpace.from_constraints(pp=(2,), tp=(1,), zero=(1,)).for_cluster(cluster)
+    model = CostModel(profile, cluster, "autoplan")
+    strategy = next(iter(strategies(space, profile, cluster, 16)))
+    units = [replace(u, dp_sync_s=sync_s) for u in model.unit_costs(strategy, "none")]
+    overlap = model.dp_overlap(strategy)
+    for rank_units in (units[:2], units[2:], units):
+        terms = zip(*(rank_tail_terms(u, overlap) for u in rank_units), strict=True)
+        sums = [sum(term) for term in terms]
+        expected = rank_tail_s(rank_units, overlap)
+        assert tail_of_terms(sums) == pytest.approx(expected, rel=1e-12, abs=1e-18)

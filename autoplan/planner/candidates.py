@@ -29,6 +29,7 @@ from cost_model.estimate import (
 )
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
 from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.stage_terms import rank_tail_terms
 from cost_model.strategy import Strategy
 
 
@@ -277,10 +278,8 @@ def costed_candidate(
     for rep, count in tables.class_counts.items():
         per_mode = [costs[rep] for costs in by_mode.values()]
         largest = max(largest, min(c.time_s for c in per_mode))
-        tail_a += count * min(c.post_sync_s + c.optimizer_s for c in per_mode)
-        tail_b += count * min(
-            c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s for c in per_mode
-        )
+        tail_a += count * min(rank_tail_terms(c, overlap)[0] for c in per_mode)
+        tail_b += count * min(rank_tail_terms(c, overlap)[1] for c in per_mode)
         least_act += count * min(c.activation_bytes for c in per_mode)
         static_sum += count * per_mode[0].static_bytes
         static_max = max(static_max, per_mode[0].static_bytes)
@@ -438,8 +437,7 @@ def partition_problem(candidate: Candidate, model: CostModel) -> PartitionProble
     overlap = model.dp_overlap(strategy)
     first = next(iter(candidate.by_mode.values()))
     fixed = model.step_overhead_s(strategy)
-    # rank tail = max(0, sync - overlap * backward) + post + optimizer (+ the fixed overhead)
-    #           = max(0, post + opt, post + opt + sync - overlap * backward): two tail terms
+    # the rank tail as two linear terms (`rank_tail_terms`), each plus the fixed overhead
     tables = {
         mode: ModeCosts(
             forward_s=tuple(c.forward_s for c in costs),
@@ -447,13 +445,7 @@ def partition_problem(candidate: Candidate, model: CostModel) -> PartitionProble
             weight_s=tuple(c.weight_s for c in costs),
             activation_bytes=tuple(c.activation_bytes for c in costs),
             retained_bytes=tuple(c.retained_bytes for c in costs),
-            tail_s=(
-                tuple(c.post_sync_s + c.optimizer_s for c in costs),
-                tuple(
-                    c.post_sync_s + c.optimizer_s + c.dp_sync_s - overlap * c.backward_s
-                    for c in costs
-                ),
-            ),
+            tail_s=tuple(zip(*(rank_tail_terms(c, overlap) for c in costs), strict=True)),
         )
         for mode, costs in candidate.by_mode.items()
     }

@@ -6,7 +6,8 @@ the units (runs of interchangeable units, which pick the formulation).
 
 Expects cost tables as `autoplan.planner.candidates` builds them from the cost model. Imports no
 OR-tools. Guarantees `evaluate` is the one definition of a partition's step and memory that the
-formulations, the heuristics and `solve` all check their partitions against.
+formulations, the heuristics and `solve` all check their partitions against, built with the
+cost model's own functions (`cost_model.stage_terms`, `cost_model.rank_memory.held_peak`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from autoplan.contract.plan import Recompute
+from cost_model.rank_memory import held_peak, stage_held_bytes
 from cost_model.schedules import ScheduleSpec, StageTimes, held_microbatches, simulate
+from cost_model.stage_terms import stage_time, tail_of_terms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,21 +129,22 @@ class Partition:
 def stage_times(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
 ) -> list[StageTimes]:
-    """Each stage's times for the simulation, as `cost_model.estimate.stage_times` makes them."""
-    n, S = problem.num_units, problem.num_stages
-    ends = (*stage_starts[1:], n)
-    split = problem.spec.splits_backward
+    """Each stage's times for the simulation: `cost_model.stage_terms.stage_time` of its
+    units' sums, as the estimate makes them."""
+    S = problem.num_stages
+    ends = (*stage_starts[1:], problem.num_units)
     out = []
     for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
         costs = problem.modes[modes[s]]
-        units = range(start, end)
-        previous = problem.message_s[s - 1] if s > 0 else 0.0
         out.append(
-            StageTimes(
-                forward_s=sum(costs.forward_s[u] for u in units) + problem.message_s[s],
-                backward_s=sum(costs.backward_s[u] for u in units) + previous,
-                weight_s=sum(costs.weight_s[u] for u in units) if split else 0.0,
+            stage_time(
+                sum(costs.forward_s[start:end]),
+                sum(costs.backward_s[start:end]),
+                sum(costs.weight_s[start:end]),
+                message_s=problem.message_s[s],
+                previous_message_s=problem.message_s[s - 1] if s > 0 else 0.0,
                 transfer_s=problem.transfer_s[s][end - 1] if s < S - 1 else 0.0,
+                splits_backward=problem.spec.splits_backward,
             )
         )
     return out
@@ -149,7 +153,8 @@ def stage_times(
 def rank_tails(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
 ) -> list[float]:
-    """Each pipeline rank's tail: ``max(0, max_j sum of its units' tail_s[j] + constant j)``."""
+    """Each pipeline rank's tail: `cost_model.stage_terms.tail_of_terms` of its sums of each
+    tail term (``tail_s[j]`` over its units plus constant j)."""
     spec = problem.spec
     ends = (*stage_starts[1:], problem.num_units)
     terms = [list(problem.tail_constants_s) for _ in range(spec.pp_degree)]
@@ -157,29 +162,27 @@ def rank_tails(
         r = spec.stage_rank(s)
         for j, table in enumerate(problem.modes[modes[s]].tail_s):
             terms[r][j] += sum(table[start:end])
-    return [max([0.0, *t]) for t in terms]
+    return [tail_of_terms(t) for t in terms]
 
 
 def rank_memory(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
 ) -> list[float]:
-    """Each rank's static bytes plus its activations at its largest candidate peak point."""
+    """Each rank's static bytes plus its activations at its largest candidate peak point
+    (`cost_model.rank_memory.held_peak` of its stages' `stage_held_bytes`, as the estimate
+    counts them)."""
     ends = (*stage_starts[1:], problem.num_units)
-    static, act, kept = [], [], []
+    static, held_bytes = [], []
     for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
         costs = problem.modes[modes[s]]
         static.append(sum(problem.static_bytes[start:end]))
-        act.append(sum(costs.activation_bytes[start:end]))
-        # the first stage has no input gradient: torch runs its whole backward at W
-        kept.append(act[-1] if s == 0 else sum(costs.retained_bytes[start:end]))
+        held_bytes.append(
+            stage_held_bytes(s, costs.activation_bytes[start:end], costs.retained_bytes[start:end])
+        )
     out = []
     for held in held_microbatches(problem.spec):
-        peak = max(
-            sends * problem.send_bytes
-            + sum(h * act[s] + k * kept[s] for (h, k), s in zip(point, held.stages, strict=True))
-            for point, sends in zip(held.points, held.sends, strict=True)
-        )
-        out.append(sum(static[s] for s in held.stages) + peak)
+        peak = held_peak([held_bytes[s] for s in held.stages], held, problem.send_bytes)
+        out.append(sum(static[s] for s in held.stages) + peak.bytes)
     return out
 
 
