@@ -49,17 +49,16 @@ from cost_model.estimate import (
 )
 from cost_model.hardware import Cluster, DeviceSpec, LinkSpec, load_cluster, preset_names
 from cost_model.memory import StaticBytes, activation_bytes, param_state_bytes, static_bytes
+from cost_model.schedule_memory import HeldProfile, held_microbatches
 from cost_model.schedules import (
     SCHEDULES,
     Action,
     CriticalPath,
-    HeldProfile,
     ScheduleError,
     ScheduleSpec,
     Simulation,
     StageTimes,
     critical_path,
-    held_microbatches,
     pipeline_order,
     simulate,
 )

@@ -112,7 +112,7 @@ class Calibration:
     # checkpointing, which recomputes every second mm). A property of the training stack.
     selective_gemm_recompute_fraction: float = 0.0
     # Share of the pipeline boundary tensors that torch's pipelining keeps which the training
-    # stack keeps too (`cost_model.schedules.HeldProfile.sends`: outputs until their backward,
+    # stack keeps too (`cost_model.schedule_memory.HeldProfile.sends`: outputs until their backward,
     # every send until the step ends). 1: torch.distributed.pipelining (autoplan's runtime,
     # torchtitan). 0: Megatron-LM, which frees an output's data once it is sent
     # (schedules.py, deallocate_output_tensor) and waits for each batch of sends before its

@@ -82,7 +82,8 @@ from cost_model.results import (
     RankEstimate,
     StageEstimate,
 )
-from cost_model.schedules import ScheduleName, held_microbatches, simulate
+from cost_model.schedule_memory import held_microbatches
+from cost_model.schedules import ScheduleName, simulate
 from cost_model.stage_terms import rank_tail_s, stage_times
 from cost_model.strategy import GroupPlacement, PlanLike, Strategy, group_placements
 from cost_model.uncertainty import plan_features, with_ranges

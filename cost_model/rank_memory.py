@@ -17,7 +17,7 @@ from cost_model.hardware import Cluster
 from cost_model.memory import RECOMPUTABLE_KINDS
 from cost_model.parts.data_parallel import grad_reduce_bytes
 from cost_model.results import MemoryBreakdown, MemoryConstants
-from cost_model.schedules import HeldProfile
+from cost_model.schedule_memory import HeldProfile
 from cost_model.strategy import DTYPE_BYTES, Strategy
 from cost_model.unit_cost import UnitCost
 
@@ -107,7 +107,7 @@ def held_peak(
     per_stage: Sequence[tuple[float, float]], held: HeldProfile, send_bytes: float
 ) -> HeldActivations:
     """The largest activation total over a rank's candidate peak points (the schedule's held
-    and retained micro-batches per stage, `cost_model.schedules.held_microbatches`), from each
+    and retained micro-batches per stage, `cost_model.schedule_memory.held_microbatches`), from each
     of its stages' `stage_held_bytes` in ``held.stages`` order, with ``send_bytes`` for each
     boundary tensor its pending sends hold (`boundary_send_bytes`)."""
     best = HeldActivations(0.0, tuple(0 for _ in held.stages))

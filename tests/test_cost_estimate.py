@@ -33,12 +33,12 @@ from cost_model.estimate import (
 )
 from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import Cluster, LinkSpec
+from cost_model.schedule_memory import held_microbatches
 from cost_model.schedules import (
     SCHEDULES,
     ScheduleError,
     ScheduleSpec,
     StageTimes,
-    held_microbatches,
     pipeline_order,
 )
 from cost_model.strategy import Strategy

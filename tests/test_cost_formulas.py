@@ -25,15 +25,12 @@ from cost_model.compute import op_time, saturating_efficiency
 from cost_model.estimate import loss_cost
 from cost_model.frameworks import framework_profile
 from cost_model.memory import activation_bytes, local_num_params, static_bytes
+from cost_model.schedule_memory import even_held, held_microbatches, least_held, sends_at_end
 from cost_model.schedules import (
     ScheduleError,
     ScheduleSpec,
     StageTimes,
-    even_held,
-    held_microbatches,
-    least_held,
     pipeline_order,
-    sends_at_end,
     simulate,
 )
 from cost_model.strategy import GroupPlacement, Strategy, group_placements

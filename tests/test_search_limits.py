@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 import autoplan.analysis.whatif as whatif_module
 import autoplan.cli.progress as progress_module
+import cost_model.schedule_memory as schedule_memory
 import cost_model.schedules as schedules
 from autoplan.analysis.whatif import MAX_SEARCHES, WhatIfInputError, whatif
 from autoplan.cli import cli
@@ -33,12 +34,12 @@ from autoplan.planner.partition import (
 from autoplan.planner.search import SearchProgress, search_plans
 from autoplan.planner.space import SearchSpace, recompute_modes, strategies
 from cost_model.estimate import CostModel
+from cost_model.schedule_memory import held_microbatches
 from cost_model.schedules import (
     MAX_SCHEDULE_ACTIONS,
     SCHEDULES,
     ScheduleError,
     ScheduleSpec,
-    held_microbatches,
     pipeline_order,
 )
 from tests.conftest import run_cli
@@ -247,7 +248,7 @@ def test_maximal_points_by_bit_sets_match_pairwise_comparison() -> None:
                 for b in points
             )
         )
-        assert list(schedules._maximal(points)) == expected
+        assert list(schedule_memory._maximal(points)) == expected
 
 
 def test_a_schedule_past_the_action_cap_is_one_line() -> None:

@@ -28,7 +28,8 @@ from cost_model.estimate import (
     memory_constants,
 )
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
-from cost_model.schedules import even_held, least_held, pipeline_lower_bound_s, sends_at_end
+from cost_model.schedule_memory import even_held, least_held, sends_at_end
+from cost_model.schedules import pipeline_lower_bound_s
 from cost_model.stage_terms import rank_tail_terms
 from cost_model.strategy import Strategy
 

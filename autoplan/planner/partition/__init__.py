@@ -6,7 +6,7 @@ weight-gradient time, activation bytes and tail coefficients, plus static bytes 
 time of a cut after it. This package chooses where to cut the units into the schedule's stages
 and which recompute mode each stage uses, minimising the step time of the schedule simulation
 (`cost_model.schedules.simulate` on torch's own action orders) subject to every rank's memory
-at each of its candidate peak points (`cost_model.schedules.held_microbatches`).
+at each of its candidate peak points (`cost_model.schedule_memory.held_microbatches`).
 
 Private modules, from data to solve: ``problem`` (the records, `evaluate`, `brute_force`; no
 OR-tools), ``scaled`` (the tables as the model's integers), ``formulations`` (the CP-SAT

@@ -30,7 +30,8 @@ from autoplan.planner.partition.problem import (
     unit_runs,
 )
 from autoplan.planner.partition.scaled import _scale, _Scaled, _worst_bytes
-from cost_model.schedules import ScheduleSpec, held_microbatches
+from cost_model.schedule_memory import held_microbatches
+from cost_model.schedules import ScheduleSpec
 
 # OR-tools' CP-SAT (with pandas, which it imports) takes about 0.4 s to import: the functions
 # that solve import it, so a training process that is handed its plan never loads it.

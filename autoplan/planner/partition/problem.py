@@ -19,7 +19,8 @@ from typing import Literal, NamedTuple
 
 from autoplan.contract.plan import Recompute
 from cost_model.rank_memory import held_peak, stage_held_bytes
-from cost_model.schedules import ScheduleSpec, StageTimes, held_microbatches, simulate
+from cost_model.schedule_memory import held_microbatches
+from cost_model.schedules import ScheduleSpec, StageTimes, simulate
 from cost_model.stage_terms import stage_time, tail_of_terms
 
 

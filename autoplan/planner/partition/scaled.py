@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from autoplan.contract.plan import Recompute
 from autoplan.planner.partition.problem import PartitionProblem
-from cost_model.schedules import held_microbatches
+from cost_model.schedule_memory import held_microbatches
 
 # Integer resolution of the CP-SAT model: times and bytes are scaled so that the total over all
 # units is this many integer units. A path sums rounded unit times, each off by at most half a
