@@ -166,11 +166,16 @@ def manual_plan(
         rank_layout=tuple(rank_layout),
         framework=framework,
     )
-    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
-    stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
-    if stages is not None:
-        plan = dataclasses.replace(plan, stages=stages)
+    try:
+        stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
+    except PlanError:
+        # the plan's own problems first (its degrees, ...), then the stack's cut
         plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
+        raise
+    if stages is not None:
+        # the stack's own cut (`Plan.validate` refuses another where the stack takes none)
+        plan = dataclasses.replace(plan, stages=stages)
+    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
 
 

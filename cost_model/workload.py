@@ -261,6 +261,11 @@ class ModelProfile:
         """The routed-expert facts of every mixture-of-experts unit (empty: a dense model)."""
         return tuple(unit.moe for unit in self.units if unit.moe is not None)
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether any unit is a mixture-of-experts layer."""
+        return any(unit.moe is not None for unit in self.units)
+
     def tp_divisible_counts(self) -> dict[str, int]:
         """Every count that a tensor-parallel degree must divide, over all units."""
         counts: dict[str, int] = {}

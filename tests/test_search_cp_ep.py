@@ -231,18 +231,33 @@ def test_search_prices_an_exported_model_as_the_runtime_runs_it() -> None:
 
 
 def test_a_moe_search_leaves_out_what_expert_parallelism_breaks() -> None:
-    """autoplan's runtime refuses ZeRO-1 (DDP + ZeroRedundancyOptimizer) and selective
+    """autoplan's runtime refuses ZeRO-1 on DDP + ZeroRedundancyOptimizer and selective
     recompute under FSDP2 with expert parallelism: the search offers neither for a MoE model
-    (as parallelize's own search), and asking for them names why."""
+    (as parallelize's own search), offers what the runtime does run (selective recompute
+    beside DDP), and asking only for what it refuses names why."""
+    from autoplan.contract.plan import runtime_refusal
+
     profile = with_routed_experts(
         gpt_profile(num_layers=2, s=1024, h=256, a=8, e=2), num_experts=4, top_k=2, expert_ffn=128
     )
     plans = search_plans(profile, CLUSTER, global_batch=32, budget_s=None, top_k=8, ep=2).plans
     assert len(plans) > 1 and all(plan.ep_degree == 2 for plan in plans)
     for plan in plans:
-        assert plan.zero_stage != 1
-        assert all(stage.recompute != "selective" for stage in plan.stages)
-    with pytest.raises(InputError, match=r"zero=1: autoplan's runtime runs a mixture-of-experts"):
-        search_plans(profile, CLUSTER, global_batch=32, budget_s=0, zero=1)
+        assert runtime_refusal(plan, profile) is None, plan
+    # DDP: fp32 without tp or pp (`cost_model.strategy.decide`)
+    only = {"ep": 2, "tp": 1, "pp": 1, "dtype": "fp32"}
+    ddp = search_plans(
+        profile, CLUSTER, global_batch=32, budget_s=None, zero=0, recompute="selective", **only
+    ).plans
+    assert ddp and {p.decisions.dp_wrapper for p in ddp} == {"ddp"}
+    assert all(stage.recompute == "selective" for p in ddp for stage in p.stages)
+    with pytest.raises(InputError, match=r"ZeRO-1 runs as DDP \+ ZeroRedundancyOptimizer"):
+        search_plans(profile, CLUSTER, global_batch=32, budget_s=0, zero=1, **only)
+    with pytest.raises(InputError, match=r"recompute 'selective' with ep_degree = 2 under FSDP2"):
+        search_plans(
+            profile, CLUSTER, global_batch=32, budget_s=0, zero=3, ep=2, recompute="selective"
+        )
     # priced for another stack, the search may offer them
-    search_plans(profile, CLUSTER, global_batch=32, budget_s=0, zero=1, framework="megatron-lm")
+    search_plans(
+        profile, CLUSTER, global_batch=32, budget_s=0, zero=1, ep=2, framework="megatron-lm"
+    )

@@ -65,6 +65,7 @@ from cost_model.degrees import DTypeName as DTypeName
 from cost_model.degrees import sequence_parallel_problems as _sp_problems
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
+from cost_model.frameworks.limits import expert_layout_refusal
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
@@ -302,22 +303,30 @@ class Plan:
 
     def _check_expert_layout(self) -> None:
         """A stack that places expert-parallel groups one way only cannot run the other where
-        the two differ (ep taking TP or CP ranks, or not)."""
-        layout = framework_profile(self.framework).expert_layout
-        if layout is None or self.ep_degree == 1 or (self.tp_degree == self.cp_degree == 1):
+        the two differ (ep taking TP or CP ranks, or not): `expert_layout_refusal`."""
+        refusal = expert_layout_refusal(
+            framework_profile(self.framework),
+            ep_degree=self.ep_degree,
+            tp_degree=self.tp_degree,
+            cp_degree=self.cp_degree,
+            ep_folding=self.ep_folding,
+        )
+        if refusal is not None:
+            raise PlanError(str(refusal))
+
+    def _check_stack(self, profile: ModelProfile) -> None:
+        """The plan's stack runs it on ``profile``'s model (`FrameworkProfile.plan_refusal`;
+        autoplan's runtime with its traced graph's limits: `runtime_refusal`)."""
+        if self.framework == DEFAULT_FRAMEWORK:
+            refusal = runtime_refusal(self, profile)
+            if refusal is not None:
+                raise PlanError(refusal)
             return
-        if layout == "folded" and not self.folded_expert_groups:
+        why = framework_profile(self.framework).plan_refusal(self, profile)
+        if why is not None:
             raise PlanError(
-                f"framework {shown(self.framework)} places an expert-parallel group on consecutive "
-                "ranks of the dp x cp x tp block (its expert rank generator), not inside dp: "
-                f"with ep_degree = {self.ep_degree} and tp_degree = {self.tp_degree}, "
-                f"cp_degree = {self.cp_degree} set ep_folding: true (and sequence_parallel "
-                "with tp > 1)"
-            )
-        if layout == "dp" and self.ep_folding:
-            raise PlanError(
-                f"framework {shown(self.framework)} keeps expert parallelism inside data "
-                "parallelism: set ep_folding: false"
+                f"{self.framework} cannot run this plan: {why}, or price it for autoplan's "
+                "runtime (framework autoplan)"
             )
 
     @property
@@ -534,10 +543,7 @@ class Plan:
                 f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
             )
         _raise_first(model_problems(self, profile))
-        if self.framework == DEFAULT_FRAMEWORK:
-            refusal = runtime_refusal(self, profile)
-            if refusal is not None:
-                raise PlanError(refusal)
+        self._check_stack(profile)
         _raise_first(_sp_problems(self, profile.seq_len))
 
     # ----------------------------------------------------------------------------- files
@@ -718,55 +724,11 @@ def plan_estimate(result: Estimate, cluster: Cluster) -> PlanEstimate:
     )
 
 
-def runtime_refusal(plan: Any, profile: ModelProfile) -> str | None:
-    """Why autoplan's own runtime cannot run ``plan`` (its ``dtype``, ``tp_degree``,
-    ``sequence_parallel``, ``cp_degree``; for a `Plan`, its expert parallelism with its ZeRO
-    wrapper and recompute) on ``profile``'s model, or None: the one statement of the rules that
-    `Plan.validate` (for framework ``autoplan``), the search and `parallelize` apply."""
-    name = profile.name
-    if plan.cp_degree > 1 and profile.exported:
-        return (
-            f"cp_degree = {plan.cp_degree}, but {shown(name)} was traced with torch.export, whose "
-            "graph fixes the sequence length and position tables that context parallelism "
-            "must split; use cp_degree 1 for this model"
-        )
-    if plan.cp_degree > 1 and not profile.rope_tables:
-        return (
-            f"cp_degree = {plan.cp_degree}, but {shown(name)} has no RoPE tables "
-            "(rope_cos/rope_sin buffers) for context parallelism to split by position; models "
-            "with learned position embeddings (GPT) are not supported: use cp_degree 1"
-        )
-    if plan.dtype != "fp32" and profile.exported:
-        return (
-            f"dtype = {shown(plan.dtype)}, but {shown(name)} was traced with torch.export in "
-            "fp32, and "
-            "the exported graph pins that dtype (it drops casts that were no-ops in fp32, such "
-            "as an RMSNorm's cast back to the input dtype), so bf16/fp16 weights would meet "
-            "fp32 activations; use dtype 'fp32' for this model"
-        )
-    if plan.sequence_parallel and plan.tp_degree > 1 and profile.exported:
-        return (
-            f"sequence_parallel with tp_degree = {plan.tp_degree}, but {shown(name)} was traced "
-            "with torch.export, which inlines its norms (sequence parallelism shards norm "
-            "modules); turn sequence_parallel off (tensor parallelism itself works)"
-        )
-    if plan.ep_degree > 1 and isinstance(plan, Plan):
-        wrapper = plan.decisions.dp_wrapper
-        if wrapper == "ddp" and plan.zero_stage == 1:
-            return (
-                f"zero_stage 1 with ep_degree = {plan.ep_degree}: ZeRO-1 runs as DDP + "
-                "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
-                "holding others (it broadcasts each updated parameter over the whole "
-                "data-parallel group); use zero_stage 0 or 2"
-            )
-        selective = any(stage.recompute == "selective" for stage in plan.stages)
-        if selective and wrapper in ("fsdp", "replicate"):
-            return (
-                f"recompute 'selective' with ep_degree = {plan.ep_degree} under FSDP2 "
-                f"({plan.zero_text}): the experts are wrapped on their own (their data-parallel "
-                "group differs from the block's), so FSDP2's hooks run inside the selectively "
-                "recomputed block and the recompute diverges from the forward; use recompute "
-                "'full' or 'none' on those stages, or zero_stage 0 without tensor or pipeline "
-                "parallelism (DDP)"
-            )
-    return None
+def runtime_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why autoplan's own runtime cannot run ``plan`` on ``profile``'s model, or None: the
+    ``autoplan`` framework profile's limits with those of running the traced model
+    (`cost_model.frameworks.limits`, ``running``), which `parallelize` asks whatever stack
+    the plan is priced for."""
+    stack = framework_profile(DEFAULT_FRAMEWORK)
+    refusal = stack.plan_refusal(plan, profile, running=True)
+    return None if refusal is None else str(refusal)

@@ -15,11 +15,12 @@ from autoplan.contract.errors import NoFeasiblePlanError
 from autoplan.planner.candidates import BoundTables, costed_candidate, partition_problem
 from autoplan.planner.partition import min_peak_memory
 from autoplan.planner.space import SearchSpace, recompute_modes, shown
+from autoplan.planner.stack_filter import stack_recompute_modes
 from cost_model.estimate import MemoryConstants
 from cost_model.hardware import Cluster
 from cost_model.headroom import usable_capacity_bytes
 from cost_model.memory import local_num_params, static_bytes
-from cost_model.strategy import Strategy
+from cost_model.strategy import RecomputeMode, Strategy
 from cost_model.workload import ModelProfile
 
 
@@ -53,14 +54,16 @@ def no_feasible_plan(
             f"{profile.num_units} units{limits}; raise the global batch, use fewer devices"
             + (", or relax the constraints" if given else "")
         )
+
     # The least memory any plan needs: solve exactly for the outer choices whose bounds are
     # lowest (weights and optimizer state first, then the full per-unit bound).
-    infeasible.sort(
-        key=lambda s: tables.memory_bound(s, recompute_modes(space, s.schedule)),
-    )
-    candidates = [
-        costed_candidate(s, recompute_modes(space, s.schedule), tables) for s in infeasible[:20]
-    ]
+    def modes(strategy: Strategy) -> tuple[RecomputeMode, ...]:
+        stack, model = tables.model.stack, tables.model.profile
+        space_modes = recompute_modes(space, strategy.schedule)
+        return stack_recompute_modes(stack, strategy, model, space_modes)[0]
+
+    infeasible.sort(key=lambda s: tables.memory_bound(s, modes(s)))
+    candidates = [costed_candidate(s, modes(s), tables) for s in infeasible[:20]]
     candidates.sort(key=lambda c: c.constants.total_bytes(c.memory_lower_bound_bytes))
     needs = []
     for c in candidates[:5]:

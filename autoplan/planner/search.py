@@ -71,7 +71,12 @@ from autoplan.planner.partition import (
 )
 from autoplan.planner.readback import plan_of, ranked
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, shown
-from autoplan.planner.stack_filter import stack_strategies, within_runtime, within_stack
+from autoplan.planner.stack_filter import (
+    stack_recompute_modes,
+    stack_strategies,
+    within_model,
+    within_stack,
+)
 from cost_model.degrees import is_whole
 from cost_model.estimate import CostModel
 from cost_model.frameworks import DEFAULT_FRAMEWORK, Refusal, framework_profile
@@ -303,14 +308,13 @@ def _space_for(
     dtype the device has no rate for."""
     space = SearchSpace.from_constraints(**constraints)
     stack = framework_profile(framework)
-    if stack.name == DEFAULT_FRAMEWORK:
-        space = within_runtime(space, profile)
+    space = within_model(space, stack, profile)
     space = space.for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
     missing = cluster.device.missing_rate(space.dtype or "")
     if missing is not None:
         raise ConstraintError(f"dtype={space.dtype}: {missing}; pass dtype='fp16' (--dtype fp16)")
-    space = within_stack(space, stack, cluster, dtype_given="dtype" in constraints)
+    space = within_stack(space, stack, profile, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);
         # autoplan's runtime runs both
@@ -352,12 +356,14 @@ def _enumerate(
                     visited=enumerated, total=0, best_step_time_s=None, phase="enumerate"
                 )
             )
+        if refusal is None:
+            space_modes = recompute_modes(space, strategy.schedule)
+            modes, refusal = stack_recompute_modes(stack, strategy, profile, space_modes)
         if refusal is not None:
             first, count = refusals.get(refusal.rule, (refusal, 0))
             refusals[refusal.rule] = (first, count + 1)
             continue
         stats.candidates += 1
-        modes = tuple(recompute_modes(space, strategy.schedule))
         if tables.memory_bound(strategy, modes) > capacity:
             stats.pruned_memory += 1
             memory_infeasible.append(strategy)

@@ -37,6 +37,7 @@ records `Pricing`, `EngineBehaviour` and `Capabilities`) and the rules that read
 """
 
 from cost_model.frameworks.catalog import FRAMEWORKS, framework_profile
+from cost_model.frameworks.limits import Explanation, LimitKey, ModelFacts, Refusal
 from cost_model.frameworks.profile import (
     DEFAULT_FRAMEWORK,
     AttentionKernel,
@@ -48,7 +49,6 @@ from cost_model.frameworks.profile import (
     FrameworkProfile,
     OptionValue,
     Pricing,
-    Refusal,
     Zero3Gathers,
     unfused_attention_efficiency,
 )
@@ -61,8 +61,11 @@ __all__ = [
     "Engine",
     "EngineBehaviour",
     "ExpertLayout",
+    "Explanation",
     "FrameworkError",
     "FrameworkProfile",
+    "LimitKey",
+    "ModelFacts",
     "OptionValue",
     "Pricing",
     "Refusal",

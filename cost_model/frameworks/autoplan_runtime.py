@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cost_model.frameworks.profile import FrameworkProfile
+from cost_model.frameworks.profile import Capabilities, FrameworkProfile
 
 AUTOPLAN = FrameworkProfile(
     name="autoplan",
@@ -10,6 +10,15 @@ AUTOPLAN = FrameworkProfile(
     summary=(
         "autoplan's runtime: SDPA attention, torch's non-reentrant checkpoint, "
         "torch.distributed.pipelining, DDP/FSDP2 overlapped gradient sync"
+    ),
+    capabilities=Capabilities(
+        # it runs the traced graph itself (`Capabilities.runs_traced_graph`): passes/ shard
+        # and wrap the graph's modules, and a torch.export graph cannot be re-cast or split
+        runs_traced_graph=True,
+        # passes/data_parallel.py: ZeRO-1 is DDP + ZeroRedundancyOptimizer, which broadcasts
+        # each updated parameter over the whole data-parallel group; under FSDP2 the experts
+        # are wrapped on their own, so its hooks run inside a selectively recomputed block
+        expert_wrapper_limits=True,
     ),
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

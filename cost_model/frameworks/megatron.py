@@ -77,12 +77,18 @@ MEGATRON_LM = FrameworkProfile(
     # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
     # stage alike (megatron/core/transformer/transformer_block.py)
     recompute_scope="global",
+    # its rank generator orders tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
+    # --use-tp-pp-dp-mapping (innermost first; megatron/training/initialize.py)
+    rank_layouts=(("pp", "dp", "tp"), ("dp", "pp", "tp")),
     capabilities=Capabilities(
         # validate_args: "When using MoE and tensor parallelism, sequence parallelism must be
         # used" (megatron/training/arguments.py)
         moe_tp_needs_sequence_parallel=True,
         # forward_backward_pipelining_with_interleaving: groups of >= pp micro-batches
         interleaved_microbatches="pp-or-more",
+        # with --use-tp-pp-dp-mapping and pipeline parallelism, initialize_model_parallel
+        # asserts the experts' data-parallel size equals the dense one
+        dp_outer_ep_is_tp_cp=True,
     ),
     options={
         "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},

@@ -1,8 +1,10 @@
-"""The profile type: `FrameworkProfile`, its nested records, `Refusal` and `FrameworkError`.
+"""The profile type: `FrameworkProfile`, its nested records and `FrameworkError`.
 
 A profile states one training stack's behaviour and limits (`cost_model.frameworks`); this
-module holds the type and the rules that read it (`FrameworkProfile.refusal`, `plan_refusal`,
-`cluster_for`), the stacks' own modules hold the values with their sources.
+module holds the type and the pricing it reads (`FrameworkProfile.cluster_for`,
+`overlaps_dp_sync`), `cost_model.frameworks.limits` the rules that read its limits
+(`FrameworkProfile.refusal`, `plan_refusal`), the stacks' own modules the values with their
+sources.
 """
 
 from __future__ import annotations
@@ -13,11 +15,18 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cost_model.errors import InputError
+from cost_model.frameworks.limits import (
+    Explanation,
+    ModelFacts,
+    Refusal,
+    outer_refusals,
+    plan_refusals,
+)
 from cost_model.hardware import Cluster
 from cost_model.memory import RecomputeModule, SelectiveScope, StackActivations
-from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
-from cost_model.stage_splits import PipelineSplit, StageSplitError, own_stage_starts
-from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy, is_subsequence
+from cost_model.schedules import ScheduleName
+from cost_model.stage_splits import PipelineSplit, even_stage_starts, own_stage_starts
+from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -38,22 +47,6 @@ OptionValue = float | str | tuple[str, ...]
 
 class FrameworkError(InputError):
     """An unknown framework name or option, or a plan priced for a stack that cannot run it."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Refusal:
-    """Why a stack cannot run a plan: the plan's value, the stack's rule, and the nearest
-    change the stack runs. Prints as one line, ``value: rule; fix``."""
-
-    # what the plan does, with its numbers: "schedule gpipe", "zero 1 with pp 2"
-    value: str
-    # the stack's limit, the same for every plan it refuses so (the search counts by it)
-    rule: str
-    # the nearest plan the stack runs: "set --schedule 1f1b"
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.value}: {self.rule}; {self.fix}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,8 +104,9 @@ class EngineBehaviour:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Capabilities:
-    """Limits of the stack that only `FrameworkProfile.refusal` reads (the others, which the
-    search and the exporters read too, are `FrameworkProfile` fields)."""
+    """Limits of the stack over several plan axes, or on its model, and its own words for
+    each limit (the single-axis limits are `FrameworkProfile` fields; `cost_model.frameworks.
+    limits` reads both)."""
 
     # The least ZeRO stage with context parallelism (a stack that shards the weights over
     # dp x cp whenever cp > 1); ``None``: any.
@@ -122,6 +116,21 @@ class Capabilities:
     # What its interleaved schedule needs of the micro-batches: at least pp (Megatron-Core's
     # groups of pp or more), or a multiple of pp on more than 2 ranks (Megatron-LM 2021).
     interleaved_microbatches: Literal["pp-or-more", "multiple-of-pp"] | None = None
+    # With data parallelism outside the pipeline ([dp, pp, ...]) and pp > 1, ep must be
+    # tp x cp: the experts' data-parallel size must equal the dense one.
+    dp_outer_ep_is_tp_cp: bool = False
+    # The stack runs the traced graph itself (autoplan's runtime): a torch.export graph pins
+    # its dtype (fp32), inlines its norms (no sequence parallelism) and fixes its sequence (no
+    # context parallelism), and context parallelism splits the model's RoPE tables.
+    runs_traced_graph: bool = False
+    # Its expert parallelism runs neither beside DDP + ZeroRedundancyOptimizer (ZeRO-1) nor
+    # with selective recompute around separately wrapped experts under FSDP2 (autoplan's
+    # runtime).
+    expert_wrapper_limits: bool = False
+    # Each limit in the stack's own terms, citing its code (`Explanation`): what `autoplan
+    # export` says of a plan that breaks it. Keyed by `LimitKey`, or ``limit:value`` where
+    # one value needs its own words (``schedule:gpipe``).
+    explained: Mapping[str, Explanation] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,7 +145,7 @@ class FrameworkProfile:
     pricing: Pricing = field(default_factory=Pricing)
     # How its engine overlaps the data-parallel sync (`EngineBehaviour`).
     engine_behaviour: EngineBehaviour = field(default_factory=EngineBehaviour)
-    # Limits of its engine read by `refusal` alone (`Capabilities`).
+    # Its limits over several axes or on its model, and its words for each (`Capabilities`).
     capabilities: Capabilities = field(default_factory=Capabilities)
     # The dropout probability the stack's runs use (hidden and attention alike; 0: none, as the
     # traced models): with it a block keeps 1-byte masks (`cost_model.memory.StackActivations`).
@@ -217,188 +226,20 @@ class FrameworkProfile:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).
     options: Mapping[str, Mapping[str, Mapping[str, OptionValue]]] = field(default_factory=dict)
 
-    def refusal(self, strategy: Strategy, *, moe: bool = False) -> Refusal | None:
-        """Why the stack cannot run ``strategy``'s outer choices on a model (``moe``: with
-        experts); None when it can."""
-        name, z = self.name, strategy.zero_stage
-        tp, pp, cp = strategy.tp_degree, strategy.pp_degree, strategy.cp_degree
-        if not self.context_parallel and cp > 1:
-            return Refusal(
-                value=f"cp {cp}",
-                rule=f"{name} has no ring-attention context parallelism",
-                fix="set --cp 1",
-            )
-        if not self.expert_parallel and strategy.ep_degree > 1:
-            return Refusal(
-                value=f"ep {strategy.ep_degree}",
-                rule=f"{name} has no expert parallelism as a plan degree",
-                fix="set --ep 1",
-            )
-        if not self.pipeline_parallel and pp > 1:
-            return Refusal(
-                value=f"pp {pp}", rule=f"{name} has no pipeline parallelism", fix="set --pp 1"
-            )
-        if not self.tensor_parallel and tp > 1:
-            return Refusal(
-                value=f"tp {tp}",
-                rule=f"{name} has no Megatron-style tensor parallelism",
-                fix="set --tp 1",
-            )
-        if self.zero_stages is not None and z not in self.zero_stages:
-            # the next stage up (the same traffic, less memory), else the largest below
-            nearest = min((s for s in self.zero_stages if s > z), default=max(self.zero_stages))
-            return Refusal(
-                value=f"zero {z}",
-                rule=f"{name} runs only ZeRO {', '.join(map(str, self.zero_stages))}",
-                fix=f"set --zero {nearest}",
-            )
-        if (
-            self.capabilities.cp_min_zero is not None
-            and cp > 1
-            and z < self.capabilities.cp_min_zero
-        ):
-            return Refusal(
-                value=f"zero {z} with cp {cp}",
-                rule=f"{name} shards the weights over dp x cp with context parallelism",
-                fix=f"set --zero {self.capabilities.cp_min_zero} or more, or --cp 1",
-            )
-        if (
-            self.capabilities.moe_tp_needs_sequence_parallel
-            and moe
-            and tp > 1
-            and not strategy.sequence_parallel
-        ):
-            return Refusal(
-                value=f"tp {tp} without sequence parallelism on a mixture-of-experts model",
-                rule=f"{name} needs sequence parallelism for experts with tp > 1",
-                fix="set --sequence-parallel, or --tp 1",
-            )
-        if pp == 1:
-            return None
-        m = strategy.num_micro_batches
-        if strategy.schedule == "interleaved-1f1b":
-            value = f"interleaved-1f1b with m = {m} micro-batch{'es' if m > 1 else ''} on pp = {pp}"
-            if self.capabilities.interleaved_microbatches == "pp-or-more" and m < pp:
-                return Refusal(
-                    value=value,
-                    rule=f"{name}'s interleaved schedule needs m >= pp",
-                    fix=f"use at least {pp} micro-batches, or --schedule 1f1b",
-                )
-            if self.capabilities.interleaved_microbatches == "multiple-of-pp" and (
-                m % pp or pp <= 2
-            ):
-                fix = (
-                    f"use a multiple of {pp} micro-batches ({-(-m // pp) * pp})"
-                    if pp > 2
-                    else "use pp > 2"
-                )
-                return Refusal(
-                    value=value,
-                    rule=(
-                        f"{name}'s interleaved schedule needs pp > 2 and a multiple of pp "
-                        "micro-batches"
-                    ),
-                    fix=f"{fix}, or --schedule 1f1b",
-                )
-        if not self.pipeline_tensor_parallel and tp > 1:
-            return Refusal(
-                value=f"tp {tp} with pp {pp}",
-                rule=f"{name}'s pipeline engine has no tensor parallelism",
-                fix="set --tp 1, or --pp 1",
-            )
-        if self.pipeline_max_zero is not None and z > self.pipeline_max_zero:
-            return Refusal(
-                value=f"zero {z} with pp {pp}",
-                rule=f"{name}'s pipeline engine runs ZeRO {self.pipeline_max_zero} at most",
-                fix=f"set --zero {self.pipeline_max_zero}, or --pp 1",
-            )
-        return None
+    def refusal(
+        self, strategy: Strategy, model: ModelFacts, *, running: bool = False
+    ) -> Refusal | None:
+        """Why the stack cannot run ``strategy``'s outer choices on ``model``; None when it
+        can (`cost_model.frameworks.limits.outer_refusals`; ``running`` as there)."""
+        return next(outer_refusals(self, strategy, model, running=running), None)
 
-    def plan_refusal(self, plan: PlanLike, profile: ModelProfile) -> Refusal | None:
-        """Why the stack cannot run ``plan`` on ``profile``'s model: `refusal` of its outer
-        choices, its schedule, sequence parallelism, dtype, its stages' recompute, its rank
-        order and, for a stack that cuts its stages itself, its stage cut; None when it can."""
-        strategy = Strategy.of(plan)
-        name = self.name
-        if (why := self.refusal(strategy, moe=bool(profile.moe_layers))) is not None:
-            return why
-        pipelined = strategy.pp_degree > 1
-        gpipe_order = runs_in_gpipe_order(
-            strategy.schedule, strategy.num_micro_batches, strategy.pp_degree
-        )
-        if (
-            self.schedules is not None
-            and pipelined
-            and strategy.schedule not in self.schedules
-            and not (gpipe_order and "1f1b" in self.schedules)
-        ):
-            return Refusal(
-                value=f"schedule {strategy.schedule}",
-                rule=f"{name} runs only {', '.join(self.schedules)}",
-                fix=_nearest_schedule(self.schedules, strategy.virtual_stages),
-            )
-        if self.sequence_parallel is False and strategy.sequence_parallel:
-            return Refusal(
-                value="sequence parallelism",
-                rule=f"{name} has no Megatron-style sequence parallelism",
-                fix="leave out --sequence-parallel",
-            )
-        if self.dtypes is not None and strategy.dtype not in self.dtypes:
-            return Refusal(
-                value=f"dtype {strategy.dtype}",
-                rule=f"{name} trains in {' or '.join(self.dtypes)}",
-                fix=f"set --dtype {self.dtypes[0]}",
-            )
-        modes = sorted({stage.recompute for stage in plan.stages}, key=_RECOMPUTE_ORDER.index)
-        allowed = self.recompute_modes
-        if allowed is not None and not set(modes) <= set(allowed):
-            refused = next(mode for mode in modes if mode not in allowed)
-            # the next mode up that the stack has (keeps less), else the heaviest it has
-            heavier = _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(refused) :]
-            nearest = next((mode for mode in heavier if mode in allowed), allowed[-1])
-            return Refusal(
-                value=f"recompute {refused}",
-                rule=f"{name} has only {' and '.join(allowed)} recompute",
-                fix=f"set --recompute {nearest}",
-            )
-        if self.recompute_scope == "global" and len(modes) > 1:
-            return Refusal(
-                value=f"recompute {' and '.join(modes)} by stage",
-                rule=f"{name} has one recompute setting for all stages",
-                fix=f"set --recompute {modes[-1]} for all",
-            )
-        if self.rank_layouts is not None:
-            # as the stack sees it: the axes of degree > 1, cp just outside tp
-            used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
-            orders: list[list[str]] = [
-                [*layout[:-1], "cp", layout[-1]] for layout in self.rank_layouts
-            ]
-            if not any(is_subsequence(used, order) for order in orders):
-                shown = " or ".join(str(list(layout)) for layout in self.rank_layouts)
-                return Refusal(
-                    value=f"rank_layout {list(strategy.rank_layout)}",
-                    rule=f"{name} orders its process groups {shown}",
-                    fix=f"set rank_layout {list(self.rank_layouts[0])}",
-                )
-        if self.stage_cuts == "own" and len(plan.stages) > 1:
-            cuts = [(stage.first_unit, stage.last_unit) for stage in plan.stages]
-            try:
-                starts = self.stage_starts(profile, len(plan.stages))
-            except StageSplitError as err:
-                return Refusal(
-                    value=f"{len(plan.stages)} stages",
-                    rule=f"{name} cuts the stages itself: {err}",
-                    fix="price another pipeline degree",
-                )
-            ends = [*starts[1:], profile.num_units]
-            own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
-            if cuts != own:
-                return Refusal(
-                    value=f"stages {_cuts_text(cuts)}",
-                    rule=f"{name} cuts the stages itself",
-                    fix=f"use its cut {_cuts_text(own)} (leave the stages to it)",
-                )
-        return None
+    def plan_refusal(
+        self, plan: PlanLike, model: ModelFacts, *, running: bool = False
+    ) -> Refusal | None:
+        """Why the stack cannot run ``plan`` on ``model``: the first limit it breaks
+        (`cost_model.frameworks.limits.plan_refusals`; ``running`` as there); None when it
+        can."""
+        return next(plan_refusals(self, plan, model, running=running), None)
 
     @property
     def saved_activations(self) -> StackActivations:
@@ -422,10 +263,15 @@ class FrameworkProfile:
             return False
         return self.engine_behaviour.pipeline_dp_overlap or strategy.pp_degree == 1
 
-    def stage_starts(self, profile: ModelProfile, num_stages: int) -> tuple[int, ...]:
+    def stage_starts(self, profile: ModelFacts, num_stages: int) -> tuple[int, ...]:
         """The first unit of each stage as this stack cuts ``num_stages`` stages when no cut
         is stated (`cost_model.stage_splits.own_stage_starts`): what `autoplan.manual_plan`
-        and the search build for it; `StageSplitError` where its rule cuts inside a unit."""
+        and the search build for it; `StageSplitError` where its rule cuts inside a unit.
+        A split rule reads the traced model (a `ModelProfile`); without one, its units."""
+        if self.pipeline_split is None:
+            return even_stage_starts(profile.num_units, num_stages)
+        if not isinstance(profile, ModelProfile):
+            raise TypeError(f"{self.name}'s pipeline split reads the traced model's units")
         return own_stage_starts(profile, num_stages, self.pipeline_split)
 
     def cluster_for(self, profile: ModelProfile, cluster: Cluster) -> Cluster:
@@ -510,26 +356,3 @@ def unfused_attention_efficiency(
     return min(
         1.0, 1.0 / (1.0 / cal.gemm_efficiency + score_bytes * peak / (score_flops * bandwidth))
     )
-
-
-# recompute modes from the least kept to the most
-_RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
-
-
-def _nearest_schedule(allowed: tuple[ScheduleName, ...], virtual_stages: int) -> str:
-    """The change to an ``allowed`` schedule nearest a plan with ``virtual_stages`` stages a
-    rank: one with as many stages a rank where there is one, 1F1B for one stage a rank."""
-    several = [s for s in allowed if s not in ("gpipe", "1f1b")]
-    if virtual_stages > 1 and several:
-        pick = several[0]
-        v_fix = " --virtual-stages 2" if pick in V_SCHEDULES and virtual_stages != 2 else ""
-        return f"set --schedule {pick}{v_fix}"
-    one = [s for s in ("1f1b", "gpipe") if s in allowed]
-    if one:
-        return f"set --schedule {one[0]}" + (" --virtual-stages 1" if virtual_stages > 1 else "")
-    return f"set --schedule {allowed[0]} --virtual-stages 2"
-
-
-def _cuts_text(cuts: list[tuple[int, int]]) -> str:
-    """Stages as unit ranges, ``[0-4, 5-9]``."""
-    return "[" + ", ".join(f"{first}-{last}" for first, last in cuts) + "]"

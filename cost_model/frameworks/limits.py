@@ -1,0 +1,678 @@
+"""What a training stack runs: its limits, read from its `FrameworkProfile` in one place.
+
+Expects a profile (its capability fields: `FrameworkProfile.dtypes`, `schedules`, ...,
+`Capabilities`) and the model's facts (`ModelFacts`: a traced `ModelProfile`, or what an
+exporter states from the model's sizes).
+Guarantees, for the search, `Plan.validate`, `parallelize` and the exporters alike:
+- `axis_limits`: per plan axis, the values the stack runs; the search keeps to them
+  (`autoplan.planner.stack_filter`), and a plan outside is refused with the limit's `Refusal`;
+- `outer_refusals`: those of the axes of an outer choice, then the stack's rules that combine
+  axes (ZeRO with pp, tp with pp, the interleaved schedule's micro-batches, ...);
+- `recompute_modes`: the modes the stack gives the stages of one outer choice;
+- `plan_refusals`: every limit a whole plan breaks, in one fixed order (the first is what
+  `FrameworkProfile.plan_refusal` reports).
+Each `Refusal` names the value, the rule and the fix, and its `limit`, by which an exporter
+words it in the stack's own terms (`Capabilities.explained`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+from cost_model.messages import shown
+from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
+from cost_model.stage_splits import StageSplitError
+from cost_model.strategy import PlanLike, RecomputeMode, Strategy, is_subsequence
+
+if TYPE_CHECKING:
+    from cost_model.frameworks.profile import FrameworkProfile
+
+# The limit a refusal comes from. Axis limits: a value of one plan axis the stack lacks.
+# Combinations: rules over several axes. The runtime's: autoplan's own runtime on its model.
+LimitKey = Literal[
+    "cp",
+    "ep",
+    "pp",
+    "tp",
+    "zero",
+    "dtype",
+    "schedule",
+    "sequence-parallel",
+    "recompute",
+    "rank-layout",
+    "cp-zero",
+    "moe-tp-sp",
+    "interleaved",
+    "pipeline-tp",
+    "pipeline-zero",
+    "recompute-scope",
+    "stage-cuts",
+    "expert-layout",
+    "expert-groups",
+    "ep-zero1",
+    "ep-selective",
+]
+# The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
+SearchAxis = Literal[
+    "cp", "ep", "pp", "tp", "zero", "dtype", "schedules", "sequence_parallel", "recompute",
+    "rank_layouts",
+]  # fmt: skip
+
+
+class ModelFacts(Protocol):
+    """What a stack's limits read of the model (a traced `ModelProfile` has it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_units(self) -> int: ...
+    @property
+    def has_experts(self) -> bool: ...
+    @property
+    def exported(self) -> bool: ...
+    @property
+    def rope_tables(self) -> bool: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refusal:
+    """Why a stack cannot run a plan: the plan's value, the stack's rule, and the nearest
+    change the stack runs. Prints as one line, ``value: rule; fix`` (or ``text``)."""
+
+    # what the plan does, with its numbers: "schedule gpipe", "zero 1 with pp 2"
+    value: str
+    # the stack's limit, the same for every plan it refuses so (the search counts by it)
+    rule: str
+    # the nearest plan the stack runs: "set --schedule 1f1b"
+    fix: str
+    # which limit (`LimitKey`), and the plan field it refuses ("tp_degree", "schedule", ...)
+    limit: LimitKey
+    field: str
+    # the whole message in the stack's own sentence, where it says more than value, rule
+    # and fix (autoplan's runtime, which names the model and why its graph cannot)
+    text: str = ""
+
+    def __str__(self) -> str:
+        return self.text or f"{self.value}: {self.rule}; {self.fix}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Explanation:
+    """A limit in the stack's own terms, citing the code that sets it: what `autoplan export`
+    says of a plan that breaks it. ``why`` and ``fix`` are `str.format` templates over the
+    plan's facts (``autoplan.export._common.plan_facts``: ``{tp}``, ``{pp}``, ``{cp}``,
+    ``{ep}``, ``{zero}``, ``{m}``, ``{v}``, ``{schedule}``, ``{framework}``, ...); ``value``
+    too, where the export shows the refused value otherwise than the plan field's own."""
+
+    why: str
+    fix: str
+    value: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AxisLimit:
+    """The values of one plan axis a stack runs (`axis_limits`)."""
+
+    axis: SearchAxis
+    allowed: tuple[Any, ...]
+    # the stack's rule, as its refusals name it
+    rule: str
+    # the refusal of a value outside ``allowed``
+    refuse: Callable[[Any], Refusal]
+    # True: the traced model sets it (autoplan's runtime on an exported graph), so the search
+    # takes it before the cluster's defaults, unasked; False: the stack's own limit
+    of_model: bool = False
+
+
+# recompute modes from the least kept to the most
+RECOMPUTE_ORDER: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+# the order `outer_refusals` checks the axes of an outer choice in
+_OUTER_AXES: tuple[SearchAxis, ...] = ("cp", "ep", "pp", "tp", "zero")
+# the order `plan_refusals` checks the other axes in, after the outer choice's rules
+_PLAN_AXES: tuple[SearchAxis, ...] = (
+    "schedules",
+    "sequence_parallel",
+    "dtype",
+    "recompute",
+    "rank_layouts",
+)
+_DEGREES: dict[str, tuple[str, str]] = {
+    "cp": ("context_parallel", "ring-attention context parallelism"),
+    "ep": ("expert_parallel", "expert parallelism as a plan degree"),
+    "pp": ("pipeline_parallel", "pipeline parallelism"),
+    "tp": ("tensor_parallel", "Megatron-style tensor parallelism"),
+}
+
+
+def axis_limits(
+    stack: FrameworkProfile, model: ModelFacts, *, running: bool = False
+) -> tuple[AxisLimit, ...]:
+    """Per plan axis, the values ``stack`` runs on ``model`` (axes it runs whole are left
+    out): the stack's own limits, then, for autoplan's runtime, its traced graph's.
+
+    ``running`` True adds what running this traced model needs (a torch.export graph's,
+    expert wrappers': `Capabilities.runs_traced_graph`, `expert_wrapper_limits`): the search,
+    `Plan.validate` and `parallelize` ask so, the cost model prices a plan without them; so
+    does every function here that takes it."""
+    limits = [*_stack_limits(stack)]
+    if running and stack.capabilities.runs_traced_graph:
+        limits += _traced_graph_limits(model)
+    return tuple(limits)
+
+
+def _stack_limits(stack: FrameworkProfile) -> Iterator[AxisLimit]:
+    name = stack.name
+    for axis, (flag, what) in _DEGREES.items():
+        if not getattr(stack, flag):
+            rule = f"{name} has no {what}"
+            yield AxisLimit(
+                axis=axis,  # type: ignore[arg-type]
+                allowed=(1,),
+                rule=rule,
+                refuse=_degree_refusal(axis, rule),
+            )
+    if (zero := stack.zero_stages) is not None:
+        rule = f"{name} runs only ZeRO {', '.join(map(str, zero))}"
+        yield AxisLimit(axis="zero", allowed=zero, rule=rule, refuse=_zero_refusal(rule, zero))
+    if (schedules := stack.schedules) is not None:
+        rule = f"{name} runs only {', '.join(schedules)}"
+        yield AxisLimit(
+            axis="schedules",
+            allowed=schedules,
+            rule=rule,
+            refuse=_schedule_refusal(rule, schedules),
+        )
+    if stack.sequence_parallel is False:
+        sp_rule = f"{name} has no Megatron-style sequence parallelism"
+        yield AxisLimit(
+            axis="sequence_parallel",
+            allowed=(False,),
+            rule=sp_rule,
+            refuse=lambda _: Refusal(
+                value="sequence parallelism",
+                rule=sp_rule,
+                fix="leave out --sequence-parallel",
+                limit="sequence-parallel",
+                field="sequence_parallel",
+            ),
+        )
+    if (dtypes := stack.dtypes) is not None:
+        dtype_rule = f"{name} trains in {' or '.join(dtypes)}"
+        yield AxisLimit(
+            axis="dtype",
+            allowed=dtypes,
+            rule=dtype_rule,
+            refuse=lambda dtype: Refusal(
+                value=f"dtype {dtype}",
+                rule=dtype_rule,
+                fix=f"set --dtype {dtypes[0]}",
+                limit="dtype",
+                field="dtype",
+            ),
+        )
+    if (modes := stack.recompute_modes) is not None:
+        rule = f"{name} has only {' and '.join(modes)} recompute"
+        yield AxisLimit(
+            axis="recompute", allowed=modes, rule=rule, refuse=_recompute_refusal(rule, modes)
+        )
+    if (layouts := stack.rank_layouts) is not None:
+        orders = " or ".join(str(list(layout)) for layout in layouts)
+        layout_rule = f"{name} orders its process groups {orders}"
+        yield AxisLimit(
+            axis="rank_layouts",
+            allowed=layouts,
+            rule=layout_rule,
+            refuse=lambda layout: Refusal(
+                value=f"rank_layout {list(layout)}",
+                rule=layout_rule,
+                fix=f"set rank_layout {list(layouts[0])}",
+                limit="rank-layout",
+                field="rank_layout",
+            ),
+        )
+
+
+def _degree_refusal(axis: str, rule: str) -> Callable[[Any], Refusal]:
+    def refuse(degree: Any) -> Refusal:
+        return Refusal(
+            value=f"{axis} {degree}",
+            rule=rule,
+            fix=f"set --{axis} 1",
+            limit=axis,  # type: ignore[arg-type]
+            field=f"{axis}_degree",
+        )
+
+    return refuse
+
+
+def _zero_refusal(rule: str, stages: tuple[int, ...]) -> Callable[[Any], Refusal]:
+    def refuse(z: Any) -> Refusal:
+        # the next stage up (the same traffic, less memory), else the largest below
+        nearest = min((s for s in stages if s > z), default=max(stages))
+        return Refusal(
+            value=f"zero {z}",
+            rule=rule,
+            fix=f"set --zero {nearest}",
+            limit="zero",
+            field="zero_stage",
+        )
+
+    return refuse
+
+
+def _schedule_refusal(rule: str, allowed: tuple[ScheduleName, ...]) -> Callable[[Any], Refusal]:
+    def refuse(value: Any) -> Refusal:
+        schedule, virtual_stages = value if isinstance(value, tuple) else (value, 1)
+        return Refusal(
+            value=f"schedule {schedule}",
+            rule=rule,
+            fix=_nearest_schedule(allowed, virtual_stages),
+            limit="schedule",
+            field="schedule",
+        )
+
+    return refuse
+
+
+def _recompute_refusal(rule: str, allowed: tuple[RecomputeMode, ...]) -> Callable[[Any], Refusal]:
+    def refuse(refused: Any) -> Refusal:
+        # the next mode up that the stack has (keeps less), else the heaviest it has
+        heavier = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(refused) :]
+        nearest = next((mode for mode in heavier if mode in allowed), allowed[-1])
+        return Refusal(
+            value=f"recompute {refused}",
+            rule=rule,
+            fix=f"set --recompute {nearest}",
+            limit="recompute",
+            field="stages[*].recompute",
+        )
+
+    return refuse
+
+
+def _traced_graph_limits(model: ModelFacts) -> Iterator[AxisLimit]:
+    """autoplan's runtime runs the traced graph itself: a torch.export graph pins its dtype,
+    inlines its norms and fixes its sequence; context parallelism splits RoPE tables."""
+    name = shown(model.name)
+    if model.exported:
+        yield AxisLimit(
+            axis="cp",
+            allowed=(1,),
+            rule="a torch.export graph fixes the sequence length",
+            of_model=True,
+            refuse=lambda cp: _runtime_refusal(
+                "cp",
+                "cp_degree",
+                f"cp_degree = {cp}, but {name} was traced with torch.export, whose graph fixes "
+                "the sequence length and position tables that context parallelism must split; "
+                "use cp_degree 1 for this model",
+            ),
+        )
+    elif not model.rope_tables:
+        yield AxisLimit(
+            axis="cp",
+            allowed=(1,),
+            rule="context parallelism splits RoPE tables, which the model lacks",
+            of_model=True,
+            refuse=lambda cp: _runtime_refusal(
+                "cp",
+                "cp_degree",
+                f"cp_degree = {cp}, but {name} has no RoPE tables (rope_cos/rope_sin buffers) "
+                "for context parallelism to split by position; models with learned position "
+                "embeddings (GPT) are not supported: use cp_degree 1",
+            ),
+        )
+    if not model.exported:
+        return
+    yield AxisLimit(
+        axis="dtype",
+        allowed=("fp32",),
+        rule="a torch.export graph pins fp32",
+        of_model=True,
+        refuse=lambda dtype: _runtime_refusal(
+            "dtype",
+            "dtype",
+            f"dtype = {shown(dtype)}, but {name} was traced with torch.export in fp32, and the "
+            "exported graph pins that dtype (it drops casts that were no-ops in fp32, such as an "
+            "RMSNorm's cast back to the input dtype), so bf16/fp16 weights would meet fp32 "
+            "activations; use dtype 'fp32' for this model",
+        ),
+    )
+    yield AxisLimit(
+        axis="sequence_parallel",
+        allowed=(False,),
+        rule="a torch.export graph inlines its norms",
+        of_model=True,
+        refuse=lambda tp: _runtime_refusal(
+            "sequence-parallel",
+            "sequence_parallel",
+            f"sequence_parallel with tp_degree = {tp}, but {name} was traced with "
+            "torch.export, which inlines its norms (sequence parallelism shards norm modules); "
+            "turn sequence_parallel off (tensor parallelism itself works)",
+        ),
+    )
+
+
+def _runtime_refusal(limit: LimitKey, field: str, text: str) -> Refusal:
+    """A refusal of autoplan's runtime, in its own sentence ``value, but why; fix`` (or
+    ``value: why; fix``)."""
+    head, _, fix = text.rpartition("; ")
+    value, _, rule = head.partition(", but " if ", but " in head else ": ")
+    return Refusal(value=value, rule=rule, fix=fix, limit=limit, field=field, text=text)
+
+
+def outer_refusals(
+    stack: FrameworkProfile, strategy: Strategy, model: ModelFacts, *, running: bool = False
+) -> Iterator[Refusal]:
+    """Every limit ``strategy``'s outer choices break on ``stack``: its axes' limits
+    (cp, ep, pp, tp, ZeRO), then the rules over several axes (expert groups, pipelines)."""
+    limits = axis_limits(stack, model, running=running)
+    values = {
+        "cp": strategy.cp_degree,
+        "ep": strategy.ep_degree,
+        "pp": strategy.pp_degree,
+        "tp": strategy.tp_degree,
+        "zero": strategy.zero_stage,
+    }
+    for axis in _OUTER_AXES:
+        value = values[axis]
+        for limit in limits:
+            if limit.axis == axis and value not in limit.allowed:
+                yield limit.refuse(value)
+    yield from _combination_refusals(stack, strategy, model, running)
+
+
+def _combination_refusals(
+    stack: FrameworkProfile, strategy: Strategy, model: ModelFacts, running: bool
+) -> Iterator[Refusal]:
+    name, caps, z = stack.name, stack.capabilities, strategy.zero_stage
+    tp, pp, cp, ep = strategy.tp_degree, strategy.pp_degree, strategy.cp_degree, strategy.ep_degree
+    if caps.cp_min_zero is not None and cp > 1 and z < caps.cp_min_zero:
+        yield Refusal(
+            value=f"zero {z} with cp {cp}",
+            rule=f"{name} shards the weights over dp x cp with context parallelism",
+            fix=f"set --zero {caps.cp_min_zero} or more, or --cp 1",
+            limit="cp-zero",
+            field="zero_stage",
+        )
+    moe_tp = caps.moe_tp_needs_sequence_parallel and model.has_experts and tp > 1
+    if moe_tp and not strategy.sequence_parallel:
+        yield Refusal(
+            value=f"tp {tp} without sequence parallelism on a mixture-of-experts model",
+            rule=f"{name} needs sequence parallelism for experts with tp > 1",
+            fix="set --sequence-parallel, or --tp 1",
+            limit="moe-tp-sp",
+            field="sequence_parallel",
+        )
+    wrappers = running and caps.expert_wrapper_limits
+    if wrappers and ep > 1 and strategy.dp_wrapper == "ddp" and z == 1:
+        yield _runtime_refusal(
+            "ep-zero1",
+            "zero_stage",
+            f"zero_stage 1 with ep_degree = {ep}, but ZeRO-1 runs as DDP + "
+            "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
+            "holding others (it broadcasts each updated parameter over the whole data-parallel "
+            "group); use zero_stage 0 or 2",
+        )
+    yield from _expert_group_refusals(stack, strategy)
+    if pp > 1:
+        yield from _pipeline_refusals(stack, strategy)
+
+
+def _pipeline_refusals(stack: FrameworkProfile, strategy: Strategy) -> Iterator[Refusal]:
+    name, needs = stack.name, stack.capabilities.interleaved_microbatches
+    tp, pp, z, m = (
+        strategy.tp_degree,
+        strategy.pp_degree,
+        strategy.zero_stage,
+        strategy.num_micro_batches,
+    )
+    if strategy.schedule == "interleaved-1f1b":
+        value = f"interleaved-1f1b with m = {m} micro-batch{'es' if m > 1 else ''} on pp = {pp}"
+        if needs == "pp-or-more" and m < pp:
+            yield Refusal(
+                value=value,
+                rule=f"{name}'s interleaved schedule needs m >= pp",
+                fix=f"use at least {pp} micro-batches, or --schedule 1f1b",
+                limit="interleaved",
+                field="num_micro_batches",
+            )
+        if needs == "multiple-of-pp" and (m % pp or pp <= 2):
+            fix = (
+                f"use a multiple of {pp} micro-batches ({-(-m // pp) * pp})"
+                if pp > 2
+                else "use pp > 2"
+            )
+            yield Refusal(
+                value=value,
+                rule=f"{name}'s interleaved schedule needs pp > 2 and a multiple of pp "
+                "micro-batches",
+                fix=f"{fix}, or --schedule 1f1b",
+                limit="interleaved",
+                field="num_micro_batches",
+            )
+    if not stack.pipeline_tensor_parallel and tp > 1:
+        yield Refusal(
+            value=f"tp {tp} with pp {pp}",
+            rule=f"{name}'s pipeline engine has no tensor parallelism",
+            fix="set --tp 1, or --pp 1",
+            limit="pipeline-tp",
+            field="tp_degree",
+        )
+    if stack.pipeline_max_zero is not None and z > stack.pipeline_max_zero:
+        yield Refusal(
+            value=f"zero {z} with pp {pp}",
+            rule=f"{name}'s pipeline engine runs ZeRO {stack.pipeline_max_zero} at most",
+            fix=f"set --zero {stack.pipeline_max_zero}, or --pp 1",
+            limit="pipeline-zero",
+            field="zero_stage",
+        )
+
+
+def recompute_modes(
+    stack: FrameworkProfile,
+    strategy: Strategy,
+    model: ModelFacts,
+    modes: Sequence[RecomputeMode] = RECOMPUTE_ORDER,
+) -> tuple[RecomputeMode, ...]:
+    """The ``modes`` ``stack`` gives the stages of ``strategy`` on ``model``."""
+    return tuple(mode for mode in modes if recompute_refusal(stack, strategy, mode) is None)
+
+
+def recompute_refusal(
+    stack: FrameworkProfile, strategy: Strategy, mode: RecomputeMode
+) -> Refusal | None:
+    """Why ``stack`` cannot recompute ``mode`` in ``strategy``'s stages (its modes are an axis
+    limit, checked apart); None when it can."""
+    ep = strategy.ep_degree
+    if not stack.capabilities.expert_wrapper_limits or mode != "selective" or ep == 1:
+        return None
+    if strategy.dp_wrapper not in ("fsdp", "replicate"):
+        return None
+    # the stage the runtime runs (`Strategy.decisions`), as `autoplan.Plan.zero_text` says it
+    run = strategy.runtime_zero_stage
+    zero = f"ZeRO-{strategy.zero_stage}" + (
+        "" if run == strategy.zero_stage else f" (runs as ZeRO-{run})"
+    )
+    return _runtime_refusal(
+        "ep-selective",
+        "stages[*].recompute",
+        f"recompute 'selective' with ep_degree = {ep} under FSDP2 ({zero}): the "
+        "experts are wrapped on their own (their data-parallel group differs from the "
+        "block's), so FSDP2's hooks run inside the selectively recomputed block and the "
+        "recompute diverges from the forward; use recompute 'full' or 'none' on those stages, "
+        "or zero_stage 0 without tensor or pipeline parallelism (DDP)",
+    )
+
+
+def plan_refusals(
+    stack: FrameworkProfile, plan: PlanLike, model: ModelFacts, *, running: bool = False
+) -> Iterator[Refusal]:
+    """Every limit ``plan`` breaks on ``stack`` and ``model``, in a fixed order: the outer
+    choice's (`outer_refusals`), its other axes' (schedule, sequence parallelism, dtype,
+    recompute, rank order), then its stages' (one recompute setting, the stack's own cut)."""
+    strategy = Strategy.of(plan)
+    yield from outer_refusals(stack, strategy, model, running=running)
+    modes = cast(
+        "list[RecomputeMode]",
+        sorted({stage.recompute for stage in plan.stages}, key=RECOMPUTE_ORDER.index),
+    )
+    limits = axis_limits(stack, model, running=running)
+    for axis in _PLAN_AXES:
+        for limit in limits:
+            if limit.axis == axis and (refusal := _plan_axis_refusal(limit, strategy, modes)):
+                yield refusal
+    for mode in modes if running else ():
+        if (why := recompute_refusal(stack, strategy, mode)) is not None:
+            yield why
+    if stack.recompute_scope == "global" and len(modes) > 1:
+        yield Refusal(
+            value=f"recompute {' and '.join(modes)} by stage",
+            rule=f"{stack.name} has one recompute setting for all stages",
+            fix=f"set --recompute {modes[-1]} for all",
+            limit="recompute-scope",
+            field="stages[*].recompute",
+        )
+    if stack.stage_cuts == "own" and len(plan.stages) > 1:
+        cuts = [(stage.first_unit, stage.last_unit) for stage in plan.stages]
+        if (why := _stage_cut_refusal(stack, model, cuts)) is not None:
+            yield why
+
+
+def _plan_axis_refusal(
+    limit: AxisLimit, strategy: Strategy, modes: Sequence[RecomputeMode]
+) -> Refusal | None:
+    """``limit``'s refusal of ``strategy`` (with its stages' recompute ``modes``), or None."""
+    if limit.axis == "schedules":
+        pipelined = strategy.pp_degree > 1
+        gpipe_order = runs_in_gpipe_order(
+            strategy.schedule, strategy.num_micro_batches, strategy.pp_degree
+        )
+        allowed = strategy.schedule in limit.allowed or (gpipe_order and "1f1b" in limit.allowed)
+        if not pipelined or allowed:
+            return None
+        return limit.refuse((strategy.schedule, strategy.virtual_stages))
+    if limit.axis == "sequence_parallel":
+        if not strategy.sequence_parallel:
+            return None
+        if limit.of_model:
+            # a traced graph's limit is on what sequence parallelism shards: nothing without tp
+            return limit.refuse(strategy.tp_degree) if strategy.tp_degree > 1 else None
+        return limit.refuse(True)
+    if limit.axis == "dtype":
+        return None if strategy.dtype in limit.allowed else limit.refuse(strategy.dtype)
+    if limit.axis == "recompute":
+        refused_modes = [mode for mode in modes if mode not in limit.allowed]
+        return limit.refuse(refused_modes[0]) if refused_modes else None
+    # the rank order as the stack sees it: the axes of degree > 1, cp just outside tp
+    used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
+    orders = [[*layout[:-1], "cp", layout[-1]] for layout in limit.allowed]
+    return (
+        None if any(is_subsequence(used, o) for o in orders) else limit.refuse(strategy.rank_layout)
+    )
+
+
+def _stage_cut_refusal(
+    stack: FrameworkProfile, model: ModelFacts, cuts: list[tuple[int, int]]
+) -> Refusal | None:
+    """A stated cut other than the one ``stack`` makes itself."""
+    try:
+        starts = stack.stage_starts(model, len(cuts))
+    except StageSplitError as err:
+        return Refusal(
+            value=f"{len(cuts)} stages",
+            rule=f"{stack.name} cuts the stages itself: {err}",
+            fix="price another pipeline degree",
+            limit="stage-cuts",
+            field="stages",
+        )
+    ends = [*starts[1:], model.num_units]
+    own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
+    if cuts == own:
+        return None
+    return Refusal(
+        value=f"stages {cuts_text(cuts)}",
+        rule=f"{stack.name} cuts the stages itself",
+        fix=f"use its cut {cuts_text(own)} (leave the stages to it)",
+        limit="stage-cuts",
+        field="stages",
+    )
+
+
+def _expert_group_refusals(stack: FrameworkProfile, strategy: Strategy) -> Iterator[Refusal]:
+    """Where the stack puts an expert-parallel group (`expert_layout_refusal`), and
+    Megatron-Core's rule for its groups with data parallelism outside the pipeline."""
+    ep, tp, cp, pp = strategy.ep_degree, strategy.tp_degree, strategy.cp_degree, strategy.pp_degree
+    layout = expert_layout_refusal(
+        stack, ep_degree=ep, tp_degree=tp, cp_degree=cp, ep_folding=strategy.ep_folding
+    )
+    if layout is not None:
+        yield layout
+    used = [axis for axis in strategy.rank_layout if strategy.degree(axis) > 1]
+    dp_outer = bool(used) and not is_subsequence(used, ("pp", "dp", "cp", "tp"))
+    rule = stack.capabilities.dp_outer_ep_is_tp_cp and dp_outer and pp > 1
+    if rule and ep > 1 and ep != tp * cp:
+        yield Refusal(
+            value=f"ep {ep} with rank_layout {list(strategy.rank_layout)} and pp {pp}",
+            rule=f"{stack.name} needs the experts' data-parallel size to equal the dense "
+            "one with data parallelism outside the pipeline",
+            fix=f"set rank_layout [pp, dp, cp, tp], or --ep {tp * cp}",
+            limit="expert-groups",
+            field="ep_degree",
+        )
+
+
+def expert_layout_refusal(
+    stack: FrameworkProfile, *, ep_degree: int, tp_degree: int, cp_degree: int, ep_folding: bool
+) -> Refusal | None:
+    """Why ``stack``, which places an expert-parallel group one way only
+    (`FrameworkProfile.expert_layout`), cannot run the other, where the two differ (ep taking
+    TP or CP ranks, or not); None when it can."""
+    layout, name = stack.expert_layout, stack.name
+    if layout is None or ep_degree == 1 or tp_degree == cp_degree == 1:
+        return None
+    if layout == "folded" and not ep_folding:
+        return Refusal(
+            value=f"ep {ep_degree} inside dp with tp {tp_degree}, cp {cp_degree}",
+            rule=f"{name} places an expert-parallel group on consecutive ranks of the "
+            "dp x cp x tp block",
+            fix="set ep_folding: true (and sequence_parallel with tp > 1)",
+            limit="expert-layout",
+            field="ep_folding",
+            text=f"framework {shown(name)} places an expert-parallel group on consecutive ranks of "
+            "the dp x cp x tp block (its expert rank generator), not inside dp: with "
+            f"ep_degree = {ep_degree} and tp_degree = {tp_degree}, cp_degree = {cp_degree} set "
+            "ep_folding: true (and sequence_parallel with tp > 1)",
+        )
+    if layout == "dp" and ep_folding:
+        return Refusal(
+            value=f"ep {ep_degree} folded over dp x cp x tp",
+            rule=f"{name} keeps expert parallelism inside data parallelism",
+            fix="set ep_folding: false",
+            limit="expert-layout",
+            field="ep_folding",
+            text=f"framework {shown(name)} keeps expert parallelism inside data parallelism: set "
+            "ep_folding: false",
+        )
+    return None
+
+
+def _nearest_schedule(allowed: tuple[ScheduleName, ...], virtual_stages: int) -> str:
+    """The change to an ``allowed`` schedule nearest a plan with ``virtual_stages`` stages a
+    rank: one with as many stages a rank where there is one, 1F1B for one stage a rank."""
+    several = [s for s in allowed if s not in ("gpipe", "1f1b")]
+    if virtual_stages > 1 and several:
+        pick = several[0]
+        v_fix = " --virtual-stages 2" if pick in V_SCHEDULES and virtual_stages != 2 else ""
+        return f"set --schedule {pick}{v_fix}"
+    one = [s for s in ("1f1b", "gpipe") if s in allowed]
+    if one:
+        return f"set --schedule {one[0]}" + (" --virtual-stages 1" if virtual_stages > 1 else "")
+    return f"set --schedule {allowed[0]} --virtual-stages 2"
+
+
+def cuts_text(cuts: Sequence[tuple[int, int]]) -> str:
+    """Stages as unit ranges, ``[0-4, 5-9]``."""
+    return "[" + ", ".join(f"{first}-{last}" for first, last in cuts) + "]"
