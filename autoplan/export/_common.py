@@ -17,7 +17,9 @@ from autoplan.contract.errors import InputError
 from autoplan.contract.plan import MeshAxis, Plan, Recompute
 from autoplan.export.checks import MemoryCheck
 from cost_model.frameworks import FRAMEWORKS as PROFILES
-from cost_model.frameworks import framework_profile
+from cost_model.frameworks import FrameworkProfile, framework_profile
+from cost_model.frameworks.limits import cuts_text, plan_refusals
+from cost_model.stage_splits import even_stage_starts
 from cost_model.strategy import Strategy
 
 Framework = Literal["megatron-lm", "torchtitan", "deepspeed"]
@@ -33,6 +35,9 @@ class ExportProblem:
     value: str
     option: str
     fix: str
+    # the stack's limit it comes from (`cost_model.frameworks.limits.LimitKey`); None: what
+    # the file format or the model's sizes cannot hold
+    limit: str | None = None
 
     def __str__(self) -> str:
         return f"{self.field} = {self.value}: {self.option}; {self.fix}"
@@ -263,43 +268,10 @@ def uniform_recompute(plan: Plan) -> Recompute | None:
     return next(iter(modes)) if len(modes) == 1 else None
 
 
-_STRENGTH: dict[Recompute, int] = {"none": 0, "selective": 1, "full": 2}
-
-
-def recompute_mix_problem(plan: Plan, option: str, framework: str) -> ExportProblem:
-    """A plan whose stages mix recompute modes, for a framework with one global setting: the
-    nearest plan recomputes every stage as its most-recomputing stage does (memory still fits;
-    a weaker mode could overflow the stages that needed the stronger one)."""
-    modes = sorted({s.recompute for s in plan.stages}, key=_STRENGTH.__getitem__)
-    strongest = modes[-1]
-    per_stage = ", ".join(s.recompute for s in plan.stages)
-    return ExportProblem(
-        field="stages[*].recompute",
-        value=f"[{per_stage}]",
-        option=(
-            f"{framework} has one recompute setting for all layers ({option}); this plan mixes "
-            f"{' and '.join(modes)} over its stages"
-        ),
-        fix=(
-            f"use recompute={strongest} on every stage (the nearest plan that still fits), e.g. "
-            f"autoplan plan ... --recompute {strongest}, or edit the plan file"
-        ),
-    )
-
-
 def effective_layout(plan: Plan) -> tuple[MeshAxis, ...]:
     """The plan's rank layout restricted to the axes of degree > 1 (outermost first): the only
     part of the layout that changes which ranks talk to which."""
     return tuple(axis for axis in plan.rank_layout if plan.degree(axis) > 1)
-
-
-def layout_problem(plan: Plan, framework: str, options: str, allowed: str) -> ExportProblem:
-    return ExportProblem(
-        field="rank_layout",
-        value=f"[{', '.join(plan.rank_layout)}]",
-        option=f"{framework} orders its process groups {options}",
-        fix=f"use rank_layout {allowed}",
-    )
 
 
 def expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
@@ -331,25 +303,6 @@ def expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     return []
 
 
-def folding_problem(plan: Plan, framework: str, option: str) -> ExportProblem:
-    """ep > 1 kept inside dp with tp > 1 or cp > 1, for a framework whose ep groups fold over
-    the dp x cp x tp block (``option`` says where that rule lives)."""
-    return ExportProblem(
-        field="ep_folding",
-        value="false",
-        option=(
-            f"{framework} places an expert-parallel group on ep_degree = {plan.ep_degree} "
-            f"consecutive ranks of the dp x cp x tp block ({option}), which takes TP/CP ranks "
-            f"here (tp_degree = {plan.tp_degree}, cp_degree = {plan.cp_degree}); the plan keeps "
-            "ep inside dp at one tp/cp coordinate"
-        ),
-        fix=(
-            "set ep_folding: true (with sequence_parallel: true when tp_degree > 1), e.g. "
-            "autoplan plan ... --framework megatron-lm, which plans folded ep"
-        ),
-    )
-
-
 def cp_sequence_problem(plan: Plan, dims: ModelDims, option: str) -> ExportProblem | None:
     """Load-balanced causal context parallelism cuts each sequence into 2 cp chunks."""
     if plan.cp_degree == 1 or dims.seq_len % (2 * plan.cp_degree) == 0:
@@ -363,3 +316,114 @@ def cp_sequence_problem(plan: Plan, dims: ModelDims, option: str) -> ExportProbl
         ),
         fix="use a cp_degree whose double divides the sequence length",
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatedModel:
+    """The model as a stack's limits read it (`cost_model.frameworks.ModelFacts`), stated
+    from its sizes: an export has no traced model."""
+
+    name: str
+    num_units: int
+    has_experts: bool
+    exported: bool = False
+    rope_tables: bool = True
+
+
+def stack_problems(plan: Plan, dims: ModelDims, framework: Framework) -> list[ExportProblem]:
+    """Every limit of ``framework``'s stack that ``plan`` breaks, from its profile (the one
+    statement of what it runs, `cost_model.frameworks.limits`), each in the stack's own words
+    where its profile gives them (`Capabilities.explained`)."""
+    stack = framework_profile(framework)
+    model = StatedModel(
+        name=dims.spec, num_units=dims.num_layers + 2, has_experts=dims.moe is not None
+    )
+    facts = plan_facts(plan, stack)
+    problems = []
+    for refusal in plan_refusals(stack, plan, model):
+        words = stack.capabilities.explained
+        value = _field_value(plan, refusal.field, refusal.limit, stack)
+        explained = words.get(f"{refusal.limit}:{value}") or words.get(refusal.limit)
+        if explained is None:
+            problem = ExportProblem(
+                field=refusal.field,
+                value=value,
+                option=refusal.rule,
+                fix=refusal.fix,
+                limit=refusal.limit,
+            )
+        else:
+            problem = ExportProblem(
+                field=refusal.field,
+                value=explained.value.format(**facts) if explained.value else value,
+                option=explained.why.format(**facts),
+                fix=(explained.fix or _EXPORT_FIX[refusal.limit]).format(**facts),
+                limit=refusal.limit,
+            )
+        problems.append(problem)
+    return problems
+
+
+# the fix an export gives where the stack's words leave it to the export (`Explanation.fix`
+# empty): what every stack with the limit asks alike
+_EXPORT_FIX = {
+    # the nearest plan recomputes every stage as its most-recomputing stage does (memory
+    # still fits; a weaker mode could overflow the stages that needed the stronger one)
+    "recompute-scope": "use recompute={strongest} on every stage (the nearest plan that still "
+    "fits), e.g. autoplan plan ... --recompute {strongest}, or edit the plan file",
+}
+
+_STRENGTH: dict[Recompute, int] = {"none": 0, "selective": 1, "full": 2}
+
+
+def plan_facts(plan: Plan, stack: FrameworkProfile) -> dict[str, object]:
+    """What a stack's words (`Explanation` templates) may name of ``plan``."""
+    modes = sorted({s.recompute for s in plan.stages}, key=_STRENGTH.__getitem__)
+    own: list[tuple[int, int]] = []
+    if plan.num_stages > 1:
+        starts = even_stage_starts(plan.num_units, plan.num_stages)
+        ends = [*starts[1:], plan.num_units]
+        own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
+    fork = ""
+    if framework_options(plan).get("fork") == "zero-bubble":
+        fork = (
+            f"; the plan's {plan.framework} prices sail-sg's zero-bubble fork of Megatron-LM, "
+            "whose own flags this export does not write"
+        )
+    return {
+        "tp": plan.tp_degree,
+        "pp": plan.pp_degree,
+        "cp": plan.cp_degree,
+        "ep": plan.ep_degree,
+        "tp_cp": plan.tp_degree * plan.cp_degree,
+        "zero": plan.zero_stage,
+        "m": plan.num_micro_batches,
+        "v": plan.virtual_stages,
+        "schedule": plan.schedule,
+        "layout": ", ".join(plan.rank_layout),
+        "modes": " and ".join(modes),
+        "strongest": modes[-1],
+        "own_cuts": cuts_text(own),
+        "fork_note": fork,
+        "stack": stack.name,
+    }
+
+
+def _field_value(plan: Plan, name: str, limit: str, stack: FrameworkProfile) -> str:
+    """The plan's value of field ``name`` as a plan file writes it."""
+    if name == "stages[*].recompute":
+        modes = [stage.recompute for stage in plan.stages]
+        return f"[{', '.join(modes)}]" if limit == "recompute-scope" else _refused_mode(plan, stack)
+    if name == "stages":
+        return cuts_text([(s.first_unit, s.last_unit) for s in plan.stages])
+    if name == "rank_layout":
+        return f"[{', '.join(plan.rank_layout)}]"
+    value = getattr(plan, name)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _refused_mode(plan: Plan, stack: FrameworkProfile) -> str:
+    """The first of the plan's recompute modes that ``stack`` lacks."""
+    modes = sorted({s.recompute for s in plan.stages}, key=_STRENGTH.__getitem__)
+    allowed = stack.recompute_modes or modes
+    return next(m for m in modes if m not in allowed)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autoplan.contract.plan import Plan, even_stages
+from autoplan.contract.plan import Plan
 from autoplan.export._common import (
     Export,
     ExportError,
@@ -61,16 +61,14 @@ from autoplan.export._common import (
     Framework,
     Launch,
     ModelDims,
-    effective_layout,
-    layout_problem,
     overlap_option,
     overlaps_grad_sync,
-    recompute_mix_problem,
+    stack_problems,
     uniform_recompute,
     units_problem,
 )
-from cost_model.schedules import runs_in_gpipe_order
-from cost_model.strategy import is_subsequence
+from cost_model.frameworks import framework_profile
+from cost_model.strategy import Strategy
 
 FRAMEWORK: Framework = "deepspeed"
 CONFIG_FILE = "ds_config.json"
@@ -78,139 +76,11 @@ PIPELINE_FILE = "pipeline_module.json"
 
 
 def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    """DeepSpeed's limits (its profile, `cost_model.frameworks.deepspeed`), and a gradient
+    sync the plan is priced to overlap where DeepSpeed's engine cannot."""
     if (units := units_problem(plan, dims)) is not None:
         return [units]
-    problems: list[ExportProblem] = []
-    pipelined = plan.pp_degree > 1
-    if pipelined and plan.tp_degree > 1:
-        problems.append(
-            ExportProblem(
-                field="tp_degree",
-                value=str(plan.tp_degree),
-                option=(
-                    "deepspeed's tensor parallelism for training (tensor_parallel.autotp_size) "
-                    "shards a model in DeepSpeedEngine, not a PipelineModule "
-                    "(deepspeed/runtime/pipe/engine.py has no AutoTP path)"
-                ),
-                fix=(
-                    "use tp_degree 1 with pipeline parallelism, or pp_degree 1 with TP, e.g. "
-                    "autoplan plan ... --tp 1; Megatron-DeepSpeed runs both (export to "
-                    "megatron-lm)"
-                ),
-            )
-        )
-    if plan.sequence_parallel:
-        problems.append(
-            ExportProblem(
-                field="sequence_parallel",
-                value="true",
-                option=(
-                    "deepspeed has no Megatron-style sequence parallelism (sequence_parallel_size "
-                    "is Ulysses attention-head parallelism, deepspeed/sequence)"
-                ),
-                fix="set sequence_parallel: false",
-            )
-        )
-    if pipelined and plan.zero_stage >= 2:
-        problems.append(
-            ExportProblem(
-                field="zero_stage",
-                value=str(plan.zero_stage),
-                option=(
-                    "deepspeed's PipelineEngine asserts 'ZeRO-2 and ZeRO-3 are incompatible with "
-                    "pipeline parallelism' (zero_optimization.stage <= 1; "
-                    "deepspeed/runtime/pipe/engine.py)"
-                ),
-                fix="use zero_stage 1, e.g. autoplan plan ... --zero 0,1",
-            )
-        )
-    # a gpipe plan with fewer micro-batches than stages is TrainSchedule's 1F1B in that order
-    gpipe_order = runs_in_gpipe_order(plan.schedule, plan.num_micro_batches, plan.pp_degree)
-    if pipelined and ((plan.schedule != "1f1b" and not gpipe_order) or plan.virtual_stages != 1):
-        problems.append(
-            ExportProblem(
-                field="schedule",
-                value=f"{plan.schedule} (virtual_stages {plan.virtual_stages})",
-                option=(
-                    "deepspeed's PipelineEngine runs one schedule, TrainSchedule (1F1B, one "
-                    "stage per rank; deepspeed/runtime/pipe/schedule.py)"
-                ),
-                fix=(
-                    "use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... "
-                    "--schedules 1f1b"
-                ),
-            )
-        )
-    elif pipelined:
-        uniform = even_stages(plan.num_units, plan.num_stages)
-        cuts = [(s.first_unit, s.last_unit) for s in plan.stages]
-        if cuts != [(s.first_unit, s.last_unit) for s in uniform]:
-            problems.append(
-                ExportProblem(
-                    field="stages",
-                    value=_cuts_text(cuts),
-                    option=(
-                        "deepspeed's PipelineModule places layers by partition_method (uniform, "
-                        "parameters or type:<regex>; deepspeed/runtime/pipe/module.py), not by "
-                        "explicit cuts"
-                    ),
-                    fix=(
-                        "use the uniform split "
-                        f"{_cuts_text([(s.first_unit, s.last_unit) for s in uniform])} "
-                        "(autoplan.manual_plan's even stages)"
-                    ),
-                )
-            )
-    recompute = uniform_recompute(plan)
-    if recompute is None:
-        problems.append(
-            recompute_mix_problem(plan, "PipelineModule activation_checkpoint_interval", FRAMEWORK)
-        )
-    elif recompute == "selective":
-        problems.append(
-            ExportProblem(
-                field="stages[*].recompute",
-                value="selective",
-                option=(
-                    "deepspeed recomputes whole layers (PipelineModule "
-                    "activation_checkpoint_interval, deepspeed.checkpointing); it has no "
-                    "selective recompute"
-                ),
-                fix="use recompute=full on every stage, e.g. autoplan plan ... --recompute full",
-            )
-        )
-    if plan.cp_degree > 1:
-        problems.append(
-            ExportProblem(
-                field="cp_degree",
-                value=str(plan.cp_degree),
-                option=(
-                    "deepspeed's context parallelism is Ulysses (sequence_parallel_size: an "
-                    "all-to-all over attention heads, deepspeed/sequence/layer.py), not the "
-                    "ring attention the plan runs"
-                ),
-                fix=(
-                    "set cp_degree to 1 (e.g. autoplan plan ... --cp 1), or export to "
-                    "megatron-lm (--context-parallel-size) or torchtitan"
-                ),
-            )
-        )
-    if plan.ep_degree > 1:
-        problems.append(
-            ExportProblem(
-                field="ep_degree",
-                value=str(plan.ep_degree),
-                option=(
-                    "deepspeed's expert parallelism is set in the model code "
-                    "(deepspeed.moe.layer.MoE(ep_size=...)), not in ds_config, so the export "
-                    "cannot carry it"
-                ),
-                fix=(
-                    "set ep_degree to 1 (e.g. autoplan plan ... --ep 1), or export to "
-                    "megatron-lm (--expert-model-parallel-size)"
-                ),
-            )
-        )
+    problems = stack_problems(plan, dims, FRAMEWORK)
     overlap = overlap_option(plan)
     if overlap is not None and overlap[1] and plan.dp_degree > 1 and not _can_overlap(plan):
         problems.append(
@@ -232,29 +102,13 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 ),
             )
         )
-    # cp is refused above: the layout of the other axes
-    layout = [axis for axis in effective_layout(plan) if axis != "cp"]
-    if not is_subsequence(layout, ("pp", "dp", "tp")):
-        problems.append(
-            layout_problem(
-                plan,
-                FRAMEWORK,
-                "pipe, data, model (outermost first; PipeModelDataParallelTopology in "
-                "deepspeed/runtime/pipe/topology.py)",
-                "[pp, dp, tp]",
-            )
-        )
     return problems
 
 
-def _cuts_text(cuts: list[tuple[int, int]]) -> str:
-    return "[" + ", ".join(f"{a}-{b}" for a, b in cuts) + "]"
-
-
 def _can_overlap(plan: Plan) -> bool:
-    """Whether DeepSpeed can reduce this plan's gradients during the backward: with a ZeRO
-    optimizer (overlap_comm) and no PipelineModule."""
-    return plan.zero_stage >= 1 and plan.pp_degree == 1
+    """Whether DeepSpeed can reduce this plan's gradients during the backward (with a ZeRO
+    optimizer's overlap_comm and no PipelineModule): its profile's engine behaviour."""
+    return framework_profile(FRAMEWORK).overlaps_dp_sync(Strategy.of(plan))
 
 
 def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:

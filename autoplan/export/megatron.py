@@ -97,17 +97,14 @@ from autoplan.export._common import (
     cp_sequence_problem,
     effective_layout,
     expert_problems,
-    folding_problem,
-    framework_options,
-    layout_problem,
     overlaps_grad_sync,
-    recompute_mix_problem,
+    stack_problems,
     stage_layers,
     uniform_recompute,
     units_problem,
 )
 from cost_model.frameworks import framework_profile
-from cost_model.schedules import interleaved_rounds, runs_in_gpipe_order
+from cost_model.schedules import interleaved_rounds
 from cost_model.strategy import is_subsequence
 
 FRAMEWORK: Framework = "megatron-lm"
@@ -115,7 +112,6 @@ ARGS_FILE = "megatron_args.txt"
 
 # Megatron's rank orders, outermost first (initialize.py: 'tp-cp-ep-dp-pp' read innermost first)
 _DEFAULT_ORDER = ("pp", "dp", "cp", "tp")
-_TP_PP_DP_ORDER = ("dp", "pp", "cp", "tp")  # --use-tp-pp-dp-mapping
 
 
 def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
@@ -240,128 +236,10 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     problems: list[ExportProblem] = []
     if (units := units_problem(plan, dims)) is not None:
         return [units]
-    if plan.pp_degree > 1:
-        # a gpipe plan with fewer micro-batches than stages is Megatron's 1F1B in that order
-        gpipe_order = runs_in_gpipe_order(plan.schedule, plan.num_micro_batches, plan.pp_degree)
-        if plan.schedule == "gpipe" and not gpipe_order:
-            problems.append(
-                ExportProblem(
-                    field="schedule",
-                    value="gpipe",
-                    option=(
-                        "megatron-lm runs 1F1B, or interleaved 1F1B with virtual stages, chosen "
-                        "from the degrees (megatron/core/pipeline_parallel/schedules.py "
-                        "get_forward_backward_func); it has no GPipe schedule"
-                    ),
-                    fix="use schedule 1f1b (the same stages; fewer micro-batches in flight)",
-                )
-            )
-        elif plan.virtual_stages > 1 and plan.num_micro_batches < plan.pp_degree:
-            problems.append(
-                ExportProblem(
-                    field="num_micro_batches",
-                    value=str(plan.num_micro_batches),
-                    option=(
-                        "megatron-lm's interleaved schedule runs groups of at least "
-                        f"pp = {plan.pp_degree} micro-batches per virtual stage "
-                        "(forward_backward_pipelining_with_interleaving)"
-                    ),
-                    fix=(
-                        f"use at least {plan.pp_degree} micro-batches (a smaller micro-batch or a "
-                        "larger global batch), or virtual_stages 1"
-                    ),
-                )
-            )
-        if plan.schedule in ("interleaved-zb", "zbv", "dualpipev"):
-            fork = ""
-            if framework_options(plan).get("fork") == "zero-bubble":
-                fork = (
-                    f"; the plan's {plan.framework} prices sail-sg's zero-bubble fork of "
-                    "Megatron-LM, whose own flags this export does not write"
-                )
-            problems.append(
-                ExportProblem(
-                    field="schedule",
-                    value=plan.schedule,
-                    option=(
-                        "megatron-lm has no zero-bubble schedule (no flag; "
-                        "get_forward_backward_func picks 1F1B or interleaved 1F1B)" + fork
-                    ),
-                    fix=(
-                        "use schedule interleaved-1f1b with the same virtual_stages"
-                        if plan.schedule == "interleaved-zb"
-                        else "use schedule interleaved-1f1b (virtual_stages 2; the V's stages "
-                        "become loop-placed), e.g. autoplan plan ... --schedules interleaved-1f1b"
-                    ),
-                )
-            )
-    if uniform_recompute(plan) is None:
-        problems.append(recompute_mix_problem(plan, "--recompute-granularity", FRAMEWORK))
-    layout = effective_layout(plan)
-    if not (is_subsequence(layout, _DEFAULT_ORDER) or is_subsequence(layout, _TP_PP_DP_ORDER)):
-        problems.append(
-            layout_problem(
-                plan,
-                FRAMEWORK,
-                "tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping (innermost "
-                "first; megatron/training/initialize.py), so TP is innermost, then CP",
-                "[pp, dp, cp, tp] or [dp, pp, cp, tp] (without cp when cp_degree is 1)",
-            )
-        )
+    problems += stack_problems(plan, dims, FRAMEWORK)
     if (cp := cp_sequence_problem(plan, dims, "--context-parallel-size")) is not None:
         problems.append(cp)
-    problems += _expert_problems(plan, dims)
-    return problems
-
-
-def _expert_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
-    problems = expert_problems(plan, dims)
-    if dims.moe is not None and plan.tp_degree > 1 and not plan.sequence_parallel:
-        problems.append(
-            ExportProblem(
-                field="sequence_parallel",
-                value="false",
-                option=(
-                    f"megatron-lm needs --sequence-parallel for a MoE model with "
-                    f"--tensor-model-parallel-size {plan.tp_degree} ('When using MoE and tensor "
-                    "parallelism, sequence parallelism must be used', "
-                    "megatron/training/yaml_arguments.py)"
-                ),
-                fix="set sequence_parallel: true (or tp_degree 1)",
-            )
-        )
-    if plan.ep_degree == 1 or problems:
-        return problems
-    if not plan.folded_expert_groups:
-        problems.append(
-            folding_problem(
-                plan,
-                FRAMEWORK,
-                "--expert-model-parallel-size with --expert-tensor-parallel-size 1; "
-                "megatron/core/parallel_state.py, the expert rank generator",
-            )
-        )
-    elif (
-        _tp_pp_dp_mapping(plan)
-        and plan.pp_degree > 1
-        and plan.ep_degree != plan.tp_degree * plan.cp_degree
-    ):
-        problems.append(
-            ExportProblem(
-                field="ep_degree",
-                value=str(plan.ep_degree),
-                option=(
-                    f"with --use-tp-pp-dp-mapping (rank_layout [{', '.join(plan.rank_layout)}]) "
-                    "and pipeline parallelism, megatron-core asserts that the experts' "
-                    "data-parallel size equals the dense one (initialize_model_parallel), so "
-                    f"ep must be tp x cp = {plan.tp_degree * plan.cp_degree}"
-                ),
-                fix=(
-                    f"use rank_layout [pp, dp, cp, tp] (Megatron's default order), or "
-                    f"ep_degree {plan.tp_degree * plan.cp_degree} with ep_folding"
-                ),
-            )
-        )
+    problems += expert_problems(plan, dims)
     return problems
 
 

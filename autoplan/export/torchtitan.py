@@ -74,16 +74,13 @@ from autoplan.export._common import (
     Launch,
     ModelDims,
     cp_sequence_problem,
-    effective_layout,
     expert_problems,
-    layout_problem,
     overlap_option,
-    recompute_mix_problem,
+    stack_problems,
     stage_layers,
     uniform_recompute,
     units_problem,
 )
-from cost_model.strategy import is_subsequence
 
 FRAMEWORK: Framework = "torchtitan"
 MODULE = "autoplan_torchtitan"
@@ -271,48 +268,9 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
                 ),
             )
         )
-    if uniform_recompute(plan) is None:
-        problems.append(recompute_mix_problem(plan, "activation_checkpoint", FRAMEWORK))
-    if plan.dtype == "fp16":
-        problems.append(
-            ExportProblem(
-                field="dtype",
-                value="fp16",
-                option=(
-                    "torchtitan's training.mixed_precision_param is bfloat16 or float32 "
-                    "(torchtitan/config/configs.py TrainingConfig)"
-                ),
-                fix="use dtype bf16, e.g. autoplan plan ... --dtype bf16",
-            )
-        )
-    if not is_subsequence(effective_layout(plan), ("pp", "dp", "cp", "tp")):
-        problems.append(
-            layout_problem(
-                plan,
-                FRAMEWORK,
-                "pp, dp_replicate, dp_shard, cp, tp (outermost first; "
-                "torchtitan/distributed/parallel_dims.py)",
-                "[pp, dp, cp, tp] (without cp when cp_degree is 1)",
-            )
-        )
+    problems += stack_problems(plan, dims, FRAMEWORK)
     if (cp := cp_sequence_problem(plan, dims, "context_parallel_degree")) is not None:
         problems.append(cp)
-    if plan.cp_degree > 1 and plan.zero_stage == 0:
-        problems.append(
-            ExportProblem(
-                field="zero_stage",
-                value="0",
-                option=(
-                    f"with context_parallel_degree = {plan.cp_degree} torchtitan shards the "
-                    "weights over data_parallel_shard_degree x cp (FSDP on its fsdp mesh, "
-                    "torchtitan/distributed/parallel_dims.py); it cannot replicate them"
-                ),
-                fix=(
-                    "use zero_stage 2 (FSDP keeping the gathered weights, the nearest to "
-                    "replicated) or 3, e.g. autoplan plan ... --zero 2,3"
-                ),
-            )
-        )
     overlap = overlap_option(plan)
     if overlap is not None and not overlap[1] and plan.dp_degree > 1:
         problems.append(

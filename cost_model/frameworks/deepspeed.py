@@ -2,7 +2,74 @@
 
 from __future__ import annotations
 
-from cost_model.frameworks.profile import EngineBehaviour, FrameworkProfile, Pricing
+from cost_model.frameworks.limits import Explanation
+from cost_model.frameworks.profile import (
+    Capabilities,
+    EngineBehaviour,
+    FrameworkProfile,
+    Pricing,
+)
+
+# Its limits as `autoplan export` words them (`Capabilities.explained`), in DeepSpeed 0.19.8's
+# terms and files.
+DEEPSPEED_WORDS = {
+    "pipeline-tp": Explanation(
+        why="deepspeed's tensor parallelism for training (tensor_parallel.autotp_size) shards a "
+        "model in DeepSpeedEngine, not a PipelineModule (deepspeed/runtime/pipe/engine.py has "
+        "no AutoTP path)",
+        fix="use tp_degree 1 with pipeline parallelism, or pp_degree 1 with TP, e.g. autoplan "
+        "plan ... --tp 1; Megatron-DeepSpeed runs both (export to megatron-lm)",
+    ),
+    "sequence-parallel": Explanation(
+        why="deepspeed has no Megatron-style sequence parallelism (sequence_parallel_size is "
+        "Ulysses attention-head parallelism, deepspeed/sequence)",
+        fix="set sequence_parallel: false",
+    ),
+    "pipeline-zero": Explanation(
+        why="deepspeed's PipelineEngine asserts 'ZeRO-2 and ZeRO-3 are incompatible with "
+        "pipeline parallelism' (zero_optimization.stage <= 1; deepspeed/runtime/pipe/engine.py)",
+        fix="use zero_stage 1, e.g. autoplan plan ... --zero 0,1",
+    ),
+    "schedule": Explanation(
+        value="{schedule} (virtual_stages {v})",
+        why="deepspeed's PipelineEngine runs one schedule, TrainSchedule (1F1B, one stage per "
+        "rank; deepspeed/runtime/pipe/schedule.py)",
+        fix="use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... --schedules 1f1b",
+    ),
+    "stage-cuts": Explanation(
+        why="deepspeed's PipelineModule places layers by partition_method (uniform, parameters "
+        "or type:<regex>; deepspeed/runtime/pipe/module.py), not by explicit cuts",
+        fix="use the uniform split {own_cuts} (autoplan.manual_plan's even stages)",
+    ),
+    "recompute-scope": Explanation(
+        why="deepspeed has one recompute setting for all layers (PipelineModule "
+        "activation_checkpoint_interval); this plan mixes {modes} over its stages",
+        fix="",
+    ),
+    "recompute": Explanation(
+        why="deepspeed recomputes whole layers (PipelineModule activation_checkpoint_interval, "
+        "deepspeed.checkpointing); it has no selective recompute",
+        fix="use recompute=full on every stage, e.g. autoplan plan ... --recompute full",
+    ),
+    "cp": Explanation(
+        why="deepspeed's context parallelism is Ulysses (sequence_parallel_size: an all-to-all "
+        "over attention heads, deepspeed/sequence/layer.py), not the ring attention the plan "
+        "runs",
+        fix="set cp_degree to 1 (e.g. autoplan plan ... --cp 1), or export to megatron-lm "
+        "(--context-parallel-size) or torchtitan",
+    ),
+    "ep": Explanation(
+        why="deepspeed's expert parallelism is set in the model code "
+        "(deepspeed.moe.layer.MoE(ep_size=...)), not in ds_config, so the export cannot carry it",
+        fix="set ep_degree to 1 (e.g. autoplan plan ... --ep 1), or export to megatron-lm "
+        "(--expert-model-parallel-size)",
+    ),
+    "rank-layout": Explanation(
+        why="deepspeed orders its process groups pipe, data, model (outermost first; "
+        "PipeModelDataParallelTopology in deepspeed/runtime/pipe/topology.py)",
+        fix="use rank_layout [pp, dp, tp]",
+    ),
+}
 
 DEEPSPEED = FrameworkProfile(
     name="deepspeed",
@@ -60,6 +127,7 @@ DEEPSPEED = FrameworkProfile(
     # (deepspeed.moe.layer.MoE(ep_size=...)), not a plan degree
     context_parallel=False,
     expert_parallel=False,
+    capabilities=Capabilities(explained=DEEPSPEED_WORDS),
     sources=(
         "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
         "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",

@@ -411,7 +411,7 @@ def _combination_refusals(
         yield _runtime_refusal(
             "ep-zero1",
             "zero_stage",
-            f"zero_stage 1 with ep_degree = {ep}, but ZeRO-1 runs as DDP + "
+            f"zero_stage 1 with ep_degree = {ep}: ZeRO-1 runs as DDP + "
             "ZeroRedundancyOptimizer here, which would hand one rank's experts to the ranks "
             "holding others (it broadcasts each updated parameter over the whole data-parallel "
             "group); use zero_stage 0 or 2",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+from cost_model.frameworks.limits import Explanation
 from cost_model.frameworks.profile import Capabilities, FrameworkProfile, OptionValue, Pricing
 from cost_model.memory import RECOMPUTE_MODULES
 
@@ -18,6 +19,68 @@ def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
     )
     return {"+".join(names): {"recompute_modules": names} for names in sets}
 
+
+# Its limits as `autoplan export` words them (`Capabilities.explained`), in Megatron-Core's
+# terms and files.
+MEGATRON_LM_WORDS = {
+    "schedule:gpipe": Explanation(
+        why="megatron-lm runs 1F1B, or interleaved 1F1B with virtual stages, chosen from the "
+        "degrees (megatron/core/pipeline_parallel/schedules.py get_forward_backward_func); it "
+        "has no GPipe schedule",
+        fix="use schedule 1f1b (the same stages; fewer micro-batches in flight)",
+    ),
+    "schedule:interleaved-zb": Explanation(
+        why="megatron-lm has no zero-bubble schedule (no flag; get_forward_backward_func picks "
+        "1F1B or interleaved 1F1B){fork_note}",
+        fix="use schedule interleaved-1f1b with the same virtual_stages",
+    ),
+    # zbv and dualpipev
+    "schedule": Explanation(
+        why="megatron-lm has no zero-bubble schedule (no flag; get_forward_backward_func picks "
+        "1F1B or interleaved 1F1B){fork_note}",
+        fix="use schedule interleaved-1f1b (virtual_stages 2; the V's stages become "
+        "loop-placed), e.g. autoplan plan ... --schedules interleaved-1f1b",
+    ),
+    "interleaved": Explanation(
+        why="megatron-lm's interleaved schedule runs groups of at least pp = {pp} micro-batches "
+        "per virtual stage (forward_backward_pipelining_with_interleaving)",
+        fix="use at least {pp} micro-batches (a smaller micro-batch or a larger global batch), "
+        "or virtual_stages 1",
+    ),
+    "recompute-scope": Explanation(
+        why="megatron-lm has one recompute setting for all layers (--recompute-granularity); "
+        "this plan mixes {modes} over its stages",
+        fix="",
+    ),
+    "rank-layout": Explanation(
+        why="megatron-lm orders its process groups tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with "
+        "--use-tp-pp-dp-mapping (innermost first; megatron/training/initialize.py), so TP is "
+        "innermost, then CP",
+        fix="use rank_layout [pp, dp, cp, tp] or [dp, pp, cp, tp] (without cp when cp_degree is 1)",
+    ),
+    "moe-tp-sp": Explanation(
+        why="megatron-lm needs --sequence-parallel for a MoE model with "
+        "--tensor-model-parallel-size {tp} ('When using MoE and tensor parallelism, sequence "
+        "parallelism must be used', megatron/training/yaml_arguments.py)",
+        fix="set sequence_parallel: true (or tp_degree 1)",
+    ),
+    "expert-layout": Explanation(
+        why="megatron-lm places an expert-parallel group on ep_degree = {ep} consecutive ranks of "
+        "the dp x cp x tp block (--expert-model-parallel-size with --expert-tensor-parallel-size "
+        "1; megatron/core/parallel_state.py, the expert rank generator), which takes TP/CP ranks "
+        "here (tp_degree = {tp}, cp_degree = {cp}); the plan keeps ep inside dp at one tp/cp "
+        "coordinate",
+        fix="set ep_folding: true (with sequence_parallel: true when tp_degree > 1), e.g. "
+        "autoplan plan ... --framework megatron-lm, which plans folded ep",
+    ),
+    "expert-groups": Explanation(
+        why="with --use-tp-pp-dp-mapping (rank_layout [{layout}]) and pipeline parallelism, "
+        "megatron-core asserts that the experts' data-parallel size equals the dense one "
+        "(initialize_model_parallel), so ep must be tp x cp = {tp_cp}",
+        fix="use rank_layout [pp, dp, cp, tp] (Megatron's default order), or ep_degree {tp_cp} "
+        "with ep_folding",
+    ),
+}
 
 MEGATRON_LM = FrameworkProfile(
     name="megatron-lm",
@@ -89,6 +152,7 @@ MEGATRON_LM = FrameworkProfile(
         # with --use-tp-pp-dp-mapping and pipeline parallelism, initialize_model_parallel
         # asserts the experts' data-parallel size equals the dense one
         dp_outer_ep_is_tp_cp=True,
+        explained=MEGATRON_LM_WORDS,
     ),
     options={
         "overlap-grad-reduce": {"on": {"dp_overlap": 1.0}, "off": {"dp_overlap": 0.0}},

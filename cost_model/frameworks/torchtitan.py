@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+from cost_model.frameworks.limits import Explanation
 from cost_model.frameworks.profile import Capabilities, FrameworkProfile, Pricing
+
+# Its limits as `autoplan export` words them (`Capabilities.explained`).
+TORCHTITAN_WORDS = {
+    "dtype": Explanation(
+        why="torchtitan's training.mixed_precision_param is bfloat16 or float32 "
+        "(torchtitan/config/configs.py TrainingConfig)",
+        fix="use dtype bf16, e.g. autoplan plan ... --dtype bf16",
+    ),
+    "rank-layout": Explanation(
+        why="torchtitan orders its process groups pp, dp_replicate, dp_shard, cp, tp (outermost "
+        "first; torchtitan/distributed/parallel_dims.py)",
+        fix="use rank_layout [pp, dp, cp, tp] (without cp when cp_degree is 1)",
+    ),
+    "cp-zero": Explanation(
+        why="with context_parallel_degree = {cp} torchtitan shards the weights over "
+        "data_parallel_shard_degree x cp (FSDP on its fsdp mesh, "
+        "torchtitan/distributed/parallel_dims.py); it cannot replicate them",
+        fix="use zero_stage 2 (FSDP keeping the gathered weights, the nearest to replicated) or "
+        "3, e.g. autoplan plan ... --zero 2,3",
+    ),
+    "recompute-scope": Explanation(
+        why="torchtitan has one recompute setting for all layers (activation_checkpoint); this "
+        "plan mixes {modes} over its stages",
+        fix="",
+    ),
+}
 
 TORCHTITAN = FrameworkProfile(
     name="torchtitan",
@@ -31,6 +58,7 @@ TORCHTITAN = FrameworkProfile(
     capabilities=Capabilities(
         # with cp > 1 FSDP shards the weights over dp_shard x cp (ParallelDims' fsdp mesh)
         cp_min_zero=1,
+        explained=TORCHTITAN_WORDS,
     ),
     # training.mixed_precision_param: bfloat16 or float32 (torchtitan/config/configs.py)
     dtypes=("bf16", "fp32"),
