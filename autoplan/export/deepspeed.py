@@ -9,43 +9,24 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   (``deepspeed/runtime/config.py``, which checks train = micro x accumulation x data-parallel
   size); under pipeline parallelism the accumulation steps are the pipeline's micro-batches
   (``deepspeed/runtime/pipe/engine.py``).
-- ``zero_stage`` -> ``zero_optimization.stage`` (``deepspeed/runtime/zero/config.py``). With
-  pipeline parallelism only 0 and 1: ``PipelineEngine`` asserts "ZeRO-2 and ZeRO-3 are
-  incompatible with pipeline parallelism" (``deepspeed/runtime/pipe/engine.py``).
+- ``zero_stage`` -> ``zero_optimization.stage`` (``deepspeed/runtime/zero/config.py``).
 - Gradient-sync overlap, as the plan's framework profile prices it (options applied) ->
-  ``zero_optimization.overlap_comm`` at ZeRO 1-3 without pipeline parallelism, where
-  DeepSpeed's hooks reduce gradient buckets during the backward (at ZeRO-1 during the last
-  micro-batch's, ``stage_1_and_2.py`` ``process_gradients``; its default: true at ZeRO-3 only,
-  ``overlap_comm_valid``). Without ZeRO the engine all-reduces after the backward
-  (``DeepSpeedEngine.allreduce_gradients``), and with a ``PipelineModule`` it turns
-  ``overlap_comm`` off and reduces after the schedule, so a framework option that asks for
-  overlap there (``megatron-lm:overlap-grad-reduce=on``, ``megatron-lm-2021:ddp=torch``) is
-  refused.
+  ``zero_optimization.overlap_comm`` where DeepSpeed's engine overlaps at all (its profile's
+  `EngineBehaviour`: ZeRO 1-3 without pipeline parallelism), so a framework option that asks
+  for overlap elsewhere (``megatron-lm:overlap-grad-reduce=on``, ``megatron-lm-2021:ddp=torch``)
+  is refused.
 - ``dtype`` -> ``bf16.enabled`` / ``fp16.enabled`` (``deepspeed/runtime/precision_config.py``).
 - ``pp_degree`` and ``stages`` -> ``PipelineModule(num_stages=..., partition_method="uniform")``
-  (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head: DeepSpeed
-  places layers by rule (``uniform``, ``parameters``, ``type:<regex>``), and ``uniform``
-  (``partition_uniform`` in ``deepspeed/runtime/utils.py``) is autoplan's even split, so only
-  that cut is expressible. One schedule, ``TrainSchedule`` (1F1B, one stage per rank,
-  ``deepspeed/runtime/pipe/schedule.py``).
+  (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head.
 - ``stages[*].recompute``: ``full`` -> ``PipelineModule(activation_checkpoint_interval=1)`` (the
-  model's blocks under ``deepspeed.checkpointing``); DeepSpeed has no selective recompute.
+  model's blocks under ``deepspeed.checkpointing``).
 - ``tp_degree`` -> ``tensor_parallel.autotp_size`` (AutoTP training,
-  ``deepspeed/runtime/tensor_parallel/config.py``) for a model without pipeline parallelism;
-  AutoTP shards a Hugging Face-style model in ``DeepSpeedEngine`` and ``PipelineEngine`` has no
-  path for it. No Megatron-style sequence parallelism (DeepSpeed's ``sequence_parallel_size``
-  is Ulysses, which splits attention heads, a different technique).
-- ``rank_layout``: ``PipeModelDataParallelTopology`` orders ``pipe, data, model`` (outermost
-  first, ``deepspeed/runtime/pipe/topology.py``): [pp, dp, tp].
-- ``cp_degree``: refused. DeepSpeed's context parallelism is Ulysses sequence parallelism
-  (``sequence_parallel_size``, ``deepspeed/sequence/layer.py`` ``DistributedAttention``): an
-  all-to-all that gives each rank whole sequences for a share of the attention heads, not
-  autoplan's ring attention, which passes key/value chunks around a ring; the two differ in
-  communication, memory and head-count limits, so one is not exported as the other.
-- ``ep_degree``: refused. DeepSpeed's expert parallelism is a model-code argument
-  (``deepspeed.moe.layer.MoE(ep_size=...)``, which builds its expert and expert-data groups in
-  ``deepspeed/utils/groups.py``), not a ``ds_config`` field: nothing the export writes would
-  carry it, and DeepSpeed-MoE's layer is not the zoo model's MoE block.
+  ``deepspeed/runtime/tensor_parallel/config.py``) for a model without pipeline parallelism.
+
+What DeepSpeed cannot run (tp or ZeRO > 1 with pp, another schedule or cut, sequence, context
+or expert parallelism, selective recompute, another rank order) is its profile's
+(`cost_model.frameworks.deepspeed`, each limit cited in ``DEEPSPEED_WORDS``): the export
+refuses it in those words (`stack_problems`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ DEEPSPEED_WORDS = {
         fix="use schedule 1f1b with virtual_stages 1, e.g. autoplan plan ... --schedules 1f1b",
     ),
     "stage-cuts": Explanation(
+        # partition_uniform (deepspeed/runtime/utils.py) is autoplan's even split
         why="deepspeed's PipelineModule places layers by partition_method (uniform, parameters "
         "or type:<regex>; deepspeed/runtime/pipe/module.py), not by explicit cuts",
         fix="use the uniform split {own_cuts} (autoplan.manual_plan's even stages)",
@@ -104,27 +105,19 @@ DEEPSPEED = FrameworkProfile(
     # ZeRO-3 gathers module by module, coalesced up to stage3_prefetch_bucket_size
     # (deepspeed/runtime/zero/partitioned_param_coordinator.py).
     zero3_gathers="per-module",
-    # PipelineModule(partition_method="uniform"), as `autoplan export` writes it: the
-    # layers evenly (deepspeed/runtime/utils.py, partition_uniform), autoplan's even split
+    # Its limits, each cited in DEEPSPEED_WORDS: its own cut (PipelineModule's "uniform"
+    # partition_method, autoplan's even split, as `autoplan export` writes it), TrainSchedule's
+    # 1F1B, no Megatron-style sequence parallelism, one recompute setting without a selective
+    # mode, a pipeline engine with ZeRO <= 1 and no tensor parallelism, its topology's rank
+    # order, and neither ring-attention context parallelism nor ep as a plan degree.
     stage_cuts="own",
-    # the pipeline engine's TrainSchedule, 1F1B (deepspeed/runtime/pipe/schedule.py)
     schedules=("1f1b",),
-    # sequence_parallel_size is Ulysses attention-head parallelism (deepspeed/sequence)
     sequence_parallel=False,
-    # PipelineModule(activation_checkpoint_interval=...): one setting for every stage
     recompute_scope="global",
-    # deepspeed.checkpointing re-runs whole layers: no selective recompute
     recompute_modes=("none", "full"),
-    # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    # parallelism", and has no AutoTP path (tensor_parallel.autotp_size shards a model
-    # in DeepSpeedEngine only; deepspeed/runtime/pipe/engine.py)
     pipeline_max_zero=1,
     pipeline_tensor_parallel=False,
-    # PipeModelDataParallelTopology: pipe, data, model (deepspeed/runtime/pipe/topology.py)
     rank_layouts=(("pp", "dp", "tp"),),
-    # its sequence parallelism is Ulysses (an all-to-all over attention heads,
-    # deepspeed/sequence/layer.py), and its experts are a model-code argument
-    # (deepspeed.moe.layer.MoE(ep_size=...)), not a plan degree
     context_parallel=False,
     expert_parallel=False,
     capabilities=Capabilities(explained=DEEPSPEED_WORDS),

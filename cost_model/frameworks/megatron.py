@@ -48,6 +48,8 @@ MEGATRON_LM_WORDS = {
         "or virtual_stages 1",
     ),
     "recompute-scope": Explanation(
+        # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
+        # stage alike (megatron/core/transformer/transformer_block.py)
         why="megatron-lm has one recompute setting for all layers (--recompute-granularity); "
         "this plan mixes {modes} over its stages",
         fix="",
@@ -134,23 +136,15 @@ MEGATRON_LM = FrameworkProfile(
     # get_num_layers_to_build: the layers evenly over the stages unless a layout, uneven
     # first and last stages or --account-for-embedding/loss-in-pipeline-split say else
     pipeline_split="layers",
-    # get_forward_backward_func: 1F1B, or interleaved 1F1B with virtual stages
-    # (megatron/core/pipeline_parallel/schedules.py)
+    # Its limits, each cited in MEGATRON_LM_WORDS: get_forward_backward_func's two
+    # schedules, one recompute setting for every stage, its rank generator's two orders, and
+    # the rules over several axes below.
     schedules=("1f1b", "interleaved-1f1b"),
-    # --recompute-granularity/--recompute-method/--recompute-num-layers apply to every
-    # stage alike (megatron/core/transformer/transformer_block.py)
     recompute_scope="global",
-    # its rank generator orders tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
-    # --use-tp-pp-dp-mapping (innermost first; megatron/training/initialize.py)
     rank_layouts=(("pp", "dp", "tp"), ("dp", "pp", "tp")),
     capabilities=Capabilities(
-        # validate_args: "When using MoE and tensor parallelism, sequence parallelism must be
-        # used" (megatron/training/arguments.py)
         moe_tp_needs_sequence_parallel=True,
-        # forward_backward_pipelining_with_interleaving: groups of >= pp micro-batches
         interleaved_microbatches="pp-or-more",
-        # with --use-tp-pp-dp-mapping and pipeline parallelism, initialize_model_parallel
-        # asserts the experts' data-parallel size equals the dense one
         dp_outer_ep_is_tp_cp=True,
         explained=MEGATRON_LM_WORDS,
     ),

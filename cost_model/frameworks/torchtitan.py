@@ -25,6 +25,7 @@ TORCHTITAN_WORDS = {
         "3, e.g. autoplan plan ... --zero 2,3",
     ),
     "recompute-scope": Explanation(
+        # activation_checkpoint.mode applies to every block of every stage
         why="torchtitan has one recompute setting for all layers (activation_checkpoint); this "
         "plan mixes {modes} over its stages",
         fix="",
@@ -50,17 +51,12 @@ TORCHTITAN = FrameworkProfile(
         loss_saved_bytes_per_logit=4.0,
     ),
     dp_overlap=1.0,
-    # activation_checkpoint.mode: one setting for every block of every stage
+    # Its limits, each cited in TORCHTITAN_WORDS: one activation_checkpoint setting for every
+    # block, ParallelDims' rank order, FSDP over dp_shard x cp with context parallelism, and
+    # training.mixed_precision_param's two dtypes.
     recompute_scope="global",
-    # ParallelDims: pp, dp_replicate, dp_shard, cp, tp (torchtitan/distributed/
-    # parallel_dims.py)
     rank_layouts=(("pp", "dp", "tp"),),
-    capabilities=Capabilities(
-        # with cp > 1 FSDP shards the weights over dp_shard x cp (ParallelDims' fsdp mesh)
-        cp_min_zero=1,
-        explained=TORCHTITAN_WORDS,
-    ),
-    # training.mixed_precision_param: bfloat16 or float32 (torchtitan/config/configs.py)
+    capabilities=Capabilities(cp_min_zero=1, explained=TORCHTITAN_WORDS),
     dtypes=("bf16", "fp32"),
     sources=(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
