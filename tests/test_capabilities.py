@@ -209,6 +209,8 @@ def test_search_validate_and_parallelize_agree_with_the_stack(framework: str, mo
                 assert not offered.offers(plan_fields(strategy, stages, profile))
                 continue
             refusal = stack.plan_refusal(plan, profile, running=running)
+            if refusal is not None:
+                _assert_one_line_value_rule_fix(str(refusal), refusal.value, refusal.fix)
             if running:
                 assert runtime_refusal(plan, profile) == (None if refusal is None else str(refusal))
             try:
@@ -226,6 +228,13 @@ def test_search_validate_and_parallelize_agree_with_the_stack(framework: str, mo
     assert checked >= 40
     if axis_limits(stack, profile, running=running):
         assert refused > 0
+
+
+def _assert_one_line_value_rule_fix(message: str, value: str, fix: str) -> None:
+    """A refusal names the value, the rule and the fix, on one line."""
+    assert value and fix and value in message and message.endswith(fix), message
+    assert len(message) > len(value) + len(fix) + 10, message  # and a rule between them
+    assert "\n" not in message, message
 
 
 def plan_fields(strategy: Strategy, stages: tuple[StagePlan, ...], profile: ModelProfile) -> Plan:
@@ -279,6 +288,9 @@ def test_exporters_refuse_what_the_stack_refuses(target: str, model: str) -> Non
                 problems: tuple[str | None, ...] = ()
             except ExportError as error:
                 problems = tuple(problem.limit for problem in error.problems)
+                for problem in error.problems:
+                    _assert_one_line_value_rule_fix(str(problem), problem.value, problem.fix)
+                    assert problem.field and problem.option
             assert {limit for limit in problems if limit is not None} == limits, plan
             checked += 1
             refused += bool(limits)
