@@ -6,13 +6,14 @@ its fields). Guarantees: `estimate` is a pure function built only from the publi
 in this exact structure, so the planner can reproduce it (its CP-SAT model cuts with the
 simulation's longest paths, `autoplan.planner.partition`):
 
-- `CostModel.unit_costs(strategy, recompute)`: for fixed outer choices, every unit's
-  `UnitCost`, the sum of its parts (`cost_model.parts`): compute and recompute
-  (`parts.compute`), TP collectives (`parts.tensor_parallel`), data-parallel sync and ZeRO
-  (`parts.data_parallel`), tied-gradient all-reduces (`parts.pipeline`), the optimizer step
-  (`parts.optimizer`), wrapper host time (`parts.host`) and bytes (`parts.memory`); then the
-  runtime's grouping of data-parallel collectives (`parts.data_parallel.grouped_dp_sync`) and
-  CPU core sharing (`parts.core_sharing`, the identity on GPUs).
+- `CostModel.unit_costs(strategy, recompute)` (composed in `cost_model.unit_composition`): for
+  fixed outer choices, every unit's `UnitCost`, the sum of its parts (`cost_model.parts`):
+  compute and recompute (`parts.compute`), TP collectives (`parts.tensor_parallel`),
+  data-parallel sync and ZeRO (`parts.data_parallel`), tied-gradient all-reduces
+  (`parts.pipeline`), the optimizer step (`parts.optimizer`), wrapper host time (`parts.host`)
+  and bytes (`parts.memory`); then the runtime's grouping of data-parallel collectives
+  (`parts.data_parallel.grouped_dp_sync`) and CPU core sharing (`parts.core_sharing`, the
+  identity on GPUs).
 - per stage (`stage_times`, in `cost_model.stage_terms` with the planner's linear form): the
   sums over its units, the host time of its messages, and the link time of its boundary
   (`boundary_costs`: the last unit's output to the next stage's rank).
@@ -31,7 +32,6 @@ one for its whole search.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass
 
 from cost_model.degrees import RECOMPUTE_MODES
@@ -39,34 +39,26 @@ from cost_model.errors import InputError
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.headroom import check_memory_headroom, plan_memory_headroom, usable_capacity_bytes
-from cost_model.memory import RECOMPUTABLE_KINDS, local_num_params, static_bytes
+from cost_model.memory import RECOMPUTABLE_KINDS
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
-from cost_model.parts.context_parallel import local_unit, ring_attention_cost
+from cost_model.parts.context_parallel import local_unit
 from cost_model.parts.core_sharing import (
     SharingFactors,
     loop_overhead_s,
     oversubscription_factors,
     sharing_key,
-    stretched,
     stretched_boundary_s,
 )
 from cost_model.parts.data_parallel import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
-    DataParallelCost,
-    data_parallel_cost,
-    deepspeed_zero3_gathers,
     grad_reduce_bytes,
-    grouped_dp_sync,
     runs_ddp,
 )
 from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepspeed_pipe_step_s
-from cost_model.parts.expert_parallel import ExpertCost, expert_cost, recompute_expert_s
-from cost_model.parts.host import host_cost, host_floor_wait, sync_copies_s
-from cost_model.parts.memory import unit_bytes
-from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM, optimizer_cost
-from cost_model.parts.pipeline import Boundary, boundary, tied_grad_sync, tied_pair_placement
-from cost_model.parts.tensor_parallel import replicated_grad_sum_s, tp_cost
+from cost_model.parts.expert_parallel import ExpertCost, expert_cost
+from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM
+from cost_model.parts.pipeline import Boundary, boundary, tied_pair_placement
 from cost_model.rank_memory import (
     HeldActivations,
     boundary_send_bytes,
@@ -83,12 +75,13 @@ from cost_model.results import (
     StageEstimate,
 )
 from cost_model.schedule_memory import held_microbatches
-from cost_model.schedules import ScheduleName, simulate
+from cost_model.schedules import ScheduleName, ScheduleSpec, Simulation, StageTimes, simulate
 from cost_model.stage_terms import rank_tail_s, stage_times
-from cost_model.strategy import GroupPlacement, PlanLike, Strategy, group_placements
+from cost_model.strategy import GroupPlacement, PlanLike, StageLike, Strategy
 from cost_model.uncertainty import plan_features, with_ranges
+from cost_model.unit_composition import compose_unit_costs, unit_classes
 from cost_model.unit_cost import UnitCost
-from cost_model.workload import ModelProfile, OpProfile, UnitProfile
+from cost_model.workload import ModelProfile, UnitProfile
 
 # Defined here, and the parts and records it composes (importable from here as before the split)
 __all__ = [
@@ -271,7 +264,7 @@ class CostModel:
         key = (self._costs_key(strategy), recompute)
         found = self._costs.get(key)
         if found is None:
-            found = self._unit_costs(strategy, recompute)
+            found = compose_unit_costs(self, strategy, recompute)
             self._costs[key] = found
         return found
 
@@ -309,266 +302,6 @@ class CostModel:
             self.sharing(strategy),
         )
 
-    # ------------------------------------------------------------------------- unit costs
-
-    def _unit_costs(self, strategy: Strategy, recompute: str) -> tuple[UnitCost, ...]:
-        """The composition: each unit's parts, then the parts across units (the runtime's
-        grouping of data-parallel collectives, core sharing)."""
-        groups = _Groups(
-            tp=group_placements(strategy, self.cluster, "tp"),
-            # dense weights reduce over dp x cp (`Strategy.weights_view`)
-            dp=group_placements(strategy, self.cluster, "dp_cp"),
-            cp=group_placements(strategy, self.cluster, "cp"),
-            ep=group_placements(strategy, self.cluster, "ep"),
-            edp=group_placements(strategy, self.cluster, "edp_cp"),
-        )
-        pair = tied_pair_placement(strategy, self.cluster)
-        costs: list[UnitCost] = []
-        dp_costs: list[DataParallelCost] = []
-        # per unit: the routed experts' per-step data-parallel sync (after the dense grouping)
-        expert_sync: list[DataParallelCost | None] = []
-        for index, unit in enumerate(self.profile.units):
-            if self.classes[index] != index:
-                # Identical to an earlier unit (repeated blocks): the same costs object.
-                costs.append(costs[self.classes[index]])
-                dp_costs.append(dp_costs[self.classes[index]])
-                expert_sync.append(expert_sync[self.classes[index]])
-                continue
-            mode = recompute if unit.kind in RECOMPUTABLE_KINDS else "none"
-            cost, dp, experts = self._unit_cost(strategy, index, mode, groups, pair)
-            costs.append(cost)
-            dp_costs.append(dp)
-            expert_sync.append(experts)
-        kinds = [unit.kind for unit in self.profile.units]
-        weights = strategy.weights_view
-        for share in grouped_dp_sync(kinds, dp_costs, self.cluster, weights, groups.dp):
-            own = costs[share.unit_idx]
-            post = own.post_sync_s if share.post_sync_s is None else share.post_sync_s
-            costs[share.unit_idx] = dataclasses.replace(
-                own, dp_sync_s=share.sync_s, post_sync_s=post
-            )
-        # (units that shared one cost object and one expert sync still share the result: a
-        # 4,096-layer mixture of experts would otherwise hold 4,096 objects per plan costed)
-        # (keyed by identity; each entry keeps its original alive, so no id is reused)
-        synced: dict[tuple[int, int], tuple[UnitCost, UnitCost]] = {}
-        for index, experts in enumerate(expert_sync):
-            if experts is not None and (experts.sync_s or experts.post_sync_s):
-                # the expert gradients reduce over their own group, after the dense ones
-                own = costs[index]
-                key = (id(own), id(experts))
-                if key not in synced:
-                    synced[key] = (
-                        own,
-                        dataclasses.replace(
-                            own,
-                            dp_sync_s=own.dp_sync_s + experts.sync_s,
-                            post_sync_s=own.post_sync_s + experts.post_sync_s,
-                        ),
-                    )
-                costs[index] = synced[key][1]
-        return stretched(costs, self.sharing(strategy))
-
-    def _zero3_gathers(self, index: int, tp_degree: int) -> int:
-        """ZeRO-3 all-gathers a pass over unit ``index`` under this stack (FSDP2: one)."""
-        if self.stack.zero3_gathers != "per-module":
-            return 1
-        unit = self.profile.units[index]
-        width = self.profile.traced_dtype_bytes
-        # a module's weight elements on this device: TP splits the sharded ones
-        numels = [
-            op.param_bytes_read / width / (tp_degree if op.tp != "replicated" else 1)
-            for op in unit.ops
-            if op.param_bytes_read > 0
-        ]
-        return max(1, deepspeed_zero3_gathers(numels))
-
-    def _unit_cost(
-        self,
-        strategy: Strategy,
-        index: int,
-        mode: str,
-        groups: _Groups,
-        pair: GroupPlacement | None,
-    ) -> tuple[UnitCost, DataParallelCost, DataParallelCost | None]:
-        """One unit's cost under its own recompute ``mode``: the sum of its parts; with it,
-        its dense weights' data-parallel cost and its routed experts' (None: a dense unit)."""
-        profile, cluster, cal = self.profile, self.cluster, self.cluster.calibration
-        # the unit on one context-parallel rank (itself when cp = 1)
-        unit: UnitProfile = self.local_unit(index, strategy.cp_degree)
-        traced = profile.traced_dtype_bytes
-        # dense weights: data parallel over dp x cp
-        weights = strategy.weights_view
-        # Parameters this device stores: TP-local; tied weights once per device (pp = 1); the
-        # routed experts apart (`parts.expert_parallel`).
-        n_local = local_num_params(
-            unit,
-            strategy.tp_degree,
-            count_shared=strategy.pp_degree > 1,
-            shared_expert_whole=self.shared_expert_whole(strategy),
-        )
-        if unit.moe is not None:
-            if unit.num_params - unit.num_params_tp_sharded < unit.moe.expert_params:
-                raise InputError(
-                    f"unit {unit.name!r}: its {unit.moe.expert_params:,} routed-expert "
-                    f"parameters must be among its {unit.num_params - unit.num_params_tp_sharded:,}"
-                    " parameters tensor parallelism does not split (MoELayerFacts: experts are "
-                    "split by expert parallelism); fix the trace's TP roles"
-                )
-            n_local -= unit.moe.expert_params
-
-        compute = self.compute_times(strategy, index)
-        rerun_s = recompute_s(unit, mode, cal, compute)
-        tp = tp_cost(
-            unit,
-            strategy,
-            cluster,
-            traced,
-            tp_groups=groups.tp,
-            recompute=mode,
-            shared_expert_whole=self.shared_expert_whole(strategy),
-        )
-        ring = ring_attention_cost(unit, profile, strategy, cluster, groups.cp, mode)
-        experts = _no_experts
-        if unit.moe is not None:
-            experts = self.expert_cost(strategy, index, mode, groups.ep)
-        rerun_s += recompute_expert_s(experts, mode)
-        forward_compute_s = compute.forward_s + experts.forward_compute_s
-        backward_compute_s = compute.backward_s + experts.backward_compute_s
-        dp = data_parallel_cost(
-            n_local,
-            weights,
-            cluster,
-            groups.dp,
-            forward_window_s=forward_compute_s,
-            backward_window_s=backward_compute_s + rerun_s,
-            zero3_gathers=self._zero3_gathers(index, strategy.tp_degree),
-        )
-        expert_dp: DataParallelCost | None = None
-        expert_optimizer_s = 0.0
-        expert_state = static_bytes(0.0, strategy.dtype, 0, 1)
-        if unit.moe is not None:
-            # routed experts: E / ep per device, data parallel over dp x cp / ep
-            view = strategy.expert_view
-            expert_dp = data_parallel_cost(
-                experts.local_params,
-                view,
-                cluster,
-                groups.edp,
-                forward_window_s=forward_compute_s,
-                backward_window_s=backward_compute_s + rerun_s,
-            )
-            expert_optimizer_s = optimizer_cost(experts.local_params, view, cluster).step_s
-            expert_state = static_bytes(
-                experts.local_params,
-                strategy.dtype,
-                view.runtime_zero_stage,
-                view.dp_degree,
-                view.dp_wrapper,
-            )
-        zero3_forward_exposed_s = dp.zero3_forward_exposed_s
-        zero3_backward_exposed_s = dp.zero3_backward_exposed_s
-        if expert_dp is not None:
-            zero3_forward_exposed_s += expert_dp.zero3_forward_exposed_s
-            zero3_backward_exposed_s += expert_dp.zero3_backward_exposed_s
-        tied = tied_grad_sync(profile, index, strategy, cluster, pair)
-        replicated = (
-            replicated_grad_sum_s(unit, strategy, cluster, groups.tp)
-            if self.shared_expert_whole(strategy)
-            else 0.0
-        )
-        optimizer = optimizer_cost(n_local, weights, cluster)
-        host = host_cost(unit, n_local + experts.local_params, strategy, cal)
-        # A CPU worker's core both dispatches and computes, so the wrappers' host time adds to
-        # the compute; a GPU's host runs ahead of its asynchronous kernels, so there the same
-        # host time is a floor under the unit's time (`host_floor_wait`), paid only where the
-        # device would finish first (small units, small micro-batches).
-        on_gpu = cluster.device.kind == "gpu"
-        added_host_s = 0.0 if on_gpu else host.microbatch_s
-        loss = loss_cost(unit, strategy, cluster, traced)
-        memory = unit_bytes(
-            unit,
-            weights,
-            mode,
-            traced,
-            local_params=n_local,
-            loss_saved_bytes=loss.saved_bytes,
-            stack=self.stack.saved_activations,
-        )
-        forward_s = (
-            forward_compute_s
-            + tp.forward_s
-            + ring.forward_s
-            + experts.all_to_all_forward_s
-            + zero3_forward_exposed_s
-            + added_host_s / 2
-        )
-        backward_s = (
-            backward_compute_s
-            + rerun_s
-            + tp.backward_s
-            + ring.backward_s
-            + experts.all_to_all_backward_s
-            + zero3_backward_exposed_s
-            + added_host_s / 2
-        )
-        host_s = added_host_s
-        if unit.kind == "block":
-            copy_forward, copy_backward = sync_copies_s(cluster, mode)
-            forward_s += copy_forward
-            backward_s += copy_backward
-            host_s += copy_forward + copy_backward
-        floor_s = host.microbatch_s if on_gpu else 0.0
-        if unit.kind == "block" and strategy.tp_degree > 1:
-            floor_s += cal.tp_block_host_floor_s
-        if floor_s > 0.0:
-            wait_forward, wait_backward = host_floor_wait(forward_s, backward_s, floor_s)
-            forward_s += wait_forward
-            backward_s += wait_backward
-            host_s += wait_forward + wait_backward
-        device_optimizer_s = optimizer.step_s + expert_optimizer_s
-        optimizer_s = (
-            max(device_optimizer_s, host.optimizer_s)
-            if on_gpu
-            else device_optimizer_s + host.optimizer_s
-        )
-        cost = UnitCost(
-            kind=unit.kind,
-            recompute=mode,
-            forward_compute_s=forward_compute_s,
-            backward_compute_s=backward_compute_s,
-            recompute_s=rerun_s,
-            tp_forward_s=tp.forward_s,
-            tp_backward_s=tp.backward_s,
-            zero3_forward_s=dp.zero3_forward_s + (expert_dp.zero3_forward_s if expert_dp else 0),
-            zero3_backward_s=(
-                dp.zero3_backward_s + (expert_dp.zero3_backward_s if expert_dp else 0)
-            ),
-            zero3_exposed_s=zero3_forward_exposed_s + zero3_backward_exposed_s,
-            forward_s=forward_s,
-            backward_s=backward_s,
-            weight_s=compute.weight_backward_s + experts.weight_backward_s,
-            dp_sync_s=dp.sync_s,
-            post_sync_s=dp.post_sync_s + tied.own_s + tied.model_s + replicated,
-            optimizer_s=optimizer_s,
-            param_bytes=memory.param_bytes + expert_state.param_bytes,
-            grad_bytes=memory.grad_bytes + expert_state.grad_bytes,
-            optimizer_bytes=memory.optimizer_bytes + expert_state.optimizer_bytes,
-            local_params=n_local + experts.local_params,
-            activation_bytes=memory.activation_bytes + experts.activation_bytes,
-            loss_bytes=memory.loss_bytes,
-            retained_bytes=memory.retained_bytes + experts.all_activation_bytes,
-            working_bytes=memory.working_bytes + experts.all_activation_bytes,
-            extra_bytes=memory.extra_bytes,
-            output_bytes=memory.output_bytes,
-            forward_flops=compute.forward_flops + experts.forward_flops,
-            cp_forward_s=ring.forward_s,
-            cp_backward_s=ring.backward_s,
-            ep_forward_s=experts.all_to_all_forward_s,
-            ep_backward_s=experts.all_to_all_backward_s,
-            host_s=host_s,
-        )
-        return cost, dp, expert_dp
-
     def usable_capacity_bytes(self, plan: PlanLike | None = None) -> float:
         """The largest predicted peak a device may hold (`usable_capacity_bytes`) with this
         model's headroom, or ``plan``'s when the model has none."""
@@ -595,7 +328,21 @@ class CostModel:
         return with_ranges(est, plan_features(plan, self.framework))
 
     def _estimate(self, plan: PlanLike) -> Estimate:
-        profile, cluster = self.profile, self.cluster
+        strategy, stages = self._checked_plan(plan)
+        timing = self._timing(strategy, stages)
+        first = next(iter(timing.by_mode.values()))
+        constants = memory_constants(first, self.cluster, strategy)
+        send_bytes = boundary_send_bytes(first, self.cluster.calibration)
+        usable = self.usable_capacity_bytes(plan)
+        ranks, stage_estimates = self._rank_estimates(
+            strategy, stages, timing, constants, send_bytes, usable
+        )
+        return self._step_estimate(plan, strategy, timing, ranks, stage_estimates, usable)
+
+    def _checked_plan(self, plan: PlanLike) -> tuple[Strategy, tuple[StageLike, ...]]:
+        """The plan's outer choices and stages, once its stack runs it and its stages cover
+        the model."""
+        profile = self.profile
         if plan.framework != self.framework:
             raise InputError(
                 f"plan is for framework {plan.framework!r}; this cost model prices "
@@ -617,8 +364,12 @@ class CostModel:
                 f"plan stages cover units 0..{stages[-1].last_unit} but model {profile.name!r} has "
                 f"{profile.num_units} units"
             )
+        return strategy, stages
+
+    def _timing(self, strategy: Strategy, stages: tuple[StageLike, ...]) -> _Timing:
+        """The stages' units and times, the ranks' tails and the schedule's simulation."""
         spec = strategy.schedule_spec
-        p, m = strategy.pp_degree, strategy.num_micro_batches
+        p = strategy.pp_degree
         by_mode: dict[str, tuple[UnitCost, ...]] = {}
         for stage in stages:
             if stage.recompute not in by_mode:
@@ -635,72 +386,77 @@ class CostModel:
         fixed = self.step_overhead_s(strategy)
         overlap = self.dp_overlap(strategy)
         rank_tail = [rank_tail_s(rank_units[r], overlap) + fixed for r in range(p)]
-        sim = simulate(spec, times, rank_tail)
-        t_pipe = sim.pipeline_time_s
+        return _Timing(
+            spec=spec,
+            by_mode=by_mode,
+            stage_units=stage_units,
+            boundaries=boundaries,
+            times=times,
+            rank_stages=rank_stages,
+            rank_units=rank_units,
+            rank_tail=rank_tail,
+            sim=simulate(spec, times, rank_tail),
+        )
 
-        constants = memory_constants(next(iter(by_mode.values())), cluster, strategy)
-        send_bytes = boundary_send_bytes(next(iter(by_mode.values())), cluster.calibration)
-        capacity = float(cluster.device.memory_bytes)
-        usable = self.usable_capacity_bytes(plan)
-        held = held_microbatches(spec)
+    def _rank_estimates(
+        self,
+        strategy: Strategy,
+        stages: tuple[StageLike, ...],
+        timing: _Timing,
+        constants: MemoryConstants,
+        send_bytes: float,
+        usable: float,
+    ) -> tuple[list[RankEstimate], tuple[StageEstimate, ...]]:
+        """Each pipeline rank's time and memory, and each stage's share."""
+        m, sim, stage_units = strategy.num_micro_batches, timing.sim, timing.stage_units
+        held = held_microbatches(timing.spec)
         ranks = []
         stage_estimates: list[StageEstimate | None] = [None] * len(stages)
-        for r in range(p):
+        for r in range(strategy.pp_degree):
             peak = peak_activations(stage_units, held[r], send_bytes)
             loss_held = sum(
                 count * sum(u.loss_bytes for u in stage_units[s])
                 for s, count in zip(held[r].stages, peak.microbatches, strict=True)
             )
-            memory = rank_memory(rank_units[r], peak.bytes, constants, loss_held)
+            memory = rank_memory(timing.rank_units[r], peak.bytes, constants, loss_held)
             busy = sim.rank_busy_s[r]
             idle = sim.rank_end_s[r] - busy
             ranks.append(
                 RankEstimate(
                     pp_rank=r,
-                    stages=rank_stages[r],
+                    stages=timing.rank_stages[r],
                     time_per_microbatch_s=busy / m,
                     busy_s=busy,
                     bubble_s=idle,
-                    tail_s=rank_tail[r],
+                    tail_s=timing.rank_tail[r],
                     memory=memory,
                     fits=memory.total_bytes <= usable,
                 )
             )
-            for k, s in enumerate(rank_stages[r]):
-                units = stage_units[s]
-                inflight = peak.microbatches[k]
-                previous = boundaries[s - 1] if s > 0 else Boundary(0.0, 0.0)
-                stage_estimates[s] = StageEstimate(
-                    stage_idx=s,
-                    pp_rank=r,
-                    first_unit=stages[s].first_unit,
-                    last_unit=stages[s].last_unit,
-                    recompute=stages[s].recompute,
-                    forward_s=times[s].forward_s,
-                    backward_s=times[s].backward_s,
-                    weight_s=times[s].weight_s,
-                    transfer_s=times[s].transfer_s,
-                    compute_s=m * sum(u.compute_s for u in units),
-                    recompute_s=m * sum(u.recompute_s for u in units),
-                    tp_comm_s=m * sum(u.tp_comm_s for u in units),
-                    # busy time of its pipeline messages; their link time is not the rank's (it
-                    # delays the peer, and shows as that peer's idle time where it matters)
-                    pp_comm_s=m * (boundaries[s].message_s + previous.message_s),
-                    dp_comm_s=sum(
-                        u.dp_sync_s + u.post_sync_s + m * (u.zero3_forward_s + u.zero3_backward_s)
-                        for u in units
-                    ),
-                    bubble_s=idle / len(rank_stages[r]),
-                    param_bytes=sum(u.param_bytes for u in units),
-                    grad_bytes=sum(u.grad_bytes for u in units),
-                    optimizer_bytes=sum(u.optimizer_bytes for u in units),
-                    activation_bytes=inflight * sum(u.activation_bytes for u in units),
-                    inflight_microbatches=float(inflight),
-                    cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
-                    ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
-                    host_s=m * sum(u.host_s for u in units),
+            for k, s in enumerate(timing.rank_stages[r]):
+                stage_estimates[s] = _stage_estimate(
+                    stages[s],
+                    s,
+                    r,
+                    timing,
+                    m,
+                    inflight=peak.microbatches[k],
+                    bubble_s=idle / len(timing.rank_stages[r]),
                 )
+        return ranks, tuple(s for s in stage_estimates if s is not None)
 
+    def _step_estimate(
+        self,
+        plan: PlanLike,
+        strategy: Strategy,
+        timing: _Timing,
+        ranks: list[RankEstimate],
+        stage_estimates: tuple[StageEstimate, ...],
+        usable: float,
+    ) -> Estimate:
+        """The step's record: time, throughput, MFU and the peak memory of its ranks."""
+        profile, cluster, sim = self.profile, self.cluster, timing.sim
+        t_pipe = sim.pipeline_time_s
         step = sim.step_time_s
         tokens = strategy.global_batch_size * profile.seq_len
         # Model FLOPs: 3x the forward (forward + backward, no recompute), Chowdhery et al. 2022
@@ -717,46 +473,82 @@ class CostModel:
             seq_len=profile.seq_len,
             step_time_s=step,
             pipeline_time_s=t_pipe,
-            tail_s=max(rank_tail),
+            tail_s=max(timing.rank_tail),
             bubble_fraction=(t_pipe - busiest) / t_pipe if t_pipe > 0 else 0.0,
             tokens_per_s=tokens / step,
             model_flops_per_step=model_flops,
             model_tflops_per_device=flops_per_device_per_s / 1e12,
             mfu=flops_per_device_per_s / cluster.device.peak_flops_for(strategy.dtype),
             peak_memory_bytes=peak_memory,
-            memory_capacity_bytes=capacity,
+            memory_capacity_bytes=float(cluster.device.memory_bytes),
             fits=peak_memory <= usable,
             memory_headroom=plan_memory_headroom(plan, self.memory_headroom),
             memory_usable_bytes=usable,
-            stages=tuple(s for s in stage_estimates if s is not None),
+            stages=stage_estimates,
             ranks=tuple(ranks),
         )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Groups:
-    """The placements of a strategy's communication groups (`cost_model.strategy.mesh_groups`)."""
+class _Timing:
+    """A plan's units per stage and rank, their times and the schedule's simulation."""
 
-    tp: tuple[GroupPlacement, ...]
-    dp: tuple[GroupPlacement, ...]  # of the dense weights: dp x cp
-    cp: tuple[GroupPlacement, ...]
-    ep: tuple[GroupPlacement, ...]
-    edp: tuple[GroupPlacement, ...]  # of the routed experts: dp x cp / ep
+    spec: ScheduleSpec
+    by_mode: dict[str, tuple[UnitCost, ...]]  # every unit's costs per recompute mode used
+    stage_units: list[tuple[UnitCost, ...]]
+    boundaries: list[Boundary]
+    times: list[StageTimes]
+    rank_stages: list[tuple[int, ...]]
+    rank_units: list[tuple[UnitCost, ...]]
+    rank_tail: list[float]  # each rank's tail plus the loop's fixed overhead
+    sim: Simulation
 
 
-# a dense unit's routed experts: none
-_no_experts = ExpertCost(
-    forward_compute_s=0.0,
-    backward_compute_s=0.0,
-    weight_backward_s=0.0,
-    forward_flops=0.0,
-    all_to_all_forward_s=0.0,
-    all_to_all_backward_s=0.0,
-    tokens_per_expert=0.0,
-    local_params=0.0,
-    activation_bytes=0.0,
-    all_activation_bytes=0.0,
-)
+def _stage_estimate(
+    stage: StageLike,
+    s: int,
+    r: int,
+    timing: _Timing,
+    m: int,
+    *,
+    inflight: int,
+    bubble_s: float,
+) -> StageEstimate:
+    """Stage ``s`` (run by pipeline rank ``r``, with ``inflight`` micro-batches held at the
+    rank's peak) over ``m`` micro-batches."""
+    units = timing.stage_units[s]
+    times, boundaries = timing.times, timing.boundaries
+    previous = boundaries[s - 1] if s > 0 else Boundary(0.0, 0.0)
+    return StageEstimate(
+        stage_idx=s,
+        pp_rank=r,
+        first_unit=stage.first_unit,
+        last_unit=stage.last_unit,
+        recompute=stage.recompute,
+        forward_s=times[s].forward_s,
+        backward_s=times[s].backward_s,
+        weight_s=times[s].weight_s,
+        transfer_s=times[s].transfer_s,
+        compute_s=m * sum(u.compute_s for u in units),
+        recompute_s=m * sum(u.recompute_s for u in units),
+        tp_comm_s=m * sum(u.tp_comm_s for u in units),
+        # busy time of its pipeline messages; their link time is not the rank's (it
+        # delays the peer, and shows as that peer's idle time where it matters)
+        pp_comm_s=m * (boundaries[s].message_s + previous.message_s),
+        dp_comm_s=sum(
+            u.dp_sync_s + u.post_sync_s + m * (u.zero3_forward_s + u.zero3_backward_s)
+            for u in units
+        ),
+        bubble_s=bubble_s,
+        param_bytes=sum(u.param_bytes for u in units),
+        grad_bytes=sum(u.grad_bytes for u in units),
+        optimizer_bytes=sum(u.optimizer_bytes for u in units),
+        activation_bytes=inflight * sum(u.activation_bytes for u in units),
+        inflight_microbatches=float(inflight),
+        cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
+        ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
+        host_s=m * sum(u.host_s for u in units),
+    )
 
 
 def _stretched_boundary(raw: Boundary, factors: SharingFactors) -> Boundary:
@@ -818,37 +610,3 @@ def boundary_costs(
     cores."""
     raw = boundary(last_unit.output_bytes, cluster, strategy, stage_idx)
     return _stretched_boundary(raw, oversubscription_factors(strategy, cluster))
-
-
-# A unit's content: every field but the names (op names carry the block index).
-_op_content = operator.attrgetter(
-    *(f.name for f in dataclasses.fields(OpProfile) if f.name != "name")
-)
-_unit_content = operator.attrgetter(
-    *(f.name for f in dataclasses.fields(UnitProfile) if f.name not in ("name", "ops"))
-)
-
-
-def _unit_key(unit: UnitProfile) -> tuple[object, ...]:
-    """A unit's content without its names, as a hashable value (a MoE layer's experts op by
-    its place among the ops: its name carries the block index too)."""
-    content = _unit_content(unit)
-    moe = unit.moe
-    if moe is not None:
-        place = next((i for i, op in enumerate(unit.ops) if op.name == moe.experts_op), -1)
-        anonymous = dataclasses.replace(moe, experts_op=f"#{place}")
-        content = tuple(anonymous if value is moe else value for value in content)
-    return (content, tuple(_op_content(op) for op in unit.ops))
-
-
-def unit_classes(profile: ModelProfile) -> tuple[int, ...]:
-    """For each unit, the index of the first unit with the same content (its own if unique).
-
-    `CostModel.unit_costs` returns the same object for units of one class, so callers can work
-    per class. Unit 0 is kept apart: the tied-gradient sync of the whole model is charged to it.
-    """
-    first: dict[tuple[object, ...], int] = {}
-    classes = []
-    for index, unit in enumerate(profile.units):
-        classes.append(index if index == 0 else first.setdefault(_unit_key(unit), index))
-    return tuple(classes)
