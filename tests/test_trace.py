@@ -17,6 +17,8 @@ from torch.fx.passes.split_module import split_module
 from autoplan.models import gpt, llama, moe, preset, preset_config
 from autoplan.tracing import ModelGraph, trace
 from autoplan.tracing import api as trace_api
+from autoplan.tracing import meter as trace_meter
+from autoplan.tracing import node_runner as trace_node_runner
 from autoplan.tracing import profiler as trace_profiler
 from autoplan.tracing.fingerprint import fingerprint
 from autoplan.tracing.tracer import _Tracer, trace_model
@@ -330,9 +332,9 @@ def test_remembered_meta_work_changes_no_figure(monkeypatch: pytest.MonkeyPatch)
     remembered = [trace(model) for model in build()]
     reused = len(runs)
     monkeypatch.setattr(
-        trace_profiler.MetaKernels, "run", lambda self, func, info, a, kw: func(*a, **kw)
+        trace_meter.MetaKernels, "run", lambda self, func, info, a, kw: func(*a, **kw)
     )
-    monkeypatch.setattr(trace_profiler.NodeRunner, "call_key", lambda self, *args: None)
+    monkeypatch.setattr(trace_node_runner.NodeRunner, "call_key", lambda self, *args: None)
     runs.clear()
     plain = [trace(model) for model in build()]
     assert reused < len(runs)  # some backward runs were saved
@@ -439,7 +441,7 @@ def test_op_kinds_cover_the_block(gpt_graph: ModelGraph) -> None:
 
 
 def test_causal_attention_counts_the_scores_it_computes() -> None:
-    from autoplan.tracing.profiler import causal_fraction
+    from autoplan.tracing.op_flops import causal_fraction
 
     assert causal_fraction(4, 4) == pytest.approx(10 / 16)  # 1 + 2 + 3 + 4 of 16
     assert causal_fraction(1, 8) == 1.0  # the last query sees every key

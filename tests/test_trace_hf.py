@@ -44,7 +44,7 @@ def _same_costs(hf: ModelGraph, zoo: ModelGraph) -> None:
     """Equal costs, but for attention: the exported graph carries Hugging Face's causal mask
     as a tensor, which a masked kernel applies to the whole square (what autoplan's runtime
     runs from that graph), where the zoo's ``is_causal`` kernel computes s (s + 1) / 2 of the
-    s^2 scores (autoplan.tracing.profiler.causal_fraction)."""
+    s^2 scores (autoplan.tracing.op_flops.causal_fraction)."""
     assert hf.front_end == "export" and zoo.front_end == "fx"
     assert [u.kind for u in hf.profile.units] == [u.kind for u in zoo.profile.units]
     square = 2 * S / (S + 1)

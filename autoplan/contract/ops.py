@@ -2,7 +2,7 @@
 multiply, an attention kernel, an embedding lookup, a reduction, an element-wise op, a view, or
 a collective.
 
-The tracer (`autoplan.tracing.profiler`) counts FLOPs and bytes by these categories and gives
+The tracer (`autoplan.tracing.meter`) counts FLOPs and bytes by these categories and gives
 each op of the profile its `OpKind`; the recompute pass (`passes.recompute`) keeps or recomputes
 an op's output by the same category, as the plan's decisions say (`Plan.decisions`), so what
 the cost model prices as recomputed is what runs again.

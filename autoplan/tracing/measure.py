@@ -18,15 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from autoplan.tracing.profiler import (
-    MetaState,
-    NodeMeasure,
-    NodeRunner,
-    TensorSpec,
-    UnitMeasure,
-    materialize,
-    spec_of,
-)
+from autoplan.tracing.node_measures import NodeMeasure, UnitMeasure
+from autoplan.tracing.node_runner import MetaState, NodeRunner
+from autoplan.tracing.tensor_specs import TensorSpec, materialize, spec_of
 from autoplan.tracing.tracer import TEMPLATE_META, TracedModel
 from autoplan.tracing.units import Assignment, module_structure, unit_key
 

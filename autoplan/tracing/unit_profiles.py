@@ -25,7 +25,7 @@ from autoplan.tracing.measure import (
     spec_bytes,
     target_name,
 )
-from autoplan.tracing.profiler import INPUT, NodeMeasure, UnitMeasure
+from autoplan.tracing.node_measures import INPUT, NodeMeasure, UnitMeasure
 from autoplan.tracing.units import Assignment, TpResult, UnitSpec, classify_tp, find_vocab
 from cost_model.strategy import SELECTIVE_SAVED_KINDS
 from cost_model.workload import GemmShape, OpKind, OpProfile, TpStructure, UnitProfile

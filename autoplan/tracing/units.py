@@ -26,7 +26,8 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
-from autoplan.tracing.profiler import NodeMeasure, TensorSpec
+from autoplan.tracing.node_measures import NodeMeasure
+from autoplan.tracing.tensor_specs import TensorSpec
 from cost_model.workload import TpLinear, TpRole, TpStructure, UnitKind
 
 __all__ = [
