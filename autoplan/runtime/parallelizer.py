@@ -57,7 +57,9 @@ from cost_model.results import Estimate
 from passes import (
     ContextParallelResult,
     DistributedModel,
+    ParallelMesh,
     ReplicatedGradientSum,
+    SplitModel,
     TensorParallelResult,
     apply_context_parallel,
     apply_data_parallel,
@@ -214,35 +216,19 @@ def _parallelize(
     memory_headroom: float | None,
     job: _Job,
 ) -> DistributedModel:
-    world_size, local_world, device = job.world_size, job.local_world, job.device
-    _agree_on_plan(plan, device)  # the first collective: nothing below can hang on a mismatch
-    if memory_headroom is not None:  # the plan is checked, or searched, with it
-        search_constraints = {**(search_constraints or {}), "memory_headroom": memory_headroom}
-        if plan is not None:
-            plan = dataclasses.replace(plan, memory_headroom=memory_headroom)
-    if graph is None:
-        graph = _trace(model, plan)
-    cluster = _job_cluster(world_size, local_world) if cluster is None else as_cluster(cluster)
-    predicted: Estimate | None = None
-    if plan is not None:
-        predicted = _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
-    search_time_s: float | None = None
-    if plan is None:
-        started = time.perf_counter()
-        constraints = dict(search_constraints or {})
-        if device.type == "cpu":
-            constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
-        if _layers_tp_cannot_shard(model, graph):
-            constraints.setdefault("tp", 1)
-        # an exported graph's limits (fp32, no sequence or context parallelism) and a model
-        # without RoPE tables (no context parallelism): the search keeps to them itself
-        # (`runtime_refusal`)
-        plan = _searched_plan(graph, cluster, global_batch_size, constraints)
-        if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
-            graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
-        # same plan, same verdict on every rank
-        predicted = _check_before_launch(plan, model, graph, cluster, world_size, check_memory)
-        search_time_s = time.perf_counter() - started
+    device = job.device
+    chosen = _choose_plan(
+        model,
+        cluster,
+        plan,
+        global_batch_size=global_batch_size,
+        search_constraints=search_constraints,
+        graph=graph,
+        check_memory=check_memory,
+        memory_headroom=memory_headroom,
+        job=job,
+    )
+    plan, graph = chosen.plan, chosen.graph
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
@@ -255,7 +241,120 @@ def _parallelize(
     if not meta:
         for stage in split.stages:
             stage.module.to(device)
-    wrapped: dict[int, nn.Module] = {}
+    context, tp_results = _shard_stages(split, plan, graph, mesh, device)
+    if context is not None and meta:
+        buffers = context.shard_buffer_values(buffers)  # the RoPE rows of this cp rank
+    num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
+    if meta and uses_ddp(plan):
+        # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
+    wrapped, finish = _wrap_data_parallel(split, plan, mesh, tp_results)
+    if meta and not uses_ddp(plan):
+        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
+    pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
+    distributed = DistributedModel(
+        context=context,
+        after_backward=tuple(finish),
+        plan=plan,
+        mesh=mesh,
+        split=split,
+        wrapped=wrapped,
+        pipeline=pipeline,
+        optimizer=optimizer,
+        device=device,
+        timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if job.created else None,
+        fingerprint=graph.profile.fingerprint,
+        search_time_s=chosen.search_time_s,
+        on_nan=on_nan,
+        failures=job.failures,
+    )
+    # what the cost model predicts for this plan on the job's cluster (`autoplan.runtime.
+    # step_timing` compares it with the measured steps)
+    distributed.predicted_step_s = chosen.predicted.step_time_s
+    distributed.predicted_step_range_s = chosen.predicted.step_time_range_s
+    return distributed
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _ChosenPlan:
+    """The plan every rank runs, checked against the job, and what choosing it gave."""
+
+    plan: Plan
+    graph: ModelGraph  # traced at the plan's micro-batch size where the front end needs it
+    predicted: Estimate  # the plan's estimate on the job's cluster
+    search_time_s: float | None  # None: the plan was given
+
+
+def _choose_plan(
+    model: nn.Module,
+    cluster: Cluster | str | None,
+    plan: Plan | None,
+    *,
+    global_batch_size: int | None,
+    search_constraints: Mapping[str, Any] | None,
+    graph: ModelGraph | None,
+    check_memory: bool,
+    memory_headroom: float | None,
+    job: _Job,
+) -> _ChosenPlan:
+    """The given plan, or the one rank 0 searches, checked alike on every rank before launch."""
+    _agree_on_plan(plan, job.device)  # the first collective: nothing below can hang on a mismatch
+    if memory_headroom is not None:  # the plan is checked, or searched, with it
+        search_constraints = {**(search_constraints or {}), "memory_headroom": memory_headroom}
+        if plan is not None:
+            plan = dataclasses.replace(plan, memory_headroom=memory_headroom)
+    if graph is None:
+        graph = _trace(model, plan)
+    if cluster is None:
+        cluster = _job_cluster(job.world_size, job.local_world)
+    else:
+        cluster = as_cluster(cluster)
+    if plan is not None:
+        predicted = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
+        return _ChosenPlan(plan=plan, graph=graph, predicted=predicted, search_time_s=None)
+    return _search_for_job(
+        model, graph, cluster, global_batch_size, search_constraints, check_memory, job
+    )
+
+
+def _search_for_job(
+    model: nn.Module,
+    graph: ModelGraph,
+    cluster: Cluster,
+    global_batch_size: int | None,
+    search_constraints: Mapping[str, Any] | None,
+    check_memory: bool,
+    job: _Job,
+) -> _ChosenPlan:
+    """A plan searched on rank 0 for this job's devices and model, checked on every rank."""
+    started = time.perf_counter()
+    constraints = dict(search_constraints or {})
+    if job.device.type == "cpu":
+        constraints.setdefault("dtype", "fp32")  # CPUs train fp32; bf16 GEMMs crawl
+    if _layers_tp_cannot_shard(model, graph):
+        constraints.setdefault("tp", 1)
+    # an exported graph's limits (fp32, no sequence or context parallelism) and a model
+    # without RoPE tables (no context parallelism): the search keeps to them itself
+    # (`runtime_refusal`)
+    plan = _searched_plan(graph, cluster, global_batch_size, constraints)
+    if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
+        graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
+    # same plan, same verdict on every rank
+    predicted = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
+    return _ChosenPlan(
+        plan=plan,
+        graph=graph,
+        predicted=predicted,
+        search_time_s=time.perf_counter() - started,
+    )
+
+
+def _shard_stages(
+    split: SplitModel, plan: Plan, graph: ModelGraph, mesh: ParallelMesh, device: torch.device
+) -> tuple[ContextParallelResult | None, dict[int, TensorParallelResult]]:
+    """This rank's stages through tensor, context and expert parallelism and recompute (in
+    that order, stage by stage); the context-parallel result (None without cp) and each
+    stage's tensor-parallel result."""
     context: ContextParallelResult | None = None
     tp_results: dict[int, TensorParallelResult] = {}
     for stage in split.stages:
@@ -283,12 +382,18 @@ def _parallelize(
             attention_sites=(),
             position_buffers=(),
         )
-    if context is not None and meta:
-        buffers = context.shard_buffer_values(buffers)  # the RoPE rows of this cp rank
-    num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
-    if meta and uses_ddp(plan):
-        # DDP broadcasts real parameters when built; it shards none, so this costs no memory.
-        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
+    return context, tp_results
+
+
+def _wrap_data_parallel(
+    split: SplitModel,
+    plan: Plan,
+    mesh: ParallelMesh,
+    tp_results: Mapping[int, TensorParallelResult],
+) -> tuple[dict[int, nn.Module], list[Callable[[], None]]]:
+    """Each stage wrapped for data parallelism, by stage index, and what runs after every
+    backward (the wrappers' finishing steps, the tp sums of MoE layers on sequence shards)."""
+    wrapped: dict[int, nn.Module] = {}
     finish: list[Callable[[], None]] = []
     for stage in split.stages:
         result = apply_data_parallel(stage, mesh, plan)
@@ -303,31 +408,7 @@ def _parallelize(
                     module=stage.module, names=summed, group=mesh.sub("tp").get_group()
                 )
             )
-    if meta and not uses_ddp(plan):
-        materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
-    pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
-    distributed = DistributedModel(
-        context=context,
-        after_backward=tuple(finish),
-        plan=plan,
-        mesh=mesh,
-        split=split,
-        wrapped=wrapped,
-        pipeline=pipeline,
-        optimizer=optimizer,
-        device=device,
-        timeout_s=(timeout_s or DEFAULT_TIMEOUT_S) if job.created else None,
-        fingerprint=graph.profile.fingerprint,
-        search_time_s=search_time_s,
-        on_nan=on_nan,
-        failures=job.failures,
-    )
-    # what the cost model predicts for this plan on the job's cluster (`autoplan.runtime.
-    # step_timing` compares it with the measured steps)
-    assert predicted is not None  # the plan was given or searched, and checked either way
-    distributed.predicted_step_s = predicted.step_time_s
-    distributed.predicted_step_range_s = predicted.step_time_range_s
-    return distributed
+    return wrapped, finish
 
 
 def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
