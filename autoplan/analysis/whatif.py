@@ -20,7 +20,8 @@ or override, a token count or price that is not a positive number, an unknown se
 raises a `WhatIfInputError` (or the `ClusterError`/`ConstraintError` of the part that checks
 it, all `InputError`s) before any search runs; a size the planner
 finds no plan for becomes a row that says why (the planner's reason, shortened), never an
-exception. Rows come per cluster type, in the given order, then by ascending device count.
+exception. Rows come per cluster type, in the given order, then by ascending device count
+(the records: `autoplan.analysis.whatif_results`, importable from here too).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan import api
+from autoplan.analysis.whatif_results import (
+    TrainingCost,
+    WhatIfProgress,
+    WhatIfResult,
+    WhatIfRow,
+)
 from autoplan.contract.errors import InputError, NoFeasiblePlanError
 from autoplan.contract.plan import Plan
 from autoplan.planner.search import search_plans
@@ -79,153 +86,6 @@ _NODE_KEYS = ("nodes", "num_nodes")
 
 class WhatIfInputError(InputError):
     """A what-if request that cannot be answered as given (the message names the value)."""
-
-
-# ------------------------------------------------------------------------------ results
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingCost:
-    """Time and money to train on ``tokens`` at a row's throughput.
-
-    ``seconds = tokens / tokens_per_s``: the step-time form of Narayanan et al. 2021, eq. 4
-    (training time ~ 8 T P / (n X)), without its FLOP-count approximation.
-    """
-
-    tokens: float
-    days: float
-    device_hours: float
-    cost: float | None  # device_hours x price per device-hour; None without a price
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WhatIfRow:
-    """One cluster type at one device count: the best plan and what it achieves, or why not."""
-
-    cluster: str  # the cluster type's label
-    num_devices: int
-    num_nodes: int
-    devices_per_node: int
-    memory_capacity_bytes: float
-    plan: Plan | None  # None: no plan fits (see ``reason``)
-    reason: str | None  # why no plan fits, shortened
-    step_time_s: float | None
-    tokens_per_s: float | None
-    mfu: float | None
-    peak_memory_bytes: float | None
-    # the 80% range of the step (`cost_model.uncertainty`), and of the throughput it gives
-    step_time_range_s: tuple[float, float] | None
-    scaling_efficiency: float | None  # per-device throughput / that of the baseline size
-    scaling_baseline_devices: int | None  # the smallest size of this type with a plan
-    training: TrainingCost | None
-    search_time_s: float
-    # How much faster than this plan an unfinished solver call might still be, as a fraction of
-    # its step time (`SearchStats.optimality_gap`); 0 when the plan is proven best in the space.
-    optimality_gap: float = 0.0
-    # False: the what-if's total budget ran out before this size's search started (``reason``
-    # says so); not a verdict on the size
-    searched: bool = True
-
-    @property
-    def fits(self) -> bool:
-        return self.plan is not None
-
-    @property
-    def tokens_per_s_range(self) -> tuple[float, float] | None:
-        """The throughput at the ends of the step's 80% range (slowest first)."""
-        if self.step_time_range_s is None or self.tokens_per_s is None:
-            return None
-        assert self.step_time_s is not None
-        low, high = self.step_time_range_s
-        per_step = self.tokens_per_s * self.step_time_s
-        return (per_step / high, per_step / low) if low > 0 else None
-
-    def to_data(self) -> dict[str, Any]:
-        return {
-            "cluster": self.cluster,
-            "num_devices": self.num_devices,
-            "num_nodes": self.num_nodes,
-            "devices_per_node": self.devices_per_node,
-            "memory_capacity_bytes": self.memory_capacity_bytes,
-            "fits": self.fits,
-            "reason": self.reason,
-            "step_time_s": self.step_time_s,
-            "step_time_range_s": self.step_time_range_s,
-            "tokens_per_s_range": self.tokens_per_s_range,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "scaling_efficiency": self.scaling_efficiency,
-            "scaling_baseline_devices": self.scaling_baseline_devices,
-            "training": None
-            if self.training is None
-            else {
-                "tokens": self.training.tokens,
-                "days": self.training.days,
-                "device_hours": self.training.device_hours,
-                "cost": self.training.cost,
-            },
-            "search_time_s": self.search_time_s,
-            "optimality_gap": self.optimality_gap,
-            "searched": self.searched,
-            "plan": None if self.plan is None else self.plan.to_data(),
-        }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WhatIfResult:
-    """Every (cluster type, device count) row of one what-if."""
-
-    model: str
-    global_batch: int
-    tokens: float | None
-    price_per_device_hour: float | None
-    clusters: tuple[str, ...]  # cluster-type labels, in the order given
-    cluster_overrides: tuple[tuple[str, str], ...]  # applied to every type
-    constraints: tuple[tuple[str, str], ...]  # search constraints, as text
-    rows: tuple[WhatIfRow, ...]
-    total_time_s: float
-    total_budget_s: float | None = None  # the cap the searches ran under (None: none)
-
-    @property
-    def not_run(self) -> int:
-        """Rows whose search never started: the total budget ran out first."""
-        return sum(1 for row in self.rows if not row.searched)
-
-    def rows_of(self, cluster: str) -> tuple[WhatIfRow, ...]:
-        """The rows of one cluster type, by ascending device count."""
-        if cluster not in self.clusters:
-            raise KeyError(f"no cluster type {cluster!r}; have {', '.join(self.clusters)}")
-        return tuple(row for row in self.rows if row.cluster == cluster)
-
-    @property
-    def feasible_rows(self) -> tuple[WhatIfRow, ...]:
-        return tuple(row for row in self.rows if row.fits)
-
-    def to_data(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "global_batch": self.global_batch,
-            "tokens": self.tokens,
-            "price_per_device_hour": self.price_per_device_hour,
-            "clusters": list(self.clusters),
-            "cluster_overrides": dict(self.cluster_overrides),
-            "constraints": dict(self.constraints),
-            "rows": [row.to_data() for row in self.rows],
-            "total_time_s": self.total_time_s,
-            "total_budget_s": self.total_budget_s,
-            "not_run": self.not_run,
-        }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WhatIfProgress:
-    """Reported before each search (``completed`` searches done so far) and once at the end."""
-
-    completed: int
-    total: int
-    cluster: str  # the type searched next (the last one at the end)
-    num_devices: int
 
 
 # ------------------------------------------------------------------------------ cluster types
@@ -468,6 +328,49 @@ def whatif(
     start = time.perf_counter()
     if not is_whole(global_batch):
         raise WhatIfInputError(f"global_batch = {global_batch!r} must be a whole number >= 1")
+    _check_total_budget(total_budget_s)
+    sizes = _check_device_counts(num_devices)
+    token_count, price = parse_cost_inputs(
+        tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
+    )
+    types = _cluster_types(cluster_name_or_template, cluster_overrides, sizes)
+    constraints = _search_constraints(constraints, framework, objective, memory_headroom)
+    profile = api.profile_of(model_or_graph)
+
+    searches = _Searches(
+        [(kind, n, kind.cluster(n)) for kind in types for n in sizes],
+        profile=profile,
+        global_batch=global_batch,
+        constraints=constraints,
+        limits=(time_limit_s, budget_s),
+        cap_end=math.inf if total_budget_s is None else start + total_budget_s,
+        progress=progress,
+    )
+    searches.run(workers)
+    searches.mark_not_run(total_budget_s)
+    rows: list[WhatIfRow] = []
+    for kind in types:
+        rows += _rows(
+            kind.label, [searches.found[kind.label, n] for n in sizes], token_count, price
+        )
+    if types:
+        searches.report_end(types[-1].label, sizes[-1])
+    return WhatIfResult(
+        model=profile.name,
+        global_batch=global_batch,
+        tokens=token_count,
+        price_per_device_hour=price,
+        clusters=tuple(t.label for t in types),
+        cluster_overrides=tuple((k, str(v)) for k, v in (cluster_overrides or {}).items()),
+        constraints=tuple((k, str(v)) for k, v in constraints.items()),
+        rows=tuple(rows),
+        total_time_s=time.perf_counter() - start,
+        total_budget_s=total_budget_s,
+    )
+
+
+def _check_total_budget(total_budget_s: float | None) -> None:
+    """Raise `WhatIfInputError` unless ``total_budget_s`` is a number of seconds > 0 or None."""
     if total_budget_s is not None and (
         isinstance(total_budget_s, bool)
         or not isinstance(total_budget_s, (int, float))
@@ -477,10 +380,15 @@ def whatif(
             f"total_budget_s = {shown(total_budget_s)} must be a number of seconds > 0, or None "
             "(no cap)"
         )
-    sizes = _check_device_counts(num_devices)
-    token_count, price = parse_cost_inputs(
-        tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
-    )
+
+
+def _cluster_types(
+    cluster_name_or_template: str | Cluster | Sequence[str | Cluster],
+    cluster_overrides: Mapping[str, object] | None,
+    sizes: tuple[int, ...],
+) -> list[ClusterType]:
+    """The cluster types asked for, each given once and each made of whole nodes at every size
+    in ``sizes``, with at most `MAX_SEARCHES` searches in all."""
     specs: Sequence[str | Cluster] = (
         [cluster_name_or_template]
         if isinstance(cluster_name_or_template, (str, Cluster))
@@ -496,6 +404,16 @@ def whatif(
             raise WhatIfInputError(f"cluster type {label!r} is given twice")
     for kind in types:
         kind.check_devices(sizes)
+    return types
+
+
+def _search_constraints(
+    constraints: Mapping[str, Any],
+    framework: str,
+    objective: str,
+    memory_headroom: float | None,
+) -> dict[str, Any]:
+    """Every search's keyword arguments beyond the cluster and batch, once they are known."""
     # Unknown or contradictory constraints, or an unknown framework, fail before any search.
     SearchSpace.from_constraints(**constraints)
     framework_profile(framework)
@@ -505,133 +423,164 @@ def whatif(
             f"{', '.join(OBJECTIVES)}"
         )
     memory_headroom = plan_memory_headroom(None, memory_headroom)  # (None: the default)
-    constraints = {
+    return {
         **constraints,
         "framework": framework,
         "objective": objective,
         "memory_headroom": memory_headroom,
     }
-    profile = api.profile_of(model_or_graph)
 
-    jobs = [(kind, n, kind.cluster(n)) for kind in types for n in sizes]
-    total = len(jobs)
-    found: dict[tuple[str, int], _Found] = {}
-    reported = [-1]  # the last completed count reported
-    cap_end = math.inf if total_budget_s is None else start + total_budget_s
 
-    def limits() -> tuple[float, float | None] | None:
+class _Searches:
+    """The what-if's searches, one per (cluster type, device count) job, run here or in worker
+    processes within the total budget (``cap_end``, a `time.perf_counter` time), with progress
+    reports; ``found`` holds each one's outcome, ``pending`` the jobs not started."""
+
+    def __init__(
+        self,
+        jobs: list[tuple[ClusterType, int, Cluster]],
+        *,
+        profile: ModelProfile,
+        global_batch: int,
+        constraints: dict[str, Any],
+        limits: tuple[float, float | None],
+        cap_end: float,
+        progress: Callable[[WhatIfProgress], None] | None,
+    ) -> None:
+        self.pending = list(jobs)
+        self.total = len(jobs)
+        self.found: dict[tuple[str, int], _Found] = {}
+        self.reported = -1  # the last completed count reported
+        self._profile = profile
+        self._global_batch = global_batch
+        self._constraints = constraints
+        self._time_limit_s, self._budget_s = limits
+        self._cap_end = cap_end
+        self._progress = progress
+
+    def limits(self) -> tuple[float, float | None] | None:
         """A search's per-solve limit and budget within what is left of the total budget;
         None when it is spent (the search does not start)."""
-        left = cap_end - time.perf_counter()
+        left = self._cap_end - time.perf_counter()
         if left <= 0:
             return None
         if math.isinf(left):
-            return time_limit_s, budget_s
-        return min(time_limit_s, left), left if budget_s is None else min(budget_s, left)
+            return self._time_limit_s, self._budget_s
+        budget_s = self._budget_s
+        return min(self._time_limit_s, left), left if budget_s is None else min(budget_s, left)
 
-    def report(kind: ClusterType, n: int) -> None:
-        reported[0] = len(found)
-        if progress is not None:
-            progress(
-                WhatIfProgress(completed=len(found), total=total, cluster=kind.label, num_devices=n)
+    def report(self, kind: ClusterType, n: int) -> None:
+        self.reported = len(self.found)
+        if self._progress is not None:
+            self._progress(
+                WhatIfProgress(
+                    completed=len(self.found), total=self.total, cluster=kind.label, num_devices=n
+                )
             )
 
-    count = min(workers or os.cpu_count() or 1, total)
-    pending = list(jobs)
+    def report_end(self, label: str, n: int) -> None:
+        """The last report: the pool reports each search as it ends, the last one included;
+        the others as they start."""
+        ran = self.total - len(self.pending)
+        if self._progress is not None and self.reported != ran:
+            self._progress(
+                WhatIfProgress(completed=ran, total=self.total, cluster=label, num_devices=n)
+            )
 
-    def run_here(kind: ClusterType, n: int, cluster: Cluster) -> bool:
+    def run(self, workers: int | None) -> None:
+        """Run the searches in ``workers`` processes (None: by default, see `whatif`)."""
+        count = min(workers or os.cpu_count() or 1, self.total)
+        if count > 1 and workers is None:
+            self._run_here_while_cheaper()
+        if count <= 1:
+            while self.pending and self._run_here(*self.pending[0]):
+                self.pending.pop(0)
+        elif self.pending and self.limits() is not None:
+            self._run_in_pool(count)
+
+    def mark_not_run(self, total_budget_s: float | None) -> None:
+        """The searches the total budget left unstarted: outcomes that say so."""
+        for kind, n, cluster in self.pending:
+            self.found[kind.label, n] = _Found(
+                num_devices=n,
+                cluster=cluster,
+                plan=None,
+                reason=f"not run: the what-if's total budget ({total_budget_s:g} s) ran out",
+                search_time_s=0.0,
+                optimality_gap=0.0,
+                searched=False,
+            )
+
+    def _run_here(self, kind: ClusterType, n: int, cluster: Cluster) -> bool:
         """Run one search here; False when the total budget is spent (it does not start)."""
-        within = limits()
+        within = self.limits()
         if within is None:
             return False
-        report(kind, n)
-        found[kind.label, n] = _best_plan(n, profile, cluster, global_batch, within, constraints)
+        self.report(kind, n)
+        self.found[kind.label, n] = _best_plan(
+            n, self._profile, cluster, self._global_batch, within, self._constraints
+        )
         return True
 
-    if count > 1 and workers is None:
+    def _run_here_while_cheaper(self) -> None:
         # By default the searches run here while the rest, at the pace so far, would end before
         # a worker process could start and take its first (`_POOL_START_S`): a small model's
         # sweep never pays for processes. The results are the same either way. The schedules'
         # one-off import comes first, so that it does not count as the first search's pace.
         _warm_worker()
         spent = 0.0
-        while pending:
-            done = total - len(pending)
-            if done and spent / done * len(pending) > _POOL_START_S:
+        while self.pending:
+            done = self.total - len(self.pending)
+            if done and spent / done * len(self.pending) > _POOL_START_S:
                 break
             t0 = time.perf_counter()
-            if not run_here(*pending[0]):
+            if not self._run_here(*self.pending[0]):
                 break
-            pending.pop(0)
+            self.pending.pop(0)
             spent += time.perf_counter() - t0
-    if count <= 1:
-        while pending and run_here(*pending[0]):
-            pending.pop(0)
-    elif pending and limits() is not None:
+
+    def _run_in_pool(self, count: int) -> None:
         # Each search is independent and CPU-bound (OR-tools releases nothing to share), so
         # separate processes, started fresh ("spawn": OR-tools threads and fork do not mix).
         # Submitted one per free worker, each with what is left of the total budget.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
-            max_workers=min(count, len(pending)), mp_context=context, initializer=_warm_worker
+            max_workers=min(count, len(self.pending)), mp_context=context, initializer=_warm_worker
         ) as pool:
             running: dict[Future[_Found], tuple[ClusterType, int]] = {}
-
-            def submit() -> None:
-                while pending and len(running) < min(count, total):
-                    within = limits()
-                    if within is None:
-                        return
-                    kind, n, cluster = pending.pop(0)
-                    future = pool.submit(
-                        _best_plan, n, profile, cluster, global_batch, within, dict(constraints)
-                    )
-                    running[future] = (kind, n)
-
-            submit()
+            self._submit(pool, running, count)
             if running:
-                report(*next(iter(running.values())))
+                self.report(*next(iter(running.values())))
             while running:
                 ended, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in ended:
                     kind, n = running.pop(future)
-                    found[kind.label, n] = future.result()
-                    report(kind, n)
-                submit()
-    # the searches the total budget left unstarted: rows that say so
-    for kind, n, cluster in pending:
-        found[kind.label, n] = _Found(
-            num_devices=n,
-            cluster=cluster,
-            plan=None,
-            reason=f"not run: the what-if's total budget ({total_budget_s:g} s) ran out",
-            search_time_s=0.0,
-            optimality_gap=0.0,
-            searched=False,
-        )
-    rows: list[WhatIfRow] = []
-    for kind in types:
-        rows += _rows(kind.label, [found[kind.label, n] for n in sizes], token_count, price)
-    # the pool reports each search as it ends, the last one included; the others as they start
-    ran = total - len(pending)
-    if progress is not None and types and reported[0] != ran:
-        progress(
-            WhatIfProgress(
-                completed=ran, total=total, cluster=types[-1].label, num_devices=sizes[-1]
+                    self.found[kind.label, n] = future.result()
+                    self.report(kind, n)
+                self._submit(pool, running, count)
+
+    def _submit(
+        self,
+        pool: ProcessPoolExecutor,
+        running: dict[Future[_Found], tuple[ClusterType, int]],
+        count: int,
+    ) -> None:
+        """Start pending searches on the free workers while the total budget lasts."""
+        while self.pending and len(running) < min(count, self.total):
+            within = self.limits()
+            if within is None:
+                return
+            kind, n, cluster = self.pending.pop(0)
+            future = pool.submit(
+                _best_plan,
+                n,
+                self._profile,
+                cluster,
+                self._global_batch,
+                within,
+                dict(self._constraints),
             )
-        )
-    return WhatIfResult(
-        model=profile.name,
-        global_batch=global_batch,
-        tokens=token_count,
-        price_per_device_hour=price,
-        clusters=tuple(labels),
-        cluster_overrides=tuple((k, str(v)) for k, v in (cluster_overrides or {}).items()),
-        constraints=tuple((k, str(v)) for k, v in constraints.items()),
-        rows=tuple(rows),
-        total_time_s=time.perf_counter() - start,
-        total_budget_s=total_budget_s,
-    )
+            running[future] = (kind, n)
 
 
 def check_search_count(num_types: int, num_sizes: int) -> None:

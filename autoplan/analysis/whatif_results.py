@@ -1,0 +1,159 @@
+"""The records of a what-if (`autoplan.analysis.whatif.whatif`): per cluster type and device
+count the best plan and what it achieves (`WhatIfRow`, with its `TrainingCost`), all rows
+(`WhatIfResult`), and the progress reported while the searches run (`WhatIfProgress`).
+
+Guarantees: frozen values; ``to_data`` gives plain JSON-ready dicts (the CLI's ``--json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.contract.plan import Plan
+
+__all__ = ["TrainingCost", "WhatIfProgress", "WhatIfResult", "WhatIfRow"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingCost:
+    """Time and money to train on ``tokens`` at a row's throughput.
+
+    ``seconds = tokens / tokens_per_s``: the step-time form of Narayanan et al. 2021, eq. 4
+    (training time ~ 8 T P / (n X)), without its FLOP-count approximation.
+    """
+
+    tokens: float
+    days: float
+    device_hours: float
+    cost: float | None  # device_hours x price per device-hour; None without a price
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfRow:
+    """One cluster type at one device count: the best plan and what it achieves, or why not."""
+
+    cluster: str  # the cluster type's label
+    num_devices: int
+    num_nodes: int
+    devices_per_node: int
+    memory_capacity_bytes: float
+    plan: Plan | None  # None: no plan fits (see ``reason``)
+    reason: str | None  # why no plan fits, shortened
+    step_time_s: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    peak_memory_bytes: float | None
+    # the 80% range of the step (`cost_model.uncertainty`), and of the throughput it gives
+    step_time_range_s: tuple[float, float] | None
+    scaling_efficiency: float | None  # per-device throughput / that of the baseline size
+    scaling_baseline_devices: int | None  # the smallest size of this type with a plan
+    training: TrainingCost | None
+    search_time_s: float
+    # How much faster than this plan an unfinished solver call might still be, as a fraction of
+    # its step time (`SearchStats.optimality_gap`); 0 when the plan is proven best in the space.
+    optimality_gap: float = 0.0
+    # False: the what-if's total budget ran out before this size's search started (``reason``
+    # says so); not a verdict on the size
+    searched: bool = True
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def tokens_per_s_range(self) -> tuple[float, float] | None:
+        """The throughput at the ends of the step's 80% range (slowest first)."""
+        if self.step_time_range_s is None or self.tokens_per_s is None:
+            return None
+        assert self.step_time_s is not None
+        low, high = self.step_time_range_s
+        per_step = self.tokens_per_s * self.step_time_s
+        return (per_step / high, per_step / low) if low > 0 else None
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "num_devices": self.num_devices,
+            "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "step_time_s": self.step_time_s,
+            "step_time_range_s": self.step_time_range_s,
+            "tokens_per_s_range": self.tokens_per_s_range,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "scaling_efficiency": self.scaling_efficiency,
+            "scaling_baseline_devices": self.scaling_baseline_devices,
+            "training": None
+            if self.training is None
+            else {
+                "tokens": self.training.tokens,
+                "days": self.training.days,
+                "device_hours": self.training.device_hours,
+                "cost": self.training.cost,
+            },
+            "search_time_s": self.search_time_s,
+            "optimality_gap": self.optimality_gap,
+            "searched": self.searched,
+            "plan": None if self.plan is None else self.plan.to_data(),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfResult:
+    """Every (cluster type, device count) row of one what-if."""
+
+    model: str
+    global_batch: int
+    tokens: float | None
+    price_per_device_hour: float | None
+    clusters: tuple[str, ...]  # cluster-type labels, in the order given
+    cluster_overrides: tuple[tuple[str, str], ...]  # applied to every type
+    constraints: tuple[tuple[str, str], ...]  # search constraints, as text
+    rows: tuple[WhatIfRow, ...]
+    total_time_s: float
+    total_budget_s: float | None = None  # the cap the searches ran under (None: none)
+
+    @property
+    def not_run(self) -> int:
+        """Rows whose search never started: the total budget ran out first."""
+        return sum(1 for row in self.rows if not row.searched)
+
+    def rows_of(self, cluster: str) -> tuple[WhatIfRow, ...]:
+        """The rows of one cluster type, by ascending device count."""
+        if cluster not in self.clusters:
+            raise KeyError(f"no cluster type {cluster!r}; have {', '.join(self.clusters)}")
+        return tuple(row for row in self.rows if row.cluster == cluster)
+
+    @property
+    def feasible_rows(self) -> tuple[WhatIfRow, ...]:
+        return tuple(row for row in self.rows if row.fits)
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "tokens": self.tokens,
+            "price_per_device_hour": self.price_per_device_hour,
+            "clusters": list(self.clusters),
+            "cluster_overrides": dict(self.cluster_overrides),
+            "constraints": dict(self.constraints),
+            "rows": [row.to_data() for row in self.rows],
+            "total_time_s": self.total_time_s,
+            "total_budget_s": self.total_budget_s,
+            "not_run": self.not_run,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WhatIfProgress:
+    """Reported before each search (``completed`` searches done so far) and once at the end."""
+
+    completed: int
+    total: int
+    cluster: str  # the type searched next (the last one at the end)
+    num_devices: int
