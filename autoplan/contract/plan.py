@@ -324,7 +324,8 @@ class Plan:
             return
         why = framework_profile(self.framework).plan_refusal(self, profile)
         if why is not None:
-            raise PlanError(
+            # as the estimate refuses it: the stack, not the plan's own shape
+            raise FrameworkError(
                 f"{self.framework} cannot run this plan: {why}, or price it for autoplan's "
                 "runtime (framework autoplan)"
             )
@@ -477,7 +478,7 @@ class Plan:
         allow_cross_node_tp: bool = False,
     ) -> None:
         """Check the plan against a model (optional) and a cluster (or its spec string);
-        raises PlanError."""
+        raises PlanError, or FrameworkError where the plan's stack cannot run it."""
         cluster = as_cluster(cluster)
         conflict = split_backward_conflict(
             self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
