@@ -166,16 +166,14 @@ def manual_plan(
         rank_layout=tuple(rank_layout),
         framework=framework,
     )
-    try:
-        stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
-    except PlanError:
-        # the plan's own problems first (its degrees, ...), then the stack's cut
-        plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
-        raise
+    # the plan's own problems first (its degrees, ...), then the stack's cut, then its limits
+    # (which refuse another cut where the stack takes none)
+    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp, stack=False)
+    stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
     if stages is not None:
-        # the stack's own cut (`Plan.validate` refuses another where the stack takes none)
         plan = dataclasses.replace(plan, stages=stages)
-    plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
+    if stages is not None or plan.framework != DEFAULT_FRAMEWORK:
+        plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
 
 

@@ -476,9 +476,12 @@ class Plan:
         cluster: Cluster | str,
         *,
         allow_cross_node_tp: bool = False,
+        stack: bool = True,
     ) -> None:
         """Check the plan against a model (optional) and a cluster (or its spec string);
-        raises PlanError, or FrameworkError where the plan's stack cannot run it."""
+        raises PlanError, or FrameworkError where the plan's stack cannot run it (``stack``
+        False: not that, for a plan whose stages are still to be cut the stack's way, as
+        `autoplan.manual_plan` builds one; autoplan's runtime's limits apply either way)."""
         cluster = as_cluster(cluster)
         conflict = split_backward_conflict(
             self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
@@ -512,9 +515,10 @@ class Plan:
                     "devices_per_node with 'tp' innermost in rank_layout, or allow cross-node TP"
                 )
         if graph is not None:
-            self._validate_model(graph if isinstance(graph, ModelProfile) else graph.profile)
+            profile = graph if isinstance(graph, ModelProfile) else graph.profile
+            self._validate_model(profile, stack=stack)
 
-    def _validate_model(self, profile: ModelProfile) -> None:
+    def _validate_model(self, profile: ModelProfile, *, stack: bool) -> None:
         model = self.model
         if model and model.fingerprint and profile.fingerprint != model.fingerprint:
             if model.name == profile.name:
@@ -544,7 +548,8 @@ class Plan:
                 f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
             )
         _raise_first(model_problems(self, profile))
-        self._check_stack(profile)
+        if stack or self.framework == DEFAULT_FRAMEWORK:
+            self._check_stack(profile)
         _raise_first(_sp_problems(self, profile.seq_len))
 
     # ----------------------------------------------------------------------------- files
