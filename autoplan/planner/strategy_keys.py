@@ -25,27 +25,24 @@ class Projection:
     ``reads``: fields or properties of `Strategy` the value reads, in key order; ``derived``:
     (name, function) of values computed from the strategy that the value reads in place of
     the fields behind them (e.g. ``pp_degree > 1``); ``ignores``: the fields the value does
-    not read except through ``derived``; ``unkeyed``: fields the value reads that the key
-    leaves out all the same (the first strategy's value then stands for the others: named
-    here so that it is a known approximation, not a silent one). Every field must be in
-    exactly one of ``reads``, ``ignores`` and ``unkeyed``."""
+    not read except through ``derived``. Every field must be in exactly one of ``reads`` and
+    ``ignores``: a key cannot leave out what its value reads."""
 
     name: str
     reads: tuple[str, ...]
     ignores: frozenset[str]
     derived: tuple[tuple[str, Callable[[Strategy], object]], ...] = ()
-    unkeyed: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         read = STRATEGY_FIELDS & set(self.reads)
-        both = (read & self.ignores) | (read & self.unkeyed) | (self.ignores & self.unkeyed)
-        missing = STRATEGY_FIELDS - read - self.ignores - self.unkeyed
-        unknown = (self.ignores | self.unkeyed) - STRATEGY_FIELDS
+        both = read & self.ignores
+        missing = STRATEGY_FIELDS - read - self.ignores
+        unknown = self.ignores - STRATEGY_FIELDS
         if both or missing or unknown:
             raise TypeError(
-                f"the cache key {self.name!r} must sort every Strategy field into one of reads, "
-                f"ignores and unkeyed: several {sorted(both)}, none {sorted(missing)}, not "
-                f"fields {sorted(unknown)}"
+                f"the cache key {self.name!r} must sort every Strategy field into one of reads "
+                f"and ignores: both {sorted(both)}, none {sorted(missing)}, not fields "
+                f"{sorted(unknown)}"
             )
 
     def key(self, strategy: Strategy, *extra: object) -> tuple[object, ...]:
@@ -142,6 +139,9 @@ FLOOR_KEY = Projection(
         "cp_degree",
         "ep_degree",
         "ep_folding",
+        # the units' costs keep the strategy's rank order: an ep all-to-all or a cp ring is
+        # priced on the links its layout gives it, so the order floor differs by layout
+        "rank_layout",
     ),
     ignores=frozenset(
         {
@@ -153,9 +153,4 @@ FLOOR_KEY = Projection(
             "zero_stage",
         }
     ),
-    # The units' costs alone keep the strategy's rank order, so an ep all-to-all or cp ring
-    # may be priced on other links than the first strategy's: the order floor (not the
-    # proven time floor, compute alone) can differ by layout. Left as it was (issue 39 asks
-    # for no change in what the search does); `tests/test_search.py` shows the dependence.
-    unkeyed=frozenset({"rank_layout"}),
 )
