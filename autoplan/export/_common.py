@@ -9,6 +9,7 @@ read back as (embedding?, number of blocks, head?).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,7 +20,7 @@ from autoplan.export.checks import MemoryCheck
 from cost_model.frameworks import FRAMEWORKS as PROFILES
 from cost_model.frameworks import FrameworkProfile, framework_profile
 from cost_model.frameworks.limits import cuts_text, plan_refusals
-from cost_model.stage_splits import even_stage_starts
+from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import Strategy
 
 Framework = Literal["megatron-lm", "torchtitan", "deepspeed"]
@@ -338,9 +339,10 @@ def stack_problems(plan: Plan, dims: ModelDims, framework: Framework) -> list[Ex
     model = StatedModel(
         name=dims.spec, num_units=dims.num_layers + 2, has_experts=dims.moe is not None
     )
-    facts = plan_facts(plan, stack)
+    refusals = list(plan_refusals(stack, plan, model))
+    facts = plan_facts(plan, stack, model) if refusals else {}
     problems = []
-    for refusal in plan_refusals(stack, plan, model):
+    for refusal in refusals:
         words = stack.capabilities.explained
         value = _field_value(plan, refusal.field, refusal.limit, stack)
         explained = words.get(f"{refusal.limit}:{value}") or words.get(refusal.limit)
@@ -376,14 +378,16 @@ _EXPORT_FIX = {
 _STRENGTH: dict[Recompute, int] = {"none": 0, "selective": 1, "full": 2}
 
 
-def plan_facts(plan: Plan, stack: FrameworkProfile) -> dict[str, object]:
-    """What a stack's words (`Explanation` templates) may name of ``plan``."""
+def plan_facts(plan: Plan, stack: FrameworkProfile, model: StatedModel) -> dict[str, object]:
+    """What a stack's words (`Explanation` templates) may name of ``plan``; ``own_cuts``:
+    the cut a stack that cuts its stages itself makes (`FrameworkProfile.stage_starts`)."""
     modes = sorted({s.recompute for s in plan.stages}, key=_STRENGTH.__getitem__)
     own: list[tuple[int, int]] = []
-    if plan.num_stages > 1:
-        starts = even_stage_starts(plan.num_units, plan.num_stages)
-        ends = [*starts[1:], plan.num_units]
-        own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
+    if stack.stage_cuts == "own" and plan.num_stages > 1:
+        with contextlib.suppress(StageSplitError):
+            starts = stack.stage_starts(model, plan.num_stages)
+            ends = [*starts[1:], plan.num_units]
+            own = [(first, end - 1) for first, end in zip(starts, ends, strict=True)]
     fork = ""
     if framework_options(plan).get("fork") == "zero-bubble":
         fork = (

@@ -20,6 +20,7 @@ from cost_model.frameworks import FrameworkProfile, Refusal
 from cost_model.frameworks.limits import (
     AxisLimit,
     axis_limits,
+    outer_refusals,
     recompute_modes,
     recompute_refusal,
 )
@@ -154,8 +155,14 @@ def stack_strategies(
     that a choice the enumeration drops as dominated by one the stack refuses (ZeRO-1 by
     ZeRO-2) is still offered."""
     limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
+    limits = axis_limits(stack, profile, running=True)
+
+    def refusal_of(strategy: Strategy) -> Refusal | None:
+        found = outer_refusals(stack, strategy, profile, running=True, limits=limits)
+        return next(found, None)
+
     for strategy in strategies(space, profile, cluster, global_batch):
-        refusal = stack.refusal(strategy, profile, running=True)
+        refusal = refusal_of(strategy)
         if not limited or strategy.pp_degree == 1 or refusal is not None:
             yield strategy, refusal
     if not limited:
@@ -170,7 +177,7 @@ def stack_strategies(
     within = replace(space, zero=zero, tp=tp)
     for strategy in strategies(within, profile, cluster, global_batch):
         # (one refused for another reason was counted by the first pass)
-        if strategy.pp_degree > 1 and stack.refusal(strategy, profile, running=True) is None:
+        if strategy.pp_degree > 1 and refusal_of(strategy) is None:
             yield strategy, None
 
 

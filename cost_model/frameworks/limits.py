@@ -364,11 +364,19 @@ def _runtime_refusal(limit: LimitKey, field: str, text: str) -> Refusal:
 
 
 def outer_refusals(
-    stack: FrameworkProfile, strategy: Strategy, model: ModelFacts, *, running: bool = False
+    stack: FrameworkProfile,
+    strategy: Strategy,
+    model: ModelFacts,
+    *,
+    running: bool = False,
+    limits: Sequence[AxisLimit] | None = None,
 ) -> Iterator[Refusal]:
     """Every limit ``strategy``'s outer choices break on ``stack``: its axes' limits
-    (cp, ep, pp, tp, ZeRO), then the rules over several axes (expert groups, pipelines)."""
-    limits = axis_limits(stack, model, running=running)
+    (cp, ep, pp, tp, ZeRO), then the rules over several axes (expert groups, pipelines).
+    ``limits``: `axis_limits` of the same stack, model and ``running``, where the caller
+    asks of many choices (an enumeration builds them once)."""
+    if limits is None:
+        limits = axis_limits(stack, model, running=running)
     values = {
         "cp": strategy.cp_degree,
         "ep": strategy.ep_degree,
@@ -514,12 +522,12 @@ def plan_refusals(
     choice's (`outer_refusals`), its other axes' (schedule, sequence parallelism, dtype,
     recompute, rank order), then its stages' (one recompute setting, the stack's own cut)."""
     strategy = Strategy.of(plan)
-    yield from outer_refusals(stack, strategy, model, running=running)
+    limits = axis_limits(stack, model, running=running)
+    yield from outer_refusals(stack, strategy, model, running=running, limits=limits)
     modes = cast(
         "list[RecomputeMode]",
         sorted({stage.recompute for stage in plan.stages}, key=RECOMPUTE_ORDER.index),
     )
-    limits = axis_limits(stack, model, running=running)
     for axis in _PLAN_AXES:
         for limit in limits:
             if limit.axis == axis and (refusal := _plan_axis_refusal(limit, strategy, modes)):
