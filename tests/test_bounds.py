@@ -7,6 +7,7 @@ import random
 import pytest
 
 from autoplan.planner.bounds import SHARE_GRID, pipeline_factor, share_range
+from autoplan.planner.work import Work
 from cost_model.schedules import ScheduleSpec, StageTimes, simulate
 
 SPECS = (
@@ -68,13 +69,14 @@ def test_share_range_rounds_outward() -> None:
     assert low / SHARE_GRID <= 0.301 and high / SHARE_GRID >= 0.349
 
 
-def test_a_bound_cut_short_is_weaker_and_not_kept() -> None:
+def test_a_cached_bound_charges_the_work_it_took() -> None:
+    """A budget buys the same work whether a factor was computed before or not: the search's
+    decisions may not depend on what an earlier search in the process cached."""
     spec = ScheduleSpec(
-        schedule="interleaved-1f1b", pp_degree=4, virtual_stages=3, num_micro_batches=4
+        schedule="interleaved-1f1b", pp_degree=4, virtual_stages=3, num_micro_batches=5
     )
     cells = share_range([1 / 3])
-    early = pipeline_factor(spec, cells, (0, 0), deadline=0.0)  # past: no iteration runs
-    full = pipeline_factor(spec, cells, (0, 0))
-    assert early == 0.0  # valid, if useless: nothing was proven yet
-    assert full > 1.0  # the converged bound was computed afresh, not the cut-short one reused
-    assert pipeline_factor(spec, cells, (0, 0), deadline=0.0) == full  # converged: kept
+    first, again = Work(None), Work(None)
+    factor = pipeline_factor(spec, cells, (0, 0), work=first)
+    assert pipeline_factor(spec, cells, (0, 0), work=again) == factor
+    assert first.spent_s > 0 and again.spent_s == first.spent_s

@@ -36,6 +36,7 @@ from autoplan.planner.strategy_keys import (
     STRATEGY_FIELDS,
     Projection,
 )
+from autoplan.planner.work import Work
 from cost_model.estimate import CostModel, estimate
 from cost_model.hardware import Cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, usable_capacity_bytes
@@ -358,7 +359,7 @@ def test_floors_are_below_the_order_key_and_every_step(seed: int, experts: int) 
             step = evaluate(problem, (0, *cuts), chosen).step_time_s
             assert time_floor <= step * (1 + 1e-12)
     # the lazy frontier pops in the order of the order key, as costing all up front would
-    frontier = _Frontier(pending, cache, SearchStats(), [])
+    frontier = _Frontier(pending, cache, SearchStats(), [], Work(None))
     popped = []
     while (entry := frontier.pop(math.inf)) is not None:
         popped.append(entry[1].order_key_s)

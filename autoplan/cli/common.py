@@ -213,7 +213,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             callback=finite_seconds,
             default=10.0,
             show_default=True,
-            help="Seconds per solver call.",
+            help="Reference seconds of work per solver call (deterministic, like --budget).",
         ),
         click.option(
             "--budget",
@@ -221,8 +221,11 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             callback=finite_seconds,
             default=10.0,  # planner.search.DEFAULT_BUDGET_S (not imported: OR-tools loads slowly)
             show_default=True,
-            help="Seconds the search may visit candidates before it returns its best plan with "
-            "its proven gap (0: until every candidate is proven).",
+            help="Reference seconds of work the search may spend before it returns its best plan "
+            "with its proven gap (0: until every candidate is proven). Work is counted, not "
+            "timed, so the same question gets the same plan on any machine; a reference second "
+            "is about a wall second on a 2-core machine, and a search stops at 10x its budget "
+            "in wall time whatever its count (then it says so).",
         ),
     ]
 

@@ -129,6 +129,12 @@ def plan_cmd(
         f"calls, {stats.total_s:.2f} s"
         + (f" (unproven gap {stats.optimality_gap:.2%})" if stats.optimality_gap > 0 else "")
     )
+    if stats.wall_capped:
+        out.print(
+            f"[yellow]the wall-clock cap stopped the search after {stats.work_s:.1f} of its "
+            "reference seconds: this machine ran it far slower than the reference, so another "
+            "run may answer differently; raise --budget or ask when the machine is idle[/]"
+        )
     out.print(ranked_table(result.plans))
     detail = estimate(profile, target, best)
     out.print(stage_table(detail))

@@ -22,10 +22,10 @@ pipeline's fill and drain under the best possible uneven chunking.
 from __future__ import annotations
 
 import math
-import time
 
 from ortools.linear_solver import pywraplp
 
+from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROUND_PATH_S, Work, actions
 from cost_model.schedules import (
     CriticalPath,
     ScheduleSpec,
@@ -37,7 +37,8 @@ from cost_model.schedules import (
 
 # Shares are rounded outward to this grid so that bounds are shared between candidates.
 SHARE_GRID = 50
-# Kelley iterations per bound; stopping early only weakens the bound.
+# Kelley iterations per bound; stopping early only weakens the bound. (A fixed number, not a
+# deadline: a bound, and so every pruning decision, is the same on every machine.)
 _MAX_ITERATIONS = 40
 # Stop when the simulation of the LP's solution is within this fraction of its value.
 _TOLERANCE = 1e-3
@@ -50,9 +51,8 @@ def share_range(shares: list[float]) -> tuple[int, int]:
     return max(0, low), min(SHARE_GRID, high)
 
 
-# Converged factors by (spec, forward cells, weight cells); bounds cut short by a deadline are
-# valid but weaker, and are not kept.
-_FACTORS: dict[tuple[ScheduleSpec, tuple[int, int], tuple[int, int]], float] = {}
+# Factors by (spec, forward cells, weight cells), with the reference seconds they took.
+_FACTORS: dict[tuple[ScheduleSpec, tuple[int, int], tuple[int, int]], tuple[float, float]] = {}
 
 
 def pipeline_factor(
@@ -60,23 +60,25 @@ def pipeline_factor(
     forward: tuple[int, int],
     weight: tuple[int, int] = (0, 0),
     *,
-    deadline: float = math.inf,
+    work: Work | None = None,
 ) -> float:
     """The least simulated pipeline time per unit of total work (module docstring); shares as
-    grid cells from `share_range` (``weight`` only matters under a split backward). At
-    ``deadline`` (a `time.perf_counter` value) it returns the bound it has so far."""
+    grid cells from `share_range` (``weight`` only matters under a split backward). Charges
+    ``work`` the reference seconds computing it takes, also when it was computed before (a
+    cache must not change what a budget buys)."""
     key = (spec, forward, weight)
     found = _FACTORS.get(key)
     if found is None:
-        found, converged = _kelley(spec, forward, weight, deadline)
-        if converged:
-            _FACTORS[key] = found
-    return found
+        found = _FACTORS[key] = _kelley(spec, forward, weight)
+    if work is not None:
+        work.charge(found[1])
+    return found[0]
 
 
 def _kelley(
-    spec: ScheduleSpec, forward: tuple[int, int], weight: tuple[int, int], deadline: float
-) -> tuple[float, bool]:
+    spec: ScheduleSpec, forward: tuple[int, int], weight: tuple[int, int]
+) -> tuple[float, float]:
+    """(the factor, the reference seconds it took)."""
     S = spec.num_stages
     solver = pywraplp.Solver.CreateSolver("GLOP")
     assert solver is not None, "OR-tools ships GLOP"
@@ -94,7 +96,11 @@ def _kelley(
             solver.Add(w[s] >= weight[0] / SHARE_GRID * b[s])
             solver.Add(w[s] <= weight[1] / SHARE_GRID * b[s])
 
+    cost = 0.0  # reference seconds
+
     def add(path: CriticalPath) -> None:
+        nonlocal cost
+        cost += LP_ROUND_PATH_S * sum(path.slots.values())
         expr = 0.0
         for slot, count in path.slots.items():
             s, kind = divmod(slot, 4)
@@ -112,11 +118,8 @@ def _kelley(
         add(path)
     solver.Minimize(z)
     bound = 0.0
-    converged = True
     for _ in range(_MAX_ITERATIONS):
-        if time.perf_counter() > deadline:
-            converged = False
-            break
+        cost += LP_ROUND_BASE_S + actions(spec) * ACTION_S
         if solver.Solve() != pywraplp.Solver.OPTIMAL:
             break
         value = z.solution_value()
@@ -137,4 +140,4 @@ def _kelley(
         for rank in range(spec.pp_degree):
             add(critical_path(spec, sim, rank))
     # GLOP's feasibility tolerance: give back a little so rounding never overstates it.
-    return bound * (1.0 - 1e-7), converged
+    return bound * (1.0 - 1e-7), cost

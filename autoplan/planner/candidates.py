@@ -20,6 +20,7 @@ from autoplan.contract.plan import Recompute
 from autoplan.planner.bounds import pipeline_factor, share_range
 from autoplan.planner.partition import ModeCosts, PartitionProblem
 from autoplan.planner.strategy_keys import ACTIVATION_KEY, FLOOR_KEY, PARAMS_KEY, STATE_KEY
+from autoplan.planner.work import Work
 from cost_model.estimate import (
     CostModel,
     MemoryConstants,
@@ -50,13 +51,13 @@ class Candidate:
     forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
     weight_cells: tuple[int, int]  # the units' weight shares of their backward
 
-    def schedule_bound_s(self, deadline: float = math.inf) -> float:
+    def schedule_bound_s(self, work: Work | None = None) -> float:
         """A proven lower bound on the step from the schedule's own paths
         (`bounds.pipeline_factor`): costlier than ``time_lower_bound_s``, computed on demand
-        and shared by every candidate with the same schedule, degrees and shares (weaker if
-        cut short at ``deadline``)."""
+        and shared by every candidate with the same schedule, degrees and shares (its
+        reference seconds charged to ``work``)."""
         spec = self.strategy.schedule_spec
-        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells, deadline=deadline)
+        factor = pipeline_factor(spec, self.forward_cells, self.weight_cells, work=work)
         return self.work_s * factor + self.fixed_s
 
 

@@ -77,6 +77,7 @@ from autoplan.planner.stack_filter import (
     within_model,
     within_stack,
 )
+from autoplan.planner.work import COST_S, ENUMERATE_S, PROBLEM_STAGE_S, Work
 from cost_model.degrees import is_whole
 from cost_model.estimate import CostModel
 from cost_model.frameworks import DEFAULT_FRAMEWORK, Refusal, framework_profile
@@ -119,8 +120,9 @@ _problem = partition_problem
 # A stage partition within this fraction of the proven optimum of its outer choice counts as
 # optimal (the lazy path loop's last rounds often move the step by less than this).
 RELATIVE_GAP = 5e-4
-# Seconds the search may spend visiting candidates before it returns its best with the
-# proven gap (`SearchStats.optimality_gap`); None visits until every candidate is proven.
+# Reference seconds of work (`planner.work`: deterministic, the same on every machine) the
+# search may spend before it returns its best with the proven gap
+# (`SearchStats.optimality_gap`); None visits until every candidate is proven.
 DEFAULT_BUDGET_S = 10.0
 # The largest global batch a search takes (sequences): far above any published run (~10^4).
 MAX_GLOBAL_BATCH = 2**24
@@ -152,6 +154,10 @@ class SearchStats:
     unvisited: int = 0  # candidates left when the search ran out of its budget
     pruned_schedule: int = 0  # by the bound from the schedule's paths (`bounds.py`)
     bounds_s: float = 0.0  # time spent on those bounds
+    # the reference seconds of work spent (`planner.work`: what the budget counts; the same
+    # on every machine), and whether the wall-clock cap cut the search (then it may not be)
+    work_s: float = 0.0
+    wall_capped: bool = False
     seed_s: float = 0.0  # heuristic partitions of the first candidates (the first incumbent)
     # the best step those found (None: none fits): how good the visiting order's first guesses
     # are, the incumbent every proof starts from
@@ -219,25 +225,27 @@ def search_plans(
     space = _space_for(profile, cluster, global_batch, framework, constraints)
     stats = SearchStats()
     start = time.perf_counter()
+    work = Work(budget_s)
     model = CostModel(profile, cluster, framework, memory_headroom=headroom)
     tables = BoundTables(model)
-    pending, infeasible = _enumerate(space, tables, cluster, global_batch, stats, progress)
+    pending, infeasible = _enumerate(space, tables, cluster, global_batch, stats, progress, work)
     stats.enumerate_s = time.perf_counter() - start
     run = _Run(
         model=model,
         own_cuts=_OwnCuts(profile, framework),
         global_batch=global_batch,
         incumbents=Incumbents(top_k, framework, objective),
-        frontier=_Frontier(pending, tables, stats, infeasible),
+        frontier=_Frontier(pending, tables, stats, infeasible, work),
         infeasible=infeasible,
         stats=stats,
         progress=progress,
-        deadline=math.inf if budget_s is None else start + budget_s,
+        work=work,
         budget_s=budget_s,
         time_limit_s=time_limit_s,
     )
     _seed(run)
     unproven = _visit(run)
+    stats.work_s, stats.wall_capped = work.spent_s, work.capped
     incumbents = run.incumbents
     if not incumbents:
         stats.total_s = time.perf_counter() - start
@@ -331,6 +339,7 @@ def _enumerate(
     global_batch: int,
     stats: SearchStats,
     progress: Callable[[SearchProgress], None] | None,
+    work: Work,
 ) -> tuple[list[_Pending], list[Strategy]]:
     """Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
     (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
@@ -359,6 +368,7 @@ def _enumerate(
         if refusal is None:
             space_modes = recompute_modes(space, strategy.schedule)
             modes, refusal = stack_recompute_modes(stack, strategy, profile, space_modes)
+        work.charge(ENUMERATE_S)
         if refusal is not None:
             first, count = refusals.get(refusal.rule, (refusal, 0))
             refusals[refusal.rule] = (first, count + 1)
@@ -403,7 +413,7 @@ class _Run:
     infeasible: list[Strategy]  # outer choices proven unable to fit (for the diagnosis)
     stats: SearchStats
     progress: Callable[[SearchProgress], None] | None
-    deadline: float
+    work: Work
     budget_s: float | None
     time_limit_s: float
     # (even-split step, order, candidate) of the seeded candidates, visited first
@@ -424,6 +434,7 @@ class _Run:
         cuts = self.own_cuts.splits(problem)
         if model.stack.engine is None:
             return cuts
+        self.work.charge(len(cuts) * COST_S)
         return [
             replace(
                 cut,
@@ -433,6 +444,11 @@ class _Run:
             )
             for cut in cuts
         ]
+
+    def problem(self, candidate: Candidate) -> PartitionProblem:
+        """The candidate's stage-partition problem (its work charged)."""
+        self.work.charge(PROBLEM_STAGE_S * candidate.strategy.num_stages)
+        return partition_problem(candidate, self.model)
 
     def report(self, visited: int, phase: Literal["seed", "visit"]) -> None:
         """A `SearchProgress` after ``visited`` candidates of ``phase``."""
@@ -454,35 +470,40 @@ def _seed(run: _Run) -> None:
     visiting order (a few simulations each) until the seed share of the budget is spent, then
     local search (`partition.improve`) from the best few. Without a budget: a fixed number of
     each, so the result does not depend on the machine's speed."""
-    incumbents, seeded, stats = run.incumbents, run.seeded, run.stats
+    incumbents, seeded, stats, work = run.incumbents, run.seeded, run.stats, run.work
     t0 = time.perf_counter()
-    seed_end = t0 + _SEED_SHARE * (run.deadline - t0)
+    spent, left = work.spent_s, work.left_s()
+    seed_end = spent + _SEED_SHARE * left
     while True:
         if run.budget_s is None:
             if len(seeded) >= max(_SEEDS, incumbents.top_k):
                 break
-        elif seeded and (len(seeded) >= _MAX_SEEDS or time.perf_counter() > seed_end):
+        elif seeded and (len(seeded) >= _MAX_SEEDS or work.exhausted(seed_end)):
             break
         entry = run.frontier.pop(incumbents.cutoff())
         if entry is None:
             break
         order, candidate = entry
-        problem = run.problems[order] = partition_problem(candidate, run.model)
+        problem = run.problems[order] = run.problem(candidate)
         only = run.own_cuts.only
-        run.splits[order] = run.stack_cuts(candidate, problem) if only else even_splits(problem)
+        run.splits[order] = (
+            run.stack_cuts(candidate, problem) if only else even_splits(problem, work)
+        )
         found = fastest_fitting(problem, run.splits[order])
         if found is not None:
             incumbents.offer(order, candidate, found)
         seeded.append((found.step_time_s if found else math.inf, order, candidate))
         run.report(len(seeded), "seed")
     seeded.sort(key=lambda item: (item[0], item[1]))
-    improve_end = t0 + _IMPROVE_SHARE * (run.deadline - t0)
+    improve_end = spent + _IMPROVE_SHARE * left
     for _, order, candidate in seeded[
         : 0 if run.own_cuts.only else max(_IMPROVED, incumbents.top_k)
     ]:
-        if incumbents and time.perf_counter() > improve_end:
+        if incumbents and work.exhausted(improve_end):
             break
-        found, _ = heuristic(run.problems[order], deadline=improve_end, splits=run.splits[order])
+        found, _ = heuristic(
+            run.problems[order], work=work, stop_at_s=improve_end, splits=run.splits[order]
+        )
         if found is not None:
             incumbents.offer(order, candidate, found)
     stats.seed_s = time.perf_counter() - t0
@@ -514,19 +535,15 @@ def _visit(run: _Run) -> list[float]:
             stats.pruned_bound += 1
             continue
         cutoff = incumbents.cutoff() / least if incumbents.full else None
-        if (
-            cutoff is not None
-            and strategy.virtual_stages > 1
-            and time.perf_counter() < run.deadline
-        ):
+        if cutoff is not None and strategy.virtual_stages > 1 and not run.work.exhausted():
             # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
             t0 = time.perf_counter()
-            bound = max(bound, candidate.schedule_bound_s(run.deadline))
+            bound = max(bound, candidate.schedule_bound_s(run.work))
             stats.bounds_s += time.perf_counter() - t0
             if bound >= cutoff:
                 stats.pruned_schedule += 1
                 continue
-        if time.perf_counter() > run.deadline and incumbents:
+        if run.work.exhausted() and incumbents:
             # Out of time: the rest are unproven; their bounds give the gap.
             # on the objective: each bound times its choice's least factor
             rest = (
@@ -560,11 +577,7 @@ def _partition(
     """The best stage partition of a visited candidate: the stack's own cut, or CP-SAT's
     (`partition.solve`, stopped at ``cutoff`` on the step), reused for an identical problem."""
     stats = run.stats
-    problem = (
-        run.problems.pop(order)
-        if order in run.problems
-        else partition_problem(candidate, run.model)
-    )
+    problem = run.problems.pop(order) if order in run.problems else run.problem(candidate)
     key = (problem.content_key(), least)
     t0 = time.perf_counter()
     if run.own_cuts.only:
@@ -586,7 +599,7 @@ def _partition(
         if run.budget_s is not None:
             # until a first plan is found the search goes on past its budget, one budget
             # per solve at most
-            remaining = run.deadline - time.perf_counter()
+            remaining = run.work.left_s()
             limit = max(
                 0.05, min(limit, remaining if run.incumbents else max(remaining, run.budget_s))
             )
@@ -595,6 +608,7 @@ def _partition(
             time_limit_s=limit,
             cutoff_s=cutoff,
             relative_gap=RELATIVE_GAP,
+            work=run.work,
         )
         run.solved[key] = (found, solve_stats)
         stats.solver_calls += 1
@@ -630,12 +644,13 @@ class _Frontier:
         tables: BoundTables,
         stats: SearchStats,
         infeasible: list[Strategy],
+        work: Work,
     ) -> None:
         # popped from the end: largest floor first in the list
         self._pending = sorted(pending, key=lambda e: (e.order_floor_s, e.index), reverse=True)
         self._ready: list[tuple[float, int, Candidate]] = []  # heap on the order key
         self._tables = tables
-        self._stats, self._infeasible = stats, infeasible
+        self._stats, self._infeasible, self._work = stats, infeasible, work
 
     def pop(self, cutoff: float) -> tuple[int, Candidate] | None:
         """The next choice in order (None when none is left)."""
@@ -646,6 +661,7 @@ class _Frontier:
                 self._stats.pruned_bound += 1
                 continue
             t0 = time.perf_counter()
+            self._work.charge(COST_S)
             candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
             self._stats.costs_s += time.perf_counter() - t0
             if candidate.memory_lower_bound_bytes > candidate.usable_bytes:

@@ -9,7 +9,6 @@ about optimality: that comes from `solve`.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 
 from autoplan.contract.plan import Recompute
@@ -23,6 +22,7 @@ from autoplan.planner.partition.problem import (
     _uniform_middle,
     evaluate,
 )
+from autoplan.planner.work import Work
 
 # Simulations the local search may spend on the solver's first incumbent.
 _LOCAL_EVALUATIONS = 200
@@ -96,15 +96,16 @@ def improve(
     start: Partition,
     *,
     max_evaluations: int,
-    deadline: float = math.inf,
+    work: Work | None = None,
+    stop_at_s: float = math.inf,
 ) -> ImproveResult:
     """Local search from ``start`` by single moves (one cut by one unit, or one stage's mode):
     while memory does not fit, the move that buys memory back cheapest (step added per byte
     of excess removed); then first-improvement descent of the simulated step among moves that
     fit. Returns the best partition that fits (``start`` if none does) and every accepted one
     (their critical paths feed the solver). A heuristic: it gives the solver a strong
-    incumbent early; optimality comes from the solver. Stops at ``deadline`` (a
-    `time.perf_counter` value) with what it has."""
+    incumbent early; optimality comes from the solver. Each simulation is charged to ``work``;
+    it stops with what it has once ``work`` has spent ``stop_at_s`` (or its budget)."""
     n, S = problem.num_units, problem.num_stages
     names = tuple(problem.modes)
     capacity = problem.memory_capacity_bytes
@@ -126,10 +127,12 @@ def improve(
                 if starts[j - 1] < moved < upper:
                     moves.append(((*starts[:j], moved, *starts[j + 1 :]), modes))
         for move in moves:
-            if budget <= 0 or time.perf_counter() > deadline:
+            if budget <= 0 or (work is not None and work.exhausted(stop_at_s)):
                 budget = 0
                 return
             budget -= 1
+            if work is not None:
+                work.simulation(problem.spec)
             yield evaluate(problem, *move)
 
     current = start
@@ -168,34 +171,39 @@ def fastest_fitting(problem: PartitionProblem, found: Sequence[Partition]) -> Pa
     return min(fitting, key=lambda f: f.step_time_s, default=None)
 
 
-def even_splits(problem: PartitionProblem) -> list[Partition]:
+def even_splits(problem: PartitionProblem, work: Work | None = None) -> list[Partition]:
     """`balanced_hint` and `rank_balanced_hint` under each mode, evaluated (one recompute mode
-    throughout; they may not fit): the search's quick seeds, a few simulations each."""
+    throughout; they may not fit): the search's quick seeds, a few simulations each (charged
+    to ``work``)."""
     found = []
     for mode in problem.modes:
         found.append(evaluate(problem, *balanced_hint(problem, mode)))
         ranked = rank_balanced_hint(problem, mode)
         if ranked is not None and ranked.stage_starts != found[-1].stage_starts:
             found.append(evaluate(problem, *ranked))
+    if work is not None:
+        work.simulation(problem.spec, len(found))
     return found
 
 
 def heuristic(
     problem: PartitionProblem,
     *,
-    deadline: float = math.inf,
+    work: Work | None = None,
+    stop_at_s: float = math.inf,
     splits: Sequence[Partition] | None = None,
 ) -> HeuristicResult:
     """A good partition fast, without a proof: the even splits under each mode (``splits``
     if they were evaluated already), then `improve` from the fastest one (repairing its
     memory) and from the best one that fits. Returns the best that fits (None if none was
-    found) and every partition met on the way."""
-    seeds = list(even_splits(problem) if splits is None else splits)
+    found) and every partition met on the way. Simulations are charged to ``work``; the local
+    search stops once it has spent ``stop_at_s``."""
+    seeds = list(even_splits(problem, work) if splits is None else splits)
     best = fastest_fitting(problem, seeds)
     fastest = min(seeds, key=lambda seed: seed.step_time_s)
     if best is None or fastest.step_time_s < best.step_time_s:
         local, accepted = improve(
-            problem, fastest, max_evaluations=_LOCAL_EVALUATIONS, deadline=deadline
+            problem, fastest, max_evaluations=_LOCAL_EVALUATIONS, work=work, stop_at_s=stop_at_s
         )
         seeds.extend(accepted[1:])
         if local.peak_memory_bytes <= problem.memory_capacity_bytes and (
@@ -204,7 +212,7 @@ def heuristic(
             best = local
     if best is not None:
         best, accepted = improve(
-            problem, best, max_evaluations=_LOCAL_EVALUATIONS, deadline=deadline
+            problem, best, max_evaluations=_LOCAL_EVALUATIONS, work=work, stop_at_s=stop_at_s
         )
         seeds.extend(accepted[1:])
     return HeuristicResult(best, seeds)

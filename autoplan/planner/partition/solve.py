@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -41,6 +40,7 @@ from autoplan.planner.partition.problem import (
     rank_tails,
     stage_times,
 )
+from autoplan.planner.work import CPSAT_UNIT_S, CPSAT_VARIABLE_S, WALL_CAP_FACTOR, Work
 from cost_model.schedules import CriticalPath, critical_path, rank_paths, simulate
 
 if TYPE_CHECKING:
@@ -132,30 +132,39 @@ class _Seeded(NamedTuple):
     best: Partition | None  # the heuristic's best partition that fits (the hint)
 
 
-def _seeded_model(problem: PartitionProblem, kind: ModelKind | None, *, deadline: float) -> _Seeded:
+def _seeded_model(
+    problem: PartitionProblem, kind: ModelKind | None, *, work: Work, stop_at_s: float
+) -> _Seeded:
     """The step model of ``problem`` in formulation ``kind`` with its first path cuts: each
     rank's full order (`rank_paths`) and the critical paths of every partition the heuristic
-    met (stopped at ``deadline``), hinted with the heuristic's best partition that fits."""
+    met (its local search stopped once ``work`` has spent ``stop_at_s``), hinted with the
+    heuristic's best partition that fits."""
     built = _step_model(problem, kind)
+    work.charge(CPSAT_VARIABLE_S * len(built.model.proto.variables))
     seen: set[tuple[object, ...]] = set()
     for path in rank_paths(problem.spec):
         _add_path(built, path, seen)
-    best, seeds = heuristic(problem, deadline=deadline)
+    best, seeds = heuristic(problem, work=work, stop_at_s=stop_at_s)
     for seed in seeds:
-        for path in _critical_paths_of(problem, seed.stage_starts, seed.modes):
+        for path in _critical_paths_of(problem, seed.stage_starts, seed.modes, work):
             _add_path(built, path, seen)
     if best is not None:
         built.hint(Cuts(best.stage_starts, best.modes))
     return _Seeded(built, seen, best)
 
 
-def _round_solver(time_limit_s: float, num_workers: int) -> cp_model.CpSolver:
-    """A CP-SAT solver for one round of `solve`."""
+def _round_solver(work_s: float, wall_s: float, num_workers: int) -> cp_model.CpSolver:
+    """A CP-SAT solver for one round of `solve`: at most ``work_s`` reference seconds of its
+    deterministic time, and ``wall_s`` wall seconds (the cap)."""
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    # Deterministic: one worker, a fixed seed and a deterministic limit give the same search
+    # on every run (CP-SAT's parameters documentation); the wall limit is only the cap.
+    solver.parameters.max_deterministic_time = work_s / CPSAT_UNIT_S
+    solver.parameters.max_time_in_seconds = wall_s
     solver.parameters.num_workers = num_workers
+    solver.parameters.random_seed = 0
     # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove
     # that a candidate cannot beat the cutoff.
     solver.parameters.linearization_level = 2
@@ -170,6 +179,7 @@ def solve(
     model: ModelKind | None = None,
     cutoff_s: float | None = None,
     relative_gap: float = 0.0,
+    work: Work | None = None,
 ) -> SolveResult:
     """The partition with the least simulated step that fits in memory (None if none fits)
     and what the solve did (its status, rounds and proven lower bound).
@@ -180,10 +190,17 @@ def solve(
     this fraction of a proven lower bound; 0 asks for the exact optimum. ``model``
     forces a formulation (tests compare each with brute force); by default the smallest exact
     one for the problem is used. See the module docstring for the method.
+
+    ``time_limit_s``: the reference seconds of work the solve may spend (`planner.work`: the
+    heuristic's simulations, the model, CP-SAT's deterministic time), charged to ``work`` (by
+    default a fresh `Work` of that budget), so the same problem gets the same answer on every
+    machine (with ``num_workers=1``); it also stops at ``work``'s wall-clock cap.
     """
-    start = time.perf_counter()
+    if work is None:
+        work = Work(time_limit_s)
+    stop_at = work.spent_s + time_limit_s
     spec = problem.spec
-    built, seen, best = _seeded_model(problem, model, deadline=start + time_limit_s)
+    built, seen, best = _seeded_model(problem, model, work=work, stop_at_s=stop_at)
     # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
     slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
     unit = built.scaled.time_unit_s
@@ -200,12 +217,12 @@ def solve(
         limit = math.inf if cutoff_s is None else cutoff_s
         if best is not None:
             limit = min(limit, best.step_time_s / (1.0 + relative_gap))
-        remaining = time_limit_s - (time.perf_counter() - start)
+        remaining = 0.0 if work.wall_capped() else stop_at - work.spent_s
         if remaining <= 0:
             status = "FEASIBLE" if best is not None else "UNKNOWN"
             break
         rounds += 1
-        solver = _round_solver(remaining, num_workers)
+        solver = _round_solver(remaining, work.wall_left_s(), num_workers)
         # demand a strictly better step than the limit (up to rounding)
         _set_ceiling(
             built,
@@ -215,6 +232,7 @@ def solve(
         )
         result = solver.solve(built.model)
         wall += solver.wall_time
+        work.charge(solver.deterministic_time * CPSAT_UNIT_S)
         if result == cp_model.INFEASIBLE:
             if best is not None and (cutoff_s is None or best.step_time_s < cutoff_s):
                 status = "OPTIMAL"  # within relative_gap: none is below limit
@@ -252,7 +270,8 @@ def solve(
                 break
         else:
             bound = max(bound, (solver.best_objective_bound - slack) * unit)
-        for path in _critical_paths_of(problem, *cuts):
+        work.simulation(spec)  # (the evaluation above)
+        for path in _critical_paths_of(problem, *cuts, work):
             _add_path(built, path, seen)
         built.hint(Cuts(best.stage_starts, best.modes))
     else:
@@ -273,11 +292,16 @@ def solve(
 
 
 def _critical_paths_of(
-    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+    problem: PartitionProblem,
+    stage_starts: Sequence[int],
+    modes: Sequence[Recompute],
+    work: Work,
 ) -> list[CriticalPath]:
     """The longest path ending on each rank (the global one among them): adding them all per
-    round converges in far fewer rounds than the global one alone."""
+    round converges in far fewer rounds than the global one alone. (Charges ``work`` a
+    simulation and a path per rank.)"""
     spec = problem.spec
+    work.simulation(spec, 1 + spec.pp_degree)
     sim = simulate(
         spec,
         stage_times(problem, stage_starts, modes),
@@ -296,9 +320,7 @@ def min_peak_memory(
     built = _peak_model(problem, model)
     from ortools.sat.python import cp_model
 
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1
+    solver = _round_solver(time_limit_s, WALL_CAP_FACTOR * time_limit_s + 1.0, 1)
     status = solver.solve(built.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return PeakMemory(status=_solver_status(status), least_bytes=None)
