@@ -73,8 +73,8 @@ __all__ = [
 SECONDS_PER_DAY = 86400.0
 SECONDS_PER_HOUR = 3600.0
 # Seconds a what-if may spend on its searches in all (`whatif`'s ``total_budget_s``): no search
-# starts after it, and each gets at most what is left of it as its budget. 50 cluster types
-# took ~10 minutes without one.
+# starts after it (each started search keeps its own deterministic budget, so a row's plan does
+# not depend on the machine's pace). 50 cluster types took ~10 minutes without one.
 DEFAULT_TOTAL_BUDGET_S = 300.0
 # The most searches (cluster types x device counts) one what-if takes.
 MAX_SEARCHES = 1024
@@ -318,8 +318,9 @@ def whatif(
     process per CPU core. ``time_limit_s`` and
     ``budget_s``: each search's per-solve limit and visit budget (`autoplan.search`).
     ``total_budget_s``: seconds for all the searches together (None: no cap): no search starts
-    once it is spent, and each gets at most what is left of it as its budget; the sizes not
-    reached are rows with ``searched=False`` (`WhatIfResult.not_run` counts them), never
+    once it is spent; a started search keeps its own budget (its plan is the same on every
+    machine), or with ``budget_s=None`` gets what is left of the total as its budget; the sizes
+    not reached are rows with ``searched=False`` (`WhatIfResult.not_run` counts them), never
     dropped. A search that is running when it runs out ends within its own budget.
     ``framework``: price every plan for that training stack, ``objective``: what each search
     minimises and ``memory_headroom`` the share of each device its plans leave free
@@ -464,10 +465,11 @@ class _Searches:
         left = self._cap_end - time.perf_counter()
         if left <= 0:
             return None
-        if math.isinf(left):
+        if math.isinf(left) or self._budget_s is not None:
+            # (a budget is deterministic work: cutting it to the wall time left would make
+            # a row's plan depend on the machine's pace)
             return self._time_limit_s, self._budget_s
-        budget_s = self._budget_s
-        return min(self._time_limit_s, left), left if budget_s is None else min(budget_s, left)
+        return min(self._time_limit_s, left), left
 
     def report(self, kind: ClusterType, n: int) -> None:
         self.reported = len(self.found)

@@ -105,8 +105,8 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     callback=finite_seconds,
     default=DEFAULT_TOTAL_BUDGET_S,
     show_default=True,
-    help="Seconds for all the searches together (each --budget at most what is left); sizes "
-    "not reached are listed as not run (0: no cap).",
+    help="Wall seconds for all the searches together: none starts once they are spent (each "
+    "started search keeps its --budget); sizes not reached are listed as not run (0: no cap).",
 )
 @search_options(with_dp=False)
 @framework_option
