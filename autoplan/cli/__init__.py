@@ -56,7 +56,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             # no shell passes one; click's path checks would raise ValueError on it
             _fail(f"argument {shown(arg)} contains a NUL byte; remove it", "UsageError", args, 2)
     try:
-        cli.main(args=args, prog_name="autoplan", standalone_mode=False)
+        # (a command that raises click's Exit returns its code here: e.g. 130 after an
+        # interrupted search printed its best plan)
+        code = cli.main(args=args, prog_name="autoplan", standalone_mode=False)
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.UsageError as error:

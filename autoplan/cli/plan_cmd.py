@@ -34,7 +34,7 @@ from autoplan.cli.common import (
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.progress import search_status, status_reporter
 from autoplan.contract.plan import Plan
-from autoplan.planner.search import SearchProgress, search_plans
+from autoplan.planner.search import SearchProgress, SearchStats, search_plans
 from cost_model.hardware import load_cluster
 from cost_model.messages import shown
 
@@ -122,6 +122,7 @@ def plan_cmd(
                 "stats": dataclasses.asdict(stats),
             }
         )
+        _exit_if_interrupted(stats)
         return
     out.print(
         f"[bold]{profile.name}[/] on {target.name} ({target.num_devices} devices), global batch "
@@ -143,6 +144,19 @@ def plan_cmd(
         out.print(f"[bold]coverage:[/] {line}")
     if output is not None:
         out.print(f"wrote {output}")
+    if stats.interrupted:
+        click.echo(
+            f"autoplan: interrupted: the plans above are the best found so far (a faster one "
+            f"may exist by up to {stats.optimality_gap:.2%})",
+            err=True,
+        )
+    _exit_if_interrupted(stats)
+
+
+def _exit_if_interrupted(stats: SearchStats) -> None:
+    """Exit 130 (as for Ctrl-C) after the best plan so far was shown."""
+    if stats.interrupted:
+        raise click.exceptions.Exit(130)
 
 
 def ranked_table(plans: tuple[Plan, ...]) -> Table:

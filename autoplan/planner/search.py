@@ -158,6 +158,9 @@ class SearchStats:
     # on every machine), and whether the wall-clock cap cut the search (then it may not be)
     work_s: float = 0.0
     wall_capped: bool = False
+    # Ctrl-C (KeyboardInterrupt) ended the search: the plans are the best found so far and the
+    # gap covers every candidate not proven
+    interrupted: bool = False
     seed_s: float = 0.0  # heuristic partitions of the first candidates (the first incumbent)
     # the best step those found (None: none fits): how good the visiting order's first guesses
     # are, the incumbent every proof starts from
@@ -243,8 +246,15 @@ def search_plans(
         budget_s=budget_s,
         time_limit_s=time_limit_s,
     )
-    _seed(run)
-    unproven = _visit(run)
+    try:
+        _seed(run)
+        _visit(run)
+    except KeyboardInterrupt:
+        if not run.incumbents:
+            raise
+        stats.interrupted = True
+        run.unproven.extend(run.left_unproven())
+    unproven = run.unproven
     stats.work_s, stats.wall_capped = work.spent_s, work.capped
     incumbents = run.incumbents
     if not incumbents:
@@ -425,6 +435,20 @@ class _Run:
     solved: dict[tuple[object, ...], tuple[Partition | None, SolveStats]] = field(
         default_factory=dict
     )
+    # lower bounds (on the objective) of the candidates left unproven
+    unproven: list[float] = field(default_factory=list)
+    # the bound (on the objective) of the candidate being seeded or visited (None: none)
+    current: float | None = None
+
+    def left_unproven(self) -> list[float]:
+        """The bounds (on the objective) of every candidate not finished: the one in hand,
+        the seeded ones not visited yet and the frontier's."""
+        least = self.incumbents.least_factor
+        return (
+            ([] if self.current is None else [self.current])
+            + [c.time_lower_bound_s * least(c) for _, _, c in self.seeded]
+            + self.frontier.floors(self.incumbents.least_of)
+        )
 
     def stack_cuts(self, candidate: Candidate, problem: PartitionProblem) -> list[Partition]:
         """The stack's own cut under each recompute mode; for a stack whose engine re-times
@@ -484,6 +508,7 @@ def _seed(run: _Run) -> None:
         if entry is None:
             break
         order, candidate = entry
+        run.current = candidate.time_lower_bound_s * incumbents.least_factor(candidate)
         problem = run.problems[order] = run.problem(candidate)
         only = run.own_cuts.only
         run.splits[order] = (
@@ -493,6 +518,7 @@ def _seed(run: _Run) -> None:
         if found is not None:
             incumbents.offer(order, candidate, found)
         seeded.append((found.step_time_s if found else math.inf, order, candidate))
+        run.current = None
         run.report(len(seeded), "seed")
     seeded.sort(key=lambda item: (item[0], item[1]))
     improve_end = spent + _IMPROVE_SHARE * left
@@ -510,19 +536,20 @@ def _seed(run: _Run) -> None:
     stats.seed_step_time_s = incumbents.best()
 
 
-def _visit(run: _Run) -> list[float]:
+def _visit(run: _Run) -> None:
     """Phase 3: visit the seeded candidates (best even split first), then the rest in order;
     skip what a proven bound says cannot beat the k-th best, and solve the stage cuts of the
-    rest exactly. Returns the lower bounds (on the objective) of the candidates left unproven:
-    unfinished solves, and every candidate left when the budget ran out."""
-    incumbents, seeded, stats, frontier = run.incumbents, run.seeded, run.stats, run.frontier
-    unproven: list[float] = []
+    rest exactly. Adds to ``run.unproven`` the lower bounds (on the objective) of the
+    candidates left unproven: unfinished solves, and every candidate left when the budget ran
+    out."""
+    incumbents, seeded, stats = run.incumbents, run.seeded, run.stats
+    unproven = run.unproven
     visited = 0
     while True:
         if seeded:
             _, order, candidate = seeded.pop(0)
         else:
-            entry = frontier.pop(incumbents.cutoff())
+            entry = run.frontier.pop(incumbents.cutoff())
             if entry is None:
                 break
             order, candidate = entry
@@ -531,6 +558,7 @@ def _visit(run: _Run) -> list[float]:
         bound = candidate.time_lower_bound_s
         # the candidate's cutoff on its step: no partition of it beats the objective to beat
         least = incumbents.least_factor(candidate)
+        run.current = bound * least  # (until the next: on the objective)
         if bound * least >= incumbents.cutoff():
             stats.pruned_bound += 1
             continue
@@ -544,13 +572,8 @@ def _visit(run: _Run) -> list[float]:
                 stats.pruned_schedule += 1
                 continue
         if run.work.exhausted() and incumbents:
-            # Out of time: the rest are unproven; their bounds give the gap.
-            # on the objective: each bound times its choice's least factor
-            rest = (
-                [bound * least]
-                + [c.time_lower_bound_s * incumbents.least_factor(c) for _, _, c in seeded]
-                + frontier.floors(incumbents.least_of)
-            )
+            # Out of work: the rest are unproven; their bounds give the gap.
+            rest = run.left_unproven()
             stats.unvisited = len(rest)
             unproven.extend(rest)
             break
@@ -568,7 +591,6 @@ def _visit(run: _Run) -> list[float]:
         if found is not None:
             incumbents.offer(order, candidate, found)
         run.report(visited, "visit")
-    return unproven
 
 
 def _partition(

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+import os
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from autoplan.contract.plan import Recompute
 from autoplan.planner.partition.formulations import Expr, _peak_model, _step_model, _StepModel
@@ -104,6 +108,46 @@ def _set_ceiling(built: _StepModel, value: int) -> None:
     domain = built.ceiling.proto.domain  # a fixed variable: domain [value, value]
     domain[0] = value
     domain[1] = value
+
+
+class _CtrlC:
+    """Ctrl-C during a CP-SAT solve: CP-SAT's own SIGINT catching is off (it would swallow the
+    signal: the search would go on to its next solve), and Python's handler runs only when the
+    solve returns, so a watcher thread woken by the signal (`signal.set_wakeup_fd`) stops the
+    running solve at once; the main thread then raises KeyboardInterrupt as usual."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _pipe: ClassVar[tuple[int, int] | None] = None
+    _running: ClassVar[set[cp_model.CpSolver]] = set()
+
+    @classmethod
+    @contextmanager
+    def stoppable(cls, solver: cp_model.CpSolver) -> Iterator[None]:
+        solver.parameters.catch_sigint_signal = False
+        if threading.current_thread() is not threading.main_thread():
+            yield  # (signals reach the main thread only)
+            return
+        with cls._lock:
+            if cls._pipe is None:
+                read, write = os.pipe()
+                os.set_blocking(write, False)
+                cls._pipe = (read, write)
+                threading.Thread(target=cls._watch, name="autoplan-ctrl-c", daemon=True).start()
+        previous = signal.set_wakeup_fd(cls._pipe[1], warn_on_full_buffer=False)
+        cls._running.add(solver)
+        try:
+            yield
+        finally:
+            cls._running.discard(solver)
+            signal.set_wakeup_fd(previous)
+
+    @classmethod
+    def _watch(cls) -> None:
+        assert cls._pipe is not None
+        while True:
+            if signal.SIGINT in os.read(cls._pipe[0], 64):
+                for solver in list(cls._running):
+                    solver.stop_search()
 
 
 def _solver_status(status: cp_model.CpSolverStatus) -> SolverStatus:
@@ -230,7 +274,8 @@ def solve(
             if math.isfinite(limit)
             else built.scaled.path_bound,
         )
-        result = solver.solve(built.model)
+        with _CtrlC.stoppable(solver):
+            result = solver.solve(built.model)
         wall += solver.wall_time
         work.charge(solver.deterministic_time * CPSAT_UNIT_S)
         if result == cp_model.INFEASIBLE:
@@ -321,7 +366,8 @@ def min_peak_memory(
     from ortools.sat.python import cp_model
 
     solver = _round_solver(time_limit_s, WALL_CAP_FACTOR * time_limit_s + 1.0, 1)
-    status = solver.solve(built.model)
+    with _CtrlC.stoppable(solver):
+        status = solver.solve(built.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return PeakMemory(status=_solver_status(status), least_bytes=None)
     cuts = built.read(solver)

@@ -1,0 +1,53 @@
+"""Ctrl-C during `autoplan plan`: the best plan found so far is printed with its gap, the exit
+code is 130, and no traceback is shown."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_best_plan_so_far_and_exits_130() -> None:
+    # --budget 0: until proven, far longer than the test waits; the piped status line (every
+    # 10 s) says when a plan is held
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "autoplan",
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--cluster",
+            "dgx-h100-80g:nodes=8",
+            "--global-batch",
+            "512",
+            "--budget",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if "best step" in line:
+            process.send_signal(signal.SIGINT)
+            break
+    out, err = process.communicate(timeout=300)
+    err = "".join(seen) + err
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    assert "best plans (rank 1 is chosen)" in out
+    assert "interrupted: the plans above are the best found so far" in err
+    assert "a faster one may exist by up to" in err
