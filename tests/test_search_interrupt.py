@@ -51,3 +51,31 @@ def test_ctrl_c_prints_the_best_plan_so_far_and_exits_130() -> None:
     assert "best plans (rank 1 is chosen)" in out
     assert "interrupted: the plans above are the best found so far" in err
     assert "a faster one may exist by up to" in err
+
+
+def test_a_search_without_a_budget_says_what_is_left_and_the_ways_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    from tests.conftest import run_cli
+
+    plan_module = importlib.import_module("autoplan.cli.plan_cmd")
+    monkeypatch.setattr(plan_module, "UNBOUNDED_HINT_S", 0.0)  # (60 s by default)
+    done = run_cli(
+        "plan",
+        "--model",
+        "gpt2-small",
+        "--cluster",
+        "dgx-a100-80g:nodes=1",
+        "--global-batch",
+        "16",
+        "--budget",
+        "0",
+        "--max-pp",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr
+    hint = [line for line in done.stderr.splitlines() if "--budget 0 proves" in line]
+    assert len(hint) == 1  # once
+    assert "remain after" in hint[0] and "Ctrl-C" in hint[0] and "--tp 8" in hint[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +89,20 @@ def plan_cmd(
         status.update(f"tracing {shown(model_spec, quoted=False)}")
         profile = trace_spec(model_spec).profile
         status.update(f"searching plans for {profile.name} on {target.name}")
+        unbounded = budget_s(options) is None
+        hinted = False
 
         def report(step: SearchProgress) -> None:
+            nonlocal hinted
             status.update(
                 search_status(step.phase, step.visited, step.total, step.best_step_time_s),
                 completed=step.visited,
                 total=step.total or None,
             )
+            elapsed = time.monotonic() - status.started
+            if unbounded and not hinted and step.phase == "visit" and elapsed > UNBOUNDED_HINT_S:
+                hinted = True
+                click.echo(unbounded_hint(step, elapsed), err=True)
 
         result = search_plans(
             profile,
@@ -151,6 +159,21 @@ def plan_cmd(
             err=True,
         )
     _exit_if_interrupted(stats)
+
+
+# Seconds a search without a budget (--budget 0) runs before it says how much is left.
+UNBOUNDED_HINT_S = 60.0
+
+
+def unbounded_hint(step: SearchProgress, elapsed_s: float) -> str:
+    """What a search without a budget has left, and the ways out."""
+    left = step.total - step.visited
+    return (
+        f"autoplan: --budget 0 proves every candidate: {left:,} of {step.total:,} remain after "
+        f"{elapsed_s:.0f} s, which may take hours; press Ctrl-C for the best plan so far with "
+        "its gap, give a budget (--budget 10), or narrow the space (e.g. --tp 8, --max-pp 16, "
+        "--schedules interleaved-1f1b, --zero 1, --recompute selective)"
+    )
 
 
 def _exit_if_interrupted(stats: SearchStats) -> None:
