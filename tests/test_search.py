@@ -25,7 +25,7 @@ from autoplan.planner.candidates import (
     costed_candidate,
     partition_problem,
 )
-from autoplan.planner.partition import evaluate
+from autoplan.planner.partition import brute_force, evaluate
 from autoplan.planner.search import SearchStats, _Frontier, _Pending, search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
 from autoplan.planner.strategy_keys import (
@@ -40,7 +40,7 @@ from autoplan.planner.work import Work
 from cost_model.estimate import CostModel, estimate
 from cost_model.hardware import Cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, usable_capacity_bytes
-from cost_model.schedules import SCHEDULES
+from cost_model.schedules import SCHEDULES, pipeline_lower_bound_s
 from cost_model.strategy import Strategy
 from cost_model.uncertainty import TIE_FRACTION
 from tests.cost_profiles import gpt_profile, round_cluster, with_routed_experts
@@ -327,6 +327,37 @@ def test_boundary_crossings_follow_the_placement(schedule: str, p: int, v: int) 
     strategy = Strategy(pp_degree=p, virtual_stages=v, schedule=schedule, num_micro_batches=8)
     ranks = [strategy.pipeline_rank_of_stage(s) for s in range(p * v)]
     assert boundary_crossings(strategy) == sum(a != b for a, b in itertools.pairwise(ranks))
+
+
+def test_the_costed_bound_is_below_the_optimum() -> None:
+    """A candidate's proven bound (with whole units per rank, each rank's fill, drain and tail:
+    `bounds.whole_unit_bound`) never exceeds the best simulated step of any partition that
+    fits, found by brute force, over random cases; and it is above the fractional bounds
+    somewhere (it matters)."""
+    checked = raised = 0
+    for seed in range(10):
+        profile, cluster, global_batch, constraints = _random_case(seed)
+        space = SearchSpace.from_constraints(**constraints)
+        cache = BoundTables(CostModel(profile, cluster))
+        assert cache.uniform_middle is not None
+        for strategy in strategies(space, profile, cluster, global_batch):
+            if strategy.pp_degree == 1:
+                continue
+            modes = recompute_modes(space, strategy.schedule)
+            candidate = costed_candidate(strategy, modes, cache)
+            if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
+                continue
+            best = brute_force(partition_problem(candidate, cache.model))
+            if best is None:
+                continue
+            assert candidate.time_lower_bound_s <= best.step_time_s * (1 + 1e-9), strategy
+            checked += 1
+            fractional = (
+                pipeline_lower_bound_s(strategy.schedule_spec, candidate.work_s, 0.0)
+                + candidate.fixed_s
+            )
+            raised += candidate.time_lower_bound_s > fractional * 1.01
+    assert checked >= 20 and raised >= 5, (checked, raised)
 
 
 @pytest.mark.parametrize("seed", range(6))

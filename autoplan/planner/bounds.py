@@ -21,7 +21,9 @@ pipeline's fill and drain under the best possible uneven chunking.
 
 from __future__ import annotations
 
+import heapq
 import math
+from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
@@ -141,3 +143,103 @@ def _kelley(
             add(critical_path(spec, sim, rank))
     # GLOP's feasibility tolerance: give back a little so rounding never overstates it.
     return bound * (1.0 - 1e-7), cost
+
+
+# ------------------------------------------------------------ whole units per rank
+
+
+@dataclass(frozen=True, slots=True)
+class UnitFloor:
+    """One unit's least per-micro-batch times over the recompute modes a plan may use, each
+    taken on its own (so every plan's unit takes at least each): its forward, its backward,
+    the backward's input-gradient part (what a split backward's gradient chain waits for), and
+    its shares of the two linear rank-tail terms (`cost_model.stage_terms.rank_tail_terms`)."""
+
+    forward_s: float
+    backward_s: float
+    input_s: float
+    tail_s: tuple[float, float]
+
+
+def whole_unit_bound(
+    spec: ScheduleSpec, first: UnitFloor, middle: UnitFloor, count: int, last: UnitFloor
+) -> float:
+    """A lower bound on the simulated step (without the loop's fixed overhead: add it) of any
+    cut of a model whose first and last units are ``first`` and ``last`` and whose ``count``
+    units between are identical (``middle``), whole units per stage.
+
+    Why it holds: rank ``r``'s lowest stage is ``r`` (both placements), so its first action
+    waits for the forwards of stages ``0 .. r-1`` of micro-batch 0 (fill), and, when the
+    backward is not split, its last action (the backward of stage ``r`` of the last micro-batch,
+    torch's order) is followed by the backwards of stages ``r-1 .. 0`` (drain): that path
+    (`cost_model.schedules.rank_paths`) lasts ``fill_r + m W_r + drain_r``, with ``W_r`` its
+    per-micro-batch work, and after it rank 0 runs its tail (at least the fixed overhead); rank
+    ``r``'s own tail follows its own last action. Stage 0 holds at least the first unit and
+    each stage ``1 .. r-1`` at least one middle unit. So with ``k_r`` middle units on rank ``r``
+    the step is at least ``g_r(k_r) = fill_r + m (k_r T + specials_r) + max(drain_r, tail_r)``,
+    and over every split of ``count`` units into whole ``k_r`` at least the least possible
+    ``max_r g_r(k_r)``: with ``g_r`` linear in ``k_r`` (a line under the max), the ``count``-th
+    smallest of the levels ``g_r(1), g_r(2), ...`` over all ranks (what giving each unit to the
+    rank it raises least reaches), or the largest ``g_r(0)`` if more. This is what fractional
+    bounds miss: a rank holding the last unit (the head) holds whole middle units besides it.
+    """
+    p, m = spec.pp_degree, spec.num_micro_batches
+    per_unit = m * (middle.forward_s + middle.backward_s)
+    if count <= 0 or per_unit <= 0:
+        return 0.0
+    drains = not spec.splits_backward
+    first_rank, last_rank = spec.stage_rank(0), spec.stage_rank(spec.num_stages - 1)
+    intercepts: list[float] = []
+    slopes: list[float] = []
+    for r in range(p):
+        fill = drain = 0.0
+        if r > 0:
+            fill = first.forward_s + (r - 1) * middle.forward_s
+            if drains:
+                drain = first.backward_s + (r - 1) * middle.backward_s
+        special = 0.0
+        tail = [0.0, 0.0]
+        for unit, rank in ((first, first_rank), (last, last_rank)):
+            if rank == r:
+                special += unit.forward_s + unit.backward_s
+                tail = [tail[0] + unit.tail_s[0], tail[1] + unit.tail_s[1]]
+        # max(drain, tail) >= drain, and >= the tail term with the larger share per unit (a
+        # line in k_r each): take the larger at an even split, a line either way
+        share = count / p
+        term = max((0, 1), key=lambda j: tail[j] + share * middle.tail_s[j])
+        tail_line = (tail[term], middle.tail_s[term])
+        if drain >= tail_line[0] + share * tail_line[1]:
+            intercepts.append(fill + m * special + drain)
+            slopes.append(per_unit)
+        else:
+            intercepts.append(fill + m * special + tail_line[0])
+            slopes.append(per_unit + tail_line[1])
+    return _nth_level(intercepts, slopes, count)
+
+
+def _nth_level(intercepts: list[float], slopes: list[float], count: int) -> float:
+    """``max(max_r a_r, the count-th smallest of {a_r + s_r j : j >= 1, every r})``, slopes
+    > 0: the least ``max_r (a_r + s_r k_r)`` over whole ``k_r >= 0`` summing to ``count``."""
+    # the continuous level (every rank filled to the same height) is at most the answer: start
+    # there and take the remaining levels in order
+    ranks = range(len(intercepts))
+    active = list(ranks)
+    level = 0.0
+    while active:
+        level = (count + sum(intercepts[r] / slopes[r] for r in active)) / sum(
+            1.0 / slopes[r] for r in active
+        )
+        kept = [r for r in active if intercepts[r] < level]
+        if len(kept) == len(active):
+            break
+        active = kept
+    # every level at or below it, the smallest ones; the rest come in order from a heap
+    taken = [max(0, math.floor((level - intercepts[r]) / slopes[r])) for r in ranks]
+    value = level  # (all taken already: the continuous level is met with whole units)
+    heap = [(intercepts[r] + slopes[r] * (taken[r] + 1), r) for r in ranks]
+    heapq.heapify(heap)
+    for _ in range(count - sum(taken)):
+        value, r = heapq.heappop(heap)
+        taken[r] += 1
+        heapq.heappush(heap, (intercepts[r] + slopes[r] * (taken[r] + 1), r))
+    return max(max(intercepts), value)

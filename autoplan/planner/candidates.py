@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.contract.plan import Recompute
-from autoplan.planner.bounds import pipeline_factor, share_range
+from autoplan.planner.bounds import UnitFloor, pipeline_factor, share_range, whole_unit_bound
 from autoplan.planner.partition import ModeCosts, PartitionProblem
 from autoplan.planner.strategy_keys import ACTIVATION_KEY, FLOOR_KEY, PARAMS_KEY, STATE_KEY
 from autoplan.planner.work import Work
@@ -94,6 +94,12 @@ class BoundTables:
         self._smallest_output = min((u.output_bytes for u in profile.units[:-1]), default=0.0)
         # the routed experts' parameters (stored E / ep per device)
         self._expert_params = sum(facts.expert_params for facts in profile.moe_layers)
+        # (first unit's class, the middle units' one class, how many, last unit's class) when
+        # the units between the first and the last are identical (`bounds.whole_unit_bound`)
+        classes = model.classes
+        self.uniform_middle: tuple[int, int, int, int] | None = None
+        if len(classes) >= 3 and len(set(classes[1:-1])) == 1:
+            self.uniform_middle = (classes[0], classes[1], len(classes) - 2, classes[-1])
 
     def memory_bound(self, strategy: Strategy, modes: Sequence[Recompute]) -> float:
         """A lower bound on the device memory of any plan with these outer choices, plus the
@@ -313,6 +319,16 @@ def costed_candidate(
         pipeline_lower_bound_s(spec, total, largest) + fixed,
         m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
     )
+    if tables.uniform_middle is not None and p > 1:
+        # whole units per rank, with each rank's fill, drain and tail
+        first_class, middle_class, count, last_class = tables.uniform_middle
+        floors = [
+            unit_floor([c[rep] for c in by_mode.values()], overlap)
+            for rep in (first_class, middle_class, last_class)
+        ]
+        time_bound = max(
+            time_bound, whole_unit_bound(spec, floors[0], floors[1], count, floors[2]) + fixed
+        )
     units = [costs[rep] for costs in by_mode.values() for rep in tables.class_counts]
     forward_shares = [c.forward_s / c.time_s for c in units if c.time_s > 0]
     weight_shares = [c.weight_s / c.backward_s for c in units if c.backward_s > 0]
@@ -345,6 +361,17 @@ def costed_candidate(
         time_lower_bound_s=time_bound,
         memory_lower_bound_bytes=memory_bound,
         usable_bytes=usable,
+    )
+
+
+def unit_floor(costs: Sequence[UnitCost], overlap: float) -> UnitFloor:
+    """A unit's least times over its costs under each recompute mode (`bounds.UnitFloor`)."""
+    tails = [rank_tail_terms(c, overlap) for c in costs]
+    return UnitFloor(
+        forward_s=min(c.forward_s for c in costs),
+        backward_s=min(c.backward_s for c in costs),
+        input_s=min(c.backward_s - c.weight_s for c in costs),
+        tail_s=(min(t[0] for t in tails), min(t[1] for t in tails)),
     )
 
 
