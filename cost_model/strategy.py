@@ -448,13 +448,19 @@ def _pipeline_link(
     b: int,
 ) -> bool:
     strategy = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, cp_degree=cp, rank_layout=layout)
-    return any(
-        strategy.global_rank(pp=a, dp=d, tp=t, cp=c) // devices_per_node
-        != strategy.global_rank(pp=b, dp=d, tp=t, cp=c) // devices_per_node
-        for d in range(dp)
-        for c in range(cp)
-        for t in range(tp)
-    )
+    # A peer at global rank x (pipeline rank a) and its partner x + delta (pipeline rank b)
+    # sit on different nodes iff x's place within its node, plus delta, leaves the node: only
+    # the residues of x modulo the node size matter, and along an axis of stride s the
+    # residues of i s repeat within devices_per_node steps (not dp x cp x tp peers: 2^20
+    # devices would walk 2^17 of them per boundary).
+    node = devices_per_node
+    pp_stride = strategy.axis_stride("pp")
+    delta = (b - a) * pp_stride
+    residues = {(a * pp_stride) % node}
+    for axis, count in (("dp", dp), ("cp", cp), ("tp", tp)):
+        step = strategy.axis_stride(axis)
+        residues = {(r + i * step) % node for r in residues for i in range(min(count, node))}
+    return any(not 0 <= r + delta < node for r in residues)
 
 
 @lru_cache(maxsize=8192)

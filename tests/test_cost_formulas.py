@@ -458,3 +458,37 @@ def test_sends_at_end_is_what_each_rank_keeps_at_the_end() -> None:
                 assert count == max(profile.sends), spec
         checked += max(counts) > 0
     assert checked  # not trivially zero on the multi-stage schedules
+
+
+def test_pipeline_link_crossing_matches_every_peer_pair() -> None:
+    """`pipeline_link_crosses_nodes` reads residues modulo the node size (cheap at 2^20
+    devices); it must say what walking every (dp, cp, tp) peer pair says."""
+    import itertools
+    import random
+
+    from cost_model.strategy import _pipeline_link
+
+    def walked(
+        pp: int, dp: int, tp: int, cp: int, layout: tuple[str, ...], node: int, a: int, b: int
+    ) -> bool:
+        s = Strategy(pp_degree=pp, dp_degree=dp, tp_degree=tp, cp_degree=cp, rank_layout=layout)  # type: ignore[arg-type]
+        return any(
+            s.global_rank(pp=a, dp=d, tp=t, cp=c) // node
+            != s.global_rank(pp=b, dp=d, tp=t, cp=c) // node
+            for d, c, t in itertools.product(range(dp), range(cp), range(tp))
+        )
+
+    rng = random.Random(0)
+    checked = crossing = 0
+    while checked < 1500:
+        pp, dp = rng.choice([2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 6])
+        tp, cp = rng.choice([1, 2, 4, 8]), rng.choice([1, 2])
+        layout = ["pp", "dp", "tp"] + (["cp"] if cp > 1 else [])
+        rng.shuffle(layout)
+        node = rng.choice([1, 2, 4, 6, 8, 16])
+        a, b = rng.sample(range(pp), 2)
+        expected = walked(pp, dp, tp, cp, tuple(layout), node, a, b)
+        assert _pipeline_link.__wrapped__(pp, dp, tp, cp, tuple(layout), node, a, b) == expected
+        checked += 1
+        crossing += expected
+    assert 0 < crossing < checked  # both answers occur
