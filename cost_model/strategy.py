@@ -457,7 +457,8 @@ def _pipeline_link(
     pp_stride = strategy.axis_stride("pp")
     delta = (b - a) * pp_stride
     residues = {(a * pp_stride) % node}
-    for axis, count in (("dp", dp), ("cp", cp), ("tp", tp)):
+    axes: tuple[tuple[Axis, int], ...] = (("dp", dp), ("cp", cp), ("tp", tp))
+    for axis, count in axes:
         step = strategy.axis_stride(axis)
         residues = {(r + i * step) % node for r in residues for i in range(min(count, node))}
     return any(not 0 <= r + delta < node for r in residues)
