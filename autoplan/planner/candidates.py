@@ -79,6 +79,10 @@ class BoundTables:
                 profile, replace(cluster, shared_cores_per_node=None), model.framework
             )
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        # per floor key: the first, middle and last units' least compute alone (no tails)
+        self._floor_units: dict[tuple[object, ...], tuple[UnitFloor, UnitFloor, UnitFloor]] = {}
+        # per floor key and pipeline shape: `bounds.whole_unit_bound` of those
+        self._whole_units: dict[tuple[object, ...], float] = {}
         # per floor key: the units' recompute curve, alone (`RecomputeCurve`)
         self._floor_curves: dict[tuple[object, ...], RecomputeCurve] = {}
         cal = cluster.calibration
@@ -220,6 +224,13 @@ class BoundTables:
                 for rep, count in self.class_counts.items()
             ]
         )
+        if self.uniform_middle is not None:
+            first, middle, _, last = self.uniform_middle
+            self._floor_units[FLOOR_KEY.key(strategy, modes)] = (
+                _compute_floor([c[first] for c in by_mode]),
+                _compute_floor([c[middle] for c in by_mode]),
+                _compute_floor([c[last] for c in by_mode]),
+            )
         order_work = order_largest = compute_work = compute_largest = 0.0
         for rep, count in self.class_counts.items():
             full = min(costs[rep].time_s for costs in by_mode)
@@ -252,6 +263,17 @@ class BoundTables:
         fixed = self.model.step_overhead_s(strategy)
         spec = strategy.schedule_spec
         time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
+        if key in self._floor_units and p > 1:
+            # whole units per rank (`bounds.whole_unit_bound`), from compute alone
+            shape = (key, p, m, spec.splits_backward, spec.placement)
+            whole = self._whole_units.get(shape)
+            if whole is None:
+                first, middle, last = self._floor_units[key]
+                count = self.uniform_middle[2] if self.uniform_middle else 0
+                whole = self._whole_units[shape] = whole_unit_bound(
+                    spec, first, middle, count, last
+                )
+            time_floor = max(time_floor, stretch * whole + fixed)
         # The recompute the order key's even cut must buy (`costed_candidate`), from the same units
         # alone: no more state than `_state_memory`'s, no less usable memory than without
         # buffers, times no longer than the strategy's, so it stays under the key.
@@ -361,6 +383,17 @@ def costed_candidate(
         time_lower_bound_s=time_bound,
         memory_lower_bound_bytes=memory_bound,
         usable_bytes=usable,
+    )
+
+
+def _compute_floor(costs: Sequence[UnitCost]) -> UnitFloor:
+    """A unit's least compute over its costs under each recompute mode, no communication and
+    no tail (what `BoundTables.floors` may count from a strategy's units alone)."""
+    return UnitFloor(
+        forward_s=min(c.forward_compute_s for c in costs),
+        backward_s=min(c.backward_compute_s + c.recompute_s for c in costs),
+        input_s=0.0,
+        tail_s=(0.0, 0.0),
     )
 
 

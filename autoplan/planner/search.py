@@ -132,9 +132,12 @@ MAX_GLOBAL_BATCH = 2**24
 # _IMPROVE_SHARE of it is spent.
 _SEEDS = 8
 _MAX_SEEDS = 256
-_SEED_SHARE = 0.3
+_SEED_SHARE = 0.1
 _IMPROVED = 4
-_IMPROVE_SHARE = 0.6
+_IMPROVE_SHARE = 0.3
+# Phase 3 (the bounds): the share of what is left of the budget after phase 2 it may spend
+# costing the frontier's candidates for their proven bounds.
+_BOUND_SHARE = 0.8
 # Outer choices enumerated between two progress reports (`SearchProgress`).
 _REPORT_EVERY = 1024
 
@@ -248,6 +251,7 @@ def search_plans(
     )
     try:
         _seed(run)
+        _bound(run)
         _visit(run)
     except KeyboardInterrupt:
         if not run.incumbents:
@@ -426,7 +430,9 @@ class _Run:
     work: Work
     budget_s: float | None
     time_limit_s: float
-    # (even-split step, order, candidate) of the seeded candidates, visited first
+    # (even-split step, order, candidate) of the seeded candidates; after phase 3, (bound on
+    # the objective, order, candidate) of every candidate costed and not pruned, by bound:
+    # visited first
     seeded: list[tuple[float, int, Candidate]] = field(default_factory=list)
     # by order: each seeded candidate's problem and its evaluated even splits (reused)
     problems: dict[int, PartitionProblem] = field(default_factory=dict)
@@ -536,8 +542,36 @@ def _seed(run: _Run) -> None:
     stats.seed_step_time_s = incumbents.best()
 
 
+def _bound(run: _Run) -> None:
+    """Phase 3: cost the frontier's candidates (in visiting order, those whose floor can beat
+    the k-th best) for their proven bounds, within its share of the budget, and keep those
+    whose bound can beat it too, with the seeded ones, best bound first: the visit solves
+    them in that order (the best-bound rule: each solve may raise the proven bound the most),
+    and if the budget ends first the gap reads their costed bounds, not the weaker floors of
+    candidates never costed."""
+    incumbents, work, stats = run.incumbents, run.work, run.stats
+    if run.budget_s is None:
+        return  # (every candidate is visited anyway: no need to hold them all costed)
+    end = work.spent_s + _BOUND_SHARE * work.left_s()
+    kept = [
+        (c.time_lower_bound_s * incumbents.least_factor(c), order, c) for _, order, c in run.seeded
+    ]
+    while not work.exhausted(end):
+        entry = run.frontier.pop(incumbents.cutoff())
+        if entry is None:
+            break
+        order, candidate = entry
+        bound = candidate.time_lower_bound_s * incumbents.least_factor(candidate)
+        if bound >= incumbents.cutoff():
+            stats.pruned_bound += 1
+            continue
+        kept.append((bound, order, candidate))
+    kept.sort(key=lambda item: (item[0], item[1]))
+    run.seeded[:] = kept
+
+
 def _visit(run: _Run) -> None:
-    """Phase 3: visit the seeded candidates (best even split first), then the rest in order;
+    """Phase 4: visit the candidates phase 3 kept (best bound first), then the rest in order;
     skip what a proven bound says cannot beat the k-th best, and solve the stage cuts of the
     rest exactly. Adds to ``run.unproven`` the lower bounds (on the objective) of the
     candidates left unproven: unfinished solves, and every candidate left when the budget ran
