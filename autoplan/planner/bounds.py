@@ -175,9 +175,10 @@ def whole_unit_bound(
     (`cost_model.schedules.rank_paths`) lasts ``fill_r + m W_r + drain_r``, with ``W_r`` its
     per-micro-batch work, and after it rank 0 runs its tail (at least the fixed overhead); rank
     ``r``'s own tail follows its own last action. Stage 0 holds at least the first unit and
-    each stage ``1 .. r-1`` at least one middle unit. So with ``k_r`` middle units on rank ``r``
-    the step is at least ``g_r(k_r) = fill_r + m (k_r T + specials_r) + max(drain_r, tail_r)``,
-    and over every split of ``count`` units into whole ``k_r`` at least the least possible
+    each stage ``1 .. r-1`` at least one middle unit; rank 0 at least one unit per stage. So
+    with ``k_r`` middle units on rank ``r`` the step is at least
+    ``g_r(k_r) = fill_r + m (k_r T + specials_r) + max(drain_r + rank 0's tail, tail_r)``, and
+    over every split of ``count`` units into whole ``k_r`` at least the least possible
     ``max_r g_r(k_r)``: with ``g_r`` linear in ``k_r`` (a line under the max), the ``count``-th
     smallest of the levels ``g_r(1), g_r(2), ...`` over all ranks (what giving each unit to the
     rank it raises least reaches), or the largest ``g_r(0)`` if more. This is what fractional
@@ -189,6 +190,21 @@ def whole_unit_bound(
         return 0.0
     drains = not spec.splits_backward
     first_rank, last_rank = spec.stage_rank(0), spec.stage_rank(spec.num_stages - 1)
+    # The drain ends on rank 0 (stage 0's backward), whose tail follows: at least the tail of
+    # the units rank 0 must hold (the first unit, the last if its stage is there, a middle unit
+    # in each of its other stages), by each tail term whose middle share is not negative
+    # (fewer middle units could only lower one that is).
+    least_middle = max(0, spec.virtual_stages - 1 - (last_rank == 0))
+    rank0_tail = max(
+        [0.0]
+        + [
+            first.tail_s[j]
+            + (last.tail_s[j] if last_rank == 0 else 0.0)
+            + least_middle * middle.tail_s[j]
+            for j in (0, 1)
+            if middle.tail_s[j] >= 0
+        ]
+    )
     intercepts: list[float] = []
     slopes: list[float] = []
     for r in range(p):
@@ -196,7 +212,7 @@ def whole_unit_bound(
         if r > 0:
             fill = first.forward_s + (r - 1) * middle.forward_s
             if drains:
-                drain = first.backward_s + (r - 1) * middle.backward_s
+                drain = first.backward_s + (r - 1) * middle.backward_s + rank0_tail
         special = 0.0
         tail = [0.0, 0.0]
         for unit, rank in ((first, first_rank), (last, last_rank)):
