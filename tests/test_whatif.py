@@ -492,3 +492,36 @@ def test_cli_bad_input_is_one_line(extra: list[str], fragment: str) -> None:
     if "--cluster" not in extra:
         args += ["--cluster", "dgx-a100-80g"]
     _one_line_error(run_cli(*args), fragment)
+
+
+def test_superlinear_scaling_shows_only_against_a_proven_baseline(sweep: WhatIfResult) -> None:
+    """Above 100% only when the baseline's plan is proven within 1% (else its unproven gap may
+    be what the extra devices "gain"): then the note names the shapes."""
+    import dataclasses
+
+    from autoplan.cli.whatif_cmd import _efficiency_cell, scaling_note
+
+    label = sweep.clusters[0]
+    rows = [r for r in sweep.rows_of(label) if r.fits]
+    base, faster = rows[0], rows[-1]
+
+    def with_gap(gap: float) -> WhatIfResult:
+        changed = {
+            id(base): dataclasses.replace(base, optimality_gap=gap),
+            id(faster): dataclasses.replace(faster, scaling_efficiency=1.2),
+        }
+        return dataclasses.replace(
+            sweep, rows=tuple(changed.get(id(row), row) for row in sweep.rows)
+        )
+
+    unproven = with_gap(0.05)
+    row = next(r for r in unproven.rows if r.scaling_efficiency == 1.2)
+    assert unproven.shown_efficiency(row) is None
+    assert _efficiency_cell(unproven, row) == ">100%?"
+    assert "not proven within 1% (gap 5.0%)" in scaling_note(unproven)
+    proven = with_gap(0.0)
+    row = next(r for r in proven.rows if r.scaling_efficiency == 1.2)
+    assert proven.shown_efficiency(row) == 1.2
+    assert _efficiency_cell(proven, row) == "120%"
+    note = scaling_note(proven)
+    assert "120%, its plan (tp" in note and "buys a faster shape" in note

@@ -81,13 +81,35 @@ def whatif_figure(result: WhatIfResult) -> Figure:
                 linewidth=0,
                 label=f"{label}: 80% range",
             )
+        # above 100% only against a proven baseline (`WhatIfResult.shown_efficiency`)
+        shown = [(r.num_devices, result.shown_efficiency(r)) for r in ok]
         efficiency.plot(
-            x,
-            [100.0 * (r.scaling_efficiency or 0.0) for r in ok],
+            [n for n, e in shown if e is not None],
+            [100.0 * e for _, e in shown if e is not None],
             marker="o",
             label=label,
             color=line.get_color(),
         )
+        for r in ok:
+            # the search's unproven gap: a plan up to this much faster may exist
+            if r.optimality_gap > 0:
+                throughput.annotate(
+                    f"gap {r.optimality_gap:.0%}",
+                    xy=(r.num_devices, r.tokens_per_s),
+                    xytext=(0, 6),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color=line.get_color(),
+                    ha="center",
+                )
+            if result.shown_efficiency(r) is None:
+                efficiency.annotate(
+                    ">100%?",
+                    xy=(r.num_devices, 100.0),
+                    fontsize=7,
+                    color=line.get_color(),
+                    ha="center",
+                )
         for row in rows:
             if not row.fits:
                 for ax in (throughput, efficiency):

@@ -103,6 +103,11 @@ class WhatIfRow:
         }
 
 
+# A scaling efficiency above 100% is shown only against a baseline plan proven within this
+# fraction of the best in its space (`WhatIfResult.shown_efficiency`).
+PROVEN_FOR_SUPERLINEAR = 0.01
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WhatIfResult:
     """Every (cluster type, device count) row of one what-if."""
@@ -117,6 +122,31 @@ class WhatIfResult:
     rows: tuple[WhatIfRow, ...]
     total_time_s: float
     total_budget_s: float | None = None  # the cap the searches ran under (None: none)
+
+    def baseline_of(self, row: WhatIfRow) -> WhatIfRow | None:
+        """The row ``row``'s scaling efficiency is measured against (None: none)."""
+        return next(
+            (
+                other
+                for other in self.rows
+                if other.cluster == row.cluster
+                and other.num_devices == row.scaling_baseline_devices
+            ),
+            None,
+        )
+
+    def shown_efficiency(self, row: WhatIfRow) -> float | None:
+        """The row's scaling efficiency as the table and the plot show it: None (not shown)
+        when it is above 100% and the baseline's plan is not proven within
+        `PROVEN_FOR_SUPERLINEAR` of the best in its space: the baseline's unproven gap, not
+        the hardware, may be what the extra devices "gain"."""
+        efficiency = row.scaling_efficiency
+        if efficiency is None or efficiency <= 1.0:
+            return efficiency
+        baseline = self.baseline_of(row)
+        if baseline is None or baseline.optimality_gap > PROVEN_FOR_SUPERLINEAR:
+            return None
+        return efficiency
 
     @property
     def not_run(self) -> int:

@@ -35,6 +35,7 @@ from autoplan.analysis.whatif import (
     split_cluster_specs,
     whatif,
 )
+from autoplan.analysis.whatif_results import PROVEN_FOR_SUPERLINEAR
 from autoplan.cli.common import (
     budget_s,
     console,
@@ -47,6 +48,7 @@ from autoplan.cli.common import (
     trace_spec,
 )
 from autoplan.cli.progress import status_reporter
+from autoplan.contract.plan import Plan
 from cost_model.errors import SchemaError
 from cost_model.messages import shown as shown_value
 from cost_model.schema import check_writable
@@ -315,13 +317,49 @@ def _amount(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _efficiency_cell(result: WhatIfResult, row: WhatIfRow) -> str:
+    shown = result.shown_efficiency(row)
+    if shown is None:
+        return "-" if row.scaling_efficiency is None else ">100%?"
+    return f"{shown:.0%}"
+
+
 def scaling_note(result: WhatIfResult) -> str:
-    """Why a scaling efficiency exceeds 100%, when one does ("" otherwise)."""
-    if not any((row.scaling_efficiency or 0.0) > 1.0 for row in result.rows):
-        return ""
+    """Why a scaling efficiency exceeds 100%, when one does ("" otherwise): against an
+    unproven baseline it is not shown (">100%?"); against a proven one, the plan shape that
+    gains."""
+    notes = []
+    for row in result.rows:
+        if (row.scaling_efficiency or 0.0) <= 1.0 or row.plan is None:
+            continue
+        baseline = result.baseline_of(row)
+        if baseline is None or baseline.plan is None:
+            continue
+        if result.shown_efficiency(row) is None:
+            notes.append(
+                f"{row.num_devices:,} {row.cluster}: {row.scaling_efficiency:.0%} against the "
+                f"{baseline.num_devices:,}-device plan, which is not proven within "
+                f"{PROVEN_FOR_SUPERLINEAR:.0%} (gap {baseline.optimality_gap:.1%}): shown as "
+                "'>100%?'; a larger --budget proves more"
+            )
+        else:
+            notes.append(
+                f"{row.num_devices:,} {row.cluster}: {row.scaling_efficiency:.0%}, its plan "
+                f"({plan_shape(row.plan)}) beside the {baseline.num_devices:,}-device one "
+                f"({plan_shape(baseline.plan)}): more memory per device buys a faster shape"
+            )
+    return "".join(f"\n{note}" for note in notes)
+
+
+def plan_shape(plan: Plan) -> str:
+    """A plan's shape in one phrase: its degrees, micro-batching, ZeRO and recompute."""
+    recompute = "+".join(sorted({stage.recompute for stage in plan.stages}))
     return (
-        "; above 100%: more devices leave each one more memory for a faster plan (less "
-        "recompute, less sharding) than the smallest size could fit"
+        f"tp{plan.tp_degree} pp{plan.pp_degree} dp{plan.dp_degree}"
+        + (f" cp{plan.cp_degree}" if plan.cp_degree > 1 else "")
+        + (f" ep{plan.ep_degree}" if plan.ep_degree > 1 else "")
+        + f" mb{plan.micro_batch_size}x{plan.num_micro_batches} ZeRO-{plan.zero_stage}"
+        f" recompute {recompute}"
     )
 
 
@@ -381,7 +419,7 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
                 f"{row.tokens_per_s:,.0f}",
                 f"{row.mfu:.1%}",
                 f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
-                f"{row.scaling_efficiency:.0%}" if row.scaling_efficiency is not None else "-",
+                _efficiency_cell(result, row),
                 f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
             )
         tables.append(table)
