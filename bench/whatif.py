@@ -1,8 +1,9 @@
 """What-if for GPT-3 175B on 64 to 8192 A100 80GB GPUs (global batch 1536, 300B tokens), and
 published hybrid layouts estimated by autoplan next to autoplan's best plan for the same cluster.
 
-Target (issues 7, 15): the what-if over the 8 sizes finishes in <= 10 s on this machine, no
-size over 3 s; each size's proven optimality gap is printed. The model is traced once before
+Target (issues 7, 15, 40): with the CLI's default settings the what-if over the 8 sizes
+finishes in <= 10 s on this machine, no size over 3 s, each size's proven optimality gap
+<= 2% (printed). The model is traced once before
 (a few seconds, see bench/trace.py) and timed separately, as is the one-time import of torch's
 pipelining package (bench/search.py does the same; the what-if's worker processes load it when
 they start, inside the total). Exits non-zero when the target is missed.
@@ -44,7 +45,7 @@ from autoplan.analysis.explain import describe_plan
 from autoplan.analysis.whatif import whatif
 from autoplan.cli.whatif_cmd import whatif_table
 from autoplan.contract.plan import Plan
-from autoplan.planner.search import search_plans
+from autoplan.planner.search import DEFAULT_BUDGET_S, search_plans
 from cost_model.hardware import Cluster
 
 MODEL = "gpt3-175b"
@@ -53,8 +54,11 @@ SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 GLOBAL_BATCH = 1536
 TOKENS = 300e9  # GPT-3's training tokens (Brown et al. 2020, section 2.2)
 TARGET_S = 10.0
-# Each size's search visits for at most this long, then returns its best with the proven gap.
-BUDGET_PER_SIZE_S = 1.0
+TARGET_SIZE_S = 3.0
+TARGET_GAP = 0.02
+# Each size's search budget: the CLI's default (issue 40: the target holds at the defaults a
+# user gets), reference seconds of deterministic work; then it returns its best with the gap.
+BUDGET_PER_SIZE_S = DEFAULT_BUDGET_S
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,10 +153,13 @@ def main() -> int:
         f"{r.num_devices}: {r.search_time_s:.1f} s (gap {r.optimality_gap:.1%})"
         for r in result.rows
     )
-    ok = elapsed <= TARGET_S
+    slowest = max(r.search_time_s for r in result.rows)
+    widest = max(r.optimality_gap for r in result.rows)
+    ok = elapsed <= TARGET_S and slowest <= TARGET_SIZE_S and widest <= TARGET_GAP
     console.print(
-        f"what-if over {len(SIZES)} sizes: {elapsed:.1f} s (target <= {TARGET_S:.0f} s: "
-        f"{'met' if ok else 'MISSED'}); per size {per_size}"
+        f"what-if over {len(SIZES)} sizes: {elapsed:.1f} s, slowest size {slowest:.1f} s, widest "
+        f"gap {widest:.1%} (targets <= {TARGET_S:.0f} s, <= {TARGET_SIZE_S:.0f} s, <= "
+        f"{TARGET_GAP:.0%}: {'met' if ok else 'MISSED'}); per size {per_size}"
     )
     if args.plot:
         from autoplan.analysis.plots import save_figure, whatif_figure
