@@ -317,6 +317,9 @@ def search(
     unvalidated features, then more memory headroom. ``memory_headroom``: the share of each
     device every plan leaves free beyond the upper end of its peak's range (a fraction in
     [0, 0.9), default 0.1; docs/guide.md, "Memory headroom"); each plan records it.
+    ``budget_s``: reference seconds of deterministic work the search may spend (the same plan
+    on every machine; None: until proven), ``time_limit_s`` those of one solve (docs/guide.md,
+    "The same answer every time"). Ctrl-C returns the best plan found so far.
     """
     result = search_plans(
         profile_of(model_or_graph),
