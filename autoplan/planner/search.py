@@ -553,20 +553,14 @@ def _bound(run: _Run) -> None:
     if run.budget_s is None:
         return  # (every candidate is visited anyway: no need to hold them all costed)
     end = work.spent_s + _BOUND_SHARE * work.left_s()
+    cutoff = incumbents.cutoff()
     kept = [
         (c.time_lower_bound_s * incumbents.least_factor(c), order, c) for _, order, c in run.seeded
     ]
-    while not work.exhausted(end):
-        entry = run.frontier.pop(incumbents.cutoff())
-        if entry is None:
-            break
-        order, candidate = entry
-        bound = candidate.time_lower_bound_s * incumbents.least_factor(candidate)
-        if bound >= incumbents.cutoff():
-            stats.pruned_bound += 1
-            continue
-        kept.append((bound, order, candidate))
-    kept.sort(key=lambda item: (item[0], item[1]))
+    kept += run.frontier.bound_all(incumbents.least_of, cutoff, lambda: work.exhausted(end))
+    pruned = [item for item in kept if item[0] >= cutoff]
+    stats.pruned_bound += len(pruned)
+    kept = sorted((item for item in kept if item[0] < cutoff), key=lambda item: item[:2])
     run.seeded[:] = kept
 
 
@@ -729,6 +723,54 @@ class _Frontier:
             return None
         _, index, candidate = heapq.heappop(ready)
         return index, candidate
+
+    def bound_all(
+        self,
+        least: Callable[[Strategy, tuple[Recompute, ...]], float],
+        cutoff: float,
+        stop: Callable[[], bool],
+    ) -> list[tuple[float, int, Candidate]]:
+        """Every choice costed, with its proven bound on the objective (its step bound times
+        ``least``, its least objective factor): those costed already, then the others, lowest
+        floor on the objective first, until ``stop()`` (the least floor left then bounds them
+        all, and the gap shrinks fastest); choices whose floor reaches ``cutoff`` are dropped
+        uncosted. What is not costed stays, in the visiting order."""
+        out = [
+            (c.time_lower_bound_s * least(c.strategy, tuple(c.by_mode)), i, c)
+            for _, i, c in self._ready
+        ]
+        self._ready = []
+        by_floor = sorted(
+            ((e.time_floor_s * least(e.strategy, e.modes), e) for e in self._pending),
+            key=lambda item: (item[0], item[1].index),
+        )
+        done = 0
+        for floor, entry in by_floor:
+            if floor >= cutoff:
+                self._stats.pruned_bound += len(by_floor) - done
+                done = len(by_floor)
+                break
+            if stop():
+                break
+            done += 1
+            self._work.charge(COST_S)
+            t0 = time.perf_counter()
+            candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
+            self._stats.costs_s += time.perf_counter() - t0
+            if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
+                self._stats.pruned_memory += 1
+                self._infeasible.append(entry.strategy)
+                continue
+            out.append(
+                (
+                    candidate.time_lower_bound_s * least(entry.strategy, entry.modes),
+                    entry.index,
+                    candidate,
+                )
+            )
+        rest = [entry for _, entry in by_floor[done:]]
+        self._pending = sorted(rest, key=lambda e: (e.order_floor_s, e.index), reverse=True)
+        return out
 
     def floors(
         self, least: Callable[[Strategy, tuple[Recompute, ...]], float] | None = None
