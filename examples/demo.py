@@ -93,13 +93,14 @@ def main(num_processes: int = NUM_PROCESSES) -> None:
         global_batch=1536,
         tokens=300e9,
         price_per_device_hour=2.0,
-        # each size's search returns its best after this many seconds, with its proven gap
+        # each size's search returns its best after this many reference seconds of work (the
+        # same plan on any machine), with its proven gap
         budget_s=5.0,
     )
     console.print(whatif_table(result))
     note = scaling_note(result)
     if note:
-        console.print("scaling efficiency" + note.removeprefix(";"))
+        console.print("scaling efficiency above 100%:" + note)
     plot = save_figure(whatif_figure(result), OUT / "whatif.png")
     console.print(f"throughput and scaling plot: {plot}")
     # A Megatron-style layout for comparison, and a picture of one step of its pipeline.
