@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
-from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROUND_PATH_S, Work, actions
+from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROW_S, Work, actions
 from cost_model.schedules import (
     CriticalPath,
     ScheduleSpec,
@@ -101,8 +101,6 @@ def _kelley(
     cost = 0.0  # reference seconds
 
     def add(path: CriticalPath) -> None:
-        nonlocal cost
-        cost += LP_ROUND_PATH_S * sum(path.slots.values())
         expr = 0.0
         for slot, count in path.slots.items():
             s, kind = divmod(slot, 4)
@@ -121,7 +119,7 @@ def _kelley(
     solver.Minimize(z)
     bound = 0.0
     for _ in range(_MAX_ITERATIONS):
-        cost += LP_ROUND_BASE_S + actions(spec) * ACTION_S
+        cost += LP_ROUND_BASE_S + LP_ROW_S * solver.NumConstraints() + actions(spec) * ACTION_S
         if solver.Solve() != pywraplp.Solver.OPTIMAL:
             break
         value = z.solution_value()

@@ -27,8 +27,10 @@ ENUMERATE_S = 25e-6  # one outer choice enumerated: its stack check, memory boun
 COST_S = 250e-6  # one outer choice costed (`candidates.costed_candidate`)
 PROBLEM_STAGE_S = 10e-6  # one stage of a partition problem built (`partition_problem`)
 ACTION_S = 1e-6  # one action of a simulated schedule (`cost_model.schedules.simulate`)
-LP_ROUND_BASE_S = 1e-3  # one round of a Kelley LP (`bounds.pipeline_factor`), plus:
-LP_ROUND_PATH_S = 2e-6  # per action of each path the round adds
+# One round of a Kelley LP (`bounds.pipeline_factor`): GLOP's solve, per constraint row of the
+# LP at that round (20-36 us measured on interleaved 1F1B, p 4-16, v 3-8, m 16-96), plus:
+LP_ROW_S = 30e-6
+LP_ROUND_BASE_S = 1e-3
 # One unit of CP-SAT's deterministic time (`CpSolver.deterministic_time`) took 0.7-1.4 s of
 # wall time on the partition models of gpt3-175b.
 CPSAT_UNIT_S = 1.0
