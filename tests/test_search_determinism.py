@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # A search its budget cuts short (candidates left unvisited, CP-SAT solves run): every
@@ -56,8 +54,9 @@ def _spin() -> None:
         pass
 
 
-@pytest.mark.slow
 def test_the_same_search_answers_the_same_on_a_busy_machine() -> None:
+    # (not marked slow: one process at a time, and the serial group of multi-process tests is
+    # the suite's critical path)
     idle = _search()
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(2)]
     for spinner in spinners:

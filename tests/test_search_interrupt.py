@@ -13,7 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_ctrl_c_prints_the_best_plan_so_far_and_exits_130() -> None:
     # --budget 0: until proven, far longer than the test waits; the piped status line (every
     # 10 s) says when a plan is held
