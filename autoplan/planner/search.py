@@ -1,21 +1,29 @@
 """`autoplan.search`: the fastest plan that fits, under the cost model.
 
-Expects a traced model (or a module to trace), a Cluster and a global batch. Three phases:
+Expects a traced model (or a module to trace), a Cluster and a global batch. Four phases:
 
 1. Outer enumeration (`space.strategies`) of degrees, micro-batching, schedule, ZeRO level,
    sequence parallelism and rank layout. A memory bound drops what cannot fit; the rest get
    their per-unit costs and proven lower bounds on the simulated step (the busiest rank's work
-   and tail, `cost_model.schedules.pipeline_lower_bound_s`, communication, the memory the
+   and tail, `cost_model.schedules.pipeline_lower_bound_s`, whole units per rank with each
+   rank's fill, drain and tail, `bounds.whole_unit_bound`, communication, the memory the
    recompute modes must buy back) and are ordered by an even-split estimate with
    communication, ``max(m, p) T + (min(m, p) - 1) T / v`` plus the tail, with the recompute
    an even cut needs to fit (order only, not a bound).
 2. The first few get a heuristic partition (`partition.heuristic`: even splits and local
    search on the simulation): a strong incumbent before any proof.
-3. Visit in order: skip a candidate when a proven bound cannot beat the k-th best (for several
-   stages per rank also `bounds.pipeline_factor`, from the schedule's own paths); else a
-   CP-SAT model (`partition.solve`) chooses the stage cuts and per-stage recompute that
-   minimise the simulated step of the schedule torch runs (lazy longest-path cuts), with the
-   k-th best as cutoff.
+3. With a budget, the bound phase costs the rest, lowest floor first, for their proven bounds.
+4. Visit best bound first (then the rest in order): skip a candidate when a proven bound cannot
+   beat the k-th best (for several stages per rank also `bounds.pipeline_factor`, from the
+   schedule's own paths); else a CP-SAT model (`partition.solve`) chooses the stage cuts and
+   per-stage recompute that minimise the simulated step of the schedule torch runs (lazy
+   longest-path cuts), with the k-th best as cutoff.
+
+The budget counts deterministic work (`planner.work`, reference seconds charged by each step's
+size, CP-SAT's deterministic time with one worker and a fixed seed), never a clock: the same
+question gets the same plans and statistics on every machine, unless the wall-clock cap
+(`SearchStats.wall_capped`) cuts it. Ctrl-C returns the best plans so far
+(`SearchStats.interrupted`).
 
 Exactness: the objective is the simulated step of the schedule torch runs, never a closed
 form. Candidates are skipped only by proven lower bounds, and each partition solve stops within
