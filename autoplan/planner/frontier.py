@@ -101,19 +101,25 @@ class Frontier:
             if entry.time_floor_s >= cutoff:
                 self._stats.pruned_bound += 1
                 continue
-            t0 = time.perf_counter()
-            self._work.charge(COST_S)
-            candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
-            self._stats.costs_s += time.perf_counter() - t0
-            if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
-                self._stats.pruned_memory += 1
-                self._infeasible.append(entry.strategy)
-                continue
-            heapq.heappush(ready, (candidate.order_key_s, entry.index, candidate))
+            candidate = self._costed(entry)
+            if candidate is not None:
+                heapq.heappush(ready, (candidate.order_key_s, entry.index, candidate))
         if not ready:
             return None
         _, index, candidate = heapq.heappop(ready)
         return index, candidate
+
+    def _costed(self, entry: Pending) -> Candidate | None:
+        """``entry`` costed (its work charged), or None when its memory bound cannot fit."""
+        self._work.charge(COST_S)
+        t0 = time.perf_counter()
+        candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
+        self._stats.costs_s += time.perf_counter() - t0
+        if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
+            self._stats.pruned_memory += 1
+            self._infeasible.append(entry.strategy)
+            return None
+        return candidate
 
     def bound_all(
         self,
@@ -144,13 +150,8 @@ class Frontier:
             if stop():
                 break
             done += 1
-            self._work.charge(COST_S)
-            t0 = time.perf_counter()
-            candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
-            self._stats.costs_s += time.perf_counter() - t0
-            if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
-                self._stats.pruned_memory += 1
-                self._infeasible.append(entry.strategy)
+            candidate = self._costed(entry)
+            if candidate is None:
                 continue
             out.append(
                 (
