@@ -499,7 +499,7 @@ def test_superlinear_scaling_shows_only_against_a_proven_baseline(sweep: WhatIfR
     be what the extra devices "gain"): then the note names the shapes."""
     import dataclasses
 
-    from autoplan.cli.whatif_cmd import _efficiency_cell, scaling_note
+    from autoplan.cli.whatif_cmd import _efficiency_cell, plan_label, scaling_note
 
     label = sweep.clusters[0]
     rows = [r for r in sweep.rows_of(label) if r.fits]
@@ -524,4 +524,6 @@ def test_superlinear_scaling_shows_only_against_a_proven_baseline(sweep: WhatIfR
     assert proven.shown_efficiency(row) == 1.2
     assert _efficiency_cell(proven, row) == "120%"
     note = scaling_note(proven)
-    assert "120%, its plan (tp" in note and "buys a faster shape" in note
+    assert row.plan is not None and base.plan is not None
+    assert f"120%, its plan ({plan_label(row.plan)}) beside" in note
+    assert f"({plan_label(base.plan)}): more memory" in note and "buys a faster shape" in note

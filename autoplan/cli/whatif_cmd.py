@@ -300,6 +300,12 @@ def _plan_cell(row: WhatIfRow) -> str:
         return "not run (the total budget ran out)"
     if plan is None:
         return f"no plan: {row.reason}"
+    return plan_label(plan)
+
+
+def plan_label(plan: Plan) -> str:
+    """A plan in one phrase, as the table's plan column shows it: its degrees,
+    micro-batching, schedule, ZeRO level, recompute and sequence parallelism."""
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
     extra = (f" c{plan.cp_degree}" if plan.cp_degree > 1 else "") + (
         f" e{plan.ep_degree}" if plan.ep_degree > 1 else ""
@@ -345,22 +351,10 @@ def scaling_note(result: WhatIfResult) -> str:
         else:
             notes.append(
                 f"{row.num_devices:,} {row.cluster}: {row.scaling_efficiency:.0%}, its plan "
-                f"({plan_shape(row.plan)}) beside the {baseline.num_devices:,}-device one "
-                f"({plan_shape(baseline.plan)}): more memory per device buys a faster shape"
+                f"({plan_label(row.plan)}) beside the {baseline.num_devices:,}-device one "
+                f"({plan_label(baseline.plan)}): more memory per device buys a faster shape"
             )
     return "".join(f"\n{note}" for note in notes)
-
-
-def plan_shape(plan: Plan) -> str:
-    """A plan's shape in one phrase: its degrees, micro-batching, ZeRO and recompute."""
-    recompute = "+".join(sorted({stage.recompute for stage in plan.stages}))
-    return (
-        f"tp{plan.tp_degree} pp{plan.pp_degree} dp{plan.dp_degree}"
-        + (f" cp{plan.cp_degree}" if plan.cp_degree > 1 else "")
-        + (f" ep{plan.ep_degree}" if plan.ep_degree > 1 else "")
-        + f" mb{plan.micro_batch_size}x{plan.num_micro_batches} ZeRO-{plan.zero_stage}"
-        f" recompute {recompute}"
-    )
 
 
 def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:

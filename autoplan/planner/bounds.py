@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
-from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROW_S, Work, actions
+from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROW_S, Work
 from cost_model.schedules import (
     CriticalPath,
     ScheduleSpec,
@@ -122,7 +122,7 @@ def _kelley(
     solver.Minimize(z)
     bound = 0.0
     for _ in range(_MAX_ITERATIONS):
-        cost += LP_ROUND_BASE_S + LP_ROW_S * solver.NumConstraints() + actions(spec) * ACTION_S
+        cost += LP_ROUND_BASE_S + LP_ROW_S * solver.NumConstraints() + spec.num_actions * ACTION_S
         if solver.Solve() != pywraplp.Solver.OPTIMAL:
             break
         value = z.solution_value()
@@ -152,13 +152,11 @@ def _kelley(
 @dataclass(frozen=True, slots=True)
 class UnitFloor:
     """One unit's least per-micro-batch times over the recompute modes a plan may use, each
-    taken on its own (so every plan's unit takes at least each): its forward, its backward,
-    the backward's input-gradient part (what a split backward's gradient chain waits for), and
+    taken on its own (so every plan's unit takes at least each): its forward, its backward and
     its shares of the two linear rank-tail terms (`cost_model.stage_terms.rank_tail_terms`)."""
 
     forward_s: float
     backward_s: float
-    input_s: float
     tail_s: tuple[float, float]
 
 

@@ -264,7 +264,8 @@ class BoundTables:
         spec = strategy.schedule_spec
         time_floor = pipeline_lower_bound_s(spec, compute_work, compute_largest) + fixed
         if key in self._floor_units and p > 1:
-            # whole units per rank (`bounds.whole_unit_bound`), from compute alone
+            # whole units per rank (`bounds.whole_unit_bound`), from compute alone (no tails:
+            # the virtual stages, which only move rank 0's tail, need not be in the key)
             shape = (key, p, m, spec.splits_backward, spec.placement)
             whole = self._whole_units.get(shape)
             if whole is None:
@@ -392,7 +393,6 @@ def _compute_floor(costs: Sequence[UnitCost]) -> UnitFloor:
     return UnitFloor(
         forward_s=min(c.forward_compute_s for c in costs),
         backward_s=min(c.backward_compute_s + c.recompute_s for c in costs),
-        input_s=0.0,
         tail_s=(0.0, 0.0),
     )
 
@@ -403,7 +403,6 @@ def unit_floor(costs: Sequence[UnitCost], overlap: float) -> UnitFloor:
     return UnitFloor(
         forward_s=min(c.forward_s for c in costs),
         backward_s=min(c.backward_s for c in costs),
-        input_s=min(c.backward_s - c.weight_s for c in costs),
         tail_s=(min(t[0] for t in tails), min(t[1] for t in tails)),
     )
 

@@ -63,6 +63,11 @@ class Incumbents:
     def least_factor(self, candidate: Candidate) -> float:
         return self.least_of(candidate.strategy, tuple(candidate.by_mode))
 
+    def least_bound(self, candidate: Candidate) -> float:
+        """A proven lower bound on the objective of any partition of ``candidate``: its step
+        bound times its least factor."""
+        return candidate.time_lower_bound_s * self.least_factor(candidate)
+
     def cutoff(self) -> float:
         """The objective a candidate must beat, widened by the tie band: a plan within it of
         the best is still visited, for the ties."""

@@ -421,10 +421,9 @@ class _Run:
     def left_unproven(self) -> list[float]:
         """The bounds (on the objective) of every candidate not finished: the one in hand,
         the seeded ones not visited yet and the frontier's."""
-        least = self.incumbents.least_factor
         return (
             ([] if self.current is None else [self.current])
-            + [c.time_lower_bound_s * least(c) for _, _, c in self.seeded]
+            + [self.incumbents.least_bound(c) for _, _, c in self.seeded]
             + self.frontier.floors(self.incumbents.least_of)
         )
 
@@ -486,7 +485,7 @@ def _seed(run: _Run) -> None:
         if entry is None:
             break
         order, candidate = entry
-        run.current = candidate.time_lower_bound_s * incumbents.least_factor(candidate)
+        run.current = incumbents.least_bound(candidate)
         problem = run.problems[order] = run.problem(candidate)
         only = run.own_cuts.only
         run.splits[order] = (
@@ -515,25 +514,21 @@ def _seed(run: _Run) -> None:
 
 
 def _bound(run: _Run) -> None:
-    """Phase 3: cost the frontier's candidates (in visiting order, those whose floor can beat
-    the k-th best) for their proven bounds, within its share of the budget, and keep those
-    whose bound can beat it too, with the seeded ones, best bound first: the visit solves
-    them in that order (the best-bound rule: each solve may raise the proven bound the most),
-    and if the budget ends first the gap reads their costed bounds, not the weaker floors of
-    candidates never costed."""
+    """Phase 3: cost the frontier's candidates (lowest floor first, those whose floor can beat
+    the k-th best: `Frontier.bound_all`) for their proven bounds, within its share of the
+    budget, and keep those whose bound can beat it too, with the seeded ones, best bound
+    first: the visit solves them in that order (the best-bound rule: each solve may raise the
+    proven bound the most), and if the budget ends first the gap reads their costed bounds,
+    not the weaker floors of candidates never costed."""
     incumbents, work, stats = run.incumbents, run.work, run.stats
     if run.budget_s is None:
         return  # (every candidate is visited anyway: no need to hold them all costed)
     end = work.spent_s + _BOUND_SHARE * work.left_s()
     cutoff = incumbents.cutoff()
-    kept = [
-        (c.time_lower_bound_s * incumbents.least_factor(c), order, c) for _, order, c in run.seeded
-    ]
+    kept = [(incumbents.least_bound(c), order, c) for _, order, c in run.seeded]
     kept += run.frontier.bound_all(incumbents.least_of, cutoff, lambda: work.exhausted(end))
-    pruned = [item for item in kept if item[0] >= cutoff]
-    stats.pruned_bound += len(pruned)
-    kept = sorted((item for item in kept if item[0] < cutoff), key=lambda item: item[:2])
-    run.seeded[:] = kept
+    stats.pruned_bound += sum(bound >= cutoff for bound, _, _ in kept)
+    run.seeded[:] = sorted((item for item in kept if item[0] < cutoff), key=lambda item: item[:2])
 
 
 def _visit(run: _Run) -> None:

@@ -40,13 +40,6 @@ CPSAT_VARIABLE_S = 20e-6  # building a CP-SAT model, per variable
 WALL_CAP_FACTOR = 10.0
 
 
-def actions(spec: ScheduleSpec) -> int:
-    """The actions of one simulation of ``spec``: each stage's forward and backward (and its
-    weight gradient under a split backward) of every micro-batch."""
-    per = 3 if spec.splits_backward else 2
-    return spec.num_stages * spec.num_micro_batches * per
-
-
 class Work:
     """The work a search has done and may do (see the module docstring).
 
@@ -58,7 +51,6 @@ class Work:
         self.budget_s = math.inf if budget_s is None else budget_s
         if wall_cap_s is None:
             wall_cap_s = WALL_CAP_FACTOR * self.budget_s + 1.0
-        self.wall_cap_s = wall_cap_s
         self._wall_end = time.perf_counter() + wall_cap_s
         self.spent_s = 0.0
         self.capped = False  # the wall-clock cap stopped it
@@ -69,7 +61,7 @@ class Work:
 
     def simulation(self, spec: ScheduleSpec, count: int = 1) -> None:
         """Count ``count`` simulations of ``spec``."""
-        self.spent_s += count * actions(spec) * ACTION_S
+        self.spent_s += count * spec.num_actions * ACTION_S
 
     def left_s(self) -> float:
         """Reference seconds left (inf without a budget; 0 once capped)."""

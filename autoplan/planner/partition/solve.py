@@ -197,9 +197,9 @@ def _seeded_model(
     return _Seeded(built, seen, best)
 
 
-def _round_solver(work_s: float, wall_s: float, num_workers: int) -> cp_model.CpSolver:
-    """A CP-SAT solver for one round of `solve`: at most ``work_s`` reference seconds of its
-    deterministic time, and ``wall_s`` wall seconds (the cap)."""
+def _deterministic_solver(work_s: float, wall_s: float, num_workers: int) -> cp_model.CpSolver:
+    """A CP-SAT solver of at most ``work_s`` reference seconds of its deterministic time, and
+    ``wall_s`` wall seconds (the cap)."""
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
@@ -209,6 +209,12 @@ def _round_solver(work_s: float, wall_s: float, num_workers: int) -> cp_model.Cp
     solver.parameters.max_time_in_seconds = wall_s
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = 0
+    return solver
+
+
+def _round_solver(work_s: float, wall_s: float, num_workers: int) -> cp_model.CpSolver:
+    """A CP-SAT solver for one round of `solve` (`_deterministic_solver`)."""
+    solver = _deterministic_solver(work_s, wall_s, num_workers)
     # Full LP relaxation: the max() terms and memory knapsacks need its bound to prove
     # that a candidate cannot beat the cutoff.
     solver.parameters.linearization_level = 2
@@ -365,7 +371,7 @@ def min_peak_memory(
     built = _peak_model(problem, model)
     from ortools.sat.python import cp_model
 
-    solver = _round_solver(time_limit_s, WALL_CAP_FACTOR * time_limit_s + 1.0, 1)
+    solver = _deterministic_solver(time_limit_s, WALL_CAP_FACTOR * time_limit_s + 1.0, 1)
     with _CtrlC.stoppable(solver):
         status = solver.solve(built.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
