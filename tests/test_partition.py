@@ -29,6 +29,7 @@ from autoplan.planner.partition import (
     solve,
     stage_times,
 )
+from autoplan.planner.partition.relaxation import lp_bound
 from autoplan.planner.readback import plan_of
 from autoplan.planner.search import search_plans
 from autoplan.planner.space import SearchSpace, recompute_modes, strategies
@@ -397,3 +398,22 @@ def test_the_linear_tail_terms_make_the_rank_tail(sync_s: float) -> None:
         sums = [sum(term) for term in terms]
         expected = rank_tail_s(rank_units, overlap)
         assert tail_of_terms(sums) == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lp_bound_is_below_the_optimum(seed: int) -> None:
+    """`relaxation.lp_bound` (counts and modes relaxed, the schedule's paths as cuts, each
+    rank's memory at its peak points) never exceeds the brute-force optimum, and says inf only
+    when nothing fits: with the capacity below the least peak any partition needs."""
+    problem = random_problem(2000 + seed, uniform=True)
+    if problem.num_stages == 1:
+        pytest.skip("one stage: nothing to relax")
+    expected = brute_force(problem)
+    assert expected is not None
+    bound = lp_bound(problem)
+    assert bound <= expected.step_time_s * (1 + 1e-9)
+    # a bound, not a constant: at least every rank's own work (its full order) or close to it
+    assert bound > 0.5 * expected.step_time_s, (bound, expected.step_time_s)
+    tight = replace(problem, memory_capacity_bytes=problem.memory_capacity_bytes * 0.5)
+    if brute_force(tight) is not None:
+        assert lp_bound(tight) <= brute_force(tight).step_time_s * (1 + 1e-9)  # type: ignore[union-attr]

@@ -18,12 +18,13 @@ import pytest
 
 from autoplan.contract.errors import NoFeasiblePlanError, PlanError
 from autoplan.contract.plan import Plan, StagePlan
+from autoplan.planner.bounds import RecomputeCurve
 from autoplan.planner.candidates import (
     BoundTables,
-    RecomputeCurve,
     boundary_crossings,
     costed_candidate,
     partition_problem,
+    refined_candidate,
 )
 from autoplan.planner.partition import brute_force, evaluate
 from autoplan.planner.search import SearchStats, _Frontier, _Pending, search_plans
@@ -334,7 +335,7 @@ def test_the_costed_bound_is_below_the_optimum() -> None:
     `bounds.whole_unit_bound`) never exceeds the best simulated step of any partition that
     fits, found by brute force, over random cases; and it is above the fractional bounds
     somewhere (it matters)."""
-    checked = raised = 0
+    checked = raised = refined_raised = 0
     for seed in range(10):
         profile, cluster, global_batch, constraints = _random_case(seed)
         space = SearchSpace.from_constraints(**constraints)
@@ -347,7 +348,8 @@ def test_the_costed_bound_is_below_the_optimum() -> None:
             candidate = costed_candidate(strategy, modes, cache)
             if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
                 continue
-            best = brute_force(partition_problem(candidate, cache.model))
+            problem = partition_problem(candidate, cache.model)
+            best = brute_force(problem)
             if best is None:
                 continue
             assert candidate.time_lower_bound_s <= best.step_time_s * (1 + 1e-9), strategy
@@ -357,7 +359,20 @@ def test_the_costed_bound_is_below_the_optimum() -> None:
                 + candidate.fixed_s
             )
             raised += candidate.time_lower_bound_s > fractional * 1.01
+            # with each rank's memory (`bounds.memory_unit_bound`): the step, and the units'
+            # work summed over the stages, of the best fitting partition
+            refined = refined_candidate(candidate, cache, Work(None))
+            assert refined.time_lower_bound_s <= best.step_time_s * (1 + 1e-9), strategy
+            units = best.stage_units(problem.num_units)
+            work = sum(
+                candidate.by_mode[mode][u].forward_s + candidate.by_mode[mode][u].backward_s
+                for mode, stage in zip(best.modes, units, strict=True)
+                for u in stage
+            )
+            assert refined.work_s <= work * (1 + 1e-9), strategy
+            refined_raised += refined.time_lower_bound_s > candidate.time_lower_bound_s * 1.01
     assert checked >= 20 and raised >= 5, (checked, raised)
+    assert refined_raised >= 1, refined_raised
 
 
 @pytest.mark.parametrize("seed", range(6))

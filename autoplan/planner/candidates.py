@@ -17,10 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.contract.plan import Recompute
-from autoplan.planner.bounds import UnitFloor, pipeline_factor, share_range, whole_unit_bound
+from autoplan.planner.bounds import (
+    RecomputeCurve,
+    UnitFloor,
+    UnitModes,
+    memory_unit_bound,
+    pipeline_factor,
+    share_range,
+    whole_unit_bound,
+)
 from autoplan.planner.partition import ModeCosts, PartitionProblem
 from autoplan.planner.strategy_keys import ACTIVATION_KEY, FLOOR_KEY, PARAMS_KEY, STATE_KEY
-from autoplan.planner.work import Work
+from autoplan.planner.work import RANK_CURVE_S, REFINE_S, Work
 from cost_model.estimate import (
     CostModel,
     MemoryConstants,
@@ -50,6 +58,7 @@ class Candidate:
     fixed_s: float  # the loop's fixed overhead per step
     forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
     weight_cells: tuple[int, int]  # the units' weight shares of their backward
+    refined: bool = False  # its bounds include each rank's memory (`refined_candidate`)
 
     def schedule_bound_s(self, work: Work | None = None) -> float:
         """A proven lower bound on the step from the schedule's own paths
@@ -387,6 +396,46 @@ def costed_candidate(
     )
 
 
+def refined_candidate(candidate: Candidate, tables: BoundTables, work: Work) -> Candidate:
+    """``candidate`` with its bounds raised by each rank's memory (`bounds.memory_unit_bound`:
+    a rank that must recompute to fit holds whole units and pays for it), its work charged;
+    itself when the units between the first and the last are not identical, or refined
+    already."""
+    if candidate.refined or tables.uniform_middle is None:
+        return candidate
+    model, strategy = tables.model, candidate.strategy
+    overlap = model.dp_overlap(strategy)
+
+    def modes(rep: int) -> UnitModes:
+        costs = [by_unit[rep] for by_unit in candidate.by_mode.values()]
+        return UnitModes(
+            modes=tuple(
+                (c.forward_s + c.backward_s, c.activation_bytes, c.retained_bytes) for c in costs
+            ),
+            static_bytes=costs[0].static_bytes,
+            floor=unit_floor(costs, overlap),
+        )
+
+    first_class, middle_class, count, last_class = tables.uniform_middle
+    first = next(iter(candidate.by_mode.values()))
+    found = memory_unit_bound(
+        strategy.schedule_spec,
+        modes(first_class),
+        modes(middle_class),
+        count,
+        modes(last_class),
+        capacity_bytes=candidate.usable_bytes,
+        send_bytes=boundary_send_bytes(first, tables.cluster.calibration),
+    )
+    work.charge(REFINE_S + found.curves * RANK_CURVE_S)
+    return replace(
+        candidate,
+        time_lower_bound_s=max(candidate.time_lower_bound_s, found.level_s + candidate.fixed_s),
+        work_s=max(candidate.work_s, found.work_s),
+        refined=True,
+    )
+
+
 def _compute_floor(costs: Sequence[UnitCost]) -> UnitFloor:
     """A unit's least compute over its costs under each recompute mode, no communication and
     no tail (what `BoundTables.floors` may count from a strategy's units alone)."""
@@ -440,54 +489,6 @@ def even_overflow(held: float, room_bytes: float, least_act_bytes: float) -> flo
     if need <= room_bytes:
         return 1.0
     return need / room_bytes if room_bytes > 0 else math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class RecomputeCurve:
-    """The least summed unit time as a function of the activation bytes the units may hold:
-    the LP relaxation of choosing a recompute mode per unit (a multiple-choice knapsack).
-    Units start at their fastest mode (``time_s``, holding ``held_bytes``) and buy bytes back
-    along the lower convex hull of their modes, cheapest seconds-per-byte first,
-    fractionally (``segments``: seconds per byte saved, bytes it can save, ascending)."""
-
-    time_s: float
-    held_bytes: float
-    segments: tuple[tuple[float, float], ...]
-
-    @classmethod
-    def of(cls, classes: list[tuple[int, list[tuple[float, float]]]]) -> RecomputeCurve:
-        """From each class of ``count`` identical units and its (bytes, time) per mode."""
-        time = 0.0
-        held = 0.0
-        segments: list[tuple[float, float]] = []
-        for count, points in classes:
-            start = min(points, key=lambda point: (point[1], point[0]))  # fastest, then smallest
-            time += count * start[1]
-            held += count * start[0]
-            current = start
-            while True:
-                cheaper = [q for q in points if q[0] < current[0]]
-                if not cheaper:
-                    break
-                nxt = min(cheaper, key=lambda q: ((q[1] - current[1]) / (current[0] - q[0]), q[0]))
-                slope = max(0.0, (nxt[1] - current[1]) / (current[0] - nxt[0]))
-                segments.append((slope, count * (current[0] - nxt[0])))
-                current = nxt
-        return cls(time, held, tuple(sorted(segments)))
-
-    def time_within(self, budget: float, *, saturate: bool = False) -> float:
-        """A lower bound on the summed unit time when their activation bytes must fit
-        ``budget``. Returns inf if even the leanest modes cannot fit (the memory bound rejects
-        such candidates anyway), or with ``saturate`` the time of the leanest modes."""
-        time = self.time_s
-        excess = self.held_bytes - budget
-        for slope, saves in self.segments:
-            if excess <= 0:
-                break
-            used = min(saves, excess)
-            time += slope * used
-            excess -= used
-        return time if saturate or excess <= 1e-9 * max(self.held_bytes, 1.0) else math.inf
 
 
 def partition_problem(candidate: Candidate, model: CostModel) -> PartitionProblem:

@@ -93,6 +93,11 @@ class Frontier:
         self._tables = tables
         self._stats, self._infeasible, self._work = stats, infeasible, work
 
+    @property
+    def tables(self) -> BoundTables:
+        """The bound tables its choices are costed with."""
+        return self._tables
+
     def pop(self, cutoff: float) -> tuple[int, Candidate] | None:
         """The next choice in order (None when none is left)."""
         pending, ready = self._pending, self._ready

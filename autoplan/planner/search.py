@@ -56,13 +56,14 @@ from typing import Any, Literal
 
 from autoplan.contract.errors import NoFeasiblePlanError
 from autoplan.contract.plan import Plan
+from autoplan.planner.bounds import RecomputeCurve
 from autoplan.planner.candidates import (
     BoundTables,
     Candidate,
-    RecomputeCurve,
     boundary_crossings,
     costed_candidate,
     partition_problem,
+    refined_candidate,
 )
 from autoplan.planner.diagnosis import no_feasible_plan
 from autoplan.planner.frontier import Frontier as _Frontier
@@ -148,6 +149,11 @@ _IMPROVE_SHARE = 0.3
 # Phase 3 (the bounds): the share of what is left of the budget after phase 2 it may spend
 # costing the frontier's candidates for their proven bounds.
 _BOUND_SHARE = 0.8
+# Of what is left after it, the share phase 3 may spend on raising the kept candidates' bounds
+# with each rank's memory (`candidates.refined_candidate`).
+_REFINE_SHARE = 0.5
+# Phase 4: the most of what is left one solve may take once a plan is known.
+_SOLVE_SHARE = 0.25
 # Outer choices enumerated between two progress reports (`SearchProgress`).
 _REPORT_EVERY = 1024
 
@@ -527,6 +533,14 @@ def _bound(run: _Run) -> None:
     cutoff = incumbents.cutoff()
     kept = [(incumbents.least_bound(c), order, c) for _, order, c in run.seeded]
     kept += run.frontier.bound_all(incumbents.least_of, cutoff, lambda: work.exhausted(end))
+    # then each rank's memory in the bounds that can still beat it, lowest first
+    end = work.spent_s + _REFINE_SHARE * work.left_s()
+    kept.sort(key=lambda item: item[:2])
+    for i, (bound, order, candidate) in enumerate(kept):
+        if bound >= cutoff or work.exhausted(end):
+            break
+        candidate = refined_candidate(candidate, run.frontier.tables, work)
+        kept[i] = (incumbents.least_bound(candidate), order, candidate)
     stats.pruned_bound += sum(bound >= cutoff for bound, _, _ in kept)
     run.seeded[:] = sorted((item for item in kept if item[0] < cutoff), key=lambda item: item[:2])
 
@@ -550,6 +564,8 @@ def _visit(run: _Run) -> None:
             order, candidate = entry
         visited += 1
         strategy = candidate.strategy
+        if not run.work.exhausted():
+            candidate = refined_candidate(candidate, run.frontier.tables, run.work)
         bound = candidate.time_lower_bound_s
         # the candidate's cutoff on its step: no partition of it beats the objective to beat
         least = incumbents.least_factor(candidate)
@@ -615,10 +631,15 @@ def _partition(
         limit = run.time_limit_s
         if run.budget_s is not None:
             # until a first plan is found the search goes on past its budget, one budget
-            # per solve at most
+            # per solve at most; after, a solve may take a share of what is left (one that
+            # cannot close its gap must not take it all from the candidates behind it)
             remaining = run.work.left_s()
             limit = max(
-                0.05, min(limit, remaining if run.incumbents else max(remaining, run.budget_s))
+                0.05,
+                min(
+                    limit,
+                    _SOLVE_SHARE * remaining if run.incumbents else max(remaining, run.budget_s),
+                ),
             )
         found, solve_stats = solve(
             problem,

@@ -31,6 +31,11 @@ ACTION_S = 1e-6  # one action of a simulated schedule (`cost_model.schedules.sim
 # LP at that round (20-36 us measured on interleaved 1F1B, p 4-16, v 3-8, m 16-96), plus:
 LP_ROW_S = 30e-6
 LP_ROUND_BASE_S = 1e-3
+# Refining a candidate's bound with each rank's memory (`candidates.refined_candidate`): per
+# peak-point curve (each evaluated at every unit count at once), plus the split's search
+# (measured on gpt3-175b on 1024 A100, 283 candidates, p 4-8, v 1-8).
+RANK_CURVE_S = 40e-6
+REFINE_S = 500e-6
 # One unit of CP-SAT's deterministic time (`CpSolver.deterministic_time`) took 0.7-1.4 s of
 # wall time on the partition models of gpt3-175b.
 CPSAT_UNIT_S = 1.0

@@ -40,10 +40,12 @@ from autoplan.planner.partition.problem import (
     SolverStatus,
     SolveStats,
     SolveStatus,
+    _uniform_middle,
     evaluate,
     rank_tails,
     stage_times,
 )
+from autoplan.planner.partition.relaxation import lp_bound
 from autoplan.planner.work import CPSAT_UNIT_S, CPSAT_VARIABLE_S, WALL_CAP_FACTOR, Work
 from cost_model.schedules import CriticalPath, critical_path, rank_paths, simulate
 
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 # Rounds of the lazy path loop before it returns its best simulated partition with a gap.
 _MAX_ROUNDS = 60
+# The most of a solve's time limit its linear relaxation may take (`relaxation.lp_bound`).
+_LP_SHARE = 0.5
 
 
 # ------------------------------------------------------------------ path cuts
@@ -250,12 +254,26 @@ def solve(
         work = Work(time_limit_s)
     stop_at = work.spent_s + time_limit_s
     spec = problem.spec
+    bound = 0.0  # proven: no partition's simulated step is below it
+    if model is None and _uniform_middle(problem):
+        # the relaxation first (`relaxation.lp_bound`): it often proves the cutoff unreachable
+        # (or memory short) at a fraction of the model's cost, and else starts the bound
+        bound = lp_bound(
+            problem,
+            cutoff_s=math.inf if cutoff_s is None else cutoff_s,
+            work=work,
+            stop_at_s=work.spent_s + _LP_SHARE * time_limit_s,
+        )
+        if bound == math.inf or (cutoff_s is not None and bound >= cutoff_s):
+            # nothing fits in memory, or nothing beats the cutoff
+            status: SolveStatus = "INFEASIBLE" if bound == math.inf else "CUTOFF"
+            stats = SolveStats(status=status, wall_time_s=0.0, num_variables=0, lower_bound_s=bound)
+            return SolveResult(None, stats)
     built, seen, best = _seeded_model(problem, model, work=work, stop_at_s=stop_at)
     # Rounding: a path sums at most (3 m + 2) stage terms of at most n rounded units each.
     slack = (3 * spec.num_micro_batches + 2) * problem.num_units // 2 + 1
     unit = built.scaled.time_unit_s
-    bound = 0.0  # proven: no partition's simulated step is below it
-    status: SolveStatus = "UNKNOWN"
+    status = "UNKNOWN"
     rounds = 0
     wall = 0.0
     from ortools.sat.python import cp_model
