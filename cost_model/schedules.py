@@ -694,7 +694,9 @@ def rank_paths(spec: ScheduleSpec) -> tuple[CriticalPath, ...]:
     return tuple(out)
 
 
-def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) -> float:
+def pipeline_lower_bound_s(
+    spec: ScheduleSpec, work_s: float, largest_s: float, chain_share: float = 0.0
+) -> float:
     """A lower bound on the simulated pipeline time (the last action's end) of ANY stage cut
     whose stages' per-micro-batch work (forward + backward, sends included) sums to ``work_s``,
     no stage doing less than ``largest_s`` of it (the largest indivisible unit).
@@ -709,10 +711,16 @@ def pipeline_lower_bound_s(spec: ScheduleSpec, work_s: float, largest_s: float) 
       ``sum_r w_r = 1 - q^p``; so ``max_r A_r >= work_s / (1 - q^p)`` for every cut, about
       ``(m + (p - 1) / 2) / p`` per-rank shares (half the uniform bubble).
 
+    - Every schedule: the first micro-batch's forward through every stage, then its backward
+      back (each waits for the one before it): ``work_s`` without a split backward, else
+      at least ``chain_share`` of it (the least share of a stage's work outside its weight
+      half: the weight halves are off that chain). What counts when ``m`` is below ``p``.
+
     Used by the search to skip outer choices whose every cut is slower than the best found.
     """
     p, m = spec.pp_degree, spec.num_micro_batches
     bound = m * max(work_s / p, largest_s)
     if spec.virtual_stages == 1 and p > 1:
         bound = max(bound, work_s / (1.0 - (1.0 - 1.0 / m) ** p))
+    bound = max(bound, work_s * (chain_share if spec.splits_backward else 1.0))
     return bound

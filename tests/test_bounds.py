@@ -8,7 +8,7 @@ import pytest
 
 from autoplan.planner.bounds import SHARE_GRID, pipeline_factor, share_range
 from autoplan.planner.work import Work
-from cost_model.schedules import ScheduleSpec, StageTimes, simulate
+from cost_model.schedules import ScheduleSpec, StageTimes, pipeline_lower_bound_s, simulate
 
 SPECS = (
     ("gpipe", 3, 1, 4),
@@ -80,3 +80,35 @@ def test_a_cached_bound_charges_the_work_it_took() -> None:
     factor = pipeline_factor(spec, cells, (0, 0), work=first)
     assert pipeline_factor(spec, cells, (0, 0), work=again) == factor
     assert first.spent_s > 0 and again.spent_s == first.spent_s
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v", "m"), [*SPECS, ("interleaved-1f1b", 4, 2, 2), ("zbv", 4, 2, 1)]
+)
+def test_the_closed_form_bound_holds_for_random_stage_times(
+    schedule: str, p: int, v: int, m: int
+) -> None:
+    """`pipeline_lower_bound_s` (the busiest rank's share, fill and drain with one stage per
+    rank, one micro-batch's chain off the weight halves) never exceeds the simulated
+    pipeline, and with fewer micro-batches than ranks the chain is what it reads."""
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+    rng = random.Random(f"closed{schedule}{p}{v}{m}")
+    for _ in range(200):
+        times = [
+            StageTimes(
+                forward_s=(f := rng.random() ** 2 + 1e-3),
+                backward_s=(b := f * rng.uniform(1.5, 2.5)),
+                weight_s=rng.uniform(0.3, 0.6) * b if spec.splits_backward else 0.0,
+            )
+            for _ in range(spec.num_stages)
+        ]
+        work = sum(t.forward_s + t.backward_s for t in times)
+        largest = max(t.forward_s + t.backward_s for t in times)
+        chain = min(1 - t.weight_s / (t.forward_s + t.backward_s) for t in times)
+        assert pipeline_lower_bound_s(spec, work, largest, chain) <= simulate(
+            spec, times
+        ).pipeline_time_s * (1 + 1e-12)
+    if m < p:
+        assert pipeline_lower_bound_s(spec, 1.0, 0.0, 0.75) == (
+            0.75 if spec.splits_backward else 1.0
+        )

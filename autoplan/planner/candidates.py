@@ -347,8 +347,18 @@ def costed_candidate(
     # (at least the loop's fixed overhead) still runs; and every rank's own work plus its tail
     # (the busiest rank's at least the average).
     fixed = model.step_overhead_s(strategy)
+    # the least share of a stage's work off its weight half (`pipeline_lower_bound_s`)
+    chain = min(
+        (
+            1.0 - c.weight_s / (c.forward_s + c.backward_s)
+            for costs in by_mode.values()
+            for c in costs
+            if c.forward_s + c.backward_s > 0
+        ),
+        default=0.0,
+    )
     time_bound = max(
-        pipeline_lower_bound_s(spec, total, largest) + fixed,
+        pipeline_lower_bound_s(spec, total, largest, chain) + fixed,
         m * total / p + max(0.0, tail_a, tail_b) / p + fixed,
     )
     if tables.uniform_middle is not None and p > 1:

@@ -106,7 +106,7 @@ class Frontier:
             if entry.time_floor_s >= cutoff:
                 self._stats.pruned_bound += 1
                 continue
-            candidate = self._costed(entry)
+            candidate = self.cost(entry)
             if candidate is not None:
                 heapq.heappush(ready, (candidate.order_key_s, entry.index, candidate))
         if not ready:
@@ -114,7 +114,7 @@ class Frontier:
         _, index, candidate = heapq.heappop(ready)
         return index, candidate
 
-    def _costed(self, entry: Pending) -> Candidate | None:
+    def cost(self, entry: Pending) -> Candidate | None:
         """``entry`` costed (its work charged), or None when its memory bound cannot fit."""
         self._work.charge(COST_S)
         t0 = time.perf_counter()
@@ -126,48 +126,11 @@ class Frontier:
             return None
         return candidate
 
-    def bound_all(
-        self,
-        least: Callable[[Strategy, tuple[Recompute, ...]], float],
-        cutoff: float,
-        stop: Callable[[], bool],
-    ) -> list[tuple[float, int, Candidate]]:
-        """Every choice costed, with its proven bound on the objective (its step bound times
-        ``least``, its least objective factor): those costed already, then the others, lowest
-        floor on the objective first, until ``stop()`` (the least floor left then bounds them
-        all, and the gap shrinks fastest); choices whose floor reaches ``cutoff`` are dropped
-        uncosted. What is not costed stays, in the visiting order."""
-        out = [
-            (c.time_lower_bound_s * least(c.strategy, tuple(c.by_mode)), i, c)
-            for _, i, c in self._ready
-        ]
-        self._ready = []
-        by_floor = sorted(
-            ((e.time_floor_s * least(e.strategy, e.modes), e) for e in self._pending),
-            key=lambda item: (item[0], item[1].index),
-        )
-        done = 0
-        for floor, entry in by_floor:
-            if floor >= cutoff:
-                self._stats.pruned_bound += len(by_floor) - done
-                done = len(by_floor)
-                break
-            if stop():
-                break
-            done += 1
-            candidate = self._costed(entry)
-            if candidate is None:
-                continue
-            out.append(
-                (
-                    candidate.time_lower_bound_s * least(entry.strategy, entry.modes),
-                    entry.index,
-                    candidate,
-                )
-            )
-        rest = [entry for _, entry in by_floor[done:]]
-        self._pending = sorted(rest, key=lambda e: (e.order_floor_s, e.index), reverse=True)
-        return out
+    def drain(self) -> tuple[list[Pending], list[tuple[int, Candidate]]]:
+        """Every choice not popped yet, uncosted and costed (with its order), and none left."""
+        pending, ready = self._pending, [(order, c) for _, order, c in self._ready]
+        self._pending, self._ready = [], []
+        return pending, ready
 
     def floors(
         self, least: Callable[[Strategy, tuple[Recompute, ...]], float] | None = None

@@ -47,6 +47,7 @@ seeds and visits.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -146,13 +147,7 @@ _MAX_SEEDS = 256
 _SEED_SHARE = 0.1
 _IMPROVED = 4
 _IMPROVE_SHARE = 0.3
-# Phase 3 (the bounds): the share of what is left of the budget after phase 2 it may spend
-# costing the frontier's candidates for their proven bounds.
-_BOUND_SHARE = 0.8
-# Of what is left after it, the share phase 3 may spend on raising the kept candidates' bounds
-# with each rank's memory (`candidates.refined_candidate`).
-_REFINE_SHARE = 0.5
-# Phase 4: the most of what is left one solve may take once a plan is known.
+# Phase 3: the most of what is left one solve may take once a plan is known.
 _SOLVE_SHARE = 0.25
 # Outer choices enumerated between two progress reports (`SearchProgress`).
 _REPORT_EVERY = 1024
@@ -229,7 +224,6 @@ def search_plans(
     )
     try:
         _seed(run)
-        _bound(run)
         _visit(run)
     except KeyboardInterrupt:
         if not run.incumbents:
@@ -421,6 +415,8 @@ class _Run:
     )
     # lower bounds (on the objective) of the candidates left unproven
     unproven: list[float] = field(default_factory=list)
+    # phase 3's queue: (bound on the objective, order, stage, the `Pending` or `Candidate`)
+    queue: list[tuple[float, int, int, object]] = field(default_factory=list)
     # the bound (on the objective) of the candidate being seeded or visited (None: none)
     current: float | None = None
 
@@ -430,6 +426,7 @@ class _Run:
         return (
             ([] if self.current is None else [self.current])
             + [self.incumbents.least_bound(c) for _, _, c in self.seeded]
+            + [entry[0] for entry in self.queue]
             + self.frontier.floors(self.incumbents.least_of)
         )
 
@@ -461,7 +458,7 @@ class _Run:
         """A `SearchProgress` after ``visited`` candidates of ``phase``."""
         if self.progress is None:
             return
-        left = self.frontier.remaining() + (len(self.seeded) if phase == "visit" else 0)
+        left = self.frontier.remaining() + len(self.queue)
         self.progress(
             SearchProgress(
                 visited=visited,
@@ -519,89 +516,102 @@ def _seed(run: _Run) -> None:
     stats.seed_step_time_s = incumbents.best()
 
 
-def _bound(run: _Run) -> None:
-    """Phase 3: cost the frontier's candidates (lowest floor first, those whose floor can beat
-    the k-th best: `Frontier.bound_all`) for their proven bounds, within its share of the
-    budget, and keep those whose bound can beat it too, with the seeded ones, best bound
-    first: the visit solves them in that order (the best-bound rule: each solve may raise the
-    proven bound the most), and if the budget ends first the gap reads their costed bounds,
-    not the weaker floors of candidates never costed."""
-    incumbents, work, stats = run.incumbents, run.work, run.stats
-    if run.budget_s is None:
-        return  # (every candidate is visited anyway: no need to hold them all costed)
-    end = work.spent_s + _BOUND_SHARE * work.left_s()
-    cutoff = incumbents.cutoff()
-    kept = [(incumbents.least_bound(c), order, c) for _, order, c in run.seeded]
-    kept += run.frontier.bound_all(incumbents.least_of, cutoff, lambda: work.exhausted(end))
-    # then each rank's memory in the bounds that can still beat it, lowest first
-    end = work.spent_s + _REFINE_SHARE * work.left_s()
-    kept.sort(key=lambda item: item[:2])
-    for i, (bound, order, candidate) in enumerate(kept):
-        if bound >= cutoff or work.exhausted(end):
-            break
-        candidate = refined_candidate(candidate, run.frontier.tables, work)
-        kept[i] = (incumbents.least_bound(candidate), order, candidate)
-    stats.pruned_bound += sum(bound >= cutoff for bound, _, _ in kept)
-    run.seeded[:] = sorted((item for item in kept if item[0] < cutoff), key=lambda item: item[:2])
+# What a candidate in the best-first visit has been through: the floors of its enumeration
+# (`Pending`), its costed bounds (`costed_candidate`), each rank's memory (`refined_candidate`),
+# the schedule's own paths (`Candidate.schedule_bound_s`); then its partition is solved.
+_PENDING, _COSTED, _REFINED, _SCHEDULED = range(4)
 
 
 def _visit(run: _Run) -> None:
-    """Phase 4: visit the candidates phase 3 kept (best bound first), then the rest in order;
-    skip what a proven bound says cannot beat the k-th best, and solve the stage cuts of the
-    rest exactly. Adds to ``run.unproven`` the lower bounds (on the objective) of the
-    candidates left unproven: unfinished solves, and every candidate left when the budget ran
-    out."""
-    incumbents, seeded, stats = run.incumbents, run.seeded, run.stats
-    unproven = run.unproven
+    """Phase 3: best bound first. Every candidate not seeded waits in one queue by its proven
+    bound on the objective; the lowest is taken and raised one step (costed, refined by each
+    rank's memory, bounded by its schedule's paths: each step costlier and tighter than the
+    one before), or, past them all, its stage cuts are solved (`partition.solve`, its LP
+    relaxation first, stopped at the k-th best). So each unit of work goes where it can raise
+    the least bound, which is what the proven gap reads, and a candidate is costed, refined or
+    solved only when nothing cheaper could prune it. A candidate whose bound reaches the k-th
+    best is dropped. Adds to ``run.unproven`` the bounds (on the objective) of the candidates
+    left unproven: unfinished solves, and every candidate left when the budget ran out."""
+    incumbents, stats, work, tables = run.incumbents, run.stats, run.work, run.frontier.tables
+    queue = run.queue
+    for _, order, candidate in run.seeded:
+        queue.append((incumbents.least_bound(candidate), order, _COSTED, candidate))
+    run.seeded.clear()
+    pending, ready = run.frontier.drain()
+    queue += [
+        (
+            entry.time_floor_s * incumbents.least_of(entry.strategy, entry.modes),
+            entry.index,
+            _PENDING,
+            entry,
+        )
+        for entry in pending
+    ]
+    queue += [(incumbents.least_bound(c), order, _COSTED, c) for order, c in ready]
+    heapq.heapify(queue)
     visited = 0
-    while True:
-        if seeded:
-            _, order, candidate = seeded.pop(0)
-        else:
-            entry = run.frontier.pop(incumbents.cutoff())
-            if entry is None:
-                break
-            order, candidate = entry
-        visited += 1
-        strategy = candidate.strategy
-        if not run.work.exhausted():
-            candidate = refined_candidate(candidate, run.frontier.tables, run.work)
-        bound = candidate.time_lower_bound_s
-        # the candidate's cutoff on its step: no partition of it beats the objective to beat
-        least = incumbents.least_factor(candidate)
-        run.current = bound * least  # (until the next: on the objective)
-        if bound * least >= incumbents.cutoff():
-            stats.pruned_bound += 1
-            continue
-        cutoff = incumbents.cutoff() / least if incumbents.full else None
-        if cutoff is not None and strategy.virtual_stages > 1 and not run.work.exhausted():
-            # Several stages per rank: totals cannot see the bubble; the schedule's paths can.
-            t0 = time.perf_counter()
-            bound = max(bound, candidate.schedule_bound_s(run.work))
-            stats.bounds_s += time.perf_counter() - t0
-            if bound >= cutoff:
-                stats.pruned_schedule += 1
-                continue
-        if run.work.exhausted() and incumbents:
-            # Out of work: the rest are unproven; their bounds give the gap.
-            rest = run.left_unproven()
-            stats.unvisited = len(rest)
-            unproven.extend(rest)
+    while queue:
+        bound, order, stage, item = heapq.heappop(queue)
+        if bound >= incumbents.cutoff():
+            # the least bound left cannot beat the k-th best: nor can any other
+            stats.pruned_bound += 1 + len(queue)
+            queue.clear()
             break
-        found, solve_stats = _partition(run, order, candidate, least, cutoff)
-        if solve_stats.status == "CUTOFF":
-            stats.solver_cutoff += 1  # proven unable to beat the k-th best
-        elif solve_stats.status == "INFEASIBLE":
-            stats.solver_infeasible += 1
-            run.infeasible.append(strategy)
-        elif solve_stats.status in ("UNKNOWN", "FEASIBLE"):
-            stats.solver_timeouts += 1
-            # what the solver proved, or at least the candidate's own proven bound
-            unproven.append(least * max(solve_stats.lower_bound_s, candidate.time_lower_bound_s))
-            logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, strategy)
-        if found is not None:
-            incumbents.offer(order, candidate, found)
+        if work.exhausted() and incumbents:
+            # out of work: the rest are unproven; their bounds give the gap
+            stats.unvisited = 1 + len(queue)
+            run.unproven += [bound] + [entry[0] for entry in queue]
+            queue.clear()
+            break
+        run.current = bound
+        if stage == _PENDING:
+            assert isinstance(item, _Pending)
+            costed = run.frontier.cost(item)
+            if costed is not None:
+                heapq.heappush(queue, (incumbents.least_bound(costed), order, _COSTED, costed))
+            continue
+        assert isinstance(item, Candidate)
+        if stage == _COSTED:
+            refined = refined_candidate(item, tables, work)
+            heapq.heappush(queue, (incumbents.least_bound(refined), order, _REFINED, refined))
+            continue
+        if stage == _REFINED:
+            if item.strategy.virtual_stages > 1:
+                # several stages per rank: totals cannot see the bubble; the schedule's paths can
+                t0 = time.perf_counter()
+                raised = max(item.time_lower_bound_s, item.schedule_bound_s(work))
+                stats.bounds_s += time.perf_counter() - t0
+                item = replace(item, time_lower_bound_s=raised)
+                if incumbents.least_bound(item) >= incumbents.cutoff():
+                    stats.pruned_schedule += 1
+                    continue
+            heapq.heappush(queue, (incumbents.least_bound(item), order, _SCHEDULED, item))
+            continue
+        visited += 1
+        _solve(run, order, item)
+        run.current = None
         run.report(visited, "visit")
+
+
+def _solve(run: _Run, order: int, candidate: Candidate) -> None:
+    """Solve a visited candidate's stage cuts (with the k-th best as its cutoff once there are
+    k) and record what came of it."""
+    incumbents, stats = run.incumbents, run.stats
+    least = incumbents.least_factor(candidate)
+    cutoff = incumbents.cutoff() / least if incumbents.full else None
+    found, solve_stats = _partition(run, order, candidate, least, cutoff)
+    if solve_stats.status == "CUTOFF":
+        stats.solver_cutoff += 1  # proven unable to beat the k-th best
+    elif solve_stats.status == "INFEASIBLE":
+        stats.solver_infeasible += 1
+        run.infeasible.append(candidate.strategy)
+    elif solve_stats.status in ("UNKNOWN", "FEASIBLE"):
+        stats.solver_timeouts += 1
+        # what the solver proved, or at least the candidate's own proven bound
+        run.unproven.append(least * max(solve_stats.lower_bound_s, candidate.time_lower_bound_s))
+        logger.info("CP-SAT hit its time limit (%s) for %s", solve_stats.status, candidate.strategy)
+    if found is not None:
+        incumbents.offer(order, candidate, found)
 
 
 def _partition(
