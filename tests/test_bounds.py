@@ -71,7 +71,8 @@ def test_share_range_rounds_outward() -> None:
 
 def test_a_cached_bound_charges_the_work_it_took() -> None:
     """A budget buys the same work whether a factor was computed before or not: the search's
-    decisions may not depend on what an earlier search in the process cached."""
+    decisions may not depend on what an earlier search in the process cached. Within one
+    search a factor it asked for before costs nothing more."""
     spec = ScheduleSpec(
         schedule="interleaved-1f1b", pp_degree=4, virtual_stages=3, num_micro_batches=5
     )
@@ -80,6 +81,8 @@ def test_a_cached_bound_charges_the_work_it_took() -> None:
     factor = pipeline_factor(spec, cells, (0, 0), work=first)
     assert pipeline_factor(spec, cells, (0, 0), work=again) == factor
     assert first.spent_s > 0 and again.spent_s == first.spent_s
+    pipeline_factor(spec, cells, (0, 0), work=again)
+    assert again.spent_s == first.spent_s
 
 
 @pytest.mark.parametrize(

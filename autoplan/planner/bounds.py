@@ -73,14 +73,15 @@ def pipeline_factor(
 ) -> float:
     """The least simulated pipeline time per unit of total work (module docstring); shares as
     grid cells from `share_range` (``weight`` only matters under a split backward). Charges
-    ``work`` the reference seconds computing it takes, also when it was computed before (a
-    cache must not change what a budget buys)."""
+    ``work`` the reference seconds computing it takes the first time that search asks for
+    it, also when another search computed it before (a cache must not change what a budget
+    buys)."""
     key = (spec, forward, weight)
     found = _FACTORS.get(key)
     if found is None:
         found = _FACTORS[key] = _kelley(spec, forward, weight)
     if work is not None:
-        work.charge(found[1])
+        work.charge_once(("pipeline_factor", key), found[1])
     return found[0]
 
 

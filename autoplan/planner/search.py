@@ -1,6 +1,6 @@
 """`autoplan.search`: the fastest plan that fits, under the cost model.
 
-Expects a traced model (or a module to trace), a Cluster and a global batch. Four phases:
+Expects a traced model (or a module to trace), a Cluster and a global batch. Three phases:
 
 1. Outer enumeration (`space.strategies`) of degrees, micro-batching, schedule, ZeRO level,
    sequence parallelism and rank layout. A memory bound drops what cannot fit; the rest get
@@ -12,12 +12,14 @@ Expects a traced model (or a module to trace), a Cluster and a global batch. Fou
    an even cut needs to fit (order only, not a bound).
 2. The first few get a heuristic partition (`partition.heuristic`: even splits and local
    search on the simulation): a strong incumbent before any proof.
-3. With a budget, the bound phase costs the rest, lowest floor first, for their proven bounds.
-4. Visit best bound first (then the rest in order): skip a candidate when a proven bound cannot
-   beat the k-th best (for several stages per rank also `bounds.pipeline_factor`, from the
-   schedule's own paths); else a CP-SAT model (`partition.solve`) chooses the stage cuts and
-   per-stage recompute that minimise the simulated step of the schedule torch runs (lazy
-   longest-path cuts), with the k-th best as cutoff.
+3. Best bound first: every other candidate waits in one queue by its proven bound on the
+   objective; the lowest is raised one step (costed, then each rank's memory,
+   `bounds.memory_unit_bound`, then for several stages per rank `bounds.pipeline_factor`, from
+   the schedule's own paths), or, past those, solved: a CP-SAT model (`partition.solve`, its LP
+   relaxation first) chooses the stage cuts and per-stage recompute that minimise the
+   simulated step of the schedule torch runs (lazy longest-path cuts), with the k-th best as
+   cutoff. A candidate whose bound reaches the k-th best is dropped, and when the least bound
+   does, the search is done.
 
 The budget counts deterministic work (`planner.work`, reference seconds charged by each step's
 size, CP-SAT's deterministic time with one worker and a fixed seed), never a clock: the same
@@ -402,9 +404,7 @@ class _Run:
     work: Work
     budget_s: float | None
     time_limit_s: float
-    # (even-split step, order, candidate) of the seeded candidates; after phase 3, (bound on
-    # the objective, order, candidate) of every candidate costed and not pruned, by bound:
-    # visited first
+    # (even-split step, order, candidate) of the seeded candidates (phase 3 queues them)
     seeded: list[tuple[float, int, Candidate]] = field(default_factory=list)
     # by order: each seeded candidate's problem and its evaluated even splits (reused)
     problems: dict[int, PartitionProblem] = field(default_factory=dict)

@@ -59,10 +59,18 @@ class Work:
         self._wall_end = time.perf_counter() + wall_cap_s
         self.spent_s = 0.0
         self.capped = False  # the wall-clock cap stopped it
+        self._charged: set[object] = set()  # keys charged by `charge_once`
 
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of reference work."""
         self.spent_s += seconds
+
+    def charge_once(self, key: object, seconds: float) -> None:
+        """Count ``seconds`` of reference work the first time ``key`` is charged (a result
+        this search reuses costs it once, whoever computed it)."""
+        if key not in self._charged:
+            self._charged.add(key)
+            self.spent_s += seconds
 
     def simulation(self, spec: ScheduleSpec, count: int = 1) -> None:
         """Count ``count`` simulations of ``spec``."""
