@@ -81,6 +81,7 @@ def pipeline_factor(
     if found is None:
         found = _FACTORS[key] = _kelley(spec, forward, weight)
     if work is not None:
+        work.schedule(spec)
         work.charge_once(("pipeline_factor", key), found[1])
     return found[0]
 

@@ -437,6 +437,7 @@ def refined_candidate(candidate: Candidate, tables: BoundTables, work: Work) -> 
         capacity_bytes=candidate.usable_bytes,
         send_bytes=boundary_send_bytes(first, tables.cluster.calibration),
     )
+    work.schedule(strategy.schedule_spec)
     work.charge(REFINE_S + found.curves * RANK_CURVE_S)
     return replace(
         candidate,

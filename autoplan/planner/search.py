@@ -436,6 +436,7 @@ class _Run:
         the one its plans report and the search must rank by."""
         model = self.model
         cuts = self.own_cuts.splits(problem)
+        self.work.simulation(problem.spec, len(cuts))
         if model.stack.engine is None:
             return cuts
         self.work.charge(len(cuts) * COST_S)
@@ -451,6 +452,7 @@ class _Run:
 
     def problem(self, candidate: Candidate) -> PartitionProblem:
         """The candidate's stage-partition problem (its work charged)."""
+        self.work.schedule(candidate.strategy.schedule_spec)
         self.work.charge(PROBLEM_STAGE_S * candidate.strategy.num_stages)
         return partition_problem(candidate, self.model)
 
@@ -532,7 +534,7 @@ def _visit(run: _Run) -> None:
     solved only when nothing cheaper could prune it. A candidate whose bound reaches the k-th
     best is dropped. Adds to ``run.unproven`` the bounds (on the objective) of the candidates
     left unproven: unfinished solves, and every candidate left when the budget ran out."""
-    incumbents, stats, work, tables = run.incumbents, run.stats, run.work, run.frontier.tables
+    incumbents, stats, work = run.incumbents, run.stats, run.work
     queue = run.queue
     for _, order, candidate in run.seeded:
         queue.append((incumbents.least_bound(candidate), order, _COSTED, candidate))
@@ -569,28 +571,38 @@ def _visit(run: _Run) -> None:
             costed = run.frontier.cost(item)
             if costed is not None:
                 heapq.heappush(queue, (incumbents.least_bound(costed), order, _COSTED, costed))
-            continue
-        assert isinstance(item, Candidate)
-        if stage == _COSTED:
-            refined = refined_candidate(item, tables, work)
-            heapq.heappush(queue, (incumbents.least_bound(refined), order, _REFINED, refined))
-            continue
-        if stage == _REFINED:
-            if item.strategy.virtual_stages > 1:
-                # several stages per rank: totals cannot see the bubble; the schedule's paths can
-                t0 = time.perf_counter()
-                raised = max(item.time_lower_bound_s, item.schedule_bound_s(work))
-                stats.bounds_s += time.perf_counter() - t0
-                item = replace(item, time_lower_bound_s=raised)
-                if incumbents.least_bound(item) >= incumbents.cutoff():
-                    stats.pruned_schedule += 1
-                    continue
-            heapq.heappush(queue, (incumbents.least_bound(item), order, _SCHEDULED, item))
-            continue
-        visited += 1
-        _solve(run, order, item)
+        elif stage < _SCHEDULED:
+            assert isinstance(item, Candidate)
+            stage, raised = _raised(run, stage, item)
+            if raised is not None:
+                heapq.heappush(queue, (incumbents.least_bound(raised), order, stage, raised))
+        else:
+            assert isinstance(item, Candidate)
+            visited += 1
+            _solve(run, order, item)
+            run.report(visited, "visit")
         run.current = None
-        run.report(visited, "visit")
+
+
+def _raised(run: _Run, stage: int, candidate: Candidate) -> tuple[int, Candidate | None]:
+    """A costed candidate's bounds one step further (each rank's memory, then for several
+    stages per rank the schedule's paths), with its new stage; None when they prove it cannot
+    beat the k-th best. A stack that cuts its stages itself goes straight to its solve: one
+    cut a mode, whose simulations cost less than any bound past the costed one."""
+    if run.own_cuts.only:
+        return _SCHEDULED, candidate
+    if stage == _COSTED:
+        return _REFINED, refined_candidate(candidate, run.frontier.tables, run.work)
+    if candidate.strategy.virtual_stages > 1:
+        # several stages per rank: totals cannot see the bubble; the schedule's paths can
+        t0 = time.perf_counter()
+        raised = max(candidate.time_lower_bound_s, candidate.schedule_bound_s(run.work))
+        run.stats.bounds_s += time.perf_counter() - t0
+        candidate = replace(candidate, time_lower_bound_s=raised)
+        if run.incumbents.least_bound(candidate) >= run.incumbents.cutoff():
+            run.stats.pruned_schedule += 1
+            return _SCHEDULED, None
+    return _SCHEDULED, candidate
 
 
 def _solve(run: _Run, order: int, candidate: Candidate) -> None:

@@ -27,6 +27,10 @@ ENUMERATE_S = 25e-6  # one outer choice enumerated: its stack check, memory boun
 COST_S = 250e-6  # one outer choice costed (`candidates.costed_candidate`)
 PROBLEM_STAGE_S = 10e-6  # one stage of a partition problem built (`partition_problem`)
 ACTION_S = 1e-6  # one action of a simulated schedule (`cost_model.schedules.simulate`)
+# A schedule's first use: torch's orders built and compiled, its held micro-batches counted
+# (`cost_model.schedules.compile_schedule`, `held_microbatches`; cached per process, charged
+# once per search): 2.5-13 us an action measured (interleaved 1F1B p 8-21, zero-bubble, V).
+SCHEDULE_ACTION_S = 6e-6
 # One round of a Kelley LP (`bounds.pipeline_factor`): GLOP's solve, per constraint row of the
 # LP at that round (20-36 us measured on interleaved 1F1B, p 4-16, v 3-8, m 16-96), plus:
 LP_ROW_S = 30e-6
@@ -72,8 +76,13 @@ class Work:
             self._charged.add(key)
             self.spent_s += seconds
 
+    def schedule(self, spec: ScheduleSpec) -> None:
+        """Count ``spec``'s first use in this search (`SCHEDULE_ACTION_S`)."""
+        self.charge_once(("schedule", spec), spec.num_actions * SCHEDULE_ACTION_S)
+
     def simulation(self, spec: ScheduleSpec, count: int = 1) -> None:
-        """Count ``count`` simulations of ``spec``."""
+        """Count ``count`` simulations of ``spec`` (and its first use)."""
+        self.schedule(spec)
         self.spent_s += count * spec.num_actions * ACTION_S
 
     def left_s(self) -> float:

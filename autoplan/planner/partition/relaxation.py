@@ -58,6 +58,8 @@ def lp_bound(
 
     relaxed = _Relaxation(problem)
     spec = problem.spec
+    if work is not None:
+        work.schedule(spec)
     bound = 0.0
     for path in rank_paths(spec):
         relaxed.add(path)
