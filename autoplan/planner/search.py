@@ -59,7 +59,6 @@ from typing import Any, Literal
 
 from autoplan.contract.errors import NoFeasiblePlanError
 from autoplan.contract.plan import Plan
-from autoplan.planner.bounds import RecomputeCurve
 from autoplan.planner.candidates import (
     BoundTables,
     Candidate,
@@ -116,7 +115,6 @@ __all__ = [
     "_BoundTables",
     "_Frontier",
     "_Pending",
-    "_RecomputeCurve",
     "_candidate",
     "_problem",
     "boundary_crossings",
@@ -127,7 +125,6 @@ logger = logging.getLogger(__name__)
 
 # (the names tests/test_search_limits.py reaches these by, from before `candidates` held them)
 _BoundTables = BoundTables
-_RecomputeCurve = RecomputeCurve
 _candidate = costed_candidate
 _problem = partition_problem
 
