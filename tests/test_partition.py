@@ -23,6 +23,7 @@ from autoplan.planner.partition import (
     brute_force,
     evaluate,
     min_peak_memory,
+    path_bound,
     rank_balanced_hint,
     rank_memory,
     rank_tails,
@@ -417,3 +418,20 @@ def test_the_lp_bound_is_below_the_optimum(seed: int) -> None:
     tight = replace(problem, memory_capacity_bytes=problem.memory_capacity_bytes * 0.5)
     if brute_force(tight) is not None:
         assert lp_bound(tight) <= brute_force(tight).step_time_s * (1 + 1e-9)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_the_path_bound_of_a_cut_is_below_its_simulated_step(seed: int) -> None:
+    """`path_bound` (each rank's fill, work and drain or tail; the first micro-batch's chain)
+    reads only a partition's stage times and never exceeds its simulated step, on random cuts
+    of random problems of every schedule (these seeds cover them all); and it is not a
+    constant (it reaches half the step on every one)."""
+    problem = random_problem(seed)
+    rng = random.Random(seed)
+    n, S = problem.num_units, problem.num_stages
+    for _ in range(5):
+        starts = (0, *sorted(rng.sample(range(1, n), S - 1)))
+        modes = tuple(rng.choice(list(problem.modes)) for _ in range(S))
+        step = evaluate(problem, starts, modes).step_time_s
+        bound = path_bound(problem, starts, modes)
+        assert 0.5 * step <= bound <= step * (1 + 1e-12), (problem.spec, bound, step)

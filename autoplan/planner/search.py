@@ -80,6 +80,7 @@ from autoplan.planner.partition import (
     even_splits,
     fastest_fitting,
     heuristic,
+    path_bound,
     solve,
 )
 from autoplan.planner.readback import plan_of, ranked
@@ -90,7 +91,7 @@ from autoplan.planner.stack_filter import (
     within_model,
     within_stack,
 )
-from autoplan.planner.work import COST_S, ENUMERATE_S, PROBLEM_STAGE_S, Work
+from autoplan.planner.work import ACTION_S, COST_S, ENUMERATE_S, PROBLEM_STAGE_S, Work
 from cost_model.degrees import is_whole
 from cost_model.estimate import CostModel
 from cost_model.frameworks import DEFAULT_FRAMEWORK, Refusal, framework_profile
@@ -584,9 +585,15 @@ def _visit(run: _Run) -> None:
 def _raised(run: _Run, stage: int, candidate: Candidate) -> tuple[int, Candidate | None]:
     """A costed candidate's bounds one step further (each rank's memory, then for several
     stages per rank the schedule's paths), with its new stage; None when they prove it cannot
-    beat the k-th best. A stack that cuts its stages itself goes straight to its solve: one
-    cut a mode, whose simulations cost less than any bound past the costed one."""
+    beat the k-th best. Under a stack that cuts its stages itself, one cut a mode: the bound
+    of that cut's own stage times (`_own_cut_bound`), then its simulation is the solve."""
     if run.own_cuts.only:
+        if stage == _COSTED:
+            bound = _own_cut_bound(run, candidate)
+            candidate = replace(
+                candidate, time_lower_bound_s=max(candidate.time_lower_bound_s, bound)
+            )
+            return _REFINED, candidate
         return _SCHEDULED, candidate
     if stage == _COSTED:
         return _REFINED, refined_candidate(candidate, run.frontier.tables, run.work)
@@ -600,6 +607,23 @@ def _raised(run: _Run, stage: int, candidate: Candidate) -> tuple[int, Candidate
             run.stats.pruned_schedule += 1
             return _SCHEDULED, None
     return _SCHEDULED, candidate
+
+
+def _own_cut_bound(run: _Run, candidate: Candidate) -> float:
+    """A lower bound on the step of the stack's own cut of ``candidate`` (its least over the
+    recompute modes, one a plan), from that cut's stage times, without the schedule's orders
+    (building them is what a first simulation of a large schedule costs most:
+    `partition.path_bound`). Not for a stack whose engine re-times the step (the bound is of
+    the simulation)."""
+    if run.model.stack.engine is not None:
+        return candidate.time_lower_bound_s
+    problem = partition_problem(candidate, run.model)
+    run.work.charge(PROBLEM_STAGE_S * candidate.strategy.num_stages)
+    starts = run.own_cuts.starts(problem.num_stages)
+    if starts is None:
+        return candidate.time_lower_bound_s  # (no cut: the solve finds none)
+    run.work.charge(ACTION_S * 4 * len(starts) * len(problem.modes))
+    return min(path_bound(problem, starts, (mode,) * len(starts)) for mode in problem.modes)
 
 
 def _solve(run: _Run, order: int, candidate: Candidate) -> None:

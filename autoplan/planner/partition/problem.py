@@ -204,6 +204,32 @@ def evaluate(
     )
 
 
+def path_bound(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> float:
+    """A lower bound on a partition's simulated step from its stage times alone, without the
+    schedule's orders: each rank's path (the forwards of stages ``0 .. r-1`` of the first
+    micro-batch before its first action, as stage ``r`` is its lowest; all its ``m``
+    micro-batches' work; then its own tail, or, without a split backward, the backwards of
+    stages ``r-1 .. 0`` and rank 0's tail, as `bounds.whole_unit_bound` argues), and the
+    first micro-batch's chain through every stage and back, off the weight halves, then rank
+    0's tail (`schedules.pipeline_lower_bound_s`)."""
+    spec = problem.spec
+    times = stage_times(problem, stage_starts, modes)
+    tails = rank_tails(problem, stage_starts, modes)
+    work = [0.0] * spec.pp_degree
+    for s, t in enumerate(times):
+        work[spec.stage_rank(s)] += t.forward_s + t.backward_s
+    bound = sum(t.forward_s + t.backward_s - t.weight_s for t in times) + tails[0]
+    fill = drain = 0.0
+    for r in range(spec.pp_degree):
+        end = tails[r] if spec.splits_backward else max(drain + tails[0], tails[r])
+        bound = max(bound, fill + spec.num_micro_batches * work[r] + end)
+        fill += times[r].forward_s
+        drain += times[r].backward_s
+    return bound
+
+
 def brute_force(problem: PartitionProblem) -> Partition | None:
     """The optimum by enumerating every cut set and mode assignment (small problems only)."""
     best: Partition | None = None
