@@ -596,7 +596,13 @@ def _raised(run: _Run, stage: int, candidate: Candidate) -> tuple[int, Candidate
             return _REFINED, candidate
         return _SCHEDULED, candidate
     if stage == _COSTED:
-        return _REFINED, refined_candidate(candidate, run.frontier.tables, run.work)
+        refined = refined_candidate(candidate, run.frontier.tables, run.work)
+        if math.isinf(refined.time_lower_bound_s):
+            # no recompute lets every rank fit: a memory proof, for the diagnosis
+            run.stats.pruned_memory += 1
+            run.infeasible.append(candidate.strategy)
+            return _REFINED, None
+        return _REFINED, refined
     if candidate.strategy.virtual_stages > 1:
         # several stages per rank: totals cannot see the bubble; the schedule's paths can
         t0 = time.perf_counter()
