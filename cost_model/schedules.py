@@ -50,7 +50,7 @@ import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from cost_model.errors import InputError
 
@@ -627,6 +627,51 @@ class CriticalPath:
     slots: dict[int, int]  # duration slot (4 stage + kind) -> actions of that slot on the path
     transfers: dict[int, int]  # boundary stage -> link crossings on the path
     tail_rank: int  # the rank whose tail ends the path
+
+
+def path_key(path: CriticalPath) -> tuple[object, ...]:
+    """Equal for paths with the same counts (the same cut in a solver's model)."""
+    return (
+        tuple(sorted(path.slots.items())),
+        tuple(sorted(path.transfers.items())),
+        path.tail_rank,
+    )
+
+
+def path_length(
+    path: CriticalPath,
+    forward: Sequence[Any],
+    backward: Sequence[Any],
+    weight: Sequence[Any],
+    *,
+    message: Sequence[Any] | None = None,
+    transfer: Sequence[Any] | None = None,
+    tail: Sequence[Any] | None = None,
+) -> Any:
+    """The path's length over per-stage times given apart from the messages (numbers, or a
+    solver's linear expressions of them): each action's stage time with the host time of the
+    message it posts (the forward its output's, ``message[s]``; the backward its gradient's,
+    ``message[s - 1]``), the backward-input as the backward without its weight half, the link
+    crossings and its rank's tail; what is not given counts 0. The path exists in every stage
+    cut's action graph, so over a cut's own times it is a lower bound on its simulated step."""
+    # (0, not 0.0: a CP-SAT expression takes integers only)
+    expr: Any = tail[path.tail_rank] if tail is not None else 0
+    for slot, count in path.slots.items():
+        s, kind = divmod(slot, 4)
+        send_f = message[s] if message is not None else 0
+        send_b = message[s - 1] if message is not None and s > 0 else 0
+        if kind == 0:  # F
+            expr += count * (forward[s] + send_f)
+        elif kind == 1:  # B
+            expr += count * (backward[s] + send_b)
+        elif kind == 2:  # I: the backward without its weight half
+            expr += count * (backward[s] + send_b - weight[s])
+        else:  # W
+            expr += count * weight[s]
+    if transfer is not None:
+        for boundary, count in path.transfers.items():
+            expr += count * transfer[boundary]
+    return expr
 
 
 def critical_path(

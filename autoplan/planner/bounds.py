@@ -37,6 +37,7 @@ from cost_model.schedules import (
     ScheduleSpec,
     StageTimes,
     critical_path,
+    path_length,
     rank_paths,
     simulate,
 )
@@ -110,18 +111,7 @@ def _kelley(
     cost = 0.0  # reference seconds
 
     def add(path: CriticalPath) -> None:
-        expr = 0.0
-        for slot, count in path.slots.items():
-            s, kind = divmod(slot, 4)
-            if kind == 0:
-                expr += count * f[s]
-            elif kind == 1:
-                expr += count * b[s]
-            elif kind == 2:
-                expr += count * (b[s] - w[s])
-            else:
-                expr += count * w[s]
-        solver.Add(z >= expr)
+        solver.Add(z >= path_length(path, f, b, w))
 
     for path in rank_paths(spec):
         add(path)
@@ -187,20 +177,6 @@ class RecomputeCurve:
                 segments.append((slope, count * (current[0] - nxt[0])))
                 current = nxt
         return cls(time, held, tuple(sorted(segments)))
-
-    def plus(self, other: RecomputeCurve, count: int) -> RecomputeCurve:
-        """The curve of these units and ``count`` copies of ``other``'s."""
-        if count <= 0:
-            return self
-        return RecomputeCurve(
-            self.time_s + count * other.time_s,
-            self.held_bytes + count * other.held_bytes,
-            tuple(
-                heapq.merge(
-                    self.segments, ((slope, count * saves) for slope, saves in other.segments)
-                )
-            ),
-        )
 
     def time_within(self, budget: float, *, saturate: bool = False) -> float:
         """A lower bound on the summed unit time when their activation bytes must fit

@@ -58,7 +58,6 @@ class Candidate:
     fixed_s: float  # the loop's fixed overhead per step
     forward_cells: tuple[int, int]  # the units' forward shares (`bounds.share_range`)
     weight_cells: tuple[int, int]  # the units' weight shares of their backward
-    refined: bool = False  # its bounds include each rank's memory (`refined_candidate`)
 
     def schedule_bound_s(self, work: Work | None = None) -> float:
         """A proven lower bound on the step from the schedule's own paths
@@ -409,9 +408,8 @@ def costed_candidate(
 def refined_candidate(candidate: Candidate, tables: BoundTables, work: Work) -> Candidate:
     """``candidate`` with its bounds raised by each rank's memory (`bounds.memory_unit_bound`:
     a rank that must recompute to fit holds whole units and pays for it), its work charged;
-    itself when the units between the first and the last are not identical, or refined
-    already."""
-    if candidate.refined or tables.uniform_middle is None:
+    itself when the units between the first and the last are not identical."""
+    if tables.uniform_middle is None:
         return candidate
     model, strategy = tables.model, candidate.strategy
     overlap = model.dp_overlap(strategy)
@@ -443,7 +441,6 @@ def refined_candidate(candidate: Candidate, tables: BoundTables, work: Work) -> 
         candidate,
         time_lower_bound_s=max(candidate.time_lower_bound_s, found.level_s + candidate.fixed_s),
         work_s=max(candidate.work_s, found.work_s),
-        refined=True,
     )
 
 

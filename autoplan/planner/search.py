@@ -623,6 +623,8 @@ def _own_cut_bound(run: _Run, candidate: Candidate) -> float:
     the simulation)."""
     if run.model.stack.engine is not None:
         return candidate.time_lower_bound_s
+    # (not kept for the solve: the problems of every candidate waiting in the queue would
+    # hold their per-unit tables at once; the few solved build theirs again)
     problem = partition_problem(candidate, run.model)
     run.work.charge(PROBLEM_STAGE_S * candidate.strategy.num_stages)
     starts = run.own_cuts.starts(problem.num_stages)

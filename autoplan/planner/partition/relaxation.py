@@ -29,7 +29,15 @@ from typing import Any
 from autoplan.planner.partition.problem import PartitionProblem
 from autoplan.planner.work import ACTION_S, LP_ROUND_BASE_S, LP_ROW_S, Work
 from cost_model.schedule_memory import held_microbatches
-from cost_model.schedules import CriticalPath, StageTimes, critical_path, rank_paths, simulate
+from cost_model.schedules import (
+    CriticalPath,
+    StageTimes,
+    critical_path,
+    path_key,
+    path_length,
+    rank_paths,
+    simulate,
+)
 from cost_model.stage_terms import stage_time
 
 # Kelley rounds at most (each adds each rank's critical path); stopping early only weakens it.
@@ -159,30 +167,19 @@ class _Relaxation:
 
     def add(self, path: CriticalPath) -> bool:
         """``z >= the path's length`` (False if the path is in already)."""
-        key = (
-            tuple(sorted(path.slots.items())),
-            tuple(sorted(path.transfers.items())),
-            path.tail_rank,
-        )
+        key = path_key(path)
         if key in self._seen:
             return False
         self._seen.add(key)
-        message = self.problem.message_s
-        expr: Expr = self.tail[path.tail_rank]
-        for slot, count in path.slots.items():
-            s, kind = divmod(slot, 4)
-            if kind == 0:  # F, with the message it posts
-                expr += count * (self.forward[s] + message[s])
-            elif kind == 1:  # B, with the gradient's message
-                expr += count * (self.backward[s] + (message[s - 1] if s > 0 else 0.0))
-            elif kind == 2:  # I: the backward without its weight half
-                expr += count * (
-                    self.backward[s] + (message[s - 1] if s > 0 else 0.0) - self.weight[s]
-                )
-            else:  # W
-                expr += count * self.weight[s]
-        for boundary, count in path.transfers.items():
-            expr += count * self.transfer[boundary]
+        expr = path_length(
+            path,
+            self.forward,
+            self.backward,
+            self.weight,
+            message=self.problem.message_s,
+            transfer=self.transfer,
+            tail=self.tail,
+        )
         self.solver.Add(self.z >= expr)
         return True
 

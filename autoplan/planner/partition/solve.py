@@ -47,7 +47,14 @@ from autoplan.planner.partition.problem import (
 )
 from autoplan.planner.partition.relaxation import lp_bound
 from autoplan.planner.work import CPSAT_UNIT_S, CPSAT_VARIABLE_S, WALL_CAP_FACTOR, Work
-from cost_model.schedules import CriticalPath, critical_path, rank_paths, simulate
+from cost_model.schedules import (
+    CriticalPath,
+    critical_path,
+    path_key,
+    path_length,
+    rank_paths,
+    simulate,
+)
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -63,43 +70,25 @@ _LP_SHARE = 0.5
 # ------------------------------------------------------------------ path cuts
 
 
-def _path_key(path: CriticalPath) -> tuple[object, ...]:
-    """Equal for paths that give the same cut."""
-    return (
-        tuple(sorted(path.slots.items())),
-        tuple(sorted(path.transfers.items())),
-        path.tail_rank,
-    )
-
-
 def _path_length(built: _StepModel, path: CriticalPath) -> Expr:
-    """The path's length as a model expression: its actions' stage times (each with the host
-    time of the message it posts), its link crossings and its rank's tail. The path exists in
-    every partition's action graph, so it is a lower bound on every simulated step."""
-    st, message = built.stage, built.scaled.message
-    S = len(st.forward)
-    expr: Expr = built.tail[path.tail_rank]
-    for slot, count in path.slots.items():
-        s, kind = divmod(slot, 4)
-        send_f = message[s]  # the forward posts its output's message
-        send_b = message[s - 1] if s > 0 else 0  # the backward its gradient's
-        if kind == 0:  # F
-            expr += count * (st.forward[s] + send_f)
-        elif kind == 1:  # B
-            expr += count * (st.backward[s] + send_b)
-        elif kind == 2:  # I: the backward without its weight half
-            expr += count * (st.backward[s] + send_b - st.weight[s])
-        else:  # W
-            expr += count * st.weight[s]
-    for boundary, count in path.transfers.items():
-        assert boundary < S - 1
-        expr += count * st.transfer[boundary]
-    return expr
+    """The path's length as a model expression (`cost_model.schedules.path_length`): a lower
+    bound on every partition's simulated step."""
+    st = built.stage
+    assert all(boundary < len(st.forward) - 1 for boundary in path.transfers)
+    return path_length(
+        path,
+        st.forward,
+        st.backward,
+        st.weight,
+        message=built.scaled.message,
+        transfer=st.transfer,
+        tail=built.tail,
+    )
 
 
 def _add_path(built: _StepModel, path: CriticalPath, seen: set[tuple[object, ...]]) -> None:
     """``z >= the path's length``, unless ``seen`` holds the path already (then adds it)."""
-    key = _path_key(path)
+    key = path_key(path)
     if key in seen:
         return
     seen.add(key)
