@@ -87,6 +87,8 @@ class BoundTables:
                 profile, replace(cluster, shared_cores_per_node=None), model.framework
             )
         self._floor_work: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        # how many per-mode unit-cost tables the floors have built (the search charges them)
+        self.unit_cost_tables = 0
         # per floor key: the first, middle and last units' least compute alone (no tails)
         self._floor_units: dict[tuple[object, ...], tuple[UnitFloor, UnitFloor, UnitFloor]] = {}
         # per floor key and pipeline shape: `bounds.whole_unit_bound` of those
@@ -254,6 +256,37 @@ class BoundTables:
             compute_largest = max(compute_largest, compute)
         return (order_work, order_largest, compute_work, compute_largest), curve
 
+    def _floor_work_of(
+        self, key: tuple[object, ...], strategy: Strategy, modes: tuple[Recompute, ...]
+    ) -> tuple[float, float, float, float]:
+        """`_floor_tables`'s work, cached by ``key`` (`strategy_keys.FLOOR_KEY` and the modes);
+        each table built counts its modes in ``unit_cost_tables``."""
+        work = self._floor_work.get(key)
+        if work is None:
+            work, self._floor_curves[key] = self._floor_tables(strategy, modes)
+            self._floor_work[key] = work
+            self.unit_cost_tables += len(modes)
+        return work
+
+    def shape_floor(self, members: Sequence[Strategy], modes: tuple[Recompute, ...]) -> float:
+        """A proven lower bound on the step of every plan of a shape (`space.Shape`: the outer
+        choices with one set of degrees and micro-batching) whose stages use modes among
+        ``modes``, from compute alone: ``m max(W / p, largest)`` plus the loop's overhead, the
+        first term of `pipeline_lower_bound_s` (so at most every member's ``floors`` bound).
+        ``members``: one of the shape's members for each sequence-parallel choice and virtual
+        stage count (what the compute and the core-sharing stretch read), its least taken.
+        The compute tables are `floors`' own (members with these modes reuse them)."""
+        floor = math.inf
+        for strategy in members:
+            _, _, compute_work, compute_largest = self._floor_work_of(
+                FLOOR_KEY.key(strategy, modes), strategy, modes
+            )
+            stretch = self.model.sharing(strategy).pipeline
+            p, m = strategy.pp_degree, strategy.num_micro_batches
+            share = max(compute_work / p, compute_largest)
+            floor = min(floor, stretch * m * share + self.model.step_overhead_s(strategy))
+        return floor
+
     def floors(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> tuple[float, float]:
         """(a floor under the order key, a proven lower bound on the step) from the units'
         costs with one device per TP group and nothing else: no data or pipeline parallelism
@@ -261,10 +294,7 @@ class BoundTables:
         (the fastest links), times stretched by the strategy's own core sharing (CPU rigs).
         The bound counts compute alone (no communication at all)."""
         key = FLOOR_KEY.key(strategy, modes)
-        work = self._floor_work.get(key)
-        if work is None:
-            work, self._floor_curves[key] = self._floor_tables(strategy, modes)
-            self._floor_work[key] = work
+        work = self._floor_work_of(key, strategy, modes)
         stretch = self.model.sharing(strategy).pipeline
         order_work, order_largest, compute_work, compute_largest = (w * stretch for w in work)
         p, v, m = strategy.pp_degree, strategy.virtual_stages, strategy.num_micro_batches

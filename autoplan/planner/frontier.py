@@ -35,6 +35,11 @@ class SearchStats:
     solver_reused: int = 0  # identical problems answered from an earlier solve
     solver_timeouts: int = 0  # stopped at the time limit without a proof
     unvisited: int = 0  # candidates left when the search ran out of its budget
+    # shapes of outer choices (`space.Shape`) listed, and those never expanded (their members
+    # not enumerated: left when the budget ran out, or proven unable to beat the best by
+    # their floors); their members are not among ``candidates``
+    shapes: int = 0
+    shapes_left: int = 0
     pruned_schedule: int = 0  # by the bound from the schedule's paths (`bounds.py`)
     bounds_s: float = 0.0  # time spent on those bounds
     # the reference seconds of work spent (`planner.work`: what the budget counts; the same
@@ -113,6 +118,12 @@ class Frontier:
             return None
         _, index, candidate = heapq.heappop(ready)
         return index, candidate
+
+    def extend(self, pending: list[Pending]) -> None:
+        """Add choices not costed yet (a shape just expanded)."""
+        self._pending = sorted(
+            self._pending + pending, key=lambda e: (e.order_floor_s, e.index), reverse=True
+        )
 
     def cost(self, entry: Pending) -> Candidate | None:
         """``entry`` costed (its work charged), or None when its memory bound cannot fit."""

@@ -68,6 +68,7 @@ from autoplan.planner.candidates import (
     refined_candidate,
 )
 from autoplan.planner.diagnosis import no_feasible_plan
+from autoplan.planner.enumeration import Enumeration, ShapeEntry
 from autoplan.planner.frontier import Frontier as _Frontier
 from autoplan.planner.frontier import Pending as _Pending
 from autoplan.planner.frontier import SearchStats
@@ -84,17 +85,15 @@ from autoplan.planner.partition import (
     solve,
 )
 from autoplan.planner.readback import plan_of, ranked
-from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, shown
+from autoplan.planner.space import ConstraintError, SearchSpace, shown
 from autoplan.planner.stack_filter import (
-    stack_recompute_modes,
-    stack_strategies,
     within_model,
     within_stack,
 )
-from autoplan.planner.work import ACTION_S, COST_S, ENUMERATE_S, PROBLEM_STAGE_S, Work
+from autoplan.planner.work import ACTION_S, COST_S, PROBLEM_STAGE_S, Work
 from cost_model.degrees import is_whole
 from cost_model.estimate import CostModel
-from cost_model.frameworks import DEFAULT_FRAMEWORK, Refusal, framework_profile
+from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, plan_memory_headroom
 from cost_model.stage_splits import StageSplitError
@@ -147,6 +146,9 @@ _MAX_SEEDS = 256
 _SEED_SHARE = 0.1
 _IMPROVED = 4
 _IMPROVE_SHARE = 0.3
+# Phase 1: the most of the budget enumeration may take before the first plans (the shapes
+# it leaves are expanded by the visit, when their floors are the least bounds).
+_ENUMERATE_SHARE = 0.5
 # Phase 3: the most of what is left one solve may take once a plan is known.
 _SOLVE_SHARE = 0.25
 # Outer choices enumerated between two progress reports (`SearchProgress`).
@@ -207,7 +209,23 @@ def search_plans(
     work = Work(budget_s)
     model = CostModel(profile, cluster, framework, memory_headroom=headroom)
     tables = BoundTables(model)
-    pending, infeasible = _enumerate(space, tables, cluster, global_batch, stats, progress, work)
+    enumeration = Enumeration(
+        space,
+        tables,
+        cluster,
+        global_batch,
+        stats,
+        work,
+        report=None if progress is None else _enumeration_report(progress),
+        report_every=_REPORT_EVERY,
+    )
+    stats.shapes = len(enumeration.left)
+    # Phase 1 takes at most its share of the budget (more only until some choice may fit);
+    # the shapes left wait in the visit's queue by their floors.
+    until = None if budget_s is None else work.spent_s + _ENUMERATE_SHARE * work.left_s()
+    pending = enumeration.run(until)
+    enumeration.check_refused()
+    infeasible = enumeration.infeasible
     stats.enumerate_s = time.perf_counter() - start
     run = _Run(
         model=model,
@@ -215,6 +233,7 @@ def search_plans(
         global_batch=global_batch,
         incumbents=Incumbents(top_k, framework, objective),
         frontier=_Frontier(pending, tables, stats, infeasible, work),
+        enumeration=enumeration,
         infeasible=infeasible,
         stats=stats,
         progress=progress,
@@ -318,75 +337,6 @@ def _space_for(
     return space
 
 
-def _enumerate(
-    space: SearchSpace,
-    tables: BoundTables,
-    cluster: Cluster,
-    global_batch: int,
-    stats: SearchStats,
-    progress: Callable[[SearchProgress], None] | None,
-    work: Work,
-) -> tuple[list[_Pending], list[Strategy]]:
-    """Phase 1: every outer choice gets a memory bound and two cheap floors from compute alone
-    (shared by all choices with the same TP degree, sequence parallelism, micro-batch and
-    dtype): a proven lower bound on its step, and a floor under its order key. Per-unit costs
-    are computed lazily, in order of that floor, when the visit needs them (`_Frontier`): the
-    visit order is the order key's, without costing every choice. Returns the choices that may
-    fit and those that cannot (by the memory bound); `ConstraintError` when the stack refuses
-    every choice."""
-    model = tables.model
-    stack, profile = model.stack, model.profile
-    memory_infeasible: list[Strategy] = []
-    # the largest predicted peak a plan may have (the headroom and the peak's range taken off)
-    capacity = model.usable_capacity_bytes()
-    pending: list[_Pending] = []
-    # the stack's rule -> the first plan it refused so, and how many
-    refusals: dict[str, tuple[Refusal, int]] = {}
-    for enumerated, (strategy, refusal) in enumerate(
-        stack_strategies(space, stack, profile, cluster, global_batch), start=1
-    ):
-        if progress is not None and enumerated % _REPORT_EVERY == 0:
-            progress(
-                SearchProgress(
-                    visited=enumerated, total=0, best_step_time_s=None, phase="enumerate"
-                )
-            )
-        if refusal is None:
-            space_modes = recompute_modes(space, strategy.schedule)
-            modes, refusal = stack_recompute_modes(stack, strategy, profile, space_modes)
-        work.charge(ENUMERATE_S)
-        if refusal is not None:
-            first, count = refusals.get(refusal.rule, (refusal, 0))
-            refusals[refusal.rule] = (first, count + 1)
-            continue
-        stats.candidates += 1
-        if tables.memory_bound(strategy, modes) > capacity:
-            stats.pruned_memory += 1
-            memory_infeasible.append(strategy)
-            continue
-        # a stack with one recompute setting for the model: each mode is its own choice
-        alone = [(mode,) for mode in modes] if stack.recompute_scope == "global" else [modes]
-        fitting = [
-            c for c in alone if len(alone) == 1 or tables.memory_bound(strategy, c) <= capacity
-        ]
-        if not fitting:
-            stats.pruned_memory += 1
-            memory_infeasible.append(strategy)
-        for choice in fitting:
-            order_floor, time_floor = tables.floors(strategy, choice)
-            pending.append(_Pending(order_floor, time_floor, len(pending) + 1, strategy, choice))
-    if refusals and not pending and not memory_infeasible:
-        raise ConstraintError(
-            f"{stack.name} runs none of the plans the constraints allow: "
-            + "; ".join(
-                f"{rule} ({count} plans, e.g. {first.value}: {first.fix})"
-                for rule, (first, count) in refusals.items()
-            )
-            + "; allow what the parentheses name"
-        )
-    return pending, memory_infeasible
-
-
 @dataclass(kw_only=True, slots=True)
 class _Run:
     """One search's state between its seed and visit steps."""
@@ -396,6 +346,7 @@ class _Run:
     global_batch: int
     incumbents: Incumbents
     frontier: _Frontier
+    enumeration: Enumeration  # the shapes phase 1 left (the visit expands them)
     infeasible: list[Strategy]  # outer choices proven unable to fit (for the diagnosis)
     stats: SearchStats
     progress: Callable[[SearchProgress], None] | None
@@ -426,6 +377,7 @@ class _Run:
             + [self.incumbents.least_bound(c) for _, _, c in self.seeded]
             + [entry[0] for entry in self.queue]
             + self.frontier.floors(self.incumbents.least_of)
+            + [entry.floor_s for entry in self.enumeration.left]
         )
 
     def stack_cuts(self, candidate: Candidate, problem: PartitionProblem) -> list[Partition]:
@@ -471,7 +423,8 @@ class _Run:
 
 def _seed(run: _Run) -> None:
     """Phase 2: a strong incumbent before any proof. The even split of each candidate in the
-    visiting order (a few simulations each) until the seed share of the budget is spent, then
+    visiting order that each rank's memory does not rule out (`refined_candidate`; a few
+    simulations each) until the seed share of the budget is spent, then
     local search (`partition.improve`) from the best few. Without a budget: a fixed number of
     each, so the result does not depend on the machine's speed."""
     incumbents, seeded, stats, work = run.incumbents, run.seeded, run.stats, run.work
@@ -482,15 +435,29 @@ def _seed(run: _Run) -> None:
         if run.budget_s is None:
             if len(seeded) >= max(_SEEDS, incumbents.top_k):
                 break
-        elif seeded and (len(seeded) >= _MAX_SEEDS or work.exhausted(seed_end)):
+        elif seeded and (len(seeded) >= _MAX_SEEDS or (incumbents and work.exhausted(seed_end))):
+            # (with no plan yet, seeding goes on past its share: the visit would spend the
+            # budget raising bounds, and then go on past it until it finds a plan)
             break
         entry = run.frontier.pop(incumbents.cutoff())
+        if entry is None and not incumbents and run.enumeration.left:
+            # none of the shapes expanded has a plan: the next that may
+            run.frontier.extend(run.enumeration.run(work.spent_s))
+            continue
         if entry is None:
             break
         order, candidate = entry
+        only = run.own_cuts.only
+        if not only:
+            # each rank's memory first: the visiting order's key does not prove a candidate
+            # can fit, and a seed that cannot is work spent for no incumbent
+            candidate = refined_candidate(candidate, run.frontier.tables, work)
+            if math.isinf(candidate.time_lower_bound_s):
+                stats.pruned_memory += 1
+                run.infeasible.append(candidate.strategy)
+                continue
         run.current = incumbents.least_bound(candidate)
         problem = run.problems[order] = run.problem(candidate)
-        only = run.own_cuts.only
         run.splits[order] = (
             run.stack_cuts(candidate, problem) if only else even_splits(problem, work)
         )
@@ -519,7 +486,7 @@ def _seed(run: _Run) -> None:
 # What a candidate in the best-first visit has been through: the floors of its enumeration
 # (`Pending`), its costed bounds (`costed_candidate`), each rank's memory (`refined_candidate`),
 # the schedule's own paths (`Candidate.schedule_bound_s`); then its partition is solved.
-_PENDING, _COSTED, _REFINED, _SCHEDULED = range(4)
+_SHAPE, _PENDING, _COSTED, _REFINED, _SCHEDULED = range(5)
 
 
 def _visit(run: _Run) -> None:
@@ -534,8 +501,10 @@ def _visit(run: _Run) -> None:
     left unproven: unfinished solves, and every candidate left when the budget ran out."""
     incumbents, stats, work = run.incumbents, run.stats, run.work
     queue = run.queue
+    # (the seeds were refined, but under a stack that cuts its stages itself)
+    seeded = _COSTED if run.own_cuts.only else _REFINED
     for _, order, candidate in run.seeded:
-        queue.append((incumbents.least_bound(candidate), order, _COSTED, candidate))
+        queue.append((incumbents.least_bound(candidate), order, seeded, candidate))
     run.seeded.clear()
     pending, ready = run.frontier.drain()
     queue += [
@@ -548,23 +517,32 @@ def _visit(run: _Run) -> None:
         for entry in pending
     ]
     queue += [(incumbents.least_bound(c), order, _COSTED, c) for order, c in ready]
+    # (the shapes' floors on the objective: its factor is at least 1)
+    queue += [(e.floor_s, -1 - e.index, _SHAPE, e) for e in run.enumeration.take_left()]
     heapq.heapify(queue)
     visited = 0
     while queue:
         bound, order, stage, item = heapq.heappop(queue)
         if bound >= incumbents.cutoff():
             # the least bound left cannot beat the k-th best: nor can any other
-            stats.pruned_bound += 1 + len(queue)
+            stats.shapes_left = _shapes_in(queue) + (stage == _SHAPE)
+            stats.pruned_bound += 1 + len(queue) - stats.shapes_left
             queue.clear()
             break
         if work.exhausted() and incumbents:
             # out of work: the rest are unproven; their bounds give the gap
-            stats.unvisited = 1 + len(queue)
+            stats.shapes_left = _shapes_in(queue) + (stage == _SHAPE)
+            stats.unvisited = 1 + len(queue) - stats.shapes_left
             run.unproven += [bound] + [entry[0] for entry in queue]
             queue.clear()
             break
         run.current = bound
-        if stage == _PENDING:
+        if stage == _SHAPE:
+            assert isinstance(item, ShapeEntry)
+            for entry in run.enumeration.expand(item):
+                factor = incumbents.least_of(entry.strategy, entry.modes)
+                heapq.heappush(queue, (entry.time_floor_s * factor, entry.index, _PENDING, entry))
+        elif stage == _PENDING:
             assert isinstance(item, _Pending)
             costed = run.frontier.cost(item)
             if costed is not None:
@@ -580,6 +558,22 @@ def _visit(run: _Run) -> None:
             _solve(run, order, item)
             run.report(visited, "visit")
         run.current = None
+
+
+def _shapes_in(queue: list[tuple[float, int, int, object]]) -> int:
+    """How many of the queue's entries are shapes not expanded."""
+    return sum(1 for entry in queue if entry[2] == _SHAPE)
+
+
+def _enumeration_report(progress: Callable[[SearchProgress], None]) -> Callable[[int], None]:
+    """A `SearchProgress` of phase "enumerate" after ``enumerated`` outer choices."""
+
+    def report(enumerated: int) -> None:
+        progress(
+            SearchProgress(visited=enumerated, total=0, best_step_time_s=None, phase="enumerate")
+        )
+
+    return report
 
 
 def _raised(run: _Run, stage: int, candidate: Candidate) -> tuple[int, Candidate | None]:

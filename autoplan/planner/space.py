@@ -290,6 +290,33 @@ def _divisors(n: int, at_most: int | None = None) -> list[int]:
     return found if at_most is None else [d for d in found if d <= at_most]
 
 
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The degrees and micro-batching a group of outer choices shares (`shapes`); its members
+    differ in schedule, virtual stages, sequence parallelism, ZeRO level and rank layout
+    (`shape_strategies`)."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    ep_folding: bool
+    micro_batch_size: int
+    num_micro_batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeOptions:
+    """What a shape's members choose from: (schedule, virtual stages) pairs torch runs,
+    sequence parallelism, ZeRO levels and rank layouts (dominated ones left out)."""
+
+    schedules: tuple[tuple[Schedule, int], ...]
+    sequence_parallel: tuple[bool, ...]
+    zero: tuple[int, ...]
+    layouts: tuple[Layout, ...]
+
+
 def strategies(
     space: SearchSpace,
     profile: ModelProfile,
@@ -299,7 +326,19 @@ def strategies(
     skip_dominated: bool = True,
 ) -> Iterator[Strategy]:
     """Every valid outer choice in ``space``; dominated ones only if ``skip_dominated`` is off
-    (the tests' brute force enumerates them to show skipping them loses nothing)."""
+    (the tests' brute force enumerates them to show skipping them loses nothing): the members
+    of each of `shapes`, in order."""
+    space = space.for_cluster(cluster)
+    for shape in shapes(space, profile, cluster, global_batch):
+        options = shape_options(space, profile, shape, skip_dominated=skip_dominated)
+        yield from shape_strategies(space, shape, options)
+
+
+def shapes(
+    space: SearchSpace, profile: ModelProfile, cluster: Cluster, global_batch: int
+) -> Iterator[Shape]:
+    """The degrees and micro-batchings of ``space`` on ``cluster``: tp, then pp, cp, the
+    expert layouts and the micro-batch size, ascending."""
     space = space.for_cluster(cluster)
     n = cluster.num_devices
     tp_choices = [
@@ -325,20 +364,7 @@ def strategies(
                     for b in _divisors(per_replica, space.max_micro_batch):
                         if space.micro_batch is not None and b not in space.micro_batch:
                             continue
-                        m = per_replica // b
-                        yield from _schedules(
-                            space,
-                            profile,
-                            tp,
-                            pp,
-                            dp,
-                            b,
-                            m,
-                            skip_dominated,
-                            cp=cp,
-                            ep=ep,
-                            ep_folding=folded,
-                        )
+                        yield Shape(tp, pp, cp, dp, ep, folded, b, per_replica // b)
 
 
 def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[int]:
@@ -413,24 +439,13 @@ def _allowed_modes(modes: tuple[Recompute, ...], schedule: Schedule) -> tuple[Re
     return tuple(mode for mode in modes if split_backward_conflict(schedule, 0, (mode,)) is None)
 
 
-def _schedules(
-    space: SearchSpace,
-    profile: ModelProfile,
-    tp: int,
-    pp: int,
-    dp: int,
-    b: int,
-    m: int,
-    skip_dominated: bool,
-    *,
-    cp: int = 1,
-    ep: int = 1,
-    ep_folding: bool = False,
-) -> Iterator[Strategy]:
+def shape_options(
+    space: SearchSpace, profile: ModelProfile, shape: Shape, *, skip_dominated: bool = True
+) -> ShapeOptions:
+    """What the members of ``shape`` in ``space`` (resolved for the cluster) choose from."""
+    tp, pp, dp, m = shape.tp, shape.pp, shape.dp, shape.num_micro_batches
     # ranks holding replicas of the weights (dp x cp): ZeRO levels differ only with several
-    replicas = dp * cp
-    dtype = space.dtype
-    assert dtype is not None  # resolved by `strategies`
+    replicas = dp * shape.cp
     options: list[tuple[Schedule, int]] = []
     for schedule in space.schedules:
         if skip_dominated and schedule == "gpipe" and pp == 1 and "1f1b" in space.schedules:
@@ -452,13 +467,14 @@ def _schedules(
                 schedule_spec(schedule, pp, v, m)
             except ScheduleError:
                 continue  # torch cannot run it with these degrees
-            options.append((schedule, v))
+            if recompute_modes(space, schedule):
+                options.append((schedule, v))
     sp_choices = [
         sp
         for sp in space.sequence_parallel
         if (not sp or sp_fits(tp, profile.seq_len))
         # a folded ep group takes TP ranks only if each routes its own tokens
-        and (sp or not (ep_folding and ep > 1 and tp > 1))
+        and (sp or not (shape.ep_folding and shape.ep > 1 and tp > 1))
     ]
     zero_choices = [
         z for z in space.zero if replicas > 1 or z == min(space.zero) or not skip_dominated
@@ -470,28 +486,37 @@ def _schedules(
     layouts = space.rank_layouts
     if skip_dominated and not (dp > 1 and pp > 1):
         layouts = layouts[:1]
-    layouts = tuple(with_cp(layout, cp) for layout in layouts)
-    for schedule, v in options:
-        if not recompute_modes(space, schedule):
-            continue
-        for sp in sp_choices:
-            for zero in zero_choices:
+    return ShapeOptions(
+        schedules=tuple(options),
+        sequence_parallel=tuple(sp_choices),
+        zero=tuple(zero_choices),
+        layouts=tuple(with_cp(layout, shape.cp) for layout in layouts),
+    )
+
+
+def shape_strategies(space: SearchSpace, shape: Shape, options: ShapeOptions) -> Iterator[Strategy]:
+    """The members of ``shape``: every combination of its ``options`` the runtime runs."""
+    dtype = space.dtype
+    assert dtype is not None  # resolved by `SearchSpace.for_cluster`
+    for schedule, v in options.schedules:
+        for sp in options.sequence_parallel:
+            for zero in options.zero:
                 if split_backward_conflict(schedule, zero, ("none",)) is not None:
                     continue  # the runtime refuses it (ZeRO-3 with a split backward)
-                for layout in layouts:
+                for layout in options.layouts:
                     yield Strategy(
-                        tp_degree=tp,
-                        dp_degree=dp,
-                        pp_degree=pp,
+                        tp_degree=shape.tp,
+                        dp_degree=shape.dp,
+                        pp_degree=shape.pp,
                         virtual_stages=v,
-                        micro_batch_size=b,
-                        num_micro_batches=m,
+                        micro_batch_size=shape.micro_batch_size,
+                        num_micro_batches=shape.num_micro_batches,
                         schedule=schedule,
                         zero_stage=zero,
                         sequence_parallel=sp,
                         dtype=dtype,
                         rank_layout=layout,
-                        cp_degree=cp,
-                        ep_degree=ep,
-                        ep_folding=ep_folding and ep > 1,
+                        cp_degree=shape.cp,
+                        ep_degree=shape.ep,
+                        ep_folding=shape.ep_folding and shape.ep > 1,
                     )

@@ -5,8 +5,8 @@ from `cost_model.frameworks.limits`, the one statement of what a stack runs (aut
 runtime included, with its traced graph's limits: the search plans what is to be run).
 Guarantees: `within_model` and `within_stack` return the space holding only the values each
 axis limit allows, or raise a `ConstraintError` naming the limit the constraints run into;
-`stack_strategies` enumerates the outer choices with each one's `Refusal` (None: the stack
-runs it); `stack_recompute_modes` gives the modes the stack gives one choice's stages.
+`StackChoices` enumerates the outer choices shape by shape with each one's `Refusal` (None:
+the stack runs it); `stack_recompute_modes` gives the modes the stack gives one choice's stages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from autoplan.planner.space import ConstraintError, SearchSpace, strategies
+from autoplan.planner.space import (
+    ConstraintError,
+    SearchSpace,
+    Shape,
+    ShapeOptions,
+    shape_options,
+    shape_strategies,
+    shapes,
+)
 from cost_model.frameworks import FrameworkProfile, Refusal
 from cost_model.frameworks.limits import (
     AxisLimit,
@@ -142,6 +150,73 @@ def _within_stack_limit(
     return restricted(space, axis, allowed, rule)
 
 
+class StackChoices:
+    """The outer choices of ``space`` on ``cluster``, each with why ``stack`` cannot run it
+    (None: it can), shape by shape (`space.shapes`): ``shapes`` lists them, ``choices`` yields
+    one shape's members. Under a pipeline engine's limits (`FrameworkProfile.pipeline_max_zero`,
+    `pipeline_tensor_parallel`) a pipelined shape's members are enumerated again within them,
+    so that a choice the enumeration drops as dominated by one the stack refuses (ZeRO-1 by
+    ZeRO-2) is still offered."""
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        stack: FrameworkProfile,
+        profile: ModelProfile,
+        cluster: Cluster,
+        global_batch: int,
+    ) -> None:
+        self.space = space = space.for_cluster(cluster)
+        self._stack, self._profile = stack, profile
+        self._cluster, self._global_batch = cluster, global_batch
+        self._limits = axis_limits(stack, profile, running=True)
+        # the space again within the pipeline engine's limits (None: the stack has none)
+        self._within: SearchSpace | None = None
+        if stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel:
+            top = stack.pipeline_max_zero
+            zero = tuple(z for z in space.zero if top is None or z <= top)
+            tp = space.tp
+            if not stack.pipeline_tensor_parallel:
+                tp = (1,) if space.tp is None or 1 in space.tp else ()
+            if zero and tp != ():
+                self._within = replace(space, zero=zero, tp=tp)
+        self._limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
+
+    def shapes(self) -> list[Shape]:
+        """Every shape of the space, in `space.shapes` order."""
+        return list(shapes(self.space, self._profile, self._cluster, self._global_batch))
+
+    def options(self, shape: Shape) -> ShapeOptions:
+        """What the members of ``shape`` choose from."""
+        return shape_options(self.space, self._profile, shape)
+
+    def choices(
+        self, shape: Shape, options: ShapeOptions | None = None
+    ) -> Iterator[tuple[Strategy, Refusal | None]]:
+        """The members of ``shape`` (of ``options``, its `options`), each with its refusal."""
+        if options is None:
+            options = self.options(shape)
+        for strategy in shape_strategies(self.space, shape, options):
+            refusal = self._refusal(strategy)
+            if not self._limited or strategy.pp_degree == 1 or refusal is not None:
+                yield strategy, refusal
+        within = self._within
+        if within is None or shape.pp == 1 or (within.tp is not None and shape.tp not in within.tp):
+            return
+        for strategy in shape_strategies(
+            within, shape, shape_options(within, self._profile, shape)
+        ):
+            # (one refused for another reason was counted by the first pass)
+            if self._refusal(strategy) is None:
+                yield strategy, None
+
+    def _refusal(self, strategy: Strategy) -> Refusal | None:
+        found = outer_refusals(
+            self._stack, strategy, self._profile, running=True, limits=self._limits
+        )
+        return next(found, None)
+
+
 def stack_strategies(
     space: SearchSpace,
     stack: FrameworkProfile,
@@ -149,36 +224,10 @@ def stack_strategies(
     cluster: Cluster,
     global_batch: int,
 ) -> Iterator[tuple[Strategy, Refusal | None]]:
-    """The outer choices of ``space``, each with why ``stack`` cannot run it (None: it can).
-    Under a pipeline engine's limits (`FrameworkProfile.pipeline_max_zero`,
-    `pipeline_tensor_parallel`) the pipelined choices are enumerated again within them, so
-    that a choice the enumeration drops as dominated by one the stack refuses (ZeRO-1 by
-    ZeRO-2) is still offered."""
-    limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
-    limits = axis_limits(stack, profile, running=True)
-
-    def refusal_of(strategy: Strategy) -> Refusal | None:
-        found = outer_refusals(stack, strategy, profile, running=True, limits=limits)
-        return next(found, None)
-
-    for strategy in strategies(space, profile, cluster, global_batch):
-        refusal = refusal_of(strategy)
-        if not limited or strategy.pp_degree == 1 or refusal is not None:
-            yield strategy, refusal
-    if not limited:
-        return
-    top = stack.pipeline_max_zero
-    zero = tuple(z for z in space.zero if top is None or z <= top)
-    tp = space.tp
-    if not stack.pipeline_tensor_parallel:
-        tp = (1,) if space.tp is None or 1 in space.tp else ()
-    if not zero or tp == ():
-        return
-    within = replace(space, zero=zero, tp=tp)
-    for strategy in strategies(within, profile, cluster, global_batch):
-        # (one refused for another reason was counted by the first pass)
-        if strategy.pp_degree > 1 and refusal_of(strategy) is None:
-            yield strategy, None
+    """Every member of every shape of `StackChoices`, with its refusal."""
+    choices = StackChoices(space, stack, profile, cluster, global_batch)
+    for shape in choices.shapes():
+        yield from choices.choices(shape)
 
 
 def stack_recompute_modes(

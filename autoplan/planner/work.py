@@ -23,7 +23,10 @@ from cost_model.schedules import ScheduleSpec
 
 # Reference costs (seconds on the reference machine, measured 2026-11-29 by timing each step
 # over the first 300 candidates of gpt3-175b on 1024 A100 and llama3-8b on 32 H100).
-ENUMERATE_S = 25e-6  # one outer choice enumerated: its stack check, memory bound and floors
+ENUMERATE_S = 20e-6  # one outer choice enumerated: its stack check, memory bound and floors
+SHAPE_S = 20e-6  # one shape of outer choices listed, its options and floor (`enumeration`)
+# one recompute mode's per-unit costs with one device per TP group (the floors' tables)
+UNIT_COSTS_S = 400e-6
 COST_S = 250e-6  # one outer choice costed (`candidates.costed_candidate`)
 PROBLEM_STAGE_S = 10e-6  # one stage of a partition problem built (`partition_problem`)
 ACTION_S = 1e-6  # one action of a simulated schedule (`cost_model.schedules.simulate`)
