@@ -2,8 +2,10 @@
 
 Expects a traced model (or a module to trace), a Cluster and a global batch. Three phases:
 
-1. Outer enumeration (`space.strategies`) of degrees, micro-batching, schedule, ZeRO level,
-   sequence parallelism and rank layout. A memory bound drops what cannot fit; the rest get
+1. Outer enumeration of degrees, micro-batching, schedule, ZeRO level, sequence parallelism
+   and rank layout, streamed by shape (`enumeration`: the degrees and micro-batching, each
+   with a proven floor) within `_ENUMERATE_SHARE` of the budget; the visit expands the shapes
+   left when their floors are the least bounds. A memory bound drops what cannot fit; the rest get
    their per-unit costs and proven lower bounds on the simulated step (the busiest rank's work
    and tail, `cost_model.schedules.pipeline_lower_bound_s`, whole units per rank with each
    rank's fill, drain and tail, `bounds.whole_unit_bound`, communication, the memory the
