@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Protocol
 
+import numpy as np
+
 # the name sets and layout rules are `cost_model.degrees`'; re-exported under their names here
 from cost_model.degrees import AXES as AXES
 from cost_model.degrees import LEGACY_AXES as LEGACY_AXES
@@ -398,15 +400,33 @@ def _group_placements(
     size = math.prod(count for _, count in inside)
     if size == 1:
         return (GroupPlacement(size=1, num_nodes=1, ranks_per_node=1),)
+    # A group's spread over nodes depends only on where its base falls within a node: the
+    # residues of the bases modulo the node size (at most devices_per_node of them; i * step
+    # modulo the node size repeats within devices_per_node steps).
+    residues = {0}
+    for step, count in outside:
+        residues = {
+            (r + i * step) % devices_per_node
+            for r in residues
+            for i in range(min(count, devices_per_node))
+        }
+    found: set[GroupPlacement] = set()
+    if size > _VECTOR_GROUP:
+        # (a data-parallel group of thousands of ranks: the nodes of every offset at once)
+        spread = np.zeros(1, dtype=np.int64)
+        for step, count in inside:
+            spread = (spread[:, None] + np.arange(count, dtype=np.int64) * step).ravel()
+        for base in residues:
+            _, per_node = np.unique((base + spread) // devices_per_node, return_counts=True)
+            found.add(
+                GroupPlacement(
+                    size=size, num_nodes=len(per_node), ranks_per_node=int(per_node.max())
+                )
+            )
+        return tuple(sorted(found, key=lambda g: (g.num_nodes, g.ranks_per_node)))
     offsets = [0]
     for step, count in inside:
         offsets = [o + i * step for o in offsets for i in range(count)]
-    # A group's spread over nodes depends only on where its base falls within a node: the
-    # residues of the bases modulo the node size (at most devices_per_node of them).
-    residues = {0}
-    for step, count in outside:
-        residues = {(r + i * step) % devices_per_node for r in residues for i in range(count)}
-    found: set[GroupPlacement] = set()
     for base in residues:
         counts: dict[int, int] = {}
         for offset in offsets:
@@ -416,6 +436,10 @@ def _group_placements(
             GroupPlacement(size=size, num_nodes=len(counts), ranks_per_node=max(counts.values()))
         )
     return tuple(sorted(found, key=lambda g: (g.num_nodes, g.ranks_per_node)))
+
+
+# Groups larger than this are placed with numpy (`_group_placements`).
+_VECTOR_GROUP = 64
 
 
 def pipeline_link_crosses_nodes(
