@@ -175,21 +175,13 @@ class Enumeration:
         dtype = self._space.dtype
         assert dtype is not None  # resolved by `SearchSpace.for_cluster`
         schedule, v = options.schedules[0]
-        return Strategy(
-            tp_degree=shape.tp,
-            dp_degree=shape.dp,
-            pp_degree=shape.pp,
-            virtual_stages=v,
-            micro_batch_size=shape.micro_batch_size,
-            num_micro_batches=shape.num_micro_batches,
-            schedule=schedule,
-            zero_stage=options.zero[0],
-            sequence_parallel=options.sequence_parallel[0],
-            dtype=dtype,
-            rank_layout=options.layouts[0],
-            cp_degree=shape.cp,
-            ep_degree=shape.ep,
-            ep_folding=shape.ep_folding and shape.ep > 1,
+        return shape.member(
+            schedule,
+            v,
+            options.zero[0],
+            options.sequence_parallel[0],
+            options.layouts[0],
+            dtype,
         )
 
     def _floor(self, base: Strategy, options: ShapeOptions) -> float:

@@ -305,6 +305,33 @@ class Shape:
     micro_batch_size: int
     num_micro_batches: int
 
+    def member(
+        self,
+        schedule: Schedule,
+        virtual_stages: int,
+        zero: int,
+        sequence_parallel: bool,
+        layout: Layout,
+        dtype: str,
+    ) -> Strategy:
+        """The outer choice of this shape with these options."""
+        return Strategy(
+            tp_degree=self.tp,
+            dp_degree=self.dp,
+            pp_degree=self.pp,
+            virtual_stages=virtual_stages,
+            micro_batch_size=self.micro_batch_size,
+            num_micro_batches=self.num_micro_batches,
+            schedule=schedule,
+            zero_stage=zero,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            rank_layout=layout,
+            cp_degree=self.cp,
+            ep_degree=self.ep,
+            ep_folding=self.ep_folding and self.ep > 1,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ShapeOptions:
@@ -504,19 +531,4 @@ def shape_strategies(space: SearchSpace, shape: Shape, options: ShapeOptions) ->
                 if split_backward_conflict(schedule, zero, ("none",)) is not None:
                     continue  # the runtime refuses it (ZeRO-3 with a split backward)
                 for layout in options.layouts:
-                    yield Strategy(
-                        tp_degree=shape.tp,
-                        dp_degree=shape.dp,
-                        pp_degree=shape.pp,
-                        virtual_stages=v,
-                        micro_batch_size=shape.micro_batch_size,
-                        num_micro_batches=shape.num_micro_batches,
-                        schedule=schedule,
-                        zero_stage=zero,
-                        sequence_parallel=sp,
-                        dtype=dtype,
-                        rank_layout=layout,
-                        cp_degree=shape.cp,
-                        ep_degree=shape.ep,
-                        ep_folding=shape.ep_folding and shape.ep > 1,
-                    )
+                    yield shape.member(schedule, v, zero, sp, layout, dtype)

@@ -170,9 +170,10 @@ class StackChoices:
         self._stack, self._profile = stack, profile
         self._cluster, self._global_batch = cluster, global_batch
         self._limits = axis_limits(stack, profile, running=True)
-        # the space again within the pipeline engine's limits (None: the stack has none)
+        # Under a pipeline engine's limits, the space again within them (None: none left)
+        self._limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
         self._within: SearchSpace | None = None
-        if stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel:
+        if self._limited:
             top = stack.pipeline_max_zero
             zero = tuple(z for z in space.zero if top is None or z <= top)
             tp = space.tp
@@ -180,7 +181,6 @@ class StackChoices:
                 tp = (1,) if space.tp is None or 1 in space.tp else ()
             if zero and tp != ():
                 self._within = replace(space, zero=zero, tp=tp)
-        self._limited = stack.pipeline_max_zero is not None or not stack.pipeline_tensor_parallel
 
     def shapes(self) -> list[Shape]:
         """Every shape of the space, in `space.shapes` order."""
