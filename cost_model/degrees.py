@@ -46,8 +46,10 @@ Axis = Literal["pp", "dp", "cp", "tp"]
 # written before context parallelism): a missing axis has degree 1 and no place.
 AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")
 LEGACY_AXES: tuple[Axis, ...] = ("pp", "dp", "tp")
-DTypeName = Literal["fp32", "bf16", "fp16"]
-DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16")
+# The plain training dtypes, then the fp8 recipes (`cost_model.precision`: bf16 training with
+# the linears' GEMMs in fp8).
+DTypeName = Literal["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8"]
+DTYPE_NAMES: tuple[DTypeName, ...] = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # The largest degree, batch or unit index a plan may hold (2^53: floats count exactly up to it,
 # and the cost model computes in floats); far above any real job, it keeps messages short.

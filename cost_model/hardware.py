@@ -21,6 +21,7 @@ from cost_model import this_machine
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
 from cost_model.messages import shown_count
+from cost_model.precision import fp8_device_problem
 from cost_model.schema import (
     PATH_LIMIT,
     check_schema_version,
@@ -36,8 +37,10 @@ from cost_model.units import Dimension, parse_quantity
 logger = logging.getLogger(__name__)
 
 CLUSTER_SCHEMA_VERSION = 1
-DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
-DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# Peak rates a device may state: "fp8" for e4m3/e5m2 tensor cores (Hopper, Ada, Blackwell),
+# "mxfp8" for MX block-scaled fp8 ones (Blackwell; `cost_model.precision`).
+DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8"]
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +112,14 @@ class DeviceSpec:
         """Peak FLOP/s for ``dtype``, falling back to a same-width dtype the device has."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
-        fallback = {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32", "fp8": "bf16"}.get(dtype)
+        # (never fp8 from a 16-bit rate: a device without fp8 tensor cores refuses the
+        # recipes, `missing_rate`)
+        fallback = {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32", "mxfp8": None}.get(dtype)
+        if dtype in ("fp8", "mxfp8"):
+            raise ClusterError(
+                fp8_device_problem(dtype, self.name, self.kind, frozenset(self.peak_flops))
+                or f"device {shown(self.name)} has no peak FLOP/s for {dtype}"
+            )
         if fallback is not None and fallback in self.peak_flops:
             return self.peak_flops[fallback]
         if "fp32" in self.peak_flops:
@@ -124,6 +134,10 @@ class DeviceSpec:
         that states fp16 tensor cores and no bf16 (a V100; `peak_flops_for` would lend it the
         fp16 rate)."""
         rates = self.peak_flops
+        if (
+            problem := fp8_device_problem(dtype, self.name, self.kind, frozenset(rates))
+        ) is not None:
+            return problem
         if dtype == "bf16" and self.kind == "gpu" and "bf16" not in rates and "fp16" in rates:
             return f"{self.name} states no bf16 rate, only fp16 (a V100 has no bf16 tensor cores)"
         return None

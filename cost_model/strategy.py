@@ -30,6 +30,7 @@ from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
+from cost_model.precision import DEFAULT_FP8_EXCLUDE, Fp8Recipe, fp8_field_problem, fp8_recipe
 from cost_model.schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -54,7 +55,16 @@ RECOMPUTE_ORDER = RECOMPUTE_MODES
 DataParallelWrapper = Literal["none", "ddp", "replicate", "fsdp"]
 
 # Bytes per element of the training dtype (activations, parameters and gradients in this dtype).
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# An fp8 recipe trains in bf16 and casts only the GEMMs' inputs (`cost_model.precision`).
+DTYPE_BYTES: dict[str, int] = {
+    "fp32": 4,
+    "tf32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 2,
+    "fp8-rowwise": 2,
+    "mxfp8": 2,
+}
 
 
 class StageLike(Protocol):
@@ -134,6 +144,9 @@ class Strategy:
     ep_degree: int = 1
     # ep over consecutive ranks of the dp x cp x tp block (Megatron-Core's folding), not dp
     ep_folding: bool = False
+    # Under an fp8 recipe: FSDP2 gathers fp8 weights; the linears kept in bf16 (`Plan`).
+    fp8_all_gather: bool = False
+    fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
 
     def __post_init__(self) -> None:
         for name in (
@@ -171,6 +184,11 @@ class Strategy:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+        problem = fp8_field_problem(
+            self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage
+        )
+        if problem is not None:
+            raise ValueError(f"strategy: {problem}")
 
     @classmethod
     def of(cls, plan: PlanLike) -> Strategy:
@@ -194,6 +212,8 @@ class Strategy:
             zero_stage=plan.zero_stage,
             sequence_parallel=plan.sequence_parallel,
             dtype=plan.dtype,
+            fp8_all_gather=bool(getattr(plan, "fp8_all_gather", False)),
+            fp8_exclude=tuple(getattr(plan, "fp8_exclude", DEFAULT_FP8_EXCLUDE)),
             rank_layout=layout,  # type: ignore[arg-type]
         )
 
@@ -229,6 +249,11 @@ class Strategy:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        """The plan's fp8 recipe (`cost_model.precision`), or None for a plain dtype."""
+        return fp8_recipe(self.dtype)
 
     def degree(self, axis: Axis) -> int:
         return {

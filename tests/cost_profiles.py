@@ -189,7 +189,7 @@ def round_cluster(
         device=DeviceSpec(
             name="round-gpu",
             memory_bytes=memory_bytes,
-            peak_flops={"bf16": 100e12, "fp32": 10e12},
+            peak_flops={"bf16": 100e12, "fp32": 10e12, "fp8": 200e12},
             memory_bandwidth_bytes_per_s=1e12,
         ),
         intra_node=LinkSpec(bandwidth_bytes_per_s=100e9, latency_s=10e-6),

@@ -24,10 +24,17 @@ from cost_model.strategy import Strategy
 from cost_model.workload import ModelProfile
 from tests.cost_profiles import gpt_profile, with_routed_experts
 
-CLUSTER = autoplan.Cluster.preset("dgx-a100-80g", nodes=2)
+# H100s with MX block-scaled rates too (as Blackwell states them), so every fp8 recipe prices
+_H100 = autoplan.Cluster.preset("dgx-h100-80g", nodes=2)
+CLUSTER = dataclasses.replace(
+    _H100,
+    device=dataclasses.replace(
+        _H100.device, peak_flops={**_H100.device.peak_flops, "mxfp8": 1979e12}
+    ),
+)
 GLOBAL_BATCH = 32
 GRID = {"tp": (1, 2), "pp": (1, 2, 4), "cp": (1, 2), "micro_batch": (1,)}
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp8-rowwise", "mxfp8")
 # every k-th outer choice of the grid (all of them: ~10x the time, the same verdicts)
 STRIDE = 5
 

@@ -431,7 +431,9 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "schedule": SCHEDULES,
     "zero_stage": (0, 1, 2, 3),
     "sequence_parallel": (False, True),
-    "dtype": ("bf16", "fp32"),
+    "dtype": ("bf16", "fp32", "fp8"),
+    "fp8_all_gather": (False, True),
+    "fp8_exclude": (("head",), ()),
     "rank_layout": (
         ("pp", "dp", "tp"),
         ("dp", "pp", "tp"),
@@ -456,6 +458,8 @@ def test_cache_keys_name_every_field_their_values_read() -> None:
     space = SearchSpace(cp=(1, 2))
     found = list(strategies(space, profile, cluster, 32))
     bases = found[:: max(1, len(found) // 12)]
+    # and fp8 ones, whose fp8 fields the keys sort too
+    bases += [dataclasses.replace(base, dtype="fp8", zero_stage=3) for base in bases[::3]]
     values: dict[str, Callable[[BoundTables, Strategy, tuple[str, ...]], object]] = {
         PARAMS_KEY.name: lambda t, s, m: t._param_count(s),
         ACTIVATION_KEY.name: lambda t, s, m: t._least_activations(s, m),

@@ -69,6 +69,7 @@ from cost_model.frameworks.limits import expert_layout_refusal
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
+from cost_model.precision import DEFAULT_FP8_EXCLUDE, fp8_field_problem, fp8_recipe
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -235,6 +236,11 @@ class Plan:
     zero_stage: int = 0
     sequence_parallel: bool = False
     dtype: DTypeName = "bf16"
+    # Under an fp8 recipe (`cost_model.precision`): FSDP2 all-gathers the converted linears'
+    # weights in fp8 (tensor-wise fp8 with ZeRO >= 1), and the linears kept in bf16 ("head",
+    # "router", or module names and their prefixes).
+    fp8_all_gather: bool = False
+    fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
     rank_layout: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
     # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
     # or a stack `autoplan export` writes a launch config for.
@@ -260,6 +266,11 @@ class Plan:
             raise PlanError(
                 f"schedule = {shown(self.schedule)} must be one of {', '.join(SCHEDULES)}"
             )
+        problem = fp8_field_problem(
+            self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage
+        )
+        if problem is not None:
+            raise PlanError(problem)
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(
                 f"sequence_parallel = {shown(self.sequence_parallel)} must be true or false"
@@ -500,6 +511,8 @@ class Plan:
                 f"{cluster.num_devices}"
             )
         missing = cluster.device.missing_rate(self.dtype)
+        if missing is not None and fp8_recipe(self.dtype) is not None:
+            raise PlanError(missing)
         if missing is not None:
             raise PlanError(
                 f"dtype = {shown(self.dtype)}, but {missing}; use dtype 'fp16', or add "
@@ -588,6 +601,9 @@ class Plan:
             del data["ep_folding"]
         if data["memory_headroom"] is None:
             del data["memory_headroom"]
+        # the fp8 fields only under an fp8 recipe (a bf16 plan reads and writes as before)
+        if fp8_recipe(self.dtype) is None:
+            del data["fp8_all_gather"], data["fp8_exclude"]
         return data
 
     @property

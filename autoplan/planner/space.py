@@ -264,7 +264,7 @@ def _normalise(key: str, value: Any) -> Any:
         return bool(value)
     if key == "dtype":
         if value not in DTYPE_NAMES:
-            raise ConstraintError(f"dtype={value!r}; use fp32, bf16 or fp16")
+            raise ConstraintError(f"dtype={value!r}; use one of {', '.join(DTYPE_NAMES)}")
         return value
     raise AssertionError(key)
 

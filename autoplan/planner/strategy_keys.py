@@ -80,6 +80,8 @@ PARAMS_KEY = Projection(
             "cp_degree",
             "ep_degree",
             "ep_folding",
+            "fp8_all_gather",
+            "fp8_exclude",
         }
     ),
 )
@@ -94,6 +96,7 @@ ACTIVATION_KEY = Projection(
         "cp_degree",
         "ep_degree",
         "dtype",
+        "fp8_exclude",
     ),
     ignores=frozenset(
         {
@@ -105,6 +108,7 @@ ACTIVATION_KEY = Projection(
             "zero_stage",
             "rank_layout",
             "ep_folding",
+            "fp8_all_gather",
         }
     ),
 )
@@ -125,6 +129,8 @@ STATE_KEY = Projection(
         "cp_degree",
         "ep_degree",
         "ep_folding",
+        "fp8_all_gather",
+        "fp8_exclude",
     ),
     ignores=frozenset({"virtual_stages", "num_micro_batches", "schedule", "rank_layout"}),
 )
@@ -142,6 +148,8 @@ FLOOR_KEY = Projection(
         # the units' costs keep the strategy's rank order: an ep all-to-all or a cp ring is
         # priced on the links its layout gives it, so the order floor differs by layout
         "rank_layout",
+        "fp8_all_gather",
+        "fp8_exclude",
     ),
     ignores=frozenset(
         {

@@ -20,5 +20,7 @@ AUTOPLAN = FrameworkProfile(
         # are wrapped on their own, so its hooks run inside a selectively recomputed block
         expert_wrapper_limits=True,
     ),
+    # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling
+    fp8_recipes=("fp8", "fp8-rowwise"),
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from cost_model.messages import shown
+from cost_model.precision import FP8_RECIPE_NAMES, PLAIN_DTYPES, fp8_recipe
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import PlanLike, RecomputeMode, Strategy, is_subsequence
@@ -198,20 +199,29 @@ def _stack_limits(stack: FrameworkProfile) -> Iterator[AxisLimit]:
                 field="sequence_parallel",
             ),
         )
-    if (dtypes := stack.dtypes) is not None:
-        dtype_rule = f"{name} trains in {' or '.join(dtypes)}"
-        yield AxisLimit(
-            axis="dtype",
-            allowed=dtypes,
-            rule=dtype_rule,
-            refuse=lambda dtype: Refusal(
-                value=f"dtype {dtype}",
-                rule=dtype_rule,
-                fix=f"set --dtype {dtypes[0]}",
-                limit="dtype",
-                field="dtype",
-            ),
+    plain = stack.dtypes or PLAIN_DTYPES
+    if stack.dtypes is not None or set(stack.fp8_recipes) != set(FP8_RECIPE_NAMES):
+        dtypes = (*plain, *stack.fp8_recipes)
+        fp8_words = (
+            f"fp8 as {' or '.join(stack.fp8_recipes)}" if stack.fp8_recipes else "no fp8 recipe"
         )
+        dtype_rule = f"{name} trains in {' or '.join(plain)}, with {fp8_words}"
+
+        def _dtype_refusal(dtype: str) -> Refusal:
+            fp8 = fp8_recipe(dtype)
+            rule = (
+                f"{name} has {fp8_words} ({fp8.summary} is {dtype})"
+                if fp8 is not None
+                else f"{name} trains in {' or '.join(plain)}"
+            )
+            fix = (
+                f"set --dtype {stack.fp8_recipes[0]}"
+                if fp8 is not None and stack.fp8_recipes
+                else f"set --dtype {'bf16' if 'bf16' in plain else plain[0]}"
+            )
+            return Refusal(value=f"dtype {dtype}", rule=rule, fix=fix, limit="dtype", field="dtype")
+
+        yield AxisLimit(axis="dtype", allowed=dtypes, rule=dtype_rule, refuse=_dtype_refusal)
     if (modes := stack.recompute_modes) is not None:
         rule = f"{name} has only {' and '.join(modes)} recompute"
         yield AxisLimit(

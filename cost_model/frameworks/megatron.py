@@ -160,6 +160,9 @@ MEGATRON_LM = FrameworkProfile(
             "layers-with-edges": {"pipeline_split": "layers-with-edges"},
         },
     },
+    # Transformer Engine's fp8 through --fp8-format hybrid with --fp8-recipe tensorwise (current
+    # scaling) or mxfp8 (Blackwell); its delayed and blockwise recipes have no autoplan name
+    fp8_recipes=("fp8", "mxfp8"),
     sources=(
         "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
         "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",

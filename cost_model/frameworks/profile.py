@@ -219,8 +219,10 @@ class FrameworkProfile:
     # sequence chunks), or no expert parallelism, as a plan degree (`refusal`).
     context_parallel: bool = True
     expert_parallel: bool = True
-    # The training dtypes the stack runs (``None``: fp32, bf16 and fp16).
+    # The training dtypes the stack runs (``None``: fp32, bf16 and fp16), and the fp8 recipes
+    # (`cost_model.precision`; none unless stated).
     dtypes: tuple[str, ...] | None = None
+    fp8_recipes: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).

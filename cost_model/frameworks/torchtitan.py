@@ -58,6 +58,9 @@ TORCHTITAN = FrameworkProfile(
     rank_layouts=(("pp", "dp", "tp"),),
     capabilities=Capabilities(cp_min_zero=1, explained=TORCHTITAN_WORDS),
     dtypes=("bf16", "fp32"),
+    # model.converters "float8" (float8.recipe_name tensorwise or rowwise) and "mx" (MXFP8 on
+    # Blackwell): torchtitan docs/float8.md and docs/mxfp8.md
+    fp8_recipes=("fp8", "fp8-rowwise", "mxfp8"),
     sources=(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
         "pytorch/torchtitan torchtitan/components/loss.py",
