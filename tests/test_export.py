@@ -242,9 +242,11 @@ def test_torchtitan_module_carries_the_plan(llama8b: Any) -> None:
     dims = model_dims("llama3-8b")
     values = _module_assignments(torchtitan_module(plan, dims))
     for key in values:
-        if key != "config.activation_checkpoint":
+        if key not in ("config.activation_checkpoint", "config.model_spec"):
             _, section, name = key.split(".")
             assert name in TORCHTITAN_FIELDS[section], key
+    # the flavor stated without converters (llama3_405b's baseline converts to float8)
+    assert values["config.model_spec"] == "model_registry('8B')"
     assert values["config.parallelism.data_parallel_shard_degree"] == 2
     assert values["config.parallelism.data_parallel_replicate_degree"] == 1
     assert values["config.parallelism.fsdp_reshard_after_forward"] == "always"

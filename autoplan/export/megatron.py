@@ -38,6 +38,28 @@ Plan field -> flag:
   ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
   with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
 - ``dtype`` -> ``--bf16`` / ``--fp16`` (``_add_mixed_precision_args``; fp32 is the default).
+  An fp8 recipe trains in bf16 (``--bf16``) with Transformer Engine's fp8 GEMMs
+  (``TransformerConfig.fp8`` / ``fp8_recipe``, flags ``--fp8-format`` / ``--fp8-recipe``):
+  ``fp8`` -> ``--fp8-format hybrid --fp8-recipe tensorwise`` (e4m3 forward, e5m2 gradients;
+  TE's ``Float8CurrentScaling``, ``get_fp8_recipe`` in ``megatron/core/fp8_utils.py``, TE >= 2.2);
+  ``mxfp8`` -> ``--fp8-format e4m3 --fp8-recipe mxfp8`` (``MXFP8BlockScaling``, e4m3 elements as
+  NVIDIA's own mxfp8 runs set it, e.g. ``tests/functional_tests/test_cases/nemotron/
+  nemotron3_super_release_gb200``). ``fp8-rowwise`` has no Megatron recipe (``fp8_recipe`` is
+  tensorwise, delayed, mxfp8, blockwise or custom): refused in the profile's words.
+- ``fp8_all_gather`` -> ``--fp8-param-gather`` (``_add_transformer_engine_args``; Megatron-LM
+  copies it into ``TransformerConfig.fp8_param``): the parameters kept in fp8 and all-gathered
+  in fp8, which ``validate_args`` allows only with the distributed optimizer or Megatron-FSDP,
+  i.e. zero_stage >= 1, as the plan requires.
+- ``fp8_exclude``: Megatron-LM builds its output layer as a bf16 ``ColumnParallelLinear``
+  outside TE's fp8 (``megatron/core/models/gpt/gpt_model.py``), except under mxfp8 with
+  ``--fp8-output-proj`` (``TELMHeadColumnParallelLinear``), which a plan that converts ``head``
+  under mxfp8 gets; under fp8 the head must stay in ``fp8_exclude``. Its MoE router computes in
+  bf16 or fp32 (``router_gating_linear``, ``megatron/core/transformer/moe/router.py``), so a
+  MoE plan keeps ``router`` in it. Whole blocks kept in bf16 at the start and the end ->
+  ``--first-last-layers-bf16 --num-layers-at-start-in-bf16 A --num-layers-at-end-in-bf16 B``
+  (``TransformerConfig``: global layer indices, ``is_first_last_bf16_layer`` in fp8_utils.py;
+  each count at most num_layers // pp, its ``__post_init__``); blocks in the middle or parts of
+  a block are refused naming them.
 - data parallelism -> ``--overlap-grad-reduce`` (bucketed gradient reduction during the
   backward, ``_add_distributed_args``; off by default) when the plan is priced with gradient
   sync overlapping the backward: its framework profile's ``dp_overlap`` with the options
@@ -86,6 +108,8 @@ Plan field -> flag:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from autoplan.contract.plan import Plan
 from autoplan.export._common import (
     Export,
@@ -103,7 +127,9 @@ from autoplan.export._common import (
     uniform_recompute,
     units_problem,
 )
+from autoplan.export.fp8 import Fp8Layers, exclude_text, fp8_layers, unknown_problem
 from cost_model.frameworks import framework_profile
+from cost_model.precision import compute_dtype
 from cost_model.schedules import interleaved_rounds
 from cost_model.strategy import is_subsequence
 
@@ -156,11 +182,52 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         strategy = "optim_grads" if plan.zero_stage == 2 else "optim_grads_params"
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
         args += ["--ckpt-format", "fsdp_dtensor"]
-    if plan.dtype == "bf16":
+    if compute_dtype(plan.dtype) == "bf16":
         args += ["--bf16"]
     elif plan.dtype == "fp16":
         args += ["--fp16"]
+    if (layers := fp8_layers(plan, dims)) is not None:
+        args += _fp8_args(plan, layers)
     return tuple(args)
+
+
+# Megatron-LM's --fp8-format and --fp8-recipe for autoplan's recipes (TransformerConfig fp8,
+# fp8_recipe); the formats as NVIDIA's Megatron-LM examples and tests set them
+_FP8_FLAGS = {"fp8": ("hybrid", "tensorwise"), "mxfp8": ("e4m3", "mxfp8")}
+
+
+def _fp8_args(plan: Plan, layers: Fp8Layers) -> list[str]:
+    fp8_format, recipe = _FP8_FLAGS[layers.recipe.name]
+    args = ["--fp8-format", fp8_format, "--fp8-recipe", recipe]
+    if plan.fp8_all_gather:
+        args += ["--fp8-param-gather"]
+    bf16 = _bf16_ends(layers)
+    if bf16.start or bf16.end:
+        args += ["--first-last-layers-bf16"]
+        args += ["--num-layers-at-start-in-bf16", str(bf16.start)]
+        args += ["--num-layers-at-end-in-bf16", str(bf16.end)]
+    if layers.recipe.name == "mxfp8" and not layers.head_kept:
+        args += ["--fp8-output-proj"]
+    return args
+
+
+class _Bf16Ends(NamedTuple):
+    """The blocks kept in bf16 as Megatron counts them: the first ``start`` and the last
+    ``end``, and those kept that are neither (``middle``)."""
+
+    start: int
+    end: int
+    middle: tuple[int, ...]
+
+
+def _bf16_ends(layers: Fp8Layers) -> _Bf16Ends:
+    kept = set(layers.kept_blocks)
+    start = next((i for i in range(layers.num_blocks) if i not in kept), layers.num_blocks)
+    end = 0
+    while end < layers.num_blocks - start and layers.num_blocks - 1 - end in kept:
+        end += 1
+    middle = tuple(sorted(i for i in kept if start <= i < layers.num_blocks - end))
+    return _Bf16Ends(start=start, end=end, middle=middle)
 
 
 def _model_args(dims: ModelDims) -> list[str]:
@@ -240,6 +307,98 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     if (cp := cp_sequence_problem(plan, dims, "--context-parallel-size")) is not None:
         problems.append(cp)
     problems += expert_problems(plan, dims)
+    problems += _fp8_problems(plan, dims)
+    return problems
+
+
+def _fp8_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    """What of an fp8 plan's layers Megatron-LM cannot run as the plan states them (a recipe
+    it lacks is its profile's limit, refused by `stack_problems`)."""
+    layers = fp8_layers(plan, dims)
+    if layers is None or layers.recipe.name not in framework_profile(FRAMEWORK).fp8_recipes:
+        return []
+    problems = [p for p in (unknown_problem(plan, layers, dims),) if p is not None]
+    value = exclude_text(plan)
+    if not layers.head_kept and layers.recipe.name == "fp8":
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=value,
+                option=(
+                    "Megatron-LM runs its output layer in bf16 under --fp8-recipe tensorwise (a "
+                    "ColumnParallelLinear outside Transformer Engine's fp8; --fp8-output-proj "
+                    "needs mxfp8, megatron/core/models/gpt/gpt_model.py), and the plan converts "
+                    "the head"
+                ),
+                fix="add head to fp8_exclude (the default) in the plan file",
+            )
+        )
+    if routers := layers.converted_routers:
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=value,
+                option=(
+                    "Megatron-LM's MoE router computes in bf16 or fp32 (router_gating_linear, "
+                    "--moe-router-dtype; megatron/core/transformer/moe/router.py), and the plan "
+                    f"converts {len(routers)} router(s) to fp8"
+                ),
+                fix="add router to fp8_exclude in the plan file",
+            )
+        )
+    if parts := layers.kept_parts:
+        shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=value,
+                option=(
+                    "Megatron-LM keeps only whole transformer layers in bf16 "
+                    f"(--first-last-layers-bf16), not parts of one: {shown}"
+                ),
+                fix=(
+                    "keep whole blocks (blocks.<i>) in bf16, or export to torchtitan (filter_fqns)"
+                ),
+            )
+        )
+    problems += _bf16_ends_problems(plan, layers)
+    return problems
+
+
+def _bf16_ends_problems(plan: Plan, layers: Fp8Layers) -> list[ExportProblem]:
+    bf16 = _bf16_ends(layers)
+    problems = []
+    if bf16.middle:
+        blocks = ", ".join(f"blocks.{i}" for i in bf16.middle)
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=exclude_text(plan),
+                option=(
+                    "Megatron-LM keeps the first and the last layers in bf16 (--num-layers-at-"
+                    f"start-in-bf16, --num-layers-at-end-in-bf16), not {blocks} between them"
+                ),
+                fix=(
+                    "keep blocks in bf16 from the start or the end only, or export to "
+                    "torchtitan (filter_fqns)"
+                ),
+            )
+        )
+    # TransformerConfig.__post_init__: each count at most num_layers // pipeline size
+    most = layers.num_blocks // plan.pp_degree
+    if max(bf16.start, bf16.end) > most:
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=exclude_text(plan),
+                option=(
+                    f"Megatron-LM keeps at most num_layers // pp = {layers.num_blocks} // "
+                    f"{plan.pp_degree} = {most} layers in bf16 at each end (TransformerConfig); "
+                    f"the plan keeps {bf16.start} at the start and {bf16.end} at the end"
+                ),
+                fix=f"keep at most {most} blocks at each end in bf16, or lower pp_degree",
+            )
+        )
     return problems
 
 
@@ -272,6 +431,13 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         notes += (
             "context parallelism runs in Transformer Engine's attention (the default "
             "--transformer-impl transformer_engine): install Transformer Engine",
+        )
+    if (layers := fp8_layers(plan, dims)) is not None:
+        version = "2.2 (Float8CurrentScaling)" if layers.recipe.name == "fp8" else "2.1"
+        notes += (
+            "fp8 runs in Transformer Engine's layers (the default --transformer-impl "
+            f"transformer_engine): install Transformer Engine >= {version}, as "
+            "megatron/core/fp8_utils.py get_fp8_recipe asks",
         )
     if dims.moe is not None:
         notes += (

@@ -31,7 +31,27 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   ``FullAC.Config()`` or ``None`` (``torchtitan/distributed/activation_checkpoint.py``; the
   llama3 parallelize applies it when not None).
 - ``dtype`` -> ``training.mixed_precision_param`` (``"bfloat16"`` or ``"float32"``; fp32
-  master weights either way). It has no float16.
+  master weights either way). It has no float16. An fp8 recipe trains in bfloat16 with a model
+  converter, passed to ``model_registry(flavor, converters=[...])``
+  (``torchtitan/models/llama3/__init__.py``), which swaps each converted ``Linear.Config``
+  when the config is built (``torchtitan/components/quantization/``):
+  ``fp8-rowwise`` -> ``Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=...)``
+  (torchao's rowwise recipe; ``filter_fqns`` keeps in bf16 every linear whose fqn contains an
+  entry); ``mxfp8`` -> ``MXFP8LinearConverter.Config(fqns=...)``, which converts only the
+  linears whose fqn contains an entry (all when empty), so the export lists the converted ones.
+  ``model_compile_enabled`` follows the baseline's ``compile``. A bf16 plan states the
+  flavor's converters too (none): the ``llama3_405b`` baseline converts to float8.
+- ``dtype`` ``fp8`` (tensor-wise) and ``fp8_all_gather``: torchtitan 0.3.0 has neither; its
+  float8 converter's ``recipe_name`` is ``"rowwise"`` or ``"rowwise_with_gw_hp"``, and
+  ``enable_fsdp_float8_all_gather`` / ``precompute_float8_dynamic_scale_for_fsdp`` went with
+  tensor-wise scaling (pytorch/torchtitan#3127, "quantize on config instead of on model"):
+  refused, naming fp8-rowwise and Megatron-LM's ``--fp8-recipe tensorwise``.
+- ``fp8_exclude`` -> torchtitan's module names: ``head`` and ``lm_head`` -> ``lm_head``,
+  ``blocks.<i>`` -> ``layers.<i>.`` (the dot keeps ``layers.1`` from matching ``layers.10``),
+  ``attn.o_proj`` -> ``attention.wo``, ``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` ->
+  ``feed_forward.w1`` / ``w3`` / ``w2`` (``w2(silu(w1(x)) * w3(x))``,
+  ``models/common/feed_forward.py``); q, k and v are one fused linear
+  (``attention.qkv_linear.wqkv``), kept in bf16 together or not at all.
 - ``rank_layout``: torchtitan's mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
   first, ``torchtitan/distributed/parallel_dims.py``): [pp, dp, cp, tp], cp left out when 1.
 - ``cp_degree`` -> ``context_parallel_degree`` with ``context_parallel_load_balancer =
@@ -63,6 +83,7 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from autoplan.contract.plan import Plan
@@ -81,6 +102,8 @@ from autoplan.export._common import (
     uniform_recompute,
     units_problem,
 )
+from autoplan.export.fp8 import HEAD, Fp8Layers, exclude_text, fp8_layers, unknown_problem
+from cost_model.precision import compute_dtype
 
 FRAMEWORK: Framework = "torchtitan"
 MODULE = "autoplan_torchtitan"
@@ -242,6 +265,122 @@ def module_fqns(plan: Plan, dims: ModelDims) -> list[list[str]]:
     return parts
 
 
+# autoplan's linears (after ``blocks.<i>.``) -> torchtitan 0.3.0's (after ``layers.<i>.``), as
+# llama3_configs builds them (a Llama3Model.Config traversed for Linear.Config)
+_LINEARS = {
+    "attn.q_proj": "attention.qkv_linear.wqkv",
+    "attn.k_proj": "attention.qkv_linear.wqkv",
+    "attn.v_proj": "attention.qkv_linear.wqkv",
+    "attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+}
+# the converter classes of torchtitan.components.quantization for autoplan's recipes it runs
+_CONVERTERS = {"fp8-rowwise": "Float8LinearConverter", "mxfp8": "MXFP8LinearConverter"}
+
+
+def torchtitan_linear(name: str) -> str:
+    """torchtitan's fqn of autoplan's linear ``name`` in a llama3 flavor."""
+    if name == HEAD:
+        return "lm_head"
+    _, block_idx, rest = name.split(".", 2)
+    return f"layers.{block_idx}.{_LINEARS[rest]}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Linears:
+    """An fp8 plan's linears in torchtitan's names: those converted and those kept in bf16,
+    and torchtitan linears whose autoplan parts the plan splits (q, k, v of one ``wqkv``)."""
+
+    converted: tuple[str, ...]
+    kept: tuple[str, ...]
+    split: tuple[str, ...]
+
+
+def fp8_linears(layers: Fp8Layers) -> Fp8Linears:
+    """The plan's fp8 layers in torchtitan's names."""
+    states: dict[str, set[bool]] = {}
+    for name in layers.linears:
+        states.setdefault(torchtitan_linear(name), set()).add(name in layers.kept)
+    return Fp8Linears(
+        converted=tuple(n for n, kept in states.items() if kept == {False}),
+        kept=tuple(n for n, kept in states.items() if kept == {True}),
+        split=tuple(n for n, kept in states.items() if len(kept) == 2),
+    )
+
+
+def fqn_patterns(names: tuple[str, ...], num_blocks: int) -> list[str]:
+    """The fewest entries that a torchtitan fqn list (``filter_fqns``, ``fqns``: an fqn matches
+    when it contains an entry) needs to match exactly ``names``: a whole block as
+    ``layers.<i>.``, every block as ``layers.``."""
+    chosen = set(names)
+    per_block = len(set(_LINEARS.values()))
+    whole = [
+        idx
+        for idx in range(num_blocks)
+        if sum(n.startswith(f"layers.{idx}.") for n in chosen) == per_block
+    ]
+    patterns = ["lm_head"] if "lm_head" in chosen else []
+    if len(whole) == num_blocks:
+        return [*patterns, "layers."]
+    patterns += [f"layers.{idx}." for idx in whole]
+    whole_prefixes = tuple(f"layers.{idx}." for idx in whole)
+    return patterns + [n for n in names if n != "lm_head" and not n.startswith(whole_prefixes)]
+
+
+def _fp8_problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
+    """What of an fp8 plan torchtitan 0.3.0's converters cannot run as the plan states it."""
+    layers = fp8_layers(plan, dims)
+    if layers is None:
+        return []
+    if layers.recipe.name == "fp8":
+        return [
+            ExportProblem(
+                field="dtype",
+                value=plan.dtype,
+                option=(
+                    "torchtitan 0.3.0's float8 converter scales per row only "
+                    "(Float8LinearConverter.Config.recipe_name rowwise or rowwise_with_gw_hp; "
+                    "tensor-wise scaling and its FSDP fp8 all-gather went in pytorch/torchtitan"
+                    "#3127)"
+                ),
+                fix=(
+                    "use dtype fp8-rowwise (fp8_all_gather false), or export to megatron-lm "
+                    "(--fp8-recipe tensorwise)"
+                ),
+            )
+        ]
+    problems = [p for p in (unknown_problem(plan, layers, dims),) if p is not None]
+    linears = fp8_linears(layers)
+    if linears.split:
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=exclude_text(plan),
+                option=(
+                    "torchtitan's llama3 computes q, k and v in one linear "
+                    f"(attention.qkv_linear.wqkv), and the plan keeps some of them in bf16 in "
+                    f"{', '.join(linears.split)}"
+                ),
+                fix="keep q_proj, k_proj and v_proj of a block in bf16 together or not at all",
+            )
+        )
+    if not linears.converted and layers.recipe.name == "mxfp8":
+        problems.append(
+            ExportProblem(
+                field="fp8_exclude",
+                value=exclude_text(plan),
+                option=(
+                    "the plan keeps every linear in bf16, and torchtitan's MXFP8LinearConverter "
+                    "converts every linear when its fqns list is empty"
+                ),
+                fix="use dtype bf16",
+            )
+        )
+    return problems
+
+
 def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     if (units := units_problem(plan, dims)) is not None:
         return [units]
@@ -249,6 +388,7 @@ def _problems(plan: Plan, dims: ModelDims) -> list[ExportProblem]:
     flavor = flavor_of(dims)
     if flavor is not None:
         problems += flavor_arg_problems(dims, flavor)
+        problems += _fp8_problems(plan, dims)
     else:
         sizes = ", ".join(
             f"{f.name} ({f.num_layers} layers, hidden {f.hidden_size}, {f.num_heads} heads)"
@@ -331,6 +471,10 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         "selective": "SelectiveAC.Config()",
         "full": "FullAC.Config()",
     }[recompute or "none"]
+    converter = _CONVERTERS.get(plan.dtype)
+    converter_import = (
+        [f"from torchtitan.components.quantization import {converter}"] if converter else []
+    )
     lines = [
         f'"""torchtitan config for an autoplan plan (digest {plan.digest()}) of {dims.spec}.',
         "",
@@ -339,7 +483,9 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         "from the directory holding this file (or with it on PYTHONPATH).",
         '"""',
         "",
+        *converter_import,
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
+        "from torchtitan.models.llama3 import model_registry",
         f"from torchtitan.models.llama3.config_registry import {flavor.baseline}",
         "from torchtitan.trainer import Trainer",
         "",
@@ -350,7 +496,8 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         f"    config.training.local_batch_size = {local_batch}",
         f"    config.training.global_batch_size = {plan.global_batch_size}",
         f"    config.training.mixed_precision_param = "
-        f'"{"bfloat16" if plan.dtype == "bf16" else "float32"}"',
+        f'"{"bfloat16" if compute_dtype(plan.dtype) == "bf16" else "float32"}"',
+        *_model_spec_lines(plan, dims, flavor),
         "    parallelism = config.parallelism",
         f"    parallelism.data_parallel_replicate_degree = {replicate}",
         f"    parallelism.data_parallel_shard_degree = {shard}",
@@ -384,6 +531,46 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
     return "\n".join(lines)
 
 
+def _model_spec_lines(plan: Plan, dims: ModelDims, flavor: Flavor) -> list[str]:
+    """``config.model_spec``: the flavor with the plan's converter (none for bf16 and fp32)."""
+    layers = fp8_layers(plan, dims)
+    if layers is None:
+        return [
+            "    # the flavor without converters (llama3_405b's baseline converts to float8)",
+            f'    config.model_spec = model_registry("{flavor.name}")',
+        ]
+    linears = fp8_linears(layers)
+    if layers.recipe.name == "mxfp8":
+        # MXFP8LinearConverter converts the linears whose fqn contains an entry of fqns
+        listed = _list_lines("fqns", fqn_patterns(linears.converted, dims.num_layers))
+    else:
+        # Float8LinearConverter keeps in bf16 the linears whose fqn contains an entry
+        listed = _list_lines("filter_fqns", fqn_patterns(linears.kept, dims.num_layers))
+        listed = ['                recipe_name="rowwise",', *listed]
+    return [
+        '    compiled = config.compile.enable and "model" in config.compile.components',
+        "    config.model_spec = model_registry(",
+        f'        "{flavor.name}",',
+        "        converters=[",
+        f"            {_CONVERTERS[plan.dtype]}.Config(",
+        *listed,
+        "                model_compile_enabled=compiled,",
+        "            ),",
+        "        ],",
+        "    )",
+    ]
+
+
+def _list_lines(name: str, entries: list[str], indent: int = 16) -> list[str]:
+    """``name=[...],`` at ``indent``: on one line when it fits 100 columns, else one entry a
+    line."""
+    pad = " " * indent
+    one_line = f"{pad}{name}={json.dumps(entries)},"
+    if len(one_line) <= 100:
+        return [one_line]
+    return [f"{pad}{name}=[", *(f"{pad}    {json.dumps(e)}," for e in entries), f"{pad}],"]
+
+
 def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
     text = torchtitan_module(plan, dims)
     command = (
@@ -402,6 +589,13 @@ def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         "the baseline's hf_assets_path and dataset are torchtitan's defaults: point them at "
         "your tokenizer and data",
     )
+    if plan.dtype in _CONVERTERS:
+        gpu = "NVIDIA SM100 (Blackwell)" if plan.dtype == "mxfp8" else "NVIDIA SM89 or later"
+        notes += (
+            f"the {_CONVERTERS[plan.dtype]} needs torchao and an {gpu} GPU, and torch.compile "
+            "for its speed (config.compile.enable with 'model' in config.compile.components; "
+            "torchtitan/components/quantization/float8.md)",
+        )
     if plan.zero_stage == 1:
         notes += (
             "zero_stage 1 runs as ZeRO-2 (FSDP, parameters kept gathered): torchtitan has no "

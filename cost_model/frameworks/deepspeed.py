@@ -65,6 +65,14 @@ DEEPSPEED_WORDS = {
         fix="set ep_degree to 1 (e.g. autoplan plan ... --ep 1), or export to megatron-lm "
         "(--expert-model-parallel-size)",
     ),
+    "dtype": Explanation(
+        # its only refused dtypes are the fp8 recipes (fp8_recipes is empty)
+        why="deepspeed's config has no fp8 training recipe (ds_config's precision sections are "
+        "fp16 and bf16, deepspeed/runtime/precision_config.py); fp8 GEMMs under DeepSpeed come "
+        "from Transformer Engine layers in the model code, which a ds_config cannot set",
+        fix="use dtype bf16 (e.g. autoplan plan ... --dtype bf16), or export to megatron-lm "
+        "(--fp8-format) or torchtitan (its float8 converter)",
+    ),
     "rank-layout": Explanation(
         why="deepspeed orders its process groups pipe, data, model (outermost first; "
         "PipeModelDataParallelTopology in deepspeed/runtime/pipe/topology.py)",
