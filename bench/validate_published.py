@@ -40,6 +40,7 @@ from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
 from cost_model.hardware import Cluster
+from cost_model.precision import fp8_recipe
 from cost_model.strategy import folded_ep_factors
 from cost_model.uncertainty import (
     MIN_ROWS,
@@ -101,6 +102,10 @@ class Case:
     published_memory_bytes: float | None = None
     # why the run fits although the prediction does not (from its source), if it does not
     memory_note: str = ""
+    # what the run shares with the same configuration in another precision: its family (one
+    # publication's release or table set), GPU, model, stack and whole stated config but the
+    # precision (`fp8_pairs`)
+    pair_key: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -253,10 +258,61 @@ STATED_HARDWARE_KEYS = frozenset(
 
 
 # What a family may say: its publication, default status, how it reports throughput, its dtype,
-# the framework profile that ran it, stated hardware, and a note on memory.
+# the framework profile that ran it, stated hardware, a note on memory, and the plan dtype its
+# runs' delayed-scaling fp8 is priced as (`fp8_delayed_as`, with the assumption stated beside it).
 FAMILY_KEYS = frozenset(
-    {"source", "status", "throughput", "dtype", "framework", "cluster", "memory_note"}
+    {
+        "source",
+        "status",
+        "throughput",
+        "dtype",
+        "framework",
+        "cluster",
+        "memory_note",
+        "fp8_delayed_as",
+    }
 )
+
+# The fp8 recipes the sources name (a row's `config.fp8_recipe`; torchtitan's rows say
+# `float8_recipe`), as plan dtypes (`cost_model.precision`): dynamic tensor-wise scaling
+# (Transformer Engine's current scaling, Megatron-LM's --fp8-recipe tensorwise, torchao's
+# "tensorwise"), torchao's row-wise scaling, and OCP MX blocks (Blackwell).
+FP8_RECIPE_DTYPES = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
+# The recipes no plan dtype names, and why (their rows are skipped with this reason, or, for
+# delayed scaling, priced as the family's `fp8_delayed_as` with the assumption stated there).
+FP8_UNNAMED_RECIPES = {
+    "delayed": "Transformer Engine's delayed scaling (scales from an amax history) has no "
+    "autoplan name",
+    "blockwise": "blockwise fp8 (128 x 128 weight and 1 x 128 activation scales) has no "
+    "autoplan name",
+}
+
+
+def plan_dtype(dtype: str, recipe: str | None, family: dict[str, Any], run_id: str) -> str:
+    """The plan dtype of a row that trained in ``dtype`` (its source's word: fp8 for any fp8
+    recipe) with the fp8 ``recipe`` its source or assumptions state. Raises if an fp8 row's
+    recipe is not stated or has no autoplan name (its assumptions entry must then say skip,
+    with the reason), unless it is delayed scaling and its family prices that as a stated
+    plan dtype (`fp8_delayed_as`)."""
+    if dtype != "fp8":
+        if recipe is not None:
+            raise ValueError(f"{run_id}: fp8_recipe {recipe!r} on a {dtype} row")
+        return dtype
+    if recipe is None:
+        raise ValueError(
+            f"{run_id}: fp8 training with its recipe not stated; state config.fp8_recipe "
+            f"(one of {sorted(FP8_RECIPE_DTYPES) + sorted(FP8_UNNAMED_RECIPES)}) in the row "
+            "or its assumptions entry (an assumed one says so), or give it status skip"
+        )
+    if recipe in FP8_RECIPE_DTYPES:
+        return FP8_RECIPE_DTYPES[recipe]
+    if recipe == "delayed" and family.get("fp8_delayed_as"):
+        return str(family["fp8_delayed_as"])
+    why = FP8_UNNAMED_RECIPES.get(recipe, f"unknown fp8 recipe {recipe!r}")
+    raise ValueError(
+        f"{run_id}: not expressible as an autoplan plan ({why}); give it status skip with "
+        "this reason"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -413,6 +469,8 @@ def build_case(
     memory_note = extra.pop("memory_note", fam.get("memory_note", ""))
     published_gib = row["measured"].get("peak_memory_gib")
     merged = {**{k: v for k, v in config.items() if v is not None}, **extra}
+    recipe = merged.get("fp8_recipe", merged.get("float8_recipe"))
+    dtype = plan_dtype(merged.get("dtype") or fam["dtype"], recipe, fam, run_id)
     tp, pp = merged.get("tp", 1), merged.get("pp", 1)
     cp, ep = merged.get("cp") or 1, merged.get("ep") or 1
     dp = row["num_gpus"] // (tp * pp * cp)
@@ -433,10 +491,13 @@ def build_case(
         schedule=schedule,
         virtual_stages=v,
         sequence_parallel=bool(merged.get("sequence_parallel")),
-        dtype=merged.get("dtype") or fam["dtype"],
+        dtype=dtype,
         # the training stack that ran the row, with the flags the run states
         # (cost_model.frameworks; e.g. megatron-lm-2021:ddp=torch)
         framework=framework,
+        # the plan's fp8_all_gather: the run gathered its fp8 weights in fp8 (torchao's
+        # enable_fsdp_float8_all_gather, NeMo's fp8_params with the distributed optimizer)
+        fp8_all_gather=bool(merged.get("fp8_all_gather")),
     )
     return Case(
         run_id=run_id,
@@ -453,7 +514,19 @@ def build_case(
         published_step_s=published_step_s(how, row, dims, merged["global_batch"]),
         published_memory_bytes=None if published_gib is None else float(published_gib) * 2**30,
         memory_note=memory_note,
+        pair_key=(
+            family,
+            gpu_name,
+            row["num_gpus"],
+            dims,
+            framework,
+            tuple(sorted((k, repr(v)) for k, v in merged.items() if k not in PRECISION_KEYS)),
+        ),
     )
+
+
+# The config keys that say a row's precision (the rest of its config is its layout).
+PRECISION_KEYS = frozenset({"dtype", "fp8_recipe", "float8_recipe", "fp8_all_gather"})
 
 
 def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:
@@ -496,7 +569,7 @@ def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:
 def _default_skip_reason(row: dict[str, Any]) -> str:
     config, model = row["config"], row["model"]
     if config.get("dtype") == "fp8":
-        return "fp8 training (plans are fp32/bf16/fp16)"
+        return "fp8 training with no assumptions entry mapping its recipe to a plan dtype"
     if row["gpu"] == "other":
         return "GPU model not stated"
     if not model.get("num_layers") or not model.get("vocab_size"):
@@ -583,7 +656,12 @@ def _profile_for(dims: ModelDims) -> ModelProfile:
 def predict(case: Case, cluster: Cluster | None = None) -> Result:
     cluster = cluster or case.cluster
     profile = profile_for(case.dims)
-    plan: Plan = manual_plan(profile, cluster, **case.plan_args)
+    args = dict(case.plan_args)
+    fp8_all_gather = bool(args.pop("fp8_all_gather", False))
+    plan: Plan = manual_plan(profile, cluster, **args)
+    if fp8_all_gather:
+        # a Plan field manual_plan does not take: the plan with it, validated again
+        plan = dataclasses.replace(plan, fp8_all_gather=True, estimate=None)
     est = estimate(profile, cluster, plan)
     return Result(
         case=case, estimate=est, step_time_s=est.step_time_s, num_params=profile.num_params
@@ -796,7 +874,106 @@ def _config(case: Case) -> str:
         + (f" e{a['ep']}" if a["ep"] > 1 else "")
         + f" mb{a['micro_batch']} v{a['virtual_stages']} "
         f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''} z{a['zero']}"
+        + (f" {a['dtype']}" if is_fp8(case) else "")
     )
+
+
+# ------------------------------------------------------------------------------- fp8
+
+
+def is_fp8(case: Case) -> bool:
+    """Whether the row is priced with an fp8 recipe (`cost_model.precision`)."""
+    return fp8_recipe(str(case.plan_args["dtype"])) is not None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Pair:
+    """An fp8 row and the bf16 row of the same configuration from the same publication: the
+    speed-up a user asks of fp8 is the bf16 step over the fp8 one."""
+
+    fp8: Result
+    bf16: Result
+
+    @property
+    def published(self) -> float:
+        return self.bf16.case.published_step_s / self.fp8.case.published_step_s
+
+    @property
+    def predicted(self) -> float:
+        return self.bf16.step_time_s / self.fp8.step_time_s
+
+    @property
+    def error(self) -> float:
+        """Predicted / published speed-up - 1."""
+        return self.predicted / self.published - 1.0
+
+    @property
+    def scored(self) -> bool:
+        return {self.fp8.case.status, self.bf16.case.status} <= {"fit", "held_out"}
+
+
+def fp8_pairs(results: Iterable[Result]) -> list[Fp8Pair]:
+    """Each fp8 row with its bf16 partner: the row of the same family, GPU, GPUs, model, stack
+    and stated config but the precision (`Case.pair_key`), from the same table if several
+    are; none when that leaves more than one."""
+    groups: dict[tuple[Any, ...], list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.case.pair_key, []).append(r)
+    pairs = []
+    for group in groups.values():
+        bf16 = [r for r in group if r.case.plan_args["dtype"] == "bf16"]
+        for r in group:
+            if not is_fp8(r.case):
+                continue
+            partners = [b for b in bf16 if b.case.source == r.case.source] or bf16
+            if len(partners) == 1:
+                pairs.append(Fp8Pair(fp8=r, bf16=partners[0]))
+    return sorted(pairs, key=lambda p: p.fp8.case.run_id)
+
+
+def fp8_report(results: list[Result]) -> list[str]:
+    """The fp8 rows' errors apart from the rest, and the fp8 / bf16 speed-ups of the pairs."""
+    fp8 = [r for r in results if is_fp8(r.case)]
+    lines = ["", "fp8 rows (priced with an fp8 recipe; issue 41), apart from the rest:"]
+    for label, rows, statuses in (
+        ("fp8 scored", fp8, ("fit", "held_out")),
+        ("fp8 unscored", fp8, ("unscored",)),
+        ("not fp8, scored", [r for r in results if not is_fp8(r.case)], ("fit", "held_out")),
+    ):
+        n, median, worst = summarize(rows, statuses)
+        lines.append(
+            f"  {label:16s} rows {n:3d}: median |error| {median:6.1%}, max |error| {worst:6.1%}"
+        )
+    pairs = fp8_pairs(results)
+    lines.append("")
+    lines.append(
+        "fp8 / bf16 pairs (the same publication, model, GPUs and stated config): speed-up = "
+        "bf16 step / fp8 step"
+    )
+    lines.append(
+        f"  {'fp8 row':44s} {'status':9s} {'published':>9s} {'predicted':>9s} {'error':>7s}"
+        "  bf16 row"
+    )
+    for pair in pairs:
+        status = "scored" if pair.scored else "unscored"
+        lines.append(
+            f"  {pair.fp8.case.run_id:44s} {status:9s} {pair.published:8.3f}x "
+            f"{pair.predicted:8.3f}x {pair.error:+7.1%}  {pair.bf16.case.run_id}"
+        )
+    for label, chosen in (
+        ("scored", [p for p in pairs if p.scored]),
+        ("unscored", [p for p in pairs if not p.scored]),
+    ):
+        if chosen:
+            errors = [abs(p.error) for p in chosen]
+            lines.append(
+                f"  {label} pairs {len(chosen)}: median |speed-up error| "
+                f"{statistics.median(errors):.1%}, max {max(errors):.1%}; published speed-ups "
+                f"{min(p.published for p in chosen):.2f}-{max(p.published for p in chosen):.2f}x"
+                f", predicted {min(p.predicted for p in chosen):.2f}-"
+                f"{max(p.predicted for p in chosen):.2f}x"
+            )
+    return lines
 
 
 def report(results: list[Result], skipped: list[Skipped]) -> str:
@@ -852,6 +1029,7 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
     )
     for pair in contradictions:
         lines.append(f"  {pair.slower:44s} {pair.gap:+6.1%} vs {pair.faster}  [{pair.rule}]")
+    lines.extend(fp8_report(results))
     lines.extend(memory_report(results))
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
@@ -1198,6 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
                         {
                             "id": r.case.run_id,
                             "status": r.case.status,
+                            "dtype": r.case.plan_args["dtype"],
                             "published_step_s": r.case.published_step_s,
                             "predicted_step_s": r.step_time_s,
                             "error": r.error,
@@ -1209,6 +1388,16 @@ def main(argv: list[str] | None = None) -> int:
                     ],
                     "skipped": [dataclasses.asdict(s) for s in skipped],
                     "contradictions": [dataclasses.asdict(c) for c in contradictions],
+                    "fp8_pairs": [
+                        {
+                            "fp8": p.fp8.case.run_id,
+                            "bf16": p.bf16.case.run_id,
+                            "scored": p.scored,
+                            "published_speedup": p.published,
+                            "predicted_speedup": p.predicted,
+                        }
+                        for p in fp8_pairs(results)
+                    ],
                 },
                 indent=2,
             )
