@@ -169,8 +169,10 @@ def test_megatron_refuses_fp8_layers_it_cannot_keep() -> None:
 
 def test_megatron_moe_routers_stay_in_bf16() -> None:
     """Megatron's router computes in bf16 or fp32: a MoE plan keeps ``router`` in bf16."""
-    moe: dict[str, Any] = dict(dp_degree=2, tp_degree=2, pp_degree=2, cp_degree=2, ep_degree=4, ep_folding=True,
-               sequence_parallel=True, rank_layout=("pp", "dp", "cp", "tp"))  # fmt: skip
+    moe: dict[str, Any] = dict(
+        dp_degree=2, tp_degree=2, pp_degree=2, cp_degree=2, ep_degree=4, ep_folding=True,
+        sequence_parallel=True, rank_layout=("pp", "dp", "cp", "tp"),
+    )  # fmt: skip
     plan = _plan(fp8_exclude=("head", "router"), **moe)
     flags = _flags(megatron_args(plan, model_dims("mixtral-8x7b")))
     assert flags["--fp8-recipe"] == "tensorwise" and "--first-last-layers-bf16" not in flags

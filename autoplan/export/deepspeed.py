@@ -24,7 +24,8 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   ``deepspeed/runtime/tensor_parallel/config.py``) for a model without pipeline parallelism.
 
 What DeepSpeed cannot run (tp or ZeRO > 1 with pp, another schedule or cut, sequence, context
-or expert parallelism, selective recompute, another rank order) is its profile's
+or expert parallelism, selective recompute, another rank order, any fp8 recipe: ds_config has
+no fp8 section, its fp8 is Transformer Engine in the model code) is its profile's
 (`cost_model.frameworks.deepspeed`, each limit cited in ``DEEPSPEED_WORDS``): the export
 refuses it in those words (`stack_problems`).
 """
