@@ -379,3 +379,83 @@ def test_megatron_flop_count_reproduces_the_printed_tflops() -> None:
         validate_published.check_expressible(
             rows["mcore-moezoo-h100-mixtral-8x22b-128g-forced-balance"]
         )
+
+
+def test_fp8_recipes_map_to_the_plan_dtype_that_names_them() -> None:
+    """A row's fp8 recipe becomes the plan dtype of the same recipe; an unstated or unnamed one
+    is refused (the row must be skipped), and delayed scaling only where its family prices it
+    as a stated dtype (the assumption written beside it)."""
+    plan_dtype = validate_published.plan_dtype
+    assert plan_dtype("bf16", None, {}, "r") == "bf16"
+    assert plan_dtype("fp8", "tensorwise", {}, "r") == "fp8"
+    assert plan_dtype("fp8", "rowwise", {}, "r") == "fp8-rowwise"
+    assert plan_dtype("fp8", "mxfp8", {}, "r") == "mxfp8"
+    assert plan_dtype("fp8", "delayed", {"fp8_delayed_as": "fp8"}, "r") == "fp8"
+    with pytest.raises(ValueError, match="recipe not stated"):
+        plan_dtype("fp8", None, {}, "r")
+    with pytest.raises(ValueError, match=r"delayed scaling .* has no autoplan name"):
+        plan_dtype("fp8", "delayed", {}, "r")
+    with pytest.raises(ValueError, match=r"blockwise fp8 .* has no autoplan name"):
+        plan_dtype("fp8", "blockwise", {}, "r")
+    with pytest.raises(ValueError, match="fp8_recipe 'rowwise' on a bf16 row"):
+        plan_dtype("bf16", "rowwise", {}, "r")
+
+
+def test_every_fp8_row_is_mapped_or_skipped_with_its_reason() -> None:
+    """Every published fp8 row has an assumptions entry: predicted with the plan dtype of its
+    recipe (and fp8_all_gather where the run gathered fp8 weights), or skipped with a reason of
+    its own, never the bench's default."""
+    published, assumptions = validate_published.load()
+    default = validate_published._default_skip_reason({"config": {"dtype": "fp8"}, "model": {}})
+    dtypes: dict[str, str] = {}
+    for row in published:
+        if row["config"].get("dtype") != "fp8":
+            continue
+        built = validate_published.build_case(row, assumptions)
+        if isinstance(built, validate_published.Skipped):
+            assert built.reason != default, row["id"]
+            continue
+        assert validate_published.is_fp8(built), row["id"]
+        dtypes[row["id"]] = built.plan_args["dtype"]
+    assert len(dtypes) >= 60
+    assert dtypes["torchtitan-asynctp2506-8b-64g-fp8-rowwise-tp"] == "fp8-rowwise"
+    assert dtypes["dgxc2411-h100-llama3.1-8b-8g-fp8"] == "fp8"  # delayed scaling, as fp8
+    rows = {row["id"]: row for row in published}
+    case = validate_published.build_case(rows["dgxc2411-h100-llama3.1-8b-8g-fp8"], assumptions)
+    assert isinstance(case, Case) and case.plan_args["fp8_all_gather"] is True
+    assert case.status == "held_out" and case.plan_args["framework"] == "megatron-lm:dropout=0"
+    # the DGX Cloud Benchmarking rows: every config value from the recipe's yaml, the step time
+    # as printed, seq x GBS / step = the printed tokens/s
+    assert case.published_step_s == 9.67
+    assert (case.plan_args["cp"], case.plan_args["dp"], case.plan_args["zero"]) == (2, 4, 1)
+    for run_id, row in rows.items():
+        if run_id.startswith("dgxc") and run_id != "dgxc2411-h100-llama3.1-70b-2048g-bf16":
+            tokens = row["model"]["seq_len"] * row["config"]["global_batch"]
+            measured = row["measured"]
+            assert tokens / measured["step_time_s"] == pytest.approx(
+                measured["aggregate_tokens_per_s"], rel=0.001
+            ), run_id
+
+
+def test_fp8_rows_pair_with_the_bf16_row_of_their_configuration() -> None:
+    """`fp8_pairs` matches each fp8 row with the bf16 row of the same family, model, GPUs and
+    stated config (the same release, not the other one), and the report prints both figures."""
+    published, assumptions = validate_published.load()
+    cases = [
+        validate_published.build_case(row, assumptions)
+        for row in published
+        if row["id"].startswith(("dgxc2411-h100-llama3.1-8b-", "dgxc2502-h100-llama3.1-8b-8g"))
+    ]
+    assert len(cases) == 12 and all(isinstance(c, Case) for c in cases)
+    results = [validate_published.predict(c) for c in cases]
+    pairs = validate_published.fp8_pairs(results)
+    assert {(p.fp8.case.run_id, p.bf16.case.run_id) for p in pairs} == {
+        (f"{fam}-h100-llama3.1-8b-{g}g-fp8", f"{fam}-h100-llama3.1-8b-{g}g-bf16")
+        for fam, gpus in (("dgxc2411", (8, 16, 32, 64, 128)), ("dgxc2502", (8,)))
+        for g in gpus
+    }
+    assert all(p.scored for p in pairs)
+    first = next(p for p in pairs if p.fp8.case.run_id == "dgxc2411-h100-llama3.1-8b-8g-fp8")
+    assert first.published == pytest.approx(12.91 / 9.67)
+    text = "\n".join(validate_published.fp8_report(results))
+    assert "fp8 scored       rows   6" in text and "scored pairs 6" in text
