@@ -12,8 +12,12 @@ for the framework that ran it, whose profile cuts the pipeline stages as that st
     python bench/validate_published.py --fit      # re-fit each fitted constant on its rows
 
 Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
-The report ends with the published rows that contradict a sibling in their own table by a rule
-any cost model obeys (`source_contradictions`), found from the published numbers alone.
+Rows that trained in fp8 are priced with the plan dtype of their recipe (`plan_dtype`;
+bench/data/validation_assumptions_fp8.yaml) and reported apart (median and max |error|), with
+the predicted and published fp8/bf16 speed-up of each fp8 row that has a bf16 row of the same
+configuration (`fp8_pairs`). The report ends with the published rows that contradict a sibling
+in their own table by a rule any cost model obeys (`source_contradictions`), found from the
+published numbers alone.
 """
 
 from __future__ import annotations
