@@ -126,6 +126,21 @@ class Calibration:
     # row-parallel linear's output, the attention's and the MLP's (Megatron-LM 2019's hidden
     # dropout); 0: none, or fused with the bias and the residual add (the traced model's add).
     separate_output_dropout: float = 0.0
+    # fp8 GEMMs (`cost_model.precision`): the share of the fp8 peak a GEMM sustains, as a
+    # multiple of `gemm_efficiency`'s share of the 16-bit peak. 1: the same share. torchao's
+    # float8 roofline uses one achievable fraction (0.78 on H100, "based on experimental
+    # observation") for bf16 and fp8 GEMMs alike (pytorch/ao
+    # torchao/testing/float8/roofline_utils.py, pct_achievable_gemm_tops); cuBLASLt's e4m3
+    # 8192^3 GEMM sustains ~1,610 of H100 SXM's 1,979 TFLOP/s (0.81), as bf16 sustains ~0.8.
+    fp8_gemm_efficiency_ratio: float = 1.0
+    # How the stack casts a GEMM's operands to fp8 (`cost_model.parts.fp8`): 1, torch eager's
+    # separate kernels (torchao without torch.compile: abs, max, upcast, scale, clamp, cast);
+    # 0, fused amax and cast kernels (Transformer Engine, or torchao under torch.compile).
+    fp8_eager_casts: float = 1.0
+    # 1: the stack casts each weight to fp8 once per step and keeps the fp8 copy and its
+    # transpose for every micro-batch (Transformer Engine's is_first_microbatch caching in
+    # Megatron-LM); 0: it casts the weights again in each micro-batch (torchao).
+    fp8_cached_weights: float = 0.0
     # Bytes a transformer block copies synchronously between host and device (the device idles
     # meanwhile) each time its forward runs, a full recompute's re-run included, and bytes a
     # checkpointed block copies once per micro-batch on top (priced in its backward), both at
@@ -162,6 +177,11 @@ class Calibration:
                     f"calibration.{name} = {value!r} must be a fraction in (0, 1]; "
                     "it is the achievable share of the datasheet peak"
                 )
+        if not 0.1 <= self.fp8_gemm_efficiency_ratio <= 2.0:
+            raise ValueError(
+                f"calibration.fp8_gemm_efficiency_ratio = {self.fp8_gemm_efficiency_ratio!r} "
+                "must be in [0.1, 2] (1: fp8 GEMMs reach the same share of their peak as bf16's)"
+            )
         for name in (
             "attention_backward_efficiency",
             "dp_overlap_fraction",
@@ -171,6 +191,8 @@ class Calibration:
             "pipeline_boundary_retention",
             "separate_bias_add",
             "separate_output_dropout",
+            "fp8_eager_casts",
+            "fp8_cached_weights",
         ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

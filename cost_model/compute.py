@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from cost_model.calibration import Calibration
 from cost_model.hardware import DeviceSpec
+from cost_model.precision import Fp8Recipe, compute_dtype
 from cost_model.strategy import DTYPE_BYTES
 from cost_model.workload import OpProfile
 
@@ -125,8 +126,15 @@ def op_time(
     tp_degree: int = 1,
     sequence_parallel: bool = False,
     traced_dtype_bytes: int = 4,
+    fp8: Fp8Recipe | None = None,
 ) -> OpTime:
-    """Forward and backward time of ``op`` for one micro-batch on one device (roofline)."""
+    """Forward and backward time of ``op`` for one micro-batch on one device (roofline).
+
+    Under an fp8 recipe (``dtype`` names one) the op runs in the recipe's compute dtype, bf16;
+    with ``fp8`` (the op is a converted linear, `cost_model.parts.fp8.is_converted`) its GEMMs
+    run at the device's fp8 rate for the recipe, at `Calibration.fp8_gemm_efficiency_ratio`
+    times the 16-bit GEMMs' efficiency. The casts to fp8 are `cost_model.parts.fp8`'s."""
+    dtype = compute_dtype(dtype)
     div = tp_divisor(op, tp_degree, sequence_parallel)
     scale = DTYPE_BYTES[dtype] / traced_dtype_bytes
     fwd_flops = op.forward_flops * micro_batch_size / div
@@ -141,6 +149,14 @@ def op_time(
     bandwidth = device.memory_bandwidth_bytes_per_s * calibration.memory_efficiency
     if op.kind in ("matmul", "attention"):
         peak = device.peak_flops_for(dtype)
+        if fp8 is not None and op.kind == "matmul" and op.gemm is not None:
+            peak = device.peak_flops_for(fp8.device_rate) * calibration.fp8_gemm_efficiency_ratio
+            # fp8 operands (1 byte) in, the bf16 output (2) out
+            k = op.gemm.k / (tp_degree if op.tp == "row" else 1)
+            n = op.gemm.n / (tp_degree if op.tp in ("column", "vocab") else 1)
+            m = op.gemm.m_per_sample * op.gemm.batch * micro_batch_size
+            fwd_bytes = m * k + 2.0 * m * n + k * n * op.gemm.batch
+            bwd_bytes = BACKWARD_BYTES_FACTOR * fwd_bytes
         max_eff = (
             calibration.gemm_efficiency if op.kind == "matmul" else calibration.attention_efficiency
         )

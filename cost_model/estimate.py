@@ -59,6 +59,7 @@ from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepsp
 from cost_model.parts.expert_parallel import ExpertCost, expert_cost
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM
 from cost_model.parts.pipeline import Boundary, boundary, tied_pair_placement
+from cost_model.precision import compute_dtype
 from cost_model.rank_memory import (
     HeldActivations,
     boundary_send_bytes,
@@ -478,7 +479,10 @@ class CostModel:
             tokens_per_s=tokens / step,
             model_flops_per_step=model_flops,
             model_tflops_per_device=flops_per_device_per_s / 1e12,
-            mfu=flops_per_device_per_s / cluster.device.peak_flops_for(strategy.dtype),
+            # against the 16-bit peak under an fp8 recipe too (torchtitan's and NeMo's MFU of
+            # fp8 runs): the figure compares with bf16 runs, and only the linears run fp8
+            mfu=flops_per_device_per_s
+            / cluster.device.peak_flops_for(compute_dtype(strategy.dtype)),
             peak_memory_bytes=peak_memory,
             memory_capacity_bytes=float(cluster.device.memory_bytes),
             fits=peak_memory <= usable,

@@ -142,10 +142,11 @@ def fp8_device_problem(
 
 
 def fp8_field_problem(
-    dtype: str, all_gather: object, exclude: object, zero_stage: int
+    dtype: str, all_gather: object, exclude: object, zero_stage: int, *, check_zero: bool = True
 ) -> str | None:
     """Why a plan's ``fp8_all_gather`` or ``fp8_exclude`` cannot go with its dtype and ZeRO
-    stage, in one line naming the value and the fix; None when they can."""
+    stage, in one line naming the value and the fix; None when they can (``check_zero``
+    False: not the ZeRO stage, for the planner's one-device views of a plan's units)."""
     if not isinstance(all_gather, bool):
         return f"fp8_all_gather = {all_gather!r} must be true or false"
     if not isinstance(exclude, tuple) or not all(
@@ -165,7 +166,7 @@ def fp8_field_problem(
             f"fp8_all_gather = true needs tensor-wise scaling (dtype fp8), not {dtype} (torchao "
             "gathers only tensor-wise fp8 weights); set it false or use dtype fp8"
         )
-    if zero_stage < 1:
+    if zero_stage < 1 and check_zero:
         return (
             "fp8_all_gather = true needs sharded weights to gather (zero_stage >= 1), not "
             "zero_stage 0; set it false or raise zero_stage"

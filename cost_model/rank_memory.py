@@ -52,8 +52,13 @@ def memory_constants(
         if strategy.runtime_zero_stage >= 3:
             # ZeRO-3 gathers the weights it freed: the stage's other units for the whole
             # backward (the head runs first, the embedding last), the running block and the
-            # prefetched next one.
-            buffers += width * (root + 2 * block)
+            # prefetched next one; converted linears' weights in fp8 under fp8 all-gather.
+            def gathered(c: UnitCost) -> float:
+                fp8 = c.fp8_params if strategy.fp8_all_gather else 0.0
+                return width * (c.local_params - fp8) + fp8
+
+            block_gathered = max((gathered(c) for c in costs if c.kind == "block"), default=0.0)
+            buffers += sum(gathered(c) for c in costs if c.kind != "block") + 2 * block_gathered
     cal = cluster.calibration
     return MemoryConstants(
         buffer_bytes=buffers,

@@ -185,7 +185,7 @@ class Strategy:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
         problem = fp8_field_problem(
-            self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage
+            self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage, check_zero=False
         )
         if problem is not None:
             raise ValueError(f"strategy: {problem}")

@@ -29,6 +29,7 @@ from cost_model.parts.data_parallel import (
     grouped_dp_sync,
 )
 from cost_model.parts.expert_parallel import ExpertCost, recompute_expert_s
+from cost_model.parts.fp8 import cast_cost, converted_ops, fp8_params
 from cost_model.parts.host import HostCost, host_cost, host_floor_wait, sync_copies_s
 from cost_model.parts.memory import UnitBytes, unit_bytes
 from cost_model.parts.optimizer import OptimizerCost, optimizer_cost
@@ -87,6 +88,7 @@ class _UnitParts:
     unit: UnitProfile  # on one context-parallel rank
     mode: str
     n_local: float  # dense parameters this device stores before data-parallel sharding
+    fp8_local: float  # of them, in linears an fp8 recipe converts
     compute: ComputeTimes
     rerun_s: float  # recompute of the dense ops and the routed experts
     tp: TpCost
@@ -216,6 +218,7 @@ def _unit_parts(
     # dense weights: data parallel over dp x cp
     weights = strategy.weights_view
     n_local = _dense_local_params(unit, strategy, model.shared_expert_whole(strategy))
+    fp8_local = fp8_params(unit, strategy)
     compute = model.compute_times(strategy, index)
     rerun_s = recompute_s(unit, mode, cal, compute)
     tp = tp_cost(
@@ -242,6 +245,8 @@ def _unit_parts(
         forward_window_s=forward_compute_s,
         backward_window_s=backward_compute_s + rerun_s,
         zero3_gathers=_zero3_gathers(model, index, strategy.tp_degree),
+        fp8_params=fp8_local,
+        fp8_weights=sum(1 for _ in converted_ops(unit, strategy)),
     )
     routed = _routed_weights(
         unit,
@@ -260,11 +265,12 @@ def _unit_parts(
     )
     optimizer = optimizer_cost(n_local, weights, cluster)
     host = host_cost(unit, n_local + experts.local_params, strategy, cal)
-    memory = _dense_bytes(model, unit, strategy, mode, n_local)
+    memory = _dense_bytes(model, unit, strategy, mode, n_local, fp8_local)
     return _UnitParts(
         unit=unit,
         mode=mode,
         n_local=n_local,
+        fp8_local=fp8_local,
         compute=compute,
         rerun_s=rerun_s,
         tp=tp,
@@ -283,12 +289,19 @@ def _unit_parts(
 
 
 def _dense_bytes(
-    model: CostModel, unit: UnitProfile, strategy: Strategy, mode: str, n_local: float
+    model: CostModel,
+    unit: UnitProfile,
+    strategy: Strategy,
+    mode: str,
+    n_local: float,
+    fp8_local: float,
 ) -> UnitBytes:
     """The bytes of ``unit`` on one device without its routed experts (`parts.memory`), the
-    loss's saved bytes among them."""
+    loss's saved bytes among them; ``fp8_local`` of its ``n_local`` parameters in converted
+    linears (`parts.fp8`)."""
     traced = model.profile.traced_dtype_bytes
     loss = loss_cost(unit, strategy, model.cluster, traced)
+    cal = model.cluster.calibration
     return unit_bytes(
         unit,
         strategy.weights_view,
@@ -297,6 +310,9 @@ def _dense_bytes(
         local_params=n_local,
         loss_saved_bytes=loss.saved_bytes,
         stack=model.stack.saved_activations,
+        fp8_params=fp8_local,
+        fp8_transient_bytes=cast_cost(unit, strategy, model.cluster).transient_bytes,
+        cached_fp8_weights=fp8_local > 0 and cal.fp8_cached_weights >= 0.5,
     )
 
 
@@ -469,6 +485,7 @@ def _unit_record(parts: _UnitParts, strategy: Strategy, cluster: Cluster) -> Uni
         grad_bytes=memory.grad_bytes + expert_state.grad_bytes,
         optimizer_bytes=memory.optimizer_bytes + expert_state.optimizer_bytes,
         local_params=p.n_local + experts.local_params,
+        fp8_params=p.fp8_local,
         activation_bytes=memory.activation_bytes + experts.activation_bytes,
         loss_bytes=memory.loss_bytes,
         retained_bytes=memory.retained_bytes + experts.all_activation_bytes,

@@ -57,6 +57,8 @@ class UnitCost:
     # of forward_s + backward_s: the host's, its wrappers' time (`Calibration.tp_module_overhead_s`
     # and the like) and the device's wait for the host (`Calibration.tp_block_host_floor_s`)
     host_s: float = 0.0
+    # of local_params, those in linears an fp8 recipe converts (`cost_model.parts.fp8`)
+    fp8_params: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -65,7 +65,7 @@ def _grid(profile: ModelProfile) -> Iterator[Strategy]:
         strategy
         for dtype in DTYPES
         for strategy in strategies(
-            SearchSpace(**_constraints(profile), dtype=dtype),  # type: ignore[arg-type]
+            SearchSpace(**_constraints(profile), dtype=(dtype,)),  # type: ignore[arg-type]
             profile,
             CLUSTER,
             GLOBAL_BATCH,
@@ -120,6 +120,7 @@ def _plan(
         zero_stage=strategy.zero_stage,
         sequence_parallel=strategy.sequence_parallel,
         dtype=strategy.dtype,  # type: ignore[arg-type]
+        fp8_all_gather=strategy.fp8_all_gather,
         rank_layout=strategy.rank_layout,
         framework=framework,
     )

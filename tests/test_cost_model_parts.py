@@ -43,10 +43,10 @@ def test_equal_clusters_hash_equal_and_key_tables() -> None:
 
 def test_device_hash_ignores_the_order_of_its_dtypes() -> None:
     device = round_cluster().device
-    assert device.peak_flops == {"bf16": 100e12, "fp32": 10e12}
-    swapped = dataclasses.replace(device, peak_flops={"fp32": 10e12, "bf16": 100e12})
+    assert device.peak_flops == {"bf16": 100e12, "fp32": 10e12, "fp8": 200e12}
+    swapped = dataclasses.replace(device, peak_flops={"fp8": 200e12, "fp32": 10e12, "bf16": 100e12})
     assert swapped == device and hash(swapped) == hash(device)
-    faster = dataclasses.replace(device, peak_flops={"fp32": 10e12, "bf16": 200e12})
+    faster = dataclasses.replace(device, peak_flops={"fp32": 10e12, "bf16": 200e12, "fp8": 200e12})
     assert faster != device and hash(faster) != hash(device)
 
 

@@ -111,11 +111,15 @@ def _variants(plan: Plan, feature: str) -> list[tuple[str, Plan]]:
         for zero in (0, 1, 2, 3):
             name = f"ZeRO-{zero}" if zero else "no ZeRO"
             if zero != plan.zero_stage and _validated(name):
-                out.append((name, dataclasses.replace(plan, zero_stage=zero)))
+                # (fp8 all-gather gathers sharded weights: none without ZeRO)
+                gather = plan.fp8_all_gather and zero >= 1
+                out.append(
+                    (name, dataclasses.replace(plan, zero_stage=zero, fp8_all_gather=gather))
+                )
     elif feature.startswith("dtype "):
         for dtype in ("bf16", "fp16"):
             if dtype != plan.dtype and _validated(f"dtype {dtype}"):
-                out.append((dtype, dataclasses.replace(plan, dtype=dtype)))
+                out.append((dtype, dataclasses.replace(plan, dtype=dtype, fp8_all_gather=False)))
     return out
 
 

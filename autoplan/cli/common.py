@@ -111,12 +111,43 @@ framework_option = click.option(
 )
 
 
-# --dtype, as every planning command takes it
+# The plan dtypes: cost_model.degrees.DTYPE_NAMES (not imported: the CLI starts fast)
+DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8", "fp8-rowwise", "mxfp8")
+# --dtype of one plan
 dtype_option = click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(DTYPE_CHOICES),
     default=None,
-    help="Training dtype [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
+    help="Training dtype, or an fp8 recipe (fp8: tensor-wise, fp8-rowwise, mxfp8) "
+    "[the device's fastest: bf16 on GPUs, fp32 on CPUs].",
+)
+
+
+def dtype_list(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[str, ...] | None:
+    """Click callback: ``bf16,fp8`` -> ('bf16', 'fp8'), each a plan dtype."""
+    if value is None:
+        return None
+    names = tuple(dict.fromkeys(part.strip() for part in value.split(",")))
+    for name in names:
+        if name not in DTYPE_CHOICES:
+            raise click.BadParameter(
+                f"{name!r} is not a dtype; use {', '.join(DTYPE_CHOICES)}, or a list such as "
+                "bf16,fp8",
+                ctx,
+                param,
+            )
+    return names
+
+
+# --dtype of a search: one or several to compare
+dtypes_option = click.option(
+    "--dtype",
+    callback=dtype_list,
+    default=None,
+    help="Training dtype, an fp8 recipe (fp8: tensor-wise, fp8-rowwise, mxfp8), or a list "
+    "of them to search over, e.g. bf16,fp8 [the device's fastest: bf16 on GPUs, fp32 on CPUs].",
 )
 
 
@@ -193,7 +224,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         click.option(
             "--schedules", callback=str_list, help="Allowed schedules, e.g. 1f1b,interleaved-1f1b."
         ),
-        dtype_option,
+        dtypes_option,
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),

@@ -198,6 +198,9 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
     # cp and ep columns only when a plan uses them
     cp = any(plan.cp_degree > 1 for plan in plans)
     ep = any(plan.ep_degree > 1 for plan in plans)
+    # the dtype when the plans differ in it or train with an fp8 recipe (its name says which)
+    dtypes = len({plan.dtype for plan in plans}) > 1 or any("fp8" in plan.dtype for plan in plans)
+    narrow = layouts or dtypes
     for name in (
         "#",
         "tp",
@@ -212,13 +215,14 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
         "SP",
         "recompute",
         *(("layout",) if layouts else ()),
+        *(("dtype",) if dtypes else ()),
         "step",
         # the step's 80% range, where the width allows (the chosen plan's is printed below)
-        *(() if layouts else ("range",)),
+        *(() if narrow else ("range",)),
         "MFU",
         "memory",
     ):
-        left = name in ("schedule", "recompute", "layout")
+        left = name in ("schedule", "recompute", "layout", "dtype")
         table.add_column(name, justify="left" if left else "right")
     for rank, plan in enumerate(plans, start=1):
         e = plan.estimate
@@ -237,8 +241,9 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             "yes" if plan.sequence_parallel else "no",
             fmt_recompute(s.recompute for s in plan.stages),
             *(("/".join(plan.rank_layout),) if layouts else ()),
+            *((plan.dtype,) if dtypes else ()),
             fmt_time(e.step_time_s),
-            *(() if layouts else (fmt_range_percent(e.step_time_s, e.step_time_range_s),)),
+            *(() if narrow else (fmt_range_percent(e.step_time_s, e.step_time_range_s),)),
             f"{e.mfu:.1%}",
             fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
         )

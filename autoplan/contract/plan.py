@@ -69,6 +69,7 @@ from cost_model.frameworks.limits import expert_layout_refusal
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
+from cost_model.parts.fp8 import fp8_shape_problem
 from cost_model.precision import DEFAULT_FP8_EXCLUDE, fp8_field_problem, fp8_recipe
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
@@ -532,6 +533,8 @@ class Plan:
             self._validate_model(profile, stack=stack)
 
     def _validate_model(self, profile: ModelProfile, *, stack: bool) -> None:
+        if (problem := fp8_shape_problem(profile, Strategy.of(self))) is not None:
+            raise PlanError(problem)
         model = self.model
         if model and model.fingerprint and profile.fingerprint != model.fingerprint:
             if model.name == profile.name:

@@ -95,7 +95,7 @@ def no_feasible_plan(
     # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
     assert space.dtype is not None  # resolved by `search_plans`
-    state = static_bytes(params, space.dtype, 0, 1).total_bytes
+    state = min(static_bytes(params, dtype, 0, 1).total_bytes for dtype in space.dtype)
     cal = cluster.calibration
     usable = MemoryConstants(
         buffer_bytes=0.0,
@@ -141,6 +141,6 @@ def memory_fixes(space: SearchSpace, headroom_helps: bool = False) -> str:
         fixes.append("allow larger tensor-parallel degrees")
     if space.pp is not None or space.max_pp is not None:
         fixes.append("allow more pipeline stages")
-    if space.dtype == "fp32":
+    if space.dtype == ("fp32",):
         fixes.append("train in bf16")
     return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]

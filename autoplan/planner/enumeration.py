@@ -172,16 +172,9 @@ class Enumeration:
     def _member(self, shape: Shape, options: ShapeOptions) -> Strategy:
         """A member of ``shape``: its options' first schedule, its first layout, its least
         ZeRO level, its first sequence-parallel choice."""
-        dtype = self._space.dtype
-        assert dtype is not None  # resolved by `SearchSpace.for_cluster`
         schedule, v = options.schedules[0]
         return shape.member(
-            schedule,
-            v,
-            options.zero[0],
-            options.sequence_parallel[0],
-            options.layouts[0],
-            dtype,
+            schedule, v, options.zero[0], options.sequence_parallel[0], options.layouts[0]
         )
 
     def _floor(self, base: Strategy, options: ShapeOptions) -> float:

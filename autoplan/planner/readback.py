@@ -79,6 +79,8 @@ def plan_of(
         zero_stage=s.zero_stage,
         sequence_parallel=s.sequence_parallel,
         dtype=s.dtype,  # type: ignore[arg-type]
+        fp8_all_gather=s.fp8_all_gather,
+        fp8_exclude=s.fp8_exclude,
         rank_layout=s.rank_layout,
         framework=model.framework,
         memory_headroom=model.memory_headroom,

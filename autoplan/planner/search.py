@@ -98,6 +98,7 @@ from cost_model.estimate import CostModel
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, plan_memory_headroom
+from cost_model.precision import fp8_recipe
 from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import Strategy
 from cost_model.uncertainty import (
@@ -326,9 +327,12 @@ def _space_for(
     space = within_model(space, stack, profile)
     space = space.for_cluster(cluster)
     space.check_cluster(cluster, profile, global_batch)
-    missing = cluster.device.missing_rate(space.dtype or "")
-    if missing is not None:
-        raise ConstraintError(f"dtype={space.dtype}: {missing}; pass dtype='fp16' (--dtype fp16)")
+    for dtype in space.dtype or ():
+        missing = cluster.device.missing_rate(dtype)
+        if missing is not None and fp8_recipe(dtype) is not None:
+            raise ConstraintError(missing)
+        if missing is not None:
+            raise ConstraintError(f"dtype={dtype}: {missing}; pass dtype='fp16' (--dtype fp16)")
     space = within_stack(space, stack, profile, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);

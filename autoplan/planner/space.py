@@ -53,6 +53,7 @@ from cost_model.degrees import (
     tp_undivided,
 )
 from cost_model.hardware import Cluster
+from cost_model.precision import fp8_recipe
 from cost_model.schedules import ONE_STAGE_SCHEDULES, V_SCHEDULES, ScheduleError
 from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
@@ -101,14 +102,16 @@ class SearchSpace:
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     rank_layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
-    dtype: str | None = None  # None: the device's fastest (`DeviceSpec.fastest_training_dtype`)
+    # the training dtypes (or fp8 recipes) to try; None: the device's fastest
+    # (`DeviceSpec.fastest_training_dtype`)
+    dtype: tuple[str, ...] | None = None
     allow_cross_node_tp: bool = False
 
     def for_cluster(self, cluster: Cluster) -> SearchSpace:
         """This space with its dtype resolved to the device's fastest when it is not set."""
         if self.dtype is not None:
             return self
-        return dataclasses.replace(self, dtype=cluster.device.fastest_training_dtype())
+        return dataclasses.replace(self, dtype=(cluster.device.fastest_training_dtype(),))
 
     @classmethod
     def from_constraints(cls, **constraints: Any) -> SearchSpace:
@@ -263,9 +266,13 @@ def _normalise(key: str, value: Any) -> Any:
     if key == "allow_cross_node_tp":
         return bool(value)
     if key == "dtype":
-        if value not in DTYPE_NAMES:
-            raise ConstraintError(f"dtype={value!r}; use one of {', '.join(DTYPE_NAMES)}")
-        return value
+        dtypes = tuple(value.split(",")) if isinstance(value, str) else _as_tuple(key, value)
+        for dtype in dtypes:
+            if dtype not in DTYPE_NAMES:
+                raise ConstraintError(
+                    f"dtype={dtype!r}; use one of {', '.join(DTYPE_NAMES)}, or a list of them"
+                )
+        return tuple(dict.fromkeys(dtypes))
     raise AssertionError(key)
 
 
@@ -304,6 +311,7 @@ class Shape:
     ep_folding: bool
     micro_batch_size: int
     num_micro_batches: int
+    dtype: str = "bf16"
 
     def member(
         self,
@@ -312,10 +320,17 @@ class Shape:
         zero: int,
         sequence_parallel: bool,
         layout: Layout,
-        dtype: str,
     ) -> Strategy:
-        """The outer choice of this shape with these options."""
+        """The outer choice of this shape with these options. Under tensor-wise fp8 with
+        sharded weights, FSDP2 gathers them in fp8 (`Strategy.fp8_all_gather`): half the
+        gathered bytes, no cast of the weights in the backward, for one small all-reduce a
+        step, so the search takes it wherever it can."""
+        dtype = self.dtype
+        recipe = fp8_recipe(dtype)
         return Strategy(
+            fp8_all_gather=(
+                recipe is not None and recipe.fp8_all_gather and zero >= 1 and self.dp > 1
+            ),
             tp_degree=self.tp,
             dp_degree=self.dp,
             pp_degree=self.pp,
@@ -364,8 +379,8 @@ def strategies(
 def shapes(
     space: SearchSpace, profile: ModelProfile, cluster: Cluster, global_batch: int
 ) -> Iterator[Shape]:
-    """The degrees and micro-batchings of ``space`` on ``cluster``: tp, then pp, cp, the
-    expert layouts and the micro-batch size, ascending."""
+    """The degrees, micro-batchings and dtypes of ``space`` on ``cluster``: tp, then pp, cp,
+    the expert layouts and the micro-batch size, ascending, then the dtypes in their order."""
     space = space.for_cluster(cluster)
     n = cluster.num_devices
     tp_choices = [
@@ -391,7 +406,8 @@ def shapes(
                     for b in _divisors(per_replica, space.max_micro_batch):
                         if space.micro_batch is not None and b not in space.micro_batch:
                             continue
-                        yield Shape(tp, pp, cp, dp, ep, folded, b, per_replica // b)
+                        for dtype in space.dtype or ():
+                            yield Shape(tp, pp, cp, dp, ep, folded, b, per_replica // b, dtype)
 
 
 def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[int]:
@@ -523,12 +539,10 @@ def shape_options(
 
 def shape_strategies(space: SearchSpace, shape: Shape, options: ShapeOptions) -> Iterator[Strategy]:
     """The members of ``shape``: every combination of its ``options`` the runtime runs."""
-    dtype = space.dtype
-    assert dtype is not None  # resolved by `SearchSpace.for_cluster`
     for schedule, v in options.schedules:
         for sp in options.sequence_parallel:
             for zero in options.zero:
                 if split_backward_conflict(schedule, zero, ("none",)) is not None:
                     continue  # the runtime refuses it (ZeRO-3 with a split backward)
                 for layout in options.layouts:
-                    yield shape.member(schedule, v, zero, sp, layout, dtype)
+                    yield shape.member(schedule, v, zero, sp, layout)

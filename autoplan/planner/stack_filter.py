@@ -83,11 +83,12 @@ def _within_model_limit(space: SearchSpace, limit: AxisLimit) -> SearchSpace:
     axis, kept = limit.axis, limit.allowed
     asked = getattr(space, axis)
     if axis == "dtype":
-        if asked not in (None, *kept):
+        refused = [dtype for dtype in asked or () if dtype not in kept]
+        if refused:
             raise ConstraintError(
-                f"{limit.refuse(asked)}; or price it for another stack (--framework)"
+                f"{limit.refuse(refused[0])}; or price it for another stack (--framework)"
             )
-        return replace(space, dtype=kept[0])
+        return replace(space, dtype=(kept[0],))
     if asked is not None and not any(choice in kept for choice in asked):
         # the refusal of the value asked (a sequence-parallel one, of the least tp it needs)
         value = 2 if axis == "sequence_parallel" else max(asked)
@@ -126,14 +127,16 @@ def _within_stack_limit(
 ) -> SearchSpace:
     axis, allowed, rule = limit.axis, limit.allowed, limit.rule
     if axis == "dtype":
-        if space.dtype in allowed:
+        refused = [dtype for dtype in space.dtype or () if dtype not in allowed]
+        if not refused:
             return space
         given = "" if dtype_given else f" (the fastest on {cluster.device.name})"
         # the first of the stack's dtypes the device has its own peak for (V100: fp32)
         native = [d for d in allowed if d in cluster.device.peak_flops]
         fix = (native or list(allowed))[0]
         raise ConstraintError(
-            f"dtype={space.dtype}{given}: {rule}; pass dtype={fix!r} (--dtype {fix})"
+            f"dtype={refused[0]}{given}: {limit.refuse(refused[0]).rule}; pass dtype={fix!r} "
+            f"(--dtype {fix})"
         )
     if axis == "sequence_parallel":
         if space.sequence_parallel == (True,):

@@ -109,6 +109,12 @@ MEGATRON_LM = FrameworkProfile(
         # schedules.py deallocate_output_tensor frees a stage output once sent, and the
         # p2p layer waits for each batch of sends (p2p_communication.py, wait_on_reqs).
         pipeline_boundary_retention=0.0,
+        # Transformer Engine casts with fused amax/cast-transpose kernels, and casts each
+        # weight once per step: its modules take is_first_microbatch and keep the fp8 weight
+        # and its transpose for the step's other micro-batches (transformer_engine/pytorch/
+        # module/linear.py; Megatron passes it from schedules.py's forward_step).
+        fp8_eager_casts=0.0,
+        fp8_cached_weights=1.0,
     ),
     # --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
     # arguments.py); the hidden one keeps a 1-byte mask in bias_dropout_add

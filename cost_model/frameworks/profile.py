@@ -88,6 +88,9 @@ class Pricing:
     # `Calibration.loss_forward_bytes_per_logit` and `loss_backward_bytes_per_logit`.
     loss_forward_bytes_per_logit: float | None = None
     loss_backward_bytes_per_logit: float | None = None
+    # `Calibration.fp8_eager_casts` and `fp8_cached_weights`: how the stack casts to fp8.
+    fp8_eager_casts: float | None = None
+    fp8_cached_weights: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -306,6 +309,8 @@ class FrameworkProfile:
             "optimizer_bytes_per_param",
             "block_sync_copy_bytes",
             "checkpoint_sync_copy_bytes",
+            "fp8_eager_casts",
+            "fp8_cached_weights",
         ):
             value = getattr(self.pricing, name)
             if value is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cost_model.calibration import Calibration
 from cost_model.compute import OpTime, op_time
 from cost_model.hardware import Cluster
+from cost_model.parts.fp8 import cast_cost, converted_ops
 from cost_model.strategy import Strategy
 from cost_model.workload import OpProfile, UnitProfile
 
@@ -39,8 +40,16 @@ class LossCost:
     saved_bytes: float
 
 
-def op_cost(op: OpProfile, cluster: Cluster, strategy: Strategy, traced_dtype_bytes: int) -> OpTime:
-    """One operator on one device under ``strategy`` (`cost_model.compute.op_time`)."""
+def op_cost(
+    op: OpProfile,
+    cluster: Cluster,
+    strategy: Strategy,
+    traced_dtype_bytes: int,
+    *,
+    fp8: bool = False,
+) -> OpTime:
+    """One operator on one device under ``strategy`` (`cost_model.compute.op_time`); ``fp8``:
+    a linear the strategy's fp8 recipe converts (`cost_model.parts.fp8.is_converted`)."""
     return op_time(
         op,
         device=cluster.device,
@@ -50,6 +59,7 @@ def op_cost(op: OpProfile, cluster: Cluster, strategy: Strategy, traced_dtype_by
         tp_degree=strategy.tp_degree,
         sequence_parallel=strategy.sequence_parallel,
         traced_dtype_bytes=traced_dtype_bytes,
+        fp8=strategy.fp8 if fp8 else None,
     )
 
 
@@ -61,18 +71,21 @@ def compute_times(
 
     Leaves out a mixture-of-experts unit's routed experts (`UnitProfile.moe`), which
     `cost_model.parts.expert_parallel` prices. Depends only on the unit, the device and the
-    strategy's TP degree, sequence parallelism, micro-batch and dtype, so the planner's many
-    strategies share one computation (`cost_model.estimate.CostModel` keeps them).
+    strategy's TP degree, sequence parallelism, micro-batch and dtype (with an fp8 recipe's
+    fields: its converted linears' GEMMs at the fp8 rate, and their casts in the forward and
+    backward, `cost_model.parts.fp8.cast_cost`), so the planner's many strategies share one
+    computation (`cost_model.estimate.CostModel` keeps them).
     """
     fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = weight = 0.0
     first_tail = len(unit.ops) - unit.recompute_skip_ops
     policy = strategy.decisions.recompute
     # the routed experts' op is priced apart (`parts.expert_parallel`)
     experts_op = unit.moe.experts_op if unit.moe is not None else None
+    converted = {op.name for op in converted_ops(unit, strategy)}
     for position, op in enumerate(unit.ops):
         if op.name == experts_op:
             continue
-        ot = op_cost(op, cluster, strategy, traced_dtype_bytes)
+        ot = op_cost(op, cluster, strategy, traced_dtype_bytes, fp8=op.name in converted)
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s
         weight += ot.weight_backward_s
@@ -84,9 +97,11 @@ def compute_times(
         if position >= first_tail:
             tail_fwd += ot.forward_s
     loss = loss_cost(unit, strategy, cluster, traced_dtype_bytes)
+    casts = cast_cost(unit, strategy, cluster)
+    # (a full recompute re-runs the forward's casts with it: they are part of forward_s)
     return ComputeTimes(
-        forward_s=fwd_c + loss.forward_s,
-        backward_s=bwd_c + loss.backward_s,
+        forward_s=fwd_c + loss.forward_s + casts.forward_s,
+        backward_s=bwd_c + loss.backward_s + casts.backward_s,
         forward_flops=flops,
         selective_forward_s=selective_fwd,
         gemm_forward_s=gemm_fwd,

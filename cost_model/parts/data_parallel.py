@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cost_model.communication import collective_time_s
 from cost_model.hardware import Cluster
+from cost_model.parts.fp8 import shard_cast_s
 from cost_model.strategy import GroupPlacement, Strategy
 from cost_model.workload import UnitKind
 
@@ -105,24 +106,35 @@ def data_parallel_cost(
     forward_window_s: float,
     backward_window_s: float,
     zero3_gathers: int = 1,
+    fp8_params: float = 0.0,
+    fp8_weights: int = 0,
 ) -> DataParallelCost:
     """The data-parallel collectives of a unit whose device stores ``local_params`` parameters
     (before data-parallel sharding); ZeRO-3's hide behind the unit's forward and backward
     compute (``forward_window_s``, ``backward_window_s``: recompute included). Under ZeRO-3
     the unit's weights are gathered in ``zero3_gathers`` collectives a pass (FSDP2: one;
     DeepSpeed: `deepspeed_zero3_gathers`): the bytes are the same, each extra collective adds
-    its latency (the ring's steps over the group, `cost_model.communication`)."""
+    its latency (the ring's steps over the group, `cost_model.communication`). With
+    ``Strategy.fp8_all_gather`` the ``fp8_params`` of them (its converted linears' weights,
+    `cost_model.parts.fp8.fp8_params`) are gathered in fp8, one byte each, and the amaxes of
+    its ``fp8_weights`` weights' shards all-reduced once per step (torchao's
+    precompute_float8_dynamic_scale_for_fsdp)."""
     dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
-    param_bytes = local_params * strategy.dtype_bytes  # unsharded (ZeRO-3 gathers this)
+    gathered_fp8 = fp8_params if strategy.fp8_all_gather else 0.0
+    # unsharded (ZeRO-3 gathers this)
+    param_bytes = (local_params - gathered_fp8) * strategy.dtype_bytes + gathered_fp8
     grad_bytes = local_params * grad_reduce_bytes(strategy.dtype)
     zero3_fwd = zero3_bwd = 0.0
     sync = post_sync = 0.0
     if dp > 1 and local_params > 0:
+        # under fp8 all-gather each gather first casts this rank's shard to fp8
+        shard_cast = shard_cast_s(gathered_fp8 / dp, cluster) if gathered_fp8 else 0.0
         if zero >= 3:
             # FSDP / ZeRO-3 (Rajbhandari et al. 2020, section 7.2.2): all-gather weights
             # before the forward and again before the backward, reduce-scatter gradients
             # after it, every micro-batch; prefetching hides them behind this unit's compute.
             gather = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
+            gather += shard_cast
             if zero3_gathers > 1:
                 one_byte = collective_time_s("all_gather", 1.0, dp_groups, cluster)
                 gather += (zero3_gathers - 1) * one_byte
@@ -134,8 +146,13 @@ def data_parallel_cost(
             # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
             sync = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
             post_sync = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
+            post_sync += shard_cast
         else:
             sync = collective_time_s("all_reduce", grad_bytes, dp_groups, cluster)
+        if gathered_fp8 > 0 and zero >= 1:
+            # one fp32 amax per converted weight (priced per unit: torchao all-reduces every
+            # weight's at once, so this over-counts the latency by the units)
+            post_sync += collective_time_s("all_reduce", 4.0 * fp8_weights, dp_groups, cluster)
     cal = cluster.calibration
     overlap = cal.dp_overlap_fraction
     slowdown = cal.overlapped_comm_slowdown

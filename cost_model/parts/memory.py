@@ -48,11 +48,20 @@ def unit_bytes(
     local_params: float,
     loss_saved_bytes: float,
     stack: StackActivations = TRACED_ACTIVATIONS,
+    fp8_params: float = 0.0,
+    fp8_transient_bytes: float = 0.0,
+    cached_fp8_weights: bool = False,
 ) -> UnitBytes:
     """The bytes of ``unit`` under ``recompute`` (its own mode), whose device stores
     ``local_params`` parameters before data-parallel sharding; ``loss_saved_bytes``: what the
     loss after it keeps for the backward (`cost_model.parts.compute.loss_cost`); ``stack``:
-    what the training stack saves beyond the trace (`cost_model.memory.StackActivations`)."""
+    what the training stack saves beyond the trace (`cost_model.memory.StackActivations`).
+
+    Under an fp8 recipe, of ``local_params`` the ``fp8_params`` are converted linears' weights
+    (`cost_model.parts.fp8`): with ``Strategy.fp8_all_gather`` FSDP2 keeps their unsharded
+    copies in fp8 (ZeRO-1/2 keep them for the step); ``cached_fp8_weights`` (Transformer
+    Engine) keeps an fp8 copy and its transpose of each for the step; a cast's transient
+    (``fp8_transient_bytes``) joins the backward's working set."""
     state = static_bytes(
         local_params,
         strategy.dtype,
@@ -60,10 +69,23 @@ def unit_bytes(
         strategy.dp_degree,
         strategy.dp_wrapper,
     )
+    param_bytes = state.param_bytes
+    if (
+        strategy.fp8_all_gather
+        and strategy.dp_wrapper == "fsdp"
+        and strategy.runtime_zero_stage < 3
+    ):
+        param_bytes -= fp8_params * (strategy.dtype_bytes - 1)
+    if cached_fp8_weights:
+        param_bytes += 2.0 * fp8_params
     scale = activation_scale(strategy, traced_dtype_bytes)
     boundary_div = strategy.tp_degree if strategy.sequence_parallel else 1
     held = activation_bytes(unit, strategy, recompute, traced_dtype_bytes, stack) + loss_saved_bytes
-    working = working_bytes(unit, strategy, traced_dtype_bytes, stack) + loss_saved_bytes
+    working = (
+        working_bytes(unit, strategy, traced_dtype_bytes, stack)
+        + loss_saved_bytes
+        + fp8_transient_bytes
+    )
     # what a split backward keeps from its input half to its weight half: the traced saved
     # tensors and the GEMMs' output gradients; an unfused core's scores and the dropout masks
     # serve the input gradient only, freed by then
@@ -73,7 +95,7 @@ def unit_bytes(
         + loss_saved_bytes
     )
     return UnitBytes(
-        param_bytes=state.param_bytes,
+        param_bytes=param_bytes,
         grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes,
         activation_bytes=held,

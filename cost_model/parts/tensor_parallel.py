@@ -15,6 +15,7 @@ from cost_model.communication import collective_time_s
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_scale
 from cost_model.parts.data_parallel import grad_reduce_bytes
+from cost_model.parts.fp8 import scale_sync_s
 from cost_model.strategy import GroupPlacement, Strategy
 from cost_model.workload import UnitProfile
 
@@ -43,6 +44,10 @@ def tp_cost(
     forward_s, backward_s = _tp_times(
         unit, strategy, cluster, traced_dtype_bytes, tp_groups, shared_expert_whole
     )
+    # a tensor-wise fp8 recipe's amax all-reduces (`cost_model.parts.fp8`)
+    sync_forward, sync_backward = scale_sync_s(unit, strategy, cluster, tp_groups)
+    forward_s += sync_forward
+    backward_s += sync_backward
     if recompute == "full":
         # Re-run the forward, its TP all-reduces included (Megatron recomputes through the
         # f/g operators), less those of the row-parallel linears an early stop skips.
