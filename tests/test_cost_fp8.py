@@ -10,8 +10,11 @@ import dataclasses
 import pytest
 
 import autoplan
+from autoplan.analysis.whatif import whatif
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import plan_estimate
+from autoplan.planner.search import search_plans
+from autoplan.planner.space import ConstraintError
 from cost_model.calibration import Calibration
 from cost_model.compute import op_time
 from cost_model.estimate import estimate
@@ -246,3 +249,61 @@ def test_calibration_bounds_its_fp8_fields() -> None:
         Calibration(fp8_gemm_efficiency_ratio=5.0)
     with pytest.raises(ValueError, match="fp8_eager_casts"):
         Calibration(fp8_eager_casts=2.0)
+
+
+def test_the_search_takes_dtype_as_an_axis_and_prices_each_stack_its_way() -> None:
+    profile = gpt_profile(num_layers=8, s=2048, h=2048, a=16, vocab=8192)
+    h100 = autoplan.Cluster.preset("dgx-h100-80g")
+    chosen = {}
+    for framework in ("autoplan", "megatron-lm"):
+        result = search_plans(
+            profile,
+            h100,
+            global_batch=32,
+            budget_s=1.0,
+            top_k=8,
+            dtype=("bf16", "fp8"),
+            framework=framework,
+            pp=(1,),
+        )
+        chosen[framework] = result.plans[0].dtype
+    # Transformer Engine's fused casts make fp8 pay; torchao's eager ones do not
+    assert chosen == {"autoplan": "bf16", "megatron-lm": "fp8"}
+    # and the same search in one dtype gives that dtype's plan
+    only = search_plans(
+        profile, h100, global_batch=32, budget_s=1.0, dtype="fp8", framework="megatron-lm", pp=(1,)
+    )
+    assert {plan.dtype for plan in only.plans} == {"fp8"}
+
+
+def test_a_search_refuses_a_recipe_the_device_or_stack_lacks() -> None:
+    profile = _profile()
+    with pytest.raises(ConstraintError, match=r"A100.*no fp8 tensor cores"):
+        search_plans(profile, autoplan.Cluster.preset("dgx-a100-80g"), global_batch=8, dtype="fp8")
+    with pytest.raises(ConstraintError, match="deepspeed has no fp8 recipe"):
+        search_plans(
+            profile,
+            autoplan.Cluster.preset("dgx-h100-80g"),
+            global_batch=8,
+            dtype=("bf16", "fp8"),
+            framework="deepspeed",
+        )
+    with pytest.raises(ConstraintError, match="dtype='fp9'"):
+        search_plans(profile, autoplan.Cluster.preset("dgx-h100-80g"), global_batch=8, dtype="fp9")
+
+
+def test_whatif_compares_dtypes_side_by_side() -> None:
+    profile = gpt_profile(num_layers=4, s=2048, h=2048, a=16, vocab=8192)
+    result = whatif(
+        profile,
+        "dgx-h100-80g",
+        num_devices=[8],
+        global_batch=16,
+        budget_s=0.5,
+        workers=1,
+        dtype="bf16,fp8",
+        framework="megatron-lm",
+        pp=(1,),
+    )
+    assert [row.cluster for row in result.rows] == ["dgx-h100-80g bf16", "dgx-h100-80g fp8"]
+    assert [row.plan.dtype for row in result.rows if row.plan] == ["bf16", "fp8"]

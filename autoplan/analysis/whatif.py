@@ -26,6 +26,7 @@ exception. Rows come per cluster type, in the given order, then by ascending dev
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -99,6 +100,16 @@ class ClusterType:
     template: Cluster  # one node; overrides applied
     local: bool = False  # `Cluster.local`: this machine, as many worker processes as asked
     overrides: tuple[tuple[str, object], ...] = ()  # re-applied to `Cluster.local(n)`
+    # the one dtype its searches try, when the what-if compares several (its label ends in it)
+    dtype: str | None = None
+
+    def with_dtype(self, dtype: str) -> ClusterType:
+        """This type's rows for one of the dtypes a what-if compares side by side."""
+        return dataclasses.replace(self, label=f"{self.label} {dtype}", dtype=dtype)
+
+    def search_constraints(self, constraints: dict[str, Any]) -> dict[str, Any]:
+        """``constraints`` for this type's searches: its own dtype when it has one."""
+        return constraints if self.dtype is None else {**constraints, "dtype": (self.dtype,)}
 
     @property
     def devices_per_node(self) -> int:
@@ -335,7 +346,12 @@ def whatif(
         tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
     )
     types = _cluster_types(cluster_name_or_template, cluster_overrides, sizes)
+    # several dtypes (bf16,fp8): each type's rows once per dtype, side by side
+    dtypes = SearchSpace.from_constraints(**constraints).dtype or ()
     constraints = _search_constraints(constraints, framework, objective, memory_headroom)
+    if len(dtypes) > 1:
+        check_search_count(len(types) * len(dtypes), len(sizes))
+        types = [kind.with_dtype(dtype) for kind in types for dtype in dtypes]
     profile = api.profile_of(model_or_graph)
 
     searches = _Searches(
@@ -520,7 +536,12 @@ class _Searches:
             return False
         self.report(kind, n)
         self.found[kind.label, n] = _best_plan(
-            n, self._profile, cluster, self._global_batch, within, self._constraints
+            n,
+            self._profile,
+            cluster,
+            self._global_batch,
+            within,
+            kind.search_constraints(self._constraints),
         )
         return True
 
@@ -580,7 +601,7 @@ class _Searches:
                 cluster,
                 self._global_batch,
                 within,
-                dict(self._constraints),
+                dict(kind.search_constraints(self._constraints)),
             )
             running[future] = (kind, n)
 
