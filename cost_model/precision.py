@@ -172,3 +172,18 @@ def fp8_field_problem(
             "zero_stage 0; set it false or raise zero_stage"
         )
     return None
+
+
+def precision_text(dtype: str, exclude: tuple[str, ...], all_gather: bool) -> str | None:
+    """What an fp8 plan keeps in which dtype, in one phrase (None for a plain dtype): ``fp8
+    (dynamic tensor-wise scaling, ...) in every linear but head; bf16 activations and working
+    weights, fp32 master weights, gradient reduction and AdamW states``."""
+    recipe = fp8_recipe(dtype)
+    if recipe is None:
+        return None
+    kept = f" but {', '.join(exclude)}" if exclude else ""
+    gather = "; weights all-gathered in fp8" if all_gather else ""
+    return (
+        f"{dtype} ({recipe.summary}) in every linear{kept}; bf16 activations and working "
+        f"weights, fp32 master weights, gradient reduction and AdamW states{gather}"
+    )

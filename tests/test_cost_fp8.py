@@ -11,6 +11,7 @@ import pytest
 
 import autoplan
 from autoplan.analysis.whatif import whatif
+from autoplan.cli.plan_cmd import ranked_table
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import plan_estimate
 from autoplan.planner.search import search_plans
@@ -28,7 +29,7 @@ from cost_model.parts.fp8 import (
     fp8_shape_problem,
     scale_sync_counts,
 )
-from cost_model.precision import fp8_device_problem
+from cost_model.precision import fp8_device_problem, precision_text
 from cost_model.strategy import Strategy, group_placements
 from cost_model.workload import ModelProfile
 from tests.cost_profiles import _linear, gpt_profile, round_cluster
@@ -307,3 +308,22 @@ def test_whatif_compares_dtypes_side_by_side() -> None:
     )
     assert [row.cluster for row in result.rows] == ["dgx-h100-80g bf16", "dgx-h100-80g fp8"]
     assert [row.plan.dtype for row in result.rows if row.plan] == ["bf16", "fp8"]
+
+
+def test_plan_output_names_the_dtype_and_what_stays_in_which_precision() -> None:
+    h100 = autoplan.Cluster.preset("dgx-h100-80g")
+    plans = tuple(
+        autoplan.manual_plan(_profile(), h100, global_batch=8, dtype=dtype, zero=1)  # type: ignore[arg-type]
+        for dtype in ("fp8", "bf16")
+    )
+    table = ranked_table(plans)
+    headers = [column.header for column in table.columns]
+    assert "dtype" in headers and "range" not in headers
+    assert list(table.columns[headers.index("dtype")].cells) == ["fp8", "bf16"]
+    # one dtype, no recipe: no column
+    assert "dtype" not in [c.header for c in ranked_table(plans[1:]).columns]
+    said = precision_text("fp8", ("head",), True)
+    assert said is not None
+    assert said.startswith("fp8 (dynamic tensor-wise scaling") and "but head" in said
+    assert "fp32 master weights" in said and "all-gathered in fp8" in said
+    assert precision_text("bf16", ("head",), False) is None

@@ -36,6 +36,7 @@ from autoplan.cli.whatif_cmd import check_picture_path
 from autoplan.contract.plan import Plan
 from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import load_cluster
+from cost_model.precision import precision_text
 
 
 @click.command("explain")
@@ -172,6 +173,9 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     out.print(stage_table(result.estimate))
     out.print(memory_table(result))
     out.print(summary_line(result.estimate))
+    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather)
+    if precision is not None:
+        out.print(f"[bold]precision:[/] {precision}")
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
     for note in result.notes:
         out.print(f"note: {note}")

@@ -38,6 +38,7 @@ from autoplan.contract.plan import Plan
 from autoplan.planner.search import SearchProgress, SearchStats, search_plans
 from cost_model.hardware import load_cluster
 from cost_model.messages import shown
+from cost_model.precision import precision_text
 
 
 @click.command("plan")
@@ -148,6 +149,9 @@ def plan_cmd(
     detail = estimate(profile, target, best)
     out.print(stage_table(detail))
     out.print(summary_line(detail))
+    precision = precision_text(best.dtype, best.fp8_exclude, best.fp8_all_gather)
+    if precision is not None:
+        out.print(f"[bold]precision:[/] {precision}")
     for line in coverage(best, profile, target, detail).lines():
         out.print(f"[bold]coverage:[/] {line}")
     if output is not None:
