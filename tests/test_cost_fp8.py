@@ -327,3 +327,24 @@ def test_plan_output_names_the_dtype_and_what_stays_in_which_precision() -> None
     assert said.startswith("fp8 (dynamic tensor-wise scaling") and "but head" in said
     assert "fp32 master weights" in said and "all-gathered in fp8" in said
     assert precision_text("bf16", ("head",), False) is None
+
+
+def test_sequence_parallel_casts_the_gathered_tensors_on_the_ranks_share() -> None:
+    cluster = round_cluster()
+    block = _block(_profile())
+    tp = Strategy(dtype="fp8", tp_degree=2)
+    sp = dataclasses.replace(tp, sequence_parallel=True)
+    bandwidth = 1e12 * cluster.calibration.memory_efficiency
+    # q, k, v, up: column inputs (S x H each) cast on half the sequence, forward and backward
+    column_inputs = 4 * S * H
+    saved = 33 * (column_inputs / 2) / bandwidth
+    assert cast_cost(block, tp, cluster).forward_s - cast_cost(block, sp, cluster).forward_s == (
+        pytest.approx(saved)
+    )
+    # o, down: row outputs' gradients (S x H each, twice) on half the sequence, plus the
+    # column inputs' backward cast
+    row_grads = 2 * S * H
+    saved_backward = 33 * (2 * row_grads / 2 + column_inputs / 2) / bandwidth
+    assert cast_cost(block, tp, cluster).backward_s - cast_cost(block, sp, cluster).backward_s == (
+        pytest.approx(saved_backward)
+    )

@@ -163,6 +163,12 @@ def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8Cas
         m = float(op.gemm.m_per_sample * strategy.micro_batch_size)
         batch = op.gemm.batch
         inputs, weights, grads = m * k * batch, k * n * batch, m * n * batch
+        if strategy.sequence_parallel and strategy.tp_degree > 1:
+            # the tensor gathered in fp8 is cast on this rank's share of the sequence
+            if op.tp in ("column", "vocab"):
+                inputs /= strategy.tp_degree
+            elif op.tp == "row":
+                grads /= strategy.tp_degree
         if eager:
             b, kernels = _EAGER_CAST_BYTES, _EAGER_CAST_KERNELS
             fwd_bytes += b * (inputs + weights * weight_share)
