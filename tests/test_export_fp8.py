@@ -162,9 +162,13 @@ def test_megatron_refuses_fp8_layers_it_cannot_keep() -> None:
     assert "add head to fp8_exclude" in head
     unknown = _refusal(_plan(fp8_exclude=("head", "blocks.32")), "megatron-lm")
     assert "blocks.32 names no module of 'llama3-8b'" in unknown and "(blocks 0-31)" in unknown
-    # Megatron's recipes are tensorwise, delayed, mxfp8, blockwise: none scales per row
-    rowwise = _refusal(_plan("fp8-rowwise"), "megatron-lm")
-    assert "dtype = fp8-rowwise: megatron-lm" in rowwise and "set --dtype fp8" in rowwise
+    assert _refusal(_plan("fp8-rowwise"), "megatron-lm") == (
+        "cannot export this plan to megatron-lm: dtype = fp8-rowwise: megatron-lm's --fp8-recipe "
+        "is tensorwise, delayed, mxfp8, blockwise or custom (TransformerConfig.fp8_recipe, "
+        "megatron/core/transformer/transformer_config.py); none scales per row; use dtype fp8 "
+        "(--fp8-recipe tensorwise), or export to torchtitan (its float8 converter's rowwise "
+        "recipe)"
+    )
 
 
 def test_megatron_moe_routers_stay_in_bf16() -> None:
@@ -180,6 +184,16 @@ def test_megatron_moe_routers_stay_in_bf16() -> None:
                        model="mixtral-8x7b")  # fmt: skip
     assert "fp8_exclude = [head]: Megatron-LM's MoE router computes in bf16 or fp32" in message
     assert "converts 32 router(s) to fp8; add router to fp8_exclude" in message
+    # the routed experts stay in bf16 under autoplan (torchao converts nn.Linear only), so a
+    # block whose attention and router are kept is kept whole: Megatron's first layer in bf16
+    first = dataclasses.replace(plan, fp8_exclude=("head", "router", "blocks.0.attn"))
+    flags = _flags(megatron_args(first, model_dims("mixtral-8x7b")))
+    assert flags["--num-layers-at-start-in-bf16"] == "1"
+    assert flags["--num-layers-at-end-in-bf16"] == "0"
+    notes = export_plan(first, "megatron-lm", model="mixtral-8x7b").notes
+    assert any("Megatron-LM runs the routed experts in fp8" in note for note in notes)
+    dense_notes = export_plan(_plan(), "megatron-lm", model=LLAMA8B).notes
+    assert not any("routed experts in fp8" in note for note in dense_notes)
 
 
 # ------------------------------------------------------------------------------ torchtitan
@@ -239,8 +253,11 @@ def _load(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     (tmp_path / "autoplan_torchtitan.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("autoplan_torchtitan", None)
-    return ConfigManager().parse_args(["--module", "autoplan_torchtitan",
-                                       "--config", "autoplan_plan"])  # fmt: skip
+    try:
+        return ConfigManager().parse_args(["--module", "autoplan_torchtitan",
+                                           "--config", "autoplan_plan"])  # fmt: skip
+    finally:
+        sys.modules.pop("autoplan_torchtitan", None)  # other tests import their own
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ Names are autoplan's module names (autoplan/models): ``blocks.<i>.attn.{q,k,v,o}
 ``blocks.<i>.mlp.router``, ``mlp.experts`` and ``mlp.shared_expert.{gate,up,down}_proj``, and
 ``lm_head``. An entry of ``fp8_exclude`` keeps in bf16 the module it names and every linear
 under it (``blocks.3`` is block 3's, not block 30's); the roles ``head`` and ``router`` are
-``lm_head`` and every MoE router (`cost_model.precision.FP8_EXCLUDE_ROLES`).
+``lm_head`` and every MoE router (`cost_model.precision.FP8_EXCLUDE_ROLES`), as the cost model
+reads them (`cost_model.parts.fp8.is_converted`). A MoE layer's routed experts always stay in
+bf16 (torchao converts ``nn.Linear`` only; ``is_converted`` prices them so).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from autoplan.export._common import ExportProblem, ModelDims
 from cost_model.precision import Fp8Recipe, fp8_recipe
 
 HEAD = "lm_head"
+EXPERTS = ".mlp.experts"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +42,14 @@ class Fp8Layers:
         """The MoE routers the plan runs in fp8."""
         return tuple(n for n in self.linears if n.endswith(".router") and n not in self.kept)
 
+    @property
+    def converts_experts(self) -> bool:
+        """Whether a MoE block with linears in fp8 holds routed experts (kept in bf16)."""
+        return any(
+            n.endswith(EXPERTS) and not set(self.block_linears(int(n.split(".")[1]))) <= self.kept
+            for n in self.linears
+        )
+
     def block_linears(self, block_idx: int) -> tuple[str, ...]:
         prefix = f"blocks.{block_idx}."
         return tuple(name for name in self.linears if name.startswith(prefix))
@@ -54,15 +65,16 @@ class Fp8Layers:
 
     @property
     def kept_parts(self) -> tuple[str, ...]:
-        """Linears kept in bf16 that are neither the head, a router, nor in a whole kept block."""
-        whole = {f"blocks.{idx}." for idx in self.kept_blocks}
+        """Linears kept in bf16 that are neither the head, a router, experts (always kept), nor
+        in a whole kept block."""
+        whole = tuple(f"blocks.{idx}." for idx in self.kept_blocks)
         return tuple(
             name
             for name in self.linears
             if name in self.kept
             and name != HEAD
-            and not name.endswith(".router")
-            and not any(name.startswith(prefix) for prefix in whole)
+            and not name.endswith((".router", EXPERTS))
+            and not name.startswith(whole)
         )
 
 
@@ -92,7 +104,7 @@ def fp8_layers(plan: Plan, dims: ModelDims) -> Fp8Layers | None:
     if recipe is None:
         return None
     linears = model_linears(dims)
-    kept: set[str] = set()
+    kept = {name for name in linears if name.endswith(EXPERTS)}
     unknown: list[str] = []
     for entry in plan.fp8_exclude:
         if entry == "head":

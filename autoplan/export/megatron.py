@@ -55,7 +55,8 @@ Plan field -> flag:
   ``--fp8-output-proj`` (``TELMHeadColumnParallelLinear``), which a plan that converts ``head``
   under mxfp8 gets; under fp8 the head must stay in ``fp8_exclude``. Its MoE router computes in
   bf16 or fp32 (``router_gating_linear``, ``megatron/core/transformer/moe/router.py``), so a
-  MoE plan keeps ``router`` in it. Whole blocks kept in bf16 at the start and the end ->
+  MoE plan keeps ``router`` in it; its routed experts run in fp8 where autoplan keeps them in
+  bf16 (a note says so). Whole blocks kept in bf16 at the start and the end ->
   ``--first-last-layers-bf16 --num-layers-at-start-in-bf16 A --num-layers-at-end-in-bf16 B``
   (``TransformerConfig``: global layer indices, ``is_first_last_bf16_layer`` in fp8_utils.py;
   each count at most num_layers // pp, its ``__post_init__``); blocks in the middle or parts of
@@ -438,6 +439,12 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "fp8 runs in Transformer Engine's layers (the default --transformer-impl "
             f"transformer_engine): install Transformer Engine >= {version}, as "
             "megatron/core/fp8_utils.py get_fp8_recipe asks",
+        )
+    if layers is not None and layers.converts_experts:
+        notes += (
+            "Megatron-LM runs the routed experts in fp8 (Transformer Engine linears inside its "
+            "fp8 layers), where autoplan keeps them in bf16 (torchao converts nn.Linear only) "
+            "and prices them so: the run's expert GEMMs are faster than the plan's estimate",
         )
     if dims.moe is not None:
         notes += (

@@ -23,6 +23,13 @@ def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
 # Its limits as `autoplan export` words them (`Capabilities.explained`), in Megatron-Core's
 # terms and files.
 MEGATRON_LM_WORDS = {
+    "dtype:fp8-rowwise": Explanation(
+        why="megatron-lm's --fp8-recipe is tensorwise, delayed, mxfp8, blockwise or custom "
+        "(TransformerConfig.fp8_recipe, megatron/core/transformer/transformer_config.py); none "
+        "scales per row",
+        fix="use dtype fp8 (--fp8-recipe tensorwise), or export to torchtitan (its float8 "
+        "converter's rowwise recipe)",
+    ),
     "schedule:gpipe": Explanation(
         why="megatron-lm runs 1F1B, or interleaved 1F1B with virtual stages, chosen from the "
         "degrees (megatron/core/pipeline_parallel/schedules.py get_forward_backward_func); it "
