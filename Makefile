@@ -24,8 +24,10 @@ $(BIN)/.installed: pyproject.toml
 # venv's torch (no build isolation, which would fetch another torch), about 15 s. torchtitan
 # (its ConfigManager loads `autoplan export --to torchtitan`) imports triton, whose wheel imports
 # on a CPU machine too (Python 3.11+); the torch spec keeps pip from replacing the venv's torch.
+# torchao (the `fp8` extra: fp8 plans' float8 linears) declares no torch requirement, but a
+# future one could: the same torch spec holds it to the venv's torch.
 $(BIN)/.installed-extras: $(BIN)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev,ray,torchft]"
+	$(BIN)/python -m pip install -q -e ".[dev,ray,torchft,fp8]" "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --no-build-isolation "deepspeed>=0.16"
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	  $(BIN)/python -m pip install -q "torchtitan>=0.3" triton "$(TORCH_SPEC)"; \

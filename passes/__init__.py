@@ -1,8 +1,10 @@
 """passes: compile an `autoplan.Plan` into a distributed training module, one pass a technique.
 
 Passes run in this order, each with typed input and output and a check of its own result:
-`split_stages` (stages and per-unit submodules) -> `apply_tensor_parallel` (DTensor styles;
-under sequence parallelism MoE layers route their sequence shard, `sequence_parallel_moe`) ->
+`split_stages` (stages and per-unit submodules) -> `convert_to_fp8` (an fp8 plan's linears to
+torchao's float8 linears, as `select_fp8_linears` chose them) -> `apply_tensor_parallel`
+(DTensor styles, torchao's float8 ones for tensor-wise fp8 linears; under sequence parallelism
+MoE layers route their sequence shard, `sequence_parallel_moe`) ->
 `apply_context_parallel` (load-balanced sequence sharding, ring attention; cp > 1) ->
 `apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
@@ -36,6 +38,14 @@ from passes.expert_parallel import (
     find_grouped_experts,
     reduce_gradients,
 )
+from passes.fp8 import (
+    Fp8Result,
+    Fp8ScalePrecompute,
+    Fp8Selection,
+    convert_to_fp8,
+    select_fp8_linears,
+    torchao_float8,
+)
 from passes.materialize import (
     has_meta_tensors,
     init_full_model_,
@@ -66,6 +76,9 @@ __all__ = [
     "DistributedModel",
     "ExpertParallelExperts",
     "ExpertParallelResult",
+    "Fp8Result",
+    "Fp8ScalePrecompute",
+    "Fp8Selection",
     "ParallelMesh",
     "Pipeline",
     "ReplicatedGradientSum",
@@ -87,6 +100,7 @@ __all__ = [
     "build_pipeline",
     "check_context_parallel",
     "check_expert_parallel",
+    "convert_to_fp8",
     "find_grouped_experts",
     "has_meta_tensors",
     "init_full_model_",
@@ -100,10 +114,12 @@ __all__ = [
     "reduce_gradients",
     "retarget_devices",
     "ring_attention",
+    "select_fp8_linears",
     "selective_policy",
     "sequence_parallel_moe",
     "shard_sequence",
     "split_stages",
+    "torchao_float8",
     "unshard_sequence",
     "uses_ddp",
 ]

@@ -18,7 +18,9 @@ Guarantees (Rajbhandari et al. 2020 for the ZeRO stages), always with PyTorch's 
   schedules, and has a mixed-precision policy);
 - nothing when ``dp_degree == 1`` and the plan trains in fp32; for bf16/fp16 plans FSDP2's
   ``MixedPrecisionPolicy`` (parameters in the plan's dtype, gradient reduction in fp32) is used,
-  on a 1-rank mesh if need be.
+  on a 1-rank mesh if need be; an fp8 recipe's dtype is bf16 there (`compute_dtype`), and
+  with ``fp8_all_gather`` torchao's weight wrapper (passes/fp8.py) makes FSDP2 gather the
+  converted weights in fp8.
 Each block unit is its own FSDP/replicate group; the embedding, the head and any unit holding a
 parameter shared with another unit (a tied embedding and head) belong to the stage-level group,
 since FSDP2 manages a shared parameter in exactly one group. After the pass
@@ -72,6 +74,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from autoplan.contract.plan import Plan
+from cost_model.precision import compute_dtype
 from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
 from passes.expert_parallel import ExpertParallelExperts, all_reduce_gradients
@@ -196,9 +199,11 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
         )
 
     dp_mesh = mesh.dense_dp
+    # an fp8 recipe computes in bf16 (only its converted GEMMs take fp8 inputs: passes/fp8.py)
+    dtype = compute_dtype(plan.dtype)
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch_dtype(plan.dtype), reduce_dtype=torch.float32)
-        if plan.dtype != "fp32"
+        MixedPrecisionPolicy(param_dtype=torch_dtype(dtype), reduce_dtype=torch.float32)
+        if dtype != "fp32"
         else MixedPrecisionPolicy()
     )
     shared_ids = _shared_param_ids(stage.module)

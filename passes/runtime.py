@@ -290,6 +290,7 @@ class DistributedModel:
         replicas: ReplicaSync | None = None,
         context: ContextParallelResult | None = None,
         after_backward: tuple[Callable[[], None], ...] = (),
+        after_step: tuple[Callable[[], None], ...] = (),
         on_nan: OnNaN = "stop",
         failures: RankFailures | None = None,
     ) -> None:
@@ -302,6 +303,8 @@ class DistributedModel:
         self.context = context
         # gradient work after every backward (expert gradients DDP leaves alone)
         self._after_backward = after_backward
+        # work after every optimizer step and load (fp8 all-gather: the weights' next scales)
+        self._after_step = after_step
         self.replicas = replicas  # set by autoplan.runtime.replicas when groups of replicas train
         self.fingerprint = fingerprint  # of the traced model (checkpoints record it)
         # how long finding the plan took (rank 0's search and its broadcast); None: given
@@ -533,6 +536,8 @@ class DistributedModel:
             return self._reduce_loss(losses), verdict
         for stage in self._stages:
             stage.optimizer.step()
+        for finish in self._after_step:
+            finish()
         return self._reduce_loss(losses), verdict
 
     def _nonfinite_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -668,6 +673,8 @@ class DistributedModel:
         finally:
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
+        for finish in self._after_step:
+            finish()  # what follows a step follows new weights (fp8 scales)
 
     def _load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
         self.check_checkpointable()

@@ -31,7 +31,11 @@ Guarantees (Megatron-LM layout, Shoeybi et al. 2019, section 3):
   (or a module that is not an ``nn.Linear``/``nn.Embedding``, e.g. Hugging Face GPT-2's fused
   ``Conv1D``, which would need an interleaved q/k/v column split) raises `PlanError`, never a
   silent no-op;
-- parameters that several units of the stage share (a tied embedding and head) stay shared.
+- parameters that several units of the stage share (a tied embedding and head) stay shared;
+- linears converted to fp8 by the tensor-wise recipe (passes/fp8.py) get torchao's
+  ``Float8ColwiseParallel``/``Float8RowwiseParallel`` (the same sharding; fp8 casts before the
+  redistributions), except where gloo would have to move fp8 tensors (`_float8_collectives_ok`);
+  row-wise fp8 linears keep DTensor's styles (torchtitan's choice).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -52,6 +57,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autoplan.contract.errors import PlanError
+from passes.fp8 import float8_parallel_styles, is_float8_linear
 from passes.local_shapes import localize_shapes
 from passes.moe_sequence_parallel import (
     MoESequenceParallelLayer,
@@ -108,7 +114,12 @@ def _resolve(unit: UnitModule, module: nn.Module, rel_path: str) -> str:
     )
 
 
-def _style_for(style: str, module: nn.Module, path: str, sequence_parallel: bool) -> ParallelStyle:
+def _style_for(
+    style: str, module: nn.Module, path: str, sequence_parallel: bool, *, float8: bool = False
+) -> ParallelStyle:
+    """The DTensor style of a ``style`` layer; ``float8``: a tensor-wise fp8 linear, which gets
+    torchao's float8 styles (they cast its input to fp8 before redistributing it and its output
+    gradient in the backward; same sharding, passes/fp8.py)."""
     wanted: type[nn.Module] = nn.Embedding if style == "vocab_embedding" else nn.Linear
     if not isinstance(module, wanted):
         raise PlanError(
@@ -117,15 +128,31 @@ def _style_for(style: str, module: nn.Module, path: str, sequence_parallel: bool
             "only those; Hugging Face GPT-2's fused Conv1D c_attn is not supported): "
             "use tp_degree 1 for this model"
         )
+    colwise, rowwise = float8_parallel_styles() if float8 else (ColwiseParallel, RowwiseParallel)
     if style == "column":
-        return ColwiseParallel()
+        return colwise()
     if style == "row":
-        return RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+        return rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
     if style == "vocab_embedding":
         return RowwiseParallel(input_layouts=Replicate())
     if style == "vocab_head":
-        return ColwiseParallel(output_layouts=Replicate())
+        return colwise(output_layouts=Replicate())
     raise PlanError(f"unknown tensor-parallel style {style!r} for {path!r}")
+
+
+def _float8_collectives_ok(style: str, sequence_parallel: bool, tp_mesh: DeviceMesh) -> bool:
+    """Whether a float8 style of a ``style`` layer can run on ``tp_mesh``'s backend.
+
+    Under sequence parallelism torchao's ``Float8RowwiseParallel`` casts the output gradient
+    (sequence-sharded) to fp8 before the all-gather that replicates it, and gloo has no float8
+    collectives ("Invalid scalar type", torch 2.13): on gloo such a layer keeps DTensor's
+    ``RowwiseParallel``, which gathers that gradient in bf16 and lets the linear cast it with
+    the same tensor-wise scale (the amax of the whole tensor either way). The other styles move
+    no fp8 tensor: their inputs and gradients are replicated or local before the cast.
+    """
+    if style != "row" or not sequence_parallel:
+        return True
+    return dist.get_backend(tp_mesh.get_group()) != "gloo"
 
 
 def apply_tensor_parallel(
@@ -134,8 +161,11 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool,
     shared: tuple[tuple[str, ...], ...] = (),
+    float8_tensorwise: bool = False,
 ) -> TensorParallelResult:
-    """Shard ``stage``'s units over ``tp_mesh`` in place (a no-op for a 1-rank mesh)."""
+    """Shard ``stage``'s units over ``tp_mesh`` in place (a no-op for a 1-rank mesh);
+    ``float8_tensorwise``: the stage's fp8 linears (`passes.fp8`) scale per tensor and get
+    torchao's float8 styles."""
     if tp_mesh.size() == 1:
         return TensorParallelResult(
             stage_idx=stage.stage_idx, linears=(), sequence_parallel_norms=()
@@ -167,8 +197,15 @@ def apply_tensor_parallel(
                 replicated.append(f"{unit.attr}.{path}")
                 continue
             styles[path] = linear.style
+            target = module.get_submodule(path)
             plan[path] = _style_for(
-                linear.style, module.get_submodule(path), path, sequence_parallel
+                linear.style,
+                target,
+                path,
+                sequence_parallel,
+                float8=float8_tensorwise
+                and is_float8_linear(target)
+                and _float8_collectives_ok(linear.style, sequence_parallel, tp_mesh),
             )
         if plan:
             if isinstance(module, fx.GraphModule):

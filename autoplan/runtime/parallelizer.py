@@ -57,6 +57,8 @@ from cost_model.results import Estimate
 from passes import (
     ContextParallelResult,
     DistributedModel,
+    Fp8ScalePrecompute,
+    Fp8Selection,
     ParallelMesh,
     ReplicatedGradientSum,
     SplitModel,
@@ -68,6 +70,7 @@ from passes import (
     apply_tensor_parallel,
     build_mesh,
     build_pipeline,
+    convert_to_fp8,
     find_grouped_experts,
     has_meta_tensors,
     log_rank0,
@@ -75,7 +78,9 @@ from passes import (
     meta_buffer_values,
     norm_parameter_names,
     retarget_devices,
+    select_fp8_linears,
     split_stages,
+    torchao_float8,
     uses_ddp,
 )
 from passes.progress import RankFailures
@@ -241,7 +246,7 @@ def _parallelize(
     if not meta:
         for stage in split.stages:
             stage.module.to(device)
-    context, tp_results = _shard_stages(split, plan, graph, mesh, device)
+    context, tp_results = _shard_stages(split, plan, graph, mesh, device, chosen.fp8)
     if context is not None and meta:
         buffers = context.shard_buffer_values(buffers)  # the RoPE rows of this cp rank
     num_blocks = sum(unit.kind == "block" for unit in graph.profile.units)
@@ -252,9 +257,15 @@ def _parallelize(
     if meta and not uses_ddp(plan):
         materialize(split, device, seed=seed, num_blocks=num_blocks, buffers=buffers, norms=norms)
     pipeline = build_pipeline([wrapped[idx] for idx in local], local, plan, mesh, loss_fn, device)
+    after_step = (
+        (Fp8ScalePrecompute([stage.module for stage in split.stages]),)
+        if chosen.fp8 is not None and chosen.fp8.all_gather
+        else ()
+    )
     distributed = DistributedModel(
         context=context,
         after_backward=tuple(finish),
+        after_step=after_step,
         plan=plan,
         mesh=mesh,
         split=split,
@@ -283,6 +294,7 @@ class _ChosenPlan:
     graph: ModelGraph  # traced at the plan's micro-batch size where the front end needs it
     predicted: Estimate  # the plan's estimate on the job's cluster
     search_time_s: float | None  # None: the plan was given
+    fp8: Fp8Selection | None  # the linears an fp8 plan converts (None: not an fp8 plan)
 
 
 def _choose_plan(
@@ -310,8 +322,14 @@ def _choose_plan(
     else:
         cluster = as_cluster(cluster)
     if plan is not None:
-        predicted = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
-        return _ChosenPlan(plan=plan, graph=graph, predicted=predicted, search_time_s=None)
+        checked = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
+        return _ChosenPlan(
+            plan=plan,
+            graph=graph,
+            predicted=checked.predicted,
+            search_time_s=None,
+            fp8=checked.fp8,
+        )
     return _search_for_job(
         model, graph, cluster, global_batch_size, search_constraints, check_memory, job
     )
@@ -340,29 +358,39 @@ def _search_for_job(
     if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
         graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
     # same plan, same verdict on every rank
-    predicted = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
+    checked = _check_before_launch(plan, model, graph, cluster, job.world_size, check_memory)
     return _ChosenPlan(
         plan=plan,
         graph=graph,
-        predicted=predicted,
+        predicted=checked.predicted,
         search_time_s=time.perf_counter() - started,
+        fp8=checked.fp8,
     )
 
 
 def _shard_stages(
-    split: SplitModel, plan: Plan, graph: ModelGraph, mesh: ParallelMesh, device: torch.device
+    split: SplitModel,
+    plan: Plan,
+    graph: ModelGraph,
+    mesh: ParallelMesh,
+    device: torch.device,
+    fp8: Fp8Selection | None,
 ) -> tuple[ContextParallelResult | None, dict[int, TensorParallelResult]]:
-    """This rank's stages through tensor, context and expert parallelism and recompute (in
-    that order, stage by stage); the context-parallel result (None without cp) and each
-    stage's tensor-parallel result."""
+    """This rank's stages through fp8 conversion (an fp8 plan), tensor, context and expert
+    parallelism and recompute (in that order, stage by stage); the context-parallel result
+    (None without cp) and each stage's tensor-parallel result."""
     context: ContextParallelResult | None = None
     tp_results: dict[int, TensorParallelResult] = {}
     for stage in split.stages:
+        if fp8 is not None:
+            # before TP and FSDP2, which wrap the converted modules (passes/fp8.py)
+            convert_to_fp8(stage, fp8)
         tp_results[stage.stage_idx] = apply_tensor_parallel(
             stage,
             mesh.sub("tp"),
             sequence_parallel=plan.sequence_parallel,
             shared=split.shared_in_stage.get(stage.stage_idx, ()),
+            float8_tensorwise=fp8 is not None and fp8.tensorwise,
         )
         if plan.cp_degree > 1 and _has_attention(stage):
             # after TP: the ring passes the local heads' K/V
@@ -636,6 +664,14 @@ def _has_attention(stage: StageModule) -> bool:
     return any(op.kind == "attention" for unit in stage.units for op in unit.profile.ops)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Checked:
+    """What checking a plan against the job gave."""
+
+    predicted: Estimate  # the plan's estimate on the job's cluster
+    fp8: Fp8Selection | None  # the linears an fp8 plan converts
+
+
 def _check_before_launch(
     plan: Plan,
     model: nn.Module,
@@ -643,12 +679,16 @@ def _check_before_launch(
     cluster: Cluster,
     world_size: int,
     check_memory: bool,
-) -> Estimate:
+) -> _Checked:
     """Every check of ``plan`` that needs no communication, raised alike on every rank;
-    returns the plan's estimate on ``cluster`` (as autoplan's runtime runs it)."""
+    returns the plan's estimate on ``cluster`` (as autoplan's runtime runs it) and, for an
+    fp8 plan, the linears it converts (their shapes checked, torchao importable)."""
     _check_plan(plan, graph, cluster, world_size)
     _check_tensor_parallel(plan, model, graph)
-    return _check_memory(plan, graph, cluster, check_memory)
+    fp8 = select_fp8_linears(model, graph, plan)
+    if fp8 is not None:
+        torchao_float8()  # torchao missing: one line naming the extra, on every rank
+    return _Checked(predicted=_check_memory(plan, graph, cluster, check_memory), fp8=fp8)
 
 
 def _check_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, check: bool) -> Estimate:
