@@ -154,7 +154,7 @@ def fp8_field_problem(
     ):
         return (
             f"fp8_exclude = {exclude!r} must be a list of names: 'head', 'router', or module "
-            "names such as layers.0.mlp.w1"
+            "names such as blocks.0.mlp.gate_proj"
         )
     if not all_gather:
         return None

@@ -183,6 +183,9 @@ def test_estimates_price_fp8_and_its_memory() -> None:
     # and its fused casts make fp8 the faster
     te_bf16, te_fp8 = plan("bf16", "megatron-lm"), plan("fp8", "megatron-lm")
     assert _static_bytes(te_fp8) - _static_bytes(te_bf16) == pytest.approx(2 * converted)
+    # with fp8 parameters (--fp8-param-gather) the fp8 weight and its transpose replace bf16's
+    te_params = plan("fp8", "megatron-lm", fp8_all_gather=True)
+    assert _static_bytes(te_params) == pytest.approx(_static_bytes(te_bf16))
 
 
 def test_devices_without_fp8_tensor_cores_refuse_in_one_line() -> None:

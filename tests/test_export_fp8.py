@@ -319,12 +319,13 @@ def test_torchtitan_bf16_plan_runs_without_converters(
 
 def test_torchtitan_refuses_fp8_it_cannot_run() -> None:
     tensorwise = _refusal(_plan(), "torchtitan")
+    # the stack profile's refusal (its only statement), in torchtitan's words
     assert tensorwise == (
-        "cannot export this plan to torchtitan: dtype = fp8: torchtitan 0.3.0's float8 converter "
+        "cannot export this plan to torchtitan: dtype = fp8: torchtitan 0.3's float8 converter "
         "scales per row only (Float8LinearConverter.Config.recipe_name rowwise or "
         "rowwise_with_gw_hp; tensor-wise scaling and its FSDP fp8 all-gather went in "
-        "pytorch/torchtitan#3127); use dtype fp8-rowwise (fp8_all_gather false), or export to "
-        "megatron-lm (--fp8-recipe tensorwise)"
+        "pytorch/torchtitan#3127); use dtype fp8-rowwise, or price it for megatron-lm "
+        "(--fp8-recipe tensorwise)"
     )
     qkv = _refusal(_plan("fp8-rowwise", fp8_exclude=("head", "blocks.2.attn.q_proj")),
                    "torchtitan")  # fmt: skip

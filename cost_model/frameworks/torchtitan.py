@@ -7,6 +7,12 @@ from cost_model.frameworks.profile import Capabilities, FrameworkProfile, Pricin
 
 # Its limits as `autoplan export` words them (`Capabilities.explained`).
 TORCHTITAN_WORDS = {
+    "dtype:fp8": Explanation(
+        why="torchtitan 0.3's float8 converter scales per row only "
+        "(Float8LinearConverter.Config.recipe_name rowwise or rowwise_with_gw_hp; tensor-wise "
+        "scaling and its FSDP fp8 all-gather went in pytorch/torchtitan#3127)",
+        fix="use dtype fp8-rowwise, or price it for megatron-lm (--fp8-recipe tensorwise)",
+    ),
     "dtype": Explanation(
         why="torchtitan's training.mixed_precision_param is bfloat16 or float32 "
         "(torchtitan/config/configs.py TrainingConfig)",
@@ -58,9 +64,10 @@ TORCHTITAN = FrameworkProfile(
     rank_layouts=(("pp", "dp", "tp"),),
     capabilities=Capabilities(cp_min_zero=1, explained=TORCHTITAN_WORDS),
     dtypes=("bf16", "fp32"),
-    # model.converters "float8" (float8.recipe_name tensorwise or rowwise) and "mx" (MXFP8 on
-    # Blackwell): torchtitan docs/float8.md and docs/mxfp8.md
-    fp8_recipes=("fp8", "fp8-rowwise", "mxfp8"),
+    # Float8LinearConverter (recipe_name rowwise) and MXFP8LinearConverter (Blackwell), as
+    # autoplan export writes them for torchtitan 0.3; its tensor-wise recipe and FSDP fp8
+    # all-gather went in pytorch/torchtitan#3127, so fp8 (tensor-wise) is not offered
+    fp8_recipes=("fp8-rowwise", "mxfp8"),
     sources=(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
         "pytorch/torchtitan torchtitan/components/loss.py",

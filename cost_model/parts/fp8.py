@@ -59,8 +59,8 @@ def is_converted(op: OpProfile, unit: UnitProfile, exclude: tuple[str, ...]) -> 
     attention's, not a MoE layer's routed experts, which stay bf16 in torchao's
     ``convert_to_float8_training``: it swaps ``nn.Linear`` only), outside ``exclude``: "head"
     (the output projection's unit), "router" (a MoE layer's linear whose outputs are its
-    experts), or a module name (``layers.0.mlp.w1``, or a prefix such as ``layers.0``), which
-    the trace names with dots as underscores."""
+    experts), or a module name (``blocks.0.mlp.gate_proj``, or a prefix such as ``blocks.0``),
+    which the trace names with dots as underscores."""
     if op.kind != "matmul" or op.gemm is None or op.param_bytes_read <= 0:
         return False
     if unit.moe is not None and op.name == unit.moe.experts_op:

@@ -60,7 +60,8 @@ def unit_bytes(
     Under an fp8 recipe, of ``local_params`` the ``fp8_params`` are converted linears' weights
     (`cost_model.parts.fp8`): with ``Strategy.fp8_all_gather`` FSDP2 keeps their unsharded
     copies in fp8 (ZeRO-1/2 keep them for the step); ``cached_fp8_weights`` (Transformer
-    Engine) keeps an fp8 copy and its transpose of each for the step; a cast's transient
+    Engine) keeps an fp8 copy and its transpose of each for the step, or with fp8 all-gather
+    (fp8 parameters) the fp8 weight and its transpose in place of the bf16 one; a cast's transient
     (``fp8_transient_bytes``) joins the backward's working set."""
     state = static_bytes(
         local_params,
@@ -70,14 +71,17 @@ def unit_bytes(
         strategy.dp_wrapper,
     )
     param_bytes = state.param_bytes
-    if (
+    if cached_fp8_weights:
+        # Transformer Engine keeps an fp8 copy of each converted weight and its transpose
+        # beside the bf16 one; with fp8 parameters (Megatron-LM's --fp8-param-gather: TE's
+        # Float8Tensor weights) those two bytes replace the bf16 copy's two
+        param_bytes += 0.0 if strategy.fp8_all_gather else 2.0 * fp8_params
+    elif (
         strategy.fp8_all_gather
         and strategy.dp_wrapper == "fsdp"
         and strategy.runtime_zero_stage < 3
     ):
         param_bytes -= fp8_params * (strategy.dtype_bytes - 1)
-    if cached_fp8_weights:
-        param_bytes += 2.0 * fp8_params
     scale = activation_scale(strategy, traced_dtype_bytes)
     boundary_div = strategy.tp_degree if strategy.sequence_parallel else 1
     held = activation_bytes(unit, strategy, recompute, traced_dtype_bytes, stack) + loss_saved_bytes
