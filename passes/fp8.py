@@ -24,6 +24,7 @@ Expects a plan whose ``dtype`` is an fp8 recipe autoplan's runtime runs (`cost_m
   is cast to fp8 before its redistribution, the output gradient in the backward); row-wise
   linears keep DTensor's own styles, as torchtitan does (torchtitan/models/llama3/infra/
   parallelize.py: ``enable_float8_tensorwise_tp`` only for the tensor-wise recipe);
+- `checkpoint_tensor` hands DCP the plain tensor inside torchao's fp8 all-gather weight;
 - `Fp8ScalePrecompute`, under ``fp8_all_gather``, runs torchao's
   ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step and every load (one
   all-reduce of the weights' amaxes per mesh), as torchao's fsdp_utils docstring prescribes.
@@ -62,6 +63,7 @@ __all__ = [
     "Fp8Result",
     "Fp8ScalePrecompute",
     "Fp8Selection",
+    "checkpoint_tensor",
     "convert_to_fp8",
     "float8_parallel_styles",
     "is_float8_linear",
@@ -83,8 +85,9 @@ _IMPORT_NOISE: dict[str, tuple[str, ...]] = {
 }
 
 
-# what the pass uses besides the package's own names: Float8Linear, the float8 TP styles
-_SUBMODULES = ("float8_linear", "float8_tensor_parallel")
+# what the pass uses besides the package's own names: Float8Linear, the float8 TP styles, the
+# fp8 all-gather weight
+_SUBMODULES = ("float8_linear", "float8_tensor_parallel", "fsdp_utils")
 
 
 class _DropMessages(logging.Filter):
@@ -311,6 +314,27 @@ def is_float8_linear(module: nn.Module) -> bool:
     nothing can have been converted then)."""
     return torchao_float8.cache_info().currsize > 0 and isinstance(
         module, torchao_float8().float8_linear.Float8Linear
+    )
+
+
+def checkpoint_tensor(value: Any) -> Any:
+    """``value``, or for an fp8-gathered weight (a DTensor over torchao's
+    ``WeightWithDynamicFloat8CastTensor``) a DTensor over the tensor it wraps: the same storage,
+    so a load into it writes the parameter. DCP writes a tensor's bytes through its storage,
+    which a wrapper subclass has none of (torch 2.13 saved uninitialised memory for it)."""
+    if not isinstance(value, DTensor) or torchao_float8.cache_info().currsize == 0:
+        return value
+    local = value._local_tensor
+    wrapper = torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor
+    if not isinstance(local, wrapper):
+        return value
+    return DTensor.from_local(
+        local._tensor,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
     )
 
 

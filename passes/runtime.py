@@ -48,6 +48,7 @@ from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from passes._log import log_rank0
 from passes.context_parallel import ContextParallelResult
+from passes.fp8 import checkpoint_tensor
 from passes.mesh import ParallelMesh
 from passes.pipeline import Pipeline
 from passes.progress import (
@@ -628,7 +629,7 @@ class DistributedModel:
         optim_sd: dict[str, Any] = {}
         for stage in self._stages:
             for key, value in get_model_state_dict(stage.wrapped, options=_OPTIONS).items():
-                model_sd.setdefault(self._checkpoint_key(key), value)
+                model_sd.setdefault(self._checkpoint_key(key), checkpoint_tensor(value))
             optim = get_optimizer_state_dict(stage.wrapped, stage.optimizer, options=_OPTIONS)
             for key, entry in optim.items():
                 optim_sd.setdefault(self._checkpoint_key(key), entry)
