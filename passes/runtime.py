@@ -18,6 +18,9 @@ materialise, pipeline) and an optimizer factory. Guarantees:
   agrees on the verdict with one small all-reduce (MAX) over the default group, before any
   optimizer steps: a non-finite step raises `NonFiniteError` on every rank (``on_nan="stop"``)
   or is skipped on every rank (``"skip"``). The same all-reduce carries `request_stop`;
+- what must follow new weights runs after every optimizer step and every load (``after_step``:
+  an fp8 plan's fp8-gathered weights get their next scales, passes/fp8.py); checkpoints hold
+  the plain tensor inside torchao's fp8 all-gather weight (`checkpoint_tensor`);
 - `step_times_s` holds each `train_step`'s wall time on this rank, and `predicted_step_s` /
   `predicted_step_range_s` what the cost model predicted for it (set by `autoplan.parallelize`).
 """

@@ -21,7 +21,8 @@ gradient into a full step of the weight, and later gradients then differ by far 
 rounding that started it.
 
 - Exact where the scaling is per tensor (or per row) and each GEMM reduces the same terms:
-  data parallelism (FSDP2, fp8 all-gather on and off), pipelining, recompute. The only
+  data parallelism (FSDP2, fp8 all-gather on and off), pipelining (also with fp8 all-gather on
+  4 processes), recompute. The only
   difference left is the fp32 summation order of gradients over micro-batches and ranks:
   tests/numerics.py's tolerances.
 - Tensor parallelism reduces a row-parallel GEMM's K-shards as bf16 partial outputs summed by an
@@ -318,6 +319,16 @@ def test_rowwise_tensor_parallel_within_one_fp8_step(tmp_path: Path) -> None:
         layers = set(result["layers"].values())
         assert layers == {"Tensor R/S(0)", "Tensor R/S(1)"}, layers
         assert set(result["inputs"].values()) == {"Tensor"}  # cast by the linear itself
+
+
+@pytest.mark.slow
+def test_pipeline_fsdp2_fp8_all_gather_four_processes(tmp_path: Path) -> None:
+    """pp2 x dp2, ZeRO-3 with fp8 all-gather: the schedule gathers each stage's fp8 weights
+    per micro-batch; exact (untied head: see the row-wise pipeline case)."""
+    plan = fp8_plan(pp=2, dp=2, zero=3, fp8_all_gather=True)
+    results = _check(tmp_path, "gpt-untied", plan, exact=True)
+    for result in results:
+        assert set(result["layers"].values()) == {"WeightWithDynamicFloat8CastTensor S(0)"}
 
 
 @pytest.mark.slow
