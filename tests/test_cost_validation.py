@@ -426,8 +426,11 @@ def test_every_fp8_row_is_mapped_or_skipped_with_its_reason() -> None:
             continue
         assert validate_published.is_fp8(built), row["id"]
         dtypes[row["id"]] = built.plan_args["dtype"]
-    assert len(dtypes) >= 60
+    # (torchtitan's tensor-wise rows are skipped: its profile is 0.3's, which has no tensor-wise
+    # float8)
+    assert len(dtypes) >= 45
     assert dtypes["torchtitan-asynctp2506-8b-64g-fp8-rowwise-tp"] == "fp8-rowwise"
+    assert "torchtitan-asynctp2506-8b-64g-fp8-tensorwise-tp" not in dtypes
     assert dtypes["dgxc2411-h100-llama3.1-8b-8g-fp8"] == "fp8"  # delayed scaling, as fp8
     rows = {row["id"]: row for row in published}
     case = validate_published.build_case(rows["dgxc2411-h100-llama3.1-8b-8g-fp8"], assumptions)
