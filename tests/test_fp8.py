@@ -527,12 +527,24 @@ def test_fp8_all_gather_of_a_tied_head_is_refused() -> None:
 
 
 def refused_worker(rank: int, world_size: int) -> dict[str, Any]:
-    """parallelize with a layer the fp8 GEMM cannot take (on a meta model), then with torchao
-    made unimportable: the two messages, and whether anything of the model was allocated."""
+    """parallelize an fp8 plan on this CPU as it is (no fp8 rate), an mxfp8 plan, a layer the
+    fp8 GEMM cannot take (on a meta model), then with torchao made unimportable: the messages,
+    and whether anything of the meta model was allocated."""
     from autoplan.runtime.parallelizer import parallelize
 
-    model = build_model("moe", device="meta")
     messages = []
+    mx_cluster = fp8_cluster(1)
+    mx_cluster = dataclasses.replace(
+        mx_cluster,
+        device=dataclasses.replace(
+            mx_cluster.device, peak_flops={**mx_cluster.device.peak_flops, "mxfp8": 1e12}
+        ),
+    )
+    for cluster, plan in ((None, fp8_plan()), (mx_cluster, fp8_plan("mxfp8"))):
+        with pytest.raises(PlanError) as refused:
+            parallelize(build_model("gpt"), cluster, plan=plan, loss_fn=loss_fn)
+        messages.append(str(refused.value))
+    model = build_model("moe", device="meta")
     with pytest.raises(PlanError) as shapes:
         parallelize(model, fp8_cluster(1), plan=_moe_plan("head"), loss_fn=loss_fn)
     messages.append(str(shapes.value))
@@ -544,9 +556,12 @@ def refused_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_parallelize_refuses_before_allocating(tmp_path: Path) -> None:
-    """Bad shapes and a missing torchao: one line each, before any allocation."""
+    """No fp8 rate, mxfp8, bad shapes and a missing torchao: one line each, before any
+    allocation."""
     (result,) = run_distributed(refused_worker, world_size=1, tmp_path=tmp_path)
-    shapes, missing = result["messages"]
+    cpu, mxfp8, shapes, missing = result["messages"]
+    assert "dtype fp8 needs fp8 tensor cores: a CPU has no fp8 tensor cores" in cpu, cpu
+    assert "dtype mxfp8" in mxfp8 and "fp8 or fp8-rowwise" in mxfp8, mxfp8
     # Plan.validate refuses it first, from the trace (cost_model/parts/fp8.py)
     assert "'blocks.1.mlp.router'" in shapes and "fp8_exclude" in shapes, shapes
     assert "pip install 'torch-autoplan[fp8]'" in missing, missing
