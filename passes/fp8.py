@@ -2,7 +2,7 @@
 
 Expects a plan whose ``dtype`` is an fp8 recipe autoplan's runtime runs (`cost_model.precision`:
 ``fp8`` is torchao's "tensorwise" recipe, ``fp8-rowwise`` its "rowwise" one), its
-``fp8_exclude`` and ``fp8_all_gather``, and torchao >= 0.18 (the ``fp8`` extra). Three steps:
+``fp8_exclude`` and ``fp8_all_gather``, and torchao >= 0.18 (the ``fp8`` extra). In order:
 
 - `select_fp8_linears` (on the model, meta or real, and its trace; before anything is
   allocated): every ``nn.Linear`` of the model is converted except those ``fp8_exclude`` names:
@@ -10,9 +10,11 @@ Expects a plan whose ``dtype`` is an fp8 recipe autoplan's runtime runs (`cost_m
   ``"router"`` the MoE layers' routers (the linears of a traced MoE layer with one output per
   expert), any other entry a module name or a prefix of one (an entry that names no linear is
   refused: a typo would otherwise convert what the user meant to keep). A converted linear
-  whose in or out features are not multiples of 16 (``torch._scaled_mm``'s alignment,
-  torchao/float8/float8_linear_utils.py ``_auto_filter_for_tensorwise``) is refused in one
-  line naming the layer, its shape and the fix (`PlanError`);
+  whose in or out features on a TP rank are not multiples of 16 (``torch._scaled_mm``'s
+  alignment, torchao/float8/float8_linear_utils.py ``_auto_filter_for_tensorwise``) is refused
+  in one line naming the layer, its shape and the fix (`PlanError`; `Plan.validate` refuses
+  it first, from the trace). The selection is the set the cost model prices
+  (`cost_model.parts.fp8.is_converted`; tests/test_fp8.py checks they agree);
 - `convert_to_fp8` on each stage right after the split, before tensor and data parallelism
   (torchao converts first, then TP, then FSDP2: torchao/float8/fsdp_utils.py, "How Tensor
   Parallel (TP) and FSDP2 work"): each selected linear of the stage becomes a ``Float8Linear``
@@ -91,13 +93,13 @@ _SUBMODULES = ("float8_linear", "float8_tensor_parallel", "fsdp_utils")
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]) -> None:
+    def __init__(self, parts: tuple[str, ...]) -> None:
         super().__init__()
-        self._starts = starts
+        self._parts = parts
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(part in message for part in self._starts)
+        return not any(part in message for part in self._parts)
 
 
 @functools.cache
