@@ -196,6 +196,24 @@ def _check_range(name: str, value: float, *, zero: str = "") -> None:
         )
 
 
+def _scale_up_problem(scale_up: object, per_node: int, num_devices: int) -> str | None:
+    """Why ``scale_up`` devices cannot be a scale-up domain of a cluster of ``num_devices``
+    devices on nodes of ``per_node``, in one line with the fix; None when they can."""
+    if isinstance(scale_up, bool) or not isinstance(scale_up, int) or scale_up < 1:
+        return f"scale_up_devices = {shown(scale_up)} must be a whole number of devices >= 1"
+    if scale_up % per_node:
+        return (
+            f"scale_up_devices = {scale_up} must be whole nodes of {per_node} devices (a "
+            f"multiple of {per_node}, e.g. {per_node * max(1, scale_up // per_node)})"
+        )
+    if num_devices > scale_up and num_devices % scale_up:
+        return (
+            f"scale_up_devices = {scale_up} does not divide the cluster's {num_devices} devices; "
+            f"use whole domains ({scale_up}, {2 * scale_up}, ... devices) or fewer than one"
+        )
+    return None
+
+
 # The most devices a cluster may have: 2^20, ten times the largest training clusters built by
 # 2026 (~100k GPUs); beyond it a search only enumerates degrees for minutes.
 MAX_DEVICES = 2**20
@@ -218,6 +236,13 @@ class Cluster:
     # one worker per core). The cost model then stretches whatever runs concurrently
     # (`cost_model.parts.core_sharing`).
     shared_cores_per_node: int | None = None
+    # Devices that share the scale-up fabric (NVLink/NVSwitch, Infinity Fabric): whole nodes,
+    # one by default (None); a rack-scale system spans nodes (GB200 NVL72: 72 GPUs on 18 trays
+    # of 4). Collectives and transfers inside a domain run at `intra_node`'s rate, across
+    # domains at `inter_node`'s (`scale_up_domain`).
+    scale_up_devices: int | None = None
+    # What one device-hour of this cluster costs, in the what-if's currency (None: not stated).
+    price_per_device_hour: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -232,6 +257,19 @@ class Cluster:
                 f"{shown_count(self.devices_per_node)} = "
                 f"{shown_count(self.num_nodes * self.devices_per_node)} devices is more than the "
                 f"{MAX_DEVICES:,} autoplan plans for; give a real cluster size"
+            )
+        if self.scale_up_devices is not None:
+            problem = _scale_up_problem(
+                self.scale_up_devices, self.devices_per_node, self.num_devices
+            )
+            if problem is not None:
+                raise ValueError(problem)
+        if self.price_per_device_hour is not None and not (
+            math.isfinite(self.price_per_device_hour) and self.price_per_device_hour > 0
+        ):
+            raise ValueError(
+                f"price_per_device_hour = {shown(self.price_per_device_hour)} must be a positive "
+                "number (e.g. 2.5), or null: not stated"
             )
         if self.shared_cores_per_node is not None and self.shared_cores_per_node < 1:
             raise ValueError(
@@ -250,6 +288,12 @@ class Cluster:
     @property
     def num_devices(self) -> int:
         return self.num_nodes * self.devices_per_node
+
+    @property
+    def scale_up_domain(self) -> int:
+        """Devices of one scale-up domain in this cluster: `scale_up_devices` (a node when not
+        stated), at most the whole cluster (a job on part of an NVL72 rack)."""
+        return min(self.scale_up_devices or self.devices_per_node, self.num_devices)
 
     def node_of(self, rank: int) -> int:
         """Node index of global device ``rank`` (ranks fill one node before the next)."""
@@ -382,9 +426,18 @@ class Cluster:
                 changes["inter_node"] = dataclasses.replace(self.inter_node, **inter)
             if calibration:
                 changes["calibration"] = dataclasses.replace(self.calibration, **calibration)
-            return dataclasses.replace(self, **changes)
+            cluster = dataclasses.replace(self, **changes)
         except ValueError as error:
             raise ClusterError(f"cluster {shown(self.name)} override: {error}") from None
+        asked = changes.get("scale_up_devices")
+        if asked is not None and asked > cluster.num_devices:
+            # (a preset's own domain may outsize a job on part of it; one asked for may not)
+            raise ClusterError(
+                f"cluster {shown(self.name)} override: scale_up_devices = {asked} is more than "
+                f"the cluster's {cluster.num_devices} devices; give at most {cluster.num_devices}"
+                f", or more nodes"
+            )
+        return cluster
 
 
 # flat override key -> (part, attribute, unit dimension, python type)
@@ -394,6 +447,8 @@ OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
     "nodes": ("cluster", "num_nodes", "number", int),
     "devices_per_node": ("cluster", "devices_per_node", "number", int),
     "shared_cores_per_node": ("cluster", "shared_cores_per_node", "number", int),
+    "scale_up_devices": ("cluster", "scale_up_devices", "number", int),
+    "price_per_device_hour": ("cluster", "price_per_device_hour", "number", float),
     "memory": ("device", "memory_bytes", "bytes", int),
     "memory_bytes": ("device", "memory_bytes", "bytes", int),
     "memory_bandwidth": ("device", "memory_bandwidth_bytes_per_s", "bandwidth", float),
