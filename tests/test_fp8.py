@@ -69,7 +69,7 @@ from autoplan.contract.plan import Plan
 from autoplan.tracing import trace
 from cost_model.hardware import Cluster
 from cost_model.parts.fp8 import is_converted
-from passes import original_fqn, select_fp8_linears, torchao_float8
+from passes import init_full_model_, original_fqn, select_fp8_linears, torchao_float8
 from tests.dist_utils import run_distributed
 from tests.numerics import (
     GRAD_ATOL,
@@ -82,6 +82,7 @@ from tests.numerics import (
     logits,
     loss_fn,
     make_plan,
+    row_paths,
 )
 
 STEPS = 3
@@ -403,7 +404,7 @@ def checkpoint_worker(
     """Train 4 steps saving every 2, then 2 more; load step 4 into the same job (as a torchft
     group heals: its fp8 scales come from step 6's weights) and train steps 5 and 6 again; a
     second job built on meta (other initial weights) restores step 4 and trains them too.
-    Returns the three runs' losses of steps 5 and 6."""
+    Returns the three runs' losses of steps 5 and 6, and the meta job's initial weights."""
     from autoplan import Checkpointer
     from autoplan.runtime.parallelizer import parallelize
 
@@ -432,8 +433,13 @@ def checkpoint_worker(
     reloaded_at = Checkpointer(folder, job, every=2).restore()
     reloaded = train(job, 6)
     resumed_job = build("meta")
+    initial = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in resumed_job.named_parameters()
+    }
     resumed_at = Checkpointer(folder, resumed_job, every=2).restore()
     return {
+        "initial": initial,
         "restored_at": [reloaded_at, resumed_at],
         "continued": continued,
         "reloaded": reloaded,
@@ -442,9 +448,10 @@ def checkpoint_worker(
 
 
 def test_fp8_checkpoint_resumes(tmp_path: Path) -> None:
-    """dp2 ZeRO-3 with fp8 all-gather: torchao's weight wrapper saves and loads through DCP
-    (as the plain tensor it wraps), and the scales are recomputed from the loaded weights: a
-    job that loads trains on bit for bit."""
+    """dp2 ZeRO-3 with fp8 all-gather: a meta model's weights are materialised through torchao's
+    weight wrapper as any plan's are; the wrapper saves and loads through DCP (as the plain
+    tensor it wraps), and the scales are recomputed from the loaded weights: a job that loads
+    trains on bit for bit."""
     plan = fp8_plan(dp=2, zero=3, fp8_all_gather=True)
     results = run_distributed(
         checkpoint_worker,
@@ -453,7 +460,14 @@ def test_fp8_checkpoint_resumes(tmp_path: Path) -> None:
         world_size=2,
         tmp_path=tmp_path,
     )
+    model = build_model("gpt")
+    rows, num_blocks = row_paths(model)
+    init_full_model_(model, seed=0, row_paths=rows, num_blocks=num_blocks)  # parallelize's seed
+    expected = dict(model.named_parameters())
     for result in results:
+        # materialised shard by shard through torchao's weight wrapper, as any plan's are
+        for name, value in result["initial"].items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=0, atol=0, msg=name)
         assert result["restored_at"] == [4, 4]
         assert result["reloaded"] == result["continued"]
         assert result["resumed"] == result["continued"]
