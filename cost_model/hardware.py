@@ -299,6 +299,10 @@ class Cluster:
         """Node index of global device ``rank`` (ranks fill one node before the next)."""
         return rank // self.devices_per_node
 
+    def domain_of(self, rank: int) -> int:
+        """Scale-up domain of global device ``rank`` (`scale_up_domain` consecutive ranks)."""
+        return rank // self.scale_up_domain
+
     # ----------------------------------------------------------------------------- files
 
     @classmethod

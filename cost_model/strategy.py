@@ -336,7 +336,9 @@ class Strategy:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupPlacement:
     """How one communication group sits on the nodes: ``ranks_per_node`` devices of it on each
-    of ``num_nodes`` nodes (``size = num_nodes * ranks_per_node`` for regular layouts)."""
+    of ``num_nodes`` nodes (``size = num_nodes * ranks_per_node`` for regular layouts). A
+    "node" here is a scale-up domain (`Cluster.scale_up_domain`: a node, or a rack-scale
+    NVLink domain), whose devices talk over the fast link."""
 
     size: int
     num_nodes: int
@@ -353,7 +355,8 @@ def group_placements(
     """Every distinct placement among the ``axis`` groups of the mesh (usually one); ``axis``
     may also name a group spanning several axes (`GroupName`, `mesh_groups`)."""
     inside, outside = mesh_groups(strategy, axis)
-    return _group_placements(inside, outside, cluster.devices_per_node)
+    # (a "node" of a placement is a scale-up domain: the devices its fast links join)
+    return _group_placements(inside, outside, cluster.scale_up_domain)
 
 
 # The pieces of the mesh each group spans. Expert parallelism splits the data-sharded axes into
@@ -471,15 +474,15 @@ def pipeline_link_crosses_nodes(
     strategy: Strategy, cluster: Cluster, from_pp_rank: int, to_pp_rank: int
 ) -> bool:
     """Whether any device of pipeline rank ``from_pp_rank`` sends to its peer (same dp and tp
-    coordinates) of pipeline rank ``to_pp_rank`` on another node. Stages are synchronous, so
-    the slowest pair of the dp x tp peers sets the boundary's time."""
+    coordinates) of pipeline rank ``to_pp_rank`` in another scale-up domain. Stages are
+    synchronous, so the slowest pair of the dp x tp peers sets the boundary's time."""
     return _pipeline_link(
         strategy.pp_degree,
         strategy.dp_degree,
         strategy.tp_degree,
         strategy.cp_degree,
         strategy.rank_layout,
-        cluster.devices_per_node,
+        cluster.scale_up_domain,
         from_pp_rank,
         to_pp_rank,
     )

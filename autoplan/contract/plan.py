@@ -520,13 +520,20 @@ class Plan:
                 f"device.peak_flops.{self.dtype} to the cluster file"
             )
         if not allow_cross_node_tp and self.tp_degree > 1:
-            nodes = {cluster.node_of(r) for r in self.group_ranks("tp", 0)}
-            if len(nodes) > 1 or not tp_fits_node(self.tp_degree, cluster.devices_per_node):
+            # the fast link joins a scale-up domain: a node, or a rack-scale NVLink domain
+            domain = cluster.scale_up_domain
+            domains = {cluster.domain_of(r) for r in self.group_ranks("tp", 0)}
+            if len(domains) > 1 or not tp_fits_node(self.tp_degree, domain):
+                what = (
+                    f"nodes of {domain} devices"
+                    if domain == cluster.devices_per_node
+                    else f"scale-up domains of {domain} devices"
+                )
                 raise PlanError(
                     f"tp_degree = {self.tp_degree} with rank_layout {list(self.rank_layout)} "
-                    f"puts a tensor-parallel group across nodes of {cluster.devices_per_node} "
-                    "devices; TP needs the fast intra-node link: use a tp_degree that divides "
-                    "devices_per_node with 'tp' innermost in rank_layout, or allow cross-node TP"
+                    f"puts a tensor-parallel group across {what}; TP needs the fast scale-up "
+                    f"link: use a tp_degree that divides {domain} with 'tp' innermost in "
+                    "rank_layout, or allow cross-node TP"
                 )
         if graph is not None:
             profile = graph if isinstance(graph, ModelProfile) else graph.profile

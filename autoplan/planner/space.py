@@ -166,14 +166,19 @@ class SearchSpace:
                 raise ConstraintError(
                     f"{name}={shown(allowed)} does not divide the {n} devices of {cluster.name!r}"
                 )
-        per_node = cluster.devices_per_node
+        per_domain = cluster.scale_up_domain
         if (
             self.tp is not None
             and not self.allow_cross_node_tp
-            and not any(tp_fits_node(t, per_node) for t in self.tp)
+            and not any(tp_fits_node(t, per_domain) for t in self.tp)
         ):
+            where = (
+                f"a node of {per_domain} devices"
+                if per_domain == cluster.devices_per_node
+                else f"a scale-up domain of {per_domain} devices"
+            )
             raise ConstraintError(
-                f"tp={shown(self.tp)} does not fit inside a node of {per_node} devices; "
+                f"tp={shown(self.tp)} does not fit inside {where}; "
                 "pass allow_cross_node_tp=True to allow it"
             )
         if self.pp is not None and min(self.pp) > profile.num_units:
@@ -388,7 +393,7 @@ def shapes(
         for t in _divisors(n)
         if (space.tp is None or t in space.tp)
         and (space.max_tp is None or t <= space.max_tp)
-        and (space.allow_cross_node_tp or tp_fits_node(t, cluster.devices_per_node))
+        and (space.allow_cross_node_tp or tp_fits_node(t, cluster.scale_up_domain))
         and not tp_undivided(t, profile)
     ]
     for tp in tp_choices:

@@ -51,7 +51,7 @@ def tied_pair_placement(strategy: Strategy, cluster: Cluster) -> GroupPlacement 
         return None
     first = strategy.global_rank(pp=0, dp=0, tp=0)
     last = strategy.global_rank(pp=last_rank, dp=0, tp=0)
-    same = cluster.node_of(first) == cluster.node_of(last)
+    same = cluster.domain_of(first) == cluster.domain_of(last)
     return GroupPlacement(size=2, num_nodes=1 if same else 2, ranks_per_node=2 if same else 1)
 
 

@@ -1,0 +1,111 @@
+"""Scale-up domains wider than a node (`Cluster.scale_up_devices`, issue 42): collectives and
+transfers inside a domain run at the fast link's rate even across nodes, tensor parallelism may
+span the domain without asking, and the search offers it; out-of-domain groups stay on the
+scale-out network."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autoplan
+from autoplan.contract.errors import PlanError
+from autoplan.planner.search import search_plans
+from cost_model.errors import ClusterError
+from cost_model.estimate import estimate
+from cost_model.hardware import Cluster
+from cost_model.strategy import Strategy, group_placements
+from tests.cost_profiles import gpt_profile, with_routed_experts
+
+PROFILE = gpt_profile(num_layers=4, s=1024, h=2048, a=16, vocab=8192)
+
+
+def _h100(nodes: int, domain: int | None = None) -> Cluster:
+    if domain is None:
+        return Cluster.preset("dgx-h100-80g", nodes=nodes)
+    return Cluster.preset("dgx-h100-80g", nodes=nodes, scale_up_devices=domain)
+
+
+def _one_node(devices: int) -> Cluster:
+    """The same devices and links, all of them in one node."""
+    return Cluster.preset("dgx-h100-80g", devices_per_node=devices)
+
+
+def test_a_group_inside_a_domain_spans_nodes_on_the_fast_link() -> None:
+    wide = _h100(4, domain=32)
+    tp16 = Strategy(tp_degree=16, dp_degree=2)
+    (inside,) = group_placements(tp16, wide, "tp")
+    assert not inside.crosses_nodes and inside.ranks_per_node == 16
+    (outside,) = group_placements(tp16, _h100(4), "tp")
+    assert outside.crosses_nodes and outside.num_nodes == 2
+    # the data-parallel peers of a tp16 group: two groups of one 32-device domain
+    (dp,) = group_placements(tp16, wide, "dp")
+    assert not dp.crosses_nodes
+    assert wide.domain_of(31) == 0 and wide.domain_of(32) == 1 and wide.node_of(31) == 3
+
+
+def test_tp16_inside_a_domain_is_priced_as_on_one_node_and_needs_no_permission() -> None:
+    wide, plain, whole = _h100(2, domain=16), _h100(2), _one_node(16)
+    plan = autoplan.manual_plan(PROFILE, wide, tp=16, global_batch=8, sequence_parallel=True)
+    # the same plan on the same devices in one 16-device node: the same time and memory
+    same = estimate(PROFILE, whole, plan)
+    assert plan.estimate is not None
+    assert plan.estimate.step_time_s == pytest.approx(same.step_time_s)
+    assert plan.estimate.peak_memory_bytes == pytest.approx(same.peak_memory_bytes)
+    # on 8-device nodes tp16 crosses the scale-out network: refused unless allowed, slower
+    with pytest.raises(PlanError, match="across nodes of 8 devices"):
+        plan.validate(PROFILE, plain)
+    slow = estimate(PROFILE, plain, plan)  # (the cost model prices what it is given)
+    tp_fast = sum(s.tp_comm_s for s in estimate(PROFILE, wide, plan).stages)
+    tp_slow = sum(s.tp_comm_s for s in slow.stages)
+    # (across two nodes the all-reduce is hierarchical over the 8 rails: slower, not 8x)
+    assert tp_slow > 1.02 * tp_fast
+    assert slow.step_time_s > same.step_time_s
+
+
+def test_ep32_all_to_alls_stay_on_the_fast_link_inside_the_domain() -> None:
+    moe = with_routed_experts(PROFILE, num_experts=32, top_k=2, expert_ffn=1024)
+
+    def ep_comm(cluster: Cluster) -> float:
+        plan = autoplan.manual_plan(moe, cluster, ep=32, global_batch=64)
+        return sum(s.ep_comm_s for s in estimate(moe, cluster, plan).stages)
+
+    assert ep_comm(_h100(4, domain=32)) == pytest.approx(ep_comm(_one_node(32)))
+    assert ep_comm(_h100(4)) > 2 * ep_comm(_h100(4, domain=32))
+
+
+def test_the_search_offers_tp_up_to_the_domain() -> None:
+    wide = _h100(2, domain=16)
+    found = search_plans(PROFILE, wide, global_batch=8, budget_s=0.5, top_k=4, tp=(16,))
+    assert {plan.tp_degree for plan in found.plans} == {16}
+    with pytest.raises(Exception, match="does not fit inside a node of 8 devices"):
+        search_plans(PROFILE, _h100(2), global_batch=8, budget_s=0.5, tp=(16,))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"nodes": 3, "scale_up_devices": 16}, "does not divide the cluster's 24 devices"),
+        ({"nodes": 2, "scale_up_devices": 12}, "whole nodes of 8 devices"),
+        ({"nodes": 2, "scale_up_devices": 64}, "more than the cluster's 16 devices"),
+        ({"nodes": 2, "scale_up_devices": 0}, "whole number of devices >= 1"),
+        ({"price_per_device_hour": -1}, "positive number"),
+        ({"price_per_device_hour": "inf"}, "expected a number"),
+    ],
+)
+def test_bad_domains_and_prices_are_refused_in_one_line(
+    overrides: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ClusterError, match=match) as error:
+        Cluster.preset("dgx-h100-80g", **overrides)  # type: ignore[arg-type]
+    assert "\n" not in str(error.value)
+
+
+def test_a_domain_round_trips_through_a_cluster_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    wide = dataclasses.replace(_h100(4, domain=32), price_per_device_hour=3.5)
+    wide.to_yaml(tmp_path / "c.yaml")
+    again = Cluster.from_yaml(tmp_path / "c.yaml")
+    assert again == wide and again.scale_up_domain == 32
+    # a preset's own domain may outsize a job on part of it (clamped), not one asked for
+    assert dataclasses.replace(_h100(4, domain=32), num_nodes=2).scale_up_domain == 16
