@@ -37,10 +37,12 @@ from cost_model.units import Dimension, parse_quantity
 logger = logging.getLogger(__name__)
 
 CLUSTER_SCHEMA_VERSION = 1
-# Peak rates a device may state: "fp8" for e4m3/e5m2 tensor cores (Hopper, Ada, Blackwell),
-# "mxfp8" for MX block-scaled fp8 ones (Blackwell; `cost_model.precision`).
-DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8"]
-DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8")
+# Peak rates a device may state: "fp8" for e4m3/e5m2 tensor cores (Hopper, Ada, Blackwell;
+# MI300X's e4m3fnuz/e5m2fnuz matrix cores), "mxfp8" for MX block-scaled fp8 ones (Blackwell;
+# `cost_model.precision`), "fp4" for 4-bit ones (Blackwell's NVFP4/MXFP4): stated for later,
+# no plan dtype computes in it yet, so nothing prices it.
+DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "fp4"]
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "fp4")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
