@@ -483,6 +483,16 @@ def _one_line_error(result: Any, fragment: str) -> None:
             "not a number",
         ),
         (["--num-devices", "8", "--cluster", "dgx-z100"], "unknown cluster preset 'dgx-z100'"),
+        (
+            ["--num-devices", "8", "--tokens", "1e9", "--price", "dgx-h100-80g=2"],
+            "--price names 'dgx-h100-80g', which is not in --cluster",
+        ),
+        (["--num-devices", "8", "--tokens", "1e9", "--price", "2.5"], "must be TYPE=PRICE"),
+        (
+            ["--num-devices", "8", "--tokens", "1e9", "--price", "dgx-a100-80g=0"],
+            "must be a finite positive number",
+        ),
+        (["--num-devices", "8", "--price", "dgx-a100-80g=2"], "prices need tokens"),
         (["--num-devices", "8", "--set", "nodes=2"], "the node count comes from num_devices"),
         (["--num-devices", "8", "--plot", "whatif.txt"], "use a file ending in .png"),
     ],
@@ -527,3 +537,71 @@ def test_superlinear_scaling_shows_only_against_a_proven_baseline(sweep: WhatIfR
     assert row.plan is not None and base.plan is not None
     assert f"120%, its plan ({plan_label(row.plan)}) beside" in note
     assert f"({plan_label(base.plan)}): more memory" in note and "buys a faster shape" in note
+
+
+def test_each_cluster_type_is_priced_at_its_own_price(
+    profile: ModelProfile, tmp_path: Path
+) -> None:
+    """Per-type prices (issue 42): a type priced by name, one priced by its cluster file, one
+    at the price for all; each row's cost is its device-hours at its type's price."""
+    filed = tmp_path / "h100.yaml"
+    Cluster.preset("dgx-h100-80g").with_overrides(price_per_device_hour=4.0).to_yaml(filed)
+    result = whatif(
+        profile,
+        ["dgx-a100-80g", str(filed)],
+        num_devices=[8],
+        global_batch=16,
+        tokens=2e9,
+        prices={"dgx-a100-80g": 1.5},
+        budget_s=0.5,
+        workers=1,
+    )
+    assert dict(result.prices) == {"dgx-a100-80g": 1.5, str(filed): 4.0}
+    for row, price in zip(result.rows, (1.5, 4.0), strict=True):
+        assert row.training is not None and row.training.cost is not None
+        assert row.training.price_per_device_hour == price
+        assert row.training.cost == pytest.approx(row.training.device_hours * price)
+        per_million = row.training.cost_per_million_tokens
+        assert per_million == pytest.approx(row.training.cost / 2e9 * 1e6)
+    # the price for all types prices what no name or file does; names win over it
+    both = whatif(
+        profile,
+        ["dgx-a100-80g", "dgx-h100-80g"],
+        num_devices=[8],
+        global_batch=16,
+        tokens=2e9,
+        price_per_device_hour=2.0,
+        prices={"dgx-h100-80g": 3.0},
+        budget_s=0.5,
+        workers=1,
+    )
+    assert dict(both.prices) == {"dgx-a100-80g": 2.0, "dgx-h100-80g": 3.0}
+    with pytest.raises(WhatIfInputError, match="price for 'dgx-b200', which is not a cluster"):
+        whatif(profile, ["dgx-a100-80g"], num_devices=[8], global_batch=16, tokens=1e9,
+               prices={"dgx-b200": 1.0})  # fmt: skip
+
+
+def test_cli_prices_per_type_in_the_cost_table() -> None:
+    result = run_cli(
+        "whatif",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100-80g,dgx-h100-80g",
+        "--num-devices",
+        "8",
+        "--global-batch",
+        "16",
+        "--tokens",
+        "2e9",
+        "--price",
+        "dgx-a100-80g=1.5,dgx-h100-80g=4",
+        "--budget",
+        "0.5",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "priced per type in USD" in result.stdout
+    header = next(line for line in result.stdout.splitlines() if "per 1M tokens" in line)
+    assert "price" in header and "cost (USD)" in header
+    rows = [line for line in result.stdout.splitlines() if line.startswith("dgx-")]
+    assert [row.split()[4] for row in rows[-2:]] == ["1.5", "4"]

@@ -102,6 +102,8 @@ class ClusterType:
     overrides: tuple[tuple[str, object], ...] = ()  # re-applied to `Cluster.local(n)`
     # the one dtype its searches try, when the what-if compares several (its label ends in it)
     dtype: str | None = None
+    # its price per device-hour (the what-if's, else its cluster file's; None: not stated)
+    price: float | None = None
 
     def with_dtype(self, dtype: str) -> ClusterType:
         """This type's rows for one of the dtypes a what-if compares side by side."""
@@ -308,6 +310,7 @@ def whatif(
     global_batch: int,
     tokens: float | None = None,
     price_per_device_hour: float | None = None,
+    prices: Mapping[str, float | str] | None = None,
     cluster_overrides: Mapping[str, object] | None = None,
     time_limit_s: float = 10.0,
     budget_s: float | None = 10.0,
@@ -323,7 +326,10 @@ def whatif(
 
     ``cluster_name_or_template``: one cluster type or a list of them (module docstring).
     ``tokens``: train this many tokens (days, device-hours); ``price_per_device_hour``: with
-    ``tokens``, the cost in the price's currency. ``constraints`` are `autoplan.search`'s.
+    ``tokens``, the cost in the price's currency, for every type; ``prices``: a price per
+    cluster type (keys: the types as given), over the one for all; a type priced by neither
+    takes its cluster file's ``price_per_device_hour`` if it states one. Each priced row gives
+    its cost and cost per million tokens. ``constraints`` are `autoplan.search`'s.
     ``workers``: searches run in this many processes at once (1: here, one after another).
     By default they run here while the rest would end before a process could start, then in one
     process per CPU core. ``time_limit_s`` and
@@ -346,6 +352,7 @@ def whatif(
         tokens, price_per_device_hour, names=("tokens", "price_per_device_hour")
     )
     types = _cluster_types(cluster_name_or_template, cluster_overrides, sizes)
+    types = _priced(types, price, prices, token_count)
     # several dtypes (bf16,fp8): each type's rows once per dtype, side by side
     dtypes = SearchSpace.from_constraints(**constraints).dtype or ()
     constraints = _search_constraints(constraints, framework, objective, memory_headroom)
@@ -368,7 +375,7 @@ def whatif(
     rows: list[WhatIfRow] = []
     for kind in types:
         rows += _rows(
-            kind.label, [searches.found[kind.label, n] for n in sizes], token_count, price
+            kind.label, [searches.found[kind.label, n] for n in sizes], token_count, kind.price
         )
     if types:
         searches.report_end(types[-1].label, sizes[-1])
@@ -383,7 +390,39 @@ def whatif(
         rows=tuple(rows),
         total_time_s=time.perf_counter() - start,
         total_budget_s=total_budget_s,
+        prices=tuple((t.label, t.price) for t in types if t.price is not None),
     )
+
+
+def _priced(
+    types: list[ClusterType],
+    price: float | None,
+    prices: Mapping[str, float | str] | None,
+    tokens: float | None,
+) -> list[ClusterType]:
+    """``types`` with their prices: ``prices[label]``, else ``price``, else the cluster file's
+    (`Cluster.price_per_device_hour`); a key naming no type, a price that is not a positive
+    number, or a price without tokens to train on is a `WhatIfInputError`."""
+    labels = [kind.label for kind in types]
+    given: dict[str, float] = {}
+    for key, value in (prices or {}).items():
+        if key not in labels:
+            raise WhatIfInputError(
+                f"price for {key!r}, which is not a cluster type of this what-if; price the "
+                f"types given: {', '.join(labels)}"
+            )
+        given[key] = parse_positive(value, f"price of {key}", example=f"{key}=2.5")
+    if given and tokens is None:
+        raise WhatIfInputError(
+            "prices need tokens: the cost is for training on a number of tokens; give --tokens"
+        )
+    priced = []
+    for kind in types:
+        own = given.get(kind.label, price)
+        if own is None and tokens is not None:
+            own = kind.template.price_per_device_hour
+        priced.append(dataclasses.replace(kind, price=own))
+    return priced
 
 
 def _check_total_budget(total_budget_s: float | None) -> None:
@@ -699,6 +738,7 @@ def _rows(
                 days=seconds / SECONDS_PER_DAY,
                 device_hours=device_hours,
                 cost=None if price is None else device_hours * price,
+                price_per_device_hour=price,
             )
         rows.append(
             WhatIfRow(

@@ -27,6 +27,12 @@ class TrainingCost:
     days: float
     device_hours: float
     cost: float | None  # device_hours x price per device-hour; None without a price
+    price_per_device_hour: float | None = None  # the cluster type's price the cost is at
+
+    @property
+    def cost_per_million_tokens(self) -> float | None:
+        """The cost of training on a million tokens at this row's throughput."""
+        return None if self.cost is None else self.cost / self.tokens * 1e6
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +101,8 @@ class WhatIfRow:
                 "days": self.training.days,
                 "device_hours": self.training.device_hours,
                 "cost": self.training.cost,
+                "price_per_device_hour": self.training.price_per_device_hour,
+                "cost_per_million_tokens": self.training.cost_per_million_tokens,
             },
             "search_time_s": self.search_time_s,
             "optimality_gap": self.optimality_gap,
@@ -115,13 +123,20 @@ class WhatIfResult:
     model: str
     global_batch: int
     tokens: float | None
-    price_per_device_hour: float | None
+    price_per_device_hour: float | None  # one price for every type, as given (None: not)
     clusters: tuple[str, ...]  # cluster-type labels, in the order given
     cluster_overrides: tuple[tuple[str, str], ...]  # applied to every type
     constraints: tuple[tuple[str, str], ...]  # search constraints, as text
     rows: tuple[WhatIfRow, ...]
     total_time_s: float
     total_budget_s: float | None = None  # the cap the searches ran under (None: none)
+    # each cluster type's price per device-hour (given per type, for all, or in its file)
+    prices: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def priced(self) -> bool:
+        """Whether any cluster type has a price (the cost columns are shown)."""
+        return bool(self.prices)
 
     def baseline_of(self, row: WhatIfRow) -> WhatIfRow | None:
         """The row ``row``'s scaling efficiency is measured against (None: none)."""
@@ -169,6 +184,7 @@ class WhatIfResult:
             "global_batch": self.global_batch,
             "tokens": self.tokens,
             "price_per_device_hour": self.price_per_device_hour,
+            "prices": dict(self.prices),
             "clusters": list(self.clusters),
             "cluster_overrides": dict(self.cluster_overrides),
             "constraints": dict(self.constraints),

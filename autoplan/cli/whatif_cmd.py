@@ -83,6 +83,14 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
     help="Price of one device for one hour, in --currency (with --tokens: the cost to train).",
 )
 @click.option(
+    "--price",
+    "price_items",
+    multiple=True,
+    help="Price of one device-hour per cluster type, TYPE=P, comma-separated or repeated, e.g. "
+    "dgx-h100-80g=2.5,dgx-b200-180g=5 (over --price-per-device-hour and a cluster file's "
+    "price_per_device_hour).",
+)
+@click.option(
     "--currency",
     default="USD",
     show_default=True,
@@ -120,6 +128,7 @@ def whatif_cmd(
     global_batch: int,
     tokens_text: str | None,
     price_text: str | None,
+    price_items: tuple[str, ...],
     currency: str,
     plot_path: str | None,
     set_items: tuple[str, ...],
@@ -137,6 +146,7 @@ def whatif_cmd(
     )
     overrides = parse_overrides(set_items)
     specs = [spec for text in cluster_specs for spec in split_cluster_specs(text)]
+    prices = parse_prices(price_items, specs)
     check_search_count(len(specs), len(set(sizes)))
     for spec in specs:
         cluster_type(spec, overrides).check_devices(sizes)
@@ -173,6 +183,7 @@ def whatif_cmd(
             global_batch=global_batch,
             tokens=tokens,
             price_per_device_hour=price,
+            prices=prices,
             cluster_overrides=overrides,
             time_limit_s=time_limit,
             budget_s=budget_s(options),
@@ -211,7 +222,7 @@ def whatif_cmd(
     if as_json:
         data = result.to_data()
         data["plot"] = plot_path
-        data["currency"] = currency if price is not None else None
+        data["currency"] = currency if result.priced else None
         emit_json(data)
         return
     header = f"[bold]{result.model}[/], global batch {global_batch}"
@@ -219,6 +230,8 @@ def whatif_cmd(
         header += f", {tokens:.3g} tokens"
     if price is not None:
         header += f", {price:g} {currency} per device-hour"
+    elif result.priced:
+        header += f", priced per type in {currency}"
     if overrides:
         header += ", with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
     out.print(header)
@@ -232,6 +245,28 @@ def whatif_cmd(
         out.print(not_run_line(result))
     if plot_path is not None:
         out.print(f"wrote {plot_path}")
+
+
+def parse_prices(items: tuple[str, ...], specs: list[str]) -> dict[str, str]:
+    """``--price`` entries (``TYPE=P``, comma-separated or repeated) as {type: price text};
+    a type that is not among ``specs`` or an entry without ``=`` is a `WhatIfInputError`."""
+    prices: dict[str, str] = {}
+    for item in items:
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            # the price follows the last '=' (a type's own overrides may hold '=' too)
+            name, equals, value = part.rpartition("=")
+            if not equals or not name:
+                raise WhatIfInputError(
+                    f"--price {part!r} must be TYPE=PRICE, e.g. {specs[0]}=2.5 (one price for "
+                    "every type: --price-per-device-hour)"
+                )
+            if name not in specs:
+                raise WhatIfInputError(
+                    f"--price names {name!r}, which is not in --cluster; price the types given: "
+                    f"{', '.join(specs)}"
+                )
+            prices[name] = value
+    return prices
 
 
 def not_run_line(result: WhatIfResult) -> str:
@@ -429,10 +464,18 @@ def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
 
 def _cost_table(result: WhatIfResult, currency: str) -> Table:
     assert result.tokens is not None
-    table = compact_table(f"to train on {result.tokens:.3g} tokens")
+    table = compact_table(
+        f"to train on {result.tokens:.3g} tokens",
+        caption=(
+            f"price: {currency} per device-hour (a type without one has no cost); per 1M tokens: "
+            "the cost of a million tokens at the row's throughput"
+        )
+        if result.priced
+        else None,
+    )
     columns = ["cluster", "devices", "days", "device-hours"]
-    if result.price_per_device_hour is not None:
-        columns.append(f"cost ({currency})")
+    if result.priced:
+        columns += ["price", f"cost ({currency})", "per 1M tokens"]
     for name in columns:
         table.add_column(name, justify="left" if name == "cluster" else "right")
     for row in result.rows:
@@ -441,7 +484,14 @@ def _cost_table(result: WhatIfResult, currency: str) -> Table:
             table.add_row(*cells, *["-"] * (len(columns) - 2), style="dim")
             continue
         cells += [_amount(row.training.days), _amount(row.training.device_hours)]
-        if result.price_per_device_hour is not None:
-            cells.append(_amount(row.training.cost) if row.training.cost is not None else "-")
+        if result.priced:
+            training = row.training
+            price, cost = training.price_per_device_hour, training.cost
+            per_million = training.cost_per_million_tokens
+            cells += [
+                f"{price:g}" if price is not None else "-",
+                _amount(cost) if cost is not None else "-",
+                f"{per_million:.3g}" if per_million is not None else "-",
+            ]
         table.add_row(*cells)
     return table
