@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -32,7 +33,7 @@ from cost_model.schema import (
     unit_field,
     write_yaml,
 )
-from cost_model.units import Dimension, parse_quantity
+from cost_model.units import Dimension, format_bytes, parse_quantity, scaled
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ class Cluster:
                 f"the cluster's {cluster.num_devices} devices; give at most {cluster.num_devices}"
                 f", or more nodes"
             )
-        return cluster
+        return _named_for_overrides(self, cluster)
 
 
 # flat override key -> (part, attribute, unit dimension, python type)
@@ -468,6 +469,85 @@ OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
         for f in dataclasses.fields(Calibration)
     },
 }
+
+
+# ----------------------------------------------------------------------------- naming
+
+# What an overridden value is called in a name or description, and how it is shown.
+_BANDWIDTH_UNITS = ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1.0, "B/s"))
+_FLOPS_UNITS = ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1.0, "FLOP/s"))
+_TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+_OVERRIDDEN = re.compile(r"(?P<base>.*) \((?P<marks>[^()]*), overridden\)")
+# A datasheet's memory in a device name ("A100-SXM4-80GB"), dropped when memory is overridden.
+_MEMORY_IN_NAME = re.compile(r"-\d+(?:\.\d+)?GB$")
+
+
+def _device_marks(before: DeviceSpec, after: DeviceSpec) -> dict[str, str]:
+    """The device's fields ``after`` changed from ``before``, as label -> shown value."""
+    marks: dict[str, str] = {}
+    if after.memory_bytes != before.memory_bytes:
+        marks["memory"] = format_bytes(after.memory_bytes)
+    if after.memory_bandwidth_bytes_per_s != before.memory_bandwidth_bytes_per_s:
+        marks["memory bandwidth"] = scaled(after.memory_bandwidth_bytes_per_s, _BANDWIDTH_UNITS)
+    if after.host_link_bandwidth_bytes_per_s != before.host_link_bandwidth_bytes_per_s:
+        marks["host link"] = scaled(after.host_link_bandwidth_bytes_per_s, _BANDWIDTH_UNITS)
+    for dtype, flops in after.peak_flops.items():
+        if before.peak_flops.get(dtype) != flops:
+            marks[f"peak {dtype}"] = scaled(flops, _FLOPS_UNITS)
+    return marks
+
+
+def _cluster_marks(before: Cluster, after: Cluster) -> dict[str, str]:
+    """The hardware ``after`` describes differently from ``before`` (its device, the devices a
+    node, the links, the scale-up domain; not the node count, calibration or price)."""
+    marks = _device_marks(before.device, after.device)
+    if after.devices_per_node != before.devices_per_node:
+        marks["devices per node"] = str(after.devices_per_node)
+    for label, old, new in (("intra-node", before.intra_node, after.intra_node),
+                            ("inter-node", before.inter_node, after.inter_node)):  # fmt: skip
+        if new.bandwidth_bytes_per_s != old.bandwidth_bytes_per_s:
+            marks[f"{label} link"] = scaled(new.bandwidth_bytes_per_s, _BANDWIDTH_UNITS)
+        if new.latency_s != old.latency_s:
+            marks[f"{label} latency"] = scaled(new.latency_s, _TIME_UNITS)
+    if after.scale_up_devices != before.scale_up_devices:
+        marks["scale-up devices"] = str(after.scale_up_devices or after.devices_per_node)
+    return marks
+
+
+def _marked(text: str, marks: dict[str, str], *, drop_memory: bool = False) -> str:
+    """``text`` (a device name or a description) saying which of its values are overridden:
+    "A100-SXM4 (memory 40 GiB, overridden)". Marks already on ``text`` are kept, a label marked
+    again takes its new value; ``drop_memory`` drops a datasheet memory from the name."""
+    found = _OVERRIDDEN.fullmatch(text)
+    base, old = (found["base"], found["marks"].split(", ")) if found else (text, [])
+    merged: dict[str, str] = {}
+    labels = sorted(
+        {*marks, "memory", "memory bandwidth", "host link"}, key=len, reverse=True
+    )  # the longest label first: "memory bandwidth 2 TB/s" is not "memory"
+    for item in old:
+        label = next((lb for lb in labels if item.startswith(f"{lb} ")), item)
+        merged[label] = item[len(label) + 1 :] if label != item else ""
+    merged.update(marks)
+    if drop_memory:
+        base = _MEMORY_IN_NAME.sub("", base)
+    shown_marks = ", ".join(f"{label} {value}".strip() for label, value in merged.items())
+    return f"{base} ({shown_marks}, overridden)"
+
+
+def _named_for_overrides(before: Cluster, after: Cluster) -> Cluster:
+    """``after`` (``before`` with overrides) with a device name and description that say what
+    it describes: a preset's "A100-SXM4-80GB" given 40 GiB is "A100-SXM4 (memory 40 GiB,
+    overridden)" (in `autoplan cluster show`, estimates and every message naming the device)."""
+    device_marks = _device_marks(before.device, after.device)
+    cluster_marks = _cluster_marks(before, after)
+    if not cluster_marks:
+        return after
+    device = after.device
+    if device_marks:
+        name = _marked(device.name, device_marks, drop_memory="memory" in device_marks)
+        device = dataclasses.replace(device, name=name)
+    description = _marked(after.description, cluster_marks) if after.description else ""
+    return dataclasses.replace(after, device=device, description=description)
 
 
 def _override_value(key: str, raw: object, dimension: Dimension, kind: type) -> Any:
@@ -569,15 +649,38 @@ def _is_file(spec: str) -> bool:
 
 # ----------------------------------------------------------------------------- this machine
 
-# GPU name fragment -> preset whose device describes it.
+# GPU name fragment -> preset whose device describes it, first match wins. Names are torch's
+# (`get_device_properties(0).name`, nvidia-smi's): "NVIDIA H100 80GB HBM3", "NVIDIA H200",
+# "NVIDIA B200", "NVIDIA GB200", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-16GB"; ROCm GPUs show
+# as cuda devices under their marketing name, "AMD Instinct MI300X" ("... VF" virtualised).
 _GPU_PRESETS: tuple[tuple[str, str], ...] = (
     ("H100", "dgx-h100-80g"),
+    ("H200", "dgx-h200-141g"),
+    ("GB200", "gb200-nvl72"),
+    ("B200", "dgx-b200-180g"),
+    ("MI300X", "mi300x-192g"),
     ("A100-SXM4-80GB", "dgx-a100-80g"),
     ("A100 80GB", "dgx-a100-80g"),
     ("A100", "dgx-a100-40g"),
     ("V100-SXM3", "dgx2-v100-32g"),
     ("V100", "p3.16xlarge"),
 )
+
+
+def _name_tokens(name: str) -> list[str]:
+    return re.findall(r"[A-Z0-9]+", name.upper())
+
+
+def gpu_preset(gpu_name: str) -> str | None:
+    """The preset whose device a GPU named ``gpu_name`` is, or None. A fragment matches whole
+    words of the name, in order (so "B200" is not a GB200, "H200" not a GH200, "MI300X" not an
+    MI300A or MI325X)."""
+    words = _name_tokens(gpu_name)
+    for fragment, preset in _GPU_PRESETS:
+        want = _name_tokens(fragment)
+        if any(words[i : i + len(want)] == want for i in range(len(words) - len(want) + 1)):
+            return preset
+    return None
 
 
 def local_cluster(machine: this_machine.MachineFacts, num_devices: int | None = None) -> Cluster:
@@ -609,11 +712,21 @@ def _cpu_base(calibrated: Path) -> Cluster:
 
 
 def _cuda_cluster(cuda: this_machine.CudaDevices, count: int) -> Cluster:
-    preset = next((p for frag, p in _GPU_PRESETS if frag in cuda.name), None)
+    preset = gpu_preset(cuda.name)
     base = Cluster.preset_file(preset or "dgx-a100-80g")
     device = dataclasses.replace(base.device, name=cuda.name, memory_bytes=cuda.memory_bytes)
+    rates = f"{base.device.name}'s rates ({base.name})"
     if preset is None:
         logger.warning(
-            "no preset matches GPU %r; using A100 peak rates: run `autoplan calibrate`", cuda.name
+            "no preset matches GPU %r; using %s: run `autoplan calibrate`", cuda.name, rates
         )
-    return dataclasses.replace(base, name="local", devices_per_node=count, device=device)
+        rates = f"no preset matches its name: {rates} until `autoplan calibrate` measures it"
+    return dataclasses.replace(
+        base,
+        name="local",
+        description=f"this machine: {count}x {cuda.name}; {rates}",
+        devices_per_node=count,
+        device=device,
+        # (one machine: its own GPUs are the scale-up domain, not the preset's rack of them)
+        scale_up_devices=None,
+    )

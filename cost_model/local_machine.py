@@ -1,8 +1,10 @@
 """Describe the machine this process runs on as a `Cluster` (`detect`, the same as
 `Cluster.local`).
 
-With CUDA: the visible GPUs, matched by name to a shipped preset's device (A100, H100, V100),
-else the device's own memory with the generic GPU figures. Without: one worker per CPU core
+With CUDA (ROCm GPUs too, which torch shows as cuda devices): the visible GPUs, matched by name
+to a shipped preset's device (`cost_model.hardware.gpu_preset`: A100, H100, H200, B200, GB200,
+MI300X, V100) with the device's own memory, else the A100 preset's rates, said in the
+description, until ``autoplan calibrate`` measures them. Without: one worker per CPU core
 (or ``num_devices`` workers sharing them), RAM divided among them, and the `local` preset's
 rates, or the measured ones that ``autoplan calibrate`` saved (see `calibrated_path`); with more
 workers than cores, the cluster records the cores they share (``shared_cores_per_node``) and the

@@ -55,6 +55,7 @@ def cluster_list(as_json: bool) -> None:
                     "devices_per_node": c.devices_per_node,
                     "device": c.device.name,
                     "memory_bytes": c.device.memory_bytes,
+                    "scale_up_devices": c.scale_up_devices,
                     "description": c.description,
                 }
                 for c in presets
@@ -87,6 +88,12 @@ def cluster_table(c: Cluster) -> Table:
     for dtype, flops in c.device.peak_flops.items():
         table.add_row(f"peak {dtype}", fmt_flops(flops))
     table.add_row("memory bandwidth", fmt_bandwidth(c.device.memory_bandwidth_bytes_per_s))
+    if c.scale_up_devices is not None:  # a scale-up fabric wider than a node (GB200 NVL72)
+        table.add_row(
+            "scale-up domain",
+            f"{c.scale_up_devices} devices on the intra-node link ({c.scale_up_domain} in this "
+            "cluster); the inter-node link between domains",
+        )
     for label, link in (("intra-node", c.intra_node), ("inter-node", c.inter_node)):
         table.add_row(
             f"{label} link",
