@@ -5,6 +5,7 @@ their GPU names to them; an overridden preset says what it describes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from click.testing import CliRunner
@@ -78,13 +79,25 @@ def test_every_new_calibration_is_marked_assumed() -> None:
         assert Cluster.preset(name).price_per_device_hour is None  # prices are the user's
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("name", NEW_PRESETS)
-def test_a_small_model_is_priced(name: str) -> None:
+def test_a_small_model_is_priced(name: str, dtype: Literal["bf16", "fp8"]) -> None:
     graph = autoplan.trace(autoplan.models.gpt(2, 64, 4, 32, 128))
     cluster = Cluster.preset(name, nodes=2)
-    plan = autoplan.manual_plan(graph, cluster, global_batch=cluster.num_devices)
+    plan = autoplan.manual_plan(graph, cluster, global_batch=cluster.num_devices, dtype=dtype)
     assert plan.estimate is not None
     assert plan.estimate.step_time_s > 0 and plan.estimate.peak_memory_bytes > 0
+
+
+def test_mxfp8_is_refused_on_mi300x_in_one_line() -> None:
+    graph = autoplan.trace(autoplan.models.gpt(2, 64, 4, 32, 128))
+    with pytest.raises(autoplan.PlanError) as refused:
+        autoplan.manual_plan(
+            graph, "mi300x-192g", global_batch=8, dtype="mxfp8", framework="torchtitan"
+        )
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "MI300X-OAM-192GB has fp8 tensor cores but no MX block-scaled ones" in message
 
 
 def test_cluster_list_shows_them_in_100_columns() -> None:
