@@ -15,9 +15,11 @@ Error = predicted throughput / published throughput - 1 (= published step / pred
 Rows that trained in fp8 are priced with the plan dtype of their recipe (`plan_dtype`;
 bench/data/validation_assumptions_fp8.yaml) and reported apart (median and max |error|), with
 the predicted and published fp8/bf16 speed-up of each fp8 row that has a bf16 row of the same
-configuration (`fp8_pairs`). The report ends with the published rows that contradict a sibling
-in their own table by a rule any cost model obeys (`source_contradictions`), found from the
-published numbers alone.
+configuration (`fp8_pairs`). Each device type's rows (the bench's GPU names, `gpu_presets`) are
+reported apart, scored and unscored, with the shipped presets no predicted row runs on
+(`device_rows`, `presets_without_rows`; issue 42). The report ends with the published rows that
+contradict a sibling in their own table by a rule any cost model obeys (`source_contradictions`),
+found from the published numbers alone.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from autoplan.contract.plan import Plan
 from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
-from cost_model.hardware import Cluster
+from cost_model.hardware import Cluster, preset_names
 from cost_model.precision import fp8_recipe
 from cost_model.strategy import folded_ep_factors
 from cost_model.uncertainty import (
@@ -129,6 +131,7 @@ class Result:
 class Skipped:
     run_id: str
     reason: str
+    gpu: str = ""  # the row's GPU, as the bench names it (`gpu_presets`)
 
 
 # ------------------------------------------------------------------------------- inputs
@@ -250,6 +253,9 @@ def published_step_s(how: str, row: dict[str, Any], dims: ModelDims, batch: int)
 # a link's achieved rate). Calibration constants come only from `fitted_constants`.
 STATED_HARDWARE_KEYS = frozenset(
     {
+        # the devices of one scale-up (NVLink) domain, where the run's launcher states it (a
+        # GB200 NVL72 job's Slurm segment)
+        "scale_up_devices",
         "memory",
         "memory_bandwidth",
         "peak_flops_fp16",
@@ -418,9 +424,9 @@ def build_case(
     # A family may give its rows a default status (the row's own entry overrides it).
     status = extra.pop("status", fam.get("status"))
     if status is None:
-        return Skipped(run_id=run_id, reason=_default_skip_reason(row))
+        return Skipped(run_id=run_id, reason=_default_skip_reason(row), gpu=row["gpu"])
     if status == "skip":
-        return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"))
+        return Skipped(run_id=run_id, reason=extra.get("reason", "see assumptions"), gpu=row["gpu"])
     assert family is not None, run_id
     model, config = row["model"], dict(row["config"])
     framework = fam.get("framework", DEFAULT_FRAMEWORK)
@@ -980,7 +986,103 @@ def fp8_report(results: list[Result]) -> list[str]:
     return lines
 
 
-def report(results: list[Result], skipped: list[Skipped]) -> str:
+# ------------------------------------------------------------------------------- device types
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceRows:
+    """One device type's rows (the bench's GPU name, `gpu_presets`): the preset it is priced on,
+    its scored and unscored errors, and how many of its rows are not predicted."""
+
+    gpu: str
+    preset: str  # "" where the bench maps the GPU to no preset
+    scored: list[float]  # |error| of the fit and held-out rows
+    unscored: list[float]  # |error| of the unscored rows
+    skipped: int
+
+    def figures(self, which: str) -> dict[str, float | int | None]:
+        errors = self.scored if which == "scored" else self.unscored
+        return {
+            "rows": len(errors),
+            "median": statistics.median(errors) if errors else None,
+            "max": max(errors) if errors else None,
+        }
+
+
+def device_rows(
+    results: Iterable[Result], skipped: Iterable[Skipped], gpu_presets: dict[str, Any]
+) -> list[DeviceRows]:
+    """Each device type's rows, scored and unscored apart, with its not-predicted count (issue
+    42: every GPU's figures, so a new part is read on its own rows, not in the overall median)."""
+    scored: dict[str, list[float]] = {}
+    unscored: dict[str, list[float]] = {}
+    counted: dict[str, int] = {}
+    for r in results:
+        table = scored if r.case.status in ("fit", "held_out") else unscored
+        table.setdefault(r.case.gpu, []).append(abs(r.error))
+    for s in skipped:
+        counted[s.gpu] = counted.get(s.gpu, 0) + 1
+    return [
+        DeviceRows(
+            gpu=gpu,
+            preset=str((gpu_presets.get(gpu) or {}).get("preset", "")),
+            scored=sorted(scored.get(gpu, [])),
+            unscored=sorted(unscored.get(gpu, [])),
+            skipped=counted.get(gpu, 0),
+        )
+        for gpu in sorted({*scored, *unscored, *counted})
+    ]
+
+
+def presets_without_rows(devices: Iterable[DeviceRows]) -> dict[str, int]:
+    """The shipped presets (`cost_model.hardware.preset_names`) no predicted published row runs
+    on, each with the number of its rows the bench does not predict (skipped)."""
+    predicted: set[str] = set()
+    skipped: dict[str, int] = {}
+    for d in devices:
+        if d.scored or d.unscored:
+            predicted.add(d.preset)
+        skipped[d.preset] = skipped.get(d.preset, 0) + d.skipped
+    return {name: skipped.get(name, 0) for name in preset_names() if name not in predicted}
+
+
+def device_report(devices: list[DeviceRows]) -> list[str]:
+    """Median and max |error| per device type, scored and unscored apart; then the presets that
+    no predicted row runs on."""
+
+    def cell(errors: list[float]) -> str:
+        if not errors:
+            return f"{0:5d} {'-':>7s} {'-':>7s}"
+        return f"{len(errors):5d} {statistics.median(errors):7.1%} {max(errors):7.1%}"
+
+    lines = [
+        "",
+        "per device type (the bench's GPU and the preset it is priced on), |error| of its rows:",
+        f"  {'':11s} {'':14s}  {'scored':^21s}  {'unscored':^21s}",
+        f"  {'gpu':11s} {'preset':14s}  {'rows  median     max':>21s}  "
+        f"{'rows  median     max':>21s}  skipped",
+    ]
+    for d in devices:
+        lines.append(
+            f"  {d.gpu:11s} {d.preset or '-':14s}  {cell(d.scored)}  {cell(d.unscored)}"
+            f"  {d.skipped:7d}"
+        )
+    missing = presets_without_rows(devices)
+    lines.append(
+        "presets no predicted published row runs on: "
+        + (
+            ", ".join(
+                name + (f" ({n} rows, all skipped)" if n else "") for name, n in missing.items()
+            )
+            or "none"
+        )
+    )
+    return lines
+
+
+def report(
+    results: list[Result], skipped: list[Skipped], gpu_presets: dict[str, Any] | None = None
+) -> str:
     lines = [
         f"{'run':44s} {'status':9s} {'gpu':9s} {'gpus':>5s}  {'config':32s} "
         f"{'published':>10s} {'predicted':>10s} {'error':>7s}  mem",
@@ -1034,6 +1136,8 @@ def report(results: list[Result], skipped: list[Skipped]) -> str:
     for pair in contradictions:
         lines.append(f"  {pair.slower:44s} {pair.gap:+6.1%} vs {pair.faster}  [{pair.rule}]")
     lines.extend(fp8_report(results))
+    if gpu_presets is not None:
+        lines.extend(device_report(device_rows(results, skipped, gpu_presets)))
     lines.extend(memory_report(results))
     lines.append("")
     lines.append(f"not predicted ({len(skipped)} rows):")
@@ -1372,6 +1476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scored:
         cases = [c for c in cases if c.status in ("fit", "held_out")]
     results = [predict(c) for c in cases]
+    devices = device_rows(results, skipped, assumptions["gpu_presets"])
     if args.json:
         print(
             json.dumps(
@@ -1391,6 +1496,16 @@ def main(argv: list[str] | None = None) -> int:
                         for r in results
                     ],
                     "skipped": [dataclasses.asdict(s) for s in skipped],
+                    "devices": {
+                        d.gpu: {
+                            "preset": d.preset,
+                            "scored": d.figures("scored"),
+                            "unscored": d.figures("unscored"),
+                            "skipped": d.skipped,
+                        }
+                        for d in devices
+                    },
+                    "presets_without_rows": presets_without_rows(devices),
                     "contradictions": [dataclasses.asdict(c) for c in contradictions],
                     "fp8_pairs": [
                         {
@@ -1407,7 +1522,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        print(report(results, skipped))
+        print(report(results, skipped, assumptions["gpu_presets"]))
         if not prefixes and not args.scored:
             held = leave_one_source_out(rows, assumptions, results)
             print(loso_report(held, results))
