@@ -109,3 +109,25 @@ def test_a_domain_round_trips_through_a_cluster_file(tmp_path) -> None:  # type:
     assert again == wide and again.scale_up_domain == 32
     # a preset's own domain may outsize a job on part of it (clamped), not one asked for
     assert dataclasses.replace(_h100(4, domain=32), num_nodes=2).scale_up_domain == 16
+
+
+def test_tp16_and_ep32_on_gb200_nvl72_on_nvlink_on_dgx_b200_on_the_network() -> None:
+    """The issue's pair: the same plan on a GB200 NVL72 rack (one 72-GPU NVLink domain of
+    4-GPU trays) is priced on NVLink, on DGX B200 nodes (8 GPUs each) on the scale-out NICs."""
+    nvl72 = Cluster.preset("gb200-nvl72", nodes=8)  # 32 GPUs of one rack
+    b200 = Cluster.preset("dgx-b200-180g", nodes=4)
+    assert nvl72.scale_up_domain == 32 and b200.scale_up_domain == 8
+    plan = autoplan.manual_plan(PROFILE, nvl72, tp=16, global_batch=8, sequence_parallel=True)
+    (tp_rack,) = group_placements(Strategy.of(plan), nvl72, "tp")
+    (tp_nodes,) = group_placements(Strategy.of(plan), b200, "tp")
+    assert not tp_rack.crosses_nodes and tp_nodes.crosses_nodes
+    rack_tp = sum(s.tp_comm_s for s in estimate(PROFILE, nvl72, plan).stages)
+    nodes_tp = sum(s.tp_comm_s for s in estimate(PROFILE, b200, plan).stages)
+    assert nodes_tp > rack_tp
+    with pytest.raises(PlanError, match="across nodes of 8 devices"):
+        plan.validate(PROFILE, b200)
+    moe = with_routed_experts(PROFILE, num_experts=32, top_k=2, expert_ffn=1024)
+    expert_plan = autoplan.manual_plan(moe, nvl72, ep=32, global_batch=64)
+    rack_ep = sum(s.ep_comm_s for s in estimate(moe, nvl72, expert_plan).stages)
+    nodes_ep = sum(s.ep_comm_s for s in estimate(moe, b200, expert_plan).stages)
+    assert nodes_ep > 2 * rack_ep
