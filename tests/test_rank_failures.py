@@ -169,8 +169,9 @@ def test_an_input_error_on_one_rank_is_one_line_from_that_rank(tmp_path: Path) -
     output, rank0 = _torchrun("input", tmp_path)
     assert _our_lines(output) == [
         "autoplan: error: unknown cluster preset 'no-such-cluster'; valid presets: "
-        "dgx-a100-40g, dgx-a100-80g, dgx-h100-80g, dgx2-v100-32g, local, p3.16xlarge (or give "
-        "a path to a cluster YAML file) (rank 1; 2 ranks stopped)"
+        "dgx-a100-40g, dgx-a100-80g, dgx-b200-180g, dgx-h100-80g, dgx-h200-141g, dgx2-v100-32g, "
+        "gb200-nvl72, local, mi300x-192g, p3.16xlarge (or give a path to a cluster YAML file) "
+        "(rank 1; 2 ranks stopped)"
     ], output[-4000:]
     # no traceback of the user's mistake, no stall blamed, no timeout waited for
     for absent in ('rank_failure_job.py", line', "ClusterError", "StalledRankError", "Timed out"):

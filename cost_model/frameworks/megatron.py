@@ -105,7 +105,12 @@ MEGATRON_LM = FrameworkProfile(
         # TFLOP/s forward and 465-518 backward (Shah et al. 2024, FlashAttention-3, Fig. 5),
         # 1.6x FlashAttention-2's 362-370 and 291-322 there. Forward and backward weighted
         # by their FLOPs (1 : 2.5): 3.5 / (989 / 607 + 2.5 x 989 / 516) = 0.54 of the peak.
-        attention_efficiency_by_device={"H100": 0.54},
+        # H200 runs the same kernel on the same Hopper SMs. On Blackwell, FlashAttention-4
+        # reaches 1,613 TFLOP/s forward on B200 in bf16, "up to 1.3x" cuDNN 9.13
+        # (arXiv:2603.05451, 2026), so cuDNN's forward is at least 1,613 / 1.3 = 1,241; its
+        # backward is assumed at H100 cuDNN's backward/forward ratio (516 / 607), 1,055:
+        # 3.5 / (2250 / 1241 + 2.5 x 2250 / 1055) = 0.49 of B200's peak (GB200 alike).
+        attention_efficiency_by_device={"H100": 0.54, "H200": 0.54, "B200": 0.49, "GB200": 0.49},
         # CheckpointFunction is a reentrant torch.autograd.Function: the backward re-runs
         # the block's whole forward (megatron/core/tensor_parallel/random.py).
         full_recompute_early_stop=0.0,
