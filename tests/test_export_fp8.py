@@ -23,7 +23,7 @@ from autoplan.contract.plan import Plan, even_stages
 from autoplan.export import ExportError, export_plan, model_dims
 from autoplan.export.megatron import megatron_args
 from autoplan.export.torchtitan import torchtitan_module
-from tests.test_export import MEGATRON_FLAGS
+from tests.test_export import MEGATRON_FLAGS, _flags
 
 # The fp8 flags the exporter may emit, as NVIDIA/Megatron-LM d98e8a6 defines them:
 # --fp8-param-gather in megatron/training/arguments.py (_add_transformer_engine_args); the rest
@@ -48,16 +48,6 @@ def _plan(dtype: str = "fp8", *, num_units: int = 34, **changes: Any) -> Plan:
     fields["global_batch_size"] = 4 * fields["dp_degree"]
     stages = even_stages(num_units, fields["pp_degree"] * fields.get("virtual_stages", 1))
     return Plan(stages=stages, **fields)
-
-
-def _flags(args: tuple[str, ...]) -> dict[str, str | bool]:
-    """``--flag value`` / ``--switch`` pairs as a dict."""
-    parsed: dict[str, str | bool] = {}
-    for idx, arg in enumerate(args):
-        if arg.startswith("--"):
-            nxt = args[idx + 1] if idx + 1 < len(args) else "--"
-            parsed[arg] = True if nxt.startswith("--") else nxt
-    return parsed
 
 
 def _refusal(plan: Plan, framework: str, model: str = LLAMA8B) -> str:

@@ -54,8 +54,7 @@ import copy
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from autoplan.tracing import trace
 from cost_model.hardware import Cluster
+from cost_model.local_rates import _one_thread
 from cost_model.parts.fp8 import is_converted
 from passes import init_full_model_, original_fqn, select_fp8_linears, torchao_float8
 from tests.dist_utils import run_distributed
@@ -158,18 +158,6 @@ def _note_input(inputs: dict[str, str], path: str, module: nn.Module, args: Any)
     value = args[0]
     local = value._local_tensor if isinstance(value, DTensor) else value
     inputs.setdefault(original_fqn(path), type(local).__name__)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """The ranks run one thread each; so does the reference (a GEMM's blocking, and with it its
-    summation order, may depend on the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
