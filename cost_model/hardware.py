@@ -199,9 +199,13 @@ def _check_range(name: str, value: float, *, zero: str = "") -> None:
         )
 
 
-def _scale_up_problem(scale_up: object, per_node: int, num_devices: int) -> str | None:
+def _scale_up_problem(
+    scale_up: object, per_node: int, num_devices: int, *, asked: bool = False
+) -> str | None:
     """Why ``scale_up`` devices cannot be a scale-up domain of a cluster of ``num_devices``
-    devices on nodes of ``per_node``, in one line with the fix; None when they can."""
+    devices on nodes of ``per_node``, in one line with the fix; None when they can. A domain
+    ``asked`` for (an override) must also divide the cluster and fit in it; a preset's own
+    (a 72-GPU rack) holds jobs of any whole nodes (`Cluster.scale_up_domain`)."""
     if isinstance(scale_up, bool) or not isinstance(scale_up, int) or scale_up < 1:
         return f"scale_up_devices = {shown(scale_up)} must be a whole number of devices >= 1"
     if scale_up % per_node:
@@ -209,10 +213,15 @@ def _scale_up_problem(scale_up: object, per_node: int, num_devices: int) -> str 
             f"scale_up_devices = {scale_up} must be whole nodes of {per_node} devices (a "
             f"multiple of {per_node}, e.g. {per_node * max(1, scale_up // per_node)})"
         )
-    if num_devices > scale_up and num_devices % scale_up:
+    if asked and scale_up > num_devices:
+        return (
+            f"scale_up_devices = {scale_up} is more than the cluster's {num_devices} devices; "
+            f"give at most {num_devices}, or more nodes"
+        )
+    if asked and num_devices % scale_up:
         return (
             f"scale_up_devices = {scale_up} does not divide the cluster's {num_devices} devices; "
-            f"use whole domains ({scale_up}, {2 * scale_up}, ... devices) or fewer than one"
+            f"use whole domains ({scale_up}, {2 * scale_up}, ... devices)"
         )
     return None
 
@@ -294,9 +303,16 @@ class Cluster:
 
     @property
     def scale_up_domain(self) -> int:
-        """Devices of one scale-up domain in this cluster: `scale_up_devices` (a node when not
-        stated), at most the whole cluster (a job on part of an NVL72 rack)."""
-        return min(self.scale_up_devices or self.devices_per_node, self.num_devices)
+        """Devices of one scale-up domain of this job: `scale_up_devices` (a node when not
+        stated), at most the whole cluster (a job on part of an NVL72 rack); where the job's
+        devices are not whole domains, the largest segment of whole nodes within a domain that
+        divides them, as a scheduler places such a job (256 GB200 GPUs: 4 segments of 64 GPUs,
+        one per rack, as NeMo's launcher asks Slurm for 16-node segments)."""
+        per_node, total = self.devices_per_node, self.num_devices
+        cap = min(self.scale_up_devices or per_node, total)
+        if total % cap == 0:
+            return cap
+        return max(d for d in range(per_node, cap + 1, per_node) if total % d == 0)
 
     def node_of(self, rank: int) -> int:
         """Node index of global device ``rank`` (ranks fill one node before the next)."""
@@ -437,13 +453,14 @@ class Cluster:
         except ValueError as error:
             raise ClusterError(f"cluster {shown(self.name)} override: {error}") from None
         asked = changes.get("scale_up_devices")
-        if asked is not None and asked > cluster.num_devices:
-            # (a preset's own domain may outsize a job on part of it; one asked for may not)
-            raise ClusterError(
-                f"cluster {shown(self.name)} override: scale_up_devices = {asked} is more than "
-                f"the cluster's {cluster.num_devices} devices; give at most {cluster.num_devices}"
-                f", or more nodes"
+        if asked is not None:
+            # (a preset's own domain may outsize or not divide a job on part of it; one asked
+            # for may not)
+            problem = _scale_up_problem(
+                asked, cluster.devices_per_node, cluster.num_devices, asked=True
             )
+            if problem is not None:
+                raise ClusterError(f"cluster {shown(self.name)} override: {problem}")
         return _named_for_overrides(self, cluster)
 
 

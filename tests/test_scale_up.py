@@ -131,3 +131,14 @@ def test_tp16_and_ep32_on_gb200_nvl72_on_nvlink_on_dgx_b200_on_the_network() -> 
     rack_ep = sum(s.ep_comm_s for s in estimate(moe, nvl72, expert_plan).stages)
     nodes_ep = sum(s.ep_comm_s for s in estimate(moe, b200, expert_plan).stages)
     assert nodes_ep > 2 * rack_ep
+
+
+def test_a_job_of_part_racks_runs_in_whole_node_segments_of_a_rack() -> None:
+    """256 GB200 GPUs are not whole 72-GPU racks: a scheduler places them as 4 segments of 64
+    (16 trays) in 4 racks, so the job's domain is 64; 144 are two whole racks; 100 (25 trays)
+    segments of 20."""
+    domains = {
+        trays * 4: Cluster.preset("gb200-nvl72", nodes=trays).scale_up_domain
+        for trays in (16, 18, 36, 64, 25)
+    }
+    assert domains == {64: 64, 72: 72, 144: 72, 256: 64, 100: 20}
