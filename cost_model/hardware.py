@@ -9,6 +9,7 @@ YAML files shipped in ``cost_model/presets``; each constant there cites its sour
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
@@ -341,6 +342,12 @@ class Cluster:
             # keeps it, it must agree with the nodes
             body = dict(body)
             stated = body.pop("num_devices", None)
+            if isinstance(body.get("device"), str):
+                # a device by name: a shipped preset's device, its datasheet rates
+                try:
+                    body["device"] = to_data(preset_device(body["device"]))
+                except ClusterError as error:
+                    raise ClusterError(f"cluster {shown(source, PATH_LIMIT)}: {error}") from None
             cluster = from_data(cls, body)
         except SchemaError as error:
             raise ClusterError(f"cluster {shown(source, PATH_LIMIT)}: {error}") from None
@@ -624,6 +631,26 @@ def _preset_file(name: str) -> Cluster:
     resource = resources.files("cost_model") / "presets" / f"{name}.yaml"
     with resources.as_file(resource) as path:
         return Cluster.from_yaml(path)
+
+
+def preset_device(name: str) -> DeviceSpec:
+    """The device of the shipped preset whose device is called ``name`` (e.g.
+    ``B200-SXM-180GB``), for a cluster file that names its device; `ClusterError` naming the
+    value, the closest known name and the fix for an unknown one."""
+    devices = {
+        preset.device.name: preset.device
+        for preset in map(_preset_file, preset_names())
+        if preset.device.kind == "gpu"
+    }
+    if name in devices:
+        return devices[name]
+    close = difflib.get_close_matches(name, list(devices), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ClusterError(
+        f"device {shown(name)} is not a device autoplan knows; {hint}name one of "
+        f"{', '.join(sorted(devices))}, or describe the device as a mapping (name, memory_bytes, "
+        "peak_flops, memory_bandwidth_bytes_per_s)"
+    )
 
 
 def preset_names() -> list[str]:

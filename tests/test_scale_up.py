@@ -142,3 +142,28 @@ def test_a_job_of_part_racks_runs_in_whole_node_segments_of_a_rack() -> None:
         for trays in (16, 18, 36, 64, 25)
     }
     assert domains == {64: 64, 72: 72, 144: 72, 256: 64, 100: 20}
+
+
+def test_a_cluster_file_may_name_a_known_device_and_an_unknown_one_is_refused(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """`device: <name>` takes a shipped preset's device (issue 42's bad input: an unknown
+    device name in a cluster file is one line naming the value, the closest name and the fix)."""
+    text = (
+        "schema_version: 1\nname: my-b200\nnum_nodes: 2\ndevices_per_node: 16\n"
+        "device: {device}\n"
+        "intra_node: {{bandwidth_bytes_per_s: 900GB/s, latency_s: 8us}}\n"
+        "inter_node: {{bandwidth_bytes_per_s: 100GB/s, latency_s: 12us}}\n"
+    )
+    good = tmp_path / "good.yaml"
+    good.write_text(text.format(device="B200-SXM-180GB"))
+    cluster = Cluster.from_yaml(good)
+    assert cluster.device == Cluster.preset("dgx-b200-180g").device
+    assert cluster.num_devices == 32
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.format(device="B200-SXM-18GB"))
+    with pytest.raises(ClusterError) as error:
+        Cluster.from_yaml(bad)
+    said = str(error.value)
+    assert "\n" not in said and "bad.yaml" in said and "'B200-SXM-18GB'" in said
+    assert "did you mean 'B200-SXM-180GB'" in said and "describe the device as a mapping" in said
