@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cost_model.frameworks.limits import Explanation
 from cost_model.frameworks.profile import Capabilities, FrameworkProfile
 
 AUTOPLAN = FrameworkProfile(
@@ -19,6 +20,14 @@ AUTOPLAN = FrameworkProfile(
         # each updated parameter over the whole data-parallel group; under FSDP2 the experts
         # are wrapped on their own, so its hooks run inside a selectively recomputed block
         expert_wrapper_limits=True,
+        explained={
+            "dtype:mxfp8": Explanation(
+                why="its fp8 is torchao's float8 training, whose MXFP8 linears run on Blackwell "
+                "(SM100) GPUs only (torchao 0.18's Triton kernels, torchao/prototype/mx_formats/"
+                "kernels.py), so it does not offer them untested",
+                fix="use dtype fp8 or fp8-rowwise, or price it for megatron-lm or torchtitan",
+            ),
+        },
     ),
     # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling
     fp8_recipes=("fp8", "fp8-rowwise"),

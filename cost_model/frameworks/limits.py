@@ -214,8 +214,16 @@ def _stack_limits(stack: FrameworkProfile) -> Iterator[AxisLimit]:
                 if fp8 is not None
                 else f"{name} trains in {' or '.join(plain)}"
             )
+            # the stack's own words for why, where it states them (and they need no plan facts)
+            words = stack.capabilities.explained.get(f"dtype:{dtype}")
+            stated = fp8 is not None and words is not None and "{" not in words.why + words.fix
+            if stated:
+                assert words is not None
+                rule += f": {words.why}"
             fix = (
-                f"set --dtype {stack.fp8_recipes[0]}"
+                words.fix
+                if stated and words is not None
+                else f"set --dtype {stack.fp8_recipes[0]}"
                 if fp8 is not None and stack.fp8_recipes
                 else f"set --dtype {'bf16' if 'bf16' in plain else plain[0]}"
             )
