@@ -116,14 +116,14 @@ class DeviceSpec:
         """Peak FLOP/s for ``dtype``, falling back to a same-width dtype the device has."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
-        # (never fp8 from a 16-bit rate: a device without fp8 tensor cores refuses the
-        # recipes, `missing_rate`)
-        fallback = {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32", "mxfp8": None}.get(dtype)
         if dtype in ("fp8", "mxfp8"):
+            # never an fp8 rate lent from a 16-bit one: a device without the tensor cores
+            # refuses the recipes (`missing_rate`)
             raise ClusterError(
                 fp8_device_problem(dtype, self.name, self.kind, frozenset(self.peak_flops))
                 or f"device {shown(self.name)} has no peak FLOP/s for {dtype}"
             )
+        fallback = {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype)
         if fallback is not None and fallback in self.peak_flops:
             return self.peak_flops[fallback]
         if "fp32" in self.peak_flops:

@@ -215,18 +215,13 @@ def _stack_limits(stack: FrameworkProfile) -> Iterator[AxisLimit]:
                 else f"{name} trains in {' or '.join(plain)}"
             )
             # the stack's own words for why, where it states them (and they need no plan facts)
-            words = stack.capabilities.explained.get(f"dtype:{dtype}")
-            stated = fp8 is not None and words is not None and "{" not in words.why + words.fix
-            if stated:
-                assert words is not None
-                rule += f": {words.why}"
-            fix = (
-                words.fix
-                if stated and words is not None
-                else f"set --dtype {stack.fp8_recipes[0]}"
-                if fp8 is not None and stack.fp8_recipes
-                else f"set --dtype {'bf16' if 'bf16' in plain else plain[0]}"
-            )
+            words = stack.capabilities.explained.get(f"dtype:{dtype}") if fp8 else None
+            if words is not None and "{" not in words.why + words.fix:
+                rule, fix = f"{rule}: {words.why}", words.fix
+            elif fp8 is not None and stack.fp8_recipes:
+                fix = f"set --dtype {stack.fp8_recipes[0]}"
+            else:
+                fix = f"set --dtype {'bf16' if 'bf16' in plain else plain[0]}"
             return Refusal(value=f"dtype {dtype}", rule=rule, fix=fix, limit="dtype", field="dtype")
 
         yield AxisLimit(axis="dtype", allowed=dtypes, rule=dtype_rule, refuse=_dtype_refusal)
