@@ -227,6 +227,8 @@ class CostModel:
             strategy.micro_batch_size,
             strategy.dtype,
             strategy.cp_degree,
+            # an fp8 recipe's linears and weight casts (`cost_model.parts.fp8`)
+            *((strategy.fp8_exclude, strategy.fp8_all_gather) if strategy.fp8 else ()),
         )
         found = self._compute.get(key)
         if found is None:

@@ -29,7 +29,7 @@ from cost_model.parts.data_parallel import (
     grouped_dp_sync,
 )
 from cost_model.parts.expert_parallel import ExpertCost, recompute_expert_s
-from cost_model.parts.fp8 import cast_cost, converted_ops, fp8_params
+from cost_model.parts.fp8 import converted_ops, fp8_params
 from cost_model.parts.host import HostCost, host_cost, host_floor_wait, sync_copies_s
 from cost_model.parts.memory import UnitBytes, unit_bytes
 from cost_model.parts.optimizer import OptimizerCost, optimizer_cost
@@ -265,7 +265,7 @@ def _unit_parts(
     )
     optimizer = optimizer_cost(n_local, weights, cluster)
     host = host_cost(unit, n_local + experts.local_params, strategy, cal)
-    memory = _dense_bytes(model, unit, strategy, mode, n_local, fp8_local)
+    memory = _dense_bytes(model, unit, strategy, mode, n_local, fp8_local, compute)
     return _UnitParts(
         unit=unit,
         mode=mode,
@@ -295,10 +295,11 @@ def _dense_bytes(
     mode: str,
     n_local: float,
     fp8_local: float,
+    compute: ComputeTimes,
 ) -> UnitBytes:
     """The bytes of ``unit`` on one device without its routed experts (`parts.memory`), the
     loss's saved bytes among them; ``fp8_local`` of its ``n_local`` parameters in converted
-    linears (`parts.fp8`)."""
+    linears (`parts.fp8`), ``compute`` its compute (with its fp8 casts' transient)."""
     traced = model.profile.traced_dtype_bytes
     loss = loss_cost(unit, strategy, model.cluster, traced)
     cal = model.cluster.calibration
@@ -311,7 +312,7 @@ def _dense_bytes(
         loss_saved_bytes=loss.saved_bytes,
         stack=model.stack.saved_activations,
         fp8_params=fp8_local,
-        fp8_transient_bytes=cast_cost(unit, strategy, model.cluster).transient_bytes,
+        fp8_transient_bytes=compute.fp8_transient_bytes,
         cached_fp8_weights=fp8_local > 0 and cal.fp8_cached_weights >= 0.5,
     )
 
@@ -448,7 +449,10 @@ def _critical_path(
 def _optimizer_s(parts: _UnitParts, cluster: Cluster) -> float:
     """The unit's optimizer step: the device's and the host's, one after the other on a CPU
     worker, the longer of them on a GPU (whose host runs ahead)."""
-    device_optimizer_s = parts.optimizer.step_s + parts.routed.optimizer_s
+    # (with the fp8 weight casts a stack makes once a step: device work outside the pipeline)
+    device_optimizer_s = (
+        parts.optimizer.step_s + parts.routed.optimizer_s + parts.compute.fp8_step_s
+    )
     return (
         max(device_optimizer_s, parts.host.optimizer_s)
         if cluster.device.kind == "gpu"

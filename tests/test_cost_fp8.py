@@ -18,7 +18,7 @@ from autoplan.planner.search import search_plans
 from autoplan.planner.space import ConstraintError
 from cost_model.calibration import Calibration
 from cost_model.compute import op_time
-from cost_model.estimate import estimate
+from cost_model.estimate import CostModel, estimate
 from cost_model.frameworks import framework_profile
 from cost_model.parts.compute import compute_times
 from cost_model.parts.data_parallel import data_parallel_cost
@@ -99,13 +99,15 @@ def test_eager_casts_move_33_bytes_an_element_six_times_a_linear() -> None:
     bandwidth = 1e12 * cluster.calibration.memory_efficiency
     assert cost.forward_s == pytest.approx(33 * (inputs + weights) / bandwidth)
     assert cost.backward_s == pytest.approx(33 * (2 * grads + inputs + weights) / bandwidth)
-    # fused casts (Transformer Engine) move 6 + 8 bytes forward, 6 backward, weights cast once
-    # a step over its micro-batches
+    # fused casts (Transformer Engine) move 6 bytes an input forward, 6 a gradient backward, and
+    # 8 a weight once a step, whatever the micro-batch count
     te = framework_profile("megatron-lm").cluster_for(_profile(), cluster)
-    fused = cast_cost(block, dataclasses.replace(strategy, num_micro_batches=4), te)
     te_bw = te.device.memory_bandwidth_bytes_per_s * te.calibration.memory_efficiency
-    kernels = te.calibration.kernel_overhead_s * 6 * (2 + 3 / 4)
-    assert fused.forward_s == pytest.approx((6 * inputs + 8 * weights / 4) / te_bw + kernels)
+    overhead = te.calibration.kernel_overhead_s
+    for m in (1, 4):
+        fused = cast_cost(block, dataclasses.replace(strategy, num_micro_batches=m), te)
+        assert fused.forward_s == pytest.approx(6 * inputs / te_bw + overhead * 6 * 2)
+        assert fused.step_s == pytest.approx(8 * weights / te_bw + overhead * 6 * 3)
     # and a compute time carries them
     plain = compute_times(block, cluster, Strategy(dtype="bf16", micro_batch_size=2), 4)
     times = compute_times(block, cluster, strategy, 4)
@@ -351,3 +353,20 @@ def test_sequence_parallel_casts_the_gathered_tensors_on_the_ranks_share() -> No
     assert cast_cost(block, tp, cluster).backward_s - cast_cost(block, sp, cluster).backward_s == (
         pytest.approx(saved_backward)
     )
+
+
+def test_one_cost_model_prices_each_fp8_strategy_as_a_fresh_one() -> None:
+    """The cost model's compute table keys on the fp8 fields (which linears convert, whether
+    weights are gathered in fp8): strategies that differ only in them get their own compute."""
+    profile = gpt_profile(num_layers=2, s=1024, h=1024, a=16, vocab=4096)
+    cluster = round_cluster()
+    shared = CostModel(profile, cluster)
+    base = Strategy(dtype="fp8", dp_degree=8, zero_stage=3)
+    for strategy in (
+        base,
+        dataclasses.replace(base, fp8_all_gather=True),
+        dataclasses.replace(base, fp8_exclude=()),
+    ):
+        fresh = CostModel(profile, cluster)
+        for unit in range(profile.num_units):
+            assert shared.compute_times(strategy, unit) == fresh.compute_times(strategy, unit)

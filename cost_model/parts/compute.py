@@ -29,6 +29,11 @@ class ComputeTimes:
     gemm_forward_s: float
     tail_forward_s: float  # the ops an early-stopping full recompute skips
     weight_backward_s: float  # the weight gradients of the backward
+    # the largest bytes one fp8 cast holds at once (`cost_model.parts.fp8.cast_cost`; 0 unless
+    # an fp8 recipe), for the backward's working set
+    fp8_transient_bytes: float = 0.0
+    # per step: the fp8 weight casts a stack that keeps them makes once a step
+    fp8_step_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +112,8 @@ def compute_times(
         gemm_forward_s=gemm_fwd,
         tail_forward_s=tail_fwd,
         weight_backward_s=weight,
+        fp8_transient_bytes=casts.transient_bytes,
+        fp8_step_s=casts.step_s,
     )
 
 

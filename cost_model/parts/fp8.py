@@ -131,12 +131,15 @@ def fp8_shape_problem(profile: ModelProfile, strategy: Strategy) -> str | None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fp8CastCost:
-    """One unit's fp8 cast kernels per micro-batch, and their largest transient."""
+    """One unit's fp8 cast kernels per micro-batch, those a stack runs once a step, and their
+    largest transient."""
 
     forward_s: float
     backward_s: float
     # the largest bytes one cast holds at once (eager: its fp32 copies and the fp8 result)
     transient_bytes: float
+    # per step: the weights' casts of a stack that keeps the fp8 weights for the step
+    step_s: float = 0.0
 
 
 def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8CastCost:
@@ -152,10 +155,13 @@ def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8Cas
     # under fp8 all-gather the weights are cast on their shards before the gather, priced with
     # it (`shard_cast_s`), and the backward reuses the gathered fp8 weight
     gathered = strategy.fp8_all_gather
+    # (a stack that keeps the fp8 weights casts them once a step, `Fp8CastCost.step_s`: not
+    # per micro-batch, so a unit's compute does not depend on the micro-batch count)
     per_step = cal.fp8_cached_weights >= 0.5
-    weight_share = 0.0 if gathered else 1.0 / strategy.num_micro_batches if per_step else 1.0
-    fwd_bytes = bwd_bytes = 0.0
-    fwd_kernels = bwd_kernels = 0.0
+    weight_share = 0.0 if gathered or per_step else 1.0
+    step_share = 1.0 if per_step and not gathered else 0.0
+    fwd_bytes = bwd_bytes = step_bytes = 0.0
+    fwd_kernels = bwd_kernels = step_kernels = 0.0
     transient = 0.0
     for op in converted_ops(unit, strategy):
         assert op.gemm is not None
@@ -175,6 +181,8 @@ def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8Cas
             bwd_bytes += b * (2 * grads + inputs + weights * weight_share)
             fwd_kernels += kernels * (1 + weight_share)
             bwd_kernels += kernels * (3 + weight_share)
+            step_bytes += 2 * b * weights * step_share
+            step_kernels += 2 * kernels * step_share
             # the fp32 copy, its scaled copy and the fp8 result of the largest operand
             transient = max(transient, 9.0 * max(inputs, weights, grads))
         else:
@@ -183,12 +191,15 @@ def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8Cas
             bwd_bytes += gb * grads
             fwd_kernels += ik + wk * weight_share
             bwd_kernels += gk
+            step_bytes += wb * weights * step_share
+            step_kernels += wk * step_share
             transient = max(transient, 2.0 * max(inputs, weights, grads))
     overhead = cal.kernel_overhead_s
     return Fp8CastCost(
         forward_s=fwd_bytes / bandwidth + fwd_kernels * overhead,
         backward_s=bwd_bytes / bandwidth + bwd_kernels * overhead,
         transient_bytes=transient,
+        step_s=step_bytes / bandwidth + step_kernels * overhead,
     )
 
 
