@@ -285,7 +285,7 @@ class CostModel:
         """Per-unit compute time of one micro-batch (forward, backward and recompute, without
         any communication, and without the routed experts): a lower bound on `UnitCost.time_s`
         that depends only on the strategy's TP degree, sequence parallelism, micro-batch, dtype
-        and cp degree."""
+        (with an fp8 recipe's fields) and cp degree."""
         cal = self.cluster.calibration
         out: list[float] = []
         for index, unit in enumerate(self.profile.units):
