@@ -86,6 +86,7 @@ def manual_plan(
     rank_layout: Sequence[MeshAxis] = MESH_AXES,
     allow_cross_node_tp: bool = False,
     framework: str = DEFAULT_FRAMEWORK,
+    compile: bool = False,
 ) -> Plan:
     """A plan with the given degrees and ``pp * v`` stages cut as the framework's stack cuts
     them when no cut is stated (`FrameworkProfile.pipeline_split`: Megatron-LM's even layers,
@@ -99,6 +100,7 @@ def manual_plan(
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
     string (`as_cluster`). ``framework``: the training stack the plan is priced for (autoplan's
     runtime, or one of `autoplan export`'s; `cost_model.frameworks`), recorded in the plan.
+    ``compile``: torch.compile every unit (`Plan.compile`).
     """
     profile = profile_of(model_or_graph)
     cluster = as_cluster(cluster)
@@ -163,6 +165,7 @@ def manual_plan(
         zero_stage=zero,
         sequence_parallel=sequence_parallel,
         dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
+        compile=compile,
         rank_layout=tuple(rank_layout),
         framework=framework,
     )

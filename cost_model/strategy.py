@@ -147,6 +147,9 @@ class Strategy:
     # Under an fp8 recipe: FSDP2 gathers fp8 weights; the linears kept in bf16 (`Plan`).
     fp8_all_gather: bool = False
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    # torch.compile of the units (`cost_model.parts.fusion`): the plan's; a stage that
+    # overrides it is priced with its own (`cost_model.estimate.CostModel`)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -214,6 +217,7 @@ class Strategy:
             dtype=plan.dtype,
             fp8_all_gather=bool(getattr(plan, "fp8_all_gather", False)),
             fp8_exclude=tuple(getattr(plan, "fp8_exclude", DEFAULT_FP8_EXCLUDE)),
+            compile=bool(getattr(plan, "compile", False)),
             rank_layout=layout,  # type: ignore[arg-type]
         )
 

@@ -112,6 +112,8 @@ class StagePlan:
     first_unit: int
     last_unit: int
     recompute: Recompute = "none"
+    # torch.compile of this stage's units: None (not written) takes the plan's ``compile``
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("first_unit", "last_unit"):
@@ -125,6 +127,11 @@ class StagePlan:
         if self.recompute not in RECOMPUTE_MODES:
             raise PlanError(
                 f"recompute = {shown(self.recompute)} must be one of {', '.join(RECOMPUTE_MODES)}"
+            )
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise PlanError(
+                f"compile = {shown(self.compile)} must be true or false (or left out: the "
+                "plan's compile)"
             )
         if self.first_unit < 0:
             raise PlanError(f"first_unit = {self.first_unit} must be >= 0")
@@ -242,6 +249,9 @@ class Plan:
     # "router", or module names and their prefixes).
     fp8_all_gather: bool = False
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    # torch.compile of every unit (each block apart, as torchtitan compiles each
+    # TransformerBlock); a stage's own ``compile`` overrides it (`cost_model.parts.fusion`)
+    compile: bool = False
     rank_layout: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
     # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
     # or a stack `autoplan export` writes a launch config for.
@@ -276,6 +286,8 @@ class Plan:
             raise PlanError(
                 f"sequence_parallel = {shown(self.sequence_parallel)} must be true or false"
             )
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"compile = {shown(self.compile)} must be true or false")
         try:
             stack = framework_profile(self.framework)
         except FrameworkError as error:
@@ -394,6 +406,17 @@ class Plan:
     @property
     def num_units(self) -> int:
         return self.stages[-1].last_unit + 1
+
+    def stage_compiled(self, stage_idx: int) -> bool:
+        """Whether stage ``stage_idx`` runs torch.compile: its own ``compile``, else the
+        plan's."""
+        own = self.stages[stage_idx].compile
+        return self.compile if own is None else own
+
+    @property
+    def any_compiled(self) -> bool:
+        """Whether any stage runs torch.compile."""
+        return any(self.stage_compiled(s) for s in range(self.num_stages))
 
     def degree(self, axis: MeshAxis) -> int:
         return {
@@ -614,6 +637,12 @@ class Plan:
         # the fp8 fields only under an fp8 recipe (a bf16 plan reads and writes as before)
         if fp8_recipe(self.dtype) is None:
             del data["fp8_all_gather"], data["fp8_exclude"]
+        # compile at its default (false; a stage's None: the plan's) is left out
+        if not data["compile"]:
+            del data["compile"]
+        for stage in data["stages"]:
+            if stage["compile"] is None:
+                del stage["compile"]
         return data
 
     @property

@@ -81,6 +81,7 @@ def plan_of(
         dtype=s.dtype,  # type: ignore[arg-type]
         fp8_all_gather=s.fp8_all_gather,
         fp8_exclude=s.fp8_exclude,
+        compile=s.compile,
         rank_layout=s.rank_layout,
         framework=model.framework,
         memory_headroom=model.memory_headroom,

@@ -82,6 +82,7 @@ PARAMS_KEY = Projection(
             "ep_folding",
             "fp8_all_gather",
             "fp8_exclude",
+            "compile",
         }
     ),
 )
@@ -109,6 +110,8 @@ ACTIVATION_KEY = Projection(
             "rank_layout",
             "ep_folding",
             "fp8_all_gather",
+            # torch.compile keeps what eager saves (`cost_model.parts.fusion`)
+            "compile",
         }
     ),
 )
@@ -132,7 +135,9 @@ STATE_KEY = Projection(
         "fp8_all_gather",
         "fp8_exclude",
     ),
-    ignores=frozenset({"virtual_stages", "num_micro_batches", "schedule", "rank_layout"}),
+    ignores=frozenset(
+        {"virtual_stages", "num_micro_batches", "schedule", "rank_layout", "compile"}
+    ),
 )
 # `BoundTables.floors`: the units' costs with one device per TP group (modes as an extra).
 FLOOR_KEY = Projection(
@@ -150,6 +155,7 @@ FLOOR_KEY = Projection(
         "rank_layout",
         "fp8_all_gather",
         "fp8_exclude",
+        "compile",
     ),
     ignores=frozenset(
         {
