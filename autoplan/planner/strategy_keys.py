@@ -82,6 +82,10 @@ PARAMS_KEY = Projection(
             "ep_folding",
             "fp8_all_gather",
             "fp8_exclude",
+            # the precision policy: the bytes of each parameter, not how many
+            "master_dtype",
+            "grad_reduce_dtype",
+            "optimizer_state_dtype",
             "compile",
         }
     ),
@@ -110,6 +114,10 @@ ACTIVATION_KEY = Projection(
             "rank_layout",
             "ep_folding",
             "fp8_all_gather",
+            # activations are in the compute dtype whatever the precision policy
+            "master_dtype",
+            "grad_reduce_dtype",
+            "optimizer_state_dtype",
             # torch.compile keeps what eager saves (`cost_model.parts.fusion`)
             "compile",
         }
@@ -134,6 +142,10 @@ STATE_KEY = Projection(
         "ep_folding",
         "fp8_all_gather",
         "fp8_exclude",
+        # the bytes per parameter of master weights, gradients and AdamW states
+        "master_dtype",
+        "grad_reduce_dtype",
+        "optimizer_state_dtype",
     ),
     ignores=frozenset(
         {"virtual_stages", "num_micro_batches", "schedule", "rank_layout", "compile"}
@@ -155,6 +167,10 @@ FLOOR_KEY = Projection(
         "rank_layout",
         "fp8_all_gather",
         "fp8_exclude",
+        # (a policy of the whole search: reading it splits no table)
+        "master_dtype",
+        "grad_reduce_dtype",
+        "optimizer_state_dtype",
         "compile",
     ),
     ignores=frozenset(
