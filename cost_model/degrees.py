@@ -211,9 +211,11 @@ class DegreesLike(Protocol):
 
 
 def shape_problems(plan: DegreesLike, num_stages: int) -> Iterator[str]:
-    """How the degrees disagree with each other: the expert-parallel placement, the batch, the
-    schedule's micro-batch rules (torch's, `cost_model.schedules`) and the stage count."""
+    """How the degrees disagree with each other: the expert-parallel placement, the HSDP shard
+    group (`hsdp_problems`), the batch, the schedule's micro-batch rules (torch's,
+    `cost_model.schedules`) and the stage count."""
     yield from _expert_problems(plan)
+    yield from hsdp_problems(plan)
     expected = plan.micro_batch_size * plan.num_micro_batches * plan.dp_degree
     if plan.global_batch_size != expected:
         yield (
@@ -236,6 +238,57 @@ def shape_problems(plan: DegreesLike, num_stages: int) -> Iterator[str]:
         yield (
             f"stages has {num_stages} entries; pp_degree x virtual_stages = "
             f"{plan.pp_degree} x {plan.virtual_stages} = {stages} are needed"
+        )
+
+
+def hsdp_problems(plan: object) -> Iterator[str]:
+    """The HSDP shard group (``dp_shard_degree``: shard within groups of that many consecutive
+    data-parallel ranks, replicate across the dp / dp_shard_degree groups) against the degrees
+    and the ZeRO stage: a whole number dividing dp_degree, with something to shard (ZeRO >= 1;
+    more than one rank, or context-parallel ranks beside it), and dense weights only (HSDP of
+    routed experts, whose data-parallel groups are their own, is neither priced nor run).
+    Nothing for a plan without one (None: all of dp). ``plan`` is read by attribute (a `Plan`,
+    a `Strategy`)."""
+    shard = getattr(plan, "dp_shard_degree", None)
+    if shard is None:
+        return
+    dp = getattr(plan, "dp_degree", 1)
+    if not is_whole(shard):
+        yield (
+            f"dp_shard_degree = {shown(shard)} must be a whole number >= 1 dividing dp_degree "
+            f"= {dp} (or left out: the weights sharded over all of dp)"
+        )
+        return
+    if dp % shard:
+        divisors = [str(d) for d in range(2, dp) if dp % d == 0]
+        use = f"use {' or '.join(divisors)} (a divisor of {dp}), or " if divisors else ""
+        yield (
+            f"dp_shard_degree = {shard} does not divide dp_degree = {dp}: HSDP shards the weights "
+            "within groups of dp_shard_degree consecutive data-parallel ranks and replicates "
+            f"them across dp_degree / dp_shard_degree groups; {use}leave dp_shard_degree out "
+            "(sharded over all of dp)"
+        )
+        return
+    zero = getattr(plan, "zero_stage", 0)
+    if zero == 0:
+        yield (
+            f"dp_shard_degree = {shard} with zero_stage 0: HSDP shards weights, gradients or "
+            "optimizer state within its groups, and ZeRO-0 shards none of them; set zero_stage "
+            "1, 2 or 3, or leave dp_shard_degree out"
+        )
+    elif shard == 1 and getattr(plan, "cp_degree", 1) == 1:
+        yield (
+            "dp_shard_degree = 1 shards nothing (a shard group of one rank, every rank a "
+            f"replica): that is zero_stage 0 priced as ZeRO-{zero}; use zero_stage 0 without "
+            "dp_shard_degree, or a dp_shard_degree above 1"
+        )
+    ep = getattr(plan, "ep_degree", 1)
+    if ep > 1:
+        yield (
+            f"dp_shard_degree = {shard} with ep_degree = {ep}: autoplan prices and runs HSDP for "
+            "dense weights only (routed experts reduce over their own expert-data-parallel "
+            "groups, which it does not split into shard and replica groups); leave "
+            "dp_shard_degree out, or set ep_degree 1"
         )
 
 
@@ -293,6 +346,14 @@ def model_problems(plan: DegreesLike, profile: ModelProfile) -> Iterator[str]:
                 "set cp_degree to 1"
             )
     layers = profile.moe_layers
+    shard = getattr(plan, "dp_shard_degree", None)
+    if shard is not None and layers and getattr(plan, "ep_degree", 1) == 1:
+        yield (
+            f"dp_shard_degree = {shard} on mixture-of-experts model {name}: autoplan prices and "
+            "runs HSDP for dense models only (a routed expert's gradients reduce over their own "
+            "groups, which it does not split into shard and replica groups); leave "
+            "dp_shard_degree out"
+        )
     for facts in layers:
         if facts.top_k > facts.num_experts:
             yield (

@@ -28,19 +28,10 @@ from cost_model.degrees import RECOMPUTE_MODES
 from cost_model.degrees import Axis as Axis
 from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
+from cost_model.degrees import hsdp_problems
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
-from cost_model.precision import (
-    DEFAULT_FP8_EXCLUDE,
-    DEFAULT_MASTER_DTYPE,
-    DEFAULT_OPTIMIZER_STATE_DTYPE,
-    Fp8Recipe,
-    PrecisionPolicy,
-    fp8_field_problem,
-    fp8_recipe,
-    precision_policy,
-    precision_problem,
-)
+from cost_model.precision import DEFAULT_FP8_EXCLUDE, Fp8Recipe, fp8_field_problem, fp8_recipe
 from cost_model.schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -57,8 +48,13 @@ from cost_model.workload import OpKind, UnitKind
 # data-parallel group of dense weights under context parallelism ("dp_cp": their gradients
 # reduce over dp x cp, as torchtitan's dp_shard_cp mesh), and the expert-parallel split of dp
 # ("ep": ep consecutive dp ranks; "edp_cp": the ranks that hold the same experts, over which
-# expert gradients reduce). See `mesh_groups`.
-GroupName = Literal["pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp"]
+# expert gradients reduce), and HSDP's split of the dense weights' group ("dp_shard_cp": the
+# dp_shard_degree consecutive dp ranks x cp that shard the weights, all of dp x cp without
+# HSDP; "dp_replicate": the dp / dp_shard_degree ranks holding the same shard, one without
+# HSDP). See `mesh_groups`.
+GroupName = Literal[
+    "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp", "dp_shard_cp", "dp_replicate"
+]
 # the name sets (`cost_model.degrees`), as this module exported them before
 RECOMPUTE_ORDER = RECOMPUTE_MODES
 # How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.
@@ -157,17 +153,19 @@ class Strategy:
     # Under an fp8 recipe: FSDP2 gathers fp8 weights; the linears kept in bf16 (`Plan`).
     fp8_all_gather: bool = False
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
-    # The precision policy (`Plan.master_dtype`, ..., `cost_model.precision`; `precision`
-    # resolves it): master weights, gradient accumulation and reduction (None: the dtype's
-    # default), AdamW's moments
-    master_dtype: str = DEFAULT_MASTER_DTYPE
-    grad_reduce_dtype: str | None = None
-    optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
     # torch.compile of the units (`cost_model.parts.fusion`): the plan's; a stage that
     # overrides it is priced with its own (`cost_model.estimate.CostModel`)
     compile: bool = False
+    # HSDP: the weights sharded within groups of dp_shard_degree consecutive dp ranks (x cp),
+    # replicated across the dp / dp_shard_degree groups; None: sharded over all of dp (a
+    # value equal to dp_degree is stored as None)
+    dp_shard_degree: int | None = None
 
     def __post_init__(self) -> None:
+        if self.dp_shard_degree == self.dp_degree:
+            object.__setattr__(self, "dp_shard_degree", None)
+        for problem in hsdp_problems(self):
+            raise ValueError(f"strategy: {problem}")
         for name in (
             "tp_degree",
             "dp_degree",
@@ -205,8 +203,6 @@ class Strategy:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
         problem = fp8_field_problem(
             self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage, check_zero=False
-        ) or precision_problem(
-            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
         )
         if problem is not None:
             raise ValueError(f"strategy: {problem}")
@@ -235,12 +231,8 @@ class Strategy:
             dtype=plan.dtype,
             fp8_all_gather=bool(getattr(plan, "fp8_all_gather", False)),
             fp8_exclude=tuple(getattr(plan, "fp8_exclude", DEFAULT_FP8_EXCLUDE)),
-            master_dtype=getattr(plan, "master_dtype", DEFAULT_MASTER_DTYPE),
-            grad_reduce_dtype=getattr(plan, "grad_reduce_dtype", None),
-            optimizer_state_dtype=getattr(
-                plan, "optimizer_state_dtype", DEFAULT_OPTIMIZER_STATE_DTYPE
-            ),
             compile=bool(getattr(plan, "compile", False)),
+            dp_shard_degree=getattr(plan, "dp_shard_degree", None),
             rank_layout=layout,  # type: ignore[arg-type]
         )
 
@@ -278,13 +270,6 @@ class Strategy:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def precision(self) -> PrecisionPolicy:
-        """The precision policy, defaults resolved (`cost_model.precision`)."""
-        return precision_policy(
-            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
-        )
-
-    @property
     def fp8(self) -> Fp8Recipe | None:
         """The plan's fp8 recipe (`cost_model.precision`), or None for a plain dtype."""
         return fp8_recipe(self.dtype)
@@ -312,8 +297,25 @@ class Strategy:
 
     @property
     def weight_dp_degree(self) -> int:
-        """Ranks over which a dense weight's gradients reduce (and ZeRO shards): dp x cp."""
+        """Ranks over which a dense weight's gradients reduce: dp x cp (ZeRO shards over them
+        all, or under HSDP over `shard_degree` of them)."""
         return self.dp_degree * self.cp_degree
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether the weights are sharded within groups smaller than dp (HSDP)."""
+        return self.dp_shard_degree is not None
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks over which ZeRO shards a weight's state: ``dp_shard_degree`` under HSDP, else
+        ``dp_degree`` (in `weights_view`, both times cp)."""
+        return self.dp_degree if self.dp_shard_degree is None else self.dp_shard_degree
+
+    @property
+    def replicate_degree(self) -> int:
+        """HSDP's replicas of each shard: dp / dp_shard_degree (1 without HSDP)."""
+        return self.dp_degree // self.shard_degree
 
     @property
     def experts_span_tp(self) -> bool:
@@ -334,12 +336,19 @@ class Strategy:
     @property
     def weights_view(self) -> Strategy:
         """The strategy as the data-parallel parts see dense weights: data parallel over
-        dp x cp (their gradients reduce, and ZeRO shards, over both), no cp or ep. ``self``
-        when cp = ep = 1."""
+        dp x cp (their gradients reduce, and ZeRO shards, over both; under HSDP the shard
+        groups are dp_shard_degree x cp ranks, as torchtitan's dp_shard x cp), no cp or ep.
+        ``self`` when cp = ep = 1."""
         if self.cp_degree == 1 and self.ep_degree == 1:
             return self
+        shard = None if self.dp_shard_degree is None else self.dp_shard_degree * self.cp_degree
         return dataclasses.replace(
-            self, dp_degree=self.weight_dp_degree, cp_degree=1, ep_degree=1, ep_folding=False
+            self,
+            dp_degree=self.weight_dp_degree,
+            cp_degree=1,
+            ep_degree=1,
+            ep_folding=False,
+            dp_shard_degree=shard,
         )
 
     @property
@@ -347,7 +356,12 @@ class Strategy:
         """The strategy as the data-parallel parts see routed-expert weights: data parallel
         over the expert-data-parallel group (dp x cp / ep ranks)."""
         return dataclasses.replace(
-            self, dp_degree=self.expert_dp_degree, cp_degree=1, ep_degree=1, ep_folding=False
+            self,
+            dp_degree=self.expert_dp_degree,
+            cp_degree=1,
+            ep_degree=1,
+            ep_folding=False,
+            dp_shard_degree=None,
         )
 
     @property
@@ -436,7 +450,24 @@ def mesh_groups(
         "dp_in": (stride("dp"), ep_dp),
         "dp_out": (stride("dp") * ep_dp, dp // ep_dp),
     }
-    if group == "ep":
+    if group in ("dp_shard_cp", "dp_replicate") and strategy.hsdp:
+        # HSDP (no expert parallelism, so dp is whole): dp_shard_degree consecutive dp ranks
+        # shard, the dp / dp_shard_degree groups of them replicate (torchtitan's dp_shard
+        # inside dp_replicate; Megatron-Core's intra-instance ranks, consecutive in dp-cp)
+        shard = strategy.shard_degree
+        del pieces["dp_in"], pieces["dp_out"]
+        pieces["dp_shard"] = (stride("dp"), shard)
+        pieces["dp_replicate"] = (stride("dp") * shard, dp // shard)
+        names = (
+            frozenset({"dp_shard", "cp_in", "cp_out"})
+            if group == "dp_shard_cp"
+            else frozenset({"dp_replicate"})
+        )
+    elif group == "dp_shard_cp":
+        names = _AXIS_PIECES["dp_cp"]
+    elif group == "dp_replicate":
+        names = frozenset()
+    elif group == "ep":
         names = _EP_PIECES
     elif group == "edp_cp" and not strategy.ep_folding:
         # ep inside dp (so tp_in and cp_in are empty): the other dp ranks and every cp rank,
@@ -620,7 +651,8 @@ def decide(strategy: Strategy) -> Decisions:
       several replicas without TP or PP. DDP is unsafe with TP and PP, has no mixed-precision
       policy, and its reducer refuses GPipe's several forwards before a backward (an internal
       assert);
-    - ``fsdp``: FSDP2 ``fully_shard`` per unit for ZeRO-1 (run as ZeRO-2) to ZeRO-3;
+    - ``fsdp``: FSDP2 ``fully_shard`` per unit for ZeRO-1 (run as ZeRO-2) to ZeRO-3, and for
+      HSDP (``dp_shard_degree``) at any of them, on a 2-D (replicate, shard) mesh;
     - ``replicate``: FSDP2 ``replicate`` per unit for ZeRO-0 otherwise.
 
     ZeRO-1 on DDP keeps its optimizer state in ZeroRedundancyOptimizer's own layout, which
@@ -637,6 +669,8 @@ def decide(strategy: Strategy) -> Decisions:
         and strategy.pp_degree == 1
         and strategy.dtype == "fp32"
         and not (strategy.schedule == "gpipe" and strategy.num_micro_batches > 1)
+        # HSDP runs as FSDP2 over a 2-D (replicate, shard) mesh
+        and not strategy.hsdp
     ):
         wrapper = "ddp"
     else:

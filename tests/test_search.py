@@ -434,9 +434,6 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "dtype": ("bf16", "fp32", "fp8"),
     "fp8_all_gather": (False, True),
     "fp8_exclude": (("head",), ()),
-    "master_dtype": ("fp32", "bf16"),
-    "grad_reduce_dtype": (None, "fp32", "bf16"),
-    "optimizer_state_dtype": ("fp32", "bf16"),
     "rank_layout": (
         ("pp", "dp", "tp"),
         ("dp", "pp", "tp"),
@@ -446,6 +443,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "cp_degree": (1, 2),
     "ep_degree": (1, 2, 4),
     "ep_folding": (False, True),
+    "dp_shard_degree": (None, 2, 4),
 }
 
 

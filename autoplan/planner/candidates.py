@@ -226,6 +226,7 @@ class BoundTables:
             num_micro_batches=1,
             schedule="1f1b",
             zero_stage=0,
+            dp_shard_degree=None,
         )
         by_mode = [self._apart.unit_costs(alone, mode) for mode in modes]
         curve = RecomputeCurve.of(

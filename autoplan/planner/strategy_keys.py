@@ -82,11 +82,8 @@ PARAMS_KEY = Projection(
             "ep_folding",
             "fp8_all_gather",
             "fp8_exclude",
-            # the precision policy: the bytes of each parameter, not how many
-            "master_dtype",
-            "grad_reduce_dtype",
-            "optimizer_state_dtype",
             "compile",
+            "dp_shard_degree",
         }
     ),
 )
@@ -114,12 +111,9 @@ ACTIVATION_KEY = Projection(
             "rank_layout",
             "ep_folding",
             "fp8_all_gather",
-            # activations are in the compute dtype whatever the precision policy
-            "master_dtype",
-            "grad_reduce_dtype",
-            "optimizer_state_dtype",
             # torch.compile keeps what eager saves (`cost_model.parts.fusion`)
             "compile",
+            "dp_shard_degree",
         }
     ),
 )
@@ -142,10 +136,8 @@ STATE_KEY = Projection(
         "ep_folding",
         "fp8_all_gather",
         "fp8_exclude",
-        # the bytes per parameter of master weights, gradients and AdamW states
-        "master_dtype",
-        "grad_reduce_dtype",
-        "optimizer_state_dtype",
+        # HSDP shards the state over its shard groups only
+        "dp_shard_degree",
     ),
     ignores=frozenset(
         {"virtual_stages", "num_micro_batches", "schedule", "rank_layout", "compile"}
@@ -167,10 +159,6 @@ FLOOR_KEY = Projection(
         "rank_layout",
         "fp8_all_gather",
         "fp8_exclude",
-        # (a policy of the whole search: reading it splits no table)
-        "master_dtype",
-        "grad_reduce_dtype",
-        "optimizer_state_dtype",
         "compile",
     ),
     ignores=frozenset(
@@ -181,6 +169,7 @@ FLOOR_KEY = Projection(
             "num_micro_batches",
             "schedule",
             "zero_stage",
+            "dp_shard_degree",
         }
     ),
 )
