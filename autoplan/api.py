@@ -34,6 +34,13 @@ from cost_model.estimate import estimate as _estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, framework_profile
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import DEFAULT_MEMORY_HEADROOM, check_memory_headroom
+from cost_model.precision import (
+    DEFAULT_MASTER_DTYPE,
+    DEFAULT_OPTIMIZER_STATE_DTYPE,
+    GradReduceDtype,
+    MasterDtype,
+    OptimizerStateDtype,
+)
 from cost_model.stage_splits import StageSplitError, stage_starts
 from cost_model.uncertainty import DEFAULT_OBJECTIVE, check_range_level, with_ranges
 from cost_model.workload import ModelProfile
@@ -83,6 +90,9 @@ def manual_plan(
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
     dtype: DTypeName | None = None,
+    master_dtype: MasterDtype = DEFAULT_MASTER_DTYPE,
+    grad_reduce_dtype: GradReduceDtype | None = None,
+    optimizer_state_dtype: OptimizerStateDtype = DEFAULT_OPTIMIZER_STATE_DTYPE,
     rank_layout: Sequence[MeshAxis] = MESH_AXES,
     allow_cross_node_tp: bool = False,
     framework: str = DEFAULT_FRAMEWORK,
@@ -101,6 +111,8 @@ def manual_plan(
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
     string (`as_cluster`). ``framework``: the training stack the plan is priced for (autoplan's
     runtime, or one of `autoplan export`'s; `cost_model.frameworks`), recorded in the plan.
+    ``master_dtype``, ``grad_reduce_dtype`` and ``optimizer_state_dtype``: the precision policy
+    (`Plan.master_dtype`, ...; `cost_model.precision`).
     ``compile``: torch.compile every unit (`Plan.compile`). ``dp_shard``: HSDP, the weights
     sharded within groups of that many consecutive dp ranks and replicated across them
     (`Plan.dp_shard_degree`; None: over all of dp).
@@ -169,6 +181,9 @@ def manual_plan(
         dp_shard_degree=dp_shard,
         sequence_parallel=sequence_parallel,
         dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
+        master_dtype=master_dtype,
+        grad_reduce_dtype=grad_reduce_dtype,
+        optimizer_state_dtype=optimizer_state_dtype,
         compile=compile,
         rank_layout=tuple(rank_layout),
         framework=framework,

@@ -31,7 +31,17 @@ from cost_model.degrees import folded_ep_factors as folded_ep_factors
 from cost_model.degrees import hsdp_problems
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
-from cost_model.precision import DEFAULT_FP8_EXCLUDE, Fp8Recipe, fp8_field_problem, fp8_recipe
+from cost_model.precision import (
+    DEFAULT_FP8_EXCLUDE,
+    DEFAULT_MASTER_DTYPE,
+    DEFAULT_OPTIMIZER_STATE_DTYPE,
+    Fp8Recipe,
+    PrecisionPolicy,
+    fp8_field_problem,
+    fp8_recipe,
+    precision_policy,
+    precision_problem,
+)
 from cost_model.schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -153,6 +163,12 @@ class Strategy:
     # Under an fp8 recipe: FSDP2 gathers fp8 weights; the linears kept in bf16 (`Plan`).
     fp8_all_gather: bool = False
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    # The precision policy (`Plan.master_dtype`, ..., `cost_model.precision`; `precision`
+    # resolves it): master weights, gradient accumulation and reduction (None: the dtype's
+    # default), AdamW's moments
+    master_dtype: str = DEFAULT_MASTER_DTYPE
+    grad_reduce_dtype: str | None = None
+    optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
     # torch.compile of the units (`cost_model.parts.fusion`): the plan's; a stage that
     # overrides it is priced with its own (`cost_model.estimate.CostModel`)
     compile: bool = False
@@ -203,6 +219,8 @@ class Strategy:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
         problem = fp8_field_problem(
             self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage, check_zero=False
+        ) or precision_problem(
+            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
         )
         if problem is not None:
             raise ValueError(f"strategy: {problem}")
@@ -231,6 +249,11 @@ class Strategy:
             dtype=plan.dtype,
             fp8_all_gather=bool(getattr(plan, "fp8_all_gather", False)),
             fp8_exclude=tuple(getattr(plan, "fp8_exclude", DEFAULT_FP8_EXCLUDE)),
+            master_dtype=getattr(plan, "master_dtype", DEFAULT_MASTER_DTYPE),
+            grad_reduce_dtype=getattr(plan, "grad_reduce_dtype", None),
+            optimizer_state_dtype=getattr(
+                plan, "optimizer_state_dtype", DEFAULT_OPTIMIZER_STATE_DTYPE
+            ),
             compile=bool(getattr(plan, "compile", False)),
             dp_shard_degree=getattr(plan, "dp_shard_degree", None),
             rank_layout=layout,  # type: ignore[arg-type]
@@ -268,6 +291,13 @@ class Strategy:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The precision policy, defaults resolved (`cost_model.precision`)."""
+        return precision_policy(
+            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
+        )
 
     @property
     def fp8(self) -> Fp8Recipe | None:

@@ -434,6 +434,9 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "dtype": ("bf16", "fp32", "fp8"),
     "fp8_all_gather": (False, True),
     "fp8_exclude": (("head",), ()),
+    "master_dtype": ("fp32", "bf16"),
+    "grad_reduce_dtype": (None, "fp32", "bf16"),
+    "optimizer_state_dtype": ("fp32", "bf16"),
     "rank_layout": (
         ("pp", "dp", "tp"),
         ("dp", "pp", "tp"),

@@ -70,7 +70,19 @@ from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
 from cost_model.parts.fp8 import fp8_shape_problem
-from cost_model.precision import DEFAULT_FP8_EXCLUDE, fp8_field_problem, fp8_recipe
+from cost_model.precision import (
+    DEFAULT_FP8_EXCLUDE,
+    DEFAULT_MASTER_DTYPE,
+    DEFAULT_OPTIMIZER_STATE_DTYPE,
+    GradReduceDtype,
+    MasterDtype,
+    OptimizerStateDtype,
+    PrecisionPolicy,
+    fp8_field_problem,
+    fp8_recipe,
+    precision_policy,
+    precision_problem,
+)
 from cost_model.schedules import SCHEDULES as _SCHEDULE_NAMES
 from cost_model.schedules import (
     SPLIT_BACKWARD,
@@ -248,6 +260,12 @@ class Plan:
     dp_shard_degree: int | None = None
     sequence_parallel: bool = False
     dtype: DTypeName = "bf16"
+    # The precision policy (`cost_model.precision.PrecisionPolicy`): the master weights',
+    # gradient accumulation and reduction's (None: the dtype's default, fp32 or fp16 under
+    # fp16) and AdamW's moments' dtypes; written only where they differ from the defaults.
+    master_dtype: MasterDtype = DEFAULT_MASTER_DTYPE
+    grad_reduce_dtype: GradReduceDtype | None = None
+    optimizer_state_dtype: OptimizerStateDtype = DEFAULT_OPTIMIZER_STATE_DTYPE
     # Under an fp8 recipe (`cost_model.precision`): FSDP2 all-gathers the converted linears'
     # weights in fp8 (tensor-wise fp8 with ZeRO >= 1), and the linears kept in bf16 ("head",
     # "router", or module names and their prefixes).
@@ -283,6 +301,8 @@ class Plan:
             )
         problem = fp8_field_problem(
             self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage
+        ) or precision_problem(
+            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
         )
         if problem is not None:
             raise PlanError(problem)
@@ -412,6 +432,13 @@ class Plan:
     @property
     def num_units(self) -> int:
         return self.stages[-1].last_unit + 1
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The plan's precision policy, defaults resolved (`cost_model.precision`)."""
+        return precision_policy(
+            self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
+        )
 
     def stage_compiled(self, stage_idx: int) -> bool:
         """Whether stage ``stage_idx`` runs torch.compile: its own ``compile``, else the
@@ -660,6 +687,13 @@ class Plan:
             del data["ep_folding"]
         if data["memory_headroom"] is None:
             del data["memory_headroom"]
+        # the precision policy at its defaults is left out (files read and write as before it)
+        if data["master_dtype"] == DEFAULT_MASTER_DTYPE:
+            del data["master_dtype"]
+        if data["grad_reduce_dtype"] is None:
+            del data["grad_reduce_dtype"]
+        if data["optimizer_state_dtype"] == DEFAULT_OPTIMIZER_STATE_DTYPE:
+            del data["optimizer_state_dtype"]
         if data["dp_shard_degree"] is None:  # all of dp: left out, as before HSDP
             del data["dp_shard_degree"]
         # the fp8 fields only under an fp8 recipe (a bf16 plan reads and writes as before)

@@ -82,6 +82,9 @@ def plan_of(
         dtype=s.dtype,  # type: ignore[arg-type]
         fp8_all_gather=s.fp8_all_gather,
         fp8_exclude=s.fp8_exclude,
+        master_dtype=s.master_dtype,  # type: ignore[arg-type]
+        grad_reduce_dtype=s.grad_reduce_dtype,  # type: ignore[arg-type]
+        optimizer_state_dtype=s.optimizer_state_dtype,  # type: ignore[arg-type]
         compile=s.compile,
         rank_layout=s.rank_layout,
         framework=model.framework,

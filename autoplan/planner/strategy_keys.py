@@ -82,6 +82,10 @@ PARAMS_KEY = Projection(
             "ep_folding",
             "fp8_all_gather",
             "fp8_exclude",
+            # the precision policy: the bytes of each parameter, not how many
+            "master_dtype",
+            "grad_reduce_dtype",
+            "optimizer_state_dtype",
             "compile",
             "dp_shard_degree",
         }
@@ -111,6 +115,10 @@ ACTIVATION_KEY = Projection(
             "rank_layout",
             "ep_folding",
             "fp8_all_gather",
+            # activations are in the compute dtype whatever the precision policy
+            "master_dtype",
+            "grad_reduce_dtype",
+            "optimizer_state_dtype",
             # torch.compile keeps what eager saves (`cost_model.parts.fusion`)
             "compile",
             "dp_shard_degree",
@@ -136,6 +144,10 @@ STATE_KEY = Projection(
         "ep_folding",
         "fp8_all_gather",
         "fp8_exclude",
+        # the bytes per parameter of master weights, gradients and AdamW states
+        "master_dtype",
+        "grad_reduce_dtype",
+        "optimizer_state_dtype",
         # HSDP shards the state over its shard groups only
         "dp_shard_degree",
     ),
@@ -159,6 +171,10 @@ FLOOR_KEY = Projection(
         "rank_layout",
         "fp8_all_gather",
         "fp8_exclude",
+        # (a policy of the whole search: reading it splits no table)
+        "master_dtype",
+        "grad_reduce_dtype",
+        "optimizer_state_dtype",
         "compile",
     ),
     ignores=frozenset(
