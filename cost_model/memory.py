@@ -9,7 +9,9 @@ Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, section 3.1): with fp16/bf1
 parameter costs 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32 master
 weights, momentum, variance); fp32 training keeps 4 + 4 + 8 (momentum and variance). ZeRO
 (section 5, Figure 1): stage 1 shards the optimizer state over the data-parallel group, stage 2
-also the gradients, stage 3 also the weights.
+also the gradients, stage 3 also the weights. A plan's precision policy (`PrecisionPolicy`:
+master weights, gradient reduction and AdamW states in bf16 or fp32) sets each of those widths:
+a bf16 master of a bf16 model is no copy (its K = 12 becomes 2 x 2 for bf16 moments).
 
 Activations (Korthikanti et al. 2022, section 4.2): bytes saved inside the tensor-parallel
 region divide by the TP degree (4.2.1); those outside it (norm inputs, dropout masks, residuals)
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cost_model.precision import PrecisionPolicy, precision_policy
 from cost_model.strategy import DTYPE_BYTES, RECOMPUTED_UNIT_KINDS, DataParallelWrapper, Strategy
 from cost_model.workload import UnitProfile
 
@@ -46,13 +49,19 @@ class ParamStateBytes:
     optimizer_bytes: int
 
 
-def param_state_bytes(dtype: str) -> ParamStateBytes:
-    """Adam in mixed precision (2 + 2 + 12) or in fp32 (4 + 4 + 8), Rajbhandari et al. 2020."""
-    if DTYPE_BYTES[dtype] >= 4:
-        return ParamStateBytes(weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
-    # 16-bit (or narrower) weights and grads; fp32 master weights + momentum + variance.
+def param_state_bytes(dtype: str, policy: PrecisionPolicy | None = None) -> ParamStateBytes:
+    """Adam in mixed precision (2 + 2 + 12) or in fp32 (4 + 4 + 8), Rajbhandari et al. 2020;
+    under a precision ``policy`` (None: the dtype's default) the weights and gradients in the
+    compute dtype, and as optimizer state the master copy (none when the master is the working
+    weights) and AdamW's two moments."""
+    policy = policy or precision_policy(dtype)
     width = DTYPE_BYTES[dtype]
-    return ParamStateBytes(weight_bytes=width, grad_bytes=width, optimizer_bytes=12)
+    master = policy.master_bytes if policy.master_copy else 0
+    return ParamStateBytes(
+        weight_bytes=width,
+        grad_bytes=width,
+        optimizer_bytes=master + 2 * policy.optimizer_state_bytes,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,27 +108,35 @@ def static_bytes(
     zero_stage: int,
     dp_degree: int,
     wrapper: DataParallelWrapper = "none",
+    *,
+    policy: PrecisionPolicy | None = None,
 ) -> StaticBytes:
     """Weights, gradients and optimizer state of ``num_params`` under ZeRO ``zero_stage``, as
-    the data-parallel ``wrapper`` (`Strategy.dp_wrapper`) holds them.
+    the data-parallel ``wrapper`` (`Strategy.dp_wrapper`) holds them, under the precision
+    ``policy`` (None: the dtype's default, `cost_model.precision`).
 
     Without a wrapper or under DDP: Adam's bytes per parameter (`param_state_bytes`), divided
     per the ZeRO stage. Under FSDP2 (``fsdp``, and ``replicate``, which is FSDP2 with one
-    shard) the parameters stay fp32 shards, which are Adam's master weights, with fp32
-    gradients (the shards' dtype) and fp32 moments, all sharded; the step's unsharded
-    weights, in the training dtype, are separate all-gather buffers that ZeRO-0 to ZeRO-2 keep
-    from the forward until each group's backward (counted here with the weights) and ZeRO-3
-    frees after each unit (`memory_constants` counts those).
+    shard) the parameters are shards in the master dtype (fp32 by default), which are Adam's
+    master weights, with gradients in the same dtype (FSDP2 casts the reduced gradient to the
+    sharded parameter's dtype, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+    foreach_reduce) and AdamW's two moments (in the parameters' dtype under torch's AdamW), all
+    sharded; the step's unsharded weights, in the compute dtype (FSDP2's ``param_dtype``), are
+    separate all-gather buffers that ZeRO-0 to ZeRO-2 keep from the forward until each
+    group's backward (counted here with the weights) and ZeRO-3 frees after each unit
+    (`memory_constants` counts those).
     """
+    policy = policy or precision_policy(dtype)
     if wrapper in ("fsdp", "replicate"):
         shard = dp_degree if wrapper == "fsdp" else 1
         unsharded = num_params * DTYPE_BYTES[dtype] if zero_stage < 3 else 0.0
+        master = num_params * policy.master_bytes / shard
         return StaticBytes(
-            param_bytes=num_params * 4 / shard + unsharded,
-            grad_bytes=num_params * 4 / shard,
-            optimizer_bytes=num_params * 8 / shard,
+            param_bytes=master + unsharded,
+            grad_bytes=master,
+            optimizer_bytes=num_params * 2 * policy.optimizer_state_bytes / shard,
         )
-    per = param_state_bytes(dtype)
+    per = param_state_bytes(dtype, policy)
     return StaticBytes(
         param_bytes=num_params * per.weight_bytes / (dp_degree if zero_stage >= 3 else 1),
         grad_bytes=num_params * per.grad_bytes / (dp_degree if zero_stage >= 2 else 1),

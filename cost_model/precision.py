@@ -215,7 +215,8 @@ def precision_policy(
 ) -> PrecisionPolicy:
     """The policy of a plan with these fields (``grad_reduce_dtype`` None: the dtype's
     default, `default_grad_reduce_dtype`); `precision_problem` says whether it is valid."""
-    compute = compute_dtype(dtype)
+    # (tf32 is fp32 storage with tensor-core GEMMs: an fp32 policy)
+    compute = "fp32" if dtype == "tf32" else compute_dtype(dtype)
     return PrecisionPolicy(
         compute=compute,
         master=master_dtype,

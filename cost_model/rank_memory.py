@@ -40,7 +40,8 @@ def memory_constants(
     elif wrapper in ("fsdp", "replicate"):
         # FSDP2 groups (passes/data_parallel.py): each block, and the stage's other units
         # together. A group's backward makes its unsharded gradients (training dtype), copied
-        # into an fp32 reduce buffer before the reduce-scatter (all-reduce for replicate),
+        # into a reduce buffer in the reduction dtype (fp32 by default: `grad_reduce_bytes`)
+        # before the reduce-scatter (all-reduce for replicate),
         # during every backward without a pipeline.
         width = DTYPE_BYTES[strategy.dtype]
         block = max((c.local_params for c in costs if c.kind == "block"), default=0.0)
@@ -48,7 +49,7 @@ def memory_constants(
         if strategy.pp_degree == 1:
             # (torch's pipeline schedules defer the gradient reduction to each stage's last
             # backward, when the rank's activations are mostly freed: no reduce at the peak)
-            buffers += (width + grad_reduce_bytes(strategy.dtype)) * max(block, root)
+            buffers += (width + grad_reduce_bytes(strategy)) * max(block, root)
         if strategy.runtime_zero_stage >= 3:
             # ZeRO-3 gathers the weights it freed: the stage's other units for the whole
             # backward (the head runs first, the embedding last), the running block and the

@@ -384,6 +384,7 @@ def _routed_weights(
             view.runtime_zero_stage,
             view.dp_degree,
             view.dp_wrapper,
+            policy=view.precision,
         )
     return _RoutedWeights(dp=expert_dp, optimizer_s=expert_optimizer_s, state=expert_state)
 

@@ -799,7 +799,11 @@ def test_fsdp_puts_embedding_and_head_in_one_stage_group() -> None:
 def test_gradients_reduce_in_fp32_except_fp16() -> None:
     from cost_model.estimate import grad_reduce_bytes
 
-    assert [grad_reduce_bytes(d) for d in ("fp32", "bf16", "fp16")] == [4, 4, 2]
+    widths = [grad_reduce_bytes(Strategy(dtype=d)) for d in ("fp32", "bf16", "fp16", "fp8")]
+    assert widths == [4, 4, 2, 4]
+    # unless the plan states its reduction dtype (`Plan.grad_reduce_dtype`)
+    assert grad_reduce_bytes(Strategy(dtype="bf16", grad_reduce_dtype="bf16")) == 2
+    assert grad_reduce_bytes(Strategy(dtype="fp16", grad_reduce_dtype="fp32")) == 4
 
 
 def test_oversubscription_factors_hand_worked() -> None:

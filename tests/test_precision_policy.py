@@ -13,10 +13,16 @@ import pytest
 import autoplan
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from cost_model.communication import collective_time_s
+from cost_model.estimate import estimate
 from cost_model.hardware import Cluster
+from cost_model.memory import ParamStateBytes, local_num_params, param_state_bytes, static_bytes
+from cost_model.parts.data_parallel import DataParallelCost, data_parallel_cost
+from cost_model.parts.optimizer import adam_traffic_bytes, optimizer_cost
 from cost_model.precision import precision_policy, precision_problem
+from cost_model.strategy import Strategy, group_placements
 from cost_model.workload import ModelProfile
-from tests.cost_profiles import gpt_profile
+from tests.cost_profiles import gpt_profile, round_cluster
 
 H, F, S, VOCAB = 256, 1024, 128, 1024
 
@@ -105,3 +111,103 @@ def test_a_bad_value_in_a_plan_file_names_the_field(tmp_path: Path) -> None:
     path.write_text(path.read_text() + "grad_reduce_dtype: fp8\n")
     with pytest.raises(PlanError, match="grad_reduce_dtype"):
         Plan.from_yaml(path)
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+def test_bytes_per_parameter_follow_the_policy() -> None:
+    """FSDP2 keeps master-dtype shards (with gradients of their dtype) and the moments in the
+    state dtype, all sharded over dp; ZeRO-1/2 add the gathered working weights (bf16)."""
+    n, dp = 1000.0, 4
+    default = static_bytes(n, "bf16", 3, dp, "fsdp")
+    assert (default.param_bytes, default.grad_bytes, default.optimizer_bytes) == (1000, 1000, 2000)
+    bf16 = static_bytes(
+        n, "bf16", 3, dp, "fsdp", policy=precision_policy("bf16", "bf16", None, "bf16")
+    )
+    assert (bf16.param_bytes, bf16.grad_bytes, bf16.optimizer_bytes) == (500, 500, 1000)
+    # fp32 master, bf16 moments (Megatron's precision-aware optimizer); ZeRO-2 keeps the
+    # gathered bf16 weights (2 bytes a parameter, unsharded)
+    states = static_bytes(
+        n, "bf16", 2, dp, "fsdp", policy=precision_policy("bf16", "fp32", None, "bf16")
+    )
+    assert (states.param_bytes, states.grad_bytes, states.optimizer_bytes) == (3000, 1000, 1000)
+    # unwrapped / DDP accounting (Rajbhandari et al. 2020): 2 + 2 + K, K = master copy + moments
+    assert param_state_bytes("bf16") == ParamStateBytes(
+        weight_bytes=2, grad_bytes=2, optimizer_bytes=12
+    )
+    assert (
+        param_state_bytes("bf16", precision_policy("bf16", "bf16", None, "bf16")).optimizer_bytes
+        == 4
+    )
+    assert (
+        param_state_bytes("bf16", precision_policy("bf16", "fp32", None, "bf16")).optimizer_bytes
+        == 8
+    )
+    assert param_state_bytes("fp32").optimizer_bytes == 8
+
+
+def test_adam_traffic_follows_the_policy() -> None:
+    """2g + 2w + 4s (+ the working copy): 30 and 32 bytes as before, 16 in bf16 throughout."""
+    assert adam_traffic_bytes(precision_policy("bf16")) == 30
+    assert adam_traffic_bytes(precision_policy("fp32")) == 32
+    assert adam_traffic_bytes(precision_policy("bf16", "bf16", None, "bf16")) == 16
+    assert adam_traffic_bytes(precision_policy("bf16", "fp32", None, "bf16")) == 22
+    cluster = round_cluster()
+    # 1e9 parameters at 1 TB/s x 0.5: 30 bytes -> 60 ms, 16 bytes -> 32 ms
+    default = optimizer_cost(1e9, Strategy(dtype="bf16"), cluster).step_s
+    bf16 = optimizer_cost(1e9, Strategy(dtype="bf16", **BF16_EVERYWHERE), cluster).step_s
+    assert (default, bf16) == pytest.approx((0.060, 0.032))
+
+
+def test_gradients_reduce_in_the_reduction_dtype_and_weights_gather_in_the_compute_one() -> None:
+    """ZeRO-3 on 8 ranks of one node: the reduce-scatter moves the reduction dtype's bytes, the
+    all-gathers the compute dtype's (FSDP2's param_dtype), whatever the master's."""
+    cluster = round_cluster()
+    fp32_reduce = Strategy(dtype="bf16", dp_degree=8, zero_stage=3)
+    bf16_reduce = dataclasses.replace(fp32_reduce, grad_reduce_dtype="bf16", master_dtype="bf16")
+    groups = group_placements(fp32_reduce, cluster, "dp")
+    n = 1e8
+
+    def cost(strategy: Strategy) -> DataParallelCost:
+        return data_parallel_cost(
+            n, strategy, cluster, groups, forward_window_s=0.0, backward_window_s=0.0
+        )
+
+    a, b = cost(fp32_reduce), cost(bf16_reduce)
+    assert (a.grad_bytes, b.grad_bytes) == (4 * n, 2 * n)
+    assert a.param_bytes == b.param_bytes == 2 * n
+    gather = collective_time_s("all_gather", 2 * n, groups, cluster)
+    assert a.zero3_forward_s == b.zero3_forward_s == pytest.approx(gather)
+    assert a.zero3_backward_s - gather == pytest.approx(
+        collective_time_s("reduce_scatter", 4 * n, groups, cluster)
+    )
+    assert b.zero3_backward_s - gather == pytest.approx(
+        collective_time_s("reduce_scatter", 2 * n, groups, cluster)
+    )
+
+
+def test_a_stated_policy_changes_the_estimate_by_the_bytes_it_saves() -> None:
+    """A ZeRO-3 bf16 plan on 8 devices: bf16 master weights, reduction and moments hold
+    8 bytes a parameter less in state (16 -> 8, sharded over dp) and a 2-byte-smaller reduce
+    buffer for the largest unit; the step moves half the gradient bytes and half the Adam
+    traffic, so it is no slower."""
+    profile = _profile()
+    cluster = round_cluster()
+    plan = autoplan.manual_plan(profile, cluster, dp=8, global_batch=16, zero=3, dtype="bf16")
+    default = estimate(profile, cluster, plan)
+    policy = estimate(profile, cluster, dataclasses.replace(plan, **BF16_EVERYWHERE))
+    params = [local_num_params(unit, 1, count_shared=False) for unit in profile.units]
+    got, new = default.peak_rank.memory, policy.peak_rank.memory
+    state = got.param_bytes + got.grad_bytes + got.optimizer_bytes
+    assert state - (new.param_bytes + new.grad_bytes + new.optimizer_bytes) == pytest.approx(
+        sum(params) * (16 - 8) / 8
+    )
+    # FSDP2's reduce buffer of the largest group (a block, or the embedding and head) holds the
+    # bf16 gradients and their copy in the reduction dtype: 2 + 4 bytes, now 2 + 2
+    kinds = [unit.kind for unit in profile.units]
+    block = max(p for p, kind in zip(params, kinds, strict=True) if kind == "block")
+    root = sum(p for p, kind in zip(params, kinds, strict=True) if kind != "block")
+    assert got.working_bytes - new.working_bytes == pytest.approx(2 * max(block, root))
+    assert policy.peak_memory_bytes < default.peak_memory_bytes
+    assert policy.step_time_s < default.step_time_s

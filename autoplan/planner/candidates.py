@@ -163,6 +163,7 @@ class BoundTables:
             strategy.runtime_zero_stage,
             strategy.weight_dp_degree,
             strategy.dp_wrapper,
+            policy=strategy.precision,
         ).total_bytes
         if self._expert_params:
             experts = strategy.expert_view
@@ -172,6 +173,7 @@ class BoundTables:
                 experts.runtime_zero_stage,
                 experts.dp_degree,
                 experts.dp_wrapper,
+                policy=experts.precision,
             ).total_bytes
         act_key = ACTIVATION_KEY.key(strategy, tuple(modes))
         least_act = self._least_act.get(act_key)

@@ -27,16 +27,18 @@ DDP_FIRST_BUCKET_BYTES = 2**20
 DDP_BUCKET_CAP_BYTES = 25 * 2**20
 
 
-def grad_reduce_bytes(dtype: str) -> int:
-    """Bytes per gradient element that data-parallel (and tied-weight) collectives move.
+def grad_reduce_bytes(strategy: Strategy) -> int:
+    """Bytes per gradient element that data-parallel (and tied-weight) collectives move: the
+    plan's gradient reduction dtype (`Strategy.precision`, `cost_model.precision`).
 
-    bf16 training reduces gradients in fp32: Megatron-LM forces its fp32 main-grad buffers
-    for bf16 (``accumulate_allreduce_grads_in_fp32``), torchtitan's FSDP2 policy and
-    autoplan's (`passes/data_parallel.py`) set ``reduce_dtype=float32``. fp16 reduces fp16
-    gradients, Megatron-LM's default for fp16 (autoplan's runtime reduces those in fp32 too,
-    which this under-prices by half). fp32 and tf32 train in fp32 throughout.
+    By default bf16 training reduces gradients in fp32: Megatron-LM forces its fp32 main-grad
+    buffers for bf16 (``accumulate_allreduce_grads_in_fp32``), torchtitan's FSDP2 policy
+    (``training.mixed_precision_reduce``) and autoplan's (`passes/data_parallel.py`) set
+    ``reduce_dtype=float32``; fp16 reduces fp16 gradients, Megatron-LM's default for fp16;
+    fp32 and tf32 train in fp32 throughout. A plan's ``grad_reduce_dtype`` states another
+    (Megatron-LM's ``--grad-reduce-in-bf16``, FSDP2's ``reduce_dtype=torch.bfloat16``).
     """
-    return 2 if dtype == "fp16" else 4
+    return strategy.precision.grad_reduce_bytes
 
 
 def runs_ddp(strategy: Strategy) -> bool:
@@ -123,7 +125,7 @@ def data_parallel_cost(
     gathered_fp8 = fp8_params if strategy.fp8_all_gather else 0.0
     # unsharded (ZeRO-3 gathers this)
     param_bytes = (local_params - gathered_fp8) * strategy.dtype_bytes + gathered_fp8
-    grad_bytes = local_params * grad_reduce_bytes(strategy.dtype)
+    grad_bytes = local_params * grad_reduce_bytes(strategy)
     zero3_fwd = zero3_bwd = 0.0
     sync = post_sync = 0.0
     if dp > 1 and local_params > 0:

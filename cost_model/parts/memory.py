@@ -69,6 +69,7 @@ def unit_bytes(
         strategy.runtime_zero_stage,
         strategy.dp_degree,
         strategy.dp_wrapper,
+        policy=strategy.precision,
     )
     param_bytes = state.param_bytes
     if cached_fp8_weights:

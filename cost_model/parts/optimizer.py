@@ -5,13 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model.hardware import Cluster
+from cost_model.precision import PrecisionPolicy, precision_policy
 from cost_model.strategy import Strategy
 
-# Adam step memory traffic per locally-updated parameter (read grad, master weight, momentum,
-# variance; write master, momentum, variance and the low-precision copy), plus one read of the
-# gradients for the global-norm clip: 2+4+4+4 + 4+4+4+2 + 2 = 30 bytes in mixed precision,
-# 4+4+4+4 + 4+4+4 + 4 = 32 bytes in fp32.
-ADAM_TRAFFIC_BYTES_PER_PARAM = {"mixed": 30.0, "fp32": 32.0}
+
+def adam_traffic_bytes(policy: PrecisionPolicy) -> float:
+    """Adam's step memory traffic per locally-updated parameter under a precision policy:
+    read the gradient (g, the compute dtype's width), the master weight (w) and both moments
+    (s each); write the master weight, both moments and, where the master is a copy, the
+    working weight (c); plus one read of the gradients for the global-norm clip:
+    2g + 2w + 4s (+ c). Mixed precision (fp32 master and moments): 2+4+4+4 + 4+4+4+2 + 2 = 30
+    bytes; fp32: 32; bf16 master and moments (no copy): 16; fp32 master, bf16 moments (Megatron's
+    precision-aware optimizer, --exp-avg-dtype bf16): 22."""
+    g = policy.compute_bytes
+    copy = policy.compute_bytes if policy.master_copy else 0
+    return 2.0 * g + 2.0 * policy.master_bytes + 4.0 * policy.optimizer_state_bytes + copy
+
+
+# The default policies' traffic (`adam_traffic_bytes`), by precision.
+ADAM_TRAFFIC_BYTES_PER_PARAM = {
+    "mixed": adam_traffic_bytes(precision_policy("bf16")),
+    "fp32": adam_traffic_bytes(precision_policy("fp32")),
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,12 +40,11 @@ def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) ->
     """Adam over the parameters of a unit this device updates: its ``local_params`` (before
     data-parallel sharding), divided over the data-parallel ranks from ZeRO-1 on; one kernel's
     launch overhead when there are any."""
-    precision = "fp32" if strategy.dtype_bytes >= 4 else "mixed"
     cal = cluster.calibration
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
     dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
     updated = local_params / dp if zero >= 1 else local_params
-    traffic = cal.optimizer_bytes_per_param or ADAM_TRAFFIC_BYTES_PER_PARAM[precision]
+    traffic = cal.optimizer_bytes_per_param or adam_traffic_bytes(strategy.precision)
     step_s = updated * traffic / bandwidth
     if updated > 0:
         step_s += cal.kernel_overhead_s

@@ -89,5 +89,5 @@ def tied_grad_sync(
 def _all_reduce_s(
     num_params: int, strategy: Strategy, cluster: Cluster, pair: GroupPlacement
 ) -> float:
-    shared = num_params / strategy.tp_degree * grad_reduce_bytes(strategy.dtype)
+    shared = num_params / strategy.tp_degree * grad_reduce_bytes(strategy)
     return collective_time_s("all_reduce", shared, (pair,), cluster)

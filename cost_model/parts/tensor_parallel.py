@@ -151,5 +151,5 @@ def replicated_grad_sum_s(
     weights = strategy.weights_view
     if weights.runtime_zero_stage >= 1:
         params /= weights.dp_degree
-    size = params * grad_reduce_bytes(strategy.dtype)
+    size = params * grad_reduce_bytes(strategy)
     return collective_time_s("all_reduce", size, tp_groups, cluster)
