@@ -62,9 +62,7 @@ from cost_model.workload import OpKind, UnitKind
 # dp_shard_degree consecutive dp ranks x cp that shard the weights, all of dp x cp without
 # HSDP; "dp_replicate": the dp / dp_shard_degree ranks holding the same shard, one without
 # HSDP). See `mesh_groups`.
-GroupName = Literal[
-    "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp", "dp_shard_cp", "dp_replicate"
-]
+GroupName = Literal["pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp", "dp_shard_cp", "dp_replicate"]
 # the name sets (`cost_model.degrees`), as this module exported them before
 RECOMPUTE_ORDER = RECOMPUTE_MODES
 # How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.

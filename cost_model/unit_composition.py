@@ -50,7 +50,10 @@ class _Groups:
     """The placements of a strategy's communication groups (`cost_model.strategy.mesh_groups`)."""
 
     tp: tuple[GroupPlacement, ...]
-    dp: tuple[GroupPlacement, ...]  # of the dense weights: dp x cp
+    # of the dense weights: dp x cp, or under HSDP the shard groups (dp_shard_degree x cp)
+    dp: tuple[GroupPlacement, ...]
+    # under HSDP, the ranks holding the same shard of the dense weights (size 1 without)
+    dp_replicate: tuple[GroupPlacement, ...]
     cp: tuple[GroupPlacement, ...]
     ep: tuple[GroupPlacement, ...]
     edp: tuple[GroupPlacement, ...]  # of the routed experts: dp x cp / ep
@@ -116,8 +119,10 @@ def compose_unit_costs(
     cluster = model.cluster
     groups = _Groups(
         tp=group_placements(strategy, cluster, "tp"),
-        # dense weights reduce over dp x cp (`Strategy.weights_view`)
-        dp=group_placements(strategy, cluster, "dp_cp"),
+        # dense weights reduce over dp x cp (`Strategy.weights_view`), under HSDP
+        # reduce-scattered in their shard groups and all-reduced over the replicas
+        dp=group_placements(strategy, cluster, "dp_shard_cp"),
+        dp_replicate=group_placements(strategy, cluster, "dp_replicate"),
         cp=group_placements(strategy, cluster, "cp"),
         ep=group_placements(strategy, cluster, "ep"),
         edp=group_placements(strategy, cluster, "edp_cp"),
@@ -139,7 +144,8 @@ def compose_unit_costs(
         costs.append(cost)
         dp_costs.append(dp)
         expert_sync.append(experts)
-    _group_dp_sync(costs, dp_costs, model.profile, cluster, strategy, groups.dp)
+    beside = model.stack.engine_behaviour.hsdp_all_reduce_beside
+    _group_dp_sync(costs, dp_costs, model.profile, cluster, strategy, groups, beside)
     _add_expert_sync(costs, expert_sync)
     return stretched(costs, model.sharing(strategy))
 
@@ -150,13 +156,18 @@ def _group_dp_sync(
     profile: ModelProfile,
     cluster: Cluster,
     strategy: Strategy,
-    dp_groups: tuple[GroupPlacement, ...],
+    groups: _Groups,
+    beside: bool,
 ) -> None:
     """Replace, in ``costs``, each unit's gradient sync by its share of the runtime's grouped
-    data-parallel collectives (`parts.data_parallel.grouped_dp_sync`)."""
+    data-parallel collectives (`parts.data_parallel.grouped_dp_sync`; ``beside``: the stack
+    runs HSDP's replica all-reduce on its own stream)."""
     kinds = [unit.kind for unit in profile.units]
     weights = strategy.weights_view
-    for share in grouped_dp_sync(kinds, dp_costs, cluster, weights, dp_groups):
+    shares = grouped_dp_sync(
+        kinds, dp_costs, cluster, weights, groups.dp, groups.dp_replicate, beside
+    )
+    for share in shares:
         own = costs[share.unit_idx]
         post = own.post_sync_s if share.post_sync_s is None else share.post_sync_s
         costs[share.unit_idx] = dataclasses.replace(own, dp_sync_s=share.sync_s, post_sync_s=post)
@@ -247,6 +258,8 @@ def _unit_parts(
         zero3_gathers=_zero3_gathers(model, index, strategy.tp_degree),
         fp8_params=fp8_local,
         fp8_weights=sum(1 for _ in converted_ops(unit, strategy)),
+        replicate_groups=groups.dp_replicate,
+        replicas_beside=model.stack.engine_behaviour.hsdp_all_reduce_beside,
     )
     routed = _routed_weights(
         unit,

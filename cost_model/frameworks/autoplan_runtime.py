@@ -31,5 +31,7 @@ AUTOPLAN = FrameworkProfile(
     ),
     # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling
     fp8_recipes=("fp8", "fp8-rowwise"),
+    # FSDP2 on a 2-D (replicate, shard) mesh (passes/data_parallel.py); ZeRO-1 runs as ZeRO-2
+    hsdp_zero_stages=(1, 2, 3),
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

@@ -73,6 +73,15 @@ DEEPSPEED_WORDS = {
         fix="use dtype bf16 (e.g. autoplan plan ... --dtype bf16), or export to megatron-lm "
         "(--fp8-format) or torchtitan (its float8 converter)",
     ),
+    "hsdp": Explanation(
+        why="its HSDP, MiCS (zero_optimization.mics_shard_size, ZeRO-3), was removed: DeepSpeed "
+        "0.19 rejects the key (deepspeed/runtime/config.py _REMOVED_ZERO_CONFIG_KEYS, "
+        "deepspeedai/DeepSpeed#8489); ZeRO++'s hpZ (zero_hpz_partition_size) keeps a second "
+        "copy of the weights within each group for the backward's gathers but still shards "
+        "gradients and optimizer state over all of dp, which is not HSDP",
+        fix="leave dp_shard_degree out (ZeRO over all of dp), or export to megatron-lm "
+        "(--num-distributed-optimizer-instances) or torchtitan (data_parallel_replicate_degree)",
+    ),
     "rank-layout": Explanation(
         why="deepspeed orders its process groups pipe, data, model (outermost first; "
         "PipeModelDataParallelTopology in deepspeed/runtime/pipe/topology.py)",

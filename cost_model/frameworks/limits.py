@@ -54,6 +54,7 @@ LimitKey = Literal[
     "expert-groups",
     "ep-zero1",
     "ep-selective",
+    "hsdp",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
 SearchAxis = Literal[
@@ -440,6 +441,30 @@ def _combination_refusals(
     yield from _expert_group_refusals(stack, strategy)
     if pp > 1:
         yield from _pipeline_refusals(stack, strategy)
+    if strategy.hsdp and z not in stack.hsdp_zero_stages:
+        yield hsdp_refusal(stack, strategy)
+
+
+def hsdp_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal:
+    """Why ``stack`` cannot run ``strategy``'s HSDP (`FrameworkProfile.hsdp_zero_stages`): no
+    HSDP at all (in its own words where it states them), or not at this ZeRO stage."""
+    name, stages, z = stack.name, stack.hsdp_zero_stages, strategy.zero_stage
+    value = f"dp_shard {strategy.dp_shard_degree} of dp {strategy.dp_degree} at zero {z}"
+    fix = "leave dp_shard_degree out (the weights sharded over all of dp)"
+    if stages:
+        zeros = " or ".join(map(str, stages))
+        return Refusal(
+            value=value,
+            rule=f"{name} runs HSDP at ZeRO {zeros} only",
+            fix=f"set --zero {stages[0]}, or {fix}",
+            limit="hsdp",
+            field="dp_shard_degree",
+        )
+    words = stack.capabilities.explained.get("hsdp")
+    rule = f"{name} has no HSDP (sharding within groups of dp, replicating across them)"
+    if words is not None and "{" not in words.why + words.fix:
+        rule, fix = f"{name}: {words.why}", words.fix
+    return Refusal(value=value, rule=rule, fix=fix, limit="hsdp", field="dp_shard_degree")
 
 
 def _pipeline_refusals(stack: FrameworkProfile, strategy: Strategy) -> Iterator[Refusal]:

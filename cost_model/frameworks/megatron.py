@@ -6,7 +6,13 @@ from __future__ import annotations
 import itertools
 
 from cost_model.frameworks.limits import Explanation
-from cost_model.frameworks.profile import Capabilities, FrameworkProfile, OptionValue, Pricing
+from cost_model.frameworks.profile import (
+    Capabilities,
+    EngineBehaviour,
+    FrameworkProfile,
+    OptionValue,
+    Pricing,
+)
 from cost_model.memory import RECOMPUTE_MODULES
 
 
@@ -181,6 +187,14 @@ MEGATRON_LM = FrameworkProfile(
     # Transformer Engine's fp8 through --fp8-format hybrid with --fp8-recipe tensorwise (current
     # scaling) or mxfp8 (Blackwell); its delayed and blockwise recipes have no autoplan name
     fp8_recipes=("fp8", "mxfp8"),
+    # --num-distributed-optimizer-instances R (megatron/training/arguments.py): the distributed
+    # optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-2/3) shards within dp x cp / R consecutive
+    # ranks of the dp-cp group and replicates across R (megatron/core/parallel_state.py,
+    # intra-partial data-parallel groups; mcore_fsdp_adapter.py enable_hsdp); the partial
+    # distributed optimizer all-reduces across instances after each bucket's reduce-scatter,
+    # on the same stream (param_and_grad_buffer.py start_grad_sync)
+    hsdp_zero_stages=(1, 2, 3),
+    engine_behaviour=EngineBehaviour(hsdp_all_reduce_beside=False),
     sources=(
         "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
         "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",

@@ -103,6 +103,12 @@ class EngineBehaviour:
     # (`overlaps_dp_sync`).
     dp_overlap_zero_stages: tuple[int, ...] | None = None
     pipeline_dp_overlap: bool = True
+    # Under HSDP: the replicas' all-reduce of a group's gradient shard runs on a stream of its
+    # own, beside the next groups' reduce-scatters (FSDP2's all_reduce_stream,
+    # torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce), or after each
+    # reduce-scatter on the same stream (False: Megatron-Core's partial distributed optimizer,
+    # one communication stream, param_and_grad_buffer.py start_grad_sync)
+    hsdp_all_reduce_beside: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,6 +216,10 @@ class FrameworkProfile:
     # The ZeRO stages the stack runs, in autoplan's terms (FSDP's SHARD_GRAD_OP is 2,
     # FULL_SHARD 3); ``None``: 0-3. The search offers these only.
     zero_stages: tuple[int, ...] | None = None
+    # The ZeRO stages at which the stack runs HSDP (`Plan.dp_shard_degree`: sharding within
+    # groups of consecutive data-parallel ranks, replicating across them); empty: none. Its
+    # words for why not, where it states them, are `Capabilities.explained` "hsdp".
+    hsdp_zero_stages: tuple[int, ...] = ()
     # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
     # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
     pipeline_max_zero: int | None = None

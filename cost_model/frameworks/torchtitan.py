@@ -64,6 +64,10 @@ TORCHTITAN = FrameworkProfile(
     rank_layouts=(("pp", "dp", "tp"),),
     capabilities=Capabilities(cp_min_zero=1, explained=TORCHTITAN_WORDS),
     dtypes=("bf16", "fp32"),
+    # parallelism.data_parallel_replicate_degree x data_parallel_shard_degree > 1 each: FSDP2
+    # over its (dp_replicate, fsdp) mesh (torchtitan/config/configs.py ParallelismConfig,
+    # torchtitan/distributed/parallel_dims.py); ZeRO-1 runs as ZeRO-2 there
+    hsdp_zero_stages=(1, 2, 3),
     # Float8LinearConverter (recipe_name rowwise) and MXFP8LinearConverter (Blackwell), as
     # autoplan export writes them for torchtitan 0.3; its tensor-wise recipe and FSDP fp8
     # all-gather went in pytorch/torchtitan#3127, so fp8 (tensor-wise) is not offered

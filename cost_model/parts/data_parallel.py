@@ -110,6 +110,8 @@ def data_parallel_cost(
     zero3_gathers: int = 1,
     fp8_params: float = 0.0,
     fp8_weights: int = 0,
+    replicate_groups: Sequence[GroupPlacement] = (),
+    replicas_beside: bool = False,
 ) -> DataParallelCost:
     """The data-parallel collectives of a unit whose device stores ``local_params`` parameters
     (before data-parallel sharding); ZeRO-3's hide behind the unit's forward and backward
@@ -120,7 +122,18 @@ def data_parallel_cost(
     ``Strategy.fp8_all_gather`` the ``fp8_params`` of them (its converted linears' weights,
     `cost_model.parts.fp8.fp8_params`) are gathered in fp8, one byte each, and the amaxes of
     its ``fp8_weights`` weights' shards all-reduced once per step (torchao's
-    precompute_float8_dynamic_scale_for_fsdp)."""
+    precompute_float8_dynamic_scale_for_fsdp).
+
+    Under HSDP (`Strategy.hsdp`) ``dp_groups`` are the shard groups (`Strategy.shard_degree`
+    ranks: the gathers and reduce-scatters run there, on the links they span) and
+    ``replicate_groups`` the ranks holding the same shard, over which each rank's reduced
+    1/shard of the gradients is all-reduced after the reduce-scatter, overlapping the
+    backward as the reduce-scatter does. ``replicas_beside``: the stack runs that all-reduce
+    on a stream of its own, beside the next groups' gathers and reduce-scatters (FSDP2's
+    ``all_reduce_stream``, on the links between the replicas while theirs run inside the
+    shard groups), so over a backward of many groups they cost the longer of the two; else
+    it follows each reduce-scatter on the same stream (Megatron-Core's partial distributed
+    optimizer) and they add."""
     dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
     gathered_fp8 = fp8_params if strategy.fp8_all_gather else 0.0
     # unsharded (ZeRO-3 gathers this)
@@ -130,7 +143,14 @@ def data_parallel_cost(
     sync = post_sync = 0.0
     if dp > 1 and local_params > 0:
         # under fp8 all-gather each gather first casts this rank's shard to fp8
-        shard_cast = shard_cast_s(gathered_fp8 / dp, cluster) if gathered_fp8 else 0.0
+        shard = strategy.shard_degree
+        shard_cast = shard_cast_s(gathered_fp8 / shard, cluster) if gathered_fp8 else 0.0
+        # HSDP: the reduce-scattered shard all-reduced over its replicas (FSDP2's
+        # foreach_reduce all-reduces it over the replicate mesh dim after the reduce-scatter,
+        # torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; Megatron-Core's partial
+        # distributed optimizer all-reduces across instances after the intra-instance
+        # reduce-scatter, param_and_grad_buffer.py start_grad_sync); zero without HSDP
+        replicas = collective_time_s("all_reduce", grad_bytes / shard, replicate_groups, cluster)
         if zero >= 3:
             # FSDP / ZeRO-3 (Rajbhandari et al. 2020, section 7.2.2): all-gather weights
             # before the forward and again before the backward, reduce-scatter gradients
@@ -142,11 +162,12 @@ def data_parallel_cost(
                 gather += (zero3_gathers - 1) * one_byte
             scatter = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
             zero3_fwd = gather
-            zero3_bwd = gather + scatter
+            zero3_bwd = _with_replicas(gather + scatter, replicas, replicas_beside)
         elif zero >= 1:
             # ZeRO-1/2: reduce-scatter gradients (overlappable), all-gather the updated
             # weights after the optimizer step (Rajbhandari et al. 2020, section 7.2.1).
             sync = collective_time_s("reduce_scatter", grad_bytes, dp_groups, cluster)
+            sync = _with_replicas(sync, replicas, replicas_beside)
             post_sync = collective_time_s("all_gather", param_bytes, dp_groups, cluster)
             post_sync += shard_cast
         else:
@@ -168,6 +189,12 @@ def data_parallel_cost(
         sync_s=sync,
         post_sync_s=post_sync,
     )
+
+
+def _with_replicas(shard_s: float, replicas_s: float, beside: bool) -> float:
+    """A unit's shard-group collectives with HSDP's replica all-reduce: on a stream of its own
+    (``beside``) the longer of the two, else one after the other (`data_parallel_cost`)."""
+    return max(shard_s, replicas_s) if beside else shard_s + replicas_s
 
 
 def exposed_s(comm_s: float, window_s: float, slowdown: float) -> float:
@@ -192,6 +219,8 @@ def grouped_dp_sync(
     cluster: Cluster,
     strategy: Strategy,
     dp_groups: Sequence[GroupPlacement],
+    replicate_groups: Sequence[GroupPlacement] = (),
+    replicas_beside: bool = False,
 ) -> tuple[DpSyncShare, ...]:
     """Price ZeRO-0/1/2 gradient sync by the runtime's real collectives, not one per unit.
 
@@ -201,7 +230,9 @@ def grouped_dp_sync(
     they share one collective. Each merged collective's time goes to its units in proportion
     to their bytes, which keeps the per-unit costs additive for the planner's ILP. Collective
     time is latency plus bytes over bandwidth, so merging saves only latencies. Empty when
-    every unit keeps its own (ZeRO-3, one data-parallel rank, several stages).
+    every unit keeps its own (ZeRO-3, one data-parallel rank, several stages). Under HSDP
+    ``dp_groups`` are the shard groups and ``replicate_groups`` the replicas (as in
+    `data_parallel_cost`).
     """
     if strategy.dp_degree == 1 or strategy.runtime_zero_stage >= 3:
         return ()
@@ -228,6 +259,10 @@ def grouped_dp_sync(
     param_total = sum(dp_costs[i].param_bytes for i in merged)
     if strategy.runtime_zero_stage >= 1:
         sync = collective_time_s("reduce_scatter", grad_total, dp_groups, cluster)
+        # HSDP: the group's shard all-reduced over its replicas (`data_parallel_cost`)
+        shard_total = grad_total / strategy.shard_degree
+        replicas = collective_time_s("all_reduce", shard_total, replicate_groups, cluster)
+        sync = _with_replicas(sync, replicas, replicas_beside)
         gather = collective_time_s("all_gather", param_total, dp_groups, cluster)
     else:
         sync = collective_time_s("all_reduce", grad_total, dp_groups, cluster)

@@ -67,7 +67,8 @@ def unit_bytes(
         local_params,
         strategy.dtype,
         strategy.runtime_zero_stage,
-        strategy.dp_degree,
+        # ZeRO shards over dp, or under HSDP over a shard group (`Strategy.shard_degree`)
+        strategy.shard_degree,
         strategy.dp_wrapper,
         policy=strategy.precision,
     )

@@ -42,8 +42,9 @@ def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) ->
     launch overhead when there are any."""
     cal = cluster.calibration
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    dp, zero = strategy.dp_degree, strategy.runtime_zero_stage
-    updated = local_params / dp if zero >= 1 else local_params
+    # (ZeRO shards the step over dp, or under HSDP over a shard group)
+    shard, zero = strategy.shard_degree, strategy.runtime_zero_stage
+    updated = local_params / shard if zero >= 1 else local_params
     traffic = cal.optimizer_bytes_per_param or adam_traffic_bytes(strategy.precision)
     step_s = updated * traffic / bandwidth
     if updated > 0:

@@ -150,6 +150,6 @@ def replicated_grad_sum_s(
     params = float(moe.hidden_size * moe.num_experts + moe.shared_expert_params)
     weights = strategy.weights_view
     if weights.runtime_zero_stage >= 1:
-        params /= weights.dp_degree
+        params /= weights.shard_degree
     size = params * grad_reduce_bytes(strategy)
     return collective_time_s("all_reduce", size, tp_groups, cluster)
