@@ -6,6 +6,8 @@ the refusals of values that do not go together."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,12 @@ import pytest
 import autoplan
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from autoplan.planner.search import search_plans
+from autoplan.planner.space import ConstraintError
 from cost_model.communication import collective_time_s
 from cost_model.estimate import estimate
+from cost_model.frameworks import framework_profile
+from cost_model.frameworks.limits import precision_refusal
 from cost_model.hardware import Cluster
 from cost_model.memory import ParamStateBytes, local_num_params, param_state_bytes, static_bytes
 from cost_model.parts.data_parallel import DataParallelCost, data_parallel_cost
@@ -22,6 +28,7 @@ from cost_model.parts.optimizer import adam_traffic_bytes, optimizer_cost
 from cost_model.precision import precision_policy, precision_problem
 from cost_model.strategy import Strategy, group_placements
 from cost_model.workload import ModelProfile
+from tests.conftest import run_cli
 from tests.cost_profiles import gpt_profile, round_cluster
 
 H, F, S, VOCAB = 256, 1024, 128, 1024
@@ -211,3 +218,117 @@ def test_a_stated_policy_changes_the_estimate_by_the_bytes_it_saves() -> None:
     assert got.working_bytes - new.working_bytes == pytest.approx(2 * max(block, root))
     assert policy.peak_memory_bytes < default.peak_memory_bytes
     assert policy.step_time_s < default.step_time_s
+
+
+# ------------------------------------------------------------------------------ stacks, search, CLI
+
+
+@pytest.mark.parametrize(
+    ("framework", "fields", "zero", "fragment"),
+    [
+        # torch's AdamW keeps its moments in the parameters' dtype
+        ("autoplan", {"optimizer_state_dtype": "bf16"}, 3, "torch.zeros_like(param)"),
+        ("torchtitan", {"grad_reduce_dtype": "bf16"}, 3, "mixed_precision_reduce is float32"),
+        ("torchtitan", {"master_dtype": "bf16"}, 3, "training.dtype"),
+        # Megatron-LM: bf16 moments from the distributed optimizer on, a bf16 master under
+        # Megatron-FSDP only
+        ("megatron-lm", {"optimizer_state_dtype": "bf16"}, 0, "from ZeRO 1"),
+        ("megatron-lm", BF16_EVERYWHERE, 1, "from ZeRO 2"),
+        ("deepspeed", {"optimizer_state_dtype": "bf16"}, 1, "bf16_optimizer_states"),
+        ("deepspeed", BF16_EVERYWHERE, 0, "from ZeRO 1"),
+        ("megatron-lm-2021", {"grad_reduce_dtype": "bf16"}, 1, "reduces gradients in fp32 or fp16"),
+    ],
+)
+def test_a_stack_refuses_the_policies_it_does_not_run(
+    framework: str, fields: dict[str, str], zero: int, fragment: str
+) -> None:
+    strategy = Strategy(dtype="bf16", dp_degree=8, zero_stage=zero, **fields)  # type: ignore[arg-type]
+    refusal = precision_refusal(framework_profile(framework), strategy)
+    assert refusal is not None and fragment in str(refusal), refusal
+    assert "\n" not in str(refusal)
+
+
+@pytest.mark.parametrize(
+    ("framework", "fields", "zero"),
+    [
+        ("autoplan", BF16_EVERYWHERE, 0),
+        ("autoplan", {"grad_reduce_dtype": "bf16"}, 3),
+        ("torchtitan", {"master_dtype": "bf16", "optimizer_state_dtype": "bf16"}, 3),
+        ("megatron-lm", {"optimizer_state_dtype": "bf16", "grad_reduce_dtype": "bf16"}, 1),
+        ("megatron-lm", BF16_EVERYWHERE, 3),
+        ("deepspeed", BF16_EVERYWHERE, 1),
+        ("llm-foundry", {"grad_reduce_dtype": "bf16"}, 3),
+    ],
+)
+def test_a_stack_runs_the_policies_it_has(
+    framework: str, fields: dict[str, str], zero: int
+) -> None:
+    strategy = Strategy(dtype="bf16", dp_degree=8, zero_stage=zero, **fields)  # type: ignore[arg-type]
+    assert precision_refusal(framework_profile(framework), strategy) is None
+
+
+def test_the_search_gives_every_plan_the_policy_and_keeps_to_the_stack() -> None:
+    """A policy, not an axis: every plan carries it; Megatron-LM's bf16 moments make the
+    search pick the distributed optimizer or Megatron-FSDP; a policy the stack never runs, or
+    that the search's dtype cannot go with, is refused before the search in one line."""
+    profile = gpt_profile(num_layers=4, s=512, h=512, a=8, vocab=4096)
+    cluster = Cluster.preset("dgx-a100-80g")
+    found = search_plans(profile, cluster, global_batch=64, budget_s=10, top_k=3, **BF16_EVERYWHERE)
+    assert all(
+        (p.master_dtype, p.grad_reduce_dtype, p.optimizer_state_dtype) == ("bf16",) * 3
+        for p in found.plans
+    )
+    megatron = search_plans(
+        profile,
+        cluster,
+        global_batch=64,
+        budget_s=10,
+        framework="megatron-lm",
+        optimizer_state_dtype="bf16",
+    )
+    assert megatron.plans[0].zero_stage >= 1
+    refused = [
+        ({"framework": "torchtitan", "grad_reduce_dtype": "bf16"}, "float32 only"),
+        ({"optimizer_state_dtype": "bf16"}, "torch's AdamW keeps its moments"),
+        ({"master_dtype": "bf16", "dtype": "fp32"}, "fp32 training keeps its weights"),
+        ({"master_dtype": "fp8"}, "master_dtype='fp8'"),
+    ]
+    for constraints, fragment in refused:
+        with pytest.raises(ConstraintError, match=re.escape(fragment)):
+            search_plans(profile, cluster, global_batch=64, budget_s=1, **constraints)  # type: ignore[arg-type]
+
+
+def test_the_cli_states_the_policy_and_validate_prices_it(tmp_path: Path) -> None:
+    """estimate takes the policy and prints it; validate prices a plan file's stated policy,
+    or the one its options restate; bad values are one line, no traceback."""
+    base = ["--model", "gpt2-small", "--cluster", "dgx-a100-80g", "--dp", "8"]
+    base += ["--global-batch", "64", "--zero", "3", "--json"]
+    default = json.loads(run_cli("estimate", *base).stdout)
+    bf16 = run_cli("estimate", *base, "--master-dtype", "bf16", "--optimizer-state-dtype", "bf16")
+    assert bf16.returncode == 0, bf16.stderr
+    data = json.loads(bf16.stdout)
+    assert data["plan"]["master_dtype"] == "bf16"
+    assert data["peak_memory_bytes"] < default["peak_memory_bytes"]
+    # a plan file that ran with bf16 weights and states: validate prices what it states
+    path = tmp_path / "plan.yaml"
+    Plan.from_data(default["plan"]).to_yaml(path)
+    plain = json.loads(run_cli("validate", str(path), "--model", "gpt2-small", "--json").stdout)
+    restated = run_cli(
+        "validate", str(path), "--model", "gpt2-small", "--json",
+        "--master-dtype", "bf16", "--optimizer-state-dtype", "bf16",
+    )  # fmt: skip
+    assert restated.returncode == 0, restated.stderr
+    assert json.loads(restated.stdout)["precision"]["master"] == "bf16"
+    assert json.loads(restated.stdout)["peak_memory_bytes"] < plain["peak_memory_bytes"]
+    Plan.from_data(data["plan"]).to_yaml(path)
+    stated = json.loads(run_cli("validate", str(path), "--model", "gpt2-small", "--json").stdout)
+    assert stated["peak_memory_bytes"] == json.loads(restated.stdout)["peak_memory_bytes"]
+    for args, fragment in [
+        (["--master-dtype", "bf16"], "torch's AdamW keeps its moments"),
+        (["--grad-reduce-dtype", "fp8"], "'fp8' is not one of"),
+        (["--dtype", "fp16", "--master-dtype", "bf16", "--optimizer-state-dtype", "bf16"],
+         "fp16 training needs fp32 master weights"),
+    ]:  # fmt: skip
+        bad = run_cli("estimate", *base, *args)
+        assert bad.returncode != 0 and fragment in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr

@@ -151,6 +151,44 @@ dtypes_option = click.option(
 )
 
 
+# The precision policy (cost_model.precision; not imported: the CLI starts fast): plan fields
+# master_dtype, grad_reduce_dtype, optimizer_state_dtype
+_PRECISION_OPTIONS = [
+    click.option(
+        "--master-dtype",
+        type=click.Choice(["fp32", "bf16"]),
+        default=None,
+        help="Master weights' dtype: bf16 keeps no fp32 copy [fp32].",
+    ),
+    click.option(
+        "--grad-reduce-dtype",
+        type=click.Choice(["fp32", "bf16", "fp16"]),
+        default=None,
+        help="Gradient accumulation and reduction dtype [fp32; fp16 under --dtype fp16].",
+    ),
+    click.option(
+        "--optimizer-state-dtype",
+        type=click.Choice(["fp32", "bf16"]),
+        default=None,
+        help="AdamW moments' dtype [fp32].",
+    ),
+]
+
+
+def precision_options(command: F) -> F:
+    """``--master-dtype``, ``--grad-reduce-dtype`` and ``--optimizer-state-dtype``: the plan's
+    precision policy (None: not given)."""
+    for option in reversed(_PRECISION_OPTIONS):
+        command = option(command)
+    return command
+
+
+def precision_fields(options: dict[str, Any]) -> dict[str, str]:
+    """The precision-policy fields given among a command's `precision_options`."""
+    names = ("master_dtype", "grad_reduce_dtype", "optimizer_state_dtype")
+    return {name: options[name] for name in names if options.get(name) is not None}
+
+
 def memory_headroom(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     """Click callback: a memory headroom is a fraction of device memory in [0, 0.9) (None:
     not given, the plan's recorded one or the default)."""
@@ -225,6 +263,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             "--schedules", callback=str_list, help="Allowed schedules, e.g. 1f1b,interleaved-1f1b."
         ),
         dtypes_option,
+        *_PRECISION_OPTIONS,
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),

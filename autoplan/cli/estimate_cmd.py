@@ -23,6 +23,8 @@ from autoplan.cli.common import (
     framework_option,
     json_option,
     memory_headroom_option,
+    precision_fields,
+    precision_options,
     range_level,
     trace_spec,
 )
@@ -30,6 +32,7 @@ from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedu
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
+from cost_model.precision import precision_text
 
 
 @click.command("estimate")
@@ -110,6 +113,7 @@ from cost_model.hardware import load_cluster
 )
 @memory_headroom_option
 @dtype_option
+@precision_options
 @framework_option
 @json_option
 def estimate_cmd(
@@ -130,10 +134,20 @@ def estimate_cmd(
     range_level: float,
     memory_headroom: float | None,
     dtype: DTypeName | None,
+    master_dtype: str | None,
+    grad_reduce_dtype: str | None,
+    optimizer_state_dtype: str | None,
     framework: str,
     as_json: bool,
 ) -> None:
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""
+    policy = precision_fields(
+        {
+            "master_dtype": master_dtype,
+            "grad_reduce_dtype": grad_reduce_dtype,
+            "optimizer_state_dtype": optimizer_state_dtype,
+        }
+    )
     target = load_cluster(cluster_spec)
     if dp is None:
         dp = default_dp(target, tp, pp, cp)  # fail before the (slower) model trace
@@ -157,6 +171,7 @@ def estimate_cmd(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         framework=framework,
+        **policy,  # type: ignore[arg-type]
     )
     result = estimate(
         profile, target, plan, range_level=range_level, memory_headroom=memory_headroom
@@ -180,6 +195,9 @@ def estimate_cmd(
     )
     out.print(stage_table(result))
     out.print(summary_line(result))
+    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
+    if precision is not None:
+        out.print(f"[bold]precision:[/] {precision}")
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")
         out.print(result.memory_problem(), markup=False)

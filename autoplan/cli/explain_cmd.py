@@ -173,7 +173,7 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     out.print(stage_table(result.estimate))
     out.print(memory_table(result))
     out.print(summary_line(result.estimate))
-    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather)
+    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
     if precision is not None:
         out.print(f"[bold]precision:[/] {precision}")
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")

@@ -149,7 +149,7 @@ def plan_cmd(
     detail = estimate(profile, target, best)
     out.print(stage_table(detail))
     out.print(summary_line(detail))
-    precision = precision_text(best.dtype, best.fp8_exclude, best.fp8_all_gather)
+    precision = precision_text(best.dtype, best.fp8_exclude, best.fp8_all_gather, best.precision)
     if precision is not None:
         out.print(f"[bold]precision:[/] {precision}")
     for line in coverage(best, profile, target, detail).lines():

@@ -8,9 +8,13 @@ of the predicted per-rank peak's range against the device's memory less the memo
 ``--memory-headroom``, else the plan file's ``memory_headroom``, else the default) whenever the
 model is known: ``--model``, or the plan file's ``model.name`` when that is a model spec.
 ``--allow-over-memory`` turns the failure into a warning; without a model the output says that
-memory was not checked."""
+memory was not checked. The plan's precision policy is priced as the file states it, or as
+``--master-dtype``, ``--grad-reduce-dtype`` and ``--optimizer-state-dtype`` restate it (a run that
+kept its weights and AdamW states in bf16, checked with the plan it ran)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import click
 
@@ -21,12 +25,15 @@ from autoplan.cli.common import (
     emit_json,
     json_option,
     memory_headroom_option,
+    precision_fields,
+    precision_options,
     trace_spec,
 )
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from autoplan.export.checks import MemoryCheck, check_memory
 from cost_model.hardware import load_cluster
+from cost_model.precision import precision_text
 from cost_model.results import MemoryCapacityError
 
 
@@ -59,6 +66,7 @@ from cost_model.results import MemoryCapacityError
     is_flag=True,
     help="The job saves checkpoints: refuse plans whose state cannot be saved (ZeRO-1 on DDP).",
 )
+@precision_options
 @json_option
 def validate(
     plan_path: str,
@@ -68,10 +76,25 @@ def validate(
     allow_over_memory: bool,
     memory_headroom: float | None,
     checkpointed: bool,
+    master_dtype: str | None,
+    grad_reduce_dtype: str | None,
+    optimizer_state_dtype: str | None,
     as_json: bool,
 ) -> None:
     """Check a plan file against a cluster and its model (memory included)."""
     plan = Plan.from_yaml(plan_path)
+    stated = precision_fields(
+        {
+            "master_dtype": master_dtype,
+            "grad_reduce_dtype": grad_reduce_dtype,
+            "optimizer_state_dtype": optimizer_state_dtype,
+        }
+    )
+    if stated:
+        try:
+            plan = dataclasses.replace(plan, **stated)  # type: ignore[arg-type]
+        except PlanError as error:
+            raise PlanError(f"{plan_path} with {_options(stated)}: {error}") from None
     if checkpointed and (problem := plan.checkpoint_problem()) is not None:
         raise PlanError(f"--checkpoint: {problem}")
     cluster_note = ""
@@ -144,6 +167,7 @@ def validate(
                 "usable_memory_bytes": memory.usable_bytes if memory else None,
                 "memory": memory_note,
                 "cluster_note": cluster_note or None,
+                "precision": dataclasses.asdict(plan.precision),
             }
         )
     else:
@@ -159,3 +183,13 @@ def validate(
         )
         if cluster_note:
             out.print(f"using {cluster_note}", style="dim", markup=False)
+        precision = precision_text(
+            plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision
+        )
+        if precision is not None:
+            out.print(f"precision: {precision}", markup=False)
+
+
+def _options(stated: dict[str, str]) -> str:
+    """``--master-dtype bf16 --optimizer-state-dtype bf16``."""
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in stated.items())

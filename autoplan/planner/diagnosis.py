@@ -20,6 +20,7 @@ from cost_model.estimate import MemoryConstants
 from cost_model.hardware import Cluster
 from cost_model.headroom import usable_capacity_bytes
 from cost_model.memory import local_num_params, static_bytes
+from cost_model.precision import precision_policy
 from cost_model.strategy import RecomputeMode, Strategy
 from cost_model.workload import ModelProfile
 
@@ -95,7 +96,10 @@ def no_feasible_plan(
     # optimizer state, sharded over every device (ZeRO-3 x TP x PP), before any activation.
     params = sum(local_num_params(unit, 1, count_shared=False) for unit in profile.units)
     assert space.dtype is not None  # resolved by `search_plans`
-    state = min(static_bytes(params, dtype, 0, 1).total_bytes for dtype in space.dtype)
+    state = min(
+        static_bytes(params, dtype, 0, 1, policy=precision_policy(dtype, *space.policy)).total_bytes
+        for dtype in space.dtype
+    )
     cal = cluster.calibration
     usable = MemoryConstants(
         buffer_bytes=0.0,

@@ -333,6 +333,7 @@ def _space_for(
             raise ConstraintError(missing)
         if missing is not None:
             raise ConstraintError(f"dtype={dtype}: {missing}; pass dtype='fp16' (--dtype fp16)")
+    space = space.within_policy(dtype_given="dtype" in constraints)
     space = within_stack(space, stack, profile, cluster, dtype_given="dtype" in constraints)
     if space.ep_folding is None:
         # where the framework's stack puts an ep group (`FrameworkProfile.expert_layout`);

@@ -53,7 +53,15 @@ from cost_model.degrees import (
     tp_undivided,
 )
 from cost_model.hardware import Cluster
-from cost_model.precision import fp8_recipe
+from cost_model.precision import (
+    DEFAULT_MASTER_DTYPE,
+    DEFAULT_OPTIMIZER_STATE_DTYPE,
+    GRAD_REDUCE_DTYPES,
+    MASTER_DTYPES,
+    OPTIMIZER_STATE_DTYPES,
+    fp8_recipe,
+    precision_problem,
+)
 from cost_model.schedules import ONE_STAGE_SCHEDULES, V_SCHEDULES, ScheduleError
 from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
@@ -106,6 +114,31 @@ class SearchSpace:
     # (`DeviceSpec.fastest_training_dtype`)
     dtype: tuple[str, ...] | None = None
     allow_cross_node_tp: bool = False
+    # The precision policy every plan gets (`Plan.master_dtype`, ...; `cost_model.precision`):
+    # a choice of the run's, not an axis; the dtypes it cannot go with are left out
+    # (`within_policy`)
+    master_dtype: str = DEFAULT_MASTER_DTYPE
+    grad_reduce_dtype: str | None = None
+    optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
+
+    @property
+    def policy(self) -> tuple[str, str | None, str]:
+        """(master_dtype, grad_reduce_dtype, optimizer_state_dtype)."""
+        return (self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype)
+
+    def within_policy(self, *, dtype_given: bool) -> SearchSpace:
+        """This space (its dtypes resolved) without the dtypes its precision policy cannot go
+        with (`cost_model.precision.precision_problem`); `ConstraintError` naming the rule when
+        none is left."""
+        assert self.dtype is not None, "resolve the dtypes first (for_cluster)"
+        kept = tuple(d for d in self.dtype if precision_problem(d, *self.policy) is None)
+        if kept:
+            return dataclasses.replace(self, dtype=kept)
+        problem = precision_problem(self.dtype[0], *self.policy)
+        given = "" if dtype_given else " (the device's fastest)"
+        raise ConstraintError(
+            f"dtype={shown(self.dtype)}{given}: {problem}; e.g. pass dtype='bf16' (--dtype bf16)"
+        )
 
     def for_cluster(self, cluster: Cluster) -> SearchSpace:
         """This space with its dtype resolved to the device's fastest when it is not set."""
@@ -268,6 +301,16 @@ def _normalise(key: str, value: Any) -> Any:
                     "not at all)"
                 )
         return layouts
+    if key in ("master_dtype", "grad_reduce_dtype", "optimizer_state_dtype"):
+        allowed = {
+            "master_dtype": MASTER_DTYPES,
+            "grad_reduce_dtype": (None, *GRAD_REDUCE_DTYPES),
+            "optimizer_state_dtype": OPTIMIZER_STATE_DTYPES,
+        }[key]
+        if value not in allowed:
+            named = ", ".join(str(a) for a in allowed)
+            raise ConstraintError(f"{key}={value!r}: the precision policy's values are {named}")
+        return value
     if key == "allow_cross_node_tp":
         return bool(value)
     if key == "dtype":
@@ -317,6 +360,10 @@ class Shape:
     micro_batch_size: int
     num_micro_batches: int
     dtype: str = "bf16"
+    # the space's precision policy (`SearchSpace.policy`)
+    master_dtype: str = DEFAULT_MASTER_DTYPE
+    grad_reduce_dtype: str | None = None
+    optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
 
     def member(
         self,
@@ -346,6 +393,9 @@ class Shape:
             zero_stage=zero,
             sequence_parallel=sequence_parallel,
             dtype=dtype,
+            master_dtype=self.master_dtype,
+            grad_reduce_dtype=self.grad_reduce_dtype,
+            optimizer_state_dtype=self.optimizer_state_dtype,
             rank_layout=layout,
             cp_degree=self.cp,
             ep_degree=self.ep,
@@ -412,7 +462,12 @@ def shapes(
                         if space.micro_batch is not None and b not in space.micro_batch:
                             continue
                         for dtype in space.dtype or ():
-                            yield Shape(tp, pp, cp, dp, ep, folded, b, per_replica // b, dtype)
+                            if precision_problem(dtype, *space.policy) is not None:
+                                continue  # (`SearchSpace.within_policy` names it)
+                            yield Shape(
+                                tp, pp, cp, dp, ep, folded, b, per_replica // b, dtype,
+                                *space.policy,
+                            )  # fmt: skip
 
 
 def cp_choices(space: SearchSpace, profile: ModelProfile, devices: int) -> list[int]:

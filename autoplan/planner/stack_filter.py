@@ -29,6 +29,7 @@ from cost_model.frameworks.limits import (
     AxisLimit,
     axis_limits,
     outer_refusals,
+    precision_refusal,
     recompute_modes,
     recompute_refusal,
 )
@@ -115,7 +116,31 @@ def within_stack(
         for limit in limits:
             if limit.axis == axis:
                 space = _within_stack_limit(space, stack, limit, cluster, dtype_given)
+    _check_policy(space, stack)
     return space
+
+
+def _check_policy(space: SearchSpace, stack: FrameworkProfile) -> None:
+    """`ConstraintError` where ``stack`` runs the space's precision policy at none of its
+    dtypes and ZeRO stages (where it runs it at some, the search keeps to those: the outer
+    choices' refusals, `cost_model.frameworks.limits.precision_refusal`)."""
+    master, reduce, states = space.policy
+    refusals = [
+        precision_refusal(
+            stack,
+            Strategy(
+                dtype=dtype,
+                zero_stage=zero,
+                master_dtype=master,
+                grad_reduce_dtype=reduce,
+                optimizer_state_dtype=states,
+            ),
+        )
+        for dtype in space.dtype or ()
+        for zero in space.zero
+    ]
+    if refusals and all(refusal is not None for refusal in refusals):
+        raise ConstraintError(f"the precision policy: {refusals[0]}")
 
 
 def _within_stack_limit(

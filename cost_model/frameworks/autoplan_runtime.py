@@ -27,10 +27,20 @@ AUTOPLAN = FrameworkProfile(
                 "kernels.py), so it does not offer them untested",
                 fix="use dtype fp8 or fp8-rowwise, or price it for megatron-lm or torchtitan",
             ),
+            "master-states": Explanation(
+                why="it updates the master weights as the module's own parameters, and torch's "
+                "AdamW keeps its moments in the parameters' dtype (torch/optim/adamw.py: "
+                "torch.zeros_like(param) in _init_group)",
+                fix="set optimizer_state_dtype equal to master_dtype, or price it for "
+                "megatron-lm (--use-precision-aware-optimizer) or deepspeed",
+            ),
         },
     ),
     # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling
     fp8_recipes=("fp8", "fp8-rowwise"),
+    # FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype) over parameters in the master
+    # dtype (passes/data_parallel.py), AdamW's moments in that dtype too
+    master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 0)),
     # FSDP2 on a 2-D (replicate, shard) mesh (passes/data_parallel.py); ZeRO-1 runs as ZeRO-2
     hsdp_zero_stages=(1, 2, 3),
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),

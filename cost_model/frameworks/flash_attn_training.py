@@ -24,6 +24,9 @@ FLASH_ATTN_TRAINING = dataclasses.replace(
     # flash_attn/models/gpt.py of then has no process group (no tensor parallelism)
     expert_parallel=False,
     zero_stages=(0, 1),
+    # torch DDP (+ ZeroRedundancyOptimizer) under Lightning's bf16 autocast: fp32 parameters
+    # (the master), Adam states and gradient all-reduce
+    grad_reduce_dtypes=("fp32", "fp16"),
     sources=(
         "Dao-AILab/flash-attention 4a6eaa9f training/configs/experiment/",
         "Dao-AILab/flash-attention 4a6eaa9f training/src/utils/ddp_zero1.py",

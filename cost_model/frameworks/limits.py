@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from cost_model.messages import shown
-from cost_model.precision import FP8_RECIPE_NAMES, PLAIN_DTYPES, fp8_recipe
+from cost_model.precision import FP8_RECIPE_NAMES, PLAIN_DTYPES, fp8_recipe, precision_policy
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import StageSplitError
 from cost_model.strategy import PlanLike, RecomputeMode, Strategy, is_subsequence
@@ -54,6 +54,8 @@ LimitKey = Literal[
     "expert-groups",
     "ep-zero1",
     "ep-selective",
+    "grad-reduce",
+    "master-states",
     "hsdp",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
@@ -441,6 +443,8 @@ def _combination_refusals(
     yield from _expert_group_refusals(stack, strategy)
     if pp > 1:
         yield from _pipeline_refusals(stack, strategy)
+    if (precision := precision_refusal(stack, strategy)) is not None:
+        yield precision
     if strategy.hsdp and z not in stack.hsdp_zero_stages:
         yield hsdp_refusal(stack, strategy)
 
@@ -515,6 +519,55 @@ def _pipeline_refusals(stack: FrameworkProfile, strategy: Strategy) -> Iterator[
             limit="pipeline-zero",
             field="zero_stage",
         )
+
+
+def precision_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal | None:
+    """Why ``stack`` cannot run ``strategy``'s precision policy (`FrameworkProfile.
+    grad_reduce_dtypes`, `master_and_states`), in its own words where its profile states them
+    (`Capabilities.explained` "grad-reduce", "master-states"); None when it can."""
+    policy, name, z = strategy.precision, stack.name, strategy.zero_stage
+    words = stack.capabilities.explained
+    reduces = stack.grad_reduce_dtypes
+    if reduces is not None and policy.grad_reduce not in reduces:
+        rule = f"{name} reduces gradients in {' or '.join(reduces)}"
+        default = precision_policy(strategy.dtype).grad_reduce
+        fix = f"set grad_reduce_dtype {default if default in reduces else reduces[0]}"
+        rule, fix = _own_words(words.get("grad-reduce"), rule, fix)
+        return Refusal(
+            value=f"grad_reduce_dtype {policy.grad_reduce}",
+            rule=rule,
+            fix=fix,
+            limit="grad-reduce",
+            field="grad_reduce_dtype",
+        )
+    combos = stack.master_and_states
+    if combos is None:
+        return None
+    pair = (policy.master, policy.optimizer_state)
+    stages = [least for master, states, least in combos if (master, states) == pair]
+    if stages and z >= min(stages):
+        return None
+    value = f"master_dtype {pair[0]} with optimizer_state_dtype {pair[1]}"
+    if stages:
+        value, least = f"{value} at zero {z}", min(stages)
+        rule = (
+            f"{name} keeps {pair[0]} master weights with {pair[1]} AdamW states from ZeRO {least}"
+        )
+        fix = f"set --zero {least}"
+    else:
+        kept = " or ".join(f"{m} master with {s} states" for m, s, _ in combos)
+        rule = f"{name} keeps {kept}"
+        fix = f"set master_dtype {combos[0][0]} and optimizer_state_dtype {combos[0][1]}"
+    rule, fix = _own_words(words.get("master-states"), rule, fix)
+    return Refusal(value=value, rule=rule, fix=fix, limit="master-states", field="master_dtype")
+
+
+def _own_words(words: Explanation | None, rule: str, fix: str) -> tuple[str, str]:
+    """``rule`` with the stack's reason after it, and its fix where it gives one (words with
+    plan facts to fill in, ``{...}``, are the exporters': left to them)."""
+    if words is None or "{" in words.why + words.fix:
+        return rule, fix
+    return f"{rule}: {words.why}", words.fix or fix
 
 
 def recompute_modes(

@@ -34,6 +34,11 @@ LLM_FOUNDRY = FrameworkProfile(
     tensor_parallel=False,
     context_parallel=False,
     zero_stages=(0, 2, 3),
+    # torch FSDP (FSDP1) keeps fp32 flat parameters (the master) and fp32 Adam states; its
+    # mixed_precision DEFAULT reduces in fp32, PURE in bf16 (composer/trainer/
+    # mosaic_fsdp_utils.py get_mixed_precision)
+    grad_reduce_dtypes=("fp32", "bf16", "fp16"),
+    master_and_states=(("fp32", "fp32", 0),),
     sources=(
         "mosaicml/llm-foundry scripts/train/benchmarking/sweep.sh (torch 2.0.1 image)",
         "mosaicml/llm-foundry scripts/train/train.py (fsdp_config, 2023)",

@@ -73,6 +73,15 @@ MEGATRON_LM_WORDS = {
         "innermost, then CP",
         fix="use rank_layout [pp, dp, cp, tp] or [dp, pp, cp, tp] (without cp when cp_degree is 1)",
     ),
+    "master-states": Explanation(
+        why="megatron-lm's --main-params-dtype is fp32 or fp16, so a bf16 master exists only "
+        "under Megatron-FSDP (--megatron-fsdp-main-params-dtype, zero_stage 2-3), and lower-"
+        "precision AdamW states come from --use-precision-aware-optimizer, which asserts the "
+        "distributed optimizer (zero_stage >= 1; megatron/core/optimizer/optimizer_config.py, "
+        "megatron/training/arguments.py)",
+        fix="use zero_stage 1 or more for bf16 states of an fp32 master, 2 or more for a bf16 "
+        "master",
+    ),
     "moe-tp-sp": Explanation(
         why="megatron-lm needs --sequence-parallel for a MoE model with "
         "--tensor-model-parallel-size {tp} ('When using MoE and tensor parallelism, sequence "
@@ -187,6 +196,15 @@ MEGATRON_LM = FrameworkProfile(
     # Transformer Engine's fp8 through --fp8-format hybrid with --fp8-recipe tensorwise (current
     # scaling) or mxfp8 (Blackwell); its delayed and blockwise recipes have no autoplan name
     fp8_recipes=("fp8", "mxfp8"),
+    # --grad-reduce-in-bf16 (or fp32 accumulation and reduction, its default for bf16); bf16
+    # AdamW states through --use-precision-aware-optimizer from the distributed optimizer (ZeRO
+    # 1) on, a bf16 master under Megatron-FSDP only (ZeRO 2-3; MEGATRON_LM_WORDS)
+    master_and_states=(
+        ("fp32", "fp32", 0),
+        ("fp32", "bf16", 1),
+        ("bf16", "fp32", 2),
+        ("bf16", "bf16", 2),
+    ),
     # --num-distributed-optimizer-instances R (megatron/training/arguments.py): the distributed
     # optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-2/3) shards within dp x cp / R consecutive
     # ranks of the dp-cp group and replicates across R (megatron/core/parallel_state.py,
@@ -256,6 +274,11 @@ MEGATRON_LM_2021 = FrameworkProfile(
     zero_stages=(0, 1),
     # --context-parallel-size came with Megatron-Core (292543d3, 2023-10)
     context_parallel=False,
+    # Float16OptimizerWithFloat16Params' fp32 main params and Adam states; gradients reduced
+    # in fp32 (--accumulate-allreduce-grads-in-fp32, forced for bf16) or fp16 (megatron/
+    # arguments.py, megatron/optimizer/optimizer.py at v2.5); no bf16 reduction
+    grad_reduce_dtypes=("fp32", "fp16"),
+    master_and_states=(("fp32", "fp32", 0),),
     sources=(
         "NVIDIA/Megatron-LM v2.5 megatron/model/transformer.py (CoreAttention)",
         "NVIDIA/Megatron-LM v2.5 megatron/arguments.py (--DDP-impl local)",
@@ -330,6 +353,10 @@ MEGATRON_LM_2019 = FrameworkProfile(
     context_parallel=False,
     expert_parallel=False,
     dtypes=("fp16", "fp32"),
+    # apex's FP16_Optimizer: fp32 master weights and Adam states, fp16 gradients all-reduced
+    # by the local DDP (fp16/fp16.py, model/distributed.py)
+    grad_reduce_dtypes=("fp32", "fp16"),
+    master_and_states=(("fp32", "fp32", 0),),
     sources=(
         "NVIDIA/Megatron-LM 93ab4bea mpu/transformer.py, mpu/layers.py, mpu/cross_entropy.py",
         "NVIDIA/Megatron-LM 93ab4bea fp16/fp16.py, model/distributed.py, pretrain_gpt2.py",
@@ -381,6 +408,10 @@ MEGATRON_DEEPSPEED = FrameworkProfile(
     # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
     # parallelism" (deepspeed/runtime/pipe/engine.py); Megatron's TP runs inside it
     pipeline_max_zero=1,
+    # BF16_Optimizer (fp32 accumulation, all-reduce, master and states) or its fp16
+    # optimizers (fp16 all-reduce, fp32 master and states): `deepspeed_pipeline`'s engine
+    grad_reduce_dtypes=("fp32", "fp16"),
+    master_and_states=(("fp32", "fp32", 0),),
     sources=(
         "bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py (GPTModelPipe)",
         "bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py",

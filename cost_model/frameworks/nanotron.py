@@ -54,6 +54,10 @@ NANOTRON = FrameworkProfile(
     # context parallelism is the Qwen model's own attention (src/nanotron/models/qwen.py,
     # from b641237d, 2025-03), not a plan degree of any model
     context_parallel=False,
+    # its optimizer's fp32 master weights and states, gradients accumulated and all-reduced in
+    # fp32 (accumulate_grad_in_fp32; src/nanotron/optim/gradient_accumulator.py)
+    grad_reduce_dtypes=("fp32", "fp16"),
+    master_and_states=(("fp32", "fp32", 0),),
     sources=(
         "huggingface/nanotron src/nanotron/models/base.py (build_model's stage split)",
         "huggingface/nanotron src/nanotron/models/llama.py (flash_attn kernels)",

@@ -236,6 +236,12 @@ class FrameworkProfile:
     # (`cost_model.precision`; none unless stated).
     dtypes: tuple[str, ...] | None = None
     fp8_recipes: tuple[str, ...] = ()
+    # The precision policies the stack runs (`cost_model.precision`): the gradient reduction
+    # dtypes it has (``None``: every valid one), and its (master weights, AdamW states, least
+    # ZeRO stage) combinations (``None``: every valid one at any stage), e.g. Megatron-LM's
+    # bf16 moments from the distributed optimizer on (`limits.precision_refusal`).
+    grad_reduce_dtypes: tuple[str, ...] | None = None
+    master_and_states: tuple[tuple[str, str, int], ...] | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).

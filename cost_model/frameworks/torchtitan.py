@@ -18,6 +18,18 @@ TORCHTITAN_WORDS = {
         "(torchtitan/config/configs.py TrainingConfig)",
         fix="use dtype bf16, e.g. autoplan plan ... --dtype bf16",
     ),
+    "grad-reduce": Explanation(
+        why="torchtitan 0.3's training.mixed_precision_reduce is float32 only "
+        "(torchtitan/config/configs.py TrainingConfig)",
+        fix="leave grad_reduce_dtype out (fp32), or export to megatron-lm (--grad-reduce-in-bf16)",
+    ),
+    "master-states": Explanation(
+        why="torchtitan keeps its parameters, gradients and optimizer states in one dtype, "
+        "training.dtype (float32, or bfloat16 'without an extra copy of fp32 weights'; "
+        "torchtitan/config/configs.py TrainingConfig)",
+        fix="set optimizer_state_dtype equal to master_dtype, or export to megatron-lm "
+        "(--use-precision-aware-optimizer)",
+    ),
     "rank-layout": Explanation(
         why="torchtitan orders its process groups pp, dp_replicate, dp_shard, cp, tp (outermost "
         "first; torchtitan/distributed/parallel_dims.py)",
@@ -72,6 +84,10 @@ TORCHTITAN = FrameworkProfile(
     # autoplan export writes them for torchtitan 0.3; its tensor-wise recipe and FSDP fp8
     # all-gather went in pytorch/torchtitan#3127, so fp8 (tensor-wise) is not offered
     fp8_recipes=("fp8-rowwise", "mxfp8"),
+    # training.mixed_precision_reduce (float32 only) and training.dtype (float32: fp32
+    # master weights and states; bfloat16: both in bf16) (TORCHTITAN_WORDS)
+    grad_reduce_dtypes=("fp32",),
+    master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 0)),
     sources=(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
         "pytorch/torchtitan torchtitan/components/loss.py",
