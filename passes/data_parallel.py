@@ -17,10 +17,16 @@ Guarantees (Rajbhandari et al. 2020 for the ZeRO stages), always with PyTorch's 
   ``replicate`` (FSDP2's replicated data parallelism: composes with DTensor and the pipeline
   schedules, and has a mixed-precision policy);
 - nothing when ``dp_degree == 1`` and the plan trains in fp32; for bf16/fp16 plans FSDP2's
-  ``MixedPrecisionPolicy`` (parameters in the plan's dtype, gradient reduction in fp32) is used,
-  on a 1-rank mesh if need be; an fp8 recipe's dtype is bf16 there (`compute_dtype`), and
-  with ``fp8_all_gather`` torchao's weight wrapper (passes/fp8.py) makes FSDP2 gather the
-  converted weights in fp8.
+  ``MixedPrecisionPolicy`` carries out the plan's precision policy (`Plan.precision`,
+  `cost_model.precision`), on a 1-rank mesh if need be: ``param_dtype`` the compute dtype (an
+  fp8 recipe's is bf16, `compute_dtype`), ``reduce_dtype`` the gradient reduction dtype (fp32
+  by default; FSDP2 also accumulates micro-batches' unsharded gradients in it), and the
+  parameters themselves, which FSDP2 shards and the optimizer updates, in the master dtype:
+  cast to bf16 here under ``master_dtype: bf16`` (so torch's AdamW keeps its moments in bf16:
+  ``optimizer_state_dtype`` must equal ``master_dtype``, which `Plan.validate` checks). DDP and
+  the unwrapped path run fp32 plans only (`cost_model.strategy.decide`), whose policy is fp32
+  throughout. With ``fp8_all_gather`` torchao's weight wrapper (passes/fp8.py) makes FSDP2
+  gather the converted weights in fp8.
 Each block unit is its own FSDP/replicate group; the embedding, the head and any unit holding a
 parameter shared with another unit (a tied embedding and head) belong to the stage-level group,
 since FSDP2 manages a shared parameter in exactly one group. After the pass
@@ -74,7 +80,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from autoplan.contract.plan import Plan
-from cost_model.precision import compute_dtype
 from cost_model.strategy import DataParallelWrapper
 from passes._log import log_rank0
 from passes.expert_parallel import ExpertParallelExperts, all_reduce_gradients
@@ -199,13 +204,8 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
         )
 
     dp_mesh = mesh.dense_dp
-    # an fp8 recipe computes in bf16 (only its converted GEMMs take fp8 inputs: passes/fp8.py)
-    dtype = compute_dtype(plan.dtype)
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch_dtype(dtype), reduce_dtype=torch.float32)
-        if dtype != "fp32"
-        else MixedPrecisionPolicy()
-    )
+    mp = _mixed_precision(plan)
+    _to_master_dtype(stage.module, torch_dtype(plan.precision.master))
     shared_ids = _shared_param_ids(stage.module)
     groups = 0
     if mesh.ep_degree > 1:
@@ -239,6 +239,34 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
         zero_stage=zero,
         num_groups=groups,
     )
+
+
+def _mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the plan's precision policy (module doc): the compute dtype of the
+    gathered weights (an fp8 recipe computes in bf16: only its converted GEMMs take fp8
+    inputs, passes/fp8.py) and the gradient reduction dtype; none for fp32 training."""
+    policy = plan.precision
+    if policy.compute == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(policy.compute), reduce_dtype=torch_dtype(policy.grad_reduce)
+    )
+
+
+def _to_master_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module``'s floating-point parameters in ``dtype`` (the master weights': FSDP2 shards
+    them, the optimizer updates them), before FSDP2 wraps them; buffers (RoPE tables) keep
+    theirs, and a parameter held twice stays one parameter."""
+    cast: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(
+                    param.detach().to(dtype), requires_grad=param.requires_grad
+                )
+            sub._parameters[name] = cast[id(param)]
 
 
 def uses_ddp(plan: Plan) -> bool:
