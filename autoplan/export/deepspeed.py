@@ -16,6 +16,14 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   for overlap elsewhere (``megatron-lm:overlap-grad-reduce=on``, ``megatron-lm-2021:ddp=torch``)
   is refused.
 - ``dtype`` -> ``bf16.enabled`` / ``fp16.enabled`` (``deepspeed/runtime/precision_config.py``).
+- The precision policy (`Plan.precision`): ``grad_reduce_dtype`` -> ``communication_data_type``,
+  stated for 16-bit plans because DeepSpeed's default is the model's dtype (engine.py
+  ``communication_data_type``: bf16 gradients reduce in bf16 unless told), and from ZeRO-1 on
+  ``data_types.grad_accum_dtype`` too (at ZeRO-0 DeepSpeed accumulates in the model's dtype only:
+  engine.py ``_do_optimizer_sanity_check`` raises on any other, so a note says so);
+  ``master_dtype`` bf16 -> ``bf16.bf16_master_weights_and_grads`` with
+  ``bf16.bf16_optimizer_states`` (ZeRO 1-3, ``config.py`` ``_do_error_check``; the Adam moments
+  follow the bf16 master).
 - ``pp_degree`` and ``stages`` -> ``PipelineModule(num_stages=..., partition_method="uniform")``
   (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head.
 - ``stages[*].recompute``: ``full`` -> ``PipelineModule(activation_checkpoint_interval=1)`` (the
@@ -103,9 +111,17 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.num_micro_batches,
         "zero_optimization": {"stage": plan.zero_stage},
-        "bf16": {"enabled": plan.dtype == "bf16"},
+        "bf16": {
+            "enabled": plan.dtype == "bf16",
+            **(
+                {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                if plan.master_dtype == "bf16"
+                else {}
+            ),
+        },
         "fp16": {"enabled": plan.dtype == "fp16"},
     }
+    config.update(_precision_config(plan))
     if _can_overlap(plan):
         # reduce gradient buckets during the backward as the plan is priced (or not)
         config["zero_optimization"]["overlap_comm"] = overlaps_grad_sync(plan)
@@ -118,6 +134,17 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
             "contiguous_memory_optimization": False,
             "cpu_checkpointing": False,
         }
+    return config
+
+
+def _precision_config(plan: Plan) -> dict[str, Any]:
+    """The plan's precision policy as ds_config sections (module doc); none for fp32."""
+    policy = plan.precision
+    if policy.compute == "fp32":
+        return {}
+    config: dict[str, Any] = {"communication_data_type": policy.grad_reduce}
+    if plan.zero_stage >= 1:
+        config["data_types"] = {"grad_accum_dtype": policy.grad_reduce}
     return config
 
 
@@ -138,6 +165,13 @@ def export_deepspeed(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         "replace train.py with your training script; it calls deepspeed.initialize(..., "
         f"config='{CONFIG_FILE}') and adds the optimizer and data",
     ]
+    policy = plan.precision
+    if plan.zero_stage == 0 and policy.compute != "fp32" and policy.grad_reduce != policy.compute:
+        notes.append(
+            f"DeepSpeed at ZeRO-0 accumulates micro-batches' gradients in {policy.compute} "
+            "(its engine refuses another data_types.grad_accum_dtype there); they reduce in "
+            f"{policy.grad_reduce} (communication_data_type) as the plan is priced"
+        )
     if plan.pp_degree > 1:
         files[PIPELINE_FILE] = json.dumps(pipeline_module_args(plan), indent=2) + "\n"
         notes.append(

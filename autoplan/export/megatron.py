@@ -46,6 +46,19 @@ Plan field -> flag:
   NVIDIA's own mxfp8 runs set it, e.g. ``tests/functional_tests/test_cases/nemotron/
   nemotron3_super_release_gb200``). ``fp8-rowwise`` has no Megatron recipe (``fp8_recipe`` is
   tensorwise, delayed, mxfp8, blockwise or custom): refused in the profile's words.
+- The precision policy (`Plan.precision`, `cost_model.precision`), from the flags and checks of
+  ``_add_mixed_precision_args``, ``validate_args`` and megatron-core's ``OptimizerConfig``:
+  ``grad_reduce_dtype`` bf16 -> ``--grad-reduce-in-bf16`` (Megatron accumulates and reduces bf16
+  gradients in fp32 by itself, ``accumulate_allreduce_grads_in_fp32``), fp32 under fp16 ->
+  ``--accumulate-allreduce-grads-in-fp32``; under Megatron-FSDP (zero_stage 2-3), whose own
+  buffers follow ``--megatron-fsdp-main-grads-dtype`` (default ``auto``: the compute dtype, so
+  bf16 gradients reduce in bf16 there unless stated), ``--megatron-fsdp-main-grads-dtype`` is
+  always the plan's reduction dtype. ``master_dtype`` bf16 -> ``--megatron-fsdp-main-params-
+  dtype auto`` (no main-weight buffer: the compute weights are the master), which exists under
+  Megatron-FSDP only (``--main-params-dtype`` is fp32 or fp16; the profile refuses it below
+  zero_stage 2). ``optimizer_state_dtype`` bf16 -> ``--use-precision-aware-optimizer
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`` (Transformer Engine's FusedAdam; megatron-core
+  asserts the distributed optimizer, zero_stage >= 1, which the profile requires).
 - ``fp8_all_gather`` -> ``--fp8-param-gather`` (``_add_transformer_engine_args``; Megatron-LM
   copies it into ``TransformerConfig.fp8_param``): the parameters kept in fp8 and all-gathered
   in fp8, which ``validate_args`` allows only with the distributed optimizer or Megatron-FSDP,
@@ -187,9 +200,28 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         args += ["--bf16"]
     elif plan.dtype == "fp16":
         args += ["--fp16"]
+    args += _precision_args(plan)
     if (layers := fp8_layers(plan, dims)) is not None:
         args += _fp8_args(plan, layers)
     return tuple(args)
+
+
+def _precision_args(plan: Plan) -> list[str]:
+    """The plan's precision policy as Megatron-LM's flags (module doc)."""
+    policy, args = plan.precision, []
+    if plan.zero_stage >= 2:
+        # Megatron-FSDP's own buffers (its MixedPrecisionPolicy), not the DDP flags
+        args += ["--megatron-fsdp-main-grads-dtype", policy.grad_reduce]
+        if not policy.master_copy and policy.compute != "fp32":
+            args += ["--megatron-fsdp-main-params-dtype", "auto"]
+    elif policy.grad_reduce == "bf16":
+        args += ["--grad-reduce-in-bf16"]
+    elif policy.grad_reduce == "fp32" and policy.compute == "fp16":
+        args += ["--accumulate-allreduce-grads-in-fp32"]
+    if policy.optimizer_state == "bf16":
+        args += ["--use-precision-aware-optimizer"]
+        args += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    return args
 
 
 # Megatron-LM's --fp8-format and --fp8-recipe for autoplan's recipes (TransformerConfig fp8,
@@ -428,6 +460,12 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         f"{dims.vocab_size} in the plan's model",
         "run from a Megatron-LM checkout (flags checked against NVIDIA/Megatron-LM d98e8a6)",
     )
+    if plan.optimizer_state_dtype == "bf16":
+        notes += (
+            "--use-precision-aware-optimizer runs Transformer Engine's FusedAdam (megatron/core/"
+            "optimizer/optimizer_config.py asks for its master_weight_dtype and exp_avg_dtype "
+            "arguments): install Transformer Engine >= 2.1",
+        )
     if plan.cp_degree > 1:
         notes += (
             "context parallelism runs in Transformer Engine's attention (the default "

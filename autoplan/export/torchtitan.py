@@ -41,6 +41,12 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   linears whose fqn contains an entry (all when empty), so the export lists the converted ones.
   ``model_compile_enabled`` follows the baseline's ``compile``. A bf16 plan states the
   flavor's converters too (none): the ``llama3_405b`` baseline converts to float8.
+- The precision policy (`Plan.precision`): ``master_dtype`` bf16 (with ``optimizer_state_dtype``
+  bf16: torchtitan keeps parameters, gradients and optimizer states in one dtype) ->
+  ``training.dtype = "bfloat16"`` ("without an extra copy of fp32 weights", ``TrainingConfig``);
+  the gradient reduction is ``training.mixed_precision_reduce``, float32 only in 0.3.0, so a
+  bf16 reduction and fp32 master weights with bf16 states are refused in the profile's words
+  (`cost_model.frameworks.torchtitan`).
 - ``dtype`` ``fp8`` (tensor-wise) and ``fp8_all_gather``: torchtitan 0.3.0 has neither; its
   float8 converter's ``recipe_name`` is ``"rowwise"`` or ``"rowwise_with_gw_hp"``, and
   ``enable_fsdp_float8_all_gather`` / ``precompute_float8_dynamic_scale_for_fsdp`` went with
@@ -483,6 +489,8 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         f"    config.training.global_batch_size = {plan.global_batch_size}",
         f"    config.training.mixed_precision_param = "
         f'"{"bfloat16" if compute_dtype(plan.dtype) == "bf16" else "float32"}"',
+        # a bf16 master: parameters, gradients and AdamW states in bf16, no fp32 copy
+        *(['    config.training.dtype = "bfloat16"'] if plan.master_dtype == "bf16" else []),
         *_model_spec_lines(plan, dims, flavor),
         "    parallelism = config.parallelism",
         f"    parallelism.data_parallel_replicate_degree = {replicate}",

@@ -83,12 +83,13 @@ DEEPSPEED_WORDS = {
         "(--num-distributed-optimizer-instances) or torchtitan (data_parallel_replicate_degree)",
     ),
     "master-states": Explanation(
-        why="deepspeed keeps bf16 master weights (bf16.bf16_master_weights_and_grads) and bf16 "
-        "optimizer states (bf16.bf16_optimizer_states, which needs the former) with ZeRO 1-3 "
-        "only (deepspeed/runtime/config.py, _do_error_check), fp32 states of an fp32 master "
-        "otherwise",
-        fix="use zero_stage 1-3 with master_dtype bf16 for bf16 states (or fp32 master weights "
-        "and states), or export to megatron-lm (--use-precision-aware-optimizer)",
+        why="deepspeed keeps a bf16 master (bf16.bf16_master_weights_and_grads) with ZeRO 1-3 "
+        "only (deepspeed/runtime/config.py, _do_error_check), and Adam's moments in its "
+        "master's dtype (FusedAdam zeros_like the master partition, deepspeed/ops/adam/"
+        "fused_adam.py; bf16.bf16_optimizer_states, which needs the bf16 master, for its CPU "
+        "Adam)",
+        fix="use zero_stage 1-3 with bf16 master weights and states, or fp32 for both; or "
+        "export to megatron-lm (--use-precision-aware-optimizer)",
     ),
     "rank-layout": Explanation(
         why="deepspeed orders its process groups pipe, data, model (outermost first; "
@@ -147,7 +148,7 @@ DEEPSPEED = FrameworkProfile(
     expert_parallel=False,
     capabilities=Capabilities(explained=DEEPSPEED_WORDS),
     # bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states (DEEPSPEED_WORDS)
-    master_and_states=(("fp32", "fp32", 0), ("bf16", "fp32", 1), ("bf16", "bf16", 1)),
+    master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 1)),
     sources=(
         "deepspeedai/DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py",
         "deepspeedai/DeepSpeed deepspeed/runtime/pipe/engine.py",
