@@ -9,6 +9,9 @@ Guarantees (Rajbhandari et al. 2020 for the ZeRO stages), always with PyTorch's 
   parameters, gradients and optimizer state sharded; parameters re-gathered for backward;
 - ZeRO-2: ``fully_shard(reshard_after_forward=False)``: the same sharding at rest, but gathered
   parameters stay until backward (no second all-gather);
+- HSDP (``dp_shard_degree``): ZeRO-1 (as ZeRO-2), 2 or 3 as above, on the 2-D (dp_replicate,
+  dp_shard) mesh (`ParallelMesh.fsdp_mesh`): FSDP2 shards over the shard groups, gathers and
+  reduce-scatters there, and all-reduces each gradient shard over the replicas;
 - ZeRO-1: ``DistributedDataParallel`` plus ``ZeroRedundancyOptimizer`` (optimizer state sharded,
   gradients all-reduced) when `uses_ddp` (fp32, no TP, no PP); otherwise its nearest FSDP2
   equivalent, ZeRO-2, said so in the log;
@@ -203,7 +206,9 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
             finish=finish,
         )
 
-    dp_mesh = mesh.dense_dp
+    # dense_dp, or under HSDP the 2-D (replicate, shard) mesh: FSDP2 then shards within the
+    # shard groups and all-reduces each gradient shard over the replicas
+    dp_mesh = mesh.fsdp_mesh
     mp = _mixed_precision(plan)
     _to_master_dtype(stage.module, torch_dtype(plan.precision.master))
     shared_ids = _shared_param_ids(stage.module)

@@ -9,11 +9,17 @@ their flattened sub-mesh. The data-parallel meshes of the weights are flattened 
 ``dense_dp`` (dp x cp: every rank holding the same dense weights, torchtitan's
 ``dp_shard_cp``) and ``expert_dp`` (edp x cp: the ranks holding the same experts,
 `Plan.expert_data_group_ranks`). A plan with cp = ep = 1 gets the mesh it always had
-(``dense_dp`` is then the ``dp`` axis itself). Under folded expert parallelism (``ep_folding``:
-an ep group is ``ep_degree`` consecutive ranks of the dp x cp x tp block of one pipeline rank,
-Megatron-Core's MoE parallel folding) ``dp`` is not split; a second mesh over the same world,
-of shape (pp, edp, ep) and built from the plan's groups (``expert_mesh``), gives the ``ep`` and
-``edp`` sub-meshes instead (both from one root mesh, as FSDP2 needs for the experts' DTensors).
+(``dense_dp`` is then the ``dp`` axis itself). Under HSDP (``dp_shard_degree``) the ``dp`` axis
+is split likewise into ``dp_replicate`` (outer) and ``dp_shard`` (inner: a shard group is
+``dp_shard_degree`` consecutive data-parallel ranks, `Plan.shard_group_ranks`), ``dp`` becomes
+their flattened sub-mesh, and ``fsdp_mesh`` is the 2-D (dp_replicate, dp_shard) sub-mesh that
+FSDP2 shards over the second dim of and replicates over the first (cp = 1: autoplan's runtime
+runs HSDP without context parallelism, `Capabilities.hsdp_context_parallel`).
+Under folded expert parallelism (``ep_folding``: an ep group is ``ep_degree`` consecutive ranks
+of the dp x cp x tp block of one pipeline rank, Megatron-Core's MoE parallel folding) ``dp`` is
+not split; a second mesh over the same world, of shape (pp, edp, ep) and built from the plan's
+groups (``expert_mesh``), gives the ``ep`` and ``edp`` sub-meshes instead (both from one root
+mesh, as FSDP2 needs for the experts' DTensors).
 The ranks of every group are exactly the plan's
 (`Plan.group_ranks` and the ep helpers; checked before returning); every sub-group, flattened
 ones included, has the default group's timeout (``new_group`` would give gloo's 30 minutes: a
@@ -39,7 +45,7 @@ __all__ = ["MeshGroup", "ParallelMesh", "build_mesh", "mesh_dims"]
 
 # Sub-meshes beyond the plan's axes: the two pieces of dp under expert parallelism and the
 # flattened data-parallel groups of the dense and the expert weights (module docstring).
-MeshGroup = Literal["ep", "edp", "dp_cp", "edp_cp"]
+MeshGroup = Literal["ep", "edp", "dp_cp", "edp_cp", "dp_replicate", "dp_shard"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -77,6 +83,16 @@ class ParallelMesh:
         return self.sub("dp_cp" if self.cp_degree > 1 else "dp")
 
     @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 and ``replicate`` wrap the dense weights over: `dense_dp`, or under
+        HSDP the 2-D (dp_replicate, dp_shard) mesh (FSDP2 replicates over its first dim and
+        shards over its second)."""
+        names = self.mesh.mesh_dim_names or ()
+        if "dp_shard" in names:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.dense_dp
+
+    @property
     def expert_dp(self) -> DeviceMesh:
         """The data-parallel mesh of the routed experts under expert parallelism: edp x cp
         ranks, those holding the same experts (`Plan.expert_data_group_ranks`)."""
@@ -93,13 +109,17 @@ class ParallelMesh:
 
 def mesh_dims(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The mesh's dimension names and sizes, outermost first: the plan's ``rank_layout`` with
-    ``dp`` split into ``edp`` x ``ep`` when ``ep_degree > 1`` (not folded)."""
+    ``dp`` split into ``edp`` x ``ep`` when ``ep_degree > 1`` (not folded), or into
+    ``dp_replicate`` x ``dp_shard`` under HSDP."""
     names: list[str] = []
     sizes: list[int] = []
     for axis in plan.rank_layout:
         if axis == "dp" and plan.ep_degree > 1 and not plan.ep_folding:
             names += ["edp", "ep"]
             sizes += [plan.dp_degree // plan.ep_degree, plan.ep_degree]
+        elif axis == "dp" and plan.dp_shard_degree is not None:
+            names += ["dp_replicate", "dp_shard"]
+            sizes += [plan.dp_degree // plan.dp_shard_degree, plan.dp_shard_degree]
         else:
             names.append(axis)
             sizes.append(plan.degree(axis))
@@ -145,7 +165,8 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         assert sorted(got) == sorted(want), (
             f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
         )
-        if name in plan.rank_layout or name in ("dp", "ep"):  # ep: the order gives experts
+        # ep: the order gives experts; dp_shard: the order gives the shards
+        if name in plan.rank_layout or name in ("dp", "ep", "dp_shard", "dp_replicate"):
             assert got == want, f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
             assert sub.get_local_rank() == want.index(rank), (name, coords)
     return ParallelMesh(
@@ -197,8 +218,11 @@ def _flatten_groups(plan: Plan, names: tuple[str, ...]) -> dict[str, tuple[str, 
         groups["dp"] = ("edp", "ep")
         if plan.cp_degree > 1:
             groups["edp_cp"] = tuple(n for n in names if n in ("edp", "cp"))
+    if plan.dp_shard_degree is not None:
+        groups["dp"] = ("dp_replicate", "dp_shard")
     if plan.cp_degree > 1:
-        groups["dp_cp"] = tuple(n for n in names if n in ("edp", "ep", "dp", "cp"))
+        pieces = ("edp", "ep", "dp", "dp_replicate", "dp_shard", "cp")
+        groups["dp_cp"] = tuple(n for n in names if n in pieces)
     return groups
 
 
@@ -209,6 +233,10 @@ def _plan_group(plan: Plan, name: str, rank: int) -> tuple[int, ...]:
         return plan.group_ranks(name, rank)  # type: ignore[arg-type]
     if name == "ep":
         return plan.ep_group_ranks(rank)
+    if name == "dp_shard":
+        return plan.shard_group_ranks(rank)
+    if name == "dp_replicate":
+        return plan.replicate_group_ranks(rank)
     if name in ("edp", "edp_cp"):
         edp = plan.expert_data_group_ranks(rank)
         if name == "edp" and not plan.ep_folding:  # the same cp coordinate as rank

@@ -261,3 +261,42 @@ def test_manual_plan_names_the_field() -> None:
     cluster_h100 = Cluster.preset("dgx-h100-80g", nodes=2)
     plan = manual_plan(profile, cluster_h100, global_batch=16, zero=3, dp_shard=8)
     assert dataclasses.replace(plan, estimate=None).dp_shard_degree == 8
+
+
+# ---------------------------------------------------------------------------------- search
+
+
+def test_the_search_shards_within_a_node_where_that_pays() -> None:
+    """dp 128 over 16 nodes: a ring over 128 ranks pays 127 latencies a collective, HSDP's
+    all-reduce over one rank a node a tree of 2 log2(16); the search takes ZeRO-3 sharded
+    within each node, faster than anything without HSDP (ZeRO-0 here)."""
+    from autoplan.planner.search import search_plans
+
+    profile = gpt_profile(num_layers=4, s=512, h=1024, a=8, e=2)
+    cluster = round_cluster(num_nodes=16)
+    found = search_plans(profile, cluster, global_batch=128, tp=1, pp=1).plans[0]
+    assert (found.zero_stage, found.dp_shard_degree) == (3, 8)
+    without = search_plans(profile, cluster, global_batch=128, tp=1, pp=1, hsdp=False).plans[0]
+    assert without.dp_shard_degree is None
+    assert found.estimate is not None and without.estimate is not None
+    assert found.estimate.step_time_s < 0.9 * without.estimate.step_time_s
+
+
+def test_the_search_offers_one_shard_group_a_layout_and_only_across_domains() -> None:
+    """`hsdp_shards`: the dp ranks of one scale-up domain, for the layouts where they are 2 or
+    more and fewer than dp; none inside one domain, for MoE models or without a domain."""
+    from autoplan.planner.space import SearchSpace, Shape, hsdp_shards
+
+    profile = gpt_profile(num_layers=4)
+    space = SearchSpace(hsdp_domain=8)
+    layouts = [("pp", "dp", "tp"), ("dp", "pp", "tp")]
+    # 64 devices: tp 2 x pp 2 x dp 16; [pp, dp, tp] steps dp by 2 (4 a node), [dp, pp, tp] by 4
+    shape = Shape(tp=2, pp=2, cp=1, dp=16, ep=1, ep_folding=False, micro_batch_size=1,
+                  num_micro_batches=4)  # fmt: skip
+    assert hsdp_shards(space, profile, shape, layouts) == ((layouts[0], 4), (layouts[1], 2))
+    one_node = dataclasses.replace(shape, dp=2)
+    assert hsdp_shards(space, profile, one_node, layouts) == ()
+    assert hsdp_shards(SearchSpace(), profile, shape, layouts) == ()
+    assert hsdp_shards(dataclasses.replace(space, hsdp=False), profile, shape, layouts) == ()
+    moe = with_routed_experts(profile, num_experts=4, top_k=2, expert_ffn=256)
+    assert hsdp_shards(space, moe, shape, layouts) == ()

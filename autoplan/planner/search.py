@@ -341,6 +341,9 @@ def _space_for(
         layout = stack.expert_layout
         folding = {"folded": (True,), "dp": (False,)}.get(layout or "", (False, True))
         space = replace(space, ep_folding=folding)
+    if space.hsdp and stack.hsdp_zero_stages:
+        # HSDP shard groups fill a scale-up domain (`space.hsdp_shards`)
+        space = replace(space, hsdp_domain=cluster.scale_up_domain)
     return space
 
 

@@ -22,6 +22,14 @@ A cp degree must divide the devices left by tp x pp and, with torch's load-balan
 sharding, ``2 cp`` must divide the sequence. Expert parallelism (ep) is enumerated for models
 with mixture-of-experts units: every divisor of dp that divides each layer's expert count.
 The rank layouts with cp > 1 place cp just outside tp (`with_cp`).
+
+HSDP (`Plan.dp_shard_degree`) is tried where it can pay and little else: a member with sharded
+weights (ZeRO >= 1) whose data-parallel group spans several scale-up domains is also offered
+with its weights sharded within the dp ranks of one domain and replicated across domains
+(`hsdp_shards`: one value a layout), for stacks that run HSDP. ZeRO-3 then keeps every
+micro-batch's gathers and reduce-scatters inside a domain; at any stage the gradients cross
+the domains as an all-reduce over one rank a domain instead of a ring over every rank, whose
+steps grow with the data-parallel size.
 """
 
 from __future__ import annotations
@@ -114,6 +122,12 @@ class SearchSpace:
     # (`DeviceSpec.fastest_training_dtype`)
     dtype: tuple[str, ...] | None = None
     allow_cross_node_tp: bool = False
+    # Whether to try HSDP (`Plan.dp_shard_degree`): members with sharded weights whose
+    # data-parallel group spans several scale-up domains also shard within one domain's dp
+    # ranks and replicate across domains (`hsdp_shards`). Not a constraint: the search sets
+    # ``hsdp_domain``, the devices of a scale-up domain, where the stack runs HSDP (0: none).
+    hsdp: bool = True
+    hsdp_domain: int = 0
     # The precision policy every plan gets (`Plan.master_dtype`, ...; `cost_model.precision`):
     # a choice of the run's, not an axis; the dtypes it cannot go with are left out
     # (`within_policy`)
@@ -249,7 +263,7 @@ class SearchSpace:
             )
 
 
-_CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__}
+_CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__} - {"hsdp_domain"}
 
 
 def shown(values: object) -> str:
@@ -311,8 +325,10 @@ def _normalise(key: str, value: Any) -> Any:
             named = ", ".join(str(a) for a in allowed)
             raise ConstraintError(f"{key}={value!r}: the precision policy's values are {named}")
         return value
-    if key == "allow_cross_node_tp":
-        return bool(value)
+    if key in ("allow_cross_node_tp", "hsdp"):
+        if not isinstance(value, bool):
+            raise ConstraintError(f"{key}={value!r} must be True or False")
+        return value
     if key == "dtype":
         dtypes = tuple(value.split(",")) if isinstance(value, str) else _as_tuple(key, value)
         for dtype in dtypes:
@@ -412,6 +428,9 @@ class ShapeOptions:
     sequence_parallel: tuple[bool, ...]
     zero: tuple[int, ...]
     layouts: tuple[Layout, ...]
+    # (layout, dp_shard_degree): the HSDP shard group the members of that layout with sharded
+    # weights also take (`hsdp_shards`)
+    dp_shard: tuple[tuple[Layout, int], ...] = ()
 
 
 def strategies(
@@ -594,11 +613,47 @@ def shape_options(
         sequence_parallel=tuple(sp_choices),
         zero=tuple(zero_choices),
         layouts=tuple(with_cp(layout, shape.cp) for layout in layouts),
+        dp_shard=hsdp_shards(space, profile, shape, [with_cp(lay, shape.cp) for lay in layouts]),
     )
 
 
+def hsdp_shards(
+    space: SearchSpace, profile: ModelProfile, shape: Shape, layouts: Sequence[Layout]
+) -> tuple[tuple[Layout, int], ...]:
+    """The HSDP shard group each of ``layouts`` offers ``shape``'s members: the dp ranks of one
+    scale-up domain (``space.hsdp_domain`` devices over the ranks inside a dp step), where that
+    is 2 or more ranks, divides dp and is less than dp (so the data-parallel group spans
+    several domains: inside one, sharding over all of dp costs the same links and holds less).
+    One value a layout, so the enumeration grows by one member per sharded member of a shape
+    that spans domains. None for mixture-of-experts models (HSDP is priced for dense weights:
+    `cost_model.degrees.hsdp_problems`)."""
+    domain = space.hsdp_domain
+    if not (space.hsdp and domain) or shape.ep > 1 or profile.moe_layers:
+        return ()
+    degrees = {"pp": shape.pp, "dp": shape.dp, "cp": shape.cp, "tp": shape.tp}
+    found = []
+    for layout in layouts:
+        step = math.prod(degrees[axis] for axis in layout[layout.index("dp") + 1 :])
+        shard = domain // step if domain % step == 0 else 0
+        if 2 <= shard < shape.dp and shape.dp % shard == 0:
+            found.append((tuple(layout), shard))
+    return tuple(found)
+
+
 def shape_strategies(space: SearchSpace, shape: Shape, options: ShapeOptions) -> Iterator[Strategy]:
-    """The members of ``shape``: every combination of its ``options`` the runtime runs."""
+    """The members of ``shape``: every combination of its ``options`` the runtime runs, each
+    with sharded weights (ZeRO >= 1) also with its layout's HSDP shard group
+    (`ShapeOptions.dp_shard`)."""
+    shards = dict(options.dp_shard)
+    for strategy in _members(space, shape, options):
+        yield strategy
+        shard = shards.get(strategy.rank_layout)
+        if shard is not None and strategy.zero_stage >= 1:
+            yield dataclasses.replace(strategy, dp_shard_degree=shard)
+
+
+def _members(space: SearchSpace, shape: Shape, options: ShapeOptions) -> Iterator[Strategy]:
+    """The members of ``shape`` without HSDP."""
     for schedule, v in options.schedules:
         for sp in options.sequence_parallel:
             for zero in options.zero:

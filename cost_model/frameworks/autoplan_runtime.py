@@ -20,6 +20,8 @@ AUTOPLAN = FrameworkProfile(
         # each updated parameter over the whole data-parallel group; under FSDP2 the experts
         # are wrapped on their own, so its hooks run inside a selectively recomputed block
         expert_wrapper_limits=True,
+        # passes/mesh.py builds HSDP's 2-D mesh from dp ranks only
+        hsdp_context_parallel=False,
         explained={
             "dtype:mxfp8": Explanation(
                 why="its fp8 is torchao's float8 training, whose MXFP8 linears run on Blackwell "

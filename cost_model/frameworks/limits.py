@@ -447,6 +447,15 @@ def _combination_refusals(
         yield precision
     if strategy.hsdp and z not in stack.hsdp_zero_stages:
         yield hsdp_refusal(stack, strategy)
+    elif strategy.hsdp and cp > 1 and not caps.hsdp_context_parallel:
+        yield Refusal(
+            value=f"dp_shard {strategy.dp_shard_degree} with cp {cp}",
+            rule=f"{name} runs HSDP on a 2-D (replicate, shard) mesh of dp ranks, without "
+            "context parallelism",
+            fix="leave dp_shard_degree out (the weights sharded over dp x cp), or set --cp 1",
+            limit="hsdp",
+            field="dp_shard_degree",
+        )
 
 
 def hsdp_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal:

@@ -132,6 +132,10 @@ class Capabilities:
     # its dtype (fp32), inlines its norms (no sequence parallelism) and fixes its sequence (no
     # context parallelism), and context parallelism splits the model's RoPE tables.
     runs_traced_graph: bool = False
+    # Whether its HSDP runs with context parallelism (shard groups of dp_shard_degree x cp
+    # ranks, torchtitan's dp_shard x cp); autoplan's runtime builds a 2-D (replicate, shard)
+    # mesh of dp ranks only.
+    hsdp_context_parallel: bool = True
     # Its expert parallelism runs neither beside DDP + ZeroRedundancyOptimizer (ZeRO-1) nor
     # with selective recompute around separately wrapped experts under FSDP2 (autoplan's
     # runtime).
