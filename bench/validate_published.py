@@ -267,9 +267,14 @@ STATED_HARDWARE_KEYS = frozenset(
 )
 
 
+# The precision policy a family or a row's entry may state, as its source states the run's
+# (`autoplan.Plan.master_dtype`, ...; `cost_model.precision`): absent, the plan's defaults.
+POLICY_KEYS = ("master_dtype", "grad_reduce_dtype", "optimizer_state_dtype")
+
 # What a family may say: its publication, default status, how it reports throughput, its dtype,
-# the framework profile that ran it, stated hardware, a note on memory, and the plan dtype its
-# runs' delayed-scaling fp8 is priced as (`fp8_delayed_as`, with the assumption stated beside it).
+# the framework profile that ran it, stated hardware, a note on memory, the plan dtype its
+# runs' delayed-scaling fp8 is priced as (`fp8_delayed_as`, with the assumption stated beside
+# it), and its runs' precision policy (`POLICY_KEYS`).
 FAMILY_KEYS = frozenset(
     {
         "source",
@@ -280,6 +285,7 @@ FAMILY_KEYS = frozenset(
         "cluster",
         "memory_note",
         "fp8_delayed_as",
+        *POLICY_KEYS,
     }
 )
 
@@ -508,6 +514,12 @@ def build_case(
         # the plan's fp8_all_gather: the run gathered its fp8 weights in fp8 (torchao's
         # enable_fsdp_float8_all_gather, NeMo's fp8_params with the distributed optimizer)
         fp8_all_gather=bool(merged.get("fp8_all_gather")),
+        # the run's precision policy where its source states one (row entry, else family)
+        **{
+            key: merged[key] if key in merged else fam[key]
+            for key in POLICY_KEYS
+            if key in merged or key in fam
+        },
     )
     return Case(
         run_id=run_id,
@@ -536,7 +548,7 @@ def build_case(
 
 
 # The config keys that say a row's precision (the rest of its config is its layout).
-PRECISION_KEYS = frozenset({"dtype", "fp8_recipe", "float8_recipe", "fp8_all_gather"})
+PRECISION_KEYS = frozenset({"dtype", "fp8_recipe", "float8_recipe", "fp8_all_gather", *POLICY_KEYS})
 
 
 def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:

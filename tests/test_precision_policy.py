@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,33 @@ def test_the_cli_states_the_policy_and_validate_prices_it(tmp_path: Path) -> Non
         bad = run_cli("estimate", *base, *args)
         assert bad.returncode != 0 and fragment in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_the_bench_states_the_policy_its_rows_ran() -> None:
+    """bench/validate_published.py prices each published run with the precision policy its
+    source states (validation_assumptions*.yaml: llm-foundry's FSDP PURE rows, DGX Cloud
+    Benchmarking's grad_sync_dtype bf16, Megatron-Bridge's grad_reduce_in_fp32 False) and
+    the defaults elsewhere."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import validate_published
+
+    rows, assumptions = validate_published.load()
+    by_id = {row["id"]: row for row in rows}
+
+    def reduce_dtype(run_id: str) -> object:
+        case = validate_published.build_case(by_id[run_id], assumptions)
+        assert isinstance(case, validate_published.Case), case
+        return case.plan_args.get("grad_reduce_dtype")
+
+    assert reduce_dtype("llmfoundry-a100-40g-mpt-7b-s2048-g8-mb12") == "bf16"  # PURE
+    assert reduce_dtype("llmfoundry-a100-80g-mpt-70b-s2048-g64-mb8") == "bf16"  # PURE
+    assert reduce_dtype("llmfoundry-h100-80g-mpt-70b-s2048-g64-mb8") is None  # DEFAULT
+    assert reduce_dtype("dgxc2411-h100-llama3.1-8b-8g-bf16") == "bf16"
+    assert reduce_dtype("mbridge-2511-b200-llama3-8b-8g-fp8cs") == "bf16"
+    assert reduce_dtype("dgxc2505-gb200-llama3.1-405b-256g-fp8") == "bf16"
+    assert reduce_dtype("dgxc2505-gb200-llama3.1-405b-256g-bf16") is None
+    case = validate_published.build_case(
+        by_id["llmfoundry-a100-40g-mpt-7b-s2048-g8-mb12"], assumptions
+    )
+    assert isinstance(case, validate_published.Case)
+    assert validate_published.predict(case).estimate.peak_rank is not None
