@@ -53,7 +53,7 @@ MEGATRON_FLAGS = {
     "--moe-token-dispatcher-type", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-pre-softmax",
     "--moe-aux-loss-coeff", "--microbatch-group-size-per-virtual-pipeline-stage",
-    "--kv-channels",
+    "--kv-channels", "--num-distributed-optimizer-instances",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.

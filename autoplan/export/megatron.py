@@ -37,6 +37,13 @@ Plan field -> flag:
   data-parallel group, ``_add_distributed_args``); 2 and 3 -> Megatron-FSDP,
   ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
   with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
+  HSDP (``dp_shard_degree`` s) adds ``--num-distributed-optimizer-instances dp / s``
+  (``_add_distributed_args``; ``DistributedDataParallelConfig``): the distributed optimizer or
+  Megatron-FSDP shards within dp x cp / instances consecutive ranks of the dp-cp group (dp_shard
+  s consecutive dp ranks x cp, the plan's groups; ``initialize_model_parallel``'s
+  intra-partial data-parallel groups) and all-reduces each gradient shard across the instances
+  (the partial distributed optimizer, ``param_and_grad_buffer.py``; Megatron-FSDP's HSDP with
+  ``--outer-dp-sharding-strategy no_shard``, the default).
 - ``dtype`` -> ``--bf16`` / ``--fp16`` (``_add_mixed_precision_args``; fp32 is the default).
   An fp8 recipe trains in bf16 (``--bf16``) with Transformer Engine's fp8 GEMMs
   (``TransformerConfig.fp8`` / ``fp8_recipe``, flags ``--fp8-format`` / ``--fp8-recipe``):
@@ -196,6 +203,9 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         strategy = "optim_grads" if plan.zero_stage == 2 else "optim_grads_params"
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
         args += ["--ckpt-format", "fsdp_dtensor"]
+    if plan.dp_shard_degree is not None:  # HSDP (zero_stage >= 1, checked by the plan)
+        instances = plan.dp_degree // plan.dp_shard_degree
+        args += ["--num-distributed-optimizer-instances", str(instances)]
     if compute_dtype(plan.dtype) == "bf16":
         args += ["--bf16"]
     elif plan.dtype == "fp16":

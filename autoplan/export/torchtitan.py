@@ -13,7 +13,11 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   (``torchtitan/config/configs.py`` ``ParallelismConfig``): ZeRO-0 replicates (DDP), ZeRO-3 is
   FSDP resharding after forward (``"always"``), ZeRO-2 FSDP keeping parameters gathered
   (``"never"``). torchtitan has no ZeRO-1; it runs as ZeRO-2, as autoplan's own runtime runs it
-  under FSDP2 (``Plan.decisions``).
+  under FSDP2 (``Plan.decisions``). HSDP (``dp_shard_degree`` s) -> ``data_parallel_shard_degree
+  = s`` and ``data_parallel_replicate_degree = dp / s``: torchtitan's mesh puts ``dp_shard``
+  inside ``dp_replicate`` (``parallel_dims.py``), so a shard group is s consecutive dp ranks, the
+  plan's, and FSDP2 runs HSDP over its (dp_replicate, fsdp) mesh; its ``ParallelDims._validate``
+  asserts that replicate x shard x cp x tp x pp is the world size.
 - ``tp_degree`` -> ``tensor_parallel_degree``; ``sequence_parallel`` ->
   ``enable_sequence_parallel``.
 - ``pp_degree`` -> ``pipeline_parallel_degree``; ``stages`` and ``virtual_stages`` ->
@@ -454,6 +458,9 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
     else:
         local_batch = plan.micro_batch_size  # the micro-batches are accumulation steps
     replicate, shard = (plan.dp_degree, 1) if plan.zero_stage == 0 else (1, plan.dp_degree)
+    if plan.dp_shard_degree is not None:  # HSDP (zero_stage >= 1, checked by the plan)
+        shard = plan.dp_shard_degree
+        replicate = plan.dp_degree // shard
     reshard = {0: "default", 1: "never", 2: "never", 3: "always"}[plan.zero_stage]
     # torchtitan's default (True) is harmless without TP
     sequence_parallel = plan.sequence_parallel or plan.tp_degree == 1

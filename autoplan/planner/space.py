@@ -325,9 +325,11 @@ def _normalise(key: str, value: Any) -> Any:
             named = ", ".join(str(a) for a in allowed)
             raise ConstraintError(f"{key}={value!r}: the precision policy's values are {named}")
         return value
-    if key in ("allow_cross_node_tp", "hsdp"):
+    if key == "allow_cross_node_tp":
+        return bool(value)
+    if key == "hsdp":
         if not isinstance(value, bool):
-            raise ConstraintError(f"{key}={value!r} must be True or False")
+            raise ConstraintError(f"hsdp={value!r} must be True or False")
         return value
     if key == "dtype":
         dtypes = tuple(value.split(",")) if isinstance(value, str) else _as_tuple(key, value)
