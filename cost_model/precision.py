@@ -241,7 +241,7 @@ def precision_problem(
     policy = precision_policy(
         dtype,
         str(master_dtype),
-        grad_reduce_dtype and str(grad_reduce_dtype),
+        None if grad_reduce_dtype is None else str(grad_reduce_dtype),
         str(optimizer_state_dtype),
     )
     compute = policy.compute

@@ -215,13 +215,13 @@ class Strategy:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"strategy.dtype = {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
-        problem = fp8_field_problem(
+        field_problem = fp8_field_problem(
             self.dtype, self.fp8_all_gather, self.fp8_exclude, self.zero_stage, check_zero=False
         ) or precision_problem(
             self.dtype, self.master_dtype, self.grad_reduce_dtype, self.optimizer_state_dtype
         )
-        if problem is not None:
-            raise ValueError(f"strategy: {problem}")
+        if field_problem is not None:
+            raise ValueError(f"strategy: {field_problem}")
 
     @classmethod
     def of(cls, plan: PlanLike) -> Strategy:
