@@ -62,8 +62,8 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     """The features by which the residuals are grouped, of a plan with ``strategy`` whose
     stages use the recompute ``modes``, priced for ``framework``: its pipeline schedule, each
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
-    through the schedule's memory), its ZeRO level, tensor, sequence, context and expert
-    parallelism, its precision and its training stack."""
+    through the schedule's memory), its ZeRO level (and HSDP), tensor, sequence, context and
+    expert parallelism, its precision and its training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
     for mode in sorted(set(modes)):
@@ -71,6 +71,10 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         recompute = "without recompute" if mode == "none" else f"with {mode} recompute"
         features.append(f"{schedule} {recompute}")
     features.append(f"ZeRO-{strategy.zero_stage}" if strategy.zero_stage else "no ZeRO")
+    if strategy.hsdp:
+        # no scored published run shards within groups yet (the fms-fsdp HSDP rows are
+        # unscored): a plan with it is unvalidated there, and its range says so
+        features.append("HSDP")
     if strategy.tp_degree > 1:
         features.append("tensor parallel")
     if strategy.sequence_parallel:

@@ -164,7 +164,7 @@ def test_zero1_runs_as_zero2_under_hsdp() -> None:
     ZeroRedundancyOptimizer, runs as ZeRO-2 there, and says so."""
     plan = _plan(dtype="fp32", zero_stage=1)
     assert plan.decisions.dp_wrapper == "fsdp" and plan.decisions.zero_stage == 2
-    assert plan.zero_text == "ZeRO-1 (runs as ZeRO-2)"
+    assert plan.zero_text == "ZeRO-1 (runs as ZeRO-2) HSDP (shard 4 x replicate 2)"
     assert _plan(dtype="fp32", zero_stage=1, dp_shard_degree=None).decisions.dp_wrapper == "ddp"
 
 
@@ -300,3 +300,23 @@ def test_the_search_offers_one_shard_group_a_layout_and_only_across_domains() ->
     assert hsdp_shards(dataclasses.replace(space, hsdp=False), profile, shape, layouts) == ()
     moe = with_routed_experts(profile, num_experts=4, top_k=2, expert_ffn=256)
     assert hsdp_shards(space, moe, shape, layouts) == ()
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def test_cli_estimate_takes_dp_shard_and_refuses_a_bad_one_in_one_line() -> None:
+    from tests.conftest import run_cli
+
+    common = ("estimate", "--model", "gpt2-small", "--cluster", "dgx-a100-80g:nodes=2")
+    good = run_cli(*common, "--global-batch", "16", "--zero", "3", "--dp-shard", "8")
+    assert good.returncode == 0, good.stderr
+    assert "ZeRO-3 HSDP (shard 8 x replicate 2)" in " ".join(good.stdout.split())
+    for extra, words in (
+        (("--zero", "3", "--dp-shard", "5"), "dp_shard_degree = 5 does not divide dp_degree = 16"),
+        (("--dp-shard", "8"), "dp_shard_degree = 8 with zero_stage 0"),
+    ):
+        bad = run_cli(*common, "--global-batch", "16", *extra)
+        assert bad.returncode != 0
+        lines = [line for line in bad.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in bad.stderr

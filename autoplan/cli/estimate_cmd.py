@@ -90,6 +90,13 @@ from cost_model.precision import precision_text
 )
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO level.")
 @click.option(
+    "--dp-shard",
+    type=click.IntRange(min=1),
+    default=None,
+    help="HSDP: shard the weights within groups of this many consecutive dp ranks and "
+    "replicate across the groups (needs --zero 1-3; a divisor of dp) [all of dp].",
+)
+@click.option(
     "--schedule",
     type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]),
     default=None,
@@ -128,6 +135,7 @@ def estimate_cmd(
     global_batch: int,
     recompute: Recompute,
     zero: int,
+    dp_shard: int | None,
     schedule: Schedule | None,
     virtual_stages: int,
     sequence_parallel: bool,
@@ -166,6 +174,7 @@ def estimate_cmd(
         global_batch=global_batch,
         recompute=recompute,
         zero=zero,
+        dp_shard=dp_shard,
         schedule=schedule,
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,

@@ -718,12 +718,15 @@ class Plan:
     @property
     def zero_text(self) -> str:
         """``ZeRO-2``; ``ZeRO-1 (runs as ZeRO-2)`` when the runtime runs another stage than the
-        plan names (ZeRO-1 outside DDP: FSDP2 shards gradients too)."""
+        plan names (ZeRO-1 outside DDP: FSDP2 shards gradients too); under HSDP with its groups,
+        ``ZeRO-3 HSDP (shard 8 x replicate 4)``."""
         run = self.decisions.zero_stage
         # `decide` is autoplan's runtime: other stacks run the stage the plan names
         if self.framework != DEFAULT_FRAMEWORK:
             run = self.zero_stage
         suffix = "" if run == self.zero_stage else f" (runs as ZeRO-{run})"
+        if (shard := self.dp_shard_degree) is not None:
+            suffix += f" HSDP (shard {shard} x replicate {self.dp_degree // shard})"
         return f"ZeRO-{self.zero_stage}{suffix}"
 
     def checkpoint_problem(self) -> str | None:
