@@ -127,13 +127,16 @@ def op_time(
     sequence_parallel: bool = False,
     traced_dtype_bytes: int = 4,
     fp8: Fp8Recipe | None = None,
+    kernels: float = 1.0,
 ) -> OpTime:
     """Forward and backward time of ``op`` for one micro-batch on one device (roofline).
 
     Under an fp8 recipe (``dtype`` names one) the op runs in the recipe's compute dtype, bf16;
     with ``fp8`` (the op is a converted linear, `cost_model.parts.fp8.is_converted`) its GEMMs
     run at the device's fp8 rate for the recipe, at `Calibration.fp8_gemm_efficiency_ratio`
-    times the 16-bit GEMMs' efficiency. The casts to fp8 are `cost_model.parts.fp8`'s."""
+    times the 16-bit GEMMs' efficiency. The casts to fp8 are `cost_model.parts.fp8`'s.
+    ``kernels``: the launches it pays each way (a fused group's first op launches the group's
+    kernels, the others none: `cost_model.parts.fusion.fused_ops`)."""
     dtype = compute_dtype(dtype)
     div = tp_divisor(op, tp_degree, sequence_parallel)
     scale = DTYPE_BYTES[dtype] / traced_dtype_bytes
@@ -183,7 +186,7 @@ def op_time(
         # term that decides.
         rate = bwd_rate = device.peak_flops_for("fp32")
         weight_share = 1.0 if op.kind == "embedding" and op.param_bytes_read > 0 else 0.0
-    overhead = calibration.kernel_overhead_s
+    overhead = kernels * calibration.kernel_overhead_s
     forward_s = max(fwd_flops / rate, fwd_bytes / bandwidth) + overhead
     backward_s = (
         max(bwd_flops / bwd_rate, bwd_bytes / bandwidth) + overhead

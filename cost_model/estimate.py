@@ -149,8 +149,9 @@ class CostModel:
         self.cluster = self.stack.cluster_for(profile, cluster)
         # for each unit, the first unit with the same content (its own if unique)
         self.classes = unit_classes(profile)
-        # (unit, tp, sequence parallel, micro-batch, dtype, cp) -> the unit's compute
-        self._compute: dict[tuple[int, int, bool, int, str, int], ComputeTimes] = {}
+        # (unit, tp, sequence parallel, micro-batch, dtype, cp, [fp8 fields], compile) -> the
+        # unit's compute
+        self._compute: dict[tuple[object, ...], ComputeTimes] = {}
         # (unit, cp) -> the unit as one context-parallel rank runs it
         self._local: dict[tuple[int, int], UnitProfile] = {}
         # (unit, what expert parallelism reads of the strategy, mode, ep placements) -> cost
@@ -229,6 +230,8 @@ class CostModel:
             strategy.cp_degree,
             # an fp8 recipe's linears and weight casts (`cost_model.parts.fp8`)
             *((strategy.fp8_exclude, strategy.fp8_all_gather) if strategy.fp8 else ()),
+            # torch.compile's fused ops (`cost_model.parts.fusion`)
+            strategy.compile,
         )
         found = self._compute.get(key)
         if found is None:
@@ -373,12 +376,17 @@ class CostModel:
         """The stages' units and times, the ranks' tails and the schedule's simulation."""
         spec = strategy.schedule_spec
         p = strategy.pp_degree
-        by_mode: dict[str, tuple[UnitCost, ...]] = {}
+        # every unit's costs per (recompute mode, compile) the stages use: a stage that
+        # overrides the plan's compile is priced with its own (`stage_compiled`)
+        by_mode: dict[tuple[str, bool], tuple[UnitCost, ...]] = {}
         for stage in stages:
-            if stage.recompute not in by_mode:
-                by_mode[stage.recompute] = self.unit_costs(strategy, stage.recompute)
+            key = (stage.recompute, stage_compiled(stage, strategy))
+            if key not in by_mode:
+                own = dataclasses.replace(strategy, compile=key[1])
+                by_mode[key] = self.unit_costs(own, stage.recompute)
         stage_units: list[tuple[UnitCost, ...]] = [
-            by_mode[s.recompute][s.first_unit : s.last_unit + 1] for s in stages
+            by_mode[(s.recompute, stage_compiled(s, strategy))][s.first_unit : s.last_unit + 1]
+            for s in stages
         ]
         boundaries = [
             self.boundary(units[-1], strategy, idx) for idx, units in enumerate(stage_units)
@@ -500,7 +508,8 @@ class _Timing:
     """A plan's units per stage and rank, their times and the schedule's simulation."""
 
     spec: ScheduleSpec
-    by_mode: dict[str, tuple[UnitCost, ...]]  # every unit's costs per recompute mode used
+    # every unit's costs per (recompute mode, compile) used
+    by_mode: dict[tuple[str, bool], tuple[UnitCost, ...]]
     stage_units: list[tuple[UnitCost, ...]]
     boundaries: list[Boundary]
     times: list[StageTimes]
@@ -555,6 +564,13 @@ def _stage_estimate(
         ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
         host_s=m * sum(u.host_s for u in units),
     )
+
+
+def stage_compiled(stage: StageLike, strategy: Strategy) -> bool:
+    """Whether ``stage`` runs torch.compile: its own ``compile`` (`autoplan.Plan`'s
+    ``stages[i].compile``), else the plan's (``strategy.compile``)."""
+    own = getattr(stage, "compile", None)
+    return strategy.compile if own is None else bool(own)
 
 
 def _stretched_boundary(raw: Boundary, factors: SharingFactors) -> Boundary:

@@ -633,6 +633,12 @@ SELECTIVE_SAVED_KINDS: frozenset[OpKind] = frozenset({"matmul", "attention"})
 RECOMPUTED_UNIT_KINDS: frozenset[UnitKind] = frozenset({"block", "other"})
 
 
+# Units torch.compile compiles under a compiled plan: each block (and the units of a model traced
+# without a block structure), as torchtitan compiles each TransformerBlock and leaves the
+# embedding and the head eager (torchtitan/distributed/compile.py, apply_compile).
+COMPILED_UNIT_KINDS: frozenset[UnitKind] = frozenset({"block", "other"})
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecomputePolicy:
     """What a recomputed unit keeps for backward; everything else runs again."""
@@ -661,6 +667,8 @@ class Decisions:
     schedule_class: str  # the torch.distributed.pipelining.schedules class that runs
     split_backward: bool  # the schedule runs backward-input and backward-weight apart
     recompute: RecomputePolicy
+    # the units a compiled stage compiles (`COMPILED_UNIT_KINDS`)
+    compiled_unit_kinds: frozenset[UnitKind] = COMPILED_UNIT_KINDS
 
 
 _RECOMPUTE = RecomputePolicy(

@@ -50,10 +50,19 @@ class OpProfile:
     activation_bytes: float  # activation bytes read + written per sample
     param_bytes_read: float = 0.0  # weight bytes read once per micro-batch
     gemm: GemmShape | None = None
+    # Under torch.compile (`cost_model.parts.fusion`): the op's fusion group among its unit's
+    # ops (-1: inductor does not fuse it), and its share of the group's traffic, activation
+    # bytes per sample: the inputs it reads from outside the group (each once a group) and its
+    # output if something outside the group reads it. None: the trace recorded no dataflow
+    # (a profile built by hand), and the op is priced as eager.
+    fusion_group: int = -1
+    fused_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if self.forward_flops < 0 or self.backward_flops < 0 or self.activation_bytes < 0:
             raise ValueError(f"op {self.name!r}: FLOPs and bytes must be >= 0")
+        if self.fused_bytes is not None and self.fused_bytes < 0:
+            raise ValueError(f"op {self.name!r}: fused_bytes must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

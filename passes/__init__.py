@@ -18,6 +18,7 @@ Imports only autoplan's plan, graph and error types (never the search or the cos
 from __future__ import annotations
 
 from passes._log import is_rank0, log_rank0
+from passes.compile import apply_compile, is_compiled
 from passes.context_parallel import (
     ContextParallelResult,
     RingAttention,
@@ -90,6 +91,7 @@ __all__ = [
     "TiedGradientSync",
     "TiedParameter",
     "UnitModule",
+    "apply_compile",
     "apply_context_parallel",
     "apply_data_parallel",
     "apply_expert_parallel",
@@ -104,6 +106,7 @@ __all__ = [
     "find_grouped_experts",
     "has_meta_tensors",
     "init_full_model_",
+    "is_compiled",
     "is_rank0",
     "load_balanced_positions",
     "log_rank0",

@@ -93,7 +93,10 @@ def build_pipeline(
     """Build the stages and the schedule for this pipeline rank."""
     # `Plan.validate` refuses these before any collective; a plan that skipped it stops here.
     conflict = split_backward_conflict(
-        plan.schedule, plan.zero_stage, (stage.recompute for stage in plan.stages)
+        plan.schedule,
+        plan.zero_stage,
+        (stage.recompute for stage in plan.stages),
+        compiled=plan.any_compiled,
     )
     if conflict is not None:
         raise PlanError(conflict)

@@ -572,7 +572,10 @@ class Plan:
         `autoplan.manual_plan` builds one; autoplan's runtime's limits apply either way)."""
         cluster = as_cluster(cluster)
         conflict = split_backward_conflict(
-            self.schedule, self.zero_stage, (stage.recompute for stage in self.stages)
+            self.schedule,
+            self.zero_stage,
+            (stage.recompute for stage in self.stages),
+            compiled=self.any_compiled,
         )
         if conflict is not None:
             raise PlanError(conflict)
@@ -769,10 +772,15 @@ def _raise_first(problems: Iterable[str]) -> None:
 
 
 def split_backward_conflict(
-    schedule: Schedule, zero_stage: int, recompute: Iterable[Recompute]
+    schedule: Schedule,
+    zero_stage: int,
+    recompute: Iterable[Recompute],
+    *,
+    compiled: bool = False,
 ) -> str | None:
-    """Why autoplan's runtime refuses ``schedule`` with this ZeRO stage and these per-stage
-    recompute modes (a message naming the rule and the fix), or None if it runs them.
+    """Why autoplan's runtime refuses ``schedule`` with this ZeRO stage, these per-stage
+    recompute modes and torch.compile in some stage (``compiled``) (a message naming the rule
+    and the fix), or None if it runs them.
 
     The zero-bubble schedules (``interleaved-zb``, ``zbv``, ``dualpipev``) split each backward
     into backward-input and backward-weight, two ``torch.autograd.grad`` calls over one graph
@@ -780,10 +788,20 @@ def split_backward_conflict(
     CPU/gloo (docs/plan-format.md, "Schedules at run time"): FSDP2 resharding after forward
     (ZeRO-3) gets the weight gradients wrong; selective recompute allows one backward through
     a region and fails; full recompute gives the right gradients but re-runs each block once for
-    backward-input and once per weight-gradient group for backward-weight.
+    backward-input and once per weight-gradient group for backward-weight. A compiled unit's
+    backward is one autograd node (AOTAutograd's compiled backward), which frees its saved
+    buffers after one call: backward-weight's second call fails (measured, torch 2.13 on CPU).
     """
     if schedule not in SPLIT_BACKWARD:
         return None
+    if compiled:
+        return (
+            f"compile with schedule {shown(schedule)}: a compiled unit's backward is one "
+            "autograd node (AOTAutograd's compiled backward, its saved buffers donated to the "
+            "first call), and torch's split backward calls it twice (backward-input, then "
+            "backward-weight; torch raises 'compiled with non-empty donated buffers ... "
+            "retain_graph=False'); use schedule 'interleaved-1f1b', or compile: false"
+        )
     if zero_stage == 3:
         return (
             f"zero_stage = 3 with schedule {shown(schedule)}: with FSDP2 resharding parameters "

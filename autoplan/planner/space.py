@@ -70,7 +70,7 @@ from cost_model.precision import (
     fp8_recipe,
     precision_problem,
 )
-from cost_model.schedules import ONE_STAGE_SCHEDULES, V_SCHEDULES, ScheduleError
+from cost_model.schedules import ONE_STAGE_SCHEDULES, SPLIT_BACKWARD, V_SCHEDULES, ScheduleError
 from cost_model.strategy import Strategy, folded_ep_factors, schedule_spec, valid_layout
 from cost_model.workload import ModelProfile
 
@@ -134,6 +134,10 @@ class SearchSpace:
     master_dtype: str = DEFAULT_MASTER_DTYPE
     grad_reduce_dtype: str | None = None
     optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
+    # torch.compile of every plan's blocks (`Plan.compile`): a policy of the run's, not an
+    # axis (compiling never slows a unit the cost model prices: `cost_model.parts.fusion`);
+    # the schedules that split the backward are left out (`split_backward_conflict`)
+    compile: bool = False
 
     @property
     def policy(self) -> tuple[str, str | None, str]:
@@ -170,8 +174,20 @@ class SearchSpace:
                 raise ConstraintError(f"unknown search constraint {key!r}; valid: {valid}")
             fields[key] = _normalise(key, value)
         space = cls(**fields)
+        if space.compile:
+            space = space._without_split_backward()
         space._check()
         return space
+
+    def _without_split_backward(self) -> SearchSpace:
+        """This (compiled) space without the schedules that split the backward, which a
+        compiled unit cannot run (`split_backward_conflict`); `ConstraintError` when no
+        schedule is left."""
+        kept = tuple(s for s in self.schedules if s not in SPLIT_BACKWARD)
+        if not kept:
+            conflict = split_backward_conflict(self.schedules[0], 0, ("none",), compiled=True)
+            raise ConstraintError(f"schedules={shown(self.schedules)}: {conflict}")
+        return dataclasses.replace(self, schedules=kept)
 
     def _check(self) -> None:
         for name, allowed, limit in (("tp", self.tp, self.max_tp), ("pp", self.pp, self.max_pp)):
@@ -327,6 +343,10 @@ def _normalise(key: str, value: Any) -> Any:
         return value
     if key == "allow_cross_node_tp":
         return bool(value)
+    if key == "compile":
+        if not isinstance(value, bool):
+            raise ConstraintError(f"compile={value!r} must be True or False")
+        return value
     if key == "hsdp":
         if not isinstance(value, bool):
             raise ConstraintError(f"hsdp={value!r} must be True or False")
@@ -382,6 +402,7 @@ class Shape:
     master_dtype: str = DEFAULT_MASTER_DTYPE
     grad_reduce_dtype: str | None = None
     optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
+    compile: bool = False  # the space's (`SearchSpace.compile`)
 
     def member(
         self,
@@ -414,6 +435,7 @@ class Shape:
             master_dtype=self.master_dtype,
             grad_reduce_dtype=self.grad_reduce_dtype,
             optimizer_state_dtype=self.optimizer_state_dtype,
+            compile=self.compile,
             rank_layout=layout,
             cp_degree=self.cp,
             ep_degree=self.ep,
@@ -487,7 +509,7 @@ def shapes(
                                 continue  # (`SearchSpace.within_policy` names it)
                             yield Shape(
                                 tp, pp, cp, dp, ep, folded, b, per_replica // b, dtype,
-                                *space.policy,
+                                *space.policy, compile=space.compile,
                             )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from cost_model.frameworks import FrameworkProfile, Refusal
 from cost_model.frameworks.limits import (
     AxisLimit,
     axis_limits,
+    compile_refusal,
     outer_refusals,
     precision_refusal,
     recompute_modes,
@@ -111,6 +112,9 @@ def within_stack(
     """``space`` cut to what ``stack`` runs: each axis limit of its own (dtypes, schedules,
     recompute modes, rank orders, sequence parallelism, ZeRO stages, degrees it lacks);
     `ConstraintError` naming the limit where the constraints leave it nothing."""
+    if space.compile and stack.compile_scope is None:
+        refusal = compile_refusal(stack)
+        raise ConstraintError(f"compile=True: {refusal.rule}; {refusal.fix}")
     limits = [limit for limit in axis_limits(stack, profile) if not limit.of_model]
     for axis in _SEARCH_ORDER:
         for limit in limits:

@@ -63,6 +63,7 @@ from passes import (
     ReplicatedGradientSum,
     SplitModel,
     TensorParallelResult,
+    apply_compile,
     apply_context_parallel,
     apply_data_parallel,
     apply_expert_parallel,
@@ -400,6 +401,8 @@ def _shard_stages(
         if plan.ep_degree > 1 and find_grouped_experts(stage.module):
             apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
         apply_recompute(stage, plan.stages[stage.stage_idx].recompute, plan.decisions.recompute)
+        # after recompute, before data parallelism (torchtitan's order)
+        apply_compile(stage, plan.stage_compiled(stage.stage_idx))
     if context is None and plan.cp_degree > 1:
         # a stage without attention (an embedding or head alone) still gets its tokens split
         context = ContextParallelResult(

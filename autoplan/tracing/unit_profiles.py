@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor, fx, nn
 
 from autoplan.contract.graph import NodeProfile
+from autoplan.tracing.fusion import with_fusion
 from autoplan.tracing.measure import (
     Measurements,
     TracedGraph,
@@ -323,7 +324,7 @@ def profile_units(
                 graph,
                 spec.root,
                 nodes,
-                own.ops,
+                with_fusion(own.ops, nodes, measured.specs, graph.batch_size),
                 measured.units[rep],
                 measured.nodes,
                 tp.units[rep],
@@ -568,16 +569,7 @@ def _trailing_count(ops: Sequence[OpProfile], names: set[str]) -> int:
 
 
 def _renamed_op(op: OpProfile, name: str) -> OpProfile:
-    return OpProfile(
-        name=name,
-        kind=op.kind,
-        tp=op.tp,
-        forward_flops=op.forward_flops,
-        backward_flops=op.backward_flops,
-        activation_bytes=op.activation_bytes,
-        param_bytes_read=op.param_bytes_read,
-        gemm=op.gemm,
-    )
+    return replace(op, name=name)
 
 
 def _gemm_shape(measure: NodeMeasure, batch: int) -> GemmShape | None:

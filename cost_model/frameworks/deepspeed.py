@@ -147,6 +147,9 @@ DEEPSPEED = FrameworkProfile(
     context_parallel=False,
     expert_parallel=False,
     capabilities=Capabilities(explained=DEEPSPEED_WORDS),
+    # DeepSpeedEngine.compile() (deepspeed/runtime/engine.py): the engine's module compiled
+    # whole, once (the ds_config "compile" section configures DeepCompile, not this)
+    compile_scope="global",
     # bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states (DEEPSPEED_WORDS)
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 1)),
     sources=(

@@ -54,6 +54,8 @@ LimitKey = Literal[
     "expert-groups",
     "ep-zero1",
     "ep-selective",
+    "compile",
+    "compile-scope",
     "grad-reduce",
     "master-states",
     "hsdp",
@@ -413,6 +415,8 @@ def _combination_refusals(
 ) -> Iterator[Refusal]:
     name, caps, z = stack.name, stack.capabilities, strategy.zero_stage
     tp, pp, cp, ep = strategy.tp_degree, strategy.pp_degree, strategy.cp_degree, strategy.ep_degree
+    if strategy.compile and stack.compile_scope is None:
+        yield compile_refusal(stack)
     if caps.cp_min_zero is not None and cp > 1 and z < caps.cp_min_zero:
         yield Refusal(
             value=f"zero {z} with cp {cp}",
@@ -455,6 +459,40 @@ def _combination_refusals(
             fix="leave dp_shard_degree out (the weights sharded over dp x cp), or set --cp 1",
             limit="hsdp",
             field="dp_shard_degree",
+        )
+
+
+def compile_refusal(stack: FrameworkProfile) -> Refusal:
+    """The refusal of a compiled plan (or stage) on a stack that does not torch.compile the
+    model (`FrameworkProfile.compile_scope` None), in its own words where it states them
+    (`Capabilities.explained` "compile")."""
+    rule = f"{stack.name} does not torch.compile the model"
+    fix = "set compile: false (leave out --compile)"
+    words = stack.capabilities.explained.get("compile")
+    if words is not None and "{" not in words.why + words.fix:
+        rule, fix = f"{rule}: {words.why}", words.fix
+    return Refusal(value="compile", rule=rule, fix=fix, limit="compile", field="compile")
+
+
+def _compile_refusals(stack: FrameworkProfile, plan: PlanLike) -> Iterator[Refusal]:
+    """A stage's own ``compile`` (`autoplan.Plan`'s ``stages[i].compile``) on a stack that
+    compiles nothing, or that differs from the other stages' on a stack with one compile
+    setting for the whole model (`FrameworkProfile.compile_scope` "global")."""
+    plan_compile = bool(getattr(plan, "compile", False))
+    flags = []
+    for stage in plan.stages:
+        own = getattr(stage, "compile", None)
+        flags.append(plan_compile if own is None else bool(own))
+    if any(flags) and not plan_compile and stack.compile_scope is None:
+        yield compile_refusal(stack)
+    if stack.compile_scope == "global" and len(set(flags)) > 1:
+        yield Refusal(
+            value=f"compile on {sum(flags)} of {len(flags)} stages",
+            rule=f"{stack.name} has one compile setting for the whole model",
+            fix=f"set compile: {'true' if plan_compile else 'false'} on every stage (leave "
+            "stages[*].compile out)",
+            limit="compile-scope",
+            field="stages[*].compile",
         )
 
 
@@ -635,6 +673,7 @@ def plan_refusals(
     for mode in modes if running else ():
         if (why := recompute_refusal(stack, strategy, mode)) is not None:
             yield why
+    yield from _compile_refusals(stack, plan)
     if stack.recompute_scope == "global" and len(modes) > 1:
         yield Refusal(
             value=f"recompute {' and '.join(modes)} by stage",

@@ -29,6 +29,14 @@ def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
 # Its limits as `autoplan export` words them (`Capabilities.explained`), in Megatron-Core's
 # terms and files.
 MEGATRON_LM_WORDS = {
+    "compile": Explanation(
+        why="no option compiles it, its fusions are kernels of its own (Transformer Engine's "
+        "fused norms, attention and fp8 casts; TransformerConfig's bias_activation_fusion, "
+        "bias_dropout_fusion and apply_rope_fusion, small functions megatron/core/jit.py's "
+        "jit_fuser compiles)",
+        fix="set compile: false, and price the plan for megatron-lm as it runs "
+        "(--framework megatron-lm)",
+    ),
     "dtype:fp8-rowwise": Explanation(
         why="megatron-lm's --fp8-recipe is tensorwise, delayed, mxfp8, blockwise or custom "
         "(TransformerConfig.fp8_recipe, megatron/core/transformer/transformer_config.py); none "

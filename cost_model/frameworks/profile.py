@@ -236,6 +236,11 @@ class FrameworkProfile:
     # sequence chunks), or no expert parallelism, as a plan degree (`refusal`).
     context_parallel: bool = True
     expert_parallel: bool = True
+    # How the stack runs torch.compile on the model (`Plan.compile`, `cost_model.parts.fusion`):
+    # "stage", a setting per pipeline stage (autoplan's runtime compiles each stage's blocks
+    # as its plan says); "global", one setting for the whole model; ``None``: it does not
+    # torch.compile the model, and a compiled plan is refused (`limits.compile_refusal`).
+    compile_scope: Literal["stage", "global"] | None = None
     # The training dtypes the stack runs (``None``: fp32, bf16 and fp16), and the fp8 recipes
     # (`cost_model.precision`; none unless stated).
     dtypes: tuple[str, ...] | None = None

@@ -84,6 +84,10 @@ TORCHTITAN = FrameworkProfile(
     # autoplan export writes them for torchtitan 0.3; its tensor-wise recipe and FSDP fp8
     # all-gather went in pytorch/torchtitan#3127, so fp8 (tensor-wise) is not offered
     fp8_recipes=("fp8-rowwise", "mxfp8"),
+    # compile.enable with components ["model", "loss"]: each TransformerBlock compiled, one
+    # setting for all (torchtitan/config/configs.py CompileConfig; torchtitan/distributed/
+    # compile.py apply_compile)
+    compile_scope="global",
     # training.mixed_precision_reduce (float32 only) and training.dtype (float32: fp32
     # master weights and states; bfloat16: both in bf16) (TORCHTITAN_WORDS)
     grad_reduce_dtypes=("fp32",),

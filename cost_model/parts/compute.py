@@ -14,6 +14,7 @@ from cost_model.calibration import Calibration
 from cost_model.compute import OpTime, op_time
 from cost_model.hardware import Cluster
 from cost_model.parts.fp8 import cast_cost, converted_ops
+from cost_model.parts.fusion import fused_ops
 from cost_model.strategy import Strategy
 from cost_model.workload import OpProfile, UnitProfile
 
@@ -52,9 +53,11 @@ def op_cost(
     traced_dtype_bytes: int,
     *,
     fp8: bool = False,
+    kernels: float = 1.0,
 ) -> OpTime:
     """One operator on one device under ``strategy`` (`cost_model.compute.op_time`); ``fp8``:
-    a linear the strategy's fp8 recipe converts (`cost_model.parts.fp8.is_converted`)."""
+    a linear the strategy's fp8 recipe converts (`cost_model.parts.fp8.is_converted`);
+    ``kernels``: the launches it pays (`cost_model.parts.fusion.FusedOp`)."""
     return op_time(
         op,
         device=cluster.device,
@@ -65,6 +68,7 @@ def op_cost(
         sequence_parallel=strategy.sequence_parallel,
         traced_dtype_bytes=traced_dtype_bytes,
         fp8=strategy.fp8 if fp8 else None,
+        kernels=kernels,
     )
 
 
@@ -78,8 +82,9 @@ def compute_times(
     `cost_model.parts.expert_parallel` prices. Depends only on the unit, the device and the
     strategy's TP degree, sequence parallelism, micro-batch and dtype (with an fp8 recipe's
     fields: its converted linears' GEMMs at the fp8 rate, and their casts in the forward and
-    backward, `cost_model.parts.fp8.cast_cost`), so the planner's many strategies share one
-    computation (`cost_model.estimate.CostModel` keeps them).
+    backward, `cost_model.parts.fp8.cast_cost`) and ``compile`` (a compiled unit's fused ops,
+    `cost_model.parts.fusion`), so the planner's many strategies share one computation
+    (`cost_model.estimate.CostModel` keeps them).
     """
     fwd_c = bwd_c = flops = selective_fwd = gemm_fwd = tail_fwd = weight = 0.0
     first_tail = len(unit.ops) - unit.recompute_skip_ops
@@ -87,10 +92,19 @@ def compute_times(
     # the routed experts' op is priced apart (`parts.expert_parallel`)
     experts_op = unit.moe.experts_op if unit.moe is not None else None
     converted = {op.name for op in converted_ops(unit, strategy)}
-    for position, op in enumerate(unit.ops):
+    # under torch.compile the fused ops with their groups' traffic (`parts.fusion`)
+    for position, fused in enumerate(fused_ops(unit, strategy)):
+        op = fused.op
         if op.name == experts_op:
             continue
-        ot = op_cost(op, cluster, strategy, traced_dtype_bytes, fp8=op.name in converted)
+        ot = op_cost(
+            op,
+            cluster,
+            strategy,
+            traced_dtype_bytes,
+            fp8=op.name in converted,
+            kernels=fused.kernels,
+        )
         fwd_c += ot.forward_s
         bwd_c += ot.backward_s
         weight += ot.weight_backward_s

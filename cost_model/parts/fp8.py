@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from cost_model.communication import collective_time_s
 from cost_model.hardware import Cluster
+from cost_model.parts.fusion import compiles
 from cost_model.precision import FP8_GEMM_MULTIPLE
 from cost_model.strategy import GroupPlacement, Strategy
 from cost_model.workload import ModelProfile, OpProfile, UnitProfile
@@ -151,7 +152,8 @@ def cast_cost(unit: UnitProfile, strategy: Strategy, cluster: Cluster) -> Fp8Cas
         return zero
     cal = cluster.calibration
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
-    eager = cal.fp8_eager_casts >= 0.5
+    # torch.compile fuses a compiled unit's casts (torchao's float8 under compile: module doc)
+    eager = cal.fp8_eager_casts >= 0.5 and not compiles(unit, strategy)
     # under fp8 all-gather the weights are cast on their shards before the gather, priced with
     # it (`shard_cast_s`), and the backward reuses the gathered fp8 weight
     gathered = strategy.fp8_all_gather
