@@ -89,6 +89,7 @@ def manual_plan(
     schedule: Schedule = "1f1b",
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
+    tp_comm_overlap: bool = False,
     dtype: DTypeName | None = None,
     master_dtype: MasterDtype = DEFAULT_MASTER_DTYPE,
     grad_reduce_dtype: GradReduceDtype | None = None,
@@ -113,6 +114,8 @@ def manual_plan(
     runtime, or one of `autoplan export`'s; `cost_model.frameworks`), recorded in the plan.
     ``master_dtype``, ``grad_reduce_dtype`` and ``optimizer_state_dtype``: the precision policy
     (`Plan.master_dtype`, ...; `cost_model.precision`).
+    ``tp_comm_overlap``: the sequence-parallel TP collectives pipelined with their GEMMs
+    (`Plan.tp_comm_overlap`).
     ``compile``: torch.compile every unit (`Plan.compile`). ``dp_shard``: HSDP, the weights
     sharded within groups of that many consecutive dp ranks and replicated across them
     (`Plan.dp_shard_degree`; None: over all of dp).
@@ -180,6 +183,7 @@ def manual_plan(
         zero_stage=zero,
         dp_shard_degree=dp_shard,
         sequence_parallel=sequence_parallel,
+        tp_comm_overlap=tp_comm_overlap,
         dtype=dtype or cluster.device.fastest_training_dtype(),  # type: ignore[arg-type]
         master_dtype=master_dtype,
         grad_reduce_dtype=grad_reduce_dtype,

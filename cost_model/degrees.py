@@ -392,3 +392,32 @@ def sequence_parallel_problems(plan: DegreesLike, seq_len: int) -> Iterator[str]
             f"sequence_parallel needs tp_degree = {plan.tp_degree} to divide seq_len = "
             f"{seq_len}; change tp_degree or turn sequence_parallel off"
         )
+
+
+def tp_comm_overlap_problem(
+    tp_degree: int, sequence_parallel: bool, tp_comm_overlap: object
+) -> str | None:
+    """``tp_comm_overlap`` against tp and sequence parallelism: the overlap pipelines the
+    sequence-parallel all-gathers and reduce-scatters with the GEMMs they feed or follow, so it
+    needs both. Megatron-LM asserts it ("Tensor parallel communication/GEMM overlap can happen
+    only when sequence parallelism is enabled", megatron/training/arguments.py validate_args);
+    torch's async TP fuses all-gather + matmul and matmul + reduce-scatter only, which
+    all-reducing TP without sequence parallelism has none of."""
+    if not isinstance(tp_comm_overlap, bool):
+        return f"tp_comm_overlap = {shown(tp_comm_overlap)} must be true or false"
+    if not tp_comm_overlap:
+        return None
+    if tp_degree == 1:
+        return (
+            "tp_comm_overlap: true needs tp_degree > 1 (it overlaps tensor-parallel "
+            "collectives with their GEMMs, and tp_degree 1 has none); set tp_comm_overlap to "
+            "false"
+        )
+    if not sequence_parallel:
+        return (
+            f"tp_comm_overlap: true with tp_degree = {tp_degree} needs sequence_parallel: true "
+            "(the overlap splits the sequence-parallel all-gathers and reduce-scatters around "
+            "their GEMMs; without sequence parallelism TP all-reduces, which no stack "
+            "overlaps so); set sequence_parallel: true, or tp_comm_overlap to false"
+        )
+    return None

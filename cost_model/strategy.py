@@ -24,11 +24,10 @@ import numpy as np
 # the name sets and layout rules are `cost_model.degrees`'; re-exported under their names here
 from cost_model.degrees import AXES as AXES
 from cost_model.degrees import LEGACY_AXES as LEGACY_AXES
-from cost_model.degrees import RECOMPUTE_MODES
+from cost_model.degrees import RECOMPUTE_MODES, hsdp_problems, tp_comm_overlap_problem
 from cost_model.degrees import Axis as Axis
 from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
-from cost_model.degrees import hsdp_problems
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
 from cost_model.precision import (
@@ -149,6 +148,9 @@ class Strategy:
     schedule: ScheduleName = "1f1b"
     zero_stage: int = 0
     sequence_parallel: bool = False
+    # TP collectives pipelined with their GEMMs (`Plan.tp_comm_overlap`,
+    # `cost_model.parts.tensor_parallel`)
+    tp_comm_overlap: bool = False
     dtype: str = "bf16"
     rank_layout: tuple[Axis, ...] = ("pp", "dp", "tp")
     # Context parallel (ring attention over the sequence) and expert parallel (experts split
@@ -222,6 +224,11 @@ class Strategy:
         )
         if field_problem is not None:
             raise ValueError(f"strategy: {field_problem}")
+        overlap_problem = tp_comm_overlap_problem(
+            self.tp_degree, self.sequence_parallel, self.tp_comm_overlap
+        )
+        if overlap_problem is not None:
+            raise ValueError(f"strategy: {overlap_problem}")
 
     @classmethod
     def of(cls, plan: PlanLike) -> Strategy:
@@ -244,6 +251,7 @@ class Strategy:
             schedule=schedule,
             zero_stage=plan.zero_stage,
             sequence_parallel=plan.sequence_parallel,
+            tp_comm_overlap=bool(getattr(plan, "tp_comm_overlap", False)),
             dtype=plan.dtype,
             fp8_all_gather=bool(getattr(plan, "fp8_all_gather", False)),
             fp8_exclude=tuple(getattr(plan, "fp8_exclude", DEFAULT_FP8_EXCLUDE)),

@@ -240,6 +240,7 @@ def _unit_parts(
         tp_groups=groups.tp,
         recompute=mode,
         shared_expert_whole=model.shared_expert_whole(strategy),
+        overlap=model.stack.tp_comm_overlap,
     )
     ring = ring_attention_cost(unit, profile, strategy, cluster, groups.cp, mode)
     experts = _no_experts

@@ -18,6 +18,7 @@ Imports only autoplan's plan, graph and error types (never the search or the cos
 from __future__ import annotations
 
 from passes._log import is_rank0, log_rank0
+from passes.async_tp import async_tp_refusal, enable_async_tp
 from passes.compile import apply_compile, is_compiled
 from passes.context_parallel import (
     ContextParallelResult,
@@ -97,12 +98,14 @@ __all__ = [
     "apply_expert_parallel",
     "apply_recompute",
     "apply_tensor_parallel",
+    "async_tp_refusal",
     "average_gradients",
     "build_mesh",
     "build_pipeline",
     "check_context_parallel",
     "check_expert_parallel",
     "convert_to_fp8",
+    "enable_async_tp",
     "find_grouped_experts",
     "has_meta_tensors",
     "init_full_model_",

@@ -69,6 +69,8 @@ TORCHTITAN_FIELDS = {
         "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage",
         "module_fqns_per_model_part", "context_parallel_degree", "context_parallel_load_balancer",
     },
+    # CompileConfig: async TP (tp_comm_overlap), stated for every TP plan
+    "compile": {"enable", "components", "enable_async_tensor_parallel"},
 }  # fmt: skip
 
 

@@ -431,6 +431,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "schedule": SCHEDULES,
     "zero_stage": (0, 1, 2, 3),
     "sequence_parallel": (False, True),
+    "tp_comm_overlap": (False, True),
     "dtype": ("bf16", "fp32", "fp8"),
     "fp8_all_gather": (False, True),
     "fp8_exclude": (("head",), ()),

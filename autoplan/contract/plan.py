@@ -55,6 +55,7 @@ from cost_model.degrees import (
     is_whole,
     model_problems,
     shape_problems,
+    tp_comm_overlap_problem,
     tp_fits_node,
 )
 from cost_model.degrees import COUNT_FIELDS as _COUNT_FIELDS
@@ -259,6 +260,11 @@ class Plan:
     # None (not written): over all of dp. Equal to dp_degree it is stored as None.
     dp_shard_degree: int | None = None
     sequence_parallel: bool = False
+    # The sequence-parallel TP all-gathers and reduce-scatters pipelined with the GEMMs they
+    # feed or follow (Megatron-LM's --tp-comm-overlap, torch's async TP;
+    # `cost_model.parts.tensor_parallel`); needs sequence_parallel with tp_degree > 1 and is
+    # written only when true.
+    tp_comm_overlap: bool = False
     dtype: DTypeName = "bf16"
     # The precision policy (`cost_model.precision.PrecisionPolicy`): the master weights',
     # gradient accumulation and reduction's (None: the dtype's default, fp32 or fp16 under
@@ -310,6 +316,11 @@ class Plan:
             raise PlanError(
                 f"sequence_parallel = {shown(self.sequence_parallel)} must be true or false"
             )
+        problem = tp_comm_overlap_problem(
+            self.tp_degree, self.sequence_parallel, self.tp_comm_overlap
+        )
+        if problem is not None:
+            raise PlanError(problem)
         if not isinstance(self.compile, bool):
             raise PlanError(f"compile = {shown(self.compile)} must be true or false")
         try:
@@ -614,6 +625,19 @@ class Plan:
                     f"link: use a tp_degree that divides {domain} with 'tp' innermost in "
                     "rank_layout, or allow cross-node TP"
                 )
+        if (
+            self.tp_comm_overlap
+            and len({cluster.domain_of(r) for r in self.group_ranks("tp", 0)}) > 1
+        ):
+            # Transformer Engine's userbuffers and torch's symmetric memory map the TP peers'
+            # memory, which only GPUs of one NVLink (scale-up) domain share
+            raise PlanError(
+                f"tp_comm_overlap with tp_degree = {self.tp_degree} across scale-up domains of "
+                f"{cluster.scale_up_domain} devices: the overlap moves shards through the TP "
+                "peers' memory (Transformer Engine's userbuffers, torch's symmetric memory), "
+                "which only GPUs of one NVLink domain share; keep TP inside a domain, or set "
+                "tp_comm_overlap: false"
+            )
         if graph is not None:
             profile = graph if isinstance(graph, ModelProfile) else graph.profile
             self._validate_model(profile, stack=stack)
@@ -690,6 +714,8 @@ class Plan:
             del data["ep_folding"]
         if data["memory_headroom"] is None:
             del data["memory_headroom"]
+        if not data["tp_comm_overlap"]:  # written only when on
+            del data["tp_comm_overlap"]
         # the precision policy at its defaults is left out (files read and write as before it)
         if data["master_dtype"] == DEFAULT_MASTER_DTYPE:
             del data["master_dtype"]

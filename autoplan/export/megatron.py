@@ -29,6 +29,11 @@ Plan field -> flag:
   ``--global-batch-size`` (Megatron derives the micro-batches per step as
   global / (micro x data-parallel size), ``megatron/core/num_microbatches_calculator.py``).
 - ``sequence_parallel`` -> ``--sequence-parallel`` (``ModelParallelConfig``).
+- ``tp_comm_overlap`` -> ``--tp-comm-overlap`` (``ModelParallelConfig.tp_comm_overlap``):
+  Transformer Engine's userbuffers with ``initialize_ub``'s default splits, the ones the plan is
+  priced with (`cost_model.frameworks.megatron`, no ``--tp-comm-overlap-cfg``).
+  ``validate_args`` asserts ``--sequence-parallel`` with it, as the plan does;
+  ``_initialize_tp_communicators`` (megatron/training/initialize.py) needs Transformer Engine.
 - ``stages[*].recompute`` (one mode for all) -> ``--recompute-granularity selective`` (which
   recomputes core attention, ``recompute_modules`` default ``["core_attn"]``, as autoplan's
   selective keeps the matmul outputs) or ``full`` with ``--recompute-method uniform
@@ -177,6 +182,8 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         args += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
     if plan.sequence_parallel:
         args += ["--sequence-parallel"]
+    if plan.tp_comm_overlap:
+        args += ["--tp-comm-overlap"]
     if plan.cp_degree > 1:
         args += ["--context-parallel-size", str(plan.cp_degree), "--cp-comm-type", "p2p"]
     if dims.moe is not None:
@@ -475,6 +482,12 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "--use-precision-aware-optimizer runs Transformer Engine's FusedAdam (megatron/core/"
             "optimizer/optimizer_config.py asks for its master_weight_dtype and exp_avg_dtype "
             "arguments): install Transformer Engine >= 2.1",
+        )
+    if plan.tp_comm_overlap:
+        notes += (
+            "--tp-comm-overlap runs Transformer Engine's userbuffers (megatron/training/"
+            "initialize.py, _initialize_tp_communicators): install Transformer Engine; its "
+            "default splits are the ones the plan is priced with (no --tp-comm-overlap-cfg)",
         )
     if plan.cp_degree > 1:
         notes += (

@@ -20,6 +20,11 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   asserts that replicate x shard x cp x tp x pp is the world size.
 - ``tp_degree`` -> ``tensor_parallel_degree``; ``sequence_parallel`` ->
   ``enable_sequence_parallel``.
+- ``tp_comm_overlap`` -> ``compile.enable_async_tensor_parallel`` (``CompileConfig``: torch's
+  async TP, inductor's micro-pipeline TP pass over the compiled blocks), with ``compile.enable``
+  and ``"model"`` in ``compile.components``, which ``CompileConfig`` requires of it; the plan
+  must compile (its profile refuses it otherwise). Stated false for every other TP plan: the
+  ``llama3_405b`` baseline turns it on.
 - ``pp_degree`` -> ``pipeline_parallel_degree``; ``stages`` and ``virtual_stages`` ->
   ``module_fqns_per_model_part`` (one list of module names per stage: ``tok_embeddings``,
   ``layers.<i>``, ``norm``, ``lm_head``; ``torchtitan/distributed/pipeline_parallel.py``),
@@ -524,12 +529,30 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
             *(f"        {names!r}," for names in module_fqns(plan, dims)),
             "    ]",
         ]
+    lines += _async_tp_lines(plan)
     lines += [
         f"    config.activation_checkpoint = {activation_checkpoint}",
         "    return config",
         "",
     ]
     return "\n".join(lines)
+
+
+def _async_tp_lines(plan: Plan) -> list[str]:
+    """``config.compile``'s async TP (``enable_async_tensor_parallel``): on, with the compile it
+    needs, for a plan with ``tp_comm_overlap``; off for another TP plan (the llama3_405b
+    baseline turns it on); unstated without TP (it needs a TP mesh)."""
+    if plan.tp_degree == 1:
+        return []
+    if not plan.tp_comm_overlap:
+        return ["    config.compile.enable_async_tensor_parallel = False"]
+    return [
+        "    # async TP: inductor's micro-pipeline TP pass over the compiled blocks (CompileConfig",
+        '    # requires compile.enable with "model" in compile.components)',
+        "    config.compile.enable = True",
+        '    config.compile.components = sorted({*config.compile.components, "model"})',
+        "    config.compile.enable_async_tensor_parallel = True",
+    ]
 
 
 def _model_spec_lines(plan: Plan, dims: ModelDims, flavor: Flavor) -> list[str]:

@@ -79,6 +79,7 @@ def plan_of(
         zero_stage=s.zero_stage,
         dp_shard_degree=s.dp_shard_degree,
         sequence_parallel=s.sequence_parallel,
+        tp_comm_overlap=s.tp_comm_overlap,
         dtype=s.dtype,  # type: ignore[arg-type]
         fp8_all_gather=s.fp8_all_gather,
         fp8_exclude=s.fp8_exclude,

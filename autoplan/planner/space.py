@@ -30,6 +30,13 @@ with its weights sharded within the dp ranks of one domain and replicated across
 micro-batch's gathers and reduce-scatters inside a domain; at any stage the gradients cross
 the domains as an all-reduce over one rank a domain instead of a ring over every rank, whose
 steps grow with the data-parallel size.
+
+Overlapped TP communication (`Plan.tp_comm_overlap`) is a policy, not an axis: a member with
+sequence parallelism takes it wherever the space allows it (``tp_comm_overlap``; left unset,
+the stack's: on where its overlap runs on the space's plans, `stack_filter.within_stack`; off
+on devices that are not GPUs), because it never lengthens the step the cost model prices (each
+collective's exposed time is at most its whole time, `cost_model.tp_overlap`) and holds no
+memory it prices; ``tp_comm_overlap=False`` turns it off, ``True`` asks every plan for it.
 """
 
 from __future__ import annotations
@@ -117,6 +124,10 @@ class SearchSpace:
     zero: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
+    # whether sequence-parallel members overlap their TP communication (module docstring):
+    # True where allowed; None: as the stack runs it (`stack_filter.within_stack`), off
+    # before that
+    tp_comm_overlap: tuple[bool, ...] | None = None
     rank_layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS
     # the training dtypes (or fp8 recipes) to try; None: the device's fastest
     # (`DeviceSpec.fastest_training_dtype`)
@@ -159,10 +170,21 @@ class SearchSpace:
         )
 
     def for_cluster(self, cluster: Cluster) -> SearchSpace:
-        """This space with its dtype resolved to the device's fastest when it is not set."""
-        if self.dtype is not None:
-            return self
-        return dataclasses.replace(self, dtype=(cluster.device.fastest_training_dtype(),))
+        """This space with its dtype resolved to the device's fastest when it is not set, and
+        without overlapped TP communication on devices that are not GPUs (no stack overlaps
+        it there: it moves shards through peer GPU memory)."""
+        space = self
+        if cluster.device.kind != "gpu" and self.tp_comm_overlap != (False,):
+            if self.tp_comm_overlap == (True,):
+                raise ConstraintError(
+                    f"tp_comm_overlap=True on {cluster.device.name} ({cluster.device.kind}): "
+                    "overlapped TP communication runs on GPUs only (Transformer Engine's "
+                    "userbuffers, torch's symmetric memory); drop tp_comm_overlap"
+                )
+            space = dataclasses.replace(space, tp_comm_overlap=(False,))
+        if space.dtype is not None:
+            return space
+        return dataclasses.replace(space, dtype=(cluster.device.fastest_training_dtype(),))
 
     @classmethod
     def from_constraints(cls, **constraints: Any) -> SearchSpace:
@@ -219,6 +241,14 @@ class SearchSpace:
             )
         if self.tp is not None and max(self.tp) == 1 and self.sequence_parallel == (True,):
             raise ConstraintError("sequence_parallel=True needs tp > 1, but tp=1")
+        if self.tp_comm_overlap == (True,):
+            if True not in self.sequence_parallel:
+                raise ConstraintError(
+                    "tp_comm_overlap=True overlaps the sequence-parallel collectives, but "
+                    "sequence_parallel=False; allow sequence_parallel=True"
+                )
+            if self.tp is not None and max(self.tp) == 1:
+                raise ConstraintError("tp_comm_overlap=True needs tp > 1, but tp=1")
 
     def check_cluster(self, cluster: Cluster, profile: ModelProfile, global_batch: int) -> None:
         """Reject fixed choices that cannot work on this cluster or model, naming them: the
@@ -317,7 +347,7 @@ def _normalise(key: str, value: Any) -> Any:
                 f"recompute: unknown {bad[0]!r}; use {', '.join(RECOMPUTE_MODES)}"
             )
         return values
-    if key in ("sequence_parallel", "ep_folding"):
+    if key in ("sequence_parallel", "ep_folding", "tp_comm_overlap"):
         values = _as_tuple(key, value)
         if any(not isinstance(v, bool) for v in values):
             raise ConstraintError(f"{key}={value!r} must be True, False or both")
@@ -411,6 +441,7 @@ class Shape:
         zero: int,
         sequence_parallel: bool,
         layout: Layout,
+        tp_comm_overlap: bool = False,
     ) -> Strategy:
         """The outer choice of this shape with these options. Under tensor-wise fp8 with
         sharded weights, FSDP2 gathers them in fp8 (`Strategy.fp8_all_gather`): half the
@@ -431,6 +462,7 @@ class Shape:
             schedule=schedule,
             zero_stage=zero,
             sequence_parallel=sequence_parallel,
+            tp_comm_overlap=tp_comm_overlap,
             dtype=dtype,
             master_dtype=self.master_dtype,
             grad_reduce_dtype=self.grad_reduce_dtype,
@@ -446,7 +478,8 @@ class Shape:
 @dataclass(frozen=True, slots=True)
 class ShapeOptions:
     """What a shape's members choose from: (schedule, virtual stages) pairs torch runs,
-    sequence parallelism, ZeRO levels and rank layouts (dominated ones left out)."""
+    sequence parallelism, ZeRO levels and rank layouts (dominated ones left out), and the
+    overlapped TP communication of the sequence-parallel members (without: none)."""
 
     schedules: tuple[tuple[Schedule, int], ...]
     sequence_parallel: tuple[bool, ...]
@@ -455,6 +488,7 @@ class ShapeOptions:
     # (layout, dp_shard_degree): the HSDP shard group the members of that layout with sharded
     # weights also take (`hsdp_shards`)
     dp_shard: tuple[tuple[Layout, int], ...] = ()
+    tp_comm_overlap: tuple[bool, ...] = (False,)
 
 
 def strategies(
@@ -621,7 +655,14 @@ def shape_options(
         if (not sp or sp_fits(tp, profile.seq_len))
         # a folded ep group takes TP ranks only if each routes its own tokens
         and (sp or not (shape.ep_folding and shape.ep > 1 and tp > 1))
+        # every plan overlapping its TP communication needs sequence parallelism
+        and (sp or space.tp_comm_overlap != (True,))
     ]
+    # the overlap never lengthens a step (module docstring): without it only where asked, or
+    # in the brute force
+    overlap = space.tp_comm_overlap or (False,)
+    if skip_dominated and True in overlap:
+        overlap = (True,)
     zero_choices = [
         z for z in space.zero if replicas > 1 or z == min(space.zero) or not skip_dominated
     ]
@@ -638,6 +679,7 @@ def shape_options(
         zero=tuple(zero_choices),
         layouts=tuple(with_cp(layout, shape.cp) for layout in layouts),
         dp_shard=hsdp_shards(space, profile, shape, [with_cp(lay, shape.cp) for lay in layouts]),
+        tp_comm_overlap=overlap,
     )
 
 
@@ -684,4 +726,5 @@ def _members(space: SearchSpace, shape: Shape, options: ShapeOptions) -> Iterato
                 if split_backward_conflict(schedule, zero, ("none",)) is not None:
                     continue  # the runtime refuses it (ZeRO-3 with a split backward)
                 for layout in options.layouts:
-                    yield shape.member(schedule, v, zero, sp, layout)
+                    for overlap in options.tp_comm_overlap if sp else (False,):
+                        yield shape.member(schedule, v, zero, sp, layout, overlap)

@@ -46,6 +46,7 @@ _SEARCH_ORDER = (
     "recompute",
     "rank_layouts",
     "sequence_parallel",
+    "tp_comm_overlap",
     "zero",
     "tp",
     "pp",
@@ -121,7 +122,19 @@ def within_stack(
             if limit.axis == axis:
                 space = _within_stack_limit(space, stack, limit, cluster, dtype_given)
     _check_policy(space, stack)
+    if space.tp_comm_overlap is None:
+        space = replace(space, tp_comm_overlap=_stack_overlap(stack))
     return space
+
+
+def _stack_overlap(stack: FrameworkProfile) -> tuple[bool, ...]:
+    """The overlapped TP communication the search gives ``stack``'s sequence-parallel plans
+    when the constraints leave it to the stack: wherever it runs on them (`space` module
+    docstring). An overlap that is a torch.compile pass (torchtitan's and autoplan's async TP)
+    needs compiled blocks, and the search plans eager ones: off there, as on a stack without
+    one."""
+    overlap = stack.tp_comm_overlap
+    return (True, False) if overlap is not None and not overlap.needs_compile else (False,)
 
 
 def _check_policy(space: SearchSpace, stack: FrameworkProfile) -> None:
@@ -171,6 +184,10 @@ def _within_stack_limit(
         if space.sequence_parallel == (True,):
             raise ConstraintError(f"sequence_parallel=True: {rule}")
         return replace(space, sequence_parallel=(False,))
+    if axis == "tp_comm_overlap":
+        if space.tp_comm_overlap == (True,):
+            raise ConstraintError(f"tp_comm_overlap=True: {rule}")
+        return replace(space, tp_comm_overlap=(False,))
     if axis in ("tp", "pp", "cp", "ep"):
         asked = getattr(space, axis)
         if asked is not None and 1 not in asked:
@@ -230,6 +247,16 @@ class StackChoices:
             options = self.options(shape)
         for strategy in shape_strategies(self.space, shape, options):
             refusal = self._refusal(strategy)
+            if (
+                refusal is not None
+                and strategy.tp_comm_overlap
+                and False in (self.space.tp_comm_overlap or ())
+            ):
+                # the overlap is a policy: where the stack cannot run it with this choice (its
+                # overlap a compile pass, the blocks eager), the choice without it
+                plain = replace(strategy, tp_comm_overlap=False)
+                if self._refusal(plain) is None:
+                    strategy, refusal = plain, None
             if not self._limited or strategy.pp_degree == 1 or refusal is not None:
                 yield strategy, refusal
         within = self._within

@@ -87,6 +87,8 @@ PARAMS_KEY = Projection(
             "grad_reduce_dtype",
             "optimizer_state_dtype",
             "compile",
+            # the TP collectives' overlap moves no bytes it holds
+            "tp_comm_overlap",
             "dp_shard_degree",
         }
     ),
@@ -121,6 +123,7 @@ ACTIVATION_KEY = Projection(
             "optimizer_state_dtype",
             # torch.compile keeps what eager saves (`cost_model.parts.fusion`)
             "compile",
+            "tp_comm_overlap",
             "dp_shard_degree",
         }
     ),
@@ -152,7 +155,14 @@ STATE_KEY = Projection(
         "dp_shard_degree",
     ),
     ignores=frozenset(
-        {"virtual_stages", "num_micro_batches", "schedule", "rank_layout", "compile"}
+        {
+            "virtual_stages",
+            "num_micro_batches",
+            "schedule",
+            "rank_layout",
+            "compile",
+            "tp_comm_overlap",
+        }
     ),
 )
 # `BoundTables.floors`: the units' costs with one device per TP group (modes as an extra).
@@ -176,6 +186,8 @@ FLOOR_KEY = Projection(
         "grad_reduce_dtype",
         "optimizer_state_dtype",
         "compile",
+        # the TP collectives the units' costs expose (`cost_model.parts.tensor_parallel`)
+        "tp_comm_overlap",
     ),
     ignores=frozenset(
         {

@@ -19,7 +19,9 @@ Guarantees:
   same plan;
 - the passes run in order, each checking its own result: split into stages and units ->
   tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1) -> activation
-  recompute -> data parallel -> materialise -> pipeline;
+  recompute -> data parallel -> materialise -> pipeline; a plan with ``tp_comm_overlap`` runs
+  torch's async TP (`passes.async_tp`, CUDA and NCCL only: refused elsewhere on every rank
+  before anything is built);
 - a meta model is materialised shard by shard (`passes.materialize`): no rank ever holds it
   whole; a real model's weights are used as they are.
 """
@@ -69,9 +71,11 @@ from passes import (
     apply_expert_parallel,
     apply_recompute,
     apply_tensor_parallel,
+    async_tp_refusal,
     build_mesh,
     build_pipeline,
     convert_to_fp8,
+    enable_async_tp,
     find_grouped_experts,
     has_meta_tensors,
     log_rank0,
@@ -235,9 +239,14 @@ def _parallelize(
         job=job,
     )
     plan, graph = chosen.plan, chosen.graph
+    if plan.tp_comm_overlap and (why := async_tp_refusal(device, dist.get_backend())) is not None:
+        raise PlanError(why)  # alike on every rank, before anything is built
     log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
+    if plan.tp_comm_overlap:
+        # before the blocks' first forward, when inductor compiles them (`passes.async_tp`)
+        enable_async_tp(mesh.sub("tp").get_group().group_name)
     meta = has_meta_tensors([model])
     buffers = meta_buffer_values(model) if meta else {}
     norms = norm_parameter_names(model) if meta else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cost_model.frameworks.limits import Explanation
 from cost_model.frameworks.profile import Capabilities, FrameworkProfile
+from cost_model.frameworks.torch_async_tp import TORCH_ASYNC_TP
 
 AUTOPLAN = FrameworkProfile(
     name="autoplan",
@@ -47,5 +48,8 @@ AUTOPLAN = FrameworkProfile(
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 0)),
     # FSDP2 on a 2-D (replicate, shard) mesh (passes/data_parallel.py); ZeRO-1 runs as ZeRO-2
     hsdp_zero_stages=(1, 2, 3),
+    # torch's async TP under torch.compile (passes/async_tp.py; CUDA only, refused on CPU by
+    # parallelize)
+    tp_comm_overlap=TORCH_ASYNC_TP,
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

@@ -25,6 +25,13 @@ DEEPSPEED_WORDS = {
         "Ulysses attention-head parallelism, deepspeed/sequence)",
         fix="set sequence_parallel: false",
     ),
+    "tp-comm-overlap": Explanation(
+        why="deepspeed's ds_config has no overlap of TP collectives with the GEMMs: AutoTP "
+        "all-reduces between them, and its Domino engine (deepspeed/runtime/domino), which "
+        "hides TP all-reduces behind the other half of a split micro-batch, is a transformer "
+        "layer of its own, not a setting",
+        fix="set tp_comm_overlap: false, or export to megatron-lm (--tp-comm-overlap)",
+    ),
     "pipeline-zero": Explanation(
         why="deepspeed's PipelineEngine asserts 'ZeRO-2 and ZeRO-3 are incompatible with "
         "pipeline parallelism' (zero_optimization.stage <= 1; deepspeed/runtime/pipe/engine.py)",

@@ -59,11 +59,13 @@ LimitKey = Literal[
     "grad-reduce",
     "master-states",
     "hsdp",
+    "tp-comm-overlap",
+    "tp-overlap-compile",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
 SearchAxis = Literal[
     "cp", "ep", "pp", "tp", "zero", "dtype", "schedules", "sequence_parallel", "recompute",
-    "rank_layouts",
+    "rank_layouts", "tp_comm_overlap",
 ]  # fmt: skip
 
 
@@ -140,6 +142,7 @@ _OUTER_AXES: tuple[SearchAxis, ...] = ("cp", "ep", "pp", "tp", "zero")
 _PLAN_AXES: tuple[SearchAxis, ...] = (
     "schedules",
     "sequence_parallel",
+    "tp_comm_overlap",
     "dtype",
     "recompute",
     "rank_layouts",
@@ -202,6 +205,20 @@ def _stack_limits(stack: FrameworkProfile) -> Iterator[AxisLimit]:
                 fix="leave out --sequence-parallel",
                 limit="sequence-parallel",
                 field="sequence_parallel",
+            ),
+        )
+    if stack.tp_comm_overlap is None:
+        overlap_rule = f"{name} does not overlap its tensor-parallel communication with the GEMMs"
+        yield AxisLimit(
+            axis="tp_comm_overlap",
+            allowed=(False,),
+            rule=overlap_rule,
+            refuse=lambda _: Refusal(
+                value="tp_comm_overlap",
+                rule=overlap_rule,
+                fix="set tp_comm_overlap: false (leave out --tp-comm-overlap)",
+                limit="tp-comm-overlap",
+                field="tp_comm_overlap",
             ),
         )
     plain = stack.dtypes or PLAIN_DTYPES
@@ -460,6 +477,23 @@ def _combination_refusals(
             limit="hsdp",
             field="dp_shard_degree",
         )
+    overlap = stack.tp_comm_overlap
+    if strategy.tp_comm_overlap and overlap and overlap.needs_compile and not strategy.compile:
+        yield tp_overlap_compile_refusal(stack)
+
+
+def tp_overlap_compile_refusal(stack: FrameworkProfile) -> Refusal:
+    """The refusal of a plan that overlaps TP communication on a stack whose overlap is a
+    torch.compile pass (`TpCommOverlap.needs_compile`) with blocks left uncompiled."""
+    overlap = stack.tp_comm_overlap
+    assert overlap is not None
+    return Refusal(
+        value="tp_comm_overlap without compile",
+        rule=f"{stack.name}'s overlap is {overlap.name}, a torch.compile pass over the blocks",
+        fix="set compile: true on every stage, or tp_comm_overlap: false",
+        limit="tp-overlap-compile",
+        field="compile",
+    )
 
 
 def compile_refusal(stack: FrameworkProfile) -> Refusal:
@@ -674,6 +708,12 @@ def plan_refusals(
         if (why := recompute_refusal(stack, strategy, mode)) is not None:
             yield why
     yield from _compile_refusals(stack, plan)
+    overlap = stack.tp_comm_overlap
+    # a stage that turns compile off runs its blocks eager, without the overlap pass
+    eager_stage = any(getattr(stage, "compile", None) is False for stage in plan.stages)
+    needs_compile = bool(overlap and overlap.needs_compile)
+    if strategy.tp_comm_overlap and strategy.compile and needs_compile and eager_stage:
+        yield tp_overlap_compile_refusal(stack)
     if stack.recompute_scope == "global" and len(modes) > 1:
         yield Refusal(
             value=f"recompute {' and '.join(modes)} by stage",
@@ -708,6 +748,8 @@ def _plan_axis_refusal(
             # a traced graph's limit is on what sequence parallelism shards: nothing without tp
             return limit.refuse(strategy.tp_degree) if strategy.tp_degree > 1 else None
         return limit.refuse(True)
+    if limit.axis == "tp_comm_overlap":
+        return limit.refuse(True) if strategy.tp_comm_overlap else None
     if limit.axis == "dtype":
         return None if strategy.dtype in limit.allowed else limit.refuse(strategy.dtype)
     if limit.axis == "recompute":

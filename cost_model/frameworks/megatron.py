@@ -14,6 +14,7 @@ from cost_model.frameworks.profile import (
     Pricing,
 )
 from cost_model.memory import RECOMPUTE_MODULES
+from cost_model.tp_overlap import OverlapSplit, TpCommOverlap
 
 
 def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
@@ -25,6 +26,32 @@ def _recompute_module_options() -> dict[str, dict[str, OptionValue]]:
     )
     return {"+".join(names): {"recompute_modules": names} for names in sets}
 
+
+# --tp-comm-overlap: Transformer Engine's userbuffers as Megatron-LM starts them without a
+# --tp-comm-overlap-cfg (megatron/training/initialize.py, _initialize_tp_communicators ->
+# initialize_ub with no ub_cfgs), i.e. initialize_ub's defaults (transformer_engine/pytorch/
+# module/base.py at NVIDIA/TransformerEngine d0067d0): qkv_fprop, fc1_fprop, proj_dgrad and
+# fc2_dgrad "ring_exchange" (num_splits = tp, num_sm 1, use_ce: copy engines move the shards);
+# proj_fprop and fc2_fprop "pipeline" (num_splits 4, num_sm 16 with set_sm_margin: the GEMM runs
+# on the SMs left); qkv/fc1 dgrad and wgrad "bulk" (num_sm 16): the input gradient's reduce-
+# scatter beside the weight gradient's GEMM (layernorm_linear.py: "Overlap dgrad reduce-scatter
+# with wgrad compute"; Megatron's tp_comm_overlap_rs_dgrad defaults to False). The slowdown of
+# a GEMM beside a collective is the share of SMs the collective takes, over those left, on an
+# H100 SXM's 132 SMs (NVIDIA H100 Tensor Core GPU Architecture whitepaper): 16 / 116 = 0.138
+# for the pipeline and bulk splits, 1 / 131 = 0.008 for the ring; taken on every device
+# (assumed: an A100's 108 SMs would give 0.174). achieved_fraction 1: assumed, the splits'
+# own arithmetic (cost_model.tp_overlap); no published measurement separates how much of the
+# communication Transformer Engine hides.
+TE_SM_SLOWDOWN = 16 / (132 - 16)
+TE_RING_SLOWDOWN = 1 / (132 - 1)
+TE_USERBUFFERS = TpCommOverlap(
+    name="--tp-comm-overlap (Transformer Engine's userbuffers)",
+    forward_all_gather=OverlapSplit(method="ring", slowdown=TE_RING_SLOWDOWN),
+    forward_reduce_scatter=OverlapSplit(method="pipeline", chunks=4, slowdown=TE_SM_SLOWDOWN),
+    backward_all_gather=OverlapSplit(method="ring", slowdown=TE_RING_SLOWDOWN),
+    backward_reduce_scatter=OverlapSplit(method="bulk", slowdown=TE_SM_SLOWDOWN),
+    achieved_fraction=1.0,
+)
 
 # Its limits as `autoplan export` words them (`Capabilities.explained`), in Megatron-Core's
 # terms and files.
@@ -221,12 +248,14 @@ MEGATRON_LM = FrameworkProfile(
     # on the same stream (param_and_grad_buffer.py start_grad_sync)
     hsdp_zero_stages=(1, 2, 3),
     engine_behaviour=EngineBehaviour(hsdp_all_reduce_beside=False),
+    tp_comm_overlap=TE_USERBUFFERS,
     sources=(
         "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
         "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",
         "Shah et al. 2024, FlashAttention-3 (arXiv:2407.08608), Fig. 5 (cuDNN on H100)",
         "NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py",
         "NVIDIA/Megatron-LM megatron/training/arguments.py (--overlap-grad-reduce)",
+        "NVIDIA/TransformerEngine transformer_engine/pytorch/module/base.py (initialize_ub)",
     ),
 )
 

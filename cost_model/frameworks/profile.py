@@ -27,6 +27,7 @@ from cost_model.memory import RecomputeModule, SelectiveScope, StackActivations
 from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit, even_stage_starts, own_stage_starts
 from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy
+from cost_model.tp_overlap import TpCommOverlap
 from cost_model.workload import ModelProfile
 
 AttentionKernel = Literal["fused", "unfused"]
@@ -251,6 +252,10 @@ class FrameworkProfile:
     # bf16 moments from the distributed optimizer on (`limits.precision_refusal`).
     grad_reduce_dtypes: tuple[str, ...] | None = None
     master_and_states: tuple[tuple[str, str, int], ...] | None = None
+    # How the stack overlaps its sequence-parallel TP collectives with the GEMMs
+    # (`Plan.tp_comm_overlap`, `cost_model.tp_overlap`); ``None``: it does not (a plan asking
+    # for it is refused, `limits`).
+    tp_comm_overlap: TpCommOverlap | None = None
     sources: tuple[str, ...] = ()
     # The stack's own flags that change its behaviour, given as ``NAME:option=value``:
     # option -> value -> the profile fields it sets (e.g. Megatron-LM 2021's --DDP-impl).

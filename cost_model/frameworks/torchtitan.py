@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cost_model.frameworks.limits import Explanation
 from cost_model.frameworks.profile import Capabilities, FrameworkProfile, Pricing
+from cost_model.frameworks.torch_async_tp import TORCH_ASYNC_TP
 
 # Its limits as `autoplan export` words them (`Capabilities.explained`).
 TORCHTITAN_WORDS = {
@@ -29,6 +30,13 @@ TORCHTITAN_WORDS = {
         "torchtitan/config/configs.py TrainingConfig)",
         fix="set optimizer_state_dtype equal to master_dtype, or export to megatron-lm "
         "(--use-precision-aware-optimizer)",
+    ),
+    "tp-overlap-compile": Explanation(
+        why="torchtitan's async TP (compile.enable_async_tensor_parallel) is inductor's "
+        "micro-pipeline TP pass over the compiled blocks: CompileConfig refuses it without "
+        "compile ('Async TP requires 'model' in --compile.components and --compile.enable', "
+        "torchtitan/config/configs.py)",
+        fix="set compile: true (on every stage), or tp_comm_overlap: false",
     ),
     "rank-layout": Explanation(
         why="torchtitan orders its process groups pp, dp_replicate, dp_shard, cp, tp (outermost "
@@ -92,6 +100,8 @@ TORCHTITAN = FrameworkProfile(
     # master weights and states; bfloat16: both in bf16) (TORCHTITAN_WORDS)
     grad_reduce_dtypes=("fp32",),
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 0)),
+    # compile.enable_async_tensor_parallel (torchtitan/config/configs.py CompileConfig)
+    tp_comm_overlap=TORCH_ASYNC_TP,
     sources=(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
         "pytorch/torchtitan torchtitan/components/loss.py",

@@ -2,7 +2,11 @@
 full recompute re-runs), and the modules TP wraps (their host time is `host.host_cost`'s).
 
 Expects a unit, the strategy and the placements of its TP groups. Guarantees: per micro-batch
-on one device; zero without tensor parallelism.
+on one device; zero without tensor parallelism. The collectives are on the critical path
+(each all-reduce, or sequence-parallel all-gather and reduce-scatter, between the GEMMs that
+need them), except under ``tp_comm_overlap`` with a stack that overlaps them
+(`cost_model.tp_overlap`): a block's all-gathers and reduce-scatters then cost what their
+stack's split leaves exposed beside the GEMMs they feed or follow (`overlapped_region_s`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from cost_model.calibration import Calibration
 from cost_model.communication import collective_time_s
 from cost_model.hardware import Cluster
 from cost_model.memory import activation_scale
+from cost_model.parts.compute import op_cost
 from cost_model.parts.data_parallel import grad_reduce_bytes
-from cost_model.parts.fp8 import scale_sync_s
+from cost_model.parts.fp8 import converted_ops, scale_sync_s
 from cost_model.strategy import GroupPlacement, Strategy
-from cost_model.workload import UnitProfile
+from cost_model.tp_overlap import TpCommOverlap, exposed_s
+from cost_model.workload import OpProfile, UnitProfile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,13 +43,26 @@ def tp_cost(
     recompute: str,
     *,
     shared_expert_whole: bool = False,
+    overlap: TpCommOverlap | None = None,
 ) -> TpCost:
     """The unit's TP collectives under ``recompute`` (the unit's own mode); with
     ``shared_expert_whole`` a MoE unit's shared expert runs whole on the rank's own tokens, its
-    region without a collective (`CostModel.shared_expert_whole`)."""
+    region without a collective (`CostModel.shared_expert_whole`); ``overlap``: the stack's
+    overlap of them with the GEMMs, applied under ``strategy.tp_comm_overlap`` on a GPU."""
     forward_s, backward_s = _tp_times(
         unit, strategy, cluster, traced_dtype_bytes, tp_groups, shared_expert_whole
     )
+    if overlap is not None and strategy.tp_comm_overlap and cluster.device.kind == "gpu":
+        forward_s, backward_s = _overlapped_times(
+            unit,
+            strategy,
+            cluster,
+            traced_dtype_bytes,
+            tp_groups,
+            shared_expert_whole,
+            overlap,
+            (forward_s, backward_s),
+        )
     # a tensor-wise fp8 recipe's amax all-reduces (`cost_model.parts.fp8`)
     sync_forward, sync_backward = scale_sync_s(unit, strategy, cluster, tp_groups)
     forward_s += sync_forward
@@ -81,6 +100,130 @@ def _tp_times(
     else:
         one = collective_time_s("all_reduce", size, tp_groups, cluster)
     return n_fwd * one, n_bwd * one
+
+
+def _overlapped_times(
+    unit: UnitProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    traced_dtype_bytes: int,
+    tp_groups: Sequence[GroupPlacement],
+    shared_expert_whole: bool,
+    overlap: TpCommOverlap,
+    plain: tuple[float, float],
+) -> tuple[float, float]:
+    """The forward and backward TP time of a block under the stack's ``overlap``: each
+    column/row region's collectives priced beside its GEMMs (`overlapped_region_s`); the
+    embedding's and the head's (no stack overlaps them: Megatron-LM's output layer is no
+    Transformer Engine module, torchtitan compiles the blocks only) and any region the ops do
+    not show stay as ``plain`` prices them."""
+    if unit.kind != "block":
+        return plain
+    n_fwd, n_bwd = tp_collective_counts(unit)
+    if shared_expert_whole and unit.moe is not None and unit.moe.shared_expert_params:
+        n_fwd, n_bwd = max(0, n_fwd - 1), max(0, n_bwd - 1)
+    # (a MoE layer's shared expert, whole on each rank, is its last region: the regions that
+    # keep their collectives come first, the attention's)
+    regions = tp_regions(unit)[: min(n_fwd, n_bwd)]
+    if not regions:
+        return plain
+    size = _hidden_bytes_per_sample(unit) * activation_scale(strategy, traced_dtype_bytes)
+    all_gather = collective_time_s("all_gather", size, tp_groups, cluster)
+    reduce_scatter = collective_time_s("reduce_scatter", size, tp_groups, cluster)
+    converted = {op.name for op in converted_ops(unit, strategy)}
+    forward, backward = plain
+    one = all_gather + reduce_scatter
+    for columns, row in regions:
+        gemms = _region_gemms(columns, row, cluster, strategy, traced_dtype_bytes, converted)
+        region_forward, region_backward = overlapped_region_s(
+            overlap, all_gather, reduce_scatter, gemms, strategy.tp_degree
+        )
+        forward += region_forward - one
+        backward += region_backward - one
+    return forward, backward
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionGemms:
+    """The GEMMs of one column/row region on one device, per micro-batch: the column-parallel
+    linears' forward, input-gradient and weight-gradient GEMMs, the row-parallel linear's
+    forward and input-gradient GEMMs."""
+
+    column_forward_s: float
+    column_dgrad_s: float
+    column_wgrad_s: float
+    row_forward_s: float
+    row_dgrad_s: float
+
+
+def overlapped_region_s(
+    overlap: TpCommOverlap,
+    all_gather_s: float,
+    reduce_scatter_s: float,
+    gemms: RegionGemms,
+    tp_degree: int,
+) -> tuple[float, float]:
+    """(forward, backward) time of one region's four sequence-parallel collectives beside
+    their GEMMs (`cost_model.tp_overlap.exposed_s`): forward, the input's all-gather beside
+    the column-parallel GEMMs it feeds and the output's reduce-scatter beside the row-parallel
+    GEMM that makes it; backward, the output gradient's all-gather beside the row-parallel
+    input-gradient GEMM and the input gradient's reduce-scatter beside the column-parallel
+    input-gradient GEMMs (a ``bulk`` split: their weight-gradient GEMMs)."""
+    f = overlap.achieved_fraction
+    forward = exposed_s(
+        overlap.forward_all_gather, all_gather_s, gemms.column_forward_s, tp_degree, f
+    ) + exposed_s(
+        overlap.forward_reduce_scatter, reduce_scatter_s, gemms.row_forward_s, tp_degree, f
+    )
+    backward_rs = overlap.backward_reduce_scatter
+    beside = gemms.column_wgrad_s if backward_rs.method == "bulk" else gemms.column_dgrad_s
+    backward = exposed_s(
+        overlap.backward_all_gather, all_gather_s, gemms.row_dgrad_s, tp_degree, f
+    ) + exposed_s(backward_rs, reduce_scatter_s, beside, tp_degree, f)
+    return forward, backward
+
+
+def _region_gemms(
+    columns: Sequence[OpProfile],
+    row: OpProfile,
+    cluster: Cluster,
+    strategy: Strategy,
+    traced_dtype_bytes: int,
+    converted: set[str],
+) -> RegionGemms:
+    """The GEMM times of one region (`cost_model.parts.compute.op_cost`)."""
+    column_forward = column_dgrad = column_wgrad = 0.0
+    for op in columns:
+        t = op_cost(op, cluster, strategy, traced_dtype_bytes, fp8=op.name in converted)
+        column_forward += t.forward_s
+        column_dgrad += t.backward_s - t.weight_backward_s
+        column_wgrad += t.weight_backward_s
+    r = op_cost(row, cluster, strategy, traced_dtype_bytes, fp8=row.name in converted)
+    return RegionGemms(
+        column_forward_s=column_forward,
+        column_dgrad_s=column_dgrad,
+        column_wgrad_s=column_wgrad,
+        row_forward_s=r.forward_s,
+        row_dgrad_s=r.backward_s - r.weight_backward_s,
+    )
+
+
+def tp_regions(unit: UnitProfile) -> list[tuple[tuple[OpProfile, ...], OpProfile]]:
+    """The unit's column/row regions in op order: the column-parallel GEMMs since the last
+    row-parallel one, and the row-parallel GEMM that closes them (Shoeybi et al. 2019,
+    section 3: attention's q, k, v then its output projection; the MLP's up (and gate) then
+    its down projection)."""
+    regions: list[tuple[tuple[OpProfile, ...], OpProfile]] = []
+    columns: list[OpProfile] = []
+    for op in unit.ops:
+        if op.kind != "matmul":
+            continue
+        if op.tp == "column":
+            columns.append(op)
+        elif op.tp == "row" and columns:
+            regions.append((tuple(columns), op))
+            columns = []
+    return regions
 
 
 def _hidden_bytes_per_sample(unit: UnitProfile) -> float:
