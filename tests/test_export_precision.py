@@ -139,8 +139,11 @@ def test_torchtitan_module_states_a_bf16_master(
     (tmp_path / "autoplan_torchtitan.py").write_text(module)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("autoplan_torchtitan", None)
-    config = ConfigManager().parse_args(["--module", exported.command[-3],
-                                         "--config", exported.command[-1]])  # fmt: skip
+    try:
+        config = ConfigManager().parse_args(["--module", exported.command[-3],
+                                             "--config", exported.command[-1]])  # fmt: skip
+    finally:  # the next test's module of the same name is its own
+        sys.modules.pop("autoplan_torchtitan", None)
     assert config.training.dtype == "bfloat16"
     assert config.training.mixed_precision_param == "bfloat16"
     assert config.training.mixed_precision_reduce == "float32"
