@@ -18,6 +18,7 @@ from autoplan.contract.plan import RECOMPUTE_MODES, Plan
 from cost_model.estimate import Estimate
 from cost_model.estimate import estimate as _estimate
 from cost_model.hardware import Cluster
+from cost_model.precision import precision_problem
 from cost_model.uncertainty import MIN_ROWS, best_published_mfu, shipped
 from cost_model.workload import ModelProfile
 
@@ -118,6 +119,10 @@ def _variants(plan: Plan, feature: str) -> list[tuple[str, Plan]]:
                 )
     elif feature.startswith("dtype "):
         for dtype in ("bf16", "fp16"):
+            # (a precision policy not every dtype goes with: fp16 needs an fp32 master)
+            policy = (plan.master_dtype, plan.grad_reduce_dtype, plan.optimizer_state_dtype)
+            if precision_problem(dtype, *policy) is not None:
+                continue
             if dtype != plan.dtype and _validated(f"dtype {dtype}"):
                 out.append((dtype, dataclasses.replace(plan, dtype=dtype, fp8_all_gather=False)))
     return out
