@@ -165,6 +165,19 @@ def fmt_recompute(modes: Iterable[str]) -> str:
     return "+".join(_RECOMPUTE_SHORT.get(mode, mode) for mode in distinct)
 
 
+def fmt_compile(stages_compiled: Sequence[bool]) -> str | None:
+    """What torch.compile a plan runs (`Plan.stage_compiled` of each stage), in one phrase;
+    None for an eager plan."""
+    compiled = [idx for idx, flag in enumerate(stages_compiled) if flag]
+    if not compiled:
+        return None
+    what = "torch.compile of each block (inductor's fused element-wise and normalisation ops)"
+    if len(compiled) == len(stages_compiled):
+        return what
+    listed = ", ".join(map(str, compiled))
+    return f"{what} on stage{'s' if len(compiled) > 1 else ''} {listed}; the others eager"
+
+
 def collapse_runs(rows: Sequence[tuple[int, Sequence[str]]]) -> list[tuple[str, list[str]]]:
     """Merge consecutive rows whose cells are equal into one labelled with their index range
     ("1-14"): a 64-rank pipeline whose middle ranks agree prints as three rows."""

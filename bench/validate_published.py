@@ -514,6 +514,9 @@ def build_case(
         # the plan's fp8_all_gather: the run gathered its fp8 weights in fp8 (torchao's
         # enable_fsdp_float8_all_gather, NeMo's fp8_params with the distributed optimizer)
         fp8_all_gather=bool(merged.get("fp8_all_gather")),
+        # the plan's compile: the run compiled its blocks (torchtitan's compile.enable; the
+        # row's torch_compile)
+        compile=bool(merged.get("torch_compile")),
         # the run's precision policy where its source states one (row entry, else family)
         **{
             key: merged[key] if key in merged else fam[key]

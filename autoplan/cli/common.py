@@ -213,6 +213,15 @@ memory_headroom_option = click.option(
 )
 
 
+# --compile: torch.compile of every plan's blocks (`Plan.compile`), a policy, not searched
+compile_option = click.option(
+    "--compile",
+    is_flag=True,
+    help="torch.compile each transformer block (priced as inductor's fusion of the "
+    "element-wise and normalisation ops; refused by stacks that do not compile).",
+)
+
+
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
     ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
@@ -264,6 +273,7 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         ),
         dtypes_option,
         *_PRECISION_OPTIONS,
+        compile_option,
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),

@@ -9,6 +9,7 @@ from autoplan._format import (
     collapse_runs,
     compact_table,
     fmt_bytes,
+    fmt_compile,
     fmt_headroom,
     fmt_memory,
     fmt_recompute,
@@ -17,6 +18,7 @@ from autoplan._format import (
 )
 from autoplan.api import default_dp, estimate, manual_plan
 from autoplan.cli.common import (
+    compile_option,
     console,
     dtype_option,
     emit_json,
@@ -121,6 +123,7 @@ from cost_model.precision import precision_text
 @memory_headroom_option
 @dtype_option
 @precision_options
+@compile_option
 @framework_option
 @json_option
 def estimate_cmd(
@@ -145,6 +148,7 @@ def estimate_cmd(
     master_dtype: str | None,
     grad_reduce_dtype: str | None,
     optimizer_state_dtype: str | None,
+    compile: bool,
     framework: str,
     as_json: bool,
 ) -> None:
@@ -180,6 +184,7 @@ def estimate_cmd(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         framework=framework,
+        compile=compile,
         **policy,  # type: ignore[arg-type]
     )
     result = estimate(
@@ -200,6 +205,7 @@ def estimate_cmd(
         + f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
         f"{plan.num_micro_batches}, {plan.schedule}, {plan.zero_text}, {plan.dtype}"
         + (", sequence parallel" if plan.sequence_parallel else "")
+        + (", compiled" if plan.compile else "")
         + (f", priced for {plan.framework}" if plan.framework != DEFAULT_FRAMEWORK else "")
     )
     out.print(stage_table(result))
@@ -207,6 +213,8 @@ def estimate_cmd(
     precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
     if precision is not None:
         out.print(f"[bold]precision:[/] {precision}")
+    if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
+        out.print(f"[bold]compile:[/] {compiled}")
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")
         out.print(result.memory_problem(), markup=False)

@@ -14,7 +14,7 @@ import click
 from rich.padding import Padding
 from rich.table import Table
 
-from autoplan._format import collapse_runs, compact_table, fmt_gib, fmt_time
+from autoplan._format import collapse_runs, compact_table, fmt_compile, fmt_gib, fmt_time
 from autoplan.analysis.explain import (
     Explanation,
     describe_plan,
@@ -176,6 +176,8 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
     if precision is not None:
         out.print(f"[bold]precision:[/] {precision}")
+    if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
+        out.print(f"[bold]compile:[/] {compiled}")
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
     for note in result.notes:
         out.print(f"note: {note}")

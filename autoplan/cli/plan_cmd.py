@@ -13,6 +13,7 @@ from rich.table import Table
 from autoplan._format import (
     MEMORY_CELL_CAPTION,
     compact_table,
+    fmt_compile,
     fmt_memory_cell,
     fmt_range_percent,
     fmt_recompute,
@@ -152,6 +153,8 @@ def plan_cmd(
     precision = precision_text(best.dtype, best.fp8_exclude, best.fp8_all_gather, best.precision)
     if precision is not None:
         out.print(f"[bold]precision:[/] {precision}")
+    if compiled := fmt_compile([best.stage_compiled(s) for s in range(best.num_stages)]):
+        out.print(f"[bold]compile:[/] {compiled}")
     for line in coverage(best, profile, target, detail).lines():
         out.print(f"[bold]coverage:[/] {line}")
     if output is not None:

@@ -350,6 +350,7 @@ def plan_label(plan: Plan) -> str:
         f"{plan.num_micro_batches} {schedule} Z{plan.zero_stage} "
         + fmt_recompute(s.recompute for s in plan.stages)
         + (" SP" if plan.sequence_parallel else "")
+        + (" compiled" if plan.compile else "")
         # an fp8 recipe by name (a plain dtype is the what-if's own, in its title)
         + (f" {plan.dtype}" if "fp8" in plan.dtype else "")
     )

@@ -420,6 +420,9 @@ def _field_value(plan: Plan, name: str, limit: str, stack: FrameworkProfile) -> 
         return f"[{', '.join(modes)}]" if limit == "recompute-scope" else _refused_mode(plan, stack)
     if name == "stages":
         return cuts_text([(s.first_unit, s.last_unit) for s in plan.stages])
+    if name == "stages[*].compile":
+        flags = [plan.stage_compiled(idx) for idx in range(plan.num_stages)]
+        return f"[{', '.join(str(flag).lower() for flag in flags)}]"
     if name == "rank_layout":
         return f"[{', '.join(plan.rank_layout)}]"
     value = getattr(plan, name)

@@ -30,6 +30,11 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   model's blocks under ``deepspeed.checkpointing``).
 - ``tp_degree`` -> ``tensor_parallel.autotp_size`` (AutoTP training,
   ``deepspeed/runtime/tensor_parallel/config.py``) for a model without pipeline parallelism.
+- ``compile`` -> a note: DeepSpeed compiles the model when the training script calls
+  ``engine.compile()`` (``DeepSpeedEngine.compile``, ``deepspeed/runtime/engine.py``: the
+  engine's module through ``torch.compile`` with inductor); ds_config's ``compile`` section
+  configures DeepCompile (``deepspeed/compile/config.py``), a compiler-driven ZeRO, which the
+  plan does not price, so the export leaves it out.
 
 What DeepSpeed cannot run (tp or ZeRO > 1 with pp, another schedule or cut, sequence, context
 or expert parallelism, selective recompute, another rank order, any fp8 recipe: ds_config has
@@ -182,6 +187,12 @@ def export_deepspeed(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
         notes.append(
             "recompute: run each block under deepspeed.checkpointing.checkpoint (configured by "
             "the activation_checkpointing section)"
+        )
+    if plan.compile:
+        notes.append(
+            "compile: call engine.compile() after deepspeed.initialize (DeepSpeedEngine.compile: "
+            "torch.compile of the model with inductor); leave ds_config's compile section out "
+            "(it configures DeepCompile)"
         )
     # the DeepSpeed launcher (deepspeed/launcher/runner.py: --num_nodes, --num_gpus)
     command = (

@@ -25,6 +25,11 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   and ``"model"`` in ``compile.components``, which ``CompileConfig`` requires of it; the plan
   must compile (its profile refuses it otherwise). Stated false for every other TP plan: the
   ``llama3_405b`` baseline turns it on.
+- ``compile`` -> ``compile.enable`` with ``compile.components = ["model", "loss"]``
+  (``CompileConfig``, its default components: each ``TransformerBlock`` compiled by
+  ``torchtitan/distributed/compile.py`` ``apply_compile``, and the loss); ``compile.enable =
+  False`` for an eager plan. One setting for the model: a plan compiling some stages only is
+  refused (its profile's ``compile_scope``). The cost model prices the loss eager.
 - ``pp_degree`` -> ``pipeline_parallel_degree``; ``stages`` and ``virtual_stages`` ->
   ``module_fqns_per_model_part`` (one list of module names per stage: ``tok_embeddings``,
   ``layers.<i>``, ``norm``, ``lm_head``; ``torchtitan/distributed/pipeline_parallel.py``),
@@ -503,6 +508,8 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         f'"{"bfloat16" if compute_dtype(plan.dtype) == "bf16" else "float32"}"',
         # a bf16 master: parameters, gradients and AdamW states in bf16, no fp32 copy
         *(['    config.training.dtype = "bfloat16"'] if plan.master_dtype == "bf16" else []),
+        # before the model spec: an fp8 converter reads whether the model compiles
+        *_compile_lines(plan),
         *_model_spec_lines(plan, dims, flavor),
         "    parallelism = config.parallelism",
         f"    parallelism.data_parallel_replicate_degree = {replicate}",
@@ -552,6 +559,18 @@ def _async_tp_lines(plan: Plan) -> list[str]:
         "    config.compile.enable = True",
         '    config.compile.components = sorted({*config.compile.components, "model"})',
         "    config.compile.enable_async_tensor_parallel = True",
+    ]
+
+
+def _compile_lines(plan: Plan) -> list[str]:
+    """``config.compile``: torch.compile of each TransformerBlock and of the loss (torchtitan's
+    default components) for a compiled plan, off for an eager one (a baseline may turn it on:
+    llama3_405b's does). The profile refused a plan that compiles some stages only."""
+    if not plan.compile:
+        return ["    config.compile.enable = False"]
+    return [
+        "    config.compile.enable = True",
+        '    config.compile.components = ["model", "loss"]',
     ]
 
 

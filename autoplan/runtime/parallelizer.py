@@ -411,7 +411,9 @@ def _shard_stages(
             apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
         apply_recompute(stage, plan.stages[stage.stage_idx].recompute, plan.decisions.recompute)
         # after recompute, before data parallelism (torchtitan's order)
-        apply_compile(stage, plan.stage_compiled(stage.stage_idx))
+        apply_compile(
+            stage, plan.stage_compiled(stage.stage_idx), plan.decisions.compiled_unit_kinds
+        )
     if context is None and plan.cp_degree > 1:
         # a stage without attention (an embedding or head alone) still gets its tokens split
         context = ContextParallelResult(

@@ -61,8 +61,8 @@ MEGATRON_LM_WORDS = {
         "fused norms, attention and fp8 casts; TransformerConfig's bias_activation_fusion, "
         "bias_dropout_fusion and apply_rope_fusion, small functions megatron/core/jit.py's "
         "jit_fuser compiles)",
-        fix="set compile: false, and price the plan for megatron-lm as it runs "
-        "(--framework megatron-lm)",
+        fix="set compile: false (leave out --compile): the megatron-lm profile prices its "
+        "own kernels",
     ),
     "dtype:fp8-rowwise": Explanation(
         why="megatron-lm's --fp8-recipe is tensorwise, delayed, mxfp8, blockwise or custom "
