@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from autoplan.contract.plan import Plan, runtime_refusal
+from autoplan.contract.plan import Plan
 from tests.dist_utils import fake_process_group, run_distributed
 from tests.numerics import assert_matches, make_plan, reference, train_worker
 from tests.test_checkpoint import assert_equal_parameters, resume_worker
+from tests.test_parallelize_runtime import bad_plan_worker
 
 HSDP_RANKS = 4
 
@@ -95,26 +96,27 @@ def test_an_hsdp_checkpoint_reshards_to_and_from_plain_fsdp(
     _resume(tmp_path, first, second)
 
 
-def test_parallelize_refuses_hsdp_with_context_parallelism() -> None:
-    """Priced and exported, but autoplan's runtime builds HSDP's mesh from dp ranks only: the
-    check `parallelize` makes on every rank before any collective refuses it in one line."""
-    from autoplan import trace
-    from autoplan.models import llama
-
+@pytest.mark.slow
+def test_parallelize_refuses_hsdp_with_context_parallelism_on_every_rank(tmp_path: Path) -> None:
+    """Priced and exported, but autoplan's runtime builds HSDP's mesh from dp ranks only: every
+    rank of the job raises the same one-line `PlanError` before building anything."""
     plan = make_plan(
         dp=2,
         cp_degree=2,
         zero=3,
-        dp_shard_degree=1,
+        dp_shard_degree=1,  # shards over the cp pair: HSDP with context parallelism
         num_micro_batches=1,
         rank_layout=("pp", "dp", "cp", "tp"),
-        dtype="bf16",
     )
-    graph = trace(llama(num_layers=4, hidden_size=64, num_heads=4, seq_len=32, vocab_size=128))
-    why = runtime_refusal(plan, graph.profile)
-    assert why is not None and "\n" not in why
-    assert why == (
-        "dp_shard 1 with cp 2: autoplan runs HSDP on a 2-D (replicate, shard) mesh of dp "
-        "ranks, without context parallelism; leave dp_shard_degree out (the weights sharded "
-        "over dp x cp), or set --cp 1"
+    messages = run_distributed(
+        bad_plan_worker, "llama", plan.to_data(), world_size=4, tmp_path=tmp_path, timeout_s=60
+    )
+    assert (
+        messages
+        == [
+            "dp_shard 1 with cp 2: autoplan runs HSDP on a 2-D (replicate, shard) mesh of dp "
+            "ranks, without context parallelism; leave dp_shard_degree out (the weights sharded "
+            "over dp x cp), or set --cp 1"
+        ]
+        * 4
     )
