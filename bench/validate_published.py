@@ -524,6 +524,11 @@ def build_case(
             if key in merged or key in fam
         },
     )
+    # the plan's tp_comm_overlap: the run overlapped its TP all-gathers and reduce-scatters with
+    # the GEMMs, as its source states (`tp_overlap`)
+    plan_args["tp_comm_overlap"] = tp_overlap(
+        merged, framework, compiled=bool(plan_args.get("compile"))
+    )
     return Case(
         run_id=run_id,
         source=row["source"],
@@ -548,6 +553,18 @@ def build_case(
             tuple(sorted((k, repr(v)) for k, v in merged.items() if k not in PRECISION_KEYS)),
         ),
     )
+
+
+def tp_overlap(config: dict[str, Any], framework: str, *, compiled: bool) -> bool:
+    """Whether a row's plan overlaps its TP communication (`Plan.tp_comm_overlap`): its
+    source's ``tp_comm_overlap`` (NeMo's ub_tp_comm_overlap, Megatron-LM's --tp-comm-overlap:
+    Transformer Engine's userbuffers), or ``async_tp`` (torchtitan's async TP) where the plan
+    is ``compiled``, as torch's async TP needs (its profile refuses it otherwise)."""
+    if config.get("tp_comm_overlap"):
+        return True
+    stack = framework_profile(framework)
+    needs_compile = stack.tp_comm_overlap is not None and stack.tp_comm_overlap.needs_compile
+    return bool(config.get("async_tp")) and (compiled or not needs_compile)
 
 
 # The config keys that say a row's precision (the rest of its config is its layout).
@@ -898,7 +915,9 @@ def _config(case: Case) -> str:
         + (f" c{a['cp']}" if a["cp"] > 1 else "")
         + (f" e{a['ep']}" if a["ep"] > 1 else "")
         + f" mb{a['micro_batch']} v{a['virtual_stages']} "
-        f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''} z{a['zero']}"
+        f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''}"
+        + (" ov" if a.get("tp_comm_overlap") else "")
+        + f" z{a['zero']}"
         + (f" {a['dtype']}" if is_fp8(case) else "")
     )
 

@@ -83,6 +83,10 @@ class TpCommOverlap:
     backward_reduce_scatter: OverlapSplit
     # the share of the ideal overlap the stack achieves (1: the split's own formula)
     achieved_fraction: float
+    # the backward reduce-scatter overlaps only a region whose input gradient one GEMM makes
+    # (a compiler that fuses a reduce-scatter with the matmul producing it, not with a sum of
+    # matmuls: q, k and v as three linears, or gate and up as two, are summed first)
+    backward_reduce_scatter_needs_one_gemm: bool = False
     # the overlap is a torch.compile pass (inductor's micro-pipeline TP), so it needs the
     # blocks compiled (`Plan.compile`)
     needs_compile: bool = False

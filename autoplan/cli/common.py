@@ -222,6 +222,30 @@ compile_option = click.option(
 )
 
 
+# --tp-comm-overlap (estimate): the plan's sequence-parallel TP collectives overlapped with the
+# GEMMs (`Plan.tp_comm_overlap`)
+tp_comm_overlap_option = click.option(
+    "--tp-comm-overlap",
+    is_flag=True,
+    help="Overlap the sequence-parallel TP all-gathers and reduce-scatters with the GEMMs "
+    "(Megatron-LM's --tp-comm-overlap, torch's async TP; needs --sequence-parallel).",
+)
+
+
+def overlap_choice(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[bool, ...] | None:
+    """``--tp-comm-overlap on|off`` as the search's constraint (None: as the stack runs it)."""
+    return None if value is None else (value == "on",)
+
+
+def tp_overlap_text(framework: str) -> str:
+    """How the plan's stack overlaps its TP communication, for a plan with ``tp_comm_overlap``."""
+    overlap = FRAMEWORKS[framework.partition(":")[0]].tp_comm_overlap
+    how = f": {overlap.name}" if overlap is not None else ""
+    return f"sequence-parallel all-gathers and reduce-scatters overlapped with the GEMMs{how}"
+
+
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
     """The planner's constraint options (``--tp 4,8``, ``--max-pp``, ``--zero 0,1``, ...) and
     ``--time-limit`` and ``--budget``; a command receives them as keyword arguments named like
@@ -274,6 +298,14 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
         dtypes_option,
         *_PRECISION_OPTIONS,
         compile_option,
+        click.option(
+            "--tp-comm-overlap",
+            type=click.Choice(["on", "off"]),
+            default=None,
+            callback=overlap_choice,
+            help="Overlap sequence-parallel TP communication with the GEMMs [on where the "
+            "stack runs it: Megatron-LM; torchtitan and autoplan with --compile].",
+        ),
         click.option(
             "--allow-cross-node-tp", is_flag=True, help="Let tensor-parallel groups span nodes."
         ),

@@ -28,6 +28,8 @@ from autoplan.cli.common import (
     precision_fields,
     precision_options,
     range_level,
+    tp_comm_overlap_option,
+    tp_overlap_text,
     trace_spec,
 )
 from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedule
@@ -112,6 +114,7 @@ from cost_model.precision import precision_text
     help="Pipeline stages per pipeline rank (> 1 with --schedule interleaved-1f1b).",
 )
 @click.option("--sequence-parallel", is_flag=True, help="Split TP-replicated work by sequence.")
+@tp_comm_overlap_option
 @click.option(
     "--range-level",
     type=float,
@@ -142,6 +145,7 @@ def estimate_cmd(
     schedule: Schedule | None,
     virtual_stages: int,
     sequence_parallel: bool,
+    tp_comm_overlap: bool,
     range_level: float,
     memory_headroom: float | None,
     dtype: DTypeName | None,
@@ -182,6 +186,7 @@ def estimate_cmd(
         schedule=schedule,
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
+        tp_comm_overlap=tp_comm_overlap,
         dtype=dtype,
         framework=framework,
         compile=compile,
@@ -215,6 +220,8 @@ def estimate_cmd(
         out.print(f"[bold]precision:[/] {precision}")
     if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
         out.print(f"[bold]compile:[/] {compiled}")
+    if plan.tp_comm_overlap:
+        out.print(f"[bold]TP communication:[/] {tp_overlap_text(plan.framework)}")
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")
         out.print(result.memory_problem(), markup=False)

@@ -29,6 +29,7 @@ from autoplan.cli.common import (
     finite_seconds,
     json_option,
     memory_headroom_option,
+    tp_overlap_text,
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
@@ -178,6 +179,8 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
         out.print(f"[bold]precision:[/] {precision}")
     if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
         out.print(f"[bold]compile:[/] {compiled}")
+    if plan.tp_comm_overlap:
+        out.print(f"[bold]TP communication:[/] {tp_overlap_text(plan.framework)}")
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
     for note in result.notes:
         out.print(f"note: {note}")

@@ -31,6 +31,7 @@ from autoplan.cli.common import (
     json_option,
     search_constraints,
     search_options,
+    tp_overlap_text,
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
@@ -155,6 +156,8 @@ def plan_cmd(
         out.print(f"[bold]precision:[/] {precision}")
     if compiled := fmt_compile([best.stage_compiled(s) for s in range(best.num_stages)]):
         out.print(f"[bold]compile:[/] {compiled}")
+    if best.tp_comm_overlap:
+        out.print(f"[bold]TP communication:[/] {tp_overlap_text(best.framework)}")
     for line in coverage(best, profile, target, detail).lines():
         out.print(f"[bold]coverage:[/] {line}")
     if output is not None:

@@ -21,10 +21,10 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
 - ``tp_degree`` -> ``tensor_parallel_degree``; ``sequence_parallel`` ->
   ``enable_sequence_parallel``.
 - ``tp_comm_overlap`` -> ``compile.enable_async_tensor_parallel`` (``CompileConfig``: torch's
-  async TP, inductor's micro-pipeline TP pass over the compiled blocks), with ``compile.enable``
-  and ``"model"`` in ``compile.components``, which ``CompileConfig`` requires of it; the plan
-  must compile (its profile refuses it otherwise). Stated false for every other TP plan: the
-  ``llama3_405b`` baseline turns it on.
+  async TP, inductor's micro-pipeline TP pass over the compiled blocks); ``CompileConfig``
+  requires ``compile.enable`` with ``"model"`` in ``compile.components``, which the plan's
+  ``compile`` (its profile refuses the overlap without it) writes. Stated false for every other
+  TP plan: the ``llama3_405b`` baseline turns it on.
 - ``compile`` -> ``compile.enable`` with ``compile.components = ["model", "loss"]``
   (``CompileConfig``, its default components: each ``TransformerBlock`` compiled by
   ``torchtitan/distributed/compile.py`` ``apply_compile``, and the loss); ``compile.enable =
@@ -546,20 +546,13 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
 
 
 def _async_tp_lines(plan: Plan) -> list[str]:
-    """``config.compile``'s async TP (``enable_async_tensor_parallel``): on, with the compile it
-    needs, for a plan with ``tp_comm_overlap``; off for another TP plan (the llama3_405b
-    baseline turns it on); unstated without TP (it needs a TP mesh)."""
+    """``config.compile``'s async TP (``enable_async_tensor_parallel``) for a TP plan: the
+    plan's ``tp_comm_overlap`` (the llama3_405b baseline turns it on); unstated without TP (it
+    needs a TP mesh). A plan with it compiles (its profile refuses it otherwise), so
+    `_compile_lines` gives it the ``compile.enable`` and ``"model"`` CompileConfig requires."""
     if plan.tp_degree == 1:
         return []
-    if not plan.tp_comm_overlap:
-        return ["    config.compile.enable_async_tensor_parallel = False"]
-    return [
-        "    # async TP: inductor's micro-pipeline TP pass over the compiled blocks (CompileConfig",
-        '    # requires compile.enable with "model" in compile.components)',
-        "    config.compile.enable = True",
-        '    config.compile.components = sorted({*config.compile.components, "model"})',
-        "    config.compile.enable_async_tensor_parallel = True",
-    ]
+    return [f"    config.compile.enable_async_tensor_parallel = {plan.tp_comm_overlap}"]
 
 
 def _compile_lines(plan: Plan) -> list[str]:

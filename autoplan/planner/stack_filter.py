@@ -123,18 +123,20 @@ def within_stack(
                 space = _within_stack_limit(space, stack, limit, cluster, dtype_given)
     _check_policy(space, stack)
     if space.tp_comm_overlap is None:
-        space = replace(space, tp_comm_overlap=_stack_overlap(stack))
+        space = replace(space, tp_comm_overlap=_stack_overlap(stack, compiled=space.compile))
     return space
 
 
-def _stack_overlap(stack: FrameworkProfile) -> tuple[bool, ...]:
+def _stack_overlap(stack: FrameworkProfile, *, compiled: bool) -> tuple[bool, ...]:
     """The overlapped TP communication the search gives ``stack``'s sequence-parallel plans
     when the constraints leave it to the stack: wherever it runs on them (`space` module
     docstring). An overlap that is a torch.compile pass (torchtitan's and autoplan's async TP)
-    needs compiled blocks, and the search plans eager ones: off there, as on a stack without
-    one."""
+    needs the space's plans ``compiled`` (`SearchSpace.compile`): off on eager ones, as on a
+    stack without one."""
     overlap = stack.tp_comm_overlap
-    return (True, False) if overlap is not None and not overlap.needs_compile else (False,)
+    if overlap is None or (overlap.needs_compile and not compiled):
+        return (False,)
+    return (True, False)
 
 
 def _check_policy(space: SearchSpace, stack: FrameworkProfile) -> None:

@@ -6,7 +6,12 @@ Inductor's micro-pipeline TP pass (torch/_inductor/fx_passes/micro_pipeline_tp.p
 torchtitan's ``_maybe_enable_async_tp`` does in torchtitan/distributed/compile.py) rewrites an
 all-gather feeding matmuls into ``fused_all_gather_matmul`` and a matmul feeding a
 reduce-scatter into ``fused_matmul_reduce_scatter`` (torch/distributed/_symmetric_memory), in
-the forward and the backward graph alike. Both move one shard a step by peer copies into
+the forward and the backward graph alike, where the pattern is a matmul's own: the pass fuses
+a reduce-scatter with the one matmul that produces it (``_find_producer_matmul``), so the
+backward's input gradient of several column-parallel linears (q, k and v apart, or gate and up:
+their gradients are summed first) reduce-scatters exposed, as without the overlap (the forward
+all-gather feeds all of a region's matmuls at once, and the backward all-gather the row-parallel
+linear's). Both fused ops move one shard a step by peer copies into
 symmetric memory and run the GEMM on the shard that arrived, on two streams, the local shard
 first: the ``ring`` split, ``tp`` steps. No collective kernel takes SMs from the GEMM
 (slowdown 0; what the copies take of memory bandwidth is not priced). It is a compiler pass,
@@ -36,4 +41,5 @@ TORCH_ASYNC_TP = TpCommOverlap(
     backward_reduce_scatter=_RING,
     achieved_fraction=1.0,
     needs_compile=True,
+    backward_reduce_scatter_needs_one_gemm=True,
 )

@@ -147,8 +147,9 @@ def _overlapped_times(
 class RegionGemms:
     """The GEMMs of one column/row region on one device, per micro-batch: the column-parallel
     linears' forward, input-gradient and weight-gradient GEMMs, the row-parallel linear's
-    forward and input-gradient GEMMs."""
+    forward and input-gradient GEMMs, and how many column-parallel linears there are."""
 
+    num_columns: int = 1
     column_forward_s: float
     column_dgrad_s: float
     column_wgrad_s: float
@@ -168,7 +169,9 @@ def overlapped_region_s(
     the column-parallel GEMMs it feeds and the output's reduce-scatter beside the row-parallel
     GEMM that makes it; backward, the output gradient's all-gather beside the row-parallel
     input-gradient GEMM and the input gradient's reduce-scatter beside the column-parallel
-    input-gradient GEMMs (a ``bulk`` split: their weight-gradient GEMMs)."""
+    input-gradient GEMMs (a ``bulk`` split: their weight-gradient GEMMs; none where the stack
+    fuses it with one GEMM only and the region has several,
+    `TpCommOverlap.backward_reduce_scatter_needs_one_gemm`)."""
     f = overlap.achieved_fraction
     forward = exposed_s(
         overlap.forward_all_gather, all_gather_s, gemms.column_forward_s, tp_degree, f
@@ -177,6 +180,8 @@ def overlapped_region_s(
     )
     backward_rs = overlap.backward_reduce_scatter
     beside = gemms.column_wgrad_s if backward_rs.method == "bulk" else gemms.column_dgrad_s
+    if overlap.backward_reduce_scatter_needs_one_gemm and gemms.num_columns > 1:
+        beside = 0.0  # a sum of matmuls makes the input gradient: nothing fuses with it
     backward = exposed_s(
         overlap.backward_all_gather, all_gather_s, gemms.row_dgrad_s, tp_degree, f
     ) + exposed_s(backward_rs, reduce_scatter_s, beside, tp_degree, f)
@@ -200,6 +205,7 @@ def _region_gemms(
         column_wgrad += t.weight_backward_s
     r = op_cost(row, cluster, strategy, traced_dtype_bytes, fp8=row.name in converted)
     return RegionGemms(
+        num_columns=len(columns),
         column_forward_s=column_forward,
         column_dgrad_s=column_dgrad,
         column_wgrad_s=column_wgrad,
