@@ -454,6 +454,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "ep_degree": (1, 2, 4),
     "ep_folding": (False, True),
     "dp_shard_degree": (None, 2, 4),
+    "compile": (False, True),
 }
 
 
