@@ -54,8 +54,12 @@ VALIDATED_THROUGH: dict[str, str] = {"autoplan": "torchtitan"}
 
 
 def plan_features(plan: PlanLike, framework: str) -> tuple[str, ...]:
-    """The features of ``plan`` priced for ``framework`` (`strategy_features`)."""
-    return strategy_features(Strategy.of(plan), [s.recompute for s in plan.stages], framework)
+    """The features of ``plan`` priced for ``framework`` (`strategy_features`; a stage that
+    compiles makes the plan a compiled one)."""
+    strategy = Strategy.of(plan)
+    if any(getattr(stage, "compile", None) for stage in plan.stages):
+        strategy = dataclasses.replace(strategy, compile=True)
+    return strategy_features(strategy, [s.recompute for s in plan.stages], framework)
 
 
 def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) -> tuple[str, ...]:
@@ -75,6 +79,10 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         # no scored published run shards within groups yet (the fms-fsdp HSDP rows are
         # unscored): a plan with it is unvalidated there, and its range says so
         features.append("HSDP")
+    if strategy.compile:
+        # no scored published run compiles yet (torchtitan's and fms-fsdp's compiled rows are
+        # unscored): a compiled plan is unvalidated there, and its range says so
+        features.append("torch.compile")
     if strategy.tp_degree > 1:
         features.append("tensor parallel")
     if strategy.sequence_parallel:

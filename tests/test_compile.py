@@ -418,3 +418,16 @@ def test_the_pass_compiles_the_blocks_of_the_stages_that_say_so(
         for unit in stage.units
     }
     assert compiled == {"embedding": False, "blocks.0": True, "blocks.1": False, "head": False}
+
+
+def test_a_compiled_plans_range_says_no_scored_run_validates_compile() -> None:
+    from cost_model.uncertainty import plan_features, step_interval
+
+    plan = _llama8b_plan(compile=False)
+    stage_only = dataclasses.replace(
+        plan, stages=(dataclasses.replace(plan.stages[0], compile=True),)
+    )
+    eager, compiled = (step_interval(plan_features(p, "autoplan")) for p in (plan, stage_only))
+    assert "torch.compile" in plan_features(stage_only, "autoplan")
+    assert ("torch.compile", 0) in compiled.unvalidated
+    assert compiled.high > eager.high and compiled.low < eager.low
