@@ -320,3 +320,16 @@ def test_cli_estimate_takes_dp_shard_and_refuses_a_bad_one_in_one_line() -> None
         assert bad.returncode != 0
         lines = [line for line in bad.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in bad.stderr
+
+
+def test_cli_plan_shows_a_searched_hsdp_plan() -> None:
+    """A small model on 256 GPUs: the search shards within nodes, and the ranked table says
+    so in its ZeRO column."""
+    from tests.conftest import run_cli
+
+    found = run_cli(
+        "plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80g:nodes=32",
+        "--global-batch", "256", "--tp", "1", "--pp", "1", "--top", "2",
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert "HSDP 8" in found.stdout

@@ -247,7 +247,9 @@ def ranked_table(plans: tuple[Plan, ...]) -> Table:
             f"{plan.micro_batch_size} x {plan.num_micro_batches}",
             fmt_schedule(plan.schedule),
             str(plan.virtual_stages),
-            str(plan.zero_stage),
+            # under HSDP, the shard group's size too (`Plan.dp_shard_degree`)
+            str(plan.zero_stage)
+            + ("" if plan.dp_shard_degree is None else f" HSDP {plan.dp_shard_degree}"),
             "yes" if plan.sequence_parallel else "no",
             fmt_recompute(s.recompute for s in plan.stages),
             *(("/".join(plan.rank_layout),) if layouts else ()),
