@@ -66,8 +66,9 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     """The features by which the residuals are grouped, of a plan with ``strategy`` whose
     stages use the recompute ``modes``, priced for ``framework``: its pipeline schedule, each
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
-    through the schedule's memory), its ZeRO level (and HSDP), tensor, sequence, context and
-    expert parallelism, its precision and its training stack."""
+    through the schedule's memory), its ZeRO level (and HSDP), torch.compile, tensor, sequence,
+    context and expert parallelism (and TP communication overlap), its precision and its
+    training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
     for mode in sorted(set(modes)):
@@ -83,6 +84,10 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         # no scored published run compiles yet (torchtitan's and fms-fsdp's compiled rows are
         # unscored): a compiled plan is unvalidated there, and its range says so
         features.append("torch.compile")
+    if strategy.tp_comm_overlap:
+        # no scored published run states its TP overlap as a plan's yet (every row that
+        # overlaps is unscored: its achieved fraction is assumed, `cost_model.tp_overlap`)
+        features.append("TP communication overlap")
     if strategy.tp_degree > 1:
         features.append("tensor parallel")
     if strategy.sequence_parallel:

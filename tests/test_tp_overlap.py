@@ -196,6 +196,21 @@ def test_a_cpu_overlaps_nothing() -> None:
     assert collective_time_s("all_gather", S * H * 2, groups, cpu) > 0
 
 
+def test_its_range_says_no_scored_run_validates_it() -> None:
+    """Every published row that overlaps is unscored (the achieved fraction is assumed): an
+    overlapped plan's 80% range widens as an unvalidated feature's does."""
+    from cost_model.uncertainty import plan_features, step_interval
+
+    plain = _plan(framework="megatron-lm")
+    overlapped = _plan(framework="megatron-lm", tp_comm_overlap=True)
+    features = plan_features(overlapped, "megatron-lm")
+    assert "TP communication overlap" in features
+    assert "TP communication overlap" not in plan_features(plain, "megatron-lm")
+    wide, narrow = step_interval(features), step_interval(plan_features(plain, "megatron-lm"))
+    assert ("TP communication overlap", 0) in wide.unvalidated
+    assert wide.high > narrow.high and wide.low < narrow.low
+
+
 # ------------------------------------------------------------------------------- the plan
 
 
