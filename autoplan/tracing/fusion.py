@@ -62,7 +62,6 @@ class _Groups:
     ) -> None:
         self.specs = specs
         self.nodes = list(nodes)
-        self.in_unit = set(self.nodes)
         self.fusible = {
             n for n in self.nodes if n.name in ops and is_fusible(ops[n.name].kind, target_name(n))
         }
@@ -153,7 +152,6 @@ class _Groups:
         after = {self.find(g) for g in blocked_by}
         after |= {root for root in producers if root not in chosen}
         self.parent[node] = node
-        self.after[node] = set()
         for root in chosen:
             after |= self.after.pop(root)
             self.parent[root] = node
