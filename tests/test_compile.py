@@ -431,3 +431,32 @@ def test_a_compiled_plans_range_says_no_scored_run_validates_compile() -> None:
     assert "torch.compile" in plan_features(stage_only, "autoplan")
     assert ("torch.compile", 0) in compiled.unvalidated
     assert compiled.high > eager.high and compiled.low < eager.low
+
+
+_SIZED = {
+    # large enough that bytes, not launches, decide (a context-parallel rank's share of them)
+    "llama": lambda: autoplan.models.llama(2, 2048, 16, 4096, 32000, num_kv_heads=4),
+    "moe": lambda: autoplan.models.moe(2, 1024, 8, 4096, 32000, num_experts=8, top_k=2,
+                                       moe_ffn_hidden_size=512, num_shared_experts=1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", list(_SIZED))
+def test_compiling_never_slows_a_unit(model: str) -> None:
+    """Under every split the cost model applies to a unit (TP with and without sequence
+    parallelism, a context-parallel rank's share of the sequence), fusing moves fewer bytes
+    and launches fewer kernels than eager, never more."""
+    graph = autoplan.trace(_SIZED[model]())
+    cluster = Cluster.preset("dgx-h100-80g")
+    model_costs = CostModel(graph.profile, cluster)
+    for tp, sp, cp in ((1, False, 1), (2, False, 1), (2, True, 1), (1, False, 4)):
+        eager = Strategy(tp_degree=tp, sequence_parallel=sp, cp_degree=cp,
+                         rank_layout=("pp", "dp", "cp", "tp"))  # fmt: skip
+        compiled = dataclasses.replace(eager, compile=True)
+        for index, unit in enumerate(graph.profile.units):
+            before = model_costs.compute_times(eager, index)
+            after = model_costs.compute_times(compiled, index)
+            assert after.forward_s <= before.forward_s, (unit.name, tp, sp, cp)
+            assert after.backward_s <= before.backward_s, (unit.name, tp, sp, cp)
+            if unit.kind == "block":
+                assert after.forward_s < before.forward_s, (unit.name, tp, sp, cp)

@@ -65,6 +65,7 @@ def local_op(op: OpProfile, cp_degree: int) -> OpProfile:
         forward_flops=op.forward_flops / cp_degree,
         backward_flops=op.backward_flops / cp_degree,
         activation_bytes=op.activation_bytes / cp_degree,
+        fused_bytes=None if op.fused_bytes is None else op.fused_bytes / cp_degree,
         gemm=gemm,
     )
 
