@@ -260,8 +260,14 @@ def hsdp_problems(plan: object) -> Iterator[str]:
         )
         return
     if dp % shard:
-        divisors = [str(d) for d in range(2, dp) if dp % d == 0]
-        use = f"use {' or '.join(divisors)} (a divisor of {dp}), or " if divisors else ""
+        # the divisors of dp in [2, dp) nearest the value asked (O(sqrt dp) steps)
+        small = [d for d in range(2, math.isqrt(dp) + 1) if dp % d == 0]
+        divisors = sorted({*small, *(dp // d for d in small)} - {dp})
+        below = [d for d in divisors if d < shard][-1:]
+        above = [d for d in divisors if d > shard][:1]
+        nearest = " or ".join(map(str, below + above))
+        kind = "divisors" if below and above else "divisor"
+        use = f"use {nearest} (the nearest {kind} of {dp}), or " if nearest else ""
         yield (
             f"dp_shard_degree = {shard} does not divide dp_degree = {dp}: HSDP shards the weights "
             "within groups of dp_shard_degree consecutive data-parallel ranks and replicates "

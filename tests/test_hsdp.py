@@ -175,7 +175,7 @@ def test_zero1_runs_as_zero2_under_hsdp() -> None:
     ("changes", "words"),
     [
         ({"dp_shard_degree": 3}, "dp_shard_degree = 3 does not divide dp_degree = 8"),
-        ({"dp_shard_degree": 16}, "use 2 or 4 (a divisor of 8), or leave dp_shard_degree out"),
+        ({"dp_shard_degree": 16}, "use 4 (the nearest divisor of 8), or leave dp_shard_degree out"),
         ({"dp_shard_degree": 0}, "dp_shard_degree = 0 must be a whole number >= 1"),
         ({"dp_shard_degree": "4"}, "dp_shard_degree = '4' must be a whole number"),
         ({"zero_stage": 0}, "dp_shard_degree = 4 with zero_stage 0: HSDP shards"),
