@@ -298,8 +298,32 @@ def hsdp_problems(plan: object) -> Iterator[str]:
         )
 
 
+def etp_problem(tp: int, etp: object) -> str | None:
+    """Expert tensor parallelism (Megatron-Core's ``--expert-tensor-parallel-size``): each
+    routed expert's GEMMs split over ``etp`` ranks. Megatron-Core only asks that etp x ep x pp
+    divide the world (megatron/core/parallel_state.py, ``initialize_model_parallel``);
+    autoplan also keeps an expert's ranks inside one TP group (consecutive, on one scale-up
+    domain), so etp must divide tp."""
+    if not is_whole(etp):
+        return f"etp_degree = {shown(etp)} must be a whole number >= 1"
+    assert isinstance(etp, int)
+    if tp % etp:
+        choices = [d for d in range(1, tp + 1) if tp % d == 0]
+        return (
+            f"etp_degree = {etp} does not divide tp_degree = {tp}: each routed expert is split "
+            "over etp consecutive ranks of one TP group (expert tensor parallelism), so etp "
+            f"must divide tp; use one of {choices}"
+        )
+    return None
+
+
 def _expert_problems(plan: DegreesLike) -> Iterator[str]:
     tp, cp, dp, ep = plan.tp_degree, plan.cp_degree, plan.dp_degree, plan.ep_degree
+    etp = getattr(plan, "etp_degree", 1)
+    problem = etp_problem(tp, etp)
+    if problem is not None:
+        yield problem
+        return
     if not plan.ep_folding:
         if dp % ep:
             yield (
@@ -308,11 +332,14 @@ def _expert_problems(plan: DegreesLike) -> Iterator[str]:
                 "(dp = ep x expert-data-parallel); use an ep_degree that divides dp_degree"
             )
         return
-    if folded_ep_factors(ep, tp, cp, dp) is None:
-        block = dp * cp * tp
-        choices = [e for e in range(1, block + 1) if folded_ep_factors(e, tp, cp, dp)]
+    # with etp > 1 the ep groups fold over the tp / etp expert-TP groups of the block
+    # (Megatron-Core's expert rank generator: etp innermost, then ep, then edp)
+    if folded_ep_factors(ep, tp // etp, cp, dp) is None:
+        block = dp * cp * tp // etp
+        choices = [e for e in range(1, block + 1) if folded_ep_factors(e, tp // etp, cp, dp)]
+        over = f"tp {tp}" if etp == 1 else f"tp {tp} / etp {etp}"
         yield (
-            f"ep_degree = {ep} with ep_folding does not fold over tp {tp} x cp "
+            f"ep_degree = {ep} with ep_folding does not fold over {over} x cp "
             f"{cp} x dp {dp}: a folded expert-parallel group is ep consecutive ranks of that "
             "block (tp innermost), which must divide the innermost axis it reaches into and "
             f"take all of those inside; use one of {choices}"
@@ -374,6 +401,20 @@ def model_problems(plan: DegreesLike, profile: ModelProfile) -> Iterator[str]:
             "mixture-of-experts layer): expert parallelism needs experts to split; set "
             "ep_degree to 1"
         )
+    etp = getattr(plan, "etp_degree", 1)
+    if etp > 1 and not layers:
+        yield (
+            f"etp_degree = {etp} but model {name} is dense (no mixture-of-experts layer): "
+            "expert tensor parallelism needs experts to split; set etp_degree to 1"
+        )
+    for facts in layers if etp > 1 else ():
+        if facts.expert_ffn_hidden_size % etp:
+            yield (
+                f"etp_degree = {etp} does not divide the experts' ffn hidden size "
+                f"{facts.expert_ffn_hidden_size} of model {name} (each expert's up and gate "
+                "GEMMs split their columns over etp ranks); use an etp_degree that divides it"
+            )
+            break
     for facts in layers if ep > 1 else ():
         if facts.num_experts % ep:
             yield (

@@ -200,6 +200,7 @@ class CostModel:
             strategy.dtype,
             strategy.cp_degree,
             strategy.ep_degree,
+            strategy.etp_degree,
             recompute,
             ep_groups,
         )

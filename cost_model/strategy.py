@@ -24,7 +24,12 @@ import numpy as np
 # the name sets and layout rules are `cost_model.degrees`'; re-exported under their names here
 from cost_model.degrees import AXES as AXES
 from cost_model.degrees import LEGACY_AXES as LEGACY_AXES
-from cost_model.degrees import RECOMPUTE_MODES, hsdp_problems, tp_comm_overlap_problem
+from cost_model.degrees import (
+    RECOMPUTE_MODES,
+    etp_problem,
+    hsdp_problems,
+    tp_comm_overlap_problem,
+)
 from cost_model.degrees import Axis as Axis
 from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
@@ -61,7 +66,9 @@ from cost_model.workload import OpKind, UnitKind
 # dp_shard_degree consecutive dp ranks x cp that shard the weights, all of dp x cp without
 # HSDP; "dp_replicate": the dp / dp_shard_degree ranks holding the same shard, one without
 # HSDP). See `mesh_groups`.
-GroupName = Literal["pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp", "dp_shard_cp", "dp_replicate"]
+GroupName = Literal[
+    "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp_cp", "dp_shard_cp", "dp_replicate", "etp"
+]
 # the name sets (`cost_model.degrees`), as this module exported them before
 RECOMPUTE_ORDER = RECOMPUTE_MODES
 # How autoplan's runtime (passes/data_parallel.py) wraps a stage for data parallelism.
@@ -160,6 +167,9 @@ class Strategy:
     ep_degree: int = 1
     # ep over consecutive ranks of the dp x cp x tp block (Megatron-Core's folding), not dp
     ep_folding: bool = False
+    # expert tensor parallelism (`Plan.etp_degree`): each routed expert split over etp
+    # consecutive ranks of one TP group (`cost_model.parts.expert_parallel`)
+    etp_degree: int = 1
     # Under an fp8 recipe: FSDP2 gathers fp8 weights; the linears kept in bf16 (`Plan`).
     fp8_all_gather: bool = False
     fp8_exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
@@ -202,9 +212,17 @@ class Strategy:
             )
         if self.cp_degree > 1 and "cp" not in self.rank_layout:
             raise ValueError(f"strategy.rank_layout = {self.rank_layout} must place cp")
+        etp_why = etp_problem(self.tp_degree, self.etp_degree)
+        if etp_why is not None:
+            raise ValueError(f"strategy: {etp_why}")
         if self.ep_folding:
             if (
-                folded_ep_factors(self.ep_degree, self.tp_degree, self.cp_degree, self.dp_degree)
+                folded_ep_factors(
+                    self.ep_degree,
+                    self.tp_degree // self.etp_degree,
+                    self.cp_degree,
+                    self.dp_degree,
+                )
                 is None
             ):
                 raise ValueError(
@@ -242,6 +260,7 @@ class Strategy:
             cp_degree=cp,
             ep_degree=ep,
             ep_folding=bool(getattr(plan, "ep_folding", False)),
+            etp_degree=int(getattr(plan, "etp_degree", 1)),
             tp_degree=plan.tp_degree,
             dp_degree=plan.dp_degree,
             pp_degree=plan.pp_degree,
@@ -364,9 +383,10 @@ class Strategy:
     @property
     def expert_dp_degree(self) -> int:
         """Ranks that hold the same experts, over which their gradients reduce: dp x cp / ep
-        (Megatron-LM's expert-data-parallel group, with cp folded in), x tp when the TP ranks
-        route different tokens (`experts_span_tp`)."""
-        tp = self.tp_degree if self.experts_span_tp else 1
+        (Megatron-LM's expert-data-parallel group, with cp folded in), x tp / etp when the TP
+        ranks route different tokens (`experts_span_tp`; an expert's etp ranks hold different
+        slices of it)."""
+        tp = self.tp_degree // self.etp_degree if self.experts_span_tp else 1
         return self.dp_degree * self.cp_degree * tp // self.ep_degree
 
     @property
@@ -384,6 +404,7 @@ class Strategy:
             cp_degree=1,
             ep_degree=1,
             ep_folding=False,
+            etp_degree=1,
             dp_shard_degree=shard,
         )
 
@@ -397,6 +418,7 @@ class Strategy:
             cp_degree=1,
             ep_degree=1,
             ep_folding=False,
+            etp_degree=1,
             dp_shard_degree=None,
         )
 
@@ -451,7 +473,8 @@ _AXIS_PIECES: dict[str, frozenset[str]] = {
     "pp": frozenset({"pp"}),
     "dp": frozenset({"dp_in", "dp_out"}),
     "cp": frozenset({"cp_in", "cp_out"}),
-    "tp": frozenset({"tp_in", "tp_out"}),
+    "tp": frozenset({"etp", "tp_in", "tp_out"}),
+    "etp": frozenset({"etp"}),
     "dp_cp": frozenset({"dp_in", "dp_out", "cp_in", "cp_out"}),
 }
 _EP_PIECES = frozenset({"tp_in", "cp_in", "dp_in"})
@@ -471,16 +494,21 @@ def mesh_groups(
         strategy.dp_degree,
         strategy.ep_degree,
     )
+    # expert tensor parallelism: the innermost etp ranks of each TP group hold slices of the
+    # same experts; ep folds over the tp / etp groups of them (Megatron-Core's expert rank
+    # generator, etp innermost)
+    etp = strategy.etp_degree
     if strategy.ep_folding:
-        folded = folded_ep_factors(ep, tp, cp, dp)
-        assert folded is not None, (ep, tp, cp, dp)
+        folded = folded_ep_factors(ep, tp // etp, cp, dp)
+        assert folded is not None, (ep, tp, etp, cp, dp)
         ep_tp, ep_cp, ep_dp = folded
     else:
         ep_tp, ep_cp, ep_dp = 1, 1, ep
     pieces = {
         "pp": (stride("pp"), strategy.pp_degree),
-        "tp_in": (stride("tp"), ep_tp),
-        "tp_out": (stride("tp") * ep_tp, tp // ep_tp),
+        "etp": (stride("tp"), etp),
+        "tp_in": (stride("tp") * etp, ep_tp),
+        "tp_out": (stride("tp") * etp * ep_tp, tp // (etp * ep_tp)),
         "cp_in": (stride("cp"), ep_cp),
         "cp_out": (stride("cp") * ep_cp, cp // ep_cp),
         "dp_in": (stride("dp"), ep_dp),

@@ -453,6 +453,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "cp_degree": (1, 2),
     "ep_degree": (1, 2, 4),
     "ep_folding": (False, True),
+    "etp_degree": (1, 2),
     "dp_shard_degree": (None, 2, 4),
     "compile": (False, True),
 }

@@ -31,6 +31,12 @@ then dp (Megatron-LM's order), so ep may take TP and CP ranks and usually stays 
 Every rank of that block must route its own tokens: with ``tp_degree > 1`` folding needs
 sequence parallelism. Both degrees default to 1 and folding to false, and a plan at those
 defaults writes none of the three fields: older plan files load and save byte for byte.
+``etp_degree`` (expert tensor parallelism, Megatron-Core's ``--expert-tensor-parallel-size``)
+splits each routed expert over ``etp_degree`` consecutive ranks of the TP group (gate and up
+column-parallel, down row-parallel); it must divide ``tp_degree`` (`etp_problem`), and with
+folding the ep groups fold over the ``tp / etp`` expert-TP groups of the block (Megatron-Core's
+expert rank generator, etp innermost, then ep, then edp). The default 1 (not written) is
+what autoplan did before it existed: routed experts are never tensor-parallel.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from cost_model.degrees import (
     RecomputeMode,
     count_problems,
     degree_product,
+    etp_problem,
     is_whole,
     model_problems,
     shape_problems,
@@ -248,6 +255,9 @@ class Plan:
     ep_degree: int = 1
     # ep over the dp x cp x tp block (Megatron-Core's folding) instead of inside dp
     ep_folding: bool = False
+    # each routed expert split over etp consecutive ranks of the TP group (expert tensor
+    # parallelism; `cost_model.parts.expert_parallel`); 1 (not written): not split
+    etp_degree: int = 1
     virtual_stages: int = 1
     stages: tuple[StagePlan, ...]
     micro_batch_size: int
@@ -356,6 +366,8 @@ class Plan:
                 check_memory_headroom(self.memory_headroom)
             except MemoryHeadroomError as error:
                 raise PlanError(f"memory_headroom: {error}") from None
+        if (etp_why := etp_problem(self.tp_degree, self.etp_degree)) is not None:
+            raise PlanError(etp_why)
         self._check_expert_layout()
         if type(self.dp_shard_degree) is int and self.dp_shard_degree == self.dp_degree:
             object.__setattr__(self, "dp_shard_degree", None)  # all of dp: the default
@@ -371,6 +383,7 @@ class Plan:
             tp_degree=self.tp_degree,
             cp_degree=self.cp_degree,
             ep_folding=self.ep_folding,
+            etp_degree=self.etp_degree,
         )
         if refusal is not None:
             raise PlanError(str(refusal))
@@ -712,6 +725,8 @@ class Plan:
                 del data[name]
         if not data["ep_folding"]:
             del data["ep_folding"]
+        if data["etp_degree"] == 1:  # written only when experts are split
+            del data["etp_degree"]
         if data["memory_headroom"] is None:
             del data["memory_headroom"]
         if not data["tp_comm_overlap"]:  # written only when on

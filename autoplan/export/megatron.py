@@ -106,15 +106,18 @@ Plan field -> flag:
   asserts ``context_parallel_size == 1``). ``validate_args`` asserts that 2 x cp divides
   ``--seq-length`` (its load-balanced causal split, as autoplan's), and wants
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with CP as with TP.
-- ``ep_degree`` -> ``--expert-model-parallel-size`` with ``--expert-tensor-parallel-size 1``
-  (``ModelParallelConfig``; autoplan never splits an expert over TP ranks) and
+- ``ep_degree`` -> ``--expert-model-parallel-size`` with ``--expert-tensor-parallel-size``
+  ``etp_degree`` (``ModelParallelConfig``; 1 unless the plan splits experts over TP ranks:
+  Megatron's own default would be tp) and
   ``--moe-token-dispatcher-type alltoall`` (the all-to-all autoplan prices; Megatron's default
   is ``allgather``). Megatron-Core builds the expert groups with a second rank generator over
   the same ranks, order ``tp-cp-ep-dp-pp`` read as ``etp-ep-edp-pp`` (``initialize_model_parallel``
   in ``megatron/core/parallel_state.py``): with etp = 1 an ep group is ep consecutive ranks of
   the dp x cp x tp block, which is autoplan's ``ep_folding`` (or any ep layout when
-  tp = cp = 1). With ``--use-tp-pp-dp-mapping`` and pp > 1 it asserts that the experts'
-  data-parallel size equals the dense one, i.e. ep = tp x cp.
+  tp = cp = 1); with etp > 1, ep consecutive groups of etp ranks (autoplan's folding over
+  tp / etp, or ep inside dp when etp = tp and cp = 1). With ``--use-tp-pp-dp-mapping`` and
+  pp > 1 it asserts that the experts' data-parallel size equals the dense one, i.e.
+  ep = tp x cp.
 - A mixture-of-experts model adds its expert args: ``--num-experts`` (``_add_moe_args``),
   ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``,
   ``--moe-layer-freq`` for leading dense layers, ``--moe-router-pre-softmax`` when the top-k
@@ -188,7 +191,7 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
         args += ["--context-parallel-size", str(plan.cp_degree), "--cp-comm-type", "p2p"]
     if dims.moe is not None:
         args += ["--expert-model-parallel-size", str(plan.ep_degree)]
-        args += ["--expert-tensor-parallel-size", "1"]
+        args += ["--expert-tensor-parallel-size", str(plan.etp_degree)]
         if plan.ep_degree > 1:
             args += ["--moe-token-dispatcher-type", "alltoall"]
     if _tp_pp_dp_mapping(plan):

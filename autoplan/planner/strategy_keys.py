@@ -80,6 +80,8 @@ PARAMS_KEY = Projection(
             "cp_degree",
             "ep_degree",
             "ep_folding",
+            # (the routed experts' parameters are counted apart, as ep's)
+            "etp_degree",
             "fp8_all_gather",
             "fp8_exclude",
             # the precision policy: the bytes of each parameter, not how many
@@ -103,6 +105,7 @@ ACTIVATION_KEY = Projection(
         "micro_batch_size",
         "cp_degree",
         "ep_degree",
+        "etp_degree",
         "dtype",
         "fp8_exclude",
     ),
@@ -145,6 +148,7 @@ STATE_KEY = Projection(
         "cp_degree",
         "ep_degree",
         "ep_folding",
+        "etp_degree",
         "fp8_all_gather",
         "fp8_exclude",
         # the bytes per parameter of master weights, gradients and AdamW states
@@ -176,6 +180,7 @@ FLOOR_KEY = Projection(
         "cp_degree",
         "ep_degree",
         "ep_folding",
+        "etp_degree",
         # the units' costs keep the strategy's rank order: an ep all-to-all or a cp ring is
         # priced on the links its layout gives it, so the order floor differs by layout
         "rank_layout",

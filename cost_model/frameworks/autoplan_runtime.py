@@ -24,6 +24,12 @@ AUTOPLAN = FrameworkProfile(
         # passes/mesh.py builds HSDP's 2-D mesh from dp ranks only
         hsdp_context_parallel=False,
         explained={
+            "etp": Explanation(
+                why="its expert-parallel pass (passes/expert_parallel.py) keeps every routed "
+                "expert whole on its rank: it does not shard experts over TP ranks",
+                fix="set etp_degree 1 (leave it out), or price it for megatron-lm "
+                "(--expert-tensor-parallel-size)",
+            ),
             "dtype:mxfp8": Explanation(
                 why="its fp8 is torchao's float8 training, whose MXFP8 linears run on Blackwell "
                 "(SM100) GPUs only (torchao 0.18's Triton kernels, torchao/prototype/mx_formats/"

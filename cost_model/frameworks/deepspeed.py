@@ -13,6 +13,13 @@ from cost_model.frameworks.profile import (
 # Its limits as `autoplan export` words them (`Capabilities.explained`), in DeepSpeed 0.19.8's
 # terms and files.
 DEEPSPEED_WORDS = {
+    "etp": Explanation(
+        why="deepspeed splits experts over TP ranks only where the model's own code builds "
+        "its MoE layer with enable_expert_tensor_parallelism (deepspeed/moe/layer.py, a "
+        "constructor argument): ds_config has no such setting",
+        fix="set etp_degree 1 (leave it out), or export to megatron-lm "
+        "(--expert-tensor-parallel-size)",
+    ),
     "pipeline-tp": Explanation(
         why="deepspeed's tensor parallelism for training (tensor_parallel.autotp_size) shards a "
         "model in DeepSpeedEngine, not a PipelineModule (deepspeed/runtime/pipe/engine.py has "

@@ -61,6 +61,7 @@ LimitKey = Literal[
     "hsdp",
     "tp-comm-overlap",
     "tp-overlap-compile",
+    "etp",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
 SearchAxis = Literal[
@@ -461,6 +462,19 @@ def _combination_refusals(
             "holding others (it broadcasts each updated parameter over the whole data-parallel "
             "group); use zero_stage 0 or 2",
         )
+    if strategy.etp_degree > 1 and not stack.expert_tensor_parallel:
+        etp_rule, etp_fix = _own_words(
+            caps.explained.get("etp"),
+            f"{name} does not split routed experts over tensor-parallel ranks",
+            "set etp_degree 1 (leave it out), or price it for megatron-lm",
+        )
+        yield Refusal(
+            value=f"etp_degree {strategy.etp_degree}",
+            rule=etp_rule,
+            fix=etp_fix,
+            limit="etp",
+            field="etp_degree",
+        )
     yield from _expert_group_refusals(stack, strategy)
     if pp > 1:
         yield from _pipeline_refusals(stack, strategy)
@@ -795,7 +809,12 @@ def _expert_group_refusals(stack: FrameworkProfile, strategy: Strategy) -> Itera
     Megatron-Core's rule for its groups with data parallelism outside the pipeline."""
     ep, tp, cp, pp = strategy.ep_degree, strategy.tp_degree, strategy.cp_degree, strategy.pp_degree
     layout = expert_layout_refusal(
-        stack, ep_degree=ep, tp_degree=tp, cp_degree=cp, ep_folding=strategy.ep_folding
+        stack,
+        ep_degree=ep,
+        tp_degree=tp,
+        cp_degree=cp,
+        ep_folding=strategy.ep_folding,
+        etp_degree=strategy.etp_degree,
     )
     if layout is not None:
         yield layout
@@ -814,13 +833,21 @@ def _expert_group_refusals(stack: FrameworkProfile, strategy: Strategy) -> Itera
 
 
 def expert_layout_refusal(
-    stack: FrameworkProfile, *, ep_degree: int, tp_degree: int, cp_degree: int, ep_folding: bool
+    stack: FrameworkProfile,
+    *,
+    ep_degree: int,
+    tp_degree: int,
+    cp_degree: int,
+    ep_folding: bool,
+    etp_degree: int = 1,
 ) -> Refusal | None:
     """Why ``stack``, which places an expert-parallel group one way only
     (`FrameworkProfile.expert_layout`), cannot run the other, where the two differ (ep taking
     TP or CP ranks, or not); None when it can."""
     layout, name = stack.expert_layout, stack.name
-    if layout is None or ep_degree == 1 or tp_degree == cp_degree == 1:
+    # ep folds over the tp / etp expert-TP groups, so with etp = tp and cp = 1 the folded
+    # groups are ep consecutive dp ranks at one tp coordinate: the two layouts agree
+    if layout is None or ep_degree == 1 or tp_degree // etp_degree == cp_degree == 1:
         return None
     if layout == "folded" and not ep_folding:
         return Refusal(

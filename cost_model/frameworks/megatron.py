@@ -247,6 +247,10 @@ MEGATRON_LM = FrameworkProfile(
     # distributed optimizer all-reduces across instances after each bucket's reduce-scatter,
     # on the same stream (param_and_grad_buffer.py start_grad_sync)
     hsdp_zero_stages=(1, 2, 3),
+    # --expert-tensor-parallel-size: the expert rank generator's tp (etp innermost, then ep,
+    # then edp; megatron/core/parallel_state.py initialize_model_parallel), the experts'
+    # linears column/row-parallel over that group (megatron/core/transformer/moe/experts.py)
+    expert_tensor_parallel=True,
     engine_behaviour=EngineBehaviour(hsdp_all_reduce_beside=False),
     tp_comm_overlap=TE_USERBUFFERS,
     sources=(

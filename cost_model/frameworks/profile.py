@@ -225,6 +225,9 @@ class FrameworkProfile:
     # groups of consecutive data-parallel ranks, replicating across them); empty: none. Its
     # words for why not, where it states them, are `Capabilities.explained` "hsdp".
     hsdp_zero_stages: tuple[int, ...] = ()
+    # Whether the stack splits routed experts over expert-tensor-parallel ranks
+    # (`Plan.etp_degree` > 1); its words for why not are `Capabilities.explained` "etp".
+    expert_tensor_parallel: bool = False
     # With pipeline parallelism: the largest ZeRO stage the stack's pipeline engine runs
     # (``None``: any), and whether tensor parallelism combines with it (`refusal`).
     pipeline_max_zero: int | None = None

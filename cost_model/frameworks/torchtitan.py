@@ -8,6 +8,13 @@ from cost_model.frameworks.torch_async_tp import TORCH_ASYNC_TP
 
 # Its limits as `autoplan export` words them (`Capabilities.explained`).
 TORCHTITAN_WORDS = {
+    "etp": Explanation(
+        why="torchtitan 0.3's ParallelismConfig has expert_parallel_degree only (no "
+        "expert_tensor_parallel_degree): its sparse region is efsdp x ep over dp_shard x cp x "
+        "tp, the experts never split over TP ranks (torchtitan/config/configs.py)",
+        fix="set etp_degree 1 (leave it out), or export to megatron-lm "
+        "(--expert-tensor-parallel-size)",
+    ),
     "dtype:fp8": Explanation(
         why="torchtitan 0.3's float8 converter scales per row only "
         "(Float8LinearConverter.Config.recipe_name rowwise or rowwise_with_gw_hp; tensor-wise "

@@ -30,6 +30,24 @@ tokens):
 - expert weights, gradients and optimizer states: ``E / ep`` experts per rank, ZeRO-sharded
   and gradient-reduced over the expert-data-parallel group (dp x cp / ep ranks holding the
   same experts: `Strategy.expert_view`).
+
+Expert tensor parallelism (``etp_degree`` > 1, Megatron-Core's ``--expert-tensor-parallel-size``):
+each expert's weights split over ``etp`` consecutive ranks of the TP group as a dense MLP's are
+(gate and up column-parallel, down row-parallel: megatron/core/transformer/moe/experts.py
+builds them with the expert-TP group), so a rank stores ``1/etp`` of each of its ``E / ep``
+experts, and their gradients reduce over ``dp x cp x tp / (ep x etp)`` ranks. After the
+dispatch all-to-all (unchanged: each rank still sends its own ``A`` assignments) the etp ranks
+all-gather the tokens they received, so each runs its slice of the GEMMs on ``etp`` times the
+rows (the same FLOPs per rank), and reduce-scatter the outputs before the combine
+(``MoEAlltoAllTokenDispatcher``: ``gather_from_sequence_parallel_region`` and
+``reduce_scatter_to_sequence_parallel_region`` over its ``tp_group``, the expert-TP group,
+megatron/core/transformer/moe/token_dispatcher.py). The backward runs the mirror collectives
+(reduce-scatter of the input gradients, all-gather of the output gradients). When the TP ranks
+route the same tokens (tp > 1 without sequence parallelism) nothing is gathered: each etp
+rank runs ``1/etp`` of the GEMMs on the same rows and the outputs are all-reduced, as dense
+row-parallel TP (Shoeybi et al. 2019), once forward and once backward. Those collectives are
+priced over the etp group's placement (one scale-up domain when tp fits one) and counted with
+the all-to-all, exposed.
 """
 
 from __future__ import annotations
@@ -37,10 +55,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_model.communication import all_to_all_time_s
+from cost_model.communication import (
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    reduce_scatter_time_s,
+)
 from cost_model.compute import op_time
 from cost_model.hardware import Cluster
-from cost_model.strategy import GroupPlacement, Strategy
+from cost_model.strategy import GroupPlacement, Strategy, group_placements
 from cost_model.workload import GemmShape, MoELayerFacts, OpProfile
 
 BALANCED_ROUTING = 1.0
@@ -72,10 +95,13 @@ def rank_assignments(facts: MoELayerFacts, strategy: Strategy) -> float:
     return routed / (strategy.tp_degree if strategy.sequence_parallel else 1)
 
 
-def expert_gemms(facts: MoELayerFacts, rows: float, dtype_bytes: int) -> tuple[OpProfile, ...]:
+def expert_gemms(
+    facts: MoELayerFacts, rows: float, dtype_bytes: int, etp: int = 1
+) -> tuple[OpProfile, ...]:
     """One expert's GEMMs on ``rows`` tokens, as ops at the training dtype: ``num_gemms - 1``
-    of (hidden -> F) and the last (F -> hidden), SwiGLU's gate, up and down."""
-    h, f = facts.hidden_size, facts.expert_ffn_hidden_size
+    of (hidden -> F) and the last (F -> hidden), SwiGLU's gate, up and down; with ``etp`` > 1
+    this rank's slice of them (F / etp columns of the first, rows of the last)."""
+    h, f = facts.hidden_size, facts.expert_ffn_hidden_size // etp
     flops = 2.0 * rows * h * f
     m = max(1, round(rows))
     shapes = [(f, h)] * (facts.num_gemms - 1) + [(h, f)]
@@ -107,13 +133,15 @@ def expert_cost(
     """The routed experts of one unit on one device (see the module docstring)."""
     if imbalance < 1.0:
         raise ValueError(f"routing imbalance = {imbalance} must be >= 1 (1: balanced)")
-    ep, experts = strategy.ep_degree, facts.num_experts
+    ep, experts, etp = strategy.ep_degree, facts.num_experts, strategy.etp_degree
     local_experts = experts // ep
     pairs = rank_assignments(facts, strategy)
-    rows = pairs * ep / experts * imbalance
+    # the etp ranks gather each other's tokens when they route different ones
+    gathers = etp > 1 and strategy.sequence_parallel
+    rows = pairs * ep / experts * imbalance * (etp if gathers else 1)
     width = strategy.dtype_bytes
     forward = backward = weight = 0.0
-    for op in expert_gemms(facts, rows, width):
+    for op in expert_gemms(facts, rows, width, etp):
         times = op_time(
             op,
             device=cluster.device,
@@ -127,6 +155,19 @@ def expert_cost(
         weight += local_experts * times.weight_backward_s
     message = pairs * imbalance * facts.hidden_size * width
     one = max((all_to_all_time_s(message, g, cluster) for g in ep_groups), default=0.0)
+    if etp > 1:
+        # the expert-TP collectives over the etp group (module docstring)
+        etp_groups = group_placements(strategy, cluster, "etp")
+        if gathers:
+            gathered = message * etp
+            pair_s = max(
+                all_gather_time_s(gathered, g, cluster)
+                + reduce_scatter_time_s(gathered, g, cluster)
+                for g in etp_groups
+            )
+        else:
+            pair_s = max(all_reduce_time_s(message, g, cluster) for g in etp_groups)
+        one += pair_s / 2.0
     a2a_forward = 2.0 * one
     a2a_backward = 2.0 * one + (a2a_forward if recompute == "full" else 0.0)
     # the busiest rank's assignments beyond the balanced share, each keeping its input and
@@ -137,11 +178,11 @@ def expert_cost(
         forward_compute_s=forward,
         backward_compute_s=backward,
         weight_backward_s=weight,
-        forward_flops=pairs * facts.flops_per_routed_token,
+        forward_flops=pairs * facts.flops_per_routed_token / (1 if gathers else etp),
         all_to_all_forward_s=a2a_forward,
         all_to_all_backward_s=a2a_backward,
         tokens_per_expert=rows,
-        local_params=float(local_experts * facts.params_per_expert),
+        local_params=float(local_experts * facts.params_per_expert) / etp,
         # full recompute keeps only the unit's input; selective keeps GEMM outputs (the
         # experts' are GEMM outputs, kept)
         activation_bytes=0.0 if recompute == "full" else saved,
