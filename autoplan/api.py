@@ -99,6 +99,7 @@ def manual_plan(
     framework: str = DEFAULT_FRAMEWORK,
     compile: bool = False,
     dp_shard: int | None = None,
+    optimizer_offload: float = 0.0,
 ) -> Plan:
     """A plan with the given degrees and ``pp * v`` stages cut as the framework's stack cuts
     them when no cut is stated (`FrameworkProfile.pipeline_split`: Megatron-LM's even layers,
@@ -118,7 +119,8 @@ def manual_plan(
     (`Plan.tp_comm_overlap`).
     ``compile``: torch.compile every unit (`Plan.compile`). ``dp_shard``: HSDP, the weights
     sharded within groups of that many consecutive dp ranks and replicated across them
-    (`Plan.dp_shard_degree`; None: over all of dp).
+    (`Plan.dp_shard_degree`; None: over all of dp). ``optimizer_offload``: the share (0 to 1)
+    of the optimizer step kept and run on the host (`Plan.optimizer_offload`).
     """
     profile = profile_of(model_or_graph)
     cluster = as_cluster(cluster)
@@ -189,6 +191,7 @@ def manual_plan(
         grad_reduce_dtype=grad_reduce_dtype,
         optimizer_state_dtype=optimizer_state_dtype,
         compile=compile,
+        optimizer_offload=optimizer_offload,
         rank_layout=tuple(rank_layout),
         framework=framework,
     )

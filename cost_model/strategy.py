@@ -35,6 +35,7 @@ from cost_model.degrees import RecomputeMode as RecomputeMode
 from cost_model.degrees import folded_ep_factors as folded_ep_factors
 from cost_model.degrees import valid_layout as valid_layout
 from cost_model.hardware import Cluster
+from cost_model.offload import optimizer_offload_problem
 from cost_model.precision import (
     DEFAULT_FP8_EXCLUDE,
     DEFAULT_MASTER_DTYPE,
@@ -186,6 +187,9 @@ class Strategy:
     # replicated across the dp / dp_shard_degree groups; None: sharded over all of dp (a
     # value equal to dp_degree is stored as None)
     dp_shard_degree: int | None = None
+    # The share of the optimizer step (master weights, moments, the Adam step) on the host
+    # (`Plan.optimizer_offload`, `cost_model.parts.offload`); 0: none
+    optimizer_offload: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dp_shard_degree == self.dp_degree:
@@ -247,6 +251,8 @@ class Strategy:
         )
         if overlap_problem is not None:
             raise ValueError(f"strategy: {overlap_problem}")
+        if (offload_problem := optimizer_offload_problem(self.optimizer_offload)) is not None:
+            raise ValueError(f"strategy: {offload_problem}")
 
     @classmethod
     def of(cls, plan: PlanLike) -> Strategy:
@@ -281,6 +287,7 @@ class Strategy:
             ),
             compile=bool(getattr(plan, "compile", False)),
             dp_shard_degree=getattr(plan, "dp_shard_degree", None),
+            optimizer_offload=float(getattr(plan, "optimizer_offload", 0.0)),
             rank_layout=layout,  # type: ignore[arg-type]
         )
 

@@ -502,7 +502,8 @@ def _unit_record(parts: _UnitParts, strategy: Strategy, cluster: Cluster) -> Uni
         optimizer_s=_optimizer_s(p, cluster),
         param_bytes=memory.param_bytes + expert_state.param_bytes,
         grad_bytes=memory.grad_bytes + expert_state.grad_bytes,
-        optimizer_bytes=memory.optimizer_bytes + expert_state.optimizer_bytes,
+        optimizer_bytes=memory.optimizer_bytes
+        + expert_state.optimizer_bytes * (1.0 - strategy.optimizer_offload),
         local_params=p.n_local + experts.local_params,
         fp8_params=p.fp8_local,
         activation_bytes=memory.activation_bytes + experts.activation_bytes,

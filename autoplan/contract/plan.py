@@ -77,7 +77,9 @@ from cost_model.frameworks.limits import expert_layout_refusal
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
+from cost_model.offload import host_link_problem, optimizer_offload_problem
 from cost_model.parts.fp8 import fp8_shape_problem
+from cost_model.parts.offload import HOST_BYTES_PER_PARAM, host_memory_problem
 from cost_model.precision import (
     DEFAULT_FP8_EXCLUDE,
     DEFAULT_MASTER_DTYPE,
@@ -290,6 +292,10 @@ class Plan:
     # torch.compile of every unit (each block apart, as torchtitan compiles each
     # TransformerBlock); a stage's own ``compile`` overrides it (`cost_model.parts.fusion`)
     compile: bool = False
+    # The share (0 to 1) of each device's optimizer step, with its master weights and moments,
+    # kept and run on the host CPU (Megatron-LM's --optimizer-offload-fraction, DeepSpeed's
+    # offload_optimizer; `cost_model.parts.offload`); written only when above 0.
+    optimizer_offload: float = 0.0
     rank_layout: tuple[MeshAxis, ...] = ("pp", "dp", "tp")
     # The training stack the plan is priced for (`cost_model.frameworks`): autoplan's runtime,
     # or a stack `autoplan export` writes a launch config for.
@@ -333,6 +339,8 @@ class Plan:
             raise PlanError(problem)
         if not isinstance(self.compile, bool):
             raise PlanError(f"compile = {shown(self.compile)} must be true or false")
+        if (problem := optimizer_offload_problem(self.optimizer_offload)) is not None:
+            raise PlanError(problem)
         try:
             stack = framework_profile(self.framework)
         except FrameworkError as error:
@@ -651,9 +659,29 @@ class Plan:
                 "which only GPUs of one NVLink domain share; keep TP inside a domain, or set "
                 "tp_comm_overlap: false"
             )
+        device = cluster.device
+        offload_problem = host_link_problem(
+            self.optimizer_offload, device.name, device.kind, device.host_link_bandwidth_bytes_per_s
+        )
+        if offload_problem is not None:
+            raise PlanError(offload_problem)
         if graph is not None:
             profile = graph if isinstance(graph, ModelProfile) else graph.profile
             self._validate_model(profile, stack=stack)
+            if (problem := self._host_memory_problem(profile)) is not None:
+                raise PlanError(problem)
+
+    def _host_memory_problem(self, profile: ModelProfile) -> str | None:
+        """The offloaded optimizer state against the device's share of host memory: the
+        model's parameters split over tp x pp (x ep for routed experts, taken as dense here: an
+        upper bound), sharded over the shard group from ZeRO-1 on."""
+        if self.optimizer_offload <= 0.0:
+            return None
+        params = sum(unit.num_params for unit in profile.units) / (self.tp_degree * self.pp_degree)
+        strategy = Strategy.of(self)
+        if strategy.runtime_zero_stage >= 1:
+            params /= strategy.shard_degree
+        return host_memory_problem(self.optimizer_offload * params * HOST_BYTES_PER_PARAM)
 
     def _validate_model(self, profile: ModelProfile, *, stack: bool) -> None:
         if (problem := fp8_shape_problem(profile, Strategy.of(self))) is not None:
@@ -731,6 +759,8 @@ class Plan:
             del data["memory_headroom"]
         if not data["tp_comm_overlap"]:  # written only when on
             del data["tp_comm_overlap"]
+        if not data["optimizer_offload"]:  # written only when some is offloaded
+            del data["optimizer_offload"]
         # the precision policy at its defaults is left out (files read and write as before it)
         if data["master_dtype"] == DEFAULT_MASTER_DTYPE:
             del data["master_dtype"]

@@ -24,6 +24,9 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   ``master_dtype`` bf16 -> ``bf16.bf16_master_weights_and_grads`` with
   ``bf16.bf16_optimizer_states`` (ZeRO 1-3, ``config.py`` ``_do_error_check``; the Adam moments
   follow the bf16 master).
+- ``optimizer_offload`` f -> ``zero_optimization.offload_optimizer`` ``{"device": "cpu",
+  "pin_memory": true}`` with ``"ratio": f`` below 1 (``deepspeed/runtime/zero/offload_config.py``:
+  offload valid at ZeRO 1-3, a ratio at ZeRO-3 only, as the profile allows).
 - ``pp_degree`` and ``stages`` -> ``PipelineModule(num_stages=..., partition_method="uniform")``
   (``deepspeed/runtime/pipe/module.py``) over the layer list embedding, blocks, head.
 - ``stages[*].recompute``: ``full`` -> ``PipelineModule(activation_checkpoint_interval=1)`` (the
@@ -130,6 +133,13 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
     if _can_overlap(plan):
         # reduce gradient buckets during the backward as the plan is priced (or not)
         config["zero_optimization"]["overlap_comm"] = overlaps_grad_sync(plan)
+    if plan.optimizer_offload > 0:
+        # ZeRO-Offload (DeepSpeedZeroOffloadOptimizerConfig): the optimizer's states and step
+        # on the host; a ratio below 1 at ZeRO-3 only (the profile refuses it elsewhere)
+        offload: dict[str, Any] = {"device": "cpu", "pin_memory": True}
+        if plan.optimizer_offload < 1:
+            offload["ratio"] = plan.optimizer_offload
+        config["zero_optimization"]["offload_optimizer"] = offload
     if plan.tp_degree > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tp_degree}
     if uniform_recompute(plan) == "full":

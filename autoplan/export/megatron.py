@@ -71,6 +71,11 @@ Plan field -> flag:
   zero_stage 2). ``optimizer_state_dtype`` bf16 -> ``--use-precision-aware-optimizer
   --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`` (Transformer Engine's FusedAdam; megatron-core
   asserts the distributed optimizer, zero_stage >= 1, which the profile requires).
+- ``optimizer_offload`` f -> ``--optimizer-cpu-offload --optimizer-offload-fraction f
+  --overlap-cpu-optimizer-d2h-h2d`` with ``--use-precision-aware-optimizer``, which
+  ``validate_args`` asserts beside the offload (Megatron-Core's HybridDeviceOptimizer steps the
+  first f of the distributed optimizer's shard with torch's AdamW on the host; the profile
+  allows it at zero_stage 1 only).
 - ``fp8_all_gather`` -> ``--fp8-param-gather`` (``_add_transformer_engine_args``; Megatron-LM
   copies it into ``TransformerConfig.fp8_param``): the parameters kept in fp8 and all-gathered
   in fp8, which ``validate_args`` allows only with the distributed optimizer or Megatron-FSDP,
@@ -238,9 +243,17 @@ def _precision_args(plan: Plan) -> list[str]:
         args += ["--grad-reduce-in-bf16"]
     elif policy.grad_reduce == "fp32" and policy.compute == "fp16":
         args += ["--accumulate-allreduce-grads-in-fp32"]
-    if policy.optimizer_state == "bf16":
+    if policy.optimizer_state == "bf16" or plan.optimizer_offload > 0:
+        # (arguments.py asserts it with --optimizer-cpu-offload: the hybrid device optimizer
+        # reuses its code path)
         args += ["--use-precision-aware-optimizer"]
+    if policy.optimizer_state == "bf16":
         args += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    if plan.optimizer_offload > 0:
+        args += ["--optimizer-cpu-offload"]
+        args += ["--optimizer-offload-fraction", f"{plan.optimizer_offload:g}"]
+        # the copies pipelined with the host's step, as `cost_model.parts.offload` prices them
+        args += ["--overlap-cpu-optimizer-d2h-h2d"]
     return args
 
 
@@ -485,6 +498,12 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "--use-precision-aware-optimizer runs Transformer Engine's FusedAdam (megatron/core/"
             "optimizer/optimizer_config.py asks for its master_weight_dtype and exp_avg_dtype "
             "arguments): install Transformer Engine >= 2.1",
+        )
+    if plan.optimizer_offload > 0:
+        notes += (
+            "--optimizer-cpu-offload steps its share with torch.optim.AdamW on the host "
+            "(megatron/core/optimizer/__init__.py), priced at the host's DRAM bandwidth (a "
+            "lower bound); the host needs pinned memory for the gradients and weights it copies",
         )
     if plan.tp_comm_overlap:
         notes += (

@@ -92,6 +92,8 @@ PARAMS_KEY = Projection(
             # the TP collectives' overlap moves no bytes it holds
             "tp_comm_overlap",
             "dp_shard_degree",
+            # offload moves optimizer state, not parameters or activations
+            "optimizer_offload",
         }
     ),
 )
@@ -128,6 +130,8 @@ ACTIVATION_KEY = Projection(
             "compile",
             "tp_comm_overlap",
             "dp_shard_degree",
+            # offload moves optimizer state, not parameters or activations
+            "optimizer_offload",
         }
     ),
 )
@@ -157,6 +161,8 @@ STATE_KEY = Projection(
         "optimizer_state_dtype",
         # HSDP shards the state over its shard groups only
         "dp_shard_degree",
+        # offload moves a share of the optimizer state to the host
+        "optimizer_offload",
     ),
     ignores=frozenset(
         {
@@ -193,6 +199,8 @@ FLOOR_KEY = Projection(
         "compile",
         # the TP collectives the units' costs expose (`cost_model.parts.tensor_parallel`)
         "tp_comm_overlap",
+        # the optimizer step's host share (read so a floor never comes from a dearer step)
+        "optimizer_offload",
     ),
     ignores=frozenset(
         {

@@ -43,6 +43,13 @@ AUTOPLAN = FrameworkProfile(
                 fix="set optimizer_state_dtype equal to master_dtype, or price it for "
                 "megatron-lm (--use-precision-aware-optimizer) or deepspeed",
             ),
+            "optimizer_offload": Explanation(
+                why="its data parallelism is FSDP2, whose one offload (CPUOffloadPolicy) keeps "
+                "the parameters and gradients on the host too and steps there: a parameter "
+                "offload autoplan does not price, so it does not run it",
+                fix="set optimizer_offload: 0 (leave it out), or price it for megatron-lm "
+                "(--optimizer-cpu-offload) or deepspeed (offload_optimizer)",
+            ),
         },
     ),
     # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling

@@ -164,6 +164,11 @@ DEEPSPEED = FrameworkProfile(
     # DeepSpeedEngine.compile() (deepspeed/runtime/engine.py): the engine's module compiled
     # whole, once (the ds_config "compile" section configures DeepCompile, not this)
     compile_scope="global",
+    # zero_optimization.offload_optimizer (ZeRO-Offload, "valid with stage 1, 2, and 3"); its
+    # ratio (a share below 1) "only valid with ZeRO Stage 3" (deepspeed/runtime/zero/
+    # offload_config.py DeepSpeedZeroOffloadOptimizerConfig)
+    optimizer_offload_zero_stages=(1, 2, 3),
+    optimizer_offload_partial_zero_stages=(3,),
     # bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states (DEEPSPEED_WORDS)
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 1)),
     sources=(

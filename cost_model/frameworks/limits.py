@@ -56,6 +56,7 @@ LimitKey = Literal[
     "ep-selective",
     "compile",
     "compile-scope",
+    "optimizer-offload",
     "grad-reduce",
     "master-states",
     "hsdp",
@@ -426,6 +427,8 @@ def outer_refusals(
             if limit.axis == axis and value not in limit.allowed:
                 yield limit.refuse(value)
     yield from _combination_refusals(stack, strategy, model, running)
+    if (offload := optimizer_offload_refusal(stack, strategy)) is not None:
+        yield offload
 
 
 def _combination_refusals(
@@ -542,6 +545,37 @@ def _compile_refusals(stack: FrameworkProfile, plan: PlanLike) -> Iterator[Refus
             limit="compile-scope",
             field="stages[*].compile",
         )
+
+
+def optimizer_offload_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal | None:
+    """Why ``stack`` cannot run ``strategy``'s optimizer offload
+    (`FrameworkProfile.optimizer_offload_zero_stages`), or None: no offload at all (in its own
+    words where it states them), not at this ZeRO stage, or not a share below 1 there."""
+    share, z = strategy.optimizer_offload, strategy.zero_stage
+    if share <= 0.0:
+        return None
+    name, stages = stack.name, stack.optimizer_offload_zero_stages
+    value = f"optimizer_offload {share:g} at zero {z}"
+    fix = "set optimizer_offload: 0 (leave it out)"
+    if not stages:
+        rule = f"{name} does not offload the optimizer to the host"
+        words = stack.capabilities.explained.get("optimizer_offload")
+        if words is not None and "{" not in words.why + words.fix:
+            rule, fix = f"{name}: {words.why}", words.fix
+    elif z not in stages:
+        rule = f"{name} offloads the optimizer at ZeRO {' or '.join(map(str, stages))} only"
+        fix = f"set --zero {stages[0]}, or {fix}"
+    elif share < 1.0 and z not in stack.optimizer_offload_partial_zero_stages:
+        partial = stack.optimizer_offload_partial_zero_stages
+        rule = f"{name} offloads all of the optimizer or none at ZeRO {z}"
+        if partial:
+            rule += f" (a share below 1 at ZeRO {' or '.join(map(str, partial))} only)"
+        fix = f"set optimizer_offload: 1, or {fix}"
+    else:
+        return None
+    return Refusal(
+        value=value, rule=rule, fix=fix, limit="optimizer-offload", field="optimizer_offload"
+    )
 
 
 def hsdp_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal:

@@ -253,6 +253,12 @@ MEGATRON_LM = FrameworkProfile(
     expert_tensor_parallel=True,
     engine_behaviour=EngineBehaviour(hsdp_all_reduce_beside=False),
     tp_comm_overlap=TE_USERBUFFERS,
+    # --optimizer-cpu-offload --optimizer-offload-fraction f: Megatron-Core's
+    # HybridDeviceOptimizer over the distributed optimizer's shard (megatron/core/optimizer/
+    # cpu_offloading/hybrid_optimizer.py; arguments.py asserts --use-precision-aware-optimizer,
+    # which asserts the distributed optimizer, OptimizerConfig.__post_init__)
+    optimizer_offload_zero_stages=(1,),
+    optimizer_offload_partial_zero_stages=(1,),
     sources=(
         "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
         "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",

@@ -245,6 +245,12 @@ class FrameworkProfile:
     # as its plan says); "global", one setting for the whole model; ``None``: it does not
     # torch.compile the model, and a compiled plan is refused (`limits.compile_refusal`).
     compile_scope: Literal["stage", "global"] | None = None
+    # The ZeRO stages at which the stack keeps and steps a share of the optimizer on the host
+    # (`Plan.optimizer_offload`, `cost_model.parts.offload`), and those at which that share
+    # may be below 1 (at the others it is all or nothing); empty: no optimizer offload, in
+    # its own words where it states them (`Capabilities.explained` "optimizer_offload").
+    optimizer_offload_zero_stages: tuple[int, ...] = ()
+    optimizer_offload_partial_zero_stages: tuple[int, ...] = ()
     # The training dtypes the stack runs (``None``: fp32, bf16 and fp16), and the fp8 recipes
     # (`cost_model.precision`; none unless stated).
     dtypes: tuple[str, ...] | None = None

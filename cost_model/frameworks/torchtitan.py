@@ -45,6 +45,13 @@ TORCHTITAN_WORDS = {
         "torchtitan/config/configs.py)",
         fix="set compile: true (on every stage), or tp_comm_overlap: false",
     ),
+    "optimizer_offload": Explanation(
+        why="torchtitan's one offload, training.enable_cpu_offload, is FSDP2's "
+        "CPUOffloadPolicy: the parameters and gradients on the host too, the step on the CPU "
+        "(a parameter offload autoplan does not price; torchtitan/config/configs.py)",
+        fix="set optimizer_offload: 0 (leave it out), or export to megatron-lm "
+        "(--optimizer-cpu-offload) or deepspeed (offload_optimizer)",
+    ),
     "rank-layout": Explanation(
         why="torchtitan orders its process groups pp, dp_replicate, dp_shard, cp, tp (outermost "
         "first; torchtitan/distributed/parallel_dims.py)",

@@ -39,6 +39,18 @@ class UnitBytes:
     output_bytes: float
 
 
+def offloaded_master_bytes(local_params: float, strategy: Strategy) -> float:
+    """The master weights optimizer offload moves to the host where `static_bytes` counts them
+    with the weights (under FSDP-style accounting: the master shard is the parameter; elsewhere
+    the master copy is optimizer state, moved with it): ``optimizer_offload`` of the master
+    shard when it is a copy of the working weights."""
+    share, policy = strategy.optimizer_offload, strategy.precision
+    if share <= 0.0 or strategy.dp_wrapper not in ("fsdp", "replicate") or not policy.master_copy:
+        return 0.0
+    shard = strategy.shard_degree if strategy.dp_wrapper == "fsdp" else 1
+    return share * local_params * policy.master_bytes / shard
+
+
 def unit_bytes(
     unit: UnitProfile,
     strategy: Strategy,
@@ -72,7 +84,7 @@ def unit_bytes(
         strategy.dp_wrapper,
         policy=strategy.precision,
     )
-    param_bytes = state.param_bytes
+    param_bytes = state.param_bytes - offloaded_master_bytes(local_params, strategy)
     if cached_fp8_weights:
         # Transformer Engine keeps an fp8 copy of each converted weight and its transpose
         # beside the bf16 one; with fp8 parameters (Megatron-LM's --fp8-param-gather: TE's
@@ -103,7 +115,8 @@ def unit_bytes(
     return UnitBytes(
         param_bytes=param_bytes,
         grad_bytes=state.grad_bytes,
-        optimizer_bytes=state.optimizer_bytes,
+        # under optimizer offload that share of the master copy and moments is on the host
+        optimizer_bytes=state.optimizer_bytes * (1.0 - strategy.optimizer_offload),
         activation_bytes=held,
         loss_bytes=loss_saved_bytes,
         retained_bytes=retained,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model.hardware import Cluster
+from cost_model.parts.offload import NO_OFFLOAD, OffloadCost, offload_cost
 from cost_model.precision import PrecisionPolicy, precision_policy
 from cost_model.strategy import Strategy
 
@@ -31,22 +32,26 @@ ADAM_TRAFFIC_BYTES_PER_PARAM = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerCost:
-    """One unit's share of the optimizer step, per step."""
+    """One unit's share of the optimizer step, per step: the device's step, or under
+    optimizer offload the longer of the device's share and the host's (`parts.offload`)."""
 
     step_s: float
+    offload: OffloadCost = NO_OFFLOAD
 
 
 def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) -> OptimizerCost:
     """Adam over the parameters of a unit this device updates: its ``local_params`` (before
     data-parallel sharding), divided over the data-parallel ranks from ZeRO-1 on; one kernel's
-    launch overhead when there are any."""
+    launch overhead when there are any. Under ``strategy.optimizer_offload`` the device steps
+    the rest while the host steps its share (`parts.offload`): the longer of the two."""
     cal = cluster.calibration
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
     # (ZeRO shards the step over dp, or under HSDP over a shard group)
     shard, zero = strategy.shard_degree, strategy.runtime_zero_stage
     updated = local_params / shard if zero >= 1 else local_params
     traffic = cal.optimizer_bytes_per_param or adam_traffic_bytes(strategy.precision)
-    step_s = updated * traffic / bandwidth
+    offload = offload_cost(updated, strategy, cluster)
+    step_s = updated * (1.0 - strategy.optimizer_offload) * traffic / bandwidth
     if updated > 0:
         step_s += cal.kernel_overhead_s
-    return OptimizerCost(step_s=step_s)
+    return OptimizerCost(step_s=max(step_s, offload.critical_s), offload=offload)
