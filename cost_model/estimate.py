@@ -40,6 +40,7 @@ from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_p
 from cost_model.hardware import Cluster
 from cost_model.headroom import check_memory_headroom, plan_memory_headroom, usable_capacity_bytes
 from cost_model.memory import RECOMPUTABLE_KINDS
+from cost_model.partial_recompute import unit_modes
 from cost_model.parts.compute import ComputeTimes, LossCost, compute_times, loss_cost, recompute_s
 from cost_model.parts.context_parallel import local_unit
 from cost_model.parts.core_sharing import (
@@ -302,6 +303,12 @@ class CostModel:
             out.append(times.forward_s + times.backward_s + recompute_s(local, mode, cal, times))
         return tuple(out)
 
+    def stage_unit_modes(self, stage: StageLike) -> tuple[str, ...]:
+        """The recompute mode each unit of ``stage`` is priced under (`unit_modes`: its
+        ``recompute_units`` first blocks under its mode, the rest under none)."""
+        kinds = [self.profile.units[u].kind for u in s_range(stage)]
+        return unit_modes(stage.recompute, kinds, stage_recompute_units(stage))
+
     def boundary(self, last_unit: UnitCost, strategy: Strategy, stage_idx: int) -> Boundary:
         """The boundary after stage ``stage_idx`` (see `boundary_costs`)."""
         return _stretched_boundary(
@@ -380,14 +387,21 @@ class CostModel:
         # every unit's costs per (recompute mode, compile) the stages use: a stage that
         # overrides the plan's compile is priced with its own (`stage_compiled`)
         by_mode: dict[tuple[str, bool], tuple[UnitCost, ...]] = {}
-        for stage in stages:
-            key = (stage.recompute, stage_compiled(stage, strategy))
-            if key not in by_mode:
-                own = dataclasses.replace(strategy, compile=key[1])
-                by_mode[key] = self.unit_costs(own, stage.recompute)
+        # each unit under its own mode: a partial stage's first ``recompute_units`` blocks
+        # under the stage's mode, its others under none (`cost_model.partial_recompute`)
+        stage_modes = [self.stage_unit_modes(stage) for stage in stages]
+        for stage, modes in zip(stages, stage_modes, strict=True):
+            compiled = stage_compiled(stage, strategy)
+            for mode in modes:
+                if (mode, compiled) not in by_mode:
+                    own = dataclasses.replace(strategy, compile=compiled)
+                    by_mode[(mode, compiled)] = self.unit_costs(own, mode)
         stage_units: list[tuple[UnitCost, ...]] = [
-            by_mode[(s.recompute, stage_compiled(s, strategy))][s.first_unit : s.last_unit + 1]
-            for s in stages
+            tuple(
+                by_mode[(mode, stage_compiled(s, strategy))][u]
+                for u, mode in zip(s_range(s), modes, strict=True)
+            )
+            for s, modes in zip(stages, stage_modes, strict=True)
         ]
         boundaries = [
             self.boundary(units[-1], strategy, idx) for idx, units in enumerate(stage_units)
@@ -565,6 +579,18 @@ def _stage_estimate(
         ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
         host_s=m * sum(u.host_s for u in units),
     )
+
+
+def s_range(stage: StageLike) -> range:
+    """The units of ``stage``."""
+    return range(stage.first_unit, stage.last_unit + 1)
+
+
+def stage_recompute_units(stage: StageLike) -> int | None:
+    """How many of ``stage``'s blocks its recompute mode covers (`autoplan.Plan`'s
+    ``stages[i].recompute_units``; None, or a stage without the field: all)."""
+    count = getattr(stage, "recompute_units", None)
+    return None if count is None else int(count)
 
 
 def stage_compiled(stage: StageLike, strategy: Strategy) -> bool:

@@ -13,7 +13,9 @@ Guarantees:
   categories the policy keeps (matrix multiplications, attention kernels) and of collectives,
   and recomputes the cheap ops between them (norms, activations, softmax inputs, dropout,
   residual adds), after Korthikanti et al. 2022, section 4.2;
-- ``"none"``: nothing changes.
+- ``"none"``: nothing changes;
+- with the stage's ``recompute_units`` N, only its first N blocks are wrapped (the others keep
+  their activations), the units `cost_model.partial_recompute.recomputed_mask` prices.
 Embedding and head units are never checkpointed (as Megatron-LM and torchtitan). Gradients are
 unchanged (RNG state is restored for recomputed dropout). The count of wrapped units equals the
 stage's count of those units, checked.
@@ -57,9 +59,15 @@ def selective_policy(recompute: RecomputePolicy) -> Callable[..., CheckpointPoli
     return policy
 
 
-def apply_recompute(stage: StageModule, mode: Recompute, recompute: RecomputePolicy) -> int:
-    """Wrap ``stage``'s units of the kinds ``recompute`` names for ``mode`` in place; returns
-    how many were wrapped."""
+def apply_recompute(
+    stage: StageModule,
+    mode: Recompute,
+    recompute: RecomputePolicy,
+    recompute_units: int | None = None,
+) -> int:
+    """Wrap ``stage``'s units of the kinds ``recompute`` names for ``mode`` in place, only the
+    first ``recompute_units`` of them when given (the plan's ``stages[i].recompute_units``,
+    Megatron-LM's block method); returns how many were wrapped."""
     if mode == "none":
         return 0
     wrap: Callable[[torch.nn.Module], torch.nn.Module]
@@ -75,6 +83,9 @@ def apply_recompute(stage: StageModule, mode: Recompute, recompute: RecomputePol
     else:  # pragma: no cover - Plan validates the mode
         raise ValueError(f"unknown recompute mode {mode!r}")
     blocks = [unit for unit in stage.units if unit.profile.kind in recompute.unit_kinds]
+    # partial recompute: the first ``recompute_units`` blocks, as the cost model prices them
+    # (`cost_model.partial_recompute.recomputed_mask`); the others keep their activations
+    blocks = blocks[:recompute_units] if recompute_units is not None else blocks
     for unit in blocks:
         setattr(stage.module, unit.attr, wrap(stage.unit_module(unit)))
     wrapped = sum(isinstance(stage.unit_module(unit), CheckpointWrapper) for unit in blocks)

@@ -78,6 +78,10 @@ from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
 from cost_model.messages import shown_count
 from cost_model.offload import host_link_problem, optimizer_offload_problem
+from cost_model.partial_recompute import (
+    recompute_units_problem,
+    stage_recompute_units_problem,
+)
 from cost_model.parts.fp8 import fp8_shape_problem
 from cost_model.parts.offload import HOST_BYTES_PER_PARAM, host_memory_problem
 from cost_model.precision import (
@@ -136,6 +140,11 @@ class StagePlan:
     recompute: Recompute = "none"
     # torch.compile of this stage's units: None (not written) takes the plan's ``compile``
     compile: bool | None = None
+    # partial recompute: under ``recompute`` selective or full, how many of the stage's
+    # recomputable units (its blocks) are recomputed, the first ones in order (Megatron-LM's
+    # ``--recompute-method block --recompute-num-layers N`` per pipeline / virtual stage); the
+    # others keep their activations. None (not written): all of them.
+    recompute_units: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("first_unit", "last_unit"):
@@ -150,6 +159,8 @@ class StagePlan:
             raise PlanError(
                 f"recompute = {shown(self.recompute)} must be one of {', '.join(RECOMPUTE_MODES)}"
             )
+        if (why := recompute_units_problem(self.recompute, self.recompute_units)) is not None:
+            raise PlanError(why)
         if self.compile is not None and not isinstance(self.compile, bool):
             raise PlanError(
                 f"compile = {shown(self.compile)} must be true or false (or left out: the "
@@ -715,6 +726,16 @@ class Plan:
                 f"{profile.num_units}; the last stage's last_unit must be {profile.num_units - 1}"
             )
         _raise_first(model_problems(self, profile))
+        _raise_first(
+            why
+            for idx, stage in enumerate(self.stages)
+            if (
+                why := stage_recompute_units_problem(
+                    idx, stage.recompute_units, [profile.units[u].kind for u in stage.unit_range]
+                )
+            )
+            is not None
+        )
         if stack or self.framework == DEFAULT_FRAMEWORK:
             self._check_stack(profile)
         _raise_first(_sp_problems(self, profile.seq_len))
@@ -779,6 +800,8 @@ class Plan:
         for stage in data["stages"]:
             if stage["compile"] is None:
                 del stage["compile"]
+            if stage["recompute_units"] is None:  # all of the stage's blocks: left out
+                del stage["recompute_units"]
         return data
 
     @property

@@ -409,7 +409,8 @@ def _shard_stages(
             )
         if plan.ep_degree > 1 and find_grouped_experts(stage.module):
             apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
-        apply_recompute(stage, plan.stages[stage.stage_idx].recompute, plan.decisions.recompute)
+        own = plan.stages[stage.stage_idx]
+        apply_recompute(stage, own.recompute, plan.decisions.recompute, own.recompute_units)
         # after recompute, before data parallelism (torchtitan's order)
         apply_compile(
             stage, plan.stage_compiled(stage.stage_idx), plan.decisions.compiled_unit_kinds

@@ -353,9 +353,20 @@ class _CountModel:
         _hint_modes(self.model, self.use, self.scaled.mode_names, cuts.modes)
 
     def read(self, solver: cp_model.CpSolver) -> Cuts:
-        """The partition of the solver's solution."""
-        starts = _starts_from_counts([solver.value(c) for c in self.count])
-        return Cuts(starts, _read_modes(solver, self.use, self.scaled.mode_names))
+        """The partition of the solver's solution: under partial recompute, a stage whose mode
+        covers some of its blocks recomputes that many (the first ones)."""
+        counts = [solver.value(c) for c in self.count]
+        starts = _starts_from_counts(counts)
+        modes = _read_modes(solver, self.use, self.scaled.mode_names)
+        names = self.scaled.mode_names
+        if "none" not in names or len(names) == 1:
+            return Cuts(starts, modes)
+        units: list[int | None] = []
+        for s, mode in enumerate(modes):
+            covered = solver.value(self.split[s][names.index(mode)])
+            units.append(covered if 0 < covered < counts[s] and mode != "none" else None)
+        partial = tuple(units) if any(u is not None for u in units) else ()
+        return Cuts(starts, modes, partial)
 
 
 def _count_model(problem: PartitionProblem) -> _CountModel:
@@ -388,14 +399,20 @@ def _count_model(problem: PartitionProblem) -> _CountModel:
     ]
     model.add(sum(count) == blocks)
     # split[s][k]: blocks of stage s under mode k, all of them under its chosen mode
-    # (count[s] itself with one mode)
+    # (count[s] itself with one mode); under partial recompute (`PartitionProblem.partial`)
+    # the blocks its mode does not cover run under 'none': any of them may (the blocks are
+    # interchangeable, so which ones does not change a sum; the plan names the first ones)
     split: list[list[Expr]] = [[count[s]] for s in range(S)]
+    free = {names.index("none")} if problem.partial else set()
     if len(names) > 1:
         split = [[model.new_int_var(0, blocks, f"split[{s},{k}]") for k in names] for s in range(S)]
         for s in range(S):
             model.add(sum(split[s]) == count[s])
             for k_idx, var in enumerate(split[s]):
-                model.add(var == 0).only_enforce_if(use[s][k_idx].Not())
+                if k_idx not in free:
+                    model.add(var == 0).only_enforce_if(use[s][k_idx].Not())
+        if free:
+            _add_partial_cover(model, use, count, split, free)
     # has_block: stage 0 holds a block, count[0] >= 1 (only when that changes its link time)
     has_block: Expr = None
     if first_varies:
@@ -418,6 +435,29 @@ def _count_model(problem: PartitionProblem) -> _CountModel:
         z=z,
         ceiling=ceiling,
     )
+
+
+def _add_partial_cover(
+    model: cp_model.CpModel,
+    use: Sequence[Sequence[Expr]],
+    count: Sequence[Expr],
+    split: Sequence[Sequence[Expr]],
+    free: set[int],
+) -> None:
+    """A stage that holds blocks and runs a recompute mode covers at least one of them (a
+    stage covering none runs 'none': one partition, one solution, as `brute_force` counts)."""
+    last = len(count) - 1
+    for s in range(len(count)):
+        holds: list[Expr] = []
+        if s in (0, last):
+            # has[s]: stage s holds a block (the first and last stage may hold none)
+            has = model.new_bool_var(f"holds_block[{s}]")
+            model.add(count[s] >= 1).only_enforce_if(has)
+            model.add(count[s] == 0).only_enforce_if(has.Not())
+            holds = [has]
+        for k_idx, var in enumerate(split[s]):
+            if k_idx not in free:
+                model.add(var >= 1).only_enforce_if([use[s][k_idx], *holds])
 
 
 def _count_stage_sums(
@@ -656,6 +696,8 @@ def _step_model(problem: PartitionProblem, kind: ModelKind | None) -> _StepModel
             kind = "runs"
         else:
             kind = "cut"
+    # (partial recompute is offered only where the count formulation applies: `partial`)
+    assert kind == "count" or not problem.partial, "partial recompute needs the count model"
     if kind == "cut":
         return _cut_model(problem)
     return _count_model(problem) if kind == "count" else _runs_model(problem)

@@ -13,7 +13,7 @@ cost model's own functions (`cost_model.stage_terms`, `cost_model.rank_memory.he
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -54,6 +54,10 @@ class PartitionProblem:
     send_bytes: float = 0.0
     # the rank tail: max(0, max_j (sum over the rank's units of tail_s[j] + constant j))
     tail_constants_s: tuple[float, ...] = ()
+    # recomputable[u]: a stage's recompute mode applies to unit u (a block); given (one entry
+    # per unit), a stage may recompute only its first few such units, the rest under 'none'
+    # (partial recompute, `cost_model.partial_recompute`). Empty: whole stages only.
+    recomputable: tuple[bool, ...] = ()
     unit_names: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +77,7 @@ class PartitionProblem:
                 assert len(table) == n
             assert len(costs.tail_s) == len(self.tail_constants_s)
             assert all(len(t) == n for t in costs.tail_s)
+        assert not self.recomputable or len(self.recomputable) == n
 
     @property
     def num_units(self) -> int:
@@ -85,6 +90,22 @@ class PartitionProblem:
     @property
     def num_tail_terms(self) -> int:
         return len(self.tail_constants_s)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a stage may recompute only its first few recomputable units: offered where
+        the count formulation models it exactly, the middle units (blocks) recomputable and
+        interchangeable, the first and last (embedding, head) not, and 'none' a mode."""
+        r = self.recomputable
+        return (
+            bool(r)
+            and "none" in self.modes
+            and len(self.modes) > 1
+            and not r[0]
+            and not r[-1]
+            and all(r[1:-1])
+            and _uniform_middle(self)
+        )
 
     def content_key(self) -> tuple[object, ...]:
         """Equal for problems with the same tables (outer choices that cost the same)."""
@@ -103,6 +124,7 @@ class PartitionProblem:
             self.memory_capacity_bytes,
             self.send_bytes,
             self.tail_constants_s,
+            self.recomputable,
         )
 
 
@@ -114,6 +136,8 @@ class Partition:
     modes: tuple[Recompute, ...]
     step_time_s: float
     rank_memory_bytes: tuple[float, ...]
+    # per stage: how many of its recomputable units its mode covers (None: all); empty: all
+    recompute_units: tuple[int | None, ...] = ()
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -127,21 +151,76 @@ class Partition:
 # ------------------------------------------------------------------ reference
 
 
+Counts = Sequence[int | None]
+
+
+def _count(counts: Counts, s: int) -> int | None:
+    """Stage ``s``'s recompute count (None: all its recomputable units; ``counts`` empty:
+    every stage whole)."""
+    return counts[s] if counts else None
+
+
+def _split_point(problem: PartitionProblem, start: int, end: int, count: int | None) -> int:
+    """The unit after the ``count``-th recomputable unit of units ``start..end-1``: those
+    before it run under the stage's mode, the others under 'none' (a unit the mode does not
+    apply to costs the same under both); ``end`` when the mode covers them all."""
+    if count is None:
+        return end
+    seen = 0
+    for u in range(start, end):
+        seen += problem.recomputable[u]
+        if seen == count:
+            return u + 1
+    return end
+
+
+def _units(
+    problem: PartitionProblem,
+    start: int,
+    end: int,
+    mode: Recompute,
+    count: int | None,
+    pick: Callable[[ModeCosts], Sequence[float]],
+) -> list[float]:
+    """Each unit's value of table ``pick`` in units ``start..end-1`` under its own mode (the
+    stage's, or 'none' for its recomputable units past the first ``count``, as
+    `cost_model.partial_recompute.unit_modes` prices them), in order: summed in the order the
+    estimate sums a stage's units."""
+    point = _split_point(problem, start, end, count) if mode != "none" else end
+    table = pick(problem.modes[mode])
+    if point == end:
+        return list(table[start:end])
+    rest = pick(problem.modes["none"])
+    recomputable = problem.recomputable
+    return [
+        *table[start:point],
+        *(rest[u] if recomputable[u] else table[u] for u in range(point, end)),
+    ]
+
+
+def _tail_table(j: int) -> Callable[[ModeCosts], Sequence[float]]:
+    """The table of tail term ``j``."""
+    return lambda costs: costs.tail_s[j]
+
+
 def stage_times(
-    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+    problem: PartitionProblem,
+    stage_starts: Sequence[int],
+    modes: Sequence[Recompute],
+    counts: Counts = (),
 ) -> list[StageTimes]:
     """Each stage's times for the simulation: `cost_model.stage_terms.stage_time` of its
-    units' sums, as the estimate makes them."""
+    units' sums (each unit under its own mode), as the estimate makes them."""
     S = problem.num_stages
     ends = (*stage_starts[1:], problem.num_units)
     out = []
     for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
-        costs = problem.modes[modes[s]]
+        mode, count = modes[s], _count(counts, s)
         out.append(
             stage_time(
-                sum(costs.forward_s[start:end]),
-                sum(costs.backward_s[start:end]),
-                sum(costs.weight_s[start:end]),
+                sum(_units(problem, start, end, mode, count, lambda c: c.forward_s)),
+                sum(_units(problem, start, end, mode, count, lambda c: c.backward_s)),
+                sum(_units(problem, start, end, mode, count, lambda c: c.weight_s)),
                 message_s=problem.message_s[s],
                 previous_message_s=problem.message_s[s - 1] if s > 0 else 0.0,
                 transfer_s=problem.transfer_s[s][end - 1] if s < S - 1 else 0.0,
@@ -152,22 +231,30 @@ def stage_times(
 
 
 def rank_tails(
-    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+    problem: PartitionProblem,
+    stage_starts: Sequence[int],
+    modes: Sequence[Recompute],
+    counts: Counts = (),
 ) -> list[float]:
     """Each pipeline rank's tail: `cost_model.stage_terms.tail_of_terms` of its sums of each
-    tail term (``tail_s[j]`` over its units plus constant j)."""
+    tail term (``tail_s[j]`` over its units, each under its own mode, plus constant j)."""
     spec = problem.spec
     ends = (*stage_starts[1:], problem.num_units)
     terms = [list(problem.tail_constants_s) for _ in range(spec.pp_degree)]
     for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
         r = spec.stage_rank(s)
-        for j, table in enumerate(problem.modes[modes[s]].tail_s):
-            terms[r][j] += sum(table[start:end])
+        for j in range(problem.num_tail_terms):
+            terms[r][j] += sum(
+                _units(problem, start, end, modes[s], _count(counts, s), _tail_table(j))
+            )
     return [tail_of_terms(t) for t in terms]
 
 
 def rank_memory(
-    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+    problem: PartitionProblem,
+    stage_starts: Sequence[int],
+    modes: Sequence[Recompute],
+    counts: Counts = (),
 ) -> list[float]:
     """Each rank's static bytes plus its activations at its largest candidate peak point
     (`cost_model.rank_memory.held_peak` of its stages' `stage_held_bytes`, as the estimate
@@ -175,10 +262,14 @@ def rank_memory(
     ends = (*stage_starts[1:], problem.num_units)
     static, held_bytes = [], []
     for s, (start, end) in enumerate(zip(stage_starts, ends, strict=True)):
-        costs = problem.modes[modes[s]]
+        mode, count = modes[s], _count(counts, s)
         static.append(sum(problem.static_bytes[start:end]))
         held_bytes.append(
-            stage_held_bytes(s, costs.activation_bytes[start:end], costs.retained_bytes[start:end])
+            stage_held_bytes(
+                s,
+                _units(problem, start, end, mode, count, lambda c: c.activation_bytes),
+                _units(problem, start, end, mode, count, lambda c: c.retained_bytes),
+            )
         )
     out = []
     for held in held_microbatches(problem.spec):
@@ -188,19 +279,24 @@ def rank_memory(
 
 
 def evaluate(
-    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+    problem: PartitionProblem,
+    stage_starts: Sequence[int],
+    modes: Sequence[Recompute],
+    counts: Counts = (),
 ) -> Partition:
-    """The simulated step and the memory of a partition: the reference the solver optimises."""
+    """The simulated step and the memory of a partition (``counts``: each stage's recompute
+    count, None for all; empty: every stage whole): the reference the solver optimises."""
     sim = simulate(
         problem.spec,
-        stage_times(problem, stage_starts, modes),
-        rank_tails(problem, stage_starts, modes),
+        stage_times(problem, stage_starts, modes, counts),
+        rank_tails(problem, stage_starts, modes, counts),
     )
     return Partition(
         stage_starts=tuple(stage_starts),
         modes=tuple(modes),
         step_time_s=sim.step_time_s,
-        rank_memory_bytes=tuple(rank_memory(problem, stage_starts, modes)),
+        rank_memory_bytes=tuple(rank_memory(problem, stage_starts, modes, counts)),
+        recompute_units=tuple(counts) if any(c is not None for c in counts) else (),
     )
 
 
@@ -231,19 +327,37 @@ def path_bound(
 
 
 def brute_force(problem: PartitionProblem) -> Partition | None:
-    """The optimum by enumerating every cut set and mode assignment (small problems only)."""
+    """The optimum by enumerating every cut set and mode assignment, and under `partial` every
+    recompute count of each recomputing stage (small problems only)."""
     best: Partition | None = None
     n, num_stages = problem.num_units, problem.num_stages
     mode_names = tuple(problem.modes)
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
         starts = (0, *cuts)
         for modes in itertools.product(mode_names, repeat=num_stages):
-            candidate = evaluate(problem, starts, modes)
-            if candidate.peak_memory_bytes > problem.memory_capacity_bytes:
-                continue
-            if best is None or candidate.step_time_s < best.step_time_s:
-                best = candidate
+            for counts in _count_choices(problem, starts, modes):
+                candidate = evaluate(problem, starts, modes, counts)
+                if candidate.peak_memory_bytes > problem.memory_capacity_bytes:
+                    continue
+                if best is None or candidate.step_time_s < best.step_time_s:
+                    best = candidate
     return best
+
+
+def _count_choices(
+    problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
+) -> Iterator[tuple[int | None, ...]]:
+    """Every recompute count per stage: None (all) and, under `partial`, 1 .. k - 1 for a
+    recomputing stage of k recomputable units."""
+    if not problem.partial:
+        yield ()
+        return
+    ends = (*stage_starts[1:], problem.num_units)
+    choices: list[list[int | None]] = []
+    for start, end, mode in zip(stage_starts, ends, modes, strict=True):
+        k = sum(problem.recomputable[start:end])
+        choices.append([None] if mode == "none" else [None, *range(1, k)])
+    yield from itertools.product(*choices)
 
 
 # -------------------------------------------------------------------- results
@@ -258,10 +372,12 @@ ModelKind = Literal["cut", "count", "runs"]
 
 
 class Cuts(NamedTuple):
-    """A partition before evaluation: where each stage starts and its recompute mode."""
+    """A partition before evaluation: where each stage starts, its recompute mode and how many
+    of its recomputable units that covers."""
 
     stage_starts: tuple[int, ...]  # first unit of each stage; stage s ends at the next start
     modes: tuple[Recompute, ...]
+    recompute_units: tuple[int | None, ...] = ()  # per stage (None: all); empty: all
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,11 +23,10 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from autoplan.contract.plan import Recompute
 from autoplan.planner.partition.formulations import Expr, _peak_model, _step_model, _StepModel
 from autoplan.planner.partition.heuristics import heuristic
 from autoplan.planner.partition.problem import (
@@ -183,10 +182,10 @@ def _seeded_model(
         _add_path(built, path, seen)
     best, seeds = heuristic(problem, work=work, stop_at_s=stop_at_s)
     for seed in seeds:
-        for path in _critical_paths_of(problem, seed.stage_starts, seed.modes, work):
+        for path in _critical_paths_of(problem, _cuts_of(seed), work):
             _add_path(built, path, seen)
     if best is not None:
-        built.hint(Cuts(best.stage_starts, best.modes))
+        built.hint(_cuts_of(best))
     return _Seeded(built, seen, best)
 
 
@@ -329,9 +328,9 @@ def solve(
         else:
             bound = max(bound, (solver.best_objective_bound - slack) * unit)
         work.simulation(spec)  # (the evaluation above)
-        for path in _critical_paths_of(problem, *cuts, work):
+        for path in _critical_paths_of(problem, cuts, work):
             _add_path(built, path, seen)
-        built.hint(Cuts(best.stage_starts, best.modes))
+        built.hint(_cuts_of(best))
     else:
         status = "FEASIBLE" if best is not None else "UNKNOWN"
     stats = SolveStats(
@@ -349,22 +348,18 @@ def solve(
     return SolveResult(best, stats)
 
 
-def _critical_paths_of(
-    problem: PartitionProblem,
-    stage_starts: Sequence[int],
-    modes: Sequence[Recompute],
-    work: Work,
-) -> list[CriticalPath]:
+def _cuts_of(partition: Partition) -> Cuts:
+    """A partition's cuts, modes and recompute counts."""
+    return Cuts(partition.stage_starts, partition.modes, partition.recompute_units)
+
+
+def _critical_paths_of(problem: PartitionProblem, cuts: Cuts, work: Work) -> list[CriticalPath]:
     """The longest path ending on each rank (the global one among them): adding them all per
     round converges in far fewer rounds than the global one alone. (Charges ``work`` a
     simulation and a path per rank.)"""
     spec = problem.spec
     work.simulation(spec, 1 + spec.pp_degree)
-    sim = simulate(
-        spec,
-        stage_times(problem, stage_starts, modes),
-        rank_tails(problem, stage_starts, modes),
-    )
+    sim = simulate(spec, stage_times(problem, *cuts), rank_tails(problem, *cuts))
     return [critical_path(spec, sim, rank) for rank in range(spec.pp_degree)]
 
 
