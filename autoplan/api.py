@@ -82,6 +82,7 @@ def manual_plan(
     cp: int = 1,
     ep: int = 1,
     ep_folding: bool = False,
+    etp: int = 1,
     micro_batch: int = 1,
     global_batch: int,
     recompute: Recompute = "none",
@@ -107,7 +108,8 @@ def manual_plan(
 
     ``dp`` defaults to ``cluster.num_devices / (tp * pp * cp)``; ``cp`` is the context-parallel
     degree, ``ep`` the expert-parallel one (carved out of dp, or with ``ep_folding`` out of the
-    dp x cp x tp ranks as Megatron-Core folds it: `Plan.ep_folding`). ``rank_layout`` defaults to
+    dp x cp x tp ranks as Megatron-Core folds it: `Plan.ep_folding`), ``etp`` the ranks each
+    routed expert is split over (`Plan.etp_degree`). ``rank_layout`` defaults to
     ``[pp, dp, tp]``, or ``[pp, dp, cp, tp]`` when cp > 1. ``dtype`` to the device's fastest
     (`DeviceSpec.fastest_training_dtype`). The plan is validated against the
     model and the cluster and carries the cost model's estimate. ``cluster`` may be a spec
@@ -176,6 +178,7 @@ def manual_plan(
         cp_degree=cp,
         ep_degree=ep,
         ep_folding=ep_folding,
+        etp_degree=etp,
         virtual_stages=virtual_stages,
         stages=even_stages(profile.num_units, pp * virtual_stages, recompute),
         micro_batch_size=micro_batch,

@@ -438,8 +438,9 @@ def build_case(
     framework = fam.get("framework", DEFAULT_FRAMEWORK)
     # where the stack that ran the row puts its ep groups (Megatron-Core folds them over
     # tp x cp x dp): the profile's, part of how the row ran
-    folded = framework_profile(framework).expert_layout == "folded"
-    check_expressible(row, folded=folded)
+    stack = framework_profile(framework)
+    folded = stack.expert_layout == "folded"
+    check_expressible(row, folded=folded, expert_tp=stack.expert_tensor_parallel)
     moe = model.get("moe") or {}
     dims = ModelDims(
         family=model["family"],
@@ -500,6 +501,7 @@ def build_case(
         cp=cp,
         ep=ep,
         ep_folding=folded and ep > 1,
+        etp=row_etp(row),
         micro_batch=micro_batch,
         global_batch=merged["global_batch"],
         recompute=merged.get("recompute") or "none",
@@ -571,10 +573,24 @@ def tp_overlap(config: dict[str, Any], framework: str, *, compiled: bool) -> boo
 PRECISION_KEYS = frozenset({"dtype", "fp8_recipe", "float8_recipe", "fp8_all_gather", *POLICY_KEYS})
 
 
-def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:
+def row_etp(row: dict[str, Any]) -> int:
+    """The row's expert tensor parallel size (`Plan.etp_degree`): stated, else Megatron-LM's
+    default, the dense tp (megatron/training/arguments.py at d98e8a64dd: "if
+    args.expert_tensor_parallel_size is None: args.expert_tensor_parallel_size =
+    args.tensor_model_parallel_size"); 1 for a dense model."""
+    config = row["config"]
+    if not row["model"].get("moe"):
+        return 1
+    return int(config.get("etp") or config.get("tp") or 1)
+
+
+def check_expressible(
+    row: dict[str, Any], *, folded: bool = False, expert_tp: bool = False
+) -> None:
     """Raise if a row that is to be predicted needs what autoplan's zoo or plan cannot say (its
     assumptions entry must then be `skip`, with the reason). ``folded``: the row's stack folds
-    ep over tp x cp x dp (`Plan.ep_folding`)."""
+    ep over tp x cp x dp (`Plan.ep_folding`); ``expert_tp``: it splits experts over TP ranks
+    (`Plan.etp_degree`, `FrameworkProfile.expert_tensor_parallel`)."""
     model, config = row["model"], row["config"]
     why = []
     if model.get("mla"):
@@ -585,17 +601,19 @@ def check_expressible(row: dict[str, Any], *, folded: bool = False) -> None:
     if moe.get("capacity_factor") is not None:
         why.append("a capacity factor (token dropping / padding)")
     ep = config.get("ep") or 1
-    # Megatron-LM's default expert tensor parallel size is the dense tp (megatron/training/
-    # arguments.py at d98e8a64dd: "if args.expert_tensor_parallel_size is None:
-    # args.expert_tensor_parallel_size = args.tensor_model_parallel_size"); autoplan never
-    # splits an expert over TP ranks (etp = 1).
-    etp = config.get("etp") or config.get("tp") or 1
-    if moe and etp != 1:
-        why.append(f"expert tensor parallelism etp = {etp} (autoplan's experts are not TP-split)")
+    # (`row_etp`: stated, else Megatron-LM's default, the dense tp)
+    etp = row_etp(row)
     tp, cp = config.get("tp") or 1, config.get("cp") or 1
+    if etp != 1 and not expert_tp:
+        why.append(
+            f"expert tensor parallelism etp = {etp} (the row's stack profile does not split "
+            "experts over TP ranks)"
+        )
+    elif tp % etp:
+        why.append(f"expert tensor parallelism etp = {etp} does not divide tp = {tp}")
     dp = row["num_gpus"] // (tp * (config.get("pp") or 1) * cp)
-    if ep > 1 and folded and folded_ep_factors(ep, tp, cp, dp) is None:
-        why.append(f"ep = {ep} does not fold over tp {tp} x cp {cp} x dp {dp}")
+    if ep > 1 and folded and folded_ep_factors(ep, tp // etp, cp, dp) is None:
+        why.append(f"ep = {ep} does not fold over tp {tp} / etp {etp} x cp {cp} x dp {dp}")
     elif ep > 1 and not folded and dp % ep:
         why.append(
             f"ep = {ep} does not divide dp = {dp} (Megatron-LM folds tp (etp 1) and cp ranks into "

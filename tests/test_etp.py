@@ -4,6 +4,9 @@ hand (`cost_model.parts.expert_parallel`), the stacks' refusals and the Megatron
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +15,8 @@ from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from autoplan.export import model_dims
 from autoplan.export.megatron import megatron_args
+from autoplan.planner.search import _space_for, search_plans
+from autoplan.planner.space import ConstraintError, etp_choices, strategies
 from cost_model.communication import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from cost_model.estimate import CostModel
 from cost_model.frameworks import framework_profile
@@ -223,3 +228,83 @@ def test_megatron_export_states_etp() -> None:
         sequence_parallel=True,
     )
     assert config.expert_tensor_parallel_size == 2
+
+
+# ------------------------------------------------------------------------------ search
+
+
+def test_search_offers_etp_where_the_stack_runs_it() -> None:
+    """Megatron-LM's space tries etp 1 and tp (the two layouts stacks use); autoplan's runtime
+    and a dense model only 1; a constraint is taken where it divides tp, and refused in one
+    line for a stack without expert tensor parallelism."""
+    profile = _moe_profile()
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    megatron = _space_for(profile, cluster, 16, "megatron-lm", {})
+    assert megatron.expert_tensor_parallel
+    assert etp_choices(megatron, profile, 4) == [1, 4]
+    assert etp_choices(megatron, profile, 1) == [1]
+    assert etp_choices(replace(megatron, etp=(1, 2, 3)), profile, 4) == [1, 2]
+    dense = gpt_profile(num_layers=2, s=1024, h=1024, a=8, e=2)
+    assert etp_choices(megatron, dense, 4) == [1]
+    own = _space_for(profile, cluster, 16, "autoplan", {})
+    assert not own.expert_tensor_parallel and etp_choices(own, profile, 4) == [1]
+    with pytest.raises(ConstraintError, match=r"^etp=2: autoplan does not split routed experts"):
+        _space_for(profile, cluster, 16, "autoplan", {"etp": 2})
+    # every member the enumeration yields is a valid strategy; etp > 1 only at etp = tp, and
+    # its ep groups fold over the tp / etp groups
+    found = {
+        (s.tp_degree, s.etp_degree, s.ep_degree, s.ep_folding)
+        for s in strategies(megatron, profile, cluster, 16)
+    }
+    assert {t for t, e, _, _ in found if e > 1} == {2, 4, 8}
+    assert all(e in (1, t) for t, e, _, _ in found)
+    assert (2, 2, 4, True) in found and (2, 1, 4, True) in found
+
+
+def test_search_for_megatron_returns_an_etp_plan_that_exports() -> None:
+    """Constrained to tp 2 and etp 2, the search's best plan states etp and Megatron-LM's
+    export carries it."""
+    profile = _moe_profile()
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    result = search_plans(
+        profile, cluster, global_batch=16, framework="megatron-lm", tp=2, etp=2, ep=4
+    )
+    (plan,) = result.plans
+    assert (plan.tp_degree, plan.etp_degree, plan.ep_degree) == (2, 2, 4)
+    assert Plan.from_data(plan.to_data()) == plan
+    assert plan.to_data()["etp_degree"] == 2
+
+
+# ------------------------------------------------------------------------------ bench
+
+
+def test_published_rows_are_expressible_with_megatron_s_default_etp() -> None:
+    """The bench prices a MoE row at its stated etp, else Megatron-LM's default, tp
+    (`row_etp`), where the row's stack splits experts; the Mixtral 8x22B row (tp 2, ep 8 over
+    dp 8) folds so, and the Qwen3-235B fp8 row cannot have run at etp = tp = 2 (2 x 32 x 8 does
+    not divide 256 GPUs: its ep does not fold over the block's 16 expert-TP groups)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import validate_published  # type: ignore[import-not-found]
+
+    rows = {row["id"]: row for row in validate_published.load()[0]}
+    mixtral = rows["mcore-moezoo-h100-mixtral-8x22b-128g-forced-balance"]
+    assert validate_published.row_etp(mixtral) == 2
+    with pytest.raises(ValueError, match=r"etp = 2 \(the row's stack profile does not split"):
+        validate_published.check_expressible(mixtral, folded=True)
+    validate_published.check_expressible(mixtral, folded=True, expert_tp=True)
+    qwen = rows["mbridge-260401-h100-qwen3-235b-a22b-256g-fp8"]
+    with pytest.raises(ValueError, match=r"ep = 32 does not fold over tp 2 / etp 2 x cp 1 x dp 16"):
+        validate_published.check_expressible(qwen, folded=True, expert_tp=True)
+
+
+def test_parallelize_s_check_refuses_etp_in_one_line() -> None:
+    """`parallelize` asks `runtime_refusal` of every plan on every rank before building
+    anything: autoplan's runtime keeps experts whole, so an etp plan (priced for Megatron-LM)
+    is refused in its words."""
+    from autoplan.contract.plan import runtime_refusal
+
+    plan = _cp_ep_plan(etp_degree=2, ep_degree=2, framework="megatron-lm", pp_degree=1, num_units=4)
+    why = runtime_refusal(plan, _moe_profile())
+    assert why is not None and why.startswith("etp_degree 2: autoplan does not split routed")
+    assert "passes/expert_parallel.py" in why and "\n" not in why
+    assert runtime_refusal(_cp_ep_plan(pp_degree=1, num_units=4), _moe_profile()) is None

@@ -70,6 +70,7 @@ def plan_of(
         cp_degree=s.cp_degree,
         ep_degree=s.ep_degree,
         ep_folding=s.ep_folding,
+        etp_degree=s.etp_degree,
         virtual_stages=s.virtual_stages,
         stages=stages,
         micro_batch_size=s.micro_batch_size,

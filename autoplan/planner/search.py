@@ -341,6 +341,14 @@ def _space_for(
         layout = stack.expert_layout
         folding = {"folded": (True,), "dp": (False,)}.get(layout or "", (False, True))
         space = replace(space, ep_folding=folding)
+    if stack.expert_tensor_parallel:
+        # etp 1 and tp tried (`space.etp_choices`)
+        space = replace(space, expert_tensor_parallel=True)
+    elif space.etp is not None and max(space.etp) > 1:
+        raise ConstraintError(
+            f"etp={shown(space.etp)}: {stack.name} does not split routed experts over "
+            "tensor-parallel ranks; drop the etp constraint, or search for megatron-lm"
+        )
     if space.hsdp and stack.hsdp_zero_stages:
         # HSDP shard groups fill a scale-up domain (`space.hsdp_shards`)
         space = replace(space, hsdp_domain=cluster.scale_up_domain)

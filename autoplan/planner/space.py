@@ -111,6 +111,11 @@ class SearchSpace:
     # dp x cp x tp (True); None: both, folded only where the two differ (tp > 1 with sequence
     # parallelism, or cp > 1). The search sets it from the framework's expert layout.
     ep_folding: tuple[bool, ...] | None = None
+    # Expert tensor parallelism (`Plan.etp_degree`): the values to try where they divide tp;
+    # None: 1, and tp too where the stack runs it (``expert_tensor_parallel``, set by the
+    # search): the two layouts stacks use (experts whole, or split as the dense TP splits them)
+    etp: tuple[int, ...] | None = None
+    expert_tensor_parallel: bool = False
     # cp > 1 is tried by itself only from this sequence length on (module docstring)
     cp_min_seq_len: int = CP_MIN_SEQ_LEN
     cp_min_local_tokens: int = CP_MIN_LOCAL_TOKENS
@@ -309,7 +314,10 @@ class SearchSpace:
             )
 
 
-_CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__} - {"hsdp_domain"}
+_CONSTRAINT_KEYS = {f for f in SearchSpace.__dataclass_fields__} - {
+    "hsdp_domain",
+    "expert_tensor_parallel",
+}
 
 
 def shown(values: object) -> str:
@@ -321,7 +329,7 @@ def shown(values: object) -> str:
 
 def _normalise(key: str, value: Any) -> Any:
     """Accept a scalar or a collection for set-valued constraints, check the values."""
-    if key in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "zero"):
+    if key in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "virtual_stages", "zero"):
         values = _as_tuple(key, value)
         for v in values:
             if not is_whole(v, 0 if key == "zero" else 1):
@@ -433,6 +441,7 @@ class Shape:
     grad_reduce_dtype: str | None = None
     optimizer_state_dtype: str = DEFAULT_OPTIMIZER_STATE_DTYPE
     compile: bool = False  # the space's (`SearchSpace.compile`)
+    etp: int = 1  # expert tensor parallelism (`Plan.etp_degree`)
 
     def member(
         self,
@@ -472,6 +481,7 @@ class Shape:
             cp_degree=self.cp,
             ep_degree=self.ep,
             ep_folding=self.ep_folding and self.ep > 1,
+            etp_degree=self.etp,
         )
 
 
@@ -534,7 +544,7 @@ def shapes(
                 if (space.dp is not None and dp not in space.dp) or global_batch % dp:
                     continue
                 per_replica = global_batch // dp
-                for ep, folded in expert_layouts(space, profile, tp, cp, dp):
+                for ep, folded, etp in expert_layouts(space, profile, tp, cp, dp):
                     for b in _divisors(per_replica, space.max_micro_batch):
                         if space.micro_batch is not None and b not in space.micro_batch:
                             continue
@@ -543,7 +553,7 @@ def shapes(
                                 continue  # (`SearchSpace.within_policy` names it)
                             yield Shape(
                                 tp, pp, cp, dp, ep, folded, b, per_replica // b, dtype,
-                                *space.policy, compile=space.compile,
+                                *space.policy, compile=space.compile, etp=etp,
                             )  # fmt: skip
 
 
@@ -574,11 +584,54 @@ def ep_choices(space: SearchSpace, profile: ModelProfile, dp: int) -> list[int]:
 
 def expert_layouts(
     space: SearchSpace, profile: ModelProfile, tp: int, cp: int, dp: int
-) -> list[tuple[int, bool]]:
-    """(ep, folded) pairs to try: ep inside dp (`ep_choices`) and, where folding differs
-    (tp > 1 or cp > 1), ep folded over dp x cp x tp (`folded_ep_factors`), as
-    ``space.ep_folding`` allows. Where the two coincide the folded spelling is used if only
+) -> list[tuple[int, bool, int]]:
+    """(ep, folded, etp) triples to try: ep inside dp (`ep_choices`) and, where folding
+    differs (tp > 1 or cp > 1), ep folded over dp x cp x tp (`folded_ep_factors`), as
+    ``space.ep_folding`` allows, with the experts whole (etp 1); then each other etp of
+    `etp_choices`, ep folded over the tp / etp expert-TP groups (with etp = tp and cp = 1 that
+    is ep inside dp). Where the two layouts coincide the folded spelling is used if only
     folding is allowed (a stack that folds runs that plan too)."""
+    triples = [(ep, folded, 1) for ep, folded in _whole_expert_layouts(space, profile, tp, cp, dp)]
+    allowed = space.ep_folding if space.ep_folding is not None else (False, True)
+    experts = experts_common(profile)
+    for etp in etp_choices(space, profile, tp):
+        if etp == 1:
+            continue
+        # ep folds over the tp / etp groups (Megatron-Core's expert rank generator); inside dp
+        # only where that is the same layout (etp = tp, cp = 1) and a stack places ep there
+        same = tp == etp and cp == 1
+        folded = True in allowed and not (same and False in allowed)
+        if not folded and not (same and False in allowed):
+            continue
+        triples += [
+            (ep, folded and ep > 1, etp)
+            for ep in _divisors(experts)
+            if folded_ep_factors(ep, tp // etp, cp, dp) is not None
+            and (space.ep is None or ep in space.ep)
+        ]
+    return triples
+
+
+def etp_choices(space: SearchSpace, profile: ModelProfile, tp: int) -> list[int]:
+    """Expert-tensor-parallel degrees to try at ``tp``: 1 for a dense model; those of
+    ``space.etp`` that divide tp and the experts' width, or 1 and tp where the stack runs
+    expert tensor parallelism (`SearchSpace.etp`)."""
+    if not profile.moe_layers:
+        return [1]
+    if space.etp is not None:
+        wanted = list(space.etp)
+    else:
+        wanted = [1, tp] if space.expert_tensor_parallel and tp > 1 else [1]
+    widths = [facts.expert_ffn_hidden_size for facts in profile.moe_layers]
+    return [e for e in wanted if tp % e == 0 and all(w % e == 0 for w in widths)]
+
+
+def _whole_expert_layouts(
+    space: SearchSpace, profile: ModelProfile, tp: int, cp: int, dp: int
+) -> list[tuple[int, bool]]:
+    """(ep, folded) pairs with the experts whole (etp 1), as `expert_layouts` describes."""
+    if space.etp is not None and 1 not in space.etp and profile.moe_layers:
+        return []
     allowed = space.ep_folding if space.ep_folding is not None else (False, True)
     differ = tp > 1 or cp > 1
     pairs: list[tuple[int, bool]] = [(1, False)]
