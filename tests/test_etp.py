@@ -4,6 +4,7 @@ hand (`cost_model.parts.expert_parallel`), the stacks' refusals and the Megatron
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -308,3 +309,29 @@ def test_parallelize_s_check_refuses_etp_in_one_line() -> None:
     assert why is not None and why.startswith("etp_degree 2: autoplan does not split routed")
     assert "passes/expert_parallel.py" in why and "\n" not in why
     assert runtime_refusal(_cp_ep_plan(pp_degree=1, num_units=4), _moe_profile()) is None
+
+
+def test_cli_estimate_states_etp_and_refuses_bad_input_in_one_line() -> None:
+    """`autoplan estimate --etp` (Mixtral 8x7B, tp 2 x ep 8 inside dp 8): Megatron-LM refuses
+    ep inside dp with the experts whole (its ep groups would take TP ranks), and runs it at etp =
+    tp, where its expert rank generator builds the same groups; the plan carries etp. etp not
+    dividing tp, or a stack without it, is one line on stderr without a traceback."""
+    from tests.conftest import run_cli
+
+    args = (
+        "estimate", "--model", "mixtral-8x7b", "--cluster", "dgx-h100-80g:nodes=4", "--tp", "2",
+        "--pp", "2", "--ep", "8", "--sequence-parallel", "--global-batch", "64", "--zero", "1",
+    )  # fmt: skip
+    megatron = ("--framework", "megatron-lm", "--json")
+    whole = run_cli(*args, *megatron)
+    assert whole.returncode != 0 and "set ep_folding: true" in whole.stderr
+    split = run_cli(*args, "--etp", "2", *megatron)
+    assert split.returncode == 0, split.stderr
+    assert json.loads(split.stdout)["plan"]["etp_degree"] == 2
+    for extra, words in (
+        (("--etp", "3", *megatron), "etp_degree = 3 does not divide tp_degree = 2"),
+        (("--etp", "2"), "etp_degree 2: autoplan does not split routed experts"),
+    ):
+        refused = run_cli(*args, *extra)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert words in refused.stderr and refused.stderr.count("\n") <= 1, refused.stderr

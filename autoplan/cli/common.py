@@ -274,6 +274,13 @@ def search_options(*, with_dp: bool = True) -> Callable[[F], F]:
             help="Allowed expert-parallel degrees [divisors of dp and of the experts].",
         ),
         click.option(
+            "--etp",
+            callback=positive_int_list,
+            help="Allowed expert-tensor-parallel degrees (each routed expert split over etp "
+            "ranks of the TP group; divisors of tp) [1, and tp where the stack splits experts: "
+            "megatron-lm].",
+        ),
+        click.option(
             "--micro-batch", callback=positive_int_list, help="Allowed micro-batch sizes."
         ),
         click.option(

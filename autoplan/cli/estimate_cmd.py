@@ -73,6 +73,14 @@ from cost_model.precision import precision_text
     help="Expert-parallel degree (within dp).",
 )
 @click.option(
+    "--etp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Expert-tensor-parallel degree: each routed expert split over etp ranks of the TP "
+    "group (a divisor of tp; Megatron-LM's --expert-tensor-parallel-size).",
+)
+@click.option(
     "--micro-batch",
     type=click.IntRange(min=1),
     default=1,
@@ -137,6 +145,7 @@ def estimate_cmd(
     dp: int | None,
     cp: int,
     ep: int,
+    etp: int,
     micro_batch: int,
     global_batch: int,
     recompute: Recompute,
@@ -178,6 +187,7 @@ def estimate_cmd(
         dp=dp,
         cp=cp,
         ep=ep,
+        etp=etp,
         micro_batch=micro_batch,
         global_batch=global_batch,
         recompute=recompute,
@@ -207,6 +217,7 @@ def estimate_cmd(
         f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree} "
         + (f"cp={plan.cp_degree} " if plan.cp_degree > 1 else "")
         + (f"ep={plan.ep_degree} " if plan.ep_degree > 1 else "")
+        + (f"etp={plan.etp_degree} " if plan.etp_degree > 1 else "")
         + f"v={plan.virtual_stages} micro-batch={plan.micro_batch_size} x "
         f"{plan.num_micro_batches}, {plan.schedule}, {plan.zero_text}, {plan.dtype}"
         + (", sequence parallel" if plan.sequence_parallel else "")
