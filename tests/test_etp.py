@@ -14,7 +14,7 @@ import pytest
 
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
-from autoplan.export import model_dims
+from autoplan.export import ExportError, export_plan, model_dims
 from autoplan.export.megatron import megatron_args
 from autoplan.planner.search import _space_for, search_plans
 from autoplan.planner.space import ConstraintError, etp_choices, strategies
@@ -335,3 +335,18 @@ def test_cli_estimate_states_etp_and_refuses_bad_input_in_one_line() -> None:
         refused = run_cli(*args, *extra)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr
         assert words in refused.stderr and refused.stderr.count("\n") <= 1, refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("stack", "words"),
+    [
+        ("torchtitan", "no expert_tensor_parallel_degree"),
+        ("deepspeed", "enable_expert_tensor_parallelism"),
+    ],
+)
+def test_exports_without_etp_refuse_it_in_their_words(stack: str, words: str) -> None:
+    plan = _cp_ep_plan(etp_degree=2, ep_degree=2, framework="megatron-lm")
+    with pytest.raises(ExportError) as refused:
+        export_plan(plan, stack, model="mixtral-8x7b")
+    (item,) = [part for part in str(refused.value).split("; (") if "etp_degree = 2" in part]
+    assert words in item and "--expert-tensor-parallel-size" in item
