@@ -67,8 +67,8 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     stages use the recompute ``modes``, priced for ``framework``: its pipeline schedule, each
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
     through the schedule's memory), its ZeRO level (and HSDP), torch.compile, tensor, sequence,
-    context and expert parallelism (and TP communication overlap), its precision and its
-    training stack."""
+    context and expert parallelism (and TP communication overlap, expert tensor parallelism),
+    its precision and its training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
     for mode in sorted(set(modes)):
@@ -96,6 +96,10 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         features.append("context parallel")
     if strategy.ep_degree > 1:
         features.append("expert parallel")
+    if strategy.etp_degree > 1:
+        # no published MoE run states its etp (`validate_published.row_etp`), and every
+        # scored one keeps its experts whole: a plan that splits them is unvalidated there
+        features.append("expert tensor parallel")
     features.append(f"dtype {strategy.dtype}")
     name = framework_profile(framework).name.partition(":")[0]
     features.append(f"stack {VALIDATED_THROUGH.get(name, name)}")

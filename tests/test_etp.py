@@ -350,3 +350,19 @@ def test_exports_without_etp_refuse_it_in_their_words(stack: str, words: str) ->
         export_plan(plan, stack, model="mixtral-8x7b")
     (item,) = [part for part in str(refused.value).split("; (") if "etp_degree = 2" in part]
     assert words in item and "--expert-tensor-parallel-size" in item
+
+
+def test_its_range_says_no_scored_run_validates_it() -> None:
+    """No published MoE run states its etp and every scored one keeps its experts whole: a
+    plan that splits them has the feature, and its 80% range widens as an unvalidated
+    feature's does."""
+    from cost_model.uncertainty import plan_features, step_interval
+
+    whole = _cp_ep_plan(ep_degree=2, framework="megatron-lm")
+    split = _cp_ep_plan(ep_degree=2, etp_degree=2, framework="megatron-lm")
+    features = plan_features(split, "megatron-lm")
+    assert "expert tensor parallel" in features
+    assert "expert tensor parallel" not in plan_features(whole, "megatron-lm")
+    wide, narrow = step_interval(features), step_interval(plan_features(whole, "megatron-lm"))
+    assert ("expert tensor parallel", 0) in wide.unvalidated
+    assert wide.high > narrow.high and wide.low < narrow.low
