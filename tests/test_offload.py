@@ -29,6 +29,7 @@ from cost_model.offload import (
 from cost_model.parts.offload import host_memory_problem, offload_cost
 from cost_model.parts.optimizer import optimizer_cost
 from cost_model.strategy import Strategy
+from tests.conftest import run_cli
 from tests.cost_profiles import gpt_profile, round_cluster
 from tests.dist_utils import run_distributed
 from tests.numerics import build_model, loss_fn, make_plan
@@ -149,7 +150,7 @@ def test_plan_file_round_trip(tmp_path: Path) -> None:
 )
 def test_bad_values_are_refused_in_one_line(value: object, words: str) -> None:
     with pytest.raises(PlanError) as info:
-        dataclasses.replace(_plan(), optimizer_offload=value)
+        dataclasses.replace(_plan(), optimizer_offload=value)  # type: ignore[arg-type]
     message = str(info.value)
     assert words in message and "\n" not in message, message
 
@@ -197,6 +198,69 @@ def test_stacks_that_have_it_take_it() -> None:
     _plan(optimizer_offload=0.25)
     _plan(optimizer_offload=1.0, framework="deepspeed", zero=2)
     _plan(optimizer_offload=0.5, framework="deepspeed", zero=3)
+
+
+# ------------------------------------------------------------------------------- the search
+
+
+def _search(memory_mib: int, link: float = HOST_LINK, **constraints: Any) -> Plan:
+    """A 4-layer GPT with short sequences (its state, not its activations, binds) on 8 devices
+    of ``memory_mib`` MiB, for DeepSpeed (ZeRO-Offload at ZeRO 1-3), no headroom."""
+    cluster = _linked(round_cluster(memory_bytes=memory_mib * 2**20), link)
+    plan: Plan = autoplan.search(
+        gpt_profile(s=16),
+        cluster,
+        global_batch=8,
+        framework="deepspeed",
+        tp=1,
+        pp=1,
+        dtype="bf16",
+        memory_headroom=0.0,
+        **constraints,
+    )
+    return plan
+
+
+def test_the_search_offloads_only_where_memory_binds() -> None:
+    """At 13 MiB no plan fits with its optimizer on the device (the leanest, ZeRO-3 with full
+    recompute, needs about 15 MiB) and one fits with it on the host; at 40 MiB every plan
+    keeps it on the device, and the search's plan is the one it finds without offload."""
+    tight = _search(13)
+    assert tight.optimizer_offload == 1.0 and tight.zero_stage == 3
+    with pytest.raises(autoplan.NoFeasiblePlanError):
+        _search(13, optimizer_offload=False)
+    loose = _search(40)
+    assert loose.optimizer_offload == 0.0
+    assert loose == _search(40, optimizer_offload=False)
+
+
+def test_the_search_never_offloads_without_a_host_link() -> None:
+    with pytest.raises(autoplan.NoFeasiblePlanError):
+        _search(13, link=0.0)
+
+
+# ------------------------------------------------------------------------------- the CLI
+
+_CLI = ("estimate", "--model", "gpt:num_layers=2,hidden_size=256,num_heads=4,seq_len=128,"
+        "vocab_size=1024", "--global-batch", "8", "--zero", "1", "--framework", "megatron-lm")  # fmt: skip
+
+
+def test_cli_estimate_prices_it_and_refuses_bad_input_in_one_line() -> None:
+    plain = run_cli(*_CLI, "--cluster", "dgx-h100-80g", "--json")
+    offloaded = run_cli(*_CLI, "--cluster", "dgx-h100-80g", "--optimizer-offload", "1", "--json")
+    assert plain.returncode == offloaded.returncode == 0, offloaded.stderr
+    before, after = json.loads(plain.stdout), json.loads(offloaded.stdout)
+    assert after["plan"]["optimizer_offload"] == 1 and "optimizer_offload" not in before["plan"]
+    assert after["step_time_s"] > before["step_time_s"]
+    assert after["peak_memory_bytes"] < before["peak_memory_bytes"]
+    text = run_cli(*_CLI, "--cluster", "dgx-h100-80g", "--optimizer-offload", "0.5")
+    assert "optimizer offload: 0.5 of the optimizer step on the host" in text.stdout
+    unstated = run_cli(
+        *_CLI, "--cluster", "dgx-h100-80g:host_link_bandwidth=0", "--optimizer-offload", "0.5"
+    )
+    assert unstated.returncode != 0 and "Traceback" not in unstated.stderr
+    assert "states no host link" in unstated.stderr
+    assert len(unstated.stderr.strip().splitlines()) == 1, unstated.stderr
 
 
 # ------------------------------------------------------------------------------- exports

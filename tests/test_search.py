@@ -456,6 +456,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "etp_degree": (1, 2),
     "dp_shard_degree": (None, 2, 4),
     "compile": (False, True),
+    "optimizer_offload": (0.0, 0.5, 1.0),
 }
 
 

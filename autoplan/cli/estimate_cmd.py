@@ -135,6 +135,14 @@ from cost_model.precision import precision_text
 @dtype_option
 @precision_options
 @compile_option
+@click.option(
+    "--optimizer-offload",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.0,
+    show_default=True,
+    help="Share of the optimizer step (master weights, moments, Adam) kept and run on the host "
+    "(Megatron-LM --optimizer-offload-fraction; DeepSpeed offload_optimizer).",
+)
 @framework_option
 @json_option
 def estimate_cmd(
@@ -162,6 +170,7 @@ def estimate_cmd(
     grad_reduce_dtype: str | None,
     optimizer_state_dtype: str | None,
     compile: bool,
+    optimizer_offload: float,
     framework: str,
     as_json: bool,
 ) -> None:
@@ -200,6 +209,7 @@ def estimate_cmd(
         dtype=dtype,
         framework=framework,
         compile=compile,
+        optimizer_offload=optimizer_offload,
         **policy,  # type: ignore[arg-type]
     )
     result = estimate(
@@ -233,6 +243,11 @@ def estimate_cmd(
         out.print(f"[bold]compile:[/] {compiled}")
     if plan.tp_comm_overlap:
         out.print(f"[bold]TP communication:[/] {tp_overlap_text(plan.framework)}")
+    if plan.optimizer_offload > 0:
+        out.print(
+            f"[bold]optimizer offload:[/] {plan.optimizer_offload:g} of the optimizer step on the "
+            "host (gradients out and weights back over the host link each step)"
+        )
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")
         out.print(result.memory_problem(), markup=False)

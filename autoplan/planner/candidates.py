@@ -37,6 +37,7 @@ from cost_model.estimate import (
     memory_constants,
 )
 from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
+from cost_model.parts.memory import offloaded_master_bytes
 from cost_model.schedule_memory import even_held, least_held, sends_at_end
 from cost_model.schedules import pipeline_lower_bound_s
 from cost_model.stage_terms import rank_tail_terms
@@ -157,24 +158,29 @@ class BoundTables:
         # as `CostModel` stores them: dense weights data-parallel over dp x cp, the routed
         # experts E / ep per device over dp x cp / ep
         # (the weights' view decides as the strategy: `Strategy.weights_view`)
-        state = static_bytes(
+        dense = static_bytes(
             params - self._expert_params,
             strategy.dtype,
             strategy.runtime_zero_stage,
             strategy.weight_dp_degree,
             strategy.dp_wrapper,
             policy=strategy.precision,
-        ).total_bytes
+        )
+        # optimizer offload's share of the state is on the host (`parts.memory.unit_bytes`)
+        share = strategy.optimizer_offload
+        state = dense.total_bytes - share * dense.optimizer_bytes
+        state -= offloaded_master_bytes(params - self._expert_params, strategy.weights_view)
         if self._expert_params:
             experts = strategy.expert_view
-            state += static_bytes(
+            routed = static_bytes(
                 self._expert_params / strategy.ep_degree,
                 strategy.dtype,
                 experts.runtime_zero_stage,
                 experts.dp_degree,
                 experts.dp_wrapper,
                 policy=experts.precision,
-            ).total_bytes
+            )
+            state += routed.total_bytes - share * routed.optimizer_bytes
         act_key = ACTIVATION_KEY.key(strategy, tuple(modes))
         least_act = self._least_act.get(act_key)
         if least_act is None:

@@ -27,6 +27,7 @@ from autoplan.planner.space import recompute_modes as space_recompute_modes
 from autoplan.planner.stack_filter import StackChoices, stack_recompute_modes
 from autoplan.planner.work import ENUMERATE_S, SHAPE_S, UNIT_COSTS_S, Work
 from cost_model.frameworks import Refusal
+from cost_model.frameworks.limits import optimizer_offload_refusal
 from cost_model.hardware import Cluster
 from cost_model.strategy import Strategy
 
@@ -72,6 +73,9 @@ class Enumeration:
         self._report, self._report_every = report, report_every
         # the largest predicted peak a plan may have (the headroom and the peak's range off)
         self._capacity = model.usable_capacity_bytes()
+        # optimizer offload needs a host link to price and run it (`cost_model.offload`)
+        device = cluster.device
+        self._host_link = device.kind == "gpu" and device.host_link_bandwidth_bytes_per_s > 0
         self.infeasible: list[Strategy] = []  # members the memory bound proves cannot fit
         # the stack's rule -> the first plan it refused so, and how many
         self._refusals: dict[str, tuple[Refusal, int]] = {}
@@ -133,9 +137,12 @@ class Enumeration:
                 continue
             stats.candidates += 1
             if tables.memory_bound(strategy, modes) > self._capacity:
-                stats.pruned_memory += 1
-                self.infeasible.append(strategy)
-                continue
+                offloaded = self.offloaded(strategy)
+                if offloaded is None or tables.memory_bound(offloaded, modes) > self._capacity:
+                    stats.pruned_memory += 1
+                    self.infeasible.append(strategy)
+                    continue
+                strategy = offloaded  # fits only with its optimizer on the host
             # a stack with one recompute setting for the model: each mode is its own choice
             alone = (
                 [(mode,) for mode in modes] if self._stack.recompute_scope == "global" else [modes]
@@ -154,6 +161,19 @@ class Enumeration:
                 pending.append(Pending(order_floor, time_floor, self._members, strategy, choice))
         self._charge_tables()
         return pending
+
+    def offloaded(self, strategy: Strategy) -> Strategy | None:
+        """``strategy`` with its whole optimizer step on the host, where the space allows it,
+        the device states a host link and the stack offloads at its ZeRO stage; else None.
+        Tried only for members that cannot fit (here, and when costed: `Frontier.cost`): its
+        step is never shorter than the member's (the host's share only adds to the optimizer
+        step), so the member's floors bound it too."""
+        if not (self._space.optimizer_offload and self._host_link):
+            return None
+        offloaded = replace(strategy, optimizer_offload=1.0)
+        if optimizer_offload_refusal(self._stack, offloaded) is not None:
+            return None
+        return offloaded
 
     def check_refused(self) -> None:
         """`ConstraintError` when every shape is expanded and the stack refused every member

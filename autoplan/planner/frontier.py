@@ -91,12 +91,15 @@ class Frontier:
         stats: SearchStats,
         infeasible: list[Strategy],
         work: Work,
+        offload: Callable[[Strategy], Strategy | None] | None = None,
     ) -> None:
         # popped from the end: largest floor first in the list
         self._pending = sorted(pending, key=lambda e: (e.order_floor_s, e.index), reverse=True)
         self._ready: list[tuple[float, int, Candidate]] = []  # heap on the order key
         self._tables = tables
         self._stats, self._infeasible, self._work = stats, infeasible, work
+        # a choice that cannot fit, with its optimizer on the host (None: none to try)
+        self._offload = offload
 
     @property
     def tables(self) -> BoundTables:
@@ -130,6 +133,14 @@ class Frontier:
         self._work.charge(COST_S)
         t0 = time.perf_counter()
         candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
+        if candidate.memory_lower_bound_bytes > candidate.usable_bytes and self._offload:
+            # where memory binds: the same choice with its optimizer step on the host, whose
+            # floors the choice's bound (`Enumeration.offloaded`)
+            offloaded = self._offload(entry.strategy)
+            if offloaded is not None:
+                twin = costed_candidate(offloaded, entry.modes, self._tables)
+                if twin.memory_lower_bound_bytes <= twin.usable_bytes:
+                    candidate = twin
         self._stats.costs_s += time.perf_counter() - t0
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             self._stats.pruned_memory += 1

@@ -88,6 +88,7 @@ def plan_of(
         grad_reduce_dtype=s.grad_reduce_dtype,  # type: ignore[arg-type]
         optimizer_state_dtype=s.optimizer_state_dtype,  # type: ignore[arg-type]
         compile=s.compile,
+        optimizer_offload=s.optimizer_offload,
         rank_layout=s.rank_layout,
         framework=model.framework,
         memory_headroom=model.memory_headroom,

@@ -154,6 +154,11 @@ class SearchSpace:
     # axis (compiling never slows a unit the cost model prices: `cost_model.parts.fusion`);
     # the schedules that split the backward are left out (`split_backward_conflict`)
     compile: bool = False
+    # Whether a member that cannot fit the device's memory is tried again with its whole
+    # optimizer step on the host (`Plan.optimizer_offload` 1; `enumeration.Enumeration.expand`),
+    # where the stack offloads at its ZeRO stage and the device states a host link: tried only
+    # where memory binds, so a search whose plans fit is unchanged.
+    optimizer_offload: bool = True
 
     @property
     def policy(self) -> tuple[str, str | None, str]:
@@ -388,6 +393,10 @@ def _normalise(key: str, value: Any) -> Any:
     if key == "hsdp":
         if not isinstance(value, bool):
             raise ConstraintError(f"hsdp={value!r} must be True or False")
+        return value
+    if key == "optimizer_offload":
+        if not isinstance(value, bool):
+            raise ConstraintError(f"optimizer_offload={value!r} must be True or False")
         return value
     if key == "dtype":
         dtypes = tuple(value.split(",")) if isinstance(value, str) else _as_tuple(key, value)
