@@ -22,8 +22,10 @@ from cost_model.messages import shown
 from cost_model.strategy import RECOMPUTED_UNIT_KINDS
 
 __all__ = [
+    "block_method_count",
     "recompute_units_problem",
     "recomputed_mask",
+    "stage_blocks",
     "stage_recompute_units_problem",
     "unit_modes",
 ]
@@ -94,3 +96,32 @@ def unit_modes(mode: str, unit_kinds: Sequence[str], count: int | None) -> tuple
         "none" if kind in RECOMPUTED_UNIT_KINDS and not covered else mode
         for kind, covered in zip(unit_kinds, mask, strict=True)
     )
+
+
+def stage_blocks(first_unit: int, last_unit: int, num_units: int) -> int:
+    """Blocks of a stage holding units ``first_unit..last_unit`` of a traced Transformer's
+    ``num_units`` (embedding, blocks, head): its units less the embedding and the head."""
+    return last_unit - first_unit + 1 - (first_unit == 0) - (last_unit == num_units - 1)
+
+
+def block_method_count(
+    stages: Sequence[tuple[int, int, int | None]], num_units: int
+) -> tuple[int | None, str | None]:
+    """The one ``--recompute-num-layers`` N of Megatron-LM's block method that recomputes what
+    stages (first unit, last unit, ``recompute_units``) state: each stage's first ``min(N,
+    its blocks)`` blocks (`transformer_block.py`, ``_checkpointed_forward``: layer ``l`` of a
+    chunk checkpointed while ``l < recompute_num_layers``). Returns (N, None), N None when no
+    stage is partial, or (None, why) when no single N states them."""
+    counts = [count for _, _, count in stages if count is not None]
+    if not counts:
+        return None, None
+    n = max(counts)
+    for idx, (first, last, count) in enumerate(stages):
+        blocks = stage_blocks(first, last, num_units)
+        stated = blocks if count is None else count
+        if stated != min(n, blocks):
+            return None, (
+                f"stage {idx} recomputes {stated} of its {blocks} blocks where one "
+                f"--recompute-num-layers {n} recomputes {min(n, blocks)}"
+            )
+    return n, None

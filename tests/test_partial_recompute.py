@@ -15,8 +15,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 import autoplan
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
+from autoplan.export import ExportError, export_plan, model_dims
+from autoplan.export.megatron import megatron_args
 from autoplan.planner.partition import PartitionProblem, brute_force, evaluate, solve
 from cost_model.estimate import CostModel
+from cost_model.frameworks import FrameworkError
 from cost_model.partial_recompute import recomputed_mask, unit_modes
 from cost_model.strategy import Strategy
 from passes.recompute import apply_recompute
@@ -32,6 +35,7 @@ from tests.numerics import (
     optimizer_factory,
     reference,
 )
+from tests.test_export import _flags
 from tests.test_partition import random_problem
 
 
@@ -239,3 +243,96 @@ def test_some_random_case_is_best_with_a_partial_stage() -> None:
         best = brute_force(problem)
         wins += best is not None and bool(best.recompute_units)
     assert wins >= 2
+
+
+# -------------------------------------------------------------------------- export
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> Any:
+    return autoplan.trace(autoplan.models.preset("llama3-8b"))
+
+
+def _exported_plan(graph: Any, counts: list[int | None], recompute: str = "full") -> Plan:
+    # 34 units over 4 stages of 9, 9, 8, 8 units: 8, 9, 8, 7 blocks (embedding and head at the ends)
+    plan = autoplan.manual_plan(
+        graph, "dgx-h100-80g:nodes=2", tp=4, pp=4, global_batch=64, recompute=recompute
+    )
+    return _partial(plan, counts)
+
+
+def test_megatron_states_one_block_count_for_every_stage(llama8b: Any) -> None:
+    pytest.importorskip("megatron.core.transformer.transformer_config")
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plan = _exported_plan(llama8b, [6, 6, 6, 6])
+    flags = _flags(megatron_args(plan, model_dims("llama3-8b")))
+    assert flags["--recompute-granularity"] == "full"
+    assert flags["--recompute-method"] == "block" and flags["--recompute-num-layers"] == "6"
+    # megatron-core's own check of the three (TransformerConfig.__post_init__)
+    config = TransformerConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        pipeline_model_parallel_size=4,
+        recompute_granularity=str(flags["--recompute-granularity"]),  # type: ignore[arg-type]
+        recompute_method=str(flags["--recompute-method"]),  # type: ignore[arg-type]
+        recompute_num_layers=int(flags["--recompute-num-layers"]),  # type: ignore[arg-type]
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    assert config.recompute_method == "block" and config.recompute_num_layers == 6
+    # a whole-stage plan keeps the uniform method
+    whole = _flags(megatron_args(_exported_plan(llama8b, [None] * 4), model_dims("llama3-8b")))
+    assert whole["--recompute-method"] == "uniform"
+
+
+@pytest.mark.parametrize(
+    ("counts", "recompute", "words"),
+    [
+        ([6, 5, 6, 6], "full", "stage 1 recomputes 5 of its 9 blocks where one"),
+        ([6, 6, 6, 6], "selective", "selective recompute covers every layer"),
+    ],
+)
+def test_megatron_refuses_what_one_block_count_cannot_state(
+    llama8b: Any, counts: list[int | None], recompute: str, words: str
+) -> None:
+    plan = _exported_plan(llama8b, counts, recompute)
+    with pytest.raises(ExportError) as error:
+        export_plan(plan, "megatron-lm")
+    assert words in str(error.value) and "stages[*].recompute_units" in str(error.value)
+    assert len(error.value.problems) == 1
+
+
+@pytest.mark.parametrize(
+    ("stack", "words"),
+    [
+        ("torchtitan", "wrap every transformer block"),
+        ("deepspeed", "not which layers"),
+    ],
+)
+def test_stacks_without_partial_recompute_refuse_it_in_one_line(
+    llama8b: Any, stack: str, words: str
+) -> None:
+    plan = _exported_plan(llama8b, [6, 6, 6, 6])
+    if stack == "deepspeed":  # its pipeline engine has no TP
+        plan = _partial(
+            autoplan.manual_plan(
+                llama8b, "dgx-h100-80g:nodes=2", tp=1, pp=4, dp=4, global_batch=64,
+                recompute="full", zero=1,
+            ),
+            [6, 6, 6, 6],
+        )  # fmt: skip
+    with pytest.raises(ExportError) as error:
+        export_plan(plan, stack)
+    problems = [p for p in error.value.problems if "recompute_units" in str(p)]
+    assert len(problems) == 1 and words in str(problems[0]), str(error.value)
+    assert "\n" not in str(problems[0])
+
+
+def test_a_plan_priced_for_torchtitan_refuses_partial_stages(llama8b: Any) -> None:
+    plan = dataclasses.replace(_exported_plan(llama8b, [6, 6, 6, 6]), framework="torchtitan")
+    with pytest.raises(FrameworkError, match="recompute_units"):
+        plan.validate(llama8b, "dgx-h100-80g:nodes=2")

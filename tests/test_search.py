@@ -26,7 +26,7 @@ from autoplan.planner.candidates import (
     partition_problem,
     refined_candidate,
 )
-from autoplan.planner.partition import brute_force, evaluate
+from autoplan.planner.partition import brute_force, count_choices, evaluate
 from autoplan.planner.search import SearchStats, _Frontier, _Pending, search_plans
 from autoplan.planner.space import ConstraintError, SearchSpace, recompute_modes, strategies
 from autoplan.planner.strategy_keys import (
@@ -110,26 +110,31 @@ def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[n
         for cuts in itertools.combinations(range(1, n), num_stages - 1):
             allowed = recompute_modes(space, strategy.schedule)
             for modes in itertools.product(allowed, repeat=num_stages):
-                result = evaluate(problem, (0, *cuts), modes)
-                fits = result.peak_memory_bytes <= problem.memory_capacity_bytes
-                if checked < 3 or (fits and result.step_time_s < best):
-                    checked += 1
-                    _check_against_estimate(profile, cluster, strategy, (0, *cuts), modes, result)
-                if fits:
-                    best = min(best, result.step_time_s)
+                # partial stages too, as the search offers them (`PartitionProblem.partial`)
+                for counts in count_choices(problem, (0, *cuts), modes):
+                    result = evaluate(problem, (0, *cuts), modes, counts)
+                    fits = result.peak_memory_bytes <= problem.memory_capacity_bytes
+                    if checked < 3 or (fits and result.step_time_s < best) or counts:
+                        checked += 1
+                        _check_against_estimate(
+                            profile, cluster, strategy, (0, *cuts), modes, result, counts
+                        )
+                    if fits:
+                        best = min(best, result.step_time_s)
     return best
 
 
-def _check_against_estimate(profile, cluster, strategy, starts, modes, result):  # type: ignore[no-untyped-def]
+def _check_against_estimate(profile, cluster, strategy, starts, modes, result, counts=()):  # type: ignore[no-untyped-def]
     ends = (*starts[1:], profile.num_units)
+    counts = counts or (None,) * len(modes)
     plan = Plan(
         dp_degree=strategy.dp_degree,
         tp_degree=strategy.tp_degree,
         pp_degree=strategy.pp_degree,
         virtual_stages=strategy.virtual_stages,
         stages=tuple(
-            StagePlan(first_unit=a, last_unit=b - 1, recompute=k)
-            for a, b, k in zip(starts, ends, modes, strict=True)
+            StagePlan(first_unit=a, last_unit=b - 1, recompute=k, recompute_units=c)
+            for a, b, k, c in zip(starts, ends, modes, counts, strict=True)
         ),
         micro_batch_size=strategy.micro_batch_size,
         num_micro_batches=strategy.num_micro_batches,

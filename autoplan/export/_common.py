@@ -420,6 +420,9 @@ def _field_value(plan: Plan, name: str, limit: str, stack: FrameworkProfile) -> 
         return f"[{', '.join(modes)}]" if limit == "recompute-scope" else _refused_mode(plan, stack)
     if name == "stages":
         return cuts_text([(s.first_unit, s.last_unit) for s in plan.stages])
+    if name == "stages[*].recompute_units":
+        counts = [stage.recompute_units for stage in plan.stages]
+        return f"[{', '.join('all' if c is None else str(c) for c in counts)}]"
     if name == "stages[*].compile":
         flags = [plan.stage_compiled(idx) for idx in range(plan.num_stages)]
         return f"[{', '.join(str(flag).lower() for flag in flags)}]"

@@ -37,7 +37,11 @@ Plan field -> flag:
 - ``stages[*].recompute`` (one mode for all) -> ``--recompute-granularity selective`` (which
   recomputes core attention, ``recompute_modules`` default ``["core_attn"]``, as autoplan's
   selective keeps the matmul outputs) or ``full`` with ``--recompute-method uniform
-  --recompute-num-layers 1`` (every layer checkpointed; ``TransformerConfig``).
+  --recompute-num-layers 1`` (every layer checkpointed; ``TransformerConfig``). Partial stages
+  (``stages[*].recompute_units``) -> ``--recompute-granularity full --recompute-method block
+  --recompute-num-layers N``: the first N layers of every pipeline (virtual) stage
+  (``transformer_block.py``, ``_checkpointed_forward``), one N for all; selective partial
+  stages or counts no single N states are refused (`limits.partial_refusals`).
 - ``zero_stage``: 1 -> ``--use-distributed-optimizer`` (optimizer state sharded over the
   data-parallel group, ``_add_distributed_args``); 2 and 3 -> Megatron-FSDP,
   ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
@@ -163,6 +167,7 @@ from autoplan.export._common import (
 )
 from autoplan.export.fp8 import Fp8Layers, exclude_text, fp8_layers, unknown_problem
 from cost_model.frameworks import framework_profile
+from cost_model.partial_recompute import block_method_count
 from cost_model.precision import compute_dtype
 from cost_model.schedules import interleaved_rounds
 from cost_model.strategy import is_subsequence
@@ -206,6 +211,10 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     recompute = uniform_recompute(plan)
     if recompute == "selective":
         args += ["--recompute-granularity", "selective"]
+    elif recompute == "full" and (blocks := _recompute_blocks(plan)) is not None:
+        # partial recompute: the first N layers of every pipeline (virtual) stage
+        args += ["--recompute-granularity", "full", "--recompute-method", "block"]
+        args += ["--recompute-num-layers", str(blocks)]
     elif recompute == "full":
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
         args += ["--recompute-num-layers", "1"]
@@ -229,6 +238,16 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     if (layers := fp8_layers(plan, dims)) is not None:
         args += _fp8_args(plan, layers)
     return tuple(args)
+
+
+def _recompute_blocks(plan: Plan) -> int | None:
+    """The one ``--recompute-num-layers`` of the block method that states the plan's partial
+    stages (`block_method_count`; None: no stage is partial). A plan no single N states was
+    refused before (`limits.partial_refusals`)."""
+    stages = [(s.first_unit, s.last_unit, s.recompute_units) for s in plan.stages]
+    blocks, why = block_method_count(stages, plan.num_units)
+    assert why is None, why
+    return blocks
 
 
 def _precision_args(plan: Plan) -> list[str]:

@@ -41,7 +41,7 @@ from cost_model.parts.memory import offloaded_master_bytes
 from cost_model.schedule_memory import even_held, least_held, sends_at_end
 from cost_model.schedules import pipeline_lower_bound_s
 from cost_model.stage_terms import rank_tail_terms
-from cost_model.strategy import Strategy
+from cost_model.strategy import RECOMPUTED_UNIT_KINDS, Strategy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -583,4 +583,11 @@ def partition_problem(candidate: Candidate, model: CostModel) -> PartitionProble
         memory_capacity_bytes=candidate.usable_bytes,
         send_bytes=boundary_send_bytes(first, cluster.calibration),
         tail_constants_s=(fixed, fixed),
+        # a stage may recompute its first few blocks only where the stack runs that
+        # (`FrameworkProfile.partial_recompute` "stage": autoplan's runtime)
+        recomputable=(
+            tuple(c.kind in RECOMPUTED_UNIT_KINDS for c in first)
+            if model.stack.partial_recompute == "stage"
+            else ()
+        ),
     )

@@ -58,9 +58,12 @@ def plan_of(
     profile = model.profile
     s = candidate.strategy
     ends = (*partition.stage_starts[1:], profile.num_units)
+    counts = partition.recompute_units or (None,) * len(partition.modes)
     stages = tuple(
-        StagePlan(first_unit=a, last_unit=b - 1, recompute=mode)
-        for a, b, mode in zip(partition.stage_starts, ends, partition.modes, strict=True)
+        StagePlan(first_unit=a, last_unit=b - 1, recompute=mode, recompute_units=count)
+        for a, b, mode, count in zip(
+            partition.stage_starts, ends, partition.modes, counts, strict=True
+        )
     )
     plan = Plan(
         model=ModelRef.of(profile),

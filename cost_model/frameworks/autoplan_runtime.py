@@ -56,6 +56,8 @@ AUTOPLAN = FrameworkProfile(
     fp8_recipes=("fp8", "fp8-rowwise"),
     # each stage's blocks torch.compile'd as the plan says, stage by stage (`passes.compile`)
     compile_scope="stage",
+    # each stage's first recompute_units blocks checkpointed (passes/recompute.py)
+    partial_recompute="stage",
     # FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype) over parameters in the master
     # dtype (passes/data_parallel.py), AdamW's moments in that dtype too
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 0)),

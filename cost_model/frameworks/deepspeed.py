@@ -154,6 +154,9 @@ DEEPSPEED = FrameworkProfile(
     schedules=("1f1b",),
     sequence_parallel=False,
     recompute_scope="global",
+    partial_recompute_why="ds_config's activation_checkpointing section says how checkpoints "
+    "are kept (partition_activations, cpu_checkpointing, number_checkpoints), not which layers, "
+    "and PipelineModule's activation_checkpoint_interval checkpoints every layer",
     recompute_modes=("none", "full"),
     pipeline_max_zero=1,
     pipeline_tensor_parallel=False,

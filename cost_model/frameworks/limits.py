@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from cost_model.messages import shown
+from cost_model.partial_recompute import block_method_count
 from cost_model.precision import FP8_RECIPE_NAMES, PLAIN_DTYPES, fp8_recipe, precision_policy
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import StageSplitError
@@ -62,6 +63,7 @@ LimitKey = Literal[
     "hsdp",
     "tp-comm-overlap",
     "tp-overlap-compile",
+    "partial-recompute",
     "etp",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
@@ -578,6 +580,55 @@ def optimizer_offload_refusal(stack: FrameworkProfile, strategy: Strategy) -> Re
     )
 
 
+def partial_refusals(stack: FrameworkProfile, plan: PlanLike, num_units: int) -> Iterator[Refusal]:
+    """A stage's ``recompute_units`` (`autoplan.Plan`'s partial recompute) on a stack that
+    recomputes whole stages only, or, under Megatron-LM's block method
+    (`FrameworkProfile.partial_recompute` "block"), with selective recompute or with counts no
+    single ``--recompute-num-layers`` states (`block_method_count`)."""
+    stages = [
+        (stage.first_unit, stage.last_unit, getattr(stage, "recompute_units", None))
+        for stage in plan.stages
+    ]
+    counts = [count for _, _, count in stages]
+    if all(count is None for count in counts):
+        return
+    value = f"recompute_units [{', '.join('all' if c is None else str(c) for c in counts)}]"
+    field = "stages[*].recompute_units"
+    fix = "leave stages[*].recompute_units out (every block of a stage recomputed)"
+    if stack.partial_recompute is None:
+        why = stack.partial_recompute_why or f"{stack.name} recomputes whole stages only"
+        yield Refusal(
+            value=value,
+            rule=why,
+            fix=f"{fix}, or price the plan for autoplan or megatron-lm",
+            limit="partial-recompute",
+            field=field,
+        )
+    elif stack.partial_recompute == "block":
+        modes = {stage.recompute for stage in plan.stages}
+        if modes != {"full"}:
+            yield Refusal(
+                value=f"{value} with recompute {' and '.join(sorted(modes))}",
+                rule=f"{stack.name}'s block method recomputes whole layers "
+                "(--recompute-granularity full); selective recompute covers every layer "
+                "(TransformerConfig: recompute_num_layers must be None)",
+                fix=f"set recompute full on every stage, or {fix}",
+                limit="partial-recompute",
+                field=field,
+            )
+            return
+        _, why = block_method_count(stages, num_units)
+        if why is not None:
+            yield Refusal(
+                value=value,
+                rule=f"{stack.name} recomputes the first --recompute-num-layers N layers of "
+                f"every pipeline stage, one N for all: {why}",
+                fix=f"give every stage the same recompute_units (at most its blocks), or {fix}",
+                limit="partial-recompute",
+                field=field,
+            )
+
+
 def hsdp_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal:
     """Why ``stack`` cannot run ``strategy``'s HSDP (`FrameworkProfile.hsdp_zero_stages`): no
     HSDP at all (in its own words where it states them), or not at this ZeRO stage."""
@@ -756,6 +807,7 @@ def plan_refusals(
         if (why := recompute_refusal(stack, strategy, mode)) is not None:
             yield why
     yield from _compile_refusals(stack, plan)
+    yield from partial_refusals(stack, plan, model.num_units)
     overlap = stack.tp_comm_overlap
     # a stage that turns compile off runs its blocks eager, without the overlap pass
     eager_stage = any(getattr(stage, "compile", None) is False for stage in plan.stages)

@@ -209,6 +209,11 @@ MEGATRON_LM = FrameworkProfile(
     # the rules over several axes below.
     schedules=("1f1b", "interleaved-1f1b"),
     recompute_scope="global",
+    # --recompute-granularity full --recompute-method block --recompute-num-layers N: the
+    # first N layers of each pipeline (virtual) stage (megatron-core TransformerConfig's
+    # recompute_method; transformer_block.py, _checkpointed_forward); selective granularity
+    # always covers every layer (recompute_num_layers must be None)
+    partial_recompute="block",
     rank_layouts=(("pp", "dp", "tp"), ("dp", "pp", "tp")),
     capabilities=Capabilities(
         moe_tp_needs_sequence_parallel=True,

@@ -245,6 +245,13 @@ class FrameworkProfile:
     # as its plan says); "global", one setting for the whole model; ``None``: it does not
     # torch.compile the model, and a compiled plan is refused (`limits.compile_refusal`).
     compile_scope: Literal["stage", "global"] | None = None
+    # Partial recompute (`stages[i].recompute_units`, `cost_model.partial_recompute`): "stage",
+    # any count per stage under either mode (autoplan's runtime); "block", full recompute of
+    # the first N blocks of every stage, one N for all (Megatron-LM's --recompute-method
+    # block); ``None``: whole stages only, a partial plan refused (`limits.partial_refusals`)
+    # with ``partial_recompute_why``, the stack's own reason where stated.
+    partial_recompute: Literal["stage", "block"] | None = None
+    partial_recompute_why: str = ""
     # The ZeRO stages at which the stack keeps and steps a share of the optimizer on the host
     # (`Plan.optimizer_offload`, `cost_model.parts.offload`), and those at which that share
     # may be below 1 (at the others it is all or nothing); empty: no optimizer offload, in

@@ -95,6 +95,9 @@ TORCHTITAN = FrameworkProfile(
     # block, ParallelDims' rank order, FSDP over dp_shard x cp with context parallelism, and
     # training.mixed_precision_param's two dtypes.
     recompute_scope="global",
+    partial_recompute_why="torchtitan 0.3's activation_checkpoint policies (FullAC, per-op "
+    "SelectiveAC, MemoryBudgetAC) wrap every transformer block (ActivationCheckpointing.apply; "
+    "the per-layer selective_ac_option of earlier releases, every k-th block, is gone)",
     rank_layouts=(("pp", "dp", "tp"),),
     capabilities=Capabilities(cp_min_zero=1, explained=TORCHTITAN_WORDS),
     dtypes=("bf16", "fp32"),

@@ -335,7 +335,7 @@ def brute_force(problem: PartitionProblem) -> Partition | None:
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
         starts = (0, *cuts)
         for modes in itertools.product(mode_names, repeat=num_stages):
-            for counts in _count_choices(problem, starts, modes):
+            for counts in count_choices(problem, starts, modes):
                 candidate = evaluate(problem, starts, modes, counts)
                 if candidate.peak_memory_bytes > problem.memory_capacity_bytes:
                     continue
@@ -344,7 +344,7 @@ def brute_force(problem: PartitionProblem) -> Partition | None:
     return best
 
 
-def _count_choices(
+def count_choices(
     problem: PartitionProblem, stage_starts: Sequence[int], modes: Sequence[Recompute]
 ) -> Iterator[tuple[int | None, ...]]:
     """Every recompute count per stage: None (all) and, under `partial`, 1 .. k - 1 for a
