@@ -170,6 +170,8 @@ class Enumeration:
         step), so the member's floors bound it too."""
         if not (self._space.optimizer_offload and self._host_link):
             return None
+        if strategy.zero_stage not in self._stack.optimizer_offload_zero_stages:
+            return None  # (the refusal's first rule, without building a strategy)
         offloaded = replace(strategy, optimizer_offload=1.0)
         if optimizer_offload_refusal(self._stack, offloaded) is not None:
             return None
