@@ -68,6 +68,7 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
     through the schedule's memory), its ZeRO level (and HSDP), torch.compile, tensor, sequence,
     context and expert parallelism (and TP communication overlap, expert tensor parallelism),
+    optimizer offload,
     its precision and its training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
@@ -100,6 +101,11 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         # no published MoE run states its etp (`validate_published.row_etp`), and every
         # scored one keeps its experts whole: a plan that splits them is unvalidated there
         features.append("expert tensor parallel")
+    if strategy.optimizer_offload > 0:
+        # no published run offloads its optimizer (the one offloading row, Megatron-Bridge's
+        # GB200 70B, offloads activations and is unscored): a plan with it is unvalidated
+        # there, and its range says so
+        features.append("optimizer offload")
     features.append(f"dtype {strategy.dtype}")
     name = framework_profile(framework).name.partition(":")[0]
     features.append(f"stack {VALIDATED_THROUGH.get(name, name)}")

@@ -194,6 +194,20 @@ def test_stacks_refuse_what_they_do_not_run(changes: dict[str, Any], words: str)
     assert words in message and "\n" not in message, message
 
 
+def test_its_range_says_no_published_run_validates_it() -> None:
+    """No published run offloads its optimizer: an offloaded plan's 80% range widens as an
+    unvalidated feature's does."""
+    from cost_model.uncertainty import plan_features, step_interval
+
+    plain, offloaded = _plan(), _plan(optimizer_offload=0.5)
+    features = plan_features(offloaded, "megatron-lm")
+    assert "optimizer offload" in features
+    assert "optimizer offload" not in plan_features(plain, "megatron-lm")
+    wide, narrow = step_interval(features), step_interval(plan_features(plain, "megatron-lm"))
+    assert ("optimizer offload", 0) in wide.unvalidated
+    assert wide.high > narrow.high and wide.low < narrow.low
+
+
 def test_stacks_that_have_it_take_it() -> None:
     _plan(optimizer_offload=0.25)
     _plan(optimizer_offload=1.0, framework="deepspeed", zero=2)
