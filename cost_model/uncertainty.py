@@ -68,8 +68,7 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
     through the schedule's memory), its ZeRO level (and HSDP), torch.compile, tensor, sequence,
     context and expert parallelism (and TP communication overlap, expert tensor parallelism),
-    optimizer offload,
-    its precision and its training stack."""
+    optimizer offload, its precision and its training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
     for mode in sorted(set(modes)):
