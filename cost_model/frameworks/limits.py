@@ -617,12 +617,12 @@ def partial_refusals(stack: FrameworkProfile, plan: PlanLike, num_units: int) ->
                 field=field,
             )
             return
-        _, why = block_method_count(stages, num_units)
-        if why is not None:
+        _, mismatch = block_method_count(stages, num_units)
+        if mismatch is not None:
             yield Refusal(
                 value=value,
                 rule=f"{stack.name} recomputes the first --recompute-num-layers N layers of "
-                f"every pipeline stage, one N for all: {why}",
+                f"every pipeline stage, one N for all: {mismatch}",
                 fix=f"give every stage the same recompute_units (at most its blocks), or {fix}",
                 limit="partial-recompute",
                 field=field,
