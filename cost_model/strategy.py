@@ -216,8 +216,7 @@ class Strategy:
             )
         if self.cp_degree > 1 and "cp" not in self.rank_layout:
             raise ValueError(f"strategy.rank_layout = {self.rank_layout} must place cp")
-        etp_why = etp_problem(self.tp_degree, self.etp_degree)
-        if etp_why is not None:
+        if self.etp_degree != 1 and (etp_why := etp_problem(self.tp_degree, self.etp_degree)):
             raise ValueError(f"strategy: {etp_why}")
         if self.ep_folding:
             if (

@@ -148,6 +148,10 @@ def test_expert_cost_with_etp_by_hand() -> None:
     )
     assert split.all_to_all_forward_s == pytest.approx(base.all_to_all_forward_s + pair)
     assert split.all_to_all_backward_s == pytest.approx(base.all_to_all_backward_s + pair)
+    # the gathered input kept for the weight gradients: the other rank's 1024 x 1024 x 2 B
+    assert split.activation_bytes == base.activation_bytes + message
+    full = expert_cost(facts, two, cluster, group_placements(two, cluster, "ep"), "full", 2)
+    assert full.activation_bytes == 0.0 and full.all_activation_bytes == message
     # without sequence parallelism the TP ranks hold the same tokens: nothing gathered, the
     # GEMMs' FLOPs halve and the outputs are all-reduced once each way
     plain: dict[str, Any] = dict(dp_degree=4, tp_degree=2, ep_degree=4)

@@ -42,7 +42,9 @@ rows (the same FLOPs per rank), and reduce-scatter the outputs before the combin
 (``MoEAlltoAllTokenDispatcher``: ``gather_from_sequence_parallel_region`` and
 ``reduce_scatter_to_sequence_parallel_region`` over its ``tp_group``, the expert-TP group,
 megatron/core/transformer/moe/token_dispatcher.py). The backward runs the mirror collectives
-(reduce-scatter of the input gradients, all-gather of the output gradients). When the TP ranks
+(reduce-scatter of the input gradients, all-gather of the output gradients), and the GEMMs
+keep their gathered input for the weight gradients: ``(etp - 1) x A x hidden`` bytes beyond
+what the trace counted (unless full recompute re-runs them). When the TP ranks
 route the same tokens (tp > 1 without sequence parallelism) nothing is gathered: each etp
 rank runs ``1/etp`` of the GEMMs on the same rows and the outputs are all-reduced, as dense
 row-parallel TP (Shoeybi et al. 2019), once forward and once backward. Those collectives are
@@ -174,6 +176,11 @@ def expert_cost(
     # the GEMM outputs (hidden + num_gemms x F elements)
     per_assignment = (facts.hidden_size + facts.num_gemms * facts.expert_ffn_hidden_size) * width
     saved = pairs * (imbalance - 1.0) * per_assignment
+    if gathers:
+        # the expert GEMMs keep their gathered input for the weight gradients: the other
+        # etp - 1 ranks' tokens beyond this rank's own (the slices of the outputs are the
+        # balanced bytes: etp x the rows at F / etp)
+        saved += pairs * imbalance * (etp - 1) * facts.hidden_size * width
     return ExpertCost(
         forward_compute_s=forward,
         backward_compute_s=backward,
