@@ -100,7 +100,7 @@ def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[n
     )
     cache = BoundTables(CostModel(profile, cluster))
     best = math.inf
-    checked = 0
+    checked = partial_checked = 0
     # every outer choice, the dominated ones (GPipe beside 1F1B, ZeRO-1 beside ZeRO-2, layouts
     # that cannot differ) included: skipping them must lose nothing
     for strategy in strategies(space, profile, cluster, global_batch, skip_dominated=False):
@@ -114,8 +114,11 @@ def _brute_force(profile, cluster, global_batch, constraints):  # type: ignore[n
                 for counts in count_choices(problem, (0, *cuts), modes):
                     result = evaluate(problem, (0, *cuts), modes, counts)
                     fits = result.peak_memory_bytes <= problem.memory_capacity_bytes
-                    if checked < 3 or (fits and result.step_time_s < best) or counts:
+                    # (each improvement, and a few partial partitions, against the estimate)
+                    partial_check = bool(counts) and partial_checked < 3
+                    if checked < 3 or (fits and result.step_time_s < best) or partial_check:
                         checked += 1
+                        partial_checked += partial_check
                         _check_against_estimate(
                             profile, cluster, strategy, (0, *cuts), modes, result, counts
                         )
