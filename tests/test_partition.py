@@ -258,8 +258,9 @@ def test_rank_balanced_hint_evens_every_rank(schedule: str, p: int, v: int, bloc
     )
     hint = rank_balanced_hint(problem, "none")
     assert hint is not None
-    starts, modes = hint
+    starts, modes = hint.stage_starts, hint.modes
     assert modes == ("none",) * spec.num_stages
+    assert hint.recompute_units in ((), (None,) * spec.num_stages)  # whole stages
     assert starts[0] == 0 and all(a < b for a, b in zip(starts, (*starts[1:], n), strict=False))
     ends = (*starts[1:], n)
     per_rank = [0.0] * p
