@@ -232,6 +232,21 @@ class Reference(NamedTuple):
     aliases: list[set[str]]  # the names of each parameter (several if tied)
 
 
+def refused_plan_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
+    """`parallelize` of a meta llama under ``plan_data``, which must refuse it: the message, and
+    whether the model was left on meta (the refusal came before anything was built)."""
+    import pytest
+
+    from autoplan.contract.errors import PlanError
+    from autoplan.runtime.parallelizer import parallelize
+    from passes import has_meta_tensors
+
+    model = build_model("llama", device="meta")
+    with pytest.raises(PlanError) as refused:
+        parallelize(model, plan=Plan.from_data(plan_data), loss_fn=loss_fn)
+    return {"message": str(refused.value), "meta": has_meta_tensors([model])}
+
+
 def reference(
     model_name: str, global_batch: int, steps: int = STEPS, model: nn.Module | None = None
 ) -> Reference:

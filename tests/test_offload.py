@@ -32,7 +32,7 @@ from cost_model.strategy import Strategy
 from tests.conftest import run_cli
 from tests.cost_profiles import gpt_profile, round_cluster
 from tests.dist_utils import run_distributed
-from tests.numerics import build_model, loss_fn, make_plan
+from tests.numerics import make_plan, refused_plan_worker
 
 HOST_LINK = 10e9  # bytes/s each way, a round number for the hand-worked cases
 
@@ -362,26 +362,12 @@ def test_torchtitan_refuses_the_export_in_its_words(llama8b: Any) -> None:
 # ------------------------------------------------------------------------------- runtime
 
 
-def refused_on_cpu_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
-    """parallelize a plan with optimizer_offload on this CPU over gloo: the message, and
-    whether the meta model was left unallocated."""
-    from autoplan.runtime.parallelizer import parallelize
-    from passes import has_meta_tensors
-
-    model = build_model("llama", device="meta")
-    with pytest.raises(PlanError) as refused:
-        parallelize(model, plan=Plan.from_data(plan_data), loss_fn=loss_fn)
-    return {"message": str(refused.value), "meta": has_meta_tensors([model])}
-
-
 @pytest.mark.slow
 def test_parallelize_refuses_it_on_cpu_on_every_rank(tmp_path: Path) -> None:
     """A CPU worker is its own host: every rank refuses the plan in one line naming the value,
     the rule and the fix, before anything is built (nothing hangs)."""
     plan = make_plan(dp=2, zero=1, optimizer_offload=0.5)
-    results = run_distributed(
-        refused_on_cpu_worker, plan.to_data(), world_size=2, tmp_path=tmp_path
-    )
+    results = run_distributed(refused_plan_worker, plan.to_data(), world_size=2, tmp_path=tmp_path)
     for result in results:
         message = result["message"]
         assert message.startswith("optimizer_offload = 0.5 on device"), message

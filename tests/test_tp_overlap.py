@@ -30,11 +30,11 @@ from cost_model.hardware import as_cluster
 from cost_model.parts.tensor_parallel import tp_cost
 from cost_model.strategy import Strategy, group_placements
 from cost_model.tp_overlap import OverlapSplit, exposed_s
-from passes import async_tp_refusal, has_meta_tensors
+from passes import async_tp_refusal
 from tests.conftest import run_cli
 from tests.cost_profiles import gpt_profile, round_cluster
 from tests.dist_utils import run_distributed
-from tests.numerics import build_model, loss_fn, make_plan
+from tests.numerics import make_plan, refused_plan_worker
 
 # ------------------------------------------------------------------------------- the splits
 
@@ -450,25 +450,12 @@ def test_stacks_without_it_refuse_the_export(llama8b: Any) -> None:
 # ------------------------------------------------------------------------------- runtime
 
 
-def refused_on_cpu_worker(rank: int, world_size: int, plan_data: dict[str, Any]) -> dict[str, Any]:
-    """parallelize a plan with tp_comm_overlap on this CPU over gloo: the message, and whether
-    the meta model was left unallocated."""
-    from autoplan.runtime.parallelizer import parallelize
-
-    model = build_model("llama", device="meta")
-    with pytest.raises(PlanError) as refused:
-        parallelize(model, plan=Plan.from_data(plan_data), loss_fn=loss_fn)
-    return {"message": str(refused.value), "meta": has_meta_tensors([model])}
-
-
 @pytest.mark.slow
 def test_parallelize_refuses_it_on_cpu_on_every_rank(tmp_path: Path) -> None:
     """torch's async TP needs CUDA and NCCL: on CPU/gloo every rank refuses the plan in one
     line, before anything is built (nothing hangs)."""
     plan = make_plan(tp=2, sequence_parallel=True, compile=True, tp_comm_overlap=True)
-    results = run_distributed(
-        refused_on_cpu_worker, plan.to_data(), world_size=2, tmp_path=tmp_path
-    )
+    results = run_distributed(refused_plan_worker, plan.to_data(), world_size=2, tmp_path=tmp_path)
     for result in results:
         message = result["message"]
         assert message.startswith("tp_comm_overlap: true on cpu with the gloo backend"), message
