@@ -239,11 +239,29 @@ def overlap_choice(
     return None if value is None else (value == "on",)
 
 
-def tp_overlap_text(framework: str) -> str:
+def _tp_overlap_text(framework: str) -> str:
     """How the plan's stack overlaps its TP communication, for a plan with ``tp_comm_overlap``."""
     overlap = FRAMEWORKS[framework.partition(":")[0]].tp_comm_overlap
     how = f": {overlap.name}" if overlap is not None else ""
     return f"sequence-parallel all-gathers and reduce-scatters overlapped with the GEMMs{how}"
+
+
+def policy_lines(plan: Any) -> list[str]:
+    """The lines `plan`, `estimate` and `explain` print under a plan's tables: its precision,
+    what it compiles and how its stack overlaps TP communication (each only where it says
+    something)."""
+    from autoplan._format import fmt_compile
+    from cost_model.precision import precision_text
+
+    lines = []
+    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
+    if precision is not None:
+        lines.append(f"[bold]precision:[/] {precision}")
+    if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
+        lines.append(f"[bold]compile:[/] {compiled}")
+    if plan.tp_comm_overlap:
+        lines.append(f"[bold]TP communication:[/] {_tp_overlap_text(plan.framework)}")
+    return lines
 
 
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:

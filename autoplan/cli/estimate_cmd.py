@@ -9,7 +9,6 @@ from autoplan._format import (
     collapse_runs,
     compact_table,
     fmt_bytes,
-    fmt_compile,
     fmt_headroom,
     fmt_memory,
     fmt_recompute,
@@ -25,18 +24,17 @@ from autoplan.cli.common import (
     framework_option,
     json_option,
     memory_headroom_option,
+    policy_lines,
     precision_fields,
     precision_options,
     range_level,
     tp_comm_overlap_option,
-    tp_overlap_text,
     trace_spec,
 )
 from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
-from cost_model.precision import precision_text
 
 
 @click.command("estimate")
@@ -236,13 +234,8 @@ def estimate_cmd(
     )
     out.print(stage_table(result))
     out.print(summary_line(result))
-    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
-    if precision is not None:
-        out.print(f"[bold]precision:[/] {precision}")
-    if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
-        out.print(f"[bold]compile:[/] {compiled}")
-    if plan.tp_comm_overlap:
-        out.print(f"[bold]TP communication:[/] {tp_overlap_text(plan.framework)}")
+    for line in policy_lines(plan):
+        out.print(line)
     if plan.optimizer_offload > 0:
         out.print(
             f"[bold]optimizer offload:[/] {plan.optimizer_offload:g} of the optimizer step on the "

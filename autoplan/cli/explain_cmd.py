@@ -14,7 +14,7 @@ import click
 from rich.padding import Padding
 from rich.table import Table
 
-from autoplan._format import collapse_runs, compact_table, fmt_compile, fmt_gib, fmt_time
+from autoplan._format import collapse_runs, compact_table, fmt_gib, fmt_time
 from autoplan.analysis.explain import (
     Explanation,
     describe_plan,
@@ -29,7 +29,7 @@ from autoplan.cli.common import (
     finite_seconds,
     json_option,
     memory_headroom_option,
-    tp_overlap_text,
+    policy_lines,
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
@@ -37,7 +37,6 @@ from autoplan.cli.whatif_cmd import check_picture_path
 from autoplan.contract.plan import Plan
 from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import load_cluster
-from cost_model.precision import precision_text
 
 
 @click.command("explain")
@@ -174,13 +173,8 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
     out.print(stage_table(result.estimate))
     out.print(memory_table(result))
     out.print(summary_line(result.estimate))
-    precision = precision_text(plan.dtype, plan.fp8_exclude, plan.fp8_all_gather, plan.precision)
-    if precision is not None:
-        out.print(f"[bold]precision:[/] {precision}")
-    if compiled := fmt_compile([plan.stage_compiled(s) for s in range(plan.num_stages)]):
-        out.print(f"[bold]compile:[/] {compiled}")
-    if plan.tp_comm_overlap:
-        out.print(f"[bold]TP communication:[/] {tp_overlap_text(plan.framework)}")
+    for line in policy_lines(plan):
+        out.print(line)
     out.print(f"[bold]critical path:[/] {result.critical_path.summary()}")
     for note in result.notes:
         out.print(f"note: {note}")

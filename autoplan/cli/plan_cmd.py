@@ -13,7 +13,6 @@ from rich.table import Table
 from autoplan._format import (
     MEMORY_CELL_CAPTION,
     compact_table,
-    fmt_compile,
     fmt_memory_cell,
     fmt_range_percent,
     fmt_recompute,
@@ -29,9 +28,9 @@ from autoplan.cli.common import (
     emit_json,
     framework_option,
     json_option,
+    policy_lines,
     search_constraints,
     search_options,
-    tp_overlap_text,
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
@@ -40,7 +39,6 @@ from autoplan.contract.plan import Plan
 from autoplan.planner.search import SearchProgress, SearchStats, search_plans
 from cost_model.hardware import load_cluster
 from cost_model.messages import shown
-from cost_model.precision import precision_text
 
 
 @click.command("plan")
@@ -151,13 +149,8 @@ def plan_cmd(
     detail = estimate(profile, target, best)
     out.print(stage_table(detail))
     out.print(summary_line(detail))
-    precision = precision_text(best.dtype, best.fp8_exclude, best.fp8_all_gather, best.precision)
-    if precision is not None:
-        out.print(f"[bold]precision:[/] {precision}")
-    if compiled := fmt_compile([best.stage_compiled(s) for s in range(best.num_stages)]):
-        out.print(f"[bold]compile:[/] {compiled}")
-    if best.tp_comm_overlap:
-        out.print(f"[bold]TP communication:[/] {tp_overlap_text(best.framework)}")
+    for line in policy_lines(best):
+        out.print(line)
     for line in coverage(best, profile, target, detail).lines():
         out.print(f"[bold]coverage:[/] {line}")
     if output is not None:
