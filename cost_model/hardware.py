@@ -22,7 +22,7 @@ from typing import Any, Literal
 from cost_model import this_machine
 from cost_model.calibration import Calibration
 from cost_model.errors import ClusterError, SchemaError
-from cost_model.messages import shown_count
+from cost_model.messages import did_you_mean, shown_count
 from cost_model.precision import fp8_device_problem
 from cost_model.schema import (
     PATH_LIMIT,
@@ -392,7 +392,8 @@ class Cluster:
         else:
             if name not in preset_names():
                 raise ClusterError(
-                    f"unknown cluster preset {shown(name)}; valid presets: "
+                    f"unknown cluster preset {shown(name)}; {did_you_mean(name, preset_names())}"
+                    "valid presets: "
                     f"{', '.join(preset_names())} (or give a path to a cluster YAML file)"
                 )
             base = cls.preset_file(name)

@@ -9,7 +9,9 @@ calls ``repr`` on a whole container or string), saying how long the original was
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+from collections.abc import Iterable
 from typing import Any
 
 SHOWN_LIMIT = 80
@@ -64,6 +66,15 @@ def shown(value: object, limit: int = SHOWN_LIMIT, *, quoted: bool = True) -> st
         return text
     size = _size(value)
     return f"{text} ({size})" if size else text
+
+
+def did_you_mean(name: str, choices: Iterable[str], n: int = 2) -> str:
+    """``did you mean a or b? `` for the ``n`` choices nearest ``name`` (difflib's ratio, or a
+    choice that contains it: ``h100`` for ``dgx-h100-80g``); empty when none is near."""
+    options = list(choices)
+    close = difflib.get_close_matches(name, options, n=n, cutoff=0.6)
+    close += [c for c in options if len(name) >= 3 and name in c and c not in close]
+    return f"did you mean {' or '.join(close[:n])}? " if close else ""
 
 
 def shown_count(number: int) -> str:

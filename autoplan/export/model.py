@@ -14,6 +14,7 @@ from typing import Any
 from autoplan.contract.errors import ModelSpecError
 from autoplan.contract.plan import Plan
 from autoplan.export._common import ModelDims, MoEDims
+from cost_model.messages import shown
 
 
 def plan_model_spec(plan: Plan, model: str | None) -> str:
@@ -34,6 +35,12 @@ def model_dims(spec: str) -> ModelDims:
     models_spec = importlib.import_module("autoplan.models.spec")
     models = importlib.import_module("autoplan.models")
     parsed = models_spec.parse_model_spec(spec)
+    if parsed.is_hf:
+        raise ModelSpecError(
+            f"model {shown(spec)} is a Hugging Face config.json, and a launch config restates "
+            "the sizes of a zoo model; pass --model with the zoo builder of the same sizes "
+            "(e.g. llama:num_layers=32,hidden_size=4096,...; a bad key lists the valid ones)"
+        )
     overrides = {k: v for k, v in parsed.overrides.items() if k != "dtype"}
     config: Any
     if parsed.is_builder:

@@ -3,11 +3,15 @@
 ``NAME`` is a preset (``gpt3-175b``, ``llama3-8b``, ...; see `autoplan.models.list_presets`)
 or a builder (``gpt``, ``llama``, ``moe``) that needs its sizes as keys. Keys are the fields of the
 model's config (``num_layers``, ``hidden_size``, ``seq_len``, ...) plus ``dtype`` (fp32, bf16,
-fp16); values are parsed to the field's type. Examples::
+fp16); values are parsed to the field's type. ``hf:PATH[:key=value,...]`` is a Hugging Face causal
+LM from a local ``config.json`` (`autoplan.models.hf`), its keys ``seq_len`` (the sequence length
+to plan for; default its ``max_position_embeddings``), ``dtype`` and the config's own scalar
+fields. Examples::
 
     gpt3-175b
     llama3-8b:seq_len=4096
     gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200
+    hf:checkpoints/llama-3-8b/config.json:seq_len=4096,num_hidden_layers=8
 
 Every mistake raises `ModelSpecError` (an `InputError`: one line, exit code 2 in the CLI) that
 names the bad part and lists what is valid.
@@ -30,12 +34,14 @@ from autoplan.models import (
     LlamaConfig,
     MoEConfig,
     gpt,
+    hf,
     list_presets,
     llama,
     moe,
     preset,
     preset_config,
 )
+from cost_model.messages import did_you_mean
 from cost_model.schema import shown
 
 __all__ = ["BUILDERS", "ModelSpec", "build_model", "parse_model_spec", "spec_of", "valid_keys"]
@@ -45,6 +51,8 @@ BUILDERS: dict[str, tuple[Callable[..., nn.Module], type[Any]]] = {
     "llama": (llama, LlamaConfig),
     "moe": (moe, MoEConfig),
 }
+# ``hf:PATH[:key=value,...]``: a Hugging Face causal LM from a local config.json
+HF = "hf"
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -65,14 +73,20 @@ _EXAMPLES = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
-    """A parsed ``NAME[:key=value,...]``: a preset or builder name and typed overrides."""
+    """A parsed ``NAME[:key=value,...]``: a preset or builder name and typed overrides, or
+    ``hf`` with the ``config.json`` it reads (``path``)."""
 
     name: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    path: str | None = None
 
     @property
     def is_builder(self) -> bool:
         return self.name in BUILDERS
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name == HF
 
 
 def _config_class(name: str) -> type[Any]:
@@ -133,10 +147,13 @@ def parse_model_spec(spec: str) -> ModelSpec:
             f"empty model spec {shown(spec)}; give a preset ({', '.join(presets)}) or a builder "
             f"with its sizes, e.g. {_EXAMPLE}"
         )
+    if name == HF:
+        return _parse_hf(spec, rest)
     if name not in BUILDERS and name not in presets:
         raise ModelSpecError(
-            f"unknown model {shown(name)}; valid presets: {', '.join(presets)}; builders: "
-            f"{', '.join(BUILDERS)} (e.g. {_EXAMPLE})"
+            f"unknown model {shown(name)}; {_did_you_mean(name, presets)}valid presets: "
+            f"{', '.join(presets)} (`autoplan models` describes them); builders: "
+            f"{', '.join(BUILDERS)} (e.g. {_EXAMPLE}); or hf:PATH, a Hugging Face config.json"
         )
     kinds = {f.name: str(f.type) for f in dataclasses.fields(_config_class(name))}
     keys = valid_keys(name)
@@ -169,6 +186,69 @@ def parse_model_spec(spec: str) -> ModelSpec:
     return ModelSpec(name=name, overrides=overrides)
 
 
+def _did_you_mean(name: str, presets: list[str]) -> str:
+    """``did you mean ...? `` for a near miss of a preset or builder, or for a path without
+    its ``hf:``; empty when nothing is close."""
+    if name.endswith(".json") or "/" in name:
+        return f"did you mean hf:{name}? "
+    return did_you_mean(name, [*presets, *BUILDERS])
+
+
+def _parse_hf(spec: str, rest: str) -> ModelSpec:
+    """``hf:PATH[:key=value,...]``: the file must hold a config, the keys must be its scalar
+    fields (typed as the file has them), ``seq_len`` or ``dtype``."""
+    path, keys_text = rest.strip(), ""
+    head, sep, tail = path.rpartition(":")
+    if sep and "=" in tail:
+        path, keys_text = head.strip(), tail
+    data = hf.read_config(spec, hf.config_file(spec, path))
+    kinds = {
+        key: type(value).__name__
+        for key, value in data.items()
+        if isinstance(value, (bool, int, float, str))
+    }
+    kinds.update(seq_len="int", dtype="str")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in keys_text.split(","))):
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or not key or not text:
+            raise ModelSpecError(
+                f"cannot read {shown(item)} in model spec {shown(spec)}; write "
+                "hf:PATH:key=value,... (e.g. hf:config.json:seq_len=4096,dtype=bf16)"
+            )
+        if key not in kinds or key == "model_type":
+            raise ModelSpecError(
+                f"unknown key {shown(key)} in model spec {shown(spec)}: "
+                f"{did_you_mean(key, kinds, n=1)}keys are seq_len, "
+                "dtype and the scalar fields of the config.json"
+            )
+        if key in overrides:
+            raise ModelSpecError(f"key {shown(key)} appears twice in model spec {shown(spec)}")
+        overrides[key] = _parse_value(spec, key, text, kinds[key])
+    if overrides.get("seq_len", 1) < 1:
+        raise ModelSpecError(
+            f"seq_len={overrides['seq_len']} in model spec {shown(spec)}: expected a whole "
+            "number >= 1"
+        )
+    return ModelSpec(name=HF, overrides=overrides, path=path)
+
+
+def _build_hf(parsed: ModelSpec, overrides: Mapping[str, Any]) -> nn.Module:
+    assert parsed.path is not None  # _parse_hf sets it
+    spec = f"{HF}:{parsed.path}"
+    file = hf.config_file(spec, parsed.path)
+    data = hf.read_config(spec, file)
+    fields = {k: v for k, v in overrides.items() if k not in ("seq_len", "dtype")}
+    return hf.build_causal_lm(
+        spec,
+        file,
+        {**data, **fields},
+        dtype=overrides.get("dtype"),
+        seq_len=overrides.get("seq_len"),
+    )
+
+
 def build_model(spec: str | ModelSpec, **overrides: Any) -> nn.Module:
     """Build the model a spec names, on the meta device; ``overrides`` add config fields.
 
@@ -183,6 +263,8 @@ def build_model(spec: str | ModelSpec, **overrides: Any) -> nn.Module:
                 f"{shown(parsed.name)}; give it once"
             )
         merged[key] = value
+    if parsed.is_hf:
+        return _build_hf(parsed, merged)
     if parsed.is_builder:
         builder = BUILDERS[parsed.name][0]
         return builder(**merged)
