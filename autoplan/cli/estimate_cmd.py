@@ -38,7 +38,12 @@ from cost_model.hardware import load_cluster
 
 
 @click.command("estimate")
-@click.option("--model", "model_spec", required=True, help="Model NAME[:key=value,...].")
+@click.option(
+    "--model",
+    "model_spec",
+    required=True,
+    help="Model NAME[:key=value,...], or hf:PATH (a Hugging Face config.json).",
+)
 @click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
 @click.option(
     "--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel degree."

@@ -42,7 +42,12 @@ from cost_model.messages import shown
 
 
 @click.command("plan")
-@click.option("--model", "model_spec", required=True, help="Model NAME[:key=value,...].")
+@click.option(
+    "--model",
+    "model_spec",
+    required=True,
+    help="Model NAME[:key=value,...], or hf:PATH (a Hugging Face config.json).",
+)
 @click.option("--cluster", "cluster_spec", required=True, help="Cluster NAME[:k=v,...] or YAML.")
 @click.option(
     "--global-batch",

@@ -30,7 +30,8 @@ _MIB = 2.0**20
     required=True,
     metavar="NAME[:k=v,...]",
     help="Preset (gpt3-175b, llama3-8b, ...) or builder with overrides "
-    "(gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200).",
+    "(gpt:num_layers=24,hidden_size=2304,num_heads=24,seq_len=2048,vocab_size=51200), or "
+    "hf:PATH[:k=v,...], a Hugging Face causal LM's config.json (no weights).",
 )
 @click.option(
     "--batch-size",

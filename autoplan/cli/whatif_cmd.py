@@ -57,7 +57,12 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 @click.command("whatif")
-@click.option("--model", "model_spec", required=True, help="Model NAME[:key=value,...].")
+@click.option(
+    "--model",
+    "model_spec",
+    required=True,
+    help="Model NAME[:key=value,...], or hf:PATH (a Hugging Face config.json).",
+)
 @click.option(
     "--cluster",
     "cluster_specs",
