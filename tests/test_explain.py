@@ -8,13 +8,27 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
 
 from autoplan.analysis.explain import explain
-from autoplan.analysis.plots import KIND_COLOURS, KIND_LABELS, save_figure, timeline_figure
-from autoplan.analysis.timeline import Timeline, simulate_timeline, timeline_of
+from autoplan.analysis.plots import (
+    KIND_COLOURS,
+    KIND_LABELS,
+    MIN_BAR_PX,
+    bar_width_px,
+    save_figure,
+    time_shares,
+    timeline_figure,
+)
+from autoplan.analysis.timeline import EVENT_KINDS, Timeline, simulate_timeline, timeline_of
 from autoplan.api import manual_plan
 from autoplan.cli.common import trace_spec
 from autoplan.contract.plan import Plan, PlanEstimate
@@ -165,6 +179,20 @@ def _check_invariants(timeline: Timeline, spec: ScheduleSpec, stages: list[Stage
                 assert start >= ends[(s, "forward", i)] - 1e-9
     chain = sum(t.forward_s + t.backward_s for t in stages)
     assert timeline.pipeline_time_s >= max(chain, max(timeline.rank_busy_s)) - 1e-9
+    # every message between ranks leaves when its producer ends, takes the boundary's link
+    # time, and arrives before its consumer starts; one per crossing, micro-batch and direction
+    crossings = [s for s in range(num_stages - 1) if spec.stage_rank(s) != spec.stage_rank(s + 1)]
+    assert len(timeline.sends) == 2 * m * len(crossings)
+    for send in timeline.sends:
+        s, i = send.stage_idx, send.microbatch_idx
+        step = 1 if send.kind == "activation" else -1
+        kind = "forward" if send.kind == "activation" else "backward"
+        boundary = s if step == 1 else s - 1
+        assert boundary in crossings
+        assert (send.src_rank, send.dst_rank) == (spec.stage_rank(s), spec.stage_rank(s + step))
+        assert send.start_s == pytest.approx(ends[(s, kind, i)], abs=1e-9)
+        assert send.duration_s == pytest.approx(stages[boundary].transfer_s, abs=1e-9)
+        assert starts[(s + step, kind, i)] >= send.end_s - 1e-9
 
 
 @settings(max_examples=60, deadline=None)
@@ -232,22 +260,119 @@ def test_timeline_of_an_estimate_and_its_picture(profile: ModelProfile, tmp_path
         assert timeline.time_of(rank.pp_rank, "tail") == pytest.approx(rank.tail_s, rel=1e-9)
 
     figure = timeline_figure(timeline)
+    assert bar_width_px(timeline) >= MIN_BAR_PX  # wide bars: one axes, a bar per action
     (ax,) = figure.axes
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert len(labels) == plan.pp_degree  # one row per pipeline rank
     assert sorted(labels) == [f"pp rank {r}" for r in range(plan.pp_degree)]
     assert ax.get_xlabel() == "time within one training step (ms)"
-    legend = ax.get_legend()
-    assert legend is not None
-    assert [t.get_text() for t in legend.get_texts()] == [
-        KIND_LABELS[k] for k in ("forward", "backward", "tail", "idle")
-    ]
+    texts = _legend_texts(figure)
+    assert texts[:4] == [KIND_LABELS[k] for k in ("forward", "backward", "tail", "idle")]
     assert len(set(KIND_COLOURS.values())) == len(KIND_COLOURS)  # distinct colours
-    # one bar collection per rank and kind present
-    kinds_per_rank = [len({e.kind for e in timeline.rank_events(r)}) for r in range(4)]
-    assert len(ax.collections) == sum(kinds_per_rank)
+    # the sends: one arrow per message (a stub for the ring's wrap), named in the legend
+    assert timeline.sends
+    assert _arrows(ax) == len(timeline.sends)
+    assert texts[4].startswith("send: activation to the next stage's rank (link ")
+    assert texts[5].startswith("send: gradient to the previous stage's rank (link ")
+    for r in range(plan.pp_degree):
+        # every gap is idle: a rank's bars tile the step, and no bar is edged in white
+        _assert_tiles(ax, r, (0.0, timeline.step_time_s * 1e3))
+    _assert_legend_below(figure)
     out = save_figure(figure, tmp_path / "timeline.png")
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
+
+
+def test_a_long_step_is_drawn_as_shares_and_a_zoom() -> None:
+    """Bars narrower than `MIN_BAR_PX`: an overview of each rank's time shares per bin, whose
+    layers fill every row (only idle is a gap), and a zoom on the rank that ends the step
+    between its peers, with their sends."""
+    p = 4
+    spec = ScheduleSpec(
+        schedule="interleaved-1f1b", pp_degree=p, virtual_stages=2, num_micro_batches=128
+    )
+    timeline = simulate_timeline(spec, _times(spec, 1.0, 2.0, link=0.05), [0.0, 0.0, 9.0, 0.0])
+    assert bar_width_px(timeline) < MIN_BAR_PX
+    figure = timeline_figure(timeline)
+    overview, zoom = figure.axes
+    # the overview: every rank; in every bin the kinds' shares sum to the whole bin
+    assert [t.get_text() for t in overview.get_yticklabels()] == [
+        f"pp rank {r}" for r in reversed(range(p))
+    ]
+    edges = np.linspace(0.0, timeline.step_time_s, 41)
+    assert np.allclose(time_shares(timeline, edges).sum(axis=1), 1.0)
+    for r in range(p):
+        layers = [c for c in overview.collections if c.get_label().startswith(f"pp rank {r}: ")]
+        kinds = [k for k in EVENT_KINDS if timeline.time_of(r, k) > 0]
+        assert [c.get_label().split(": ")[1] for c in layers] == kinds
+        # drawn: at every bin edge the top layer reaches the row's top
+        top: dict[float, float] = {}
+        for x, y in layers[-1].get_paths()[0].vertices:
+            top[x] = max(top.get(x, -np.inf), y)
+        assert len(top) > 100
+        assert all(y == pytest.approx(p - 1 - r + 0.4) for y in top.values())
+    # the zoom: rank 2 (its tail ends the step) between the ranks it exchanges with, over a
+    # window where the bars are wide, tiled by its events
+    assert [t.get_text() for t in zoom.get_yticklabels()] == [
+        "pp rank 3",
+        "pp rank 2",
+        "pp rank 1",
+    ]
+    low, high = zoom.get_xlim()
+    assert bar_width_px(timeline) * timeline.step_time_s / (high - low) >= MIN_BAR_PX * 5
+    _assert_tiles(zoom, 2, (low, high))
+    in_window = [
+        s for s in timeline.sends if low <= s.start_s < high and 2 in (s.src_rank, s.dst_rank)
+    ]
+    assert in_window and _arrows(zoom) == len(in_window)
+    texts = _legend_texts(figure)
+    assert any(t.startswith("send: activation") for t in texts)
+    assert any(t.startswith("send: gradient") for t in texts)
+    assert "zoom window" in texts
+    _assert_legend_below(figure)
+
+
+def _legend_texts(figure: Figure) -> list[str]:
+    (legend,) = figure.legends
+    return [t.get_text() for t in legend.get_texts()]
+
+
+def _arrows(ax: Axes) -> int:
+    """The sends drawn: one segment each in the axes' line collections."""
+    return sum(len(c.get_segments()) for c in ax.collections if isinstance(c, LineCollection))
+
+
+def _assert_tiles(ax: Axes, rank: int, window: tuple[float, float]) -> None:
+    """``rank``'s bars cover ``window`` without a gap, in the colours of their kinds, and no
+    bar has a white edge (a white line between two bars reads as idle time)."""
+    spans: list[tuple[float, float]] = []
+    for c in ax.collections:
+        label = c.get_label()
+        if not label.startswith(f"pp rank {rank}: "):
+            continue
+        kind = label.split(": ")[1]
+        assert to_hex(c.get_facecolor()[0]) == KIND_COLOURS[kind].lower()
+        assert all(to_hex(e) != "#ffffff" for e in c.get_edgecolor())
+        for path in c.get_paths():
+            xs = path.vertices[:, 0]
+            spans.append((float(xs.min()), float(xs.max())))
+    spans.sort()
+    tolerance = 1e-9 * (window[1] - window[0])
+    assert spans[0][0] <= window[0] + tolerance and spans[-1][1] >= window[1] - tolerance
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start <= end + tolerance
+
+
+def _assert_legend_below(figure: Figure) -> None:
+    """The legend lies below every axes, without an empty band between them."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = figure.legends
+    box = legend.get_window_extent(renderer)
+    lowest = min(ax.get_tightbbox(renderer).y0 for ax in figure.axes)  # type: ignore[union-attr]
+    for ax in figure.axes:
+        assert not box.overlaps(ax.get_window_extent(renderer))
+    assert 0 <= lowest - box.y1 < 0.25 * figure.dpi  # under a quarter inch
 
 
 def m_busy(timeline: Timeline, rank: int) -> float:

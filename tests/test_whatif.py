@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
+import autoplan.cli.progress as progress_module
 from autoplan.analysis.plots import save_figure, whatif_figure
 from autoplan.analysis.whatif import (
     WhatIfInputError,
@@ -287,22 +290,21 @@ def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path)
     assert throughput.get_xlabel() == "number of devices"
     assert throughput.get_ylabel() == "throughput (tokens/s)"
     assert efficiency.get_ylabel() == "scaling efficiency (%)"
+    # one legend for both axes: each line, its shaded 80% range, and the 100% reference
+    (legend,) = figure.legends
+    ranges = [f"{c}: 80% range" for c in sweep.clusters]
+    assert sorted(t.get_text() for t in legend.get_texts()) == sorted(
+        [*sweep.clusters, *ranges, "100%: linear scaling"]
+    )
+    reference = efficiency.get_lines()[-1]
+    assert np.asarray(reference.get_ydata()).tolist() == [100.0, 100.0]
     for ax in (throughput, efficiency):
-        assert len(ax.get_lines()) == len(sweep.clusters)
-        legend = ax.get_legend()
-        assert legend is not None
-        texts = [t.get_text() for t in legend.get_texts()]
-        if ax is throughput:
-            # each line with its shaded 80% range
-            ranges = [f"{c}: 80% range" for c in sweep.clusters]
-            assert sorted(texts) == sorted([*sweep.clusters, *ranges])
-        else:
-            assert texts == list(sweep.clusters)
-        for line, label in zip(ax.get_lines(), sweep.clusters, strict=True):
+        for line, label in zip(ax.get_lines(), sweep.clusters, strict=False):
             # sizes without a plan are left out of the line
             assert np.asarray(line.get_xdata()).tolist() == [
                 r.num_devices for r in sweep.rows_of(label) if r.fits
             ]
+    _assert_clear_of_the_data(figure)
     a100 = sweep.rows_of("dgx-a100-80g")
     assert np.asarray(throughput.get_lines()[0].get_ydata()).tolist() == [
         r.tokens_per_s for r in a100 if r.fits
@@ -318,6 +320,30 @@ def test_figure_has_a_line_per_cluster_type(sweep: WhatIfResult, tmp_path: Path)
     assert band[:, 1].max() == pytest.approx(max(high for _, high in ranged))
     out = save_figure(figure, tmp_path / "whatif.png")
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
+
+
+def _assert_clear_of_the_data(figure: Figure) -> None:
+    """The legend overlaps neither axes (so no point or line), and every point and note lies
+    inside its axes, at least a marker's radius from the frame."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = figure.legends
+    box = legend.get_window_extent(renderer)
+    for ax in figure.axes:
+        frame = ax.get_window_extent(renderer)
+        assert not box.overlaps(frame)
+        for line in ax.get_lines():
+            if not line.get_marker() or line.get_marker() == "None":
+                continue  # the reference line spans the axes
+            margin = line.get_markersize() / 2 * figure.dpi / 72  # points to pixels
+            for x, y in ax.transData.transform(line.get_xydata()):
+                assert frame.x0 + margin <= x <= frame.x1 - margin
+                assert frame.y0 + margin <= y <= frame.y1 - margin
+        for text in ax.texts:
+            extent = text.get_window_extent(renderer)
+            assert frame.x0 <= extent.x0 and extent.x1 <= frame.x1, text.get_text()
+            assert frame.y0 <= extent.y0 and extent.y1 <= frame.y1, text.get_text()
 
 
 # ------------------------------------------------------------------------------ command line
@@ -374,8 +400,10 @@ def test_cli_json_table_and_plot(tmp_path: Path) -> None:
     assert [r["scaling_efficiency"] for r in rows if r["num_devices"] == 2] == [1.0, 1.0]
 
 
-def test_cli_table_shows_rows_for_sizes_without_a_plan() -> None:
+def test_cli_table_shows_rows_for_sizes_without_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # In-process (the console-script runs above and below cover the entry point): the table.
+    # (progress lines from the start: these searches take less than the CPU seconds before one)
+    monkeypatch.setattr(progress_module, "FIRST_LINE_S", 0.0)
     result = CliRunner().invoke(
         cli,
         [
@@ -394,8 +422,9 @@ def test_cli_table_shows_rows_for_sizes_without_a_plan() -> None:
     assert "best plan per size" in result.output
     assert "no plan: does not fit: needs" in result.output
     assert "2 searches in" in result.output
-    # not a terminal: no live bar, so a line per finished search (stderr, mixed in here)
-    assert "what-if: 1/2 searches done" in result.output
+    # not a terminal: no live bar, so a line a search, on stderr
+    assert "what-if: 1/2 searches done" in result.stderr
+    assert "what-if: 2/2 searches done" in result.stderr and "what-if:" not in result.stdout
 
 
 def test_cli_no_plan_at_any_size_is_an_input_error() -> None:

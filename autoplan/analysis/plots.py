@@ -17,14 +17,22 @@ matplotlib is imported by this module only; the CLI imports it when a picture is
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
-from autoplan.analysis.timeline import EVENT_KINDS, EventKind, Timeline
+from autoplan.analysis.timeline import EVENT_KINDS, EventKind, SendKind, Timeline
 from autoplan.analysis.whatif import WhatIfResult
 from cost_model.files import atomic_output
 
@@ -36,7 +44,7 @@ KIND_COLOURS: dict[EventKind, str] = {
     "backward": "#E69F00",  # orange
     "weight": "#CC79A7",  # purple
     "tail": "#009E73",  # green
-    "idle": "#E8E8E8",  # light grey
+    "idle": "#C4C4C4",  # grey: dark enough not to pass for the white background
 }
 KIND_LABELS: dict[EventKind, str] = {
     "forward": "forward (incl. TP collectives)",
@@ -61,14 +69,20 @@ def save_figure(figure: Figure, path: str | Path, *, dpi: int = 120, what: str =
 
 
 def whatif_figure(result: WhatIfResult) -> Figure:
-    """Throughput and scaling efficiency against devices, one line per cluster type."""
-    figure = Figure(figsize=(12, 4.8), layout="constrained")
+    """Throughput and scaling efficiency against devices, one line per cluster type; one legend
+    below both axes (never over the data) and room above the highest point and its note."""
+    figure = Figure(figsize=(12, 5.2), layout="constrained")
     throughput, efficiency = figure.subplots(1, 2)
-    for label in result.clusters:
+    highest = 100.0
+    unproven = False
+    for index, label in enumerate(result.clusters):
         rows = result.rows_of(label)
         ok = [r for r in rows if r.tokens_per_s is not None and r.scaling_efficiency is not None]
         x = [r.num_devices for r in ok]
-        (line,) = throughput.plot(x, [r.tokens_per_s for r in ok], marker="o", label=label)
+        # a shape and size per type: a point drawn over another's (both 100% at the smallest
+        # size) leaves the one below visible
+        marker = {"marker": _MARKERS[index % len(_MARKERS)], "markersize": max(3.0, 7.0 - index)}
+        (line,) = throughput.plot(x, [r.tokens_per_s for r in ok], label=label, **marker)
         # the throughput at the ends of the step's 80% range
         ranged = [r for r in ok if r.tokens_per_s_range is not None]
         if ranged:
@@ -83,12 +97,14 @@ def whatif_figure(result: WhatIfResult) -> Figure:
             )
         # above 100% only against a proven baseline (`WhatIfResult.shown_efficiency`)
         shown = [(r.num_devices, result.shown_efficiency(r)) for r in ok]
+        percent = [100.0 * e for _, e in shown if e is not None]
+        highest = max([highest, *percent])
         efficiency.plot(
             [n for n, e in shown if e is not None],
-            [100.0 * e for _, e in shown if e is not None],
-            marker="o",
+            percent,
             label=label,
             color=line.get_color(),
+            **marker,
         )
         for r in ok:
             # the search's unproven gap: a plan up to this much faster may exist
@@ -103,9 +119,12 @@ def whatif_figure(result: WhatIfResult) -> Figure:
                     ha="center",
                 )
             if result.shown_efficiency(r) is None:
+                unproven = True
                 efficiency.annotate(
                     ">100%?",
                     xy=(r.num_devices, 100.0),
+                    xytext=(0, 4 + 9 * index),  # one above the other, per type
+                    textcoords="offset points",
                     fontsize=7,
                     color=line.get_color(),
                     ha="center",
@@ -123,25 +142,53 @@ def whatif_figure(result: WhatIfResult) -> Figure:
                         ha="center",
                         va="bottom",
                     )
+    # perfect scaling: every device as productive as at the smallest size
+    reference = efficiency.axhline(
+        100.0, color="0.45", linestyle="--", linewidth=1, label="100%: linear scaling"
+    )
     sizes = sorted({r.num_devices for r in result.rows})
     for ax in (throughput, efficiency):
         ax.set_xscale("log", base=2)
+        # a third of a doubling beyond the ends: the end points clear of the frame
+        ax.set_xlim(sizes[0] / 2 ** (1 / 3), sizes[-1] * 2 ** (1 / 3))
         ax.set_xticks(sizes)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
         ax.set_xlabel("number of devices")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(title="cluster type")
     throughput.set_yscale("log")
+    # room above the highest point for its "gap" note, below the lowest for the range band
+    throughput.margins(y=0.15)
     throughput.yaxis.set_major_formatter(FuncFormatter(_compact))
     throughput.yaxis.set_minor_formatter(FuncFormatter(_compact_minor))
     throughput.set_ylabel("throughput (tokens/s)")
     throughput.set_title("training throughput")
     efficiency.set_ylabel("scaling efficiency (%)")
-    efficiency.set_title("throughput per device vs the smallest size")
-    efficiency.set_ylim(bottom=0)
+    efficiency.set_title(
+        "throughput per device vs the smallest size"
+        + ("\n>100%?: above 100% against an unproven smallest plan, not drawn" if unproven else ""),
+        fontsize=10 if unproven else None,
+    )
+    # room above the highest point, and above 100% for the ">100%?" notes of every type
+    efficiency.set_ylim(0, max(1.12 * highest, 100.0 + 6.0 + 3.0 * len(result.clusters)))
+    handles, labels = throughput.get_legend_handles_labels()
+    handles.append(reference)
+    labels.append(str(reference.get_label()))
+    figure.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncol=min(len(handles), 5),
+        fontsize=8,
+        title="cluster type",
+        title_fontsize=8,
+        frameon=False,
+    )
     figure.suptitle(f"{result.model}, global batch {result.global_batch}: best plan per size")
     return figure
+
+
+_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def _compact(value: float, _: object = None) -> str:
@@ -168,72 +215,373 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     return 1e6, "us"
 
 
+# ------------------------------------------------------------------------------ timeline
+
+# Pictures are written at this resolution (`save_figure`'s default): widths are judged in its
+# pixels. The time axis spans about the figure's width less the rank labels and margins.
+SAVE_DPI = 120
+_FIGURE_WIDTH_IN = 13.0
+_AXES_WIDTH_PX = 11.6 * SAVE_DPI
+# Below this median width, a bar per action is a barcode (a 1-pixel edge on each side leaves
+# no colour): the picture shows each rank's time shares per bin, and a zoom.
+MIN_BAR_PX = 4.0
+_BIN_PX = 12.0  # the overview's bin width: a few actions, so a bin shows shares, not one bar
+_ZOOM_BAR_PX = 44.0  # the zoom's window holds actions of about this median width
+_LABEL_CHAR_PX = 5.5  # a digit of the 6-point bar labels at SAVE_DPI (6 pt = 10 px)
+_ACTION_KINDS: tuple[EventKind, ...] = ("forward", "backward", "weight")
+_ROW = 0.8  # a bar's height, in rows; the gap between rows carries the sends
+SEND_COLOURS: dict[SendKind, str] = {"activation": "#000000", "gradient": "#D55E00"}
+_SEND_LABELS: dict[SendKind, str] = {
+    "activation": "send: activation to the next stage's rank",
+    "gradient": "send: gradient to the previous stage's rank",
+}
+
+
+def bar_width_px(timeline: Timeline) -> float:
+    """The median width of an action's bar when the whole step is drawn, in pixels at
+    `SAVE_DPI` (infinite for a step without actions)."""
+    durations = [e.duration_s for e in timeline.events if e.kind in _ACTION_KINDS]
+    if not durations or timeline.step_time_s <= 0:
+        return math.inf
+    return statistics.median(durations) / timeline.step_time_s * _AXES_WIDTH_PX
+
+
+def time_shares(timeline: Timeline, edges_s: Sequence[float] | np.ndarray) -> np.ndarray:
+    """``shares[r, k, i]``: the fraction of bin ``i`` (between ``edges_s[i]`` and the next
+    edge) that pipeline rank ``r`` spends in events of ``EVENT_KINDS[k]``."""
+    edges = np.asarray(edges_s, dtype=float)
+    out = np.zeros((timeline.pp_degree, len(EVENT_KINDS), len(edges) - 1))
+    for r in range(timeline.pp_degree):
+        events = timeline.rank_events(r)
+        for k, kind in enumerate(EVENT_KINDS):
+            starts = np.array([e.start_s for e in events if e.kind == kind])
+            if starts.size == 0:
+                continue
+            lengths = np.array([e.duration_s for e in events if e.kind == kind])
+            # covered[i]: seconds of this kind before edges[i]
+            covered = np.clip(edges[:, None] - starts[None, :], 0.0, lengths[None, :]).sum(1)
+            out[r, k] = np.diff(covered) / np.diff(edges)
+    return out
+
+
 def timeline_figure(timeline: Timeline, *, title: str | None = None) -> Figure:
-    """One step of the schedule: a row per pipeline rank, rank 0 on top."""
+    """One step of the schedule: a row per pipeline rank, rank 0 on top.
+
+    Bars a micro-batch's action wide when they are at least `MIN_BAR_PX` wide (median), with
+    every send between ranks as an arrow in the gap between their rows. Narrower, an overview
+    (each rank's share of time per kind in bins `_BIN_PX` wide) over a zoom on the rank that
+    ends the step and its peers, in a window of actions `_ZOOM_BAR_PX` wide."""
+    if bar_width_px(timeline) >= MIN_BAR_PX:
+        return _detailed_figure(timeline, title)
+    return _aggregated_figure(timeline, title)
+
+
+def _detailed_figure(timeline: Timeline, title: str | None) -> Figure:
     p = timeline.pp_degree
-    figure = Figure(figsize=(13, 1.2 + 0.45 * p), layout="constrained")
+    figure = Figure(figsize=(_FIGURE_WIDTH_IN, 1.3 + 0.45 * p), layout="constrained")
     ax = figure.subplots()
     scale, unit = _time_unit(timeline.step_time_s)
-    # Micro-batch numbers inside the spans, when there is room for them.
-    label_spans = len(timeline.events) <= 40 * p and timeline.num_micro_batches <= 32
+    rows = list(range(p))
+    window = (0.0, timeline.step_time_s)
+    kinds = _draw_bars(ax, timeline, rows, window, scale)
+    sends = _draw_sends(ax, timeline, rows, window, scale, of_rank=None)
+    _rank_axis(ax, rows)
+    ax.set_xlim(0, timeline.step_time_s * scale)
+    ax.set_xlabel(f"time within one training step ({unit})")
+    ax.set_title(title or _schedule_title(timeline, scale, unit), fontsize=10)
+    _timeline_legend(figure, timeline, kinds, sends, aggregated=False)
+    return figure
+
+
+def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
+    p = timeline.pp_degree
+    rank = _last_rank(timeline)
+    rows = _peers(timeline, rank)
+    overview_in, zoom_in = 0.6 + 0.28 * p, 0.7 + 0.5 * len(rows)
+    figure = Figure(figsize=(_FIGURE_WIDTH_IN, 1.1 + overview_in + zoom_in), layout="constrained")
+    overview, zoom = figure.subplots(2, 1, height_ratios=[overview_in, zoom_in])
+    scale, unit = _time_unit(timeline.step_time_s)
+    num_bins = max(1, round(_AXES_WIDTH_PX / _BIN_PX))
+    edges = np.linspace(0.0, timeline.step_time_s, num_bins + 1)
+    kinds = _draw_shares(overview, timeline, edges, scale)
+    _rank_axis(overview, list(range(p)))
+    overview.set_xlim(0, timeline.step_time_s * scale)
+    overview.set_xlabel(f"time within one training step ({unit})")
+    bin_s = timeline.step_time_s / num_bins
+    overview.set_title(
+        (title or _schedule_title(timeline, scale, unit))
+        + f"\neach row: the rank's share of time per kind in bins of {_fmt(bin_s * scale)} "
+        f"{unit} (bars {bar_width_px(timeline):.1g} px wide would be a barcode)",
+        fontsize=10,
+    )
+    # the zoom: a window of about _AXES_WIDTH_PX / _ZOOM_BAR_PX actions around the rank's
+    # first backward (the end of its warm-up and the start of its steady state)
+    width_s = timeline.step_time_s * bar_width_px(timeline) / _ZOOM_BAR_PX
+    first_backward = min(
+        (e.start_s for e in timeline.rank_events(rank) if e.kind == "backward"), default=0.0
+    )
+    start = min(max(0.0, first_backward - width_s / 2), timeline.step_time_s - width_s)
+    window = (start, start + width_s)
+    kinds += [k for k in _draw_bars(zoom, timeline, rows, window, scale) if k not in kinds]
+    sends = _draw_sends(zoom, timeline, rows, window, scale, of_rank=rank)
+    _rank_axis(zoom, rows)
+    zoom.set_xlim(window[0] * scale, window[1] * scale)
+    zoom.set_xlabel(f"time within one training step ({unit})")
+    label = "micro-batch/stage" if timeline.virtual_stages > 1 else "micro-batch"
+    zoom.set_title(
+        f"zoom on pp rank {rank} (its tail ends the step) and the ranks it exchanges with, "
+        f"{_fmt(window[0] * scale)}-{_fmt(window[1] * scale)} {unit}: bars labelled "
+        f"{label}, arrows: the messages it sends and receives",
+        fontsize=10,
+    )
+    y = p - 1 - rank
+    overview.add_patch(
+        Rectangle(
+            (window[0] * scale, y - 0.5),
+            width_s * scale,
+            1.0,
+            fill=False,
+            edgecolor="black",
+            linewidth=1.2,
+            label="zoomed below",
+        )
+    )
+    _timeline_legend(figure, timeline, kinds, sends, aggregated=True)
+    return figure
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _schedule_title(timeline: Timeline, scale: float, unit: str) -> str:
+    schedule = timeline.schedule + (
+        f", v={timeline.virtual_stages}" if timeline.virtual_stages > 1 else ""
+    )
+    return (
+        f"{schedule}: p={timeline.pp_degree}, m={timeline.num_micro_batches}; step "
+        f"{_fmt(timeline.step_time_s * scale)} {unit} (pipeline "
+        f"{_fmt(timeline.pipeline_time_s * scale)} {unit})"
+    )
+
+
+def _last_rank(timeline: Timeline) -> int:
+    """The rank whose last event (its tail, or its last action) ends the step."""
+    ends = [
+        max((e.end_s for e in timeline.rank_events(r) if e.kind != "idle"), default=0.0)
+        for r in range(timeline.pp_degree)
+    ]
+    return max(range(timeline.pp_degree), key=ends.__getitem__)
+
+
+def _peers(timeline: Timeline, rank: int) -> list[int]:
+    """``rank`` between the rank it receives activations from and the one it sends them to
+    (a ring under interleaving: rank 0 follows the last one), top to bottom."""
+    peers = {s.src_rank for s in timeline.sends if s.dst_rank == rank}
+    peers |= {s.dst_rank for s in timeline.sends if s.src_rank == rank}
+    before = [r for r in peers if r == (rank - 1) % timeline.pp_degree]
+    after = [r for r in peers if r == (rank + 1) % timeline.pp_degree and r not in before]
+    return [*before, rank, *after]
+
+
+def _rank_axis(ax: Axes, rows: list[int]) -> None:
+    """Rows top to bottom: ``rows[0]`` at y = len(rows) - 1."""
+    n = len(rows)
+    ax.set_yticks(range(n), [f"pp rank {rows[n - 1 - y]}" for y in range(n)])
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.tick_params(axis="y", length=0)
+
+
+def _darker(colour: str) -> tuple[float, float, float]:
+    red, green, blue = to_rgb(colour)
+    return (0.6 * red, 0.6 * green, 0.6 * blue)
+
+
+def _draw_bars(
+    ax: Axes,
+    timeline: Timeline,
+    rows: list[int],
+    window: tuple[float, float],
+    scale: float,
+) -> list[EventKind]:
+    """A bar per event of each row's rank within ``window``; return the kinds drawn. Actions
+    touch their neighbours: a darker edge of their own colour separates them (never white, so
+    only idle reads as a gap). Bars wide enough carry their micro-batch (and stage) number."""
+    start, end = window
+    px_per_s = _AXES_WIDTH_PX / (end - start)
     shown: list[EventKind] = []
-    for r in range(p):
-        y = p - 1 - r
+    for k, rank in enumerate(rows):
+        y = len(rows) - 1 - k
+        events = [e for e in timeline.rank_events(rank) if e.end_s > start and e.start_s < end]
         for kind in EVENT_KINDS:
-            spans = [
-                (e.start_s * scale, e.duration_s * scale)
-                for e in timeline.events
-                if e.pp_rank == r and e.kind == kind
-            ]
+            spans = [(e.start_s * scale, e.duration_s * scale) for e in events if e.kind == kind]
             if not spans:
                 continue
             if kind not in shown:
                 shown.append(kind)
+            action = kind in _ACTION_KINDS
             ax.broken_barh(
                 spans,
-                (y - 0.4, 0.8),
+                (y - _ROW / 2, _ROW),
                 facecolors=KIND_COLOURS[kind],
-                edgecolors="white" if kind in ("forward", "backward", "weight") else "none",
-                linewidth=0.5,
+                edgecolors=_darker(KIND_COLOURS[kind]) if action else "none",
+                linewidth=0.5 if action else 0.0,
+                antialiased=False,  # no light seam where two bars touch
+                label=f"pp rank {rank}: {kind}",
             )
-        if label_spans:
-            for e in timeline.events:
-                if e.pp_rank == r and e.kind in ("forward", "backward", "weight"):
-                    ax.text(
-                        (e.start_s + e.duration_s / 2) * scale,
-                        y,
-                        str(e.microbatch_idx),
-                        ha="center",
-                        va="center",
-                        fontsize=6,
-                        color="white",
-                    )
-    ax.set_yticks(range(p), [f"pp rank {p - 1 - y}" for y in range(p)])
-    ax.set_ylim(-0.6, p - 0.4)
-    ax.set_xlim(0, timeline.step_time_s * scale)
-    ax.set_xlabel(f"time within one training step ({unit})")
-    ax.set_ylabel("pipeline rank")
-    ax.legend(
-        handles=[
-            Patch(facecolor=KIND_COLOURS[k], label=KIND_LABELS[k])
-            for k in EVENT_KINDS
-            if k in shown
-        ],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 if p > 2 else -0.35),
-        ncol=len(shown),
+        for e in events:
+            if e.kind not in _ACTION_KINDS or e.microbatch_idx is None:
+                continue
+            text = str(e.microbatch_idx)
+            if timeline.virtual_stages > 1:
+                text += f"/{e.stage_idx}"
+            if e.duration_s * px_per_s < _LABEL_CHAR_PX * len(text) + 3:
+                continue
+            ax.text(
+                (e.start_s + e.duration_s / 2) * scale,
+                y,
+                text,
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="black" if e.kind == "backward" else "white",
+                clip_on=True,
+            )
+    return shown
+
+
+def _draw_sends(
+    ax: Axes,
+    timeline: Timeline,
+    rows: list[int],
+    window: tuple[float, float],
+    scale: float,
+    *,
+    of_rank: int | None,
+) -> list[SendKind]:
+    """Every send (of ``of_rank``, or all) leaving within ``window`` between two drawn rows,
+    as an arrow from the sender's bar at its departure to the receiver's at its arrival, in
+    the gap between their rows. A send to a rank drawn further away (the ring's wrap under
+    interleaving) is a stub toward it labelled with that rank. Return the kinds drawn."""
+    y_of = {rank: len(rows) - 1 - k for k, rank in enumerate(rows)}
+    edge = _ROW / 2
+    shafts: dict[SendKind, list[list[tuple[float, float]]]] = {"activation": [], "gradient": []}
+    heads: dict[SendKind, list[tuple[float, float, bool]]] = {"activation": [], "gradient": []}
+    for send in timeline.sends:
+        if not window[0] <= send.start_s < window[1]:
+            continue
+        if of_rank is not None and of_rank not in (send.src_rank, send.dst_rank):
+            continue
+        if send.src_rank not in y_of or send.dst_rank not in y_of:
+            continue
+        y_src, y_dst = y_of[send.src_rank], y_of[send.dst_rank]
+        down = y_dst < y_src
+        sign = -1.0 if down else 1.0
+        x0, x1 = send.start_s * scale, send.end_s * scale
+        if abs(y_src - y_dst) == 1:
+            tip = y_dst - sign * edge
+        else:  # a stub into the gap, toward the receiver's row
+            x1, tip = x0, y_src + sign * (1 - edge)
+            ax.annotate(
+                f"to {send.dst_rank}",
+                xy=(x0, tip),
+                xytext=(1, 0),
+                textcoords="offset points",
+                fontsize=5,
+                va="center",
+                color=SEND_COLOURS[send.kind],
+                annotation_clip=True,
+            )
+        shafts[send.kind].append([(x0, y_src + sign * edge), (x1, tip)])
+        heads[send.kind].append((x1, tip, down))
+    shown: list[SendKind] = []
+    for kind in ("activation", "gradient"):
+        if not shafts[kind]:
+            continue
+        shown.append(kind)
+        colour = SEND_COLOURS[kind]
+        ax.add_collection(
+            LineCollection(shafts[kind], colors=colour, linewidths=0.8, label=_SEND_LABELS[kind])
+        )
+        for down in (True, False):
+            tips = [(x, y) for x, y, d in heads[kind] if d == down]
+            if tips:
+                ax.scatter(
+                    [x for x, _ in tips],
+                    [y for _, y in tips],
+                    marker="v" if down else "^",
+                    s=9,
+                    color=colour,
+                    linewidths=0,
+                    zorder=3,
+                )
+    return shown
+
+
+def _draw_shares(ax: Axes, timeline: Timeline, edges: np.ndarray, scale: float) -> list[EventKind]:
+    """Each rank's row split, in every bin, into its shares of time per kind stacked from the
+    bottom (forward first, idle on top): the layers fill the row, so no bin is white."""
+    shares = time_shares(timeline, edges)
+    p = timeline.pp_degree
+    x = edges * scale
+    shown: list[EventKind] = []
+    for r in range(p):
+        bottom = np.full(len(edges) - 1, p - 1 - r - _ROW / 2)
+        for k, kind in enumerate(EVENT_KINDS):
+            if not shares[r, k].any():
+                continue
+            if kind not in shown:
+                shown.append(kind)
+            top = bottom + _ROW * shares[r, k]
+            ax.fill_between(
+                x,
+                np.append(bottom, bottom[-1]),
+                np.append(top, top[-1]),
+                step="post",
+                facecolor=KIND_COLOURS[kind],
+                linewidth=0,
+                antialiased=False,
+                label=f"pp rank {r}: {kind}",
+            )
+            bottom = top
+    return [k for k in EVENT_KINDS if k in shown]
+
+
+def _timeline_legend(
+    figure: Figure,
+    timeline: Timeline,
+    kinds: list[EventKind],
+    sends: list[SendKind],
+    *,
+    aggregated: bool,
+) -> None:
+    """One legend below the axes (constrained layout: no band between them and it)."""
+    handles: list[Artist] = [
+        Patch(facecolor=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in EVENT_KINDS if k in kinds
+    ]
+    link_s = sorted({s.duration_s for s in timeline.sends})
+    if link_s:
+        scale, unit = _time_unit(link_s[-1]) if link_s[-1] > 0 else (1e6, "us")
+        low, high = _fmt(link_s[0] * scale), _fmt(link_s[-1] * scale)
+        span = f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
+        for kind in sends:
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color=SEND_COLOURS[kind],
+                    marker="v" if kind == "activation" else "^",
+                    markersize=4,
+                    linewidth=0.8,
+                    label=f"{_SEND_LABELS[kind]} (link {span})",
+                )
+            )
+    if aggregated:
+        handles.append(Patch(fill=False, edgecolor="black", label="zoom window"))
+    figure.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=min(len(handles), 4),
         fontsize=8,
         frameon=False,
     )
-    schedule = timeline.schedule + (
-        f", v={timeline.virtual_stages}" if timeline.virtual_stages > 1 else ""
-    )
-    ax.set_title(
-        title
-        or (
-            f"{schedule}: p={p}, m={timeline.num_micro_batches}; step "
-            f"{timeline.step_time_s * scale:.3g} {unit} (pipeline "
-            f"{timeline.pipeline_time_s * scale:.3g} {unit})"
-        )
-    )
-    return figure

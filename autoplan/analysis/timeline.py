@@ -5,11 +5,14 @@ simulation (`cost_model.schedules.simulate` on torch's action orders, with the e
 per-stage times) and turns each action into a timed event, so the picture shows exactly the
 step time the estimate reports: there is one schedule model, not a formula beside a
 simulation. Each rank's gaps become ``idle`` events; its tail (exposed data-parallel sync and
-the optimizer step) follows its own last action.
+the optimizer step) follows its own last action. Every message between two pipeline ranks (a
+forward's activation to the next stage's rank, a backward's gradient to the previous one's) is
+a `TimelineSend` from the producer's end to its arrival (the end plus the boundary's link time;
+the host time of posting it is already in the producer's event).
 
 Guarantees: ``Timeline.step_time_s == estimate.step_time_s`` and
 ``Timeline.pipeline_time_s == estimate.pipeline_time_s`` (same simulation, same times); no two
-events of a rank overlap.
+events of a rank overlap; a send never arrives after its consumer starts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Literal
 from cost_model.estimate import Estimate
 from cost_model.schedules import (
     Action,
+    CompiledSchedule,
     ScheduleSpec,
+    Simulation,
     StageTimes,
     compile_schedule,
     duration_slots,
@@ -29,6 +34,7 @@ from cost_model.schedules import (
 from cost_model.strategy import PlanLike, Strategy
 
 EventKind = Literal["forward", "backward", "weight", "tail", "idle"]
+SendKind = Literal["activation", "gradient"]
 EVENT_KINDS: tuple[EventKind, ...] = ("forward", "backward", "weight", "tail", "idle")
 _EVENT_OF_ACTION: dict[str, EventKind] = {
     "F": "forward",
@@ -55,6 +61,24 @@ class TimelineEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TimelineSend:
+    """A message between pipeline ranks: it leaves ``src_rank`` when the action of stage
+    ``stage_idx`` that produced it ends and reaches ``dst_rank`` after the link time."""
+
+    src_rank: int
+    dst_rank: int
+    kind: SendKind
+    start_s: float
+    end_s: float
+    stage_idx: int
+    microbatch_idx: int
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Timeline:
     """A simulated step: every rank's events, sorted by rank then start time."""
 
@@ -66,6 +90,7 @@ class Timeline:
     pipeline_time_s: float  # the end of the last action
     step_time_s: float  # max over ranks of (its last action's end + its tail)
     rank_busy_s: tuple[float, ...]  # compute of each rank over the step (its actions)
+    sends: tuple[TimelineSend, ...] = ()  # in order of departure
 
     def rank_events(self, pp_rank: int) -> tuple[TimelineEvent, ...]:
         return tuple(e for e in self.events if e.pp_rank == pp_rank)
@@ -83,11 +108,14 @@ def simulate_timeline(
     compiled = compile_schedule(spec)
     durations = duration_slots(spec, stage_times)
     spans: list[TimelineEvent] = []
+    sends: list[TimelineSend] = []
     for j, action in enumerate(compiled.actions):
         end = sim.end_s[j]
         duration = durations[compiled.slot[j]]
         if duration > 0:
             spans.append(_event(compiled.ranks[j], action, end - duration, end))
+        if compiled.transfer[j] < spec.num_stages:  # its input crossed a link
+            sends.append(_send(compiled, sim, j))
     for r, (end, tail) in enumerate(zip(sim.rank_end_s, sim.tail_s, strict=True)):
         if tail > 0:
             spans.append(TimelineEvent(pp_rank=r, kind="tail", start_s=end, end_s=end + tail))
@@ -100,6 +128,22 @@ def simulate_timeline(
         pipeline_time_s=sim.pipeline_time_s,
         step_time_s=sim.step_time_s,
         rank_busy_s=sim.rank_busy_s,
+        sends=tuple(sorted(sends, key=lambda send: send.start_s)),
+    )
+
+
+def _send(compiled: CompiledSchedule, sim: Simulation, j: int) -> TimelineSend:
+    """The message action ``j`` of ``compiled`` waited for (its input crossed a link)."""
+    producer = compiled.data_pred[j]
+    start = sim.end_s[producer]
+    return TimelineSend(
+        src_rank=compiled.ranks[producer],
+        dst_rank=compiled.ranks[j],
+        kind="activation" if compiled.actions[j].kind == "F" else "gradient",
+        start_s=start,
+        end_s=start + sim.transfer_s[compiled.transfer[j]],
+        stage_idx=compiled.actions[producer].stage_idx,
+        microbatch_idx=compiled.actions[j].microbatch_idx,
     )
 
 
