@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ S, H, HEADS, V = 32, 64, 4, 128
 CLUSTER = "local:devices_per_node=2"
 
 
-def _llama_config() -> object:
+def _llama_config() -> Any:
     return transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
         intermediate_size=256, vocab_size=V, max_position_embeddings=S,
@@ -33,14 +34,14 @@ def _llama_config() -> object:
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with a tiny Llama's config.json, as transformers writes it (no weights)."""
     folder = tmp_path_factory.mktemp("hf-llama")
-    _llama_config().save_pretrained(folder)  # type: ignore[attr-defined]
+    _llama_config().save_pretrained(folder)
     return folder
 
 
-def _json(*args: str) -> dict[str, object]:
+def _json(*args: str) -> dict[str, Any]:
     result = run_cli(*args, "--json")
     assert result.returncode == 0, result.stderr
-    data: dict[str, object] = json.loads(result.stdout)
+    data: dict[str, Any] = json.loads(result.stdout)
     return data
 
 
@@ -63,7 +64,7 @@ def test_trace_builds_the_config_as_transformers_does(llama_dir: Path) -> None:
     assert data["model"] == f"hf:{llama_dir}"
     assert data["front_end"] == "export"
     assert data["fingerprint"] == reference.profile.fingerprint
-    assert data["totals"]["num_params"] == reference.profile.num_params  # type: ignore[index]
+    assert data["totals"]["num_params"] == reference.profile.num_params
     assert (data["seq_len"], data["num_units"], data["num_kv_heads"]) == (S, 4, 2)
     # keys: the sequence length to plan for and config fields (a third block)
     short = _json(
@@ -82,7 +83,7 @@ def planned(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
         "-o", str(out),
     )  # fmt: skip
     assert plan["model"] == spec and plan["num_devices"] == 2
-    assert plan["plans"][0]["estimate"]["step_time_s"] > 0  # type: ignore[index]
+    assert plan["plans"][0]["estimate"]["step_time_s"] > 0
     return spec, out
 
 
@@ -94,47 +95,46 @@ def test_plan_estimate_and_whatif_take_the_spec(planned: tuple[str, Path]) -> No
         "estimate", "--model", f"{spec}:seq_len=16", "--cluster", CLUSTER, "--tp", "2",
         "--global-batch", "4", "--dtype", "fp32",
     )  # fmt: skip
-    assert estimate["step_time_s"] > 0  # type: ignore[operator]
+    assert estimate["step_time_s"] > 0
     whatif = _json(
         "whatif", "--model", spec, "--cluster", "local", "--num-devices", "1,2",
         "--global-batch", "4", "--budget", "5",
     )  # fmt: skip
     rows = whatif["rows"]
-    assert [(r["num_devices"], r["fits"]) for r in rows] == [(1, True), (2, True)]  # type: ignore[union-attr,index]
-
-
-def _write(folder: Path, text: str) -> Path:
-    folder.mkdir()
-    (folder / "config.json").write_text(text)
-    return folder
+    assert [(r["num_devices"], r["fits"]) for r in rows] == [(1, True), (2, True)]
 
 
 @pytest.mark.parametrize(
-    ("make", "fragments"),
+    ("content", "fragments"),
     [
-        (lambda d: d / "nowhere", ["no such file", "hf:PATH takes a Hugging Face config.json"]),
-        (lambda d: (d / "empty").mkdir() or d / "empty", ["is a folder without a config.json"]),
-        (lambda d: _write(d / "bad", '{"model_type": "llama",'), ["is not JSON", "line 1"]),
-        (lambda d: _write(d / "nomt", '{"hidden_size": 8}'), ["has no model_type"]),
+        (None, ["no such file", "hf:PATH takes a Hugging Face config.json"]),
+        ("", ["is a folder without a config.json"]),
+        ('{"model_type": "llama",', ["is not JSON", "line 1"]),
+        ('{"hidden_size": 8}', ["has no model_type"]),
         (
-            lambda d: _write(d / "typo", '{"model_type": "lama"}'),
+            '{"model_type": "lama"}',
             ["model_type 'lama'", "is not a model type transformers", "did you mean llama?"],
         ),
         (
-            lambda d: _write(d / "vit", '{"model_type": "vit"}'),
+            '{"model_type": "vit"}',
             ["model_type 'vit'", "has no causal-LM class", "AutoModelForCausalLM"],
         ),
         (
-            lambda d: _write(
-                d / "remote", '{"model_type": "x", "auto_map": {"AutoConfig": "a.B"}}'
-            ),
+            '{"model_type": "x", "auto_map": {"AutoConfig": "x.XConfig"}}',
             ["needs its repository's own code (auto_map)"],
         ),
     ],
 )
-def test_a_bad_config_is_one_line(make: object, fragments: list[str], tmp_path: Path) -> None:
-    path = make(tmp_path)  # type: ignore[operator]
-    _one_line_error(("trace", "--model", f"hf:{path}"), *fragments)
+def test_a_bad_config_is_one_line(
+    content: str | None, fragments: list[str], tmp_path: Path
+) -> None:
+    """``content`` is the folder's config.json (None: no folder; empty: no file in it)."""
+    folder = tmp_path / "model"
+    if content is not None:
+        folder.mkdir()
+        if content:
+            (folder / "config.json").write_text(content)
+    _one_line_error(("trace", "--model", f"hf:{folder}"), *fragments)
 
 
 def test_a_config_transformers_cannot_build_is_one_line(llama_dir: Path) -> None:
@@ -142,8 +142,7 @@ def test_a_config_transformers_cannot_build_is_one_line(llama_dir: Path) -> None
     _one_line_error(
         ("estimate", "--model", f"hf:{llama_dir}:hidden_size=65", "--cluster", CLUSTER,
          "--global-batch", "4"),
-        "cannot build a causal LM", "hidden size (65) is not a multiple of the number of "
-        "attention heads (4)",
+        "cannot build a causal LM", "hidden size (65) is not a multiple",
     )  # fmt: skip
     _one_line_error(
         ("trace", "--model", f"hf:{llama_dir}:hiden_size=8"),
