@@ -132,7 +132,7 @@ def _check_model_type(spec: str, file: Path, data: Mapping[str, Any], version: s
 def _one_line(error: BaseException) -> str:
     """The error's text on one line (transformers' validators wrap the reason in a header)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    return shown(text or type(error).__name__, limit=240, quoted=False)
+    return shown(text.rstrip(".") or type(error).__name__, limit=240, quoted=False)
 
 
 def build_causal_lm(

@@ -236,7 +236,8 @@ def _parse_hf(spec: str, rest: str) -> ModelSpec:
 
 def _build_hf(parsed: ModelSpec, overrides: Mapping[str, Any]) -> nn.Module:
     assert parsed.path is not None  # _parse_hf sets it
-    spec = f"{HF}:{parsed.path}"
+    keys = ",".join(f"{k}={_DTYPE_NAMES.get(v) or _text(v)}" for k, v in overrides.items())
+    spec = f"{HF}:{parsed.path}" + (f":{keys}" if keys else "")  # the spec, for messages
     file = hf.config_file(spec, parsed.path)
     data = hf.read_config(spec, file)
     fields = {k: v for k, v in overrides.items() if k not in ("seq_len", "dtype")}
