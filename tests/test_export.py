@@ -53,7 +53,7 @@ MEGATRON_FLAGS = {
     "--moe-token-dispatcher-type", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-pre-softmax",
     "--moe-aux-loss-coeff", "--microbatch-group-size-per-virtual-pipeline-stage",
-    "--kv-channels", "--num-distributed-optimizer-instances",
+    "--kv-channels", "--num-distributed-optimizer-instances", "--megatron-fsdp-version",
 }  # fmt: skip
 # torchtitan 0.3.0 torchtitan/config/configs.py: the TrainingConfig and ParallelismConfig fields
 # the exported module sets.
@@ -643,12 +643,19 @@ def test_cli_writes_the_files(llama8b: Any, tmp_path: Path) -> None:
     result = run_cli("export", str(plan_path), "--to", "megatron-lm", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert (out / "megatron_args.txt").read_text().startswith("--num-layers 32")
-    # the plan records dgx-h100-80g with 16 devices: 2 nodes of 8
-    assert "torchrun --nnodes=2 --nproc-per-node=8 pretrain_gpt.py" in result.stdout
+    # the plan records dgx-h100-80g with 16 devices: 2 nodes of 8, met at the first node's c10d
+    assert (
+        "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d "
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$JOB_ID pretrain_gpt.py"
+    ) in result.stdout
+    # each variable of the line is said above it, with what to set
+    assert "#   set MASTER_ADDR: hostname or IP address of the first node" in result.stdout
+    assert "#   set JOB_ID: one id for this job" in result.stdout
     shown = run_cli("export", str(plan_path), "--to", "torchtitan", "--json")
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
     assert data["framework"] == "torchtitan" and data["written"] is None
+    assert sorted(data["variables"]) == ["JOB_ID", "MASTER_ADDR", "MASTER_PORT"]
     assert "parallelism.pipeline_parallel_degree = 2" in data["files"]["autoplan_torchtitan.py"]
     printed = run_cli("export", str(plan_path), "--to", "deepspeed")
     assert printed.returncode == 2  # selective recompute
@@ -1023,7 +1030,7 @@ def test_cli_refuses_what_validate_refuses(llama8b: Any, tmp_path: Path) -> None
                          recompute="full").to_yaml(four)  # fmt: skip
     shown = run_cli("export", str(four), "--to", "megatron-lm")
     assert shown.returncode == 0, shown.stderr
-    assert "torchrun --nnodes=1 --nproc-per-node=4 pretrain_gpt.py" in shown.stdout
+    assert "torchrun --nnodes=1 --nproc-per-node=4 --standalone pretrain_gpt.py" in shown.stdout
     _one_line_error(
         run_cli("export", str(four), "--to", "megatron-lm", "--cluster", "dgx-a100-80g"),
         "the plan runs on 4 devices, but cluster 'dgx-a100-80g' has 8",

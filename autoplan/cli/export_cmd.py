@@ -9,7 +9,9 @@ model (fingerprint), and its predicted peak memory fits (``--allow-over-memory``
 as validate's). A plan the framework cannot express fails with one line naming every such
 field, the option the framework lacks and the nearest plan it can run
 (`autoplan.export.ExportError`). A plan priced for another stack than the target exports with a
-note saying so (printed first, as a comment line).
+note saying so (printed first, as a comment line). The launch line carries its rendezvous
+(torchrun's c10d, or DeepSpeed's launcher without ssh) and the environment the stack needs;
+the variables it names (``$MASTER_ADDR`` ...) are listed above it, with what to set.
 
 With ``-o DIR`` the files are written atomically, never through a symbolic link, and a file
 export did not write (or that was edited since) is replaced only with ``--force``
@@ -22,12 +24,10 @@ import click
 
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
-from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import Plan
 from autoplan.export import FRAMEWORKS, check_devices, export_plan
 from autoplan.export.writing import ExportWrite, write_export
 from cost_model.hardware import load_cluster
-from cost_model.messages import shown
 
 
 @click.command("export")
@@ -71,7 +71,6 @@ from cost_model.messages import shown
     help="With -o: replace files in the folder that autoplan export did not write (or that "
     "were edited since); symbolic links are refused even so.",
 )
-@progress_option
 @json_option
 def export_cmd(
     plan_path: str,
@@ -82,7 +81,6 @@ def export_cmd(
     allow_over_memory: bool,
     allow_cross_node_tp: bool,
     force: bool,
-    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Write what launches a plan on Megatron-LM, torchtitan or DeepSpeed."""
@@ -95,16 +93,12 @@ def export_cmd(
     if model_spec is None:
         model_spec, _ = plan_model_spec(plan, plan_path)
     check_devices(plan, target)  # whole nodes of the cluster: fail before the (slower) trace
-    # progress on stderr (`autoplan.cli.progress`): torch's import and a trace take seconds
-    with status_reporter("export", enabled=progress_enabled(progress, as_json)) as status:
-        status.update(f"tracing {shown(model_spec, quoted=False)}")
-        graph = trace_spec(model_spec)
     result = export_plan(
         plan,
         framework,
         model=model_spec,
         cluster=target,
-        graph=graph,
+        graph=trace_spec(model_spec),
         allow_over_memory=allow_over_memory,
         allow_cross_node_tp=allow_cross_node_tp,
     )
@@ -123,6 +117,7 @@ def export_cmd(
                 "unchanged": None if wrote is None else [str(p) for p in wrote.unchanged],
                 "command": list(result.command),
                 "command_line": result.command_line,
+                "variables": {v.name: v.meaning for v in result.variables},
                 "notes": list(result.notes),
                 "stack_note": result.stack_note,
                 "memory": None if memory is None else str(memory),
@@ -146,7 +141,9 @@ def export_cmd(
         for name, text in result.files.items():
             out.print(f"# ---- {name} ----", style="bold", markup=False)
             out.print(text.rstrip("\n"), markup=False, soft_wrap=True, highlight=False)
-    out.print("# launch (on every node):", style="bold", markup=False)
+    out.print("# launch (the same line on every node):", style="bold", markup=False)
+    for variable in result.variables:
+        out.print(f"#   set {variable}", style="bold", markup=False, soft_wrap=True)
     out.print(result.command_line, markup=False, soft_wrap=True)
     for note in result.notes:
         out.print(f"# note: {note}", style="dim", markup=False, soft_wrap=True)

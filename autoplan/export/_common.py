@@ -10,6 +10,7 @@ read back as (embedding?, number of blocks, head?).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -146,14 +147,28 @@ class Launch:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchVariable:
+    """A ``$NAME`` of the launch line that the user sets on every node before running it."""
+
+    name: str
+    meaning: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.meaning}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Export:
     """What launches a plan on a framework: files (name -> text), the command line that starts
-    it (one process per device, run on every node) and notes on what the user still supplies."""
+    it (one process per device, the same line on every node; `autoplan.export.launch`), the
+    variables it names that the user sets first, and notes on what the user still supplies."""
 
     framework: Framework
     files: Mapping[str, str]
     command: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    # the command's $NAME placeholders (rendezvous, node counts), each with what to set
+    variables: tuple[LaunchVariable, ...] = field(default=())
     # the plan was priced for another stack (`stack_note`): its estimate describes that one
     stack_note: str | None = None
     # the memory check against the cluster (`checks.check_memory`); None: not checked
@@ -165,9 +180,14 @@ class Export:
 
 
 def _quote(part: str) -> str:
-    if part.startswith("$") or all(c.isalnum() or c in "-_=./:,+" for c in part):
+    """``part`` as the shell reads it back: bare when it holds only safe characters and
+    ``$NAME`` placeholders (which the shell must expand), else single-quoted."""
+    if all(c.isalnum() or c in "-_=./:,+" for c in _PLACEHOLDER.sub("", part)):
         return part
     return "'" + part.replace("'", "'\\''") + "'"
+
+
+_PLACEHOLDER = re.compile(r"\$[A-Z_]+")
 
 
 def framework_options(plan: Plan) -> dict[str, str]:

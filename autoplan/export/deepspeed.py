@@ -39,6 +39,13 @@ target. Names are those of DeepSpeed 0.19.8 (deepspeedai/DeepSpeed, PyPI release
   configures DeepCompile (``deepspeed/compile/config.py``), a compiler-driven ZeRO, which the
   plan does not price, so the export leaves it out.
 
+- The launch line: DeepSpeed's own launcher, ``deepspeed --num_nodes 1 --num_gpus G`` on one
+  node, ``--hostfile --no_ssh --node_rank --master_addr --master_port`` on more (each node starts
+  its own processes; `autoplan.export.launch`). Under AutoTP (tp > 1) ``train_batch_size`` is
+  left out: ``DeepSpeedConfig`` counts every process (TP ranks too) before AutoTP's groups exist
+  and derives it. The config is checked as DeepSpeed checks it (`autoplan.export.
+  deepspeed_rules`, each rule cited by file, function and lines).
+
 What DeepSpeed cannot run (tp or ZeRO > 1 with pp, another schedule or cut, sequence, context
 or expert parallelism, selective recompute, another rank order, any fp8 recipe: ds_config has
 no fp8 section, its fp8 is Transformer Engine in the model code) is its profile's
@@ -65,6 +72,8 @@ from autoplan.export._common import (
     uniform_recompute,
     units_problem,
 )
+from autoplan.export.deepspeed_rules import DeepSpeedRun, check_deepspeed_config
+from autoplan.export.launch import deepspeed_command, launch_variables
 from cost_model.frameworks import framework_profile
 from cost_model.strategy import Strategy
 
@@ -142,6 +151,10 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
         config["zero_optimization"]["offload_optimizer"] = offload
     if plan.tp_degree > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tp_degree}
+        # DeepSpeedConfig divides train_batch_size by every process (AutoTP's groups come
+        # later: deepspeed_rules), TP ranks included; left out, it derives micro x steps x
+        # world itself, and each TP group still reads one micro-batch a step (a note says so)
+        del config["train_batch_size"]
     if uniform_recompute(plan) == "full":
         # deepspeed.checkpointing's settings (deepspeed/runtime/activation_checkpointing/config.py)
         config["activation_checkpointing"] = {
@@ -149,7 +162,18 @@ def deepspeed_config(plan: Plan, dims: ModelDims) -> dict[str, Any]:
             "contiguous_memory_optimization": False,
             "cpu_checkpointing": False,
         }
+    # the config checked as DeepSpeed checks it when deepspeed.initialize builds the engine
+    run = DeepSpeedRun(
+        config=config, world_size=_config_world_size(plan), pipeline=plan.pp_degree > 1
+    )
+    check_deepspeed_config(run)
     return config
+
+
+def _config_world_size(plan: Plan) -> int:
+    """The world_size DeepSpeedConfig divides the batch by (`deepspeed_rules` module doc): the
+    PipelineModule's data-parallel size, else every process."""
+    return plan.dp_degree if plan.pp_degree > 1 else plan.num_devices
 
 
 def _precision_config(plan: Plan) -> dict[str, Any]:
@@ -204,14 +228,27 @@ def export_deepspeed(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "torch.compile of the model with inductor); leave ds_config's compile section out "
             "(it configures DeepCompile)"
         )
-    # the DeepSpeed launcher (deepspeed/launcher/runner.py: --num_nodes, --num_gpus)
-    command = (
-        "deepspeed",
-        f"--num_nodes={launch.nodes}",
-        f"--num_gpus={launch.procs_per_node}",
-        "train.py",
-        "--deepspeed",
-        "--deepspeed_config",
-        CONFIG_FILE,
+    if plan.tp_degree > 1:
+        notes.append(
+            f"train_batch_size is left out: under AutoTP DeepSpeedConfig counts the "
+            f"{plan.tp_degree} TP ranks of a group as data-parallel ranks and derives "
+            f"{plan.micro_batch_size} x {plan.num_micro_batches} x {plan.num_devices} itself; "
+            f"feed each TP group the same micro-batches (the plan's global batch is "
+            f"{plan.global_batch_size})"
+        )
+    # DeepSpeed's own launcher (deepspeed/launcher/runner.py), the same line on every node
+    program = ("train.py", "--deepspeed", "--deepspeed_config", CONFIG_FILE)
+    command = deepspeed_command(launch, program)
+    if launch.nodes != "1":
+        notes.append(
+            "multi-node: --no_ssh starts this node's processes only; write the hostfile "
+            "($HOSTFILE, one 'HOST slots=GPUS' line per node, the first node first) on every "
+            "node"
+        )
+    return Export(
+        framework=FRAMEWORK,
+        files=files,
+        command=command,
+        notes=tuple(notes),
+        variables=launch_variables(command),
     )
-    return Export(framework=FRAMEWORK, files=files, command=command, notes=tuple(notes))

@@ -45,7 +45,10 @@ Plan field -> flag:
 - ``zero_stage``: 1 -> ``--use-distributed-optimizer`` (optimizer state sharded over the
   data-parallel group, ``_add_distributed_args``); 2 and 3 -> Megatron-FSDP,
   ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``
-  with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP.
+  with ``--ckpt-format fsdp_dtensor``, which ``validate_args`` requires for Megatron-FSDP, and
+  ``--megatron-fsdp-version 1`` (the default, stated: version 2 refuses tp, pp and cp > 1).
+  With pp_degree > 1 ZeRO-2/3 is refused (the profile's "pipeline-zero": nothing in Megatron-LM
+  shows Megatron-FSDP running with pipeline parallelism; cost_model/frameworks/megatron.py).
   HSDP (``dp_shard_degree`` s) adds ``--num-distributed-optimizer-instances dp / s``
   (``_add_distributed_args``; ``DistributedDataParallelConfig``): the distributed optimizer or
   Megatron-FSDP shards within dp x cp / instances consecutive ranks of the dp-cp group (dp_shard
@@ -137,6 +140,11 @@ Plan field -> flag:
   Megatron-LM's ``yaml_arguments.py`` asserts it ("When using MoE and tensor parallelism,
   sequence parallelism must be used"), megatron-core's ``ModelParallelConfig`` warns that EP
   with TP must use it, and autoplan's runtime routes each TP rank's sequence shard.
+- The launch line: torchrun with ``--standalone`` on one node, a c10d rendezvous at
+  ``$MASTER_ADDR:$MASTER_PORT`` on more (`autoplan.export.launch`), behind
+  ``env CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP or CP (`environment`). The arguments are checked
+  as Megatron-LM checks them when it starts (`autoplan.export.megatron_rules`: ``validate_args``
+  and megatron-core's configs, each rule cited by file, function and lines).
 - The model: ``--num-layers --hidden-size --ffn-hidden-size --num-attention-heads``
   (``TransformerConfig``), ``--group-query-attention --num-query-groups``, ``--seq-length``,
   ``--max-position-embeddings``, ``--kv-channels`` when a head is not hidden / heads wide, and
@@ -166,6 +174,8 @@ from autoplan.export._common import (
     units_problem,
 )
 from autoplan.export.fp8 import Fp8Layers, exclude_text, fp8_layers, unknown_problem
+from autoplan.export.launch import launch_variables, torchrun_command
+from autoplan.export.megatron_rules import check_megatron_args
 from cost_model.frameworks import framework_profile
 from cost_model.partial_recompute import block_method_count
 from cost_model.precision import compute_dtype
@@ -226,6 +236,9 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     elif plan.zero_stage >= 2:
         strategy = "optim_grads" if plan.zero_stage == 2 else "optim_grads_params"
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+        # version 1 (the default) stated: version 2 refuses tp, pp or cp > 1
+        # (mcore_fsdp_adapter.py FullyShardedDataParallelV2._validate_config L601-650)
+        args += ["--megatron-fsdp-version", "1"]
         args += ["--ckpt-format", "fsdp_dtensor"]
     if plan.dp_shard_degree is not None:  # HSDP (zero_stage >= 1, checked by the plan)
         instances = plan.dp_degree // plan.dp_shard_degree
@@ -237,7 +250,20 @@ def megatron_args(plan: Plan, dims: ModelDims) -> tuple[str, ...]:
     args += _precision_args(plan)
     if (layers := fp8_layers(plan, dims)) is not None:
         args += _fp8_args(plan, layers)
+    # the exporter's own line checked as Megatron-LM checks it when it starts
+    check_megatron_args(args, world_size=plan.num_devices, env=environment(plan))
     return tuple(args)
+
+
+def environment(plan: Plan) -> dict[str, str]:
+    """The environment Megatron-LM needs for ``plan``: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with
+    TP or CP (one hardware queue, so each layer's TP/CP collective is issued before the GEMM
+    that follows it and overlaps it; validate_args L1453-1481 asserts it before Blackwell),
+    except under Megatron-FSDP, which asserts it is not 1 (L1166-1167: its all-gathers and
+    reduce-scatters run beside compute on streams of their own)."""
+    if (plan.tp_degree > 1 or plan.cp_degree > 1) and plan.zero_stage < 2:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def _recompute_blocks(plan: Plan) -> int | None:
@@ -489,29 +515,23 @@ def _bf16_ends_problems(plan: Plan, layers: Fp8Layers) -> list[ExportProblem]:
 
 def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
     args = megatron_args(plan, dims)
-    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP before Blackwell,
-    # unless Megatron-FSDP runs (which wants it unset)
-    env = (
-        ("env", "CUDA_DEVICE_MAX_CONNECTIONS=1")
-        if (plan.tp_degree > 1 or plan.cp_degree > 1) and plan.zero_stage < 2
-        else ()
-    )
-    command = (
-        *env,
-        "torchrun",
-        f"--nnodes={launch.nodes}",
-        f"--nproc-per-node={launch.procs_per_node}",
-        "pretrain_gpt.py",
-        *args,
-    )
+    env = environment(plan)
+    command = torchrun_command(launch, ("pretrain_gpt.py", *args), env=env)
     text = " \\\n".join(_arg_lines(args)) + "\n"
     notes: tuple[str, ...] = (
         "add your data and tokenizer flags (--data-path, --tokenizer-type, ...), optimizer and "
         "schedule (--lr, --train-iters, ...); Megatron pads the vocabulary to a multiple of "
         f"--make-vocab-size-divisible-by x TP (128 x {plan.tp_degree} by default), "
         f"{dims.vocab_size} in the plan's model",
-        "run from a Megatron-LM checkout (flags checked against NVIDIA/Megatron-LM d98e8a6)",
+        "run from a Megatron-LM checkout (flags checked against NVIDIA/Megatron-LM d98e8a6, "
+        "and by its validate_args rules: autoplan.export.megatron_rules)",
     )
+    if env:
+        notes += (
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 (in the launch line): Megatron-LM's validate_args "
+            "asserts it with TP or CP before Blackwell, so each TP/CP collective is queued "
+            "ahead of the GEMM it overlaps",
+        )
     if plan.optimizer_state_dtype == "bf16":
         notes += (
             "--use-precision-aware-optimizer runs Transformer Engine's FusedAdam (megatron/core/"
@@ -561,7 +581,13 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
                 f"the plan's {plan.framework!r} estimate) keeps it whole on each TP rank: "
                 "re-plan with --framework megatron-lm to price Megatron's",
             )
-    return Export(framework=FRAMEWORK, files={ARGS_FILE: text}, command=command, notes=notes)
+    return Export(
+        framework=FRAMEWORK,
+        files={ARGS_FILE: text},
+        command=command,
+        notes=notes,
+        variables=launch_variables(command),
+    )
 
 
 def _arg_lines(args: tuple[str, ...]) -> list[str]:

@@ -96,6 +96,10 @@ those of torchtitan 0.3.0 (pytorch/torchtitan, PyPI release):
   ``norm_eps``, ``tie_embeddings``, ``head_dim``, the sizes) must equal the flavor's
   (``Flavor``), or the plan is refused naming the arg, both values and the fix (register a
   flavor with those args, or export to megatron-lm, whose flags carry them).
+- The launch line: ``torchrun ... -m torchtitan.train --module autoplan_torchtitan --config
+  autoplan_plan`` (``--standalone`` on one node, a c10d rendezvous on more:
+  `autoplan.export.launch`); the module's settings are checked as torchtitan checks them when
+  it starts (`autoplan.export.torchtitan_rules`, each rule cited by file, function and lines).
 - Gradient sync: torchtitan's FSDP2 and replicate (DDP) reduce during the backward, with no
   setting to defer it; a plan whose framework option prices the reduction after the backward
   (``megatron-lm:overlap-grad-reduce=off``, ``megatron-lm-2021:ddp=local``) is refused.
@@ -123,6 +127,8 @@ from autoplan.export._common import (
     units_problem,
 )
 from autoplan.export.fp8 import HEAD, Fp8Layers, exclude_text, fp8_layers, unknown_problem
+from autoplan.export.launch import launch_variables, torchrun_command
+from autoplan.export.torchtitan_rules import TitanSettings, check_torchtitan_settings
 from cost_model.precision import compute_dtype
 
 FRAMEWORK: Framework = "torchtitan"
@@ -480,6 +486,29 @@ def torchtitan_module(plan: Plan, dims: ModelDims) -> str:
         "selective": "SelectiveAC.Config()",
         "full": "FullAC.Config()",
     }[recompute or "none"]
+    settings = TitanSettings(
+        world_size=plan.num_devices,
+        dp_replicate=replicate,
+        dp_shard=shard,
+        cp=plan.cp_degree,
+        tp=plan.tp_degree,
+        pp=plan.pp_degree,
+        sequence_parallel=sequence_parallel,
+        seq_len=dims.seq_len,
+        local_batch_size=local_batch,
+        global_batch_size=plan.global_batch_size,
+        pp_microbatch_size=plan.micro_batch_size,
+        pp_schedule=SCHEDULE_NAMES[plan.schedule],
+        num_model_parts=plan.num_stages,
+        async_tp=plan.tp_degree > 1 and plan.tp_comm_overlap,
+        compile_model=plan.compile,  # _compile_lines: "model" among the components
+        n_heads=flavor.num_heads,
+        n_kv_heads=flavor.num_kv_heads,
+        weight_tying=flavor.tie_embeddings,
+        disable_cuda_graphs=plan.pp_degree > 1,  # written below with PP
+    )
+    # the module's settings checked as torchtitan checks them when it starts
+    check_torchtitan_settings(settings)
     converter = _CONVERTERS.get(plan.dtype)
     converter_import = (
         [f"from torchtitan.components.quantization import {converter}"] if converter else []
@@ -609,17 +638,10 @@ def _list_lines(name: str, entries: list[str], indent: int = 16) -> list[str]:
 
 def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
     text = torchtitan_module(plan, dims)
-    command = (
-        "torchrun",
-        f"--nnodes={launch.nodes}",
-        f"--nproc-per-node={launch.procs_per_node}",
-        "-m",
-        "torchtitan.train",
-        "--module",
-        MODULE,
-        "--config",
-        CONFIG_FUNCTION,
-    )
+    # torchtitan needs no environment of its own (its run_train.sh sets PYTORCH_ALLOC_CONF=
+    # expandable_segments:True against fragmentation: a choice, not a requirement)
+    program = ("-m", "torchtitan.train", "--module", MODULE, "--config", CONFIG_FUNCTION)
+    command = torchrun_command(launch, program)
     notes: tuple[str, ...] = (
         f"put {MODULE}.py on PYTHONPATH (the launch line imports it by name)",
         "the baseline's hf_assets_path and dataset are torchtitan's defaults: point them at "
@@ -637,4 +659,10 @@ def export_torchtitan(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "zero_stage 1 runs as ZeRO-2 (FSDP, parameters kept gathered): torchtitan has no "
             "ZeRO-1, and autoplan's own runtime does the same (Plan.decisions)",
         )
-    return Export(framework=FRAMEWORK, files={f"{MODULE}.py": text}, command=command, notes=notes)
+    return Export(
+        framework=FRAMEWORK,
+        files={f"{MODULE}.py": text},
+        command=command,
+        notes=notes,
+        variables=launch_variables(command),
+    )

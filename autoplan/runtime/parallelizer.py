@@ -18,8 +18,7 @@ Guarantees:
   torchrun world: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) and broadcasts it: every rank runs the
   same plan;
 - the passes run in order, each checking its own result: split into stages and units ->
-  tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1, or etp > 1:
-  each routed expert split over the TP group, `passes.ExpertTensorParallel`) -> activation
+  tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1) -> activation
   recompute -> data parallel -> materialise -> pipeline; a plan with ``tp_comm_overlap`` runs
   torch's async TP (`passes.async_tp`, CUDA and NCCL only: refused elsewhere on every rank
   before anything is built);
@@ -44,11 +43,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from autoplan._format import fmt_time_range
 from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.graph import ModelGraph
 from autoplan.contract.plan import Plan, runtime_refusal
-from autoplan.planner.search import SearchResult, search_plans
+from autoplan.planner.search import search_plans
 from autoplan.runtime import rank_failures
 from autoplan.tracing import trace
 from cost_model.degrees import is_whole
@@ -61,14 +59,12 @@ from cost_model.results import Estimate
 from passes import (
     ContextParallelResult,
     DistributedModel,
-    ExpertTensorParallel,
     Fp8ScalePrecompute,
     Fp8Selection,
     ParallelMesh,
     ReplicatedGradientSum,
     SplitModel,
     TensorParallelResult,
-    announce_rank0,
     apply_compile,
     apply_context_parallel,
     apply_data_parallel,
@@ -82,6 +78,7 @@ from passes import (
     enable_async_tp,
     find_grouped_experts,
     has_meta_tensors,
+    log_rank0,
     materialize,
     meta_buffer_values,
     norm_parameter_names,
@@ -244,8 +241,7 @@ def _parallelize(
     plan, graph = chosen.plan, chosen.graph
     if plan.tp_comm_overlap and (why := async_tp_refusal(device, dist.get_backend())) is not None:
         raise PlanError(why)  # alike on every rank, before anything is built
-    # one line on rank 0, shown where logging is not configured too (`passes.announce_rank0`)
-    announce_rank0(logger, "autoplan: %s", _chosen_line(chosen))
+    log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
 
     mesh = build_mesh(plan, device.type)
     if plan.tp_comm_overlap:
@@ -308,8 +304,6 @@ class _ChosenPlan:
     graph: ModelGraph  # traced at the plan's micro-batch size where the front end needs it
     predicted: Estimate  # the plan's estimate on the job's cluster
     search_time_s: float | None  # None: the plan was given
-    # the search's unproven gap (`SearchStats.optimality_gap`; 0: proven; None: given)
-    optimality_gap: float | None
     fp8: Fp8Selection | None  # the linears an fp8 plan converts (None: not an fp8 plan)
 
 
@@ -344,7 +338,6 @@ def _choose_plan(
             graph=graph,
             predicted=checked.predicted,
             search_time_s=None,
-            optimality_gap=None,
             fp8=checked.fp8,
         )
     return _search_for_job(
@@ -371,8 +364,7 @@ def _search_for_job(
     # an exported graph's limits (fp32, no sequence or context parallelism) and a model
     # without RoPE tables (no context parallelism): the search keeps to them itself
     # (`runtime_refusal`)
-    searched = _searched_plan(graph, cluster, global_batch_size, constraints)
-    plan = searched.plan
+    plan = _searched_plan(graph, cluster, global_batch_size, constraints)
     if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
         graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
     # same plan, same verdict on every rank
@@ -382,7 +374,6 @@ def _search_for_job(
         graph=graph,
         predicted=checked.predicted,
         search_time_s=time.perf_counter() - started,
-        optimality_gap=searched.optimality_gap,
         fp8=checked.fp8,
     )
 
@@ -416,13 +407,8 @@ def _shard_stages(
             context = apply_context_parallel(
                 stage.module, mesh.sub("cp"), seq_len=graph.profile.seq_len
             )
-        if (plan.ep_degree > 1 or plan.etp_degree > 1) and find_grouped_experts(stage.module):
-            apply_expert_parallel(
-                stage.module,
-                mesh.sub("ep") if plan.ep_degree > 1 else None,
-                etp=_expert_tensor_parallel(plan, mesh),
-                device_type=device.type,
-            )
+        if plan.ep_degree > 1 and find_grouped_experts(stage.module):
+            apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
         own = plan.stages[stage.stage_idx]
         apply_recompute(stage, own.recompute, plan.decisions.recompute, own.recompute_units)
         # after recompute, before data parallelism (torchtitan's order)
@@ -440,16 +426,6 @@ def _shard_stages(
             position_buffers=(),
         )
     return context, tp_results
-
-
-def _expert_tensor_parallel(plan: Plan, mesh: ParallelMesh) -> ExpertTensorParallel | None:
-    """How the routed experts split over the etp ranks (the TP group: `Capabilities.etp_is_tp`),
-    None at etp 1. Under sequence parallelism each TP rank routes its own tokens."""
-    if plan.etp_degree == 1:
-        return None
-    return ExpertTensorParallel(
-        mesh=mesh.sub("etp"), weights=mesh.expert_weights, own_tokens=plan.sequence_parallel
-    )
 
 
 def _wrap_data_parallel(
@@ -481,13 +457,12 @@ def _wrap_data_parallel(
 def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
     """The parameters of MoE layers on sequence shards whose gradients sum over tp: router
     and shared expert, and the routed experts unless a folded ep group reduces them over the
-    tp ranks already (`Plan.expert_data_group_ranks` spans tp then) or they are split over the
-    TP group (etp = tp: each rank's slice saw every token of the group)."""
-    apart = (plan.ep_folding and plan.ep_degree > 1) or plan.etp_degree > 1
+    tp ranks already (`Plan.expert_data_group_ranks` spans tp then)."""
+    folded = plan.ep_folding and plan.ep_degree > 1
     return tuple(
         name
         for layer in result.moe_layers
-        for name in layer.replicated_parameters + (() if apart else layer.expert_parameters)
+        for name in layer.replicated_parameters + (() if folded else layer.expert_parameters)
     )
 
 
@@ -787,21 +762,13 @@ def _check_tensor_parallel(plan: Plan, model: nn.Module, graph: ModelGraph) -> N
         )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class _SearchedPlan:
-    """The plan rank 0 searched, as every rank received it, and the search's unproven gap."""
-
-    plan: Plan
-    optimality_gap: float  # `SearchStats.optimality_gap` (0: proven the fastest)
-
-
 def _searched_plan(
     graph: ModelGraph,
     cluster: Cluster,
     global_batch_size: int | None,
     constraints: Mapping[str, Any],
-) -> _SearchedPlan:
-    """Rank 0 searches; every rank gets its plan and gap (or its error) by broadcast."""
+) -> Plan:
+    """Rank 0 searches; every rank gets its plan (or its error) by broadcast."""
     if global_batch_size is None:
         raise PlanError(
             "parallelize() got no plan and no global_batch_size to search one for; pass "
@@ -811,16 +778,14 @@ def _searched_plan(
     if dist.get_rank() == 0:
         try:
             found = _search(graph, cluster, global_batch_size, constraints)
-            payload[0] = ("plan", found.plans[0].to_data(), found.stats.optimality_gap)
+            payload[0] = ("plan", found.to_data())
         except Exception as error:
-            payload[0] = ("error", f"{type(error).__name__}: {error}", None)
+            payload[0] = ("error", f"{type(error).__name__}: {error}")
     dist.broadcast_object_list(payload, src=0)
-    kind, body, gap = payload[0]
+    kind, body = payload[0]
     if kind == "error":
         raise PlanError(f"plan search on rank 0 failed: {body}")
-    return _SearchedPlan(
-        plan=Plan.from_data(body, source="searched plan"), optimality_gap=float(gap)
-    )
+    return Plan.from_data(body, source="searched plan")
 
 
 def _search(
@@ -828,24 +793,10 @@ def _search(
     cluster: Cluster,
     global_batch_size: int,
     constraints: Mapping[str, Any],
-) -> SearchResult:
-    return search_plans(graph.profile, cluster, global_batch=global_batch_size, **constraints)
-
-
-def _chosen_line(chosen: _ChosenPlan) -> str:
-    """The plan this job runs, in one line: searched (in how long, proven or with its gap) or
-    given, its shape and its predicted step on the job's cluster."""
-    if chosen.search_time_s is None or chosen.optimality_gap is None:
-        how = "running the plan given"
-    else:
-        gap = chosen.optimality_gap
-        proof = "proven the fastest" if gap == 0 else f"a faster one may exist by up to {gap:.1%}"
-        how = f"plan searched on rank 0 in {chosen.search_time_s:.1f} s ({proof})"
-    predicted = chosen.predicted
-    return (
-        f"{how}: {_describe(chosen.plan)}; predicted step "
-        f"{fmt_time_range(predicted.step_time_s, predicted.step_time_range_s)}"
-    )
+) -> Plan:
+    return search_plans(
+        graph.profile, cluster, global_batch=global_batch_size, **constraints
+    ).plans[0]
 
 
 def _ep_where(plan: Plan) -> str:
@@ -857,17 +808,12 @@ def _describe(plan: Plan) -> str:
         f"[{s.first_unit}..{s.last_unit}{'' if s.recompute == 'none' else ' ' + s.recompute}]"
         for s in plan.stages
     )
-    if len(plan.stages) > 8:  # (the line stays readable: the plan file lists them all)
-        sizes = [s.num_units for s in plan.stages]
-        modes = "+".join(sorted({s.recompute for s in plan.stages}))
-        stages = f"{len(sizes)} of {min(sizes)}-{max(sizes)} units, recompute {modes}"
     return (
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
         + (f" x cp {plan.cp_degree}" if plan.cp_degree > 1 else "")
         + (f", ep {plan.ep_degree} {_ep_where(plan)}" if plan.ep_degree > 1 else "")
         + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
-        f"{plan.num_micro_batches} micro-batch{'es' if plan.num_micro_batches > 1 else ''} of "
-        f"{plan.micro_batch_size}, "
+        f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
         f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
         f"{plan.dtype}, stages {stages}"
     )

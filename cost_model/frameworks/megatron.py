@@ -117,6 +117,21 @@ MEGATRON_LM_WORDS = {
         fix="use zero_stage 1 or more for bf16 states of an fp32 master, 2 or more for a bf16 "
         "master",
     ),
+    # NVIDIA/Megatron-LM d98e8a6: validate_args (megatron/training/arguments.py L1118-1190)
+    # does not assert pp == 1 for Megatron-FSDP v1, but nothing shows the pair runs: the docs
+    # list it "Integrated with TP, CP, EP" (docs/user-guide/parallelism-guide.md L78), its v1
+    # tests compose it with TP and EP only (tests/unit_tests/distributed/mfsdp_v1/
+    # test_mcore_fully_sharded_data_parallel.py L894-900), every functional test of it runs
+    # pp 1, and its v2 refuses pp > 1 (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py,
+    # FullyShardedDataParallelV2._validate_config L601-650)
+    "pipeline-zero": Explanation(
+        why="megatron-lm runs ZeRO-{zero} as Megatron-FSDP (--use-megatron-fsdp), which its "
+        "docs and tests pair with TP, CP and EP but not with --pipeline-model-parallel-size "
+        "{pp} (docs/user-guide/parallelism-guide.md; mcore_fsdp_adapter.py's version 2 "
+        "refuses pp > 1)",
+        fix="use zero_stage 1 (--use-distributed-optimizer, which Megatron runs with pipeline "
+        "parallelism), or pp_degree 1 for Megatron-FSDP",
+    ),
     "moe-tp-sp": Explanation(
         why="megatron-lm needs --sequence-parallel for a MoE model with "
         "--tensor-model-parallel-size {tp} ('When using MoE and tensor parallelism, sequence "
@@ -215,6 +230,9 @@ MEGATRON_LM = FrameworkProfile(
     # always covers every layer (recompute_num_layers must be None)
     partial_recompute="block",
     rank_layouts=(("pp", "dp", "tp"), ("dp", "pp", "tp")),
+    # Megatron-FSDP (ZeRO 2-3) with pipeline parallelism: not shown to run (MEGATRON_LM_WORDS
+    # "pipeline-zero"); the distributed optimizer (ZeRO-1) runs with it
+    pipeline_max_zero=1,
     capabilities=Capabilities(
         moe_tp_needs_sequence_parallel=True,
         interleaved_microbatches="pp-or-more",
