@@ -283,12 +283,12 @@ def test_timeline_of_an_estimate_and_its_picture(profile: ModelProfile, tmp_path
 
 
 def test_a_long_step_is_drawn_as_shares_and_a_zoom() -> None:
-    """Bars narrower than `MIN_BAR_PX`: an overview of each rank's time shares per bin, whose
+    """Bars narrower than `MIN_BAR_PX` (192 actions a rank): an overview of each rank's time shares per bin, whose
     layers fill every row (only idle is a gap), and a zoom on the rank that ends the step
     between its peers, with their sends."""
     p = 4
     spec = ScheduleSpec(
-        schedule="interleaved-1f1b", pp_degree=p, virtual_stages=2, num_micro_batches=128
+        schedule="interleaved-1f1b", pp_degree=p, virtual_stages=2, num_micro_batches=48
     )
     timeline = simulate_timeline(spec, _times(spec, 1.0, 2.0, link=0.05), [0.0, 0.0, 9.0, 0.0])
     assert bar_width_px(timeline) < MIN_BAR_PX
@@ -310,7 +310,7 @@ def test_a_long_step_is_drawn_as_shares_and_a_zoom() -> None:
             top[x] = max(top.get(x, -np.inf), y)
         assert len(top) > 100
         assert all(y == pytest.approx(p - 1 - r + 0.4) for y in top.values())
-    # the zoom: rank 2 (its tail ends the step) between the ranks it exchanges with, over a
+    # the zoom: rank 2 (its tail ends the step last) between the ranks it exchanges with, over a
     # window where the bars are wide, tiled by its events
     assert [t.get_text() for t in zoom.get_yticklabels()] == [
         "pp rank 3",
@@ -318,7 +318,7 @@ def test_a_long_step_is_drawn_as_shares_and_a_zoom() -> None:
         "pp rank 1",
     ]
     low, high = zoom.get_xlim()
-    assert bar_width_px(timeline) * timeline.step_time_s / (high - low) >= MIN_BAR_PX * 5
+    assert bar_width_px(timeline) * timeline.step_time_s / (high - low) >= MIN_BAR_PX * 3
     _assert_tiles(zoom, 2, (low, high))
     in_window = [
         s for s in timeline.sends if low <= s.start_s < high and 2 in (s.src_rank, s.dst_rank)

@@ -6,10 +6,15 @@ written with the Agg renderer), so tests can inspect its axes, labels and series
 
 - `whatif_figure`: two axes, throughput (tokens/s) and scaling efficiency (%) against the
   number of devices, one line per cluster type on each (sizes without a plan are left out of the
-  line and marked "no plan" along the x axis), labelled axes with units and a legend.
-- `timeline_figure`: one row per pipeline rank, forward, backward, communication, tail (DP sync
-  and optimizer) and idle spans in distinct colours, a legend entry per kind shown, time on the
-  x axis with its unit.
+  line and marked "no plan", or "not run" when the what-if's total budget ran out first, along
+  the x axis), a dashed 100% line, labelled axes with units, and one legend below both axes;
+  every point and note lies inside its axes, clear of the frame.
+- `timeline_figure`: one row per pipeline rank, forward, backward, tail (DP sync and optimizer)
+  and idle spans in distinct colours, idle the only colour between a rank's bars, pipeline sends
+  as arrows between the rows, time on the x axis with its unit, one legend below (an entry per
+  kind shown, sends with their link time). When a bar per action would be narrower than
+  `MIN_BAR_PX`, an overview of each rank's share of time per kind in narrow bins over a zoom
+  on the rank that ends the step and its peers, in a window where the bars are wide.
 
 matplotlib is imported by this module only; the CLI imports it when a picture is asked for.
 """
@@ -133,7 +138,7 @@ def whatif_figure(result: WhatIfResult) -> Figure:
             if not row.fits:
                 for ax in (throughput, efficiency):
                     ax.annotate(
-                        "no plan",
+                        "no plan" if row.searched else "not run",  # the total budget ran out
                         xy=(row.num_devices, 0.02),
                         xycoords=("data", "axes fraction"),
                         rotation=90,
@@ -222,12 +227,14 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 SAVE_DPI = 120
 _FIGURE_WIDTH_IN = 13.0
 _AXES_WIDTH_PX = 11.6 * SAVE_DPI
-# Below this median width, a bar per action is a barcode (a 1-pixel edge on each side leaves
-# no colour): the picture shows each rank's time shares per bin, and a zoom.
-MIN_BAR_PX = 4.0
+# Below this median width a bar per action reads as a barcode (seen on gpt3-175b's plans: at
+# 4.6 px the edges and a send arrow a bar cover the colours): the picture shows each rank's
+# time shares per bin instead, and a zoom.
+MIN_BAR_PX = 12.0
 _BIN_PX = 12.0  # the overview's bin width: a few actions, so a bin shows shares, not one bar
 _ZOOM_BAR_PX = 44.0  # the zoom's window holds actions of about this median width
 _LABEL_CHAR_PX = 5.5  # a digit of the 6-point bar labels at SAVE_DPI (6 pt = 10 px)
+_STUB_LABEL_PX = 24.0  # a "to 7" label's width at 5 points, with a gap to the next
 _ACTION_KINDS: tuple[EventKind, ...] = ("forward", "backward", "weight")
 _ROW = 0.8  # a bar's height, in rows; the gap between rows carries the sends
 SEND_COLOURS: dict[SendKind, str] = {"activation": "#000000", "gradient": "#D55E00"}
@@ -329,7 +336,7 @@ def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
     zoom.set_xlabel(f"time within one training step ({unit})")
     label = "micro-batch/stage" if timeline.virtual_stages > 1 else "micro-batch"
     zoom.set_title(
-        f"zoom on pp rank {rank} (its tail ends the step) and the ranks it exchanges with, "
+        f"zoom on pp rank {rank} (the last to finish the step) and the ranks it exchanges with, "
         f"{_fmt(window[0] * scale)}-{_fmt(window[1] * scale)} {unit}: bars labelled "
         f"{label}, arrows: the messages it sends and receives",
         fontsize=10,
@@ -432,11 +439,14 @@ def _draw_bars(
         for e in events:
             if e.kind not in _ACTION_KINDS or e.microbatch_idx is None:
                 continue
-            text = str(e.microbatch_idx)
-            if timeline.virtual_stages > 1:
-                text += f"/{e.stage_idx}"
-            if e.duration_s * px_per_s < _LABEL_CHAR_PX * len(text) + 3:
+            # micro-batch/stage where it fits, else the micro-batch alone
+            width_px = e.duration_s * px_per_s
+            texts = [f"{e.microbatch_idx}/{e.stage_idx}"] if timeline.virtual_stages > 1 else []
+            texts.append(str(e.microbatch_idx))
+            fits = [t for t in texts if width_px >= _LABEL_CHAR_PX * len(t) + 3]
+            if not fits:
                 continue
+            text = fits[0]
             ax.text(
                 (e.start_s + e.duration_s / 2) * scale,
                 y,
@@ -462,9 +472,12 @@ def _draw_sends(
     """Every send (of ``of_rank``, or all) leaving within ``window`` between two drawn rows,
     as an arrow from the sender's bar at its departure to the receiver's at its arrival, in
     the gap between their rows. A send to a rank drawn further away (the ring's wrap under
-    interleaving) is a stub toward it labelled with that rank. Return the kinds drawn."""
+    interleaving) is a stub toward it labelled with that rank (where the label has room).
+    Return the kinds drawn."""
     y_of = {rank: len(rows) - 1 - k for k, rank in enumerate(rows)}
     edge = _ROW / 2
+    px_per_s = _AXES_WIDTH_PX / (window[1] - window[0])
+    labelled_px: dict[tuple[int, bool], float] = {}  # the last stub label of a row, by direction
     shafts: dict[SendKind, list[list[tuple[float, float]]]] = {"activation": [], "gradient": []}
     heads: dict[SendKind, list[tuple[float, float, bool]]] = {"activation": [], "gradient": []}
     for send in timeline.sends:
@@ -482,16 +495,19 @@ def _draw_sends(
             tip = y_dst - sign * edge
         else:  # a stub into the gap, toward the receiver's row
             x1, tip = x0, y_src + sign * (1 - edge)
-            ax.annotate(
-                f"to {send.dst_rank}",
-                xy=(x0, tip),
-                xytext=(1, 0),
-                textcoords="offset points",
-                fontsize=5,
-                va="center",
-                color=SEND_COLOURS[send.kind],
-                annotation_clip=True,
-            )
+            at_px = (send.start_s - window[0]) * px_per_s
+            if at_px - labelled_px.get((y_src, down), -math.inf) >= _STUB_LABEL_PX:
+                labelled_px[y_src, down] = at_px
+                ax.annotate(
+                    f"to {send.dst_rank}",
+                    xy=(x0, tip),
+                    xytext=(1, 0),
+                    textcoords="offset points",
+                    fontsize=5,
+                    va="center",
+                    color=SEND_COLOURS[send.kind],
+                    annotation_clip=True,
+                )
         shafts[send.kind].append([(x0, y_src + sign * edge), (x1, tip)])
         heads[send.kind].append((x1, tip, down))
     shown: list[SendKind] = []
