@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cost_model.activation_offload import offloaded_mask
 from cost_model.degrees import RECOMPUTE_MODES
 from cost_model.errors import InputError
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_profile
@@ -58,6 +59,7 @@ from cost_model.parts.data_parallel import (
 )
 from cost_model.parts.deepspeed_pipeline import deepspeed_pipe_optimizer, deepspeed_pipe_step_s
 from cost_model.parts.expert_parallel import ExpertCost, expert_cost
+from cost_model.parts.offload import activation_host_link_bytes_per_s, offloaded_unit_cost
 from cost_model.parts.optimizer import ADAM_TRAFFIC_BYTES_PER_PARAM
 from cost_model.parts.pipeline import Boundary, boundary, tied_pair_placement
 from cost_model.precision import compute_dtype
@@ -272,9 +274,47 @@ class CostModel:
         key = (self._costs_key(strategy), recompute)
         found = self._costs.get(key)
         if found is None:
-            found = compose_unit_costs(self, strategy, recompute)
+            if strategy.activation_offload:
+                found = self._twin_costs(strategy, recompute)
+            else:
+                found = compose_unit_costs(self, strategy, recompute)
             self._costs[key] = found
         return found
+
+    def offloaded_costs(self, strategy: Strategy) -> tuple[UnitCost, ...]:
+        """Every unit's costs under recompute 'none' with each block's saved activations on
+        the host (`parts.offload.offloaded_unit_cost`, as the stack moves them); the other
+        units as they are. A stage's offloaded blocks take theirs from here."""
+        plain = dataclasses.replace(strategy, activation_offload=False)
+        key = (self._costs_key(plain), "offloaded")
+        found = self._costs.get(key)
+        if found is None:
+            overlap = self.stack.activation_offload or "blocking"
+            link = activation_host_link_bytes_per_s(self.cluster, 1)
+            found = tuple(
+                offloaded_unit_cost(cost, link, overlap)
+                if cost.kind in RECOMPUTABLE_KINDS
+                else cost
+                for cost in self.unit_costs(plain, "none")
+            )
+            self._costs[key] = found
+        return found
+
+    def _twin_costs(self, strategy: Strategy, recompute: str) -> tuple[UnitCost, ...]:
+        """The search's activation-offload twin (`Strategy.activation_offload`): under 'none',
+        every block but the model's last offloaded (its backward starts as its forward ends:
+        nothing hides its copies, and Megatron-Core refuses it); other modes as they are."""
+        plain = dataclasses.replace(strategy, activation_offload=False)
+        costs = self.unit_costs(plain, recompute)
+        if recompute != "none":
+            return costs
+        offloaded = self.offloaded_costs(plain)
+        blocks = [u for u, cost in enumerate(costs) if cost.kind in RECOMPUTABLE_KINDS]
+        kept = blocks[-1] if blocks else -1
+        return tuple(
+            offloaded[u] if cost.kind in RECOMPUTABLE_KINDS and u != kept else cost
+            for u, cost in enumerate(costs)
+        )
 
     def _costs_key(self, strategy: Strategy) -> Strategy:
         # A unit's costs depend on the schedule only through its placement (which ranks share
@@ -308,6 +348,12 @@ class CostModel:
         ``recompute_units`` first blocks under its mode, the rest under none)."""
         kinds = [self.profile.units[u].kind for u in s_range(stage)]
         return unit_modes(stage.recompute, kinds, stage_recompute_units(stage))
+
+    def stage_offloaded(self, stage: StageLike, modes: tuple[str, ...]) -> tuple[bool, ...]:
+        """Per unit of ``stage`` (priced under ``modes``): whether its saved activations are
+        on the host (`offloaded_mask` of the stage's ``activation_offload``)."""
+        kinds = [self.profile.units[u].kind for u in s_range(stage)]
+        return offloaded_mask(kinds, modes, stage_activation_offload(stage))
 
     def boundary(self, last_unit: UnitCost, strategy: Strategy, stage_idx: int) -> Boundary:
         """The boundary after stage ``stage_idx`` (see `boundary_costs`)."""
@@ -396,13 +442,21 @@ class CostModel:
                 if (mode, compiled) not in by_mode:
                     own = dataclasses.replace(strategy, compile=compiled)
                     by_mode[(mode, compiled)] = self.unit_costs(own, mode)
-        stage_units: list[tuple[UnitCost, ...]] = [
-            tuple(
-                by_mode[(mode, stage_compiled(s, strategy))][u]
-                for u, mode in zip(s_range(s), modes, strict=True)
-            )
-            for s, modes in zip(stages, stage_modes, strict=True)
-        ]
+        # a stage's first ``activation_offload`` blocks under 'none' with their saved
+        # activations on the host (`cost_model.parts.offload.offloaded_unit_cost`)
+        offloaded: dict[bool, tuple[UnitCost, ...]] = {}
+        stage_units: list[tuple[UnitCost, ...]] = []
+        for s, modes in zip(stages, stage_modes, strict=True):
+            compiled = stage_compiled(s, strategy)
+            units: list[UnitCost] = []
+            for u, mode, host in zip(
+                s_range(s), modes, self.stage_offloaded(s, modes), strict=True
+            ):
+                if host and compiled not in offloaded:
+                    own = dataclasses.replace(strategy, compile=compiled)
+                    offloaded[compiled] = self.offloaded_costs(own)
+                units.append(offloaded[compiled][u] if host else by_mode[(mode, compiled)][u])
+            stage_units.append(tuple(units))
         boundaries = [
             self.boundary(units[-1], strategy, idx) for idx, units in enumerate(stage_units)
         ]
@@ -591,6 +645,13 @@ def stage_recompute_units(stage: StageLike) -> int | None:
     ``stages[i].recompute_units``; None, or a stage without the field: all)."""
     count = getattr(stage, "recompute_units", None)
     return None if count is None else int(count)
+
+
+def stage_activation_offload(stage: StageLike) -> int:
+    """How many of ``stage``'s blocks keep their saved activations on the host
+    (`autoplan.Plan`'s ``stages[i].activation_offload``; 0, or a stage without the field:
+    none)."""
+    return int(getattr(stage, "activation_offload", 0) or 0)
 
 
 def stage_compiled(stage: StageLike, strategy: Strategy) -> bool:

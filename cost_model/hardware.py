@@ -256,6 +256,9 @@ class Cluster:
     scale_up_devices: int | None = None
     # What one device-hour of this cluster costs, in the what-if's currency (None: not stated).
     price_per_device_hour: float | None = None
+    # Each node's host DRAM, shared by its ``devices_per_node`` devices: what optimizer and
+    # activation offload may fill (`cost_model.offload`); 0: not stated (offload is refused).
+    host_memory_bytes: int = unit_field("bytes", default=0)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -283,6 +286,12 @@ class Cluster:
             raise ValueError(
                 f"price_per_device_hour = {shown(self.price_per_device_hour)} must be a positive "
                 "number (e.g. 2.5), or null: not stated"
+            )
+        if not 0 <= self.host_memory_bytes <= _MAX_MEMORY_BYTES:
+            raise ValueError(
+                f"host_memory_bytes = {shown_count(self.host_memory_bytes)} must be from 0 (not "
+                f"stated) to {_MAX_MEMORY_BYTES:,} bytes (1 EiB) per node; check its unit "
+                "(e.g. '2TB')"
             )
         if self.shared_cores_per_node is not None and self.shared_cores_per_node < 1:
             raise ValueError(
@@ -481,6 +490,7 @@ OVERRIDE_KEYS: dict[str, tuple[str, str, Dimension, type]] = {
     "shared_cores_per_node": ("cluster", "shared_cores_per_node", "number", int),
     "scale_up_devices": ("cluster", "scale_up_devices", "number", int),
     "price_per_device_hour": ("cluster", "price_per_device_hour", "number", float),
+    "host_memory": ("cluster", "host_memory_bytes", "bytes", int),
     "memory": ("device", "memory_bytes", "bytes", int),
     "memory_bytes": ("device", "memory_bytes", "bytes", int),
     "memory_bandwidth": ("device", "memory_bandwidth_bytes_per_s", "bandwidth", float),
@@ -536,6 +546,8 @@ def _cluster_marks(before: Cluster, after: Cluster) -> dict[str, str]:
             marks[f"{label} latency"] = scaled(new.latency_s, _TIME_UNITS)
     if after.scale_up_devices != before.scale_up_devices:
         marks["scale-up devices"] = str(after.scale_up_devices or after.devices_per_node)
+    if after.host_memory_bytes != before.host_memory_bytes:
+        marks["host memory"] = format_bytes(after.host_memory_bytes)
     return marks
 
 

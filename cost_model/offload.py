@@ -1,7 +1,8 @@
-"""Optimizer offload (`Plan.optimizer_offload`): the share of a device's optimizer step, with its
-master weights and moments, that lives and runs on the host CPU.
+"""Offload to the host: the share of a device's optimizer step (`Plan.optimizer_offload`) and
+the blocks of a stage whose saved activations (`StagePlan.activation_offload`) live in host
+memory, and the host figures both are priced and checked with.
 
-What the field means in each stack that has it:
+What ``optimizer_offload`` means in each stack that has it:
 - Megatron-Core's ``HybridDeviceOptimizer`` (megatron/core/optimizer/cpu_offloading/
   hybrid_optimizer.py; ``--optimizer-cpu-offload --optimizer-offload-fraction f``): the first
   ``f`` of the distributed optimizer's parameters by element count get a CPU Adam (fp32 master
@@ -11,21 +12,34 @@ What the field means in each stack that has it:
   Training", USENIX ATC'21; ``zero_optimization.offload_optimizer``): the whole partition's
   optimizer on the host (``ratio`` < 1 only at ZeRO-3: ZeRO-Offload++'s Twin-Flow).
 
-This module states the field's rules (no torch, no strategy) for the plan, the strategy and
-the stacks; `cost_model.parts.offload` prices it.
+What ``activation_offload`` N means: of the stage's blocks that its recompute mode does not
+cover, the first N keep the tensors autograd saves for their backward in host memory: copied
+out as the forward saves them, back before their backward. Megatron-Core's
+``--cpu-offloading-num-layers N`` (Transformer Engine's ``get_cpu_offload_context``: the first N
+layers, copies on side streams) and torch's ``torch.autograd.graph.save_on_cpu`` (autoplan's
+runtime on CUDA: copies on the compute stream).
+
+This module states the fields' rules (no torch, no strategy) for the plan, the strategy and
+the stacks; `cost_model.parts.offload` prices them.
 """
 
 from __future__ import annotations
 
+from cost_model.degrees import MAX_COUNT, is_whole
 from cost_model.schema import shown
 
-# The host's DRAM bandwidth and capacity per device, used for every GPU cluster (the cluster
-# format has no host-memory fields yet): a DGX A100's host, 2 AMD EPYC 7742 with 8 channels of
-# DDR4-3200 each (2 x 8 x 25.6 GB/s = 409.6 GB/s) and 1 TB of DRAM (NVIDIA DGX A100 user guide,
-# system specifications), shared by its 8 GPUs. The DGX H100 (2 TB, DDR5-4800) has more of
-# both, so offload priced with these is priced conservatively there.
+# The host's DRAM bandwidth per device, used for every GPU cluster (the cluster format states
+# the host's memory, `Cluster.host_memory_bytes`, not its bandwidth): a DGX A100's host, 2 AMD
+# EPYC 7742 with 8 channels of DDR4-3200 each (2 x 8 x 25.6 GB/s = 409.6 GB/s; NVIDIA DGX A100
+# user guide, system specifications), shared by its 8 GPUs. Newer hosts (DDR5-4800 in the DGX
+# H100) have more, so the host's Adam priced with it is priced conservatively there.
 HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S = 409.6e9 / 8
-HOST_MEMORY_PER_DEVICE_BYTES = 1e12 / 8
+
+
+def host_memory_per_device_bytes(host_memory_bytes: float, devices_per_node: int) -> float:
+    """A device's share of its node's host DRAM (`Cluster.host_memory_bytes`, shared by the
+    node's ``devices_per_node`` devices, one training process each)."""
+    return host_memory_bytes / devices_per_node
 
 
 def optimizer_offload_problem(optimizer_offload: object) -> str | None:
@@ -46,24 +60,46 @@ def optimizer_offload_problem(optimizer_offload: object) -> str | None:
 
 
 def host_link_problem(
-    optimizer_offload: float, device_name: str, device_kind: str, host_link_bytes_per_s: float
+    optimizer_offload: float,
+    device_name: str,
+    device_kind: str,
+    host_link_bytes_per_s: float,
+    *,
+    value: str | None = None,
+    moves: str = "gradients and weights",
+    fix: str = "optimizer_offload: 0",
 ) -> str | None:
-    """Why ``optimizer_offload`` cannot be priced or run on this device, or None: offload moves
-    gradients and weights over the device's host link every step, so a device without a host
-    link figure (0: not stated; a CPU worker, which is its own host) has nothing to price it
-    with and nothing to offload to."""
+    """Why offload (``optimizer_offload`` above 0, or another offload named by ``value`` and
+    ``fix``, which moves ``moves``) cannot be priced or run on this device, or None: offload
+    moves data over the device's host link every step, so a device without a host link figure
+    (0: not stated; a CPU worker, which is its own host) has nothing to price it with and
+    nothing to offload to."""
     if optimizer_offload <= 0.0 or host_link_bytes_per_s > 0.0:
         return None
+    stated = value or f"optimizer_offload = {shown(optimizer_offload)}"
     if device_kind == "cpu":
         return (
-            f"optimizer_offload = {shown(optimizer_offload)} on device {shown(device_name)} "
-            "(cpu): offload moves the optimizer step to the host over the device's host link, "
-            "and a CPU worker is its own host (no host link: nothing to move); set "
-            "optimizer_offload: 0 (leave it out)"
+            f"{stated} on device {shown(device_name)} (cpu): offload moves {moves} to the host "
+            "over the device's host link, and a CPU worker is its own host (no host link: "
+            f"nothing to move; offload runs on CUDA devices); set {fix} (leave it out)"
         )
     return (
-        f"optimizer_offload = {shown(optimizer_offload)} on device {shown(device_name)}, which "
-        "states no host link: offload moves gradients and weights over it every step; set "
-        "device.host_link_bandwidth_bytes_per_s (cluster override host_link_bandwidth=64GB/s "
-        "for PCIe Gen5 x16), or optimizer_offload: 0"
+        f"{stated} on device {shown(device_name)}, which states no host link: offload moves "
+        f"{moves} over it every step; set device.host_link_bandwidth_bytes_per_s (cluster "
+        f"override host_link_bandwidth=64GB/s for PCIe Gen5 x16), or {fix}"
     )
+
+
+def activation_offload_problem(count: object) -> str | None:
+    """Why ``activation_offload`` = ``count`` cannot be a stage's, without the model (None: it
+    can): a whole number of blocks, 0 (not written) for none."""
+    if count == 0:
+        return None
+    if not is_whole(count, None) or count < 0:
+        return (
+            f"activation_offload = {shown(count)} must be a whole number >= 0 (how many of the "
+            "stage's blocks keep their saved activations on the host); leave it out for none"
+        )
+    if count > MAX_COUNT:
+        return f"activation_offload = {count:,} is over {MAX_COUNT:,}; give the stage's block count"
+    return None

@@ -190,6 +190,11 @@ class Strategy:
     # The share of the optimizer step (master weights, moments, the Adam step) on the host
     # (`Plan.optimizer_offload`, `cost_model.parts.offload`); 0: none
     optimizer_offload: float = 0.0
+    # The search's activation-offload twin (`autoplan.planner.enumeration`): every block under
+    # recompute 'none' but the model's last keeps its saved activations on the host
+    # (`CostModel.unit_costs`). Plans state it per stage (`StagePlan.activation_offload`), which
+    # the estimate prices unit by unit: `Strategy.of` leaves it False.
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.dp_shard_degree == self.dp_degree:

@@ -59,6 +59,11 @@ class UnitCost:
     host_s: float = 0.0
     # of local_params, those in linears an fp8 recipe converts (`cost_model.parts.fp8`)
     fp8_params: float = 0.0
+    # activation offload (`cost_model.parts.offload.offloaded_unit_cost`): of forward_s +
+    # backward_s, the host-link copies not hidden behind compute; and the saved activations
+    # of one micro-batch held on the host instead of the device
+    host_link_s: float = 0.0
+    host_activation_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -1,6 +1,8 @@
-"""Optimizer offload (issue 43 item 7, `Plan.optimizer_offload`): the plan field, its price
-against numbers worked by hand (`cost_model.parts.offload`), the host-link rule at plan time and
-at `parallelize`, the stacks that have it and those that refuse it, and the exports."""
+"""Offload (issue 43 item 7): optimizer offload (`Plan.optimizer_offload`) and activation
+offload (`StagePlan.activation_offload`): the plan fields, their price against numbers worked by
+hand (`cost_model.parts.offload`), the host's memory per node (`Cluster.host_memory_bytes`), the
+host-link rule at plan time and at `parallelize`, the search taking them only where memory
+binds, the stacks that have them and those that refuse them, and the exports."""
 
 from __future__ import annotations
 
@@ -17,15 +19,12 @@ from autoplan.contract.plan import Plan
 from autoplan.export import ExportError, export_plan, model_dims
 from autoplan.export.deepspeed import deepspeed_config
 from autoplan.export.megatron import megatron_args
-from cost_model.errors import InputError
-from cost_model.estimate import estimate
+from cost_model.errors import ClusterError, InputError
+from cost_model.estimate import CostModel, estimate
 from cost_model.frameworks import FrameworkError
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.memory import local_num_params
-from cost_model.offload import (
-    HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S,
-    HOST_MEMORY_PER_DEVICE_BYTES,
-)
+from cost_model.offload import HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S
 from cost_model.parts.offload import host_memory_problem, offload_cost
 from cost_model.parts.optimizer import optimizer_cost
 from cost_model.strategy import Strategy
@@ -35,11 +34,12 @@ from tests.dist_utils import run_distributed
 from tests.numerics import make_plan, refused_plan_worker
 
 HOST_LINK = 10e9  # bytes/s each way, a round number for the hand-worked cases
+HOST_MEMORY = 2e12  # bytes a node, a DGX H100's
 
 
 def _linked(cluster: Cluster, link: float = HOST_LINK) -> Cluster:
     device = dataclasses.replace(cluster.device, host_link_bandwidth_bytes_per_s=link)
-    return dataclasses.replace(cluster, device=device)
+    return dataclasses.replace(cluster, device=device, host_memory_bytes=int(HOST_MEMORY))
 
 
 # ------------------------------------------------------------------------------- the price
@@ -112,11 +112,37 @@ def test_estimate_trades_step_time_for_device_memory() -> None:
     assert results[2].stages[0].optimizer_bytes == 0
 
 
-def test_host_memory_is_checked() -> None:
-    assert host_memory_problem(HOST_MEMORY_PER_DEVICE_BYTES) is None
-    problem = host_memory_problem(2 * HOST_MEMORY_PER_DEVICE_BYTES)
-    assert problem is not None and "over its share of host memory" in problem
-    assert "\n" not in problem
+def test_host_memory_is_a_node_s_shared_by_its_devices() -> None:
+    """`Cluster.host_memory_bytes`: the presets' datasheet figures, an override, a bad value
+    in one line; offload is checked against a device's share (the node's over its devices)
+    and refused where the cluster states none."""
+    assert Cluster.preset("dgx-a100-80g").host_memory_bytes == 2e12
+    assert Cluster.preset("dgx-a100-40g").host_memory_bytes == 1e12
+    gb200 = Cluster.preset("gb200-nvl72")
+    assert (gb200.host_memory_bytes, gb200.devices_per_node) == (960e9, 4)
+    assert Cluster.preset("mi300x-192g").host_memory_bytes == 0  # not stated
+    small = Cluster.preset("dgx-h100-80g", host_memory="1TB")
+    assert small.host_memory_bytes == 1e12 and "host memory" in small.description
+    with pytest.raises(ClusterError) as info:
+        Cluster.preset("dgx-h100-80g", host_memory="-1TB")
+    assert "host_memory_bytes" in str(info.value) and "\n" not in str(info.value)
+    share = 1e12 / 8
+    assert host_memory_problem(share, small) is None
+    over = host_memory_problem(2 * share, small)
+    assert over is not None and "over its share of host memory" in over and "\n" not in over
+    unstated = host_memory_problem(1.0, Cluster.preset("mi300x-192g"))
+    assert unstated is not None and "states no host memory" in unstated
+    assert "host_memory=2TB" in unstated
+
+
+def test_a_plan_over_its_host_memory_is_refused_at_plan_time() -> None:
+    """A 4-layer GPT's optimizer offloaded whole at ZeRO-1 over dp 8 (16 bytes a parameter
+    of the rank's shard on the host): within a 2 TB node's share, over a 100 kB one's."""
+    profile = gpt_profile()
+    plan = _plan(optimizer_offload=1.0)
+    plan.validate(profile, "dgx-h100-80g")
+    with pytest.raises(PlanError, match="over its share of host memory"):
+        plan.validate(profile, "dgx-h100-80g:host_memory=100KB")
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -373,3 +399,191 @@ def test_parallelize_refuses_it_on_cpu_on_every_rank(tmp_path: Path) -> None:
         assert message.startswith("optimizer_offload = 0.5 on device"), message
         assert "a CPU worker is its own host" in message and "\n" not in message
         assert result["meta"]
+
+
+# ------------------------------------------------------------------- activation offload
+
+
+def _offloaded(plan: Plan, *counts: int) -> Plan:
+    """``plan`` with its stages' ``activation_offload`` set to ``counts``, in order."""
+    stages = tuple(
+        dataclasses.replace(stage, activation_offload=count)
+        for stage, count in zip(plan.stages, counts, strict=True)
+    )
+    return dataclasses.replace(plan, stages=stages)
+
+
+@pytest.mark.parametrize(("framework", "overlapped"), [("autoplan", False), ("megatron-lm", True)])
+def test_an_offloaded_block_by_hand(framework: str, overlapped: bool) -> None:
+    """A block's saved activations A go out and come back over a 1 GB/s link, A / 1e9 s each
+    way: autoplan's save_on_cpu on the compute stream shows all of it and holds the block's A
+    again while its backward runs; Megatron-Core's (Transformer Engine's) copy streams hide it
+    behind the next block's forward and backward (this block's, alike) and hold two blocks' A
+    while they move. The embedding and head are never offloaded."""
+    profile = gpt_profile()
+    model = CostModel(profile, _linked(round_cluster(), link=1e9), framework)
+    strategy = Strategy(dtype="bf16", dp_degree=8)
+    plain, offloaded = model.unit_costs(strategy, "none"), model.offloaded_costs(strategy)
+    block, moved = plain[1], offloaded[1]
+    copy_s = block.activation_bytes / 1e9
+    out_s = max(0.0, copy_s - block.forward_s) if overlapped else copy_s
+    back_s = max(0.0, copy_s - block.backward_s) if overlapped else copy_s
+    assert copy_s > block.forward_s  # (the link is slow enough to show)
+    assert moved.forward_s == pytest.approx(block.forward_s + out_s)
+    assert moved.backward_s == pytest.approx(block.backward_s + back_s)
+    assert moved.host_link_s == pytest.approx(out_s + back_s)
+    assert moved.activation_bytes == 0 and moved.host_activation_bytes == block.activation_bytes
+    in_flight = 2 if overlapped else 1
+    assert moved.working_bytes == pytest.approx(block.working_bytes + in_flight * copy_s * 1e9)
+    assert offloaded[0] == plain[0] and offloaded[-1] == plain[-1]
+    # a link fast enough hides the copies behind the compute where the stack overlaps them
+    fast = CostModel(profile, _linked(round_cluster(), link=1e15), framework)
+    hidden = fast.offloaded_costs(strategy)[1]
+    assert (hidden.host_link_s == 0) == overlapped
+
+
+@pytest.mark.parametrize(
+    ("framework", "count", "in_flight"), [("autoplan", 4, 1), ("megatron-lm", 3, 2)]
+)
+def test_the_estimate_trades_step_time_for_the_offloaded_blocks_memory(
+    framework: str, count: int, in_flight: int
+) -> None:
+    """One stage of 4 blocks, 2 micro-batches (1F1B holds 1 at the peak): the peak falls by
+    the offloaded blocks' A less the blocks the stack holds while they move, with the
+    allocator's overhead on top; autoplan's step grows by both copies of each block per
+    micro-batch."""
+    profile = gpt_profile()
+    cluster = _linked(round_cluster(), link=1e9)
+    plan = autoplan.manual_plan(
+        profile, cluster, dp=8, global_batch=16, micro_batch=1, dtype="bf16", framework=framework
+    )
+    offloaded = _offloaded(plan, count)
+    before, after = estimate(profile, cluster, plan), estimate(profile, cluster, offloaded)
+    block = CostModel(profile, cluster, framework).unit_costs(Strategy.of(plan), "none")[1]
+    overhead = 1 + cluster.calibration.allocator_overhead_fraction
+    freed = (count - in_flight) * block.activation_bytes * overhead
+    assert before.peak_memory_bytes - after.peak_memory_bytes == pytest.approx(freed)
+    assert after.step_time_s > before.step_time_s
+    if framework == "autoplan":
+        # (the pipeline's time; the step's tail hides more of the gradient sync behind the
+        # longer last backward)
+        copies = plan.num_micro_batches * count * 2 * block.activation_bytes / 1e9
+        assert after.pipeline_time_s - before.pipeline_time_s == pytest.approx(copies)
+
+
+def test_activation_offload_plan_field() -> None:
+    """Written only when above 0 and read back equal; bad values refused in one line at load,
+    a count over the stage's blocks that its recompute does not cover against the model."""
+    plan = _offloaded(_plan(), 2)
+    data = plan.to_data()
+    assert data["stages"][0]["activation_offload"] == 2
+    assert "activation_offload" not in _plan().to_data()["stages"][0]
+    assert Plan.from_data(data) == plan
+    for value, words in ((-1, "must be a whole number >= 0"), (True, "must be a whole number"),
+                         (1.5, "must be a whole number")):  # fmt: skip
+        with pytest.raises(PlanError) as info:
+            _offloaded(_plan(), value)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert f"activation_offload = {value}" in message and words in message, message
+        assert "\n" not in message
+    profile = gpt_profile()
+    with pytest.raises(PlanError) as info:
+        _offloaded(_plan(framework="autoplan", zero=0), 5).validate(profile, "dgx-h100-80g")
+    assert "stages[0].activation_offload = 5, but the stage holds 4 block(s)" in str(info.value)
+    recomputed = autoplan.manual_plan(profile, "dgx-h100-80g", dp=8, global_batch=8,
+                                      recompute="full")  # fmt: skip
+    partial = dataclasses.replace(
+        recomputed, stages=(dataclasses.replace(recomputed.stages[0], recompute_units=3),)
+    )
+    _offloaded(partial, 1).validate(profile, "dgx-h100-80g")  # the one block not recomputed
+    with pytest.raises(PlanError, match="holds 1 block"):
+        _offloaded(partial, 2).validate(profile, "dgx-h100-80g")
+
+
+def test_activation_offload_needs_a_host_link_and_host_memory() -> None:
+    """The issue's bad input, at plan time (so at `parallelize`, which validates first): one
+    line naming the value, the rule and the fix; a CPU worker refuses it as its own host."""
+    plan = _offloaded(_plan(framework="autoplan", zero=0), 2)
+    with pytest.raises(PlanError) as info:
+        plan.validate(gpt_profile(), "dgx-h100-80g:host_link_bandwidth=0")
+    message = str(info.value)
+    assert message.startswith("activation_offload [2] on device"), message
+    assert "states no host link" in message and "stages[*].activation_offload: 0" in message
+    assert "\n" not in message
+    cpu = as_cluster("local")
+    local = dataclasses.replace(plan, dp_degree=cpu.num_devices, global_batch_size=cpu.num_devices,
+                                num_micro_batches=1)  # fmt: skip
+    with pytest.raises(PlanError, match=r"a CPU worker is its own host.*runs on CUDA devices"):
+        local.validate(None, cpu)
+    with pytest.raises(PlanError, match="states no host memory"):
+        plan.validate(gpt_profile(), "dgx-h100-80g:host_memory=0")
+
+
+@pytest.mark.parametrize(
+    ("changes", "counts", "words"),
+    [
+        (dict(pp=2, dp=4), (1, 1), "offloads activations without pipeline parallelism only"),
+        (dict(recompute="full"), (2,), "does not work with activation recompute"),
+        (dict(), (4,), "offloads fewer layers than the model has"),
+        (dict(framework="torchtitan", zero=3), (2,), "has no option that keeps a block's"),
+        (dict(framework="deepspeed"), (2,), "cpu_checkpointing, moves the inputs"),
+    ],
+)
+def test_stacks_refuse_the_activation_offload_they_do_not_run(
+    changes: dict[str, Any], counts: tuple[int, ...], words: str
+) -> None:
+    plan = _plan(**changes)
+    if plan.stages[0].recompute != "none":  # its last 2 blocks not recomputed
+        stage = dataclasses.replace(plan.stages[0], recompute_units=2)
+        plan = dataclasses.replace(plan, stages=(stage,))
+    plan = _offloaded(plan, *counts)
+    with pytest.raises((PlanError, FrameworkError)) as info:
+        plan.validate(gpt_profile(), "dgx-h100-80g")
+    message = str(info.value)
+    assert words in message and "\n" not in message, message
+
+
+def test_megatron_export_and_megatron_core_take_activation_offload(llama8b: Any) -> None:
+    """--cpu-offloading-num-layers N, which megatron-core's TransformerConfig takes below the
+    model's layers."""
+    plan = _offloaded(_export_plan(llama8b, zero=1, framework="megatron-lm", dp=16), 31)
+    args = megatron_args(plan, model_dims("llama3-8b"))
+    assert args[args.index("--cpu-offloading-num-layers") + 1] == "31"
+    assert "--cpu-offloading-num-layers" not in megatron_args(
+        _export_plan(llama8b, zero=1, framework="megatron-lm", dp=16), model_dims("llama3-8b")
+    )
+    config = pytest.importorskip("megatron.core.transformer.transformer_config")
+    dims = dict(num_layers=32, hidden_size=64, num_attention_heads=4, cpu_offloading=True)
+    assert config.TransformerConfig(**dims, cpu_offloading_num_layers=31).cpu_offloading
+    with pytest.raises(ValueError, match="only for layers less than 32"):
+        config.TransformerConfig(**dims, cpu_offloading_num_layers=32)
+    with pytest.raises(ExportError, match="has no option that keeps a block's saved activations"):
+        export_plan(dataclasses.replace(plan, framework="torchtitan", zero_stage=3), "torchtitan")
+
+
+def _deep_search(memory_mib: int, link: float = HOST_LINK, **constraints: Any) -> Plan:
+    """A 96-block GPT with short wide-enough sequences, on 8 devices of ``memory_mib`` MiB
+    for autoplan's runtime (dp 8, no headroom): deep enough that its blocks' activations on
+    the host (all but the last one's, which stays) hold less than recomputing every block
+    (96 inputs and a block's working set)."""
+    cluster = _linked(round_cluster(memory_bytes=memory_mib * 2**20), link)
+    profile = gpt_profile(num_layers=96, s=256, h=256, a=4, vocab=256)
+    plan: Plan = autoplan.search(
+        profile, cluster, global_batch=8, framework="autoplan", tp=1, pp=1, dp=8,
+        dtype="bf16", memory_headroom=0.0, **constraints,
+    )  # fmt: skip
+    return plan
+
+
+def test_the_search_offloads_activations_only_where_memory_binds() -> None:
+    """At 189 MiB no plan fits with its activations on the device, even recomputing every
+    block, and one fits with 95 of its 96 blocks' on the host (the twin never offloads the
+    model's last block); at 200 MiB full recompute fits and nothing is offloaded."""
+    tight = _deep_search(189)
+    assert [(s.recompute, s.activation_offload) for s in tight.stages] == [("none", 95)]
+    with pytest.raises(autoplan.NoFeasiblePlanError):
+        _deep_search(189, activation_offload=False)
+    with pytest.raises(autoplan.NoFeasiblePlanError):
+        _deep_search(189, link=0.0)
+    loose = _deep_search(200)
+    assert [(s.recompute, s.activation_offload) for s in loose.stages] == [("full", 0)]

@@ -465,6 +465,7 @@ _OTHER_VALUES: dict[str, tuple[object, ...]] = {
     "dp_shard_degree": (None, 2, 4),
     "compile": (False, True),
     "optimizer_offload": (0.0, 0.5, 1.0),
+    "activation_offload": (False, True),
 }
 
 

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 from autoplan._format import fmt_headroom, fmt_memory, fmt_time_range
 from autoplan.contract.errors import PlanError, SchemaError
+from cost_model.activation_offload import offloaded_mask, stage_activation_offload_problem
 from cost_model.degrees import (
     AXES,
     LEGACY_AXES,
@@ -76,11 +77,17 @@ from cost_model.frameworks import DEFAULT_FRAMEWORK, FrameworkError, framework_p
 from cost_model.frameworks.limits import expert_layout_refusal
 from cost_model.hardware import Cluster, as_cluster
 from cost_model.headroom import MemoryHeadroomError, check_memory_headroom
+from cost_model.memory import activation_bytes
 from cost_model.messages import shown_count
-from cost_model.offload import host_link_problem, optimizer_offload_problem
+from cost_model.offload import (
+    activation_offload_problem,
+    host_link_problem,
+    optimizer_offload_problem,
+)
 from cost_model.partial_recompute import (
     recompute_units_problem,
     stage_recompute_units_problem,
+    unit_modes,
 )
 from cost_model.parts.fp8 import fp8_shape_problem
 from cost_model.parts.offload import HOST_BYTES_PER_PARAM, host_memory_problem
@@ -145,6 +152,11 @@ class StagePlan:
     # ``--recompute-method block --recompute-num-layers N`` per pipeline / virtual stage); the
     # others keep their activations. None (not written): all of them.
     recompute_units: int | None = None
+    # activation offload: how many of the stage's blocks its recompute does not cover keep
+    # their saved activations on the host, the first ones in order (Megatron-LM's
+    # ``--cpu-offloading-num-layers N``, torch's ``save_on_cpu``; `cost_model.offload`);
+    # 0 (not written): none.
+    activation_offload: int = 0
 
     def __post_init__(self) -> None:
         for name in ("first_unit", "last_unit"):
@@ -160,6 +172,8 @@ class StagePlan:
                 f"recompute = {shown(self.recompute)} must be one of {', '.join(RECOMPUTE_MODES)}"
             )
         if (why := recompute_units_problem(self.recompute, self.recompute_units)) is not None:
+            raise PlanError(why)
+        if (why := activation_offload_problem(self.activation_offload)) is not None:
             raise PlanError(why)
         if self.compile is not None and not isinstance(self.compile, bool):
             raise PlanError(
@@ -671,28 +685,61 @@ class Plan:
                 "tp_comm_overlap: false"
             )
         device = cluster.device
+        link = device.host_link_bandwidth_bytes_per_s
+        offload_problem = host_link_problem(self.optimizer_offload, device.name, device.kind, link)
+        if offload_problem is not None:
+            raise PlanError(offload_problem)
+        offloaded = [stage.activation_offload for stage in self.stages]
         offload_problem = host_link_problem(
-            self.optimizer_offload, device.name, device.kind, device.host_link_bandwidth_bytes_per_s
+            float(sum(offloaded)),
+            device.name,
+            device.kind,
+            link,
+            value=f"activation_offload {offloaded}",
+            moves="saved activations",
+            fix="stages[*].activation_offload: 0",
         )
         if offload_problem is not None:
             raise PlanError(offload_problem)
         if graph is not None:
             profile = graph if isinstance(graph, ModelProfile) else graph.profile
             self._validate_model(profile, stack=stack)
-            if (problem := self._host_memory_problem(profile)) is not None:
+            if (problem := self._host_memory_problem(profile, cluster)) is not None:
                 raise PlanError(problem)
 
-    def _host_memory_problem(self, profile: ModelProfile) -> str | None:
-        """The offloaded optimizer state against the device's share of host memory: the
-        model's parameters split over tp x pp (x ep for routed experts, taken as dense here: an
-        upper bound), sharded over the shard group from ZeRO-1 on."""
-        if self.optimizer_offload <= 0.0:
-            return None
-        params = sum(unit.num_params for unit in profile.units) / (self.tp_degree * self.pp_degree)
+    def _host_memory_problem(self, profile: ModelProfile, cluster: Cluster) -> str | None:
+        """What the plan offloads against the device's share of its node's host memory
+        (`Cluster.host_memory_bytes`). The optimizer state: the model's parameters split over
+        tp x pp (x ep for routed experts, taken as dense here: an upper bound), sharded over
+        the shard group from ZeRO-1 on. The saved activations: each stage's offloaded blocks'
+        (as recompute 'none' saves them), for as many micro-batches as its rank can hold (all
+        of them under GPipe, else at most the pipeline's stages: an upper bound), summed over
+        the stages (every stage on one rank: an upper bound)."""
         strategy = Strategy.of(self)
-        if strategy.runtime_zero_stage >= 1:
-            params /= strategy.shard_degree
-        return host_memory_problem(self.optimizer_offload * params * HOST_BYTES_PER_PARAM)
+        host = 0.0
+        if self.optimizer_offload > 0.0:
+            params: float = sum(unit.num_params for unit in profile.units)
+            params /= self.tp_degree * self.pp_degree
+            if strategy.runtime_zero_stage >= 1:
+                params /= strategy.shard_degree
+            host += self.optimizer_offload * params * HOST_BYTES_PER_PARAM
+        m = self.num_micro_batches
+        held = m if self.schedule == "gpipe" else min(m, len(self.stages))
+        traced = profile.traced_dtype_bytes
+        for stage in self.stages:
+            if not stage.activation_offload:
+                continue
+            kinds = [profile.units[u].kind for u in stage.unit_range]
+            modes = unit_modes(stage.recompute, kinds, stage.recompute_units)
+            mask = offloaded_mask(kinds, modes, stage.activation_offload)
+            saved = sum(
+                activation_bytes(profile.units[u], strategy, "none", traced) / self.cp_degree
+                for u, host_side in zip(stage.unit_range, mask, strict=True)
+                if host_side
+            )
+            host += held * saved
+        what = "the plan's offload puts"
+        return host_memory_problem(host, cluster, what=what)
 
     def _validate_model(self, profile: ModelProfile, *, stack: bool) -> None:
         if (problem := fp8_shape_problem(profile, Strategy.of(self))) is not None:
@@ -736,6 +783,14 @@ class Plan:
             )
             is not None
         )
+        for idx, stage in enumerate(self.stages):
+            if not stage.activation_offload:
+                continue
+            kinds = [profile.units[u].kind for u in stage.unit_range]
+            modes = unit_modes(stage.recompute, kinds, stage.recompute_units)
+            why = stage_activation_offload_problem(idx, stage.activation_offload, kinds, modes)
+            if why is not None:
+                raise PlanError(why)
         if stack or self.framework == DEFAULT_FRAMEWORK:
             self._check_stack(profile)
         _raise_first(_sp_problems(self, profile.seq_len))
@@ -802,6 +857,8 @@ class Plan:
                 del stage["compile"]
             if stage["recompute_units"] is None:  # all of the stage's blocks: left out
                 del stage["recompute_units"]
+            if not stage["activation_offload"]:  # none offloaded: left out
+                del stage["activation_offload"]
         return data
 
     @property

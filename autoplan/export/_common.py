@@ -443,6 +443,8 @@ def _field_value(plan: Plan, name: str, limit: str, stack: FrameworkProfile) -> 
     if name == "stages[*].recompute_units":
         counts = [stage.recompute_units for stage in plan.stages]
         return f"[{', '.join('all' if c is None else str(c) for c in counts)}]"
+    if name == "stages[*].activation_offload":
+        return f"[{', '.join(str(stage.activation_offload) for stage in plan.stages)}]"
     if name == "stages[*].compile":
         flags = [plan.stage_compiled(idx) for idx in range(plan.num_stages)]
         return f"[{', '.join(str(flag).lower() for flag in flags)}]"

@@ -83,6 +83,10 @@ Plan field -> flag:
   ``validate_args`` asserts beside the offload (Megatron-Core's HybridDeviceOptimizer steps the
   first f of the distributed optimizer's shard with torch's AdamW on the host; the profile
   allows it at zero_stage 1 only).
+- ``stages[0].activation_offload`` N -> ``--cpu-offloading-num-layers N`` (``arguments.py`` sets
+  ``cpu_offloading`` with it; Transformer Engine's ``get_cpu_offload_context`` moves the first N
+  layers' saved activations to the host on side streams); ``TransformerConfig`` refuses it with
+  pipeline parallelism, with recompute and for N >= num_layers, and so does the profile.
 - ``fp8_all_gather`` -> ``--fp8-param-gather`` (``_add_transformer_engine_args``; Megatron-LM
   copies it into ``TransformerConfig.fp8_param``): the parameters kept in fp8 and all-gathered
   in fp8, which ``validate_args`` allows only with the distributed optimizer or Megatron-FSDP,
@@ -299,6 +303,12 @@ def _precision_args(plan: Plan) -> list[str]:
         args += ["--optimizer-offload-fraction", f"{plan.optimizer_offload:g}"]
         # the copies pipelined with the host's step, as `cost_model.parts.offload` prices them
         args += ["--overlap-cpu-optimizer-d2h-h2d"]
+    offloaded = sum(stage.activation_offload for stage in plan.stages)
+    if offloaded:
+        # the first N layers' saved activations on the host (arguments.py sets cpu_offloading
+        # with it; Transformer Engine's get_cpu_offload_context, transformer_block.py); the
+        # profile keeps it to one stage, no recompute and N below the model's layers
+        args += ["--cpu-offloading-num-layers", str(offloaded)]
     return args
 
 
@@ -543,6 +553,11 @@ def export_megatron(plan: Plan, dims: ModelDims, launch: Launch) -> Export:
             "--optimizer-cpu-offload steps its share with torch.optim.AdamW on the host "
             "(megatron/core/optimizer/__init__.py), priced at the host's DRAM bandwidth (a "
             "lower bound); the host needs pinned memory for the gradients and weights it copies",
+        )
+    if any(stage.activation_offload for stage in plan.stages):
+        notes += (
+            "--cpu-offloading-num-layers needs Transformer Engine (transformer_block.py asserts "
+            "it) and pinned host memory for the offloaded layers' activations",
         )
     if plan.tp_comm_overlap:
         notes += (

@@ -36,7 +36,13 @@ from cost_model.estimate import (
     boundary_send_bytes,
     memory_constants,
 )
-from cost_model.memory import activation_bytes, activation_scale, local_num_params, static_bytes
+from cost_model.memory import (
+    RECOMPUTABLE_KINDS,
+    activation_bytes,
+    activation_scale,
+    local_num_params,
+    static_bytes,
+)
 from cost_model.parts.memory import offloaded_master_bytes
 from cost_model.schedule_memory import even_held, least_held, sends_at_end
 from cost_model.schedules import pipeline_lower_bound_s
@@ -207,8 +213,13 @@ class BoundTables:
         least_act = 0.0
         for rep, count in self.class_counts.items():
             unit = self.model.local_unit(rep, strategy.cp_degree)
+            # the activation-offload twin's blocks under 'none' hold none on the device (its
+            # kept last block counted as offloaded too: a lower bound)
+            offloaded = strategy.activation_offload and unit.kind in RECOMPUTABLE_KINDS
             least_act += count * min(
-                activation_bytes(unit, strategy, mode, traced)
+                0.0
+                if offloaded and mode == "none"
+                else activation_bytes(unit, strategy, mode, traced)
                 + (
                     self.model.expert_cost(strategy, rep, mode, ()).activation_bytes
                     if unit.moe is not None

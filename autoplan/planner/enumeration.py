@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from autoplan.contract.plan import split_backward_conflict
+from autoplan.contract.plan import Recompute, split_backward_conflict
 from autoplan.planner.candidates import BoundTables
 from autoplan.planner.frontier import Pending, SearchStats
 from autoplan.planner.space import ConstraintError, SearchSpace, Shape, ShapeOptions
@@ -27,7 +27,10 @@ from autoplan.planner.space import recompute_modes as space_recompute_modes
 from autoplan.planner.stack_filter import StackChoices, stack_recompute_modes
 from autoplan.planner.work import ENUMERATE_S, SHAPE_S, UNIT_COSTS_S, Work
 from cost_model.frameworks import Refusal
-from cost_model.frameworks.limits import optimizer_offload_refusal
+from cost_model.frameworks.limits import (
+    activation_offload_twin_allowed,
+    optimizer_offload_refusal,
+)
 from cost_model.hardware import Cluster
 from cost_model.strategy import Strategy
 
@@ -137,12 +140,19 @@ class Enumeration:
                 continue
             stats.candidates += 1
             if tables.memory_bound(strategy, modes) > self._capacity:
-                offloaded = self.offloaded(strategy)
-                if offloaded is None or tables.memory_bound(offloaded, modes) > self._capacity:
+                twin = next(
+                    (
+                        twin
+                        for twin in self.offload_twins(strategy, modes)
+                        if tables.memory_bound(twin, modes) <= self._capacity
+                    ),
+                    None,
+                )
+                if twin is None:
                     stats.pruned_memory += 1
                     self.infeasible.append(strategy)
                     continue
-                strategy = offloaded  # fits only with its optimizer on the host
+                strategy = twin  # fits only with its optimizer or activations on the host
             # a stack with one recompute setting for the model: each mode is its own choice
             alone = (
                 [(mode,) for mode in modes] if self._stack.recompute_scope == "global" else [modes]
@@ -161,6 +171,36 @@ class Enumeration:
                 pending.append(Pending(order_floor, time_floor, self._members, strategy, choice))
         self._charge_tables()
         return pending
+
+    def offload_twins(
+        self, strategy: Strategy, modes: tuple[Recompute, ...]
+    ) -> tuple[Strategy, ...]:
+        """``strategy`` with what it may put on the host, in the order tried: its whole
+        optimizer step (`offloaded`), its blocks' saved activations (`activation_twin`), both.
+        Tried only for members that cannot fit (here, and when costed: `Frontier.cost`): each
+        twin's step is never shorter than the member's (its copies and the host's step only
+        add), so the member's floors bound it."""
+        optimizer = self.offloaded(strategy)
+        activations = self.activation_twin(strategy, modes)
+        both = (
+            replace(optimizer, activation_offload=True)
+            if optimizer is not None and activations is not None
+            else None
+        )
+        return tuple(twin for twin in (optimizer, activations, both) if twin is not None)
+
+    def activation_twin(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> Strategy | None:
+        """``strategy`` with every block under recompute 'none' but the model's last keeping
+        its saved activations on the host (`Strategy.activation_offload`), where the space
+        allows it, the device states a host link and the stack offloads activations for this
+        choice (`activation_offload_twin_allowed`); else None. Only where 'none' is the first
+        of ``modes``: the candidate's memory constants come from its first mode's costs
+        (`costed_candidate`), which then hold the offloaded blocks' in-flight buffers."""
+        if not (self._space.activation_offload and self._host_link) or modes[:1] != ("none",):
+            return None
+        if not activation_offload_twin_allowed(self._stack, strategy):
+            return None
+        return replace(strategy, activation_offload=True)
 
     def offloaded(self, strategy: Strategy) -> Strategy | None:
         """``strategy`` with its whole optimizer step on the host, where the space allows it,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.contract.plan import Recompute
@@ -91,14 +91,15 @@ class Frontier:
         stats: SearchStats,
         infeasible: list[Strategy],
         work: Work,
-        offload: Callable[[Strategy], Strategy | None] | None = None,
+        offload: Callable[[Strategy, tuple[Recompute, ...]], Sequence[Strategy]] | None = None,
     ) -> None:
         # popped from the end: largest floor first in the list
         self._pending = sorted(pending, key=lambda e: (e.order_floor_s, e.index), reverse=True)
         self._ready: list[tuple[float, int, Candidate]] = []  # heap on the order key
         self._tables = tables
         self._stats, self._infeasible, self._work = stats, infeasible, work
-        # a choice that cannot fit, with its optimizer on the host (None: none to try)
+        # a choice that cannot fit, with its optimizer or activations on the host (in the
+        # order tried; None: none to try)
         self._offload = offload
 
     @property
@@ -134,13 +135,14 @@ class Frontier:
         t0 = time.perf_counter()
         candidate = costed_candidate(entry.strategy, entry.modes, self._tables)
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes and self._offload:
-            # where memory binds: the same choice with its optimizer step on the host, whose
-            # floors the choice's bound (`Enumeration.offloaded`)
-            offloaded = self._offload(entry.strategy)
-            if offloaded is not None:
+            # where memory binds: the same choice with its optimizer step or its blocks'
+            # activations on the host, whose floors the choice's bound
+            # (`Enumeration.offload_twins`)
+            for offloaded in self._offload(entry.strategy, entry.modes):
                 twin = costed_candidate(offloaded, entry.modes, self._tables)
                 if twin.memory_lower_bound_bytes <= twin.usable_bytes:
                     candidate = twin
+                    break
         self._stats.costs_s += time.perf_counter() - t0
         if candidate.memory_lower_bound_bytes > candidate.usable_bytes:
             self._stats.pruned_memory += 1

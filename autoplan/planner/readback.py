@@ -15,8 +15,12 @@ from typing import Any
 from autoplan.contract.plan import ModelRef, Plan, StagePlan, plan_estimate
 from autoplan.planner.candidates import Candidate
 from autoplan.planner.partition import Partition
+from cost_model.activation_offload import offloadable_blocks
 from cost_model.estimate import CostModel
+from cost_model.memory import RECOMPUTABLE_KINDS
+from cost_model.partial_recompute import unit_modes
 from cost_model.uncertainty import TIE_FRACTION, step_interval, strategy_features
+from cost_model.workload import ModelProfile
 
 
 def ranked(
@@ -57,10 +61,18 @@ def plan_of(
     """The plan of an outer choice with its stage cuts (no estimate attached)."""
     profile = model.profile
     s = candidate.strategy
+    # the activation-offload twin's blocks (`CostModel.unit_costs`) stage by stage
+    twin = s.activation_offload
     ends = (*partition.stage_starts[1:], profile.num_units)
     counts = partition.recompute_units or (None,) * len(partition.modes)
     stages = tuple(
-        StagePlan(first_unit=a, last_unit=b - 1, recompute=mode, recompute_units=count)
+        StagePlan(
+            first_unit=a,
+            last_unit=b - 1,
+            recompute=mode,
+            recompute_units=count,
+            activation_offload=_twin_offload(profile, a, b, mode, count) if twin else 0,
+        )
         for a, b, mode, count in zip(
             partition.stage_starts, ends, partition.modes, counts, strict=True
         )
@@ -97,6 +109,17 @@ def plan_of(
         memory_headroom=model.memory_headroom,
     )
     return plan
+
+
+def _twin_offload(profile: ModelProfile, first: int, end: int, mode: str, count: int | None) -> int:
+    """The ``activation_offload`` of stage ``first..end - 1`` under the activation-offload
+    twin (`Strategy.activation_offload`): its blocks under recompute 'none', less the model's
+    last block (never offloaded by the twin), the last of them when the stage holds it."""
+    kinds = [unit.kind for unit in profile.units]
+    last_block = max((u for u, kind in enumerate(kinds) if kind in RECOMPUTABLE_KINDS), default=-1)
+    stage_kinds = kinds[first:end]
+    free = offloadable_blocks(stage_kinds, unit_modes(mode, stage_kinds, count))
+    return free - (first <= last_block < end and free > 0)
 
 
 def to_plan(

@@ -235,7 +235,9 @@ def search_plans(
         own_cuts=_OwnCuts(profile, framework),
         global_batch=global_batch,
         incumbents=Incumbents(top_k, framework, objective),
-        frontier=_Frontier(pending, tables, stats, infeasible, work, offload=enumeration.offloaded),
+        frontier=_Frontier(
+            pending, tables, stats, infeasible, work, offload=enumeration.offload_twins
+        ),
         enumeration=enumeration,
         infeasible=infeasible,
         stats=stats,

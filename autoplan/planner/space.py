@@ -159,6 +159,10 @@ class SearchSpace:
     # where the stack offloads at its ZeRO stage and the device states a host link: tried only
     # where memory binds, so a search whose plans fit is unchanged.
     optimizer_offload: bool = True
+    # Likewise with its blocks' saved activations on the host (`StagePlan.activation_offload`:
+    # every block under recompute 'none' but the model's last), where the stack offloads
+    # activations and the device states a host link.
+    activation_offload: bool = True
 
     @property
     def policy(self) -> tuple[str, str | None, str]:
@@ -394,9 +398,9 @@ def _normalise(key: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConstraintError(f"hsdp={value!r} must be True or False")
         return value
-    if key == "optimizer_offload":
+    if key in ("optimizer_offload", "activation_offload"):
         if not isinstance(value, bool):
-            raise ConstraintError(f"optimizer_offload={value!r} must be True or False")
+            raise ConstraintError(f"{key}={value!r} must be True or False")
         return value
     if key == "dtype":
         dtypes = tuple(value.split(",")) if isinstance(value, str) else _as_tuple(key, value)

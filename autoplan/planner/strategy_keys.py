@@ -94,6 +94,7 @@ PARAMS_KEY = Projection(
             "dp_shard_degree",
             # offload moves optimizer state, not parameters or activations
             "optimizer_offload",
+            "activation_offload",
         }
     ),
 )
@@ -110,6 +111,8 @@ ACTIVATION_KEY = Projection(
         "etp_degree",
         "dtype",
         "fp8_exclude",
+        # the offloaded blocks hold none on the device
+        "activation_offload",
     ),
     ignores=frozenset(
         {
@@ -163,6 +166,8 @@ STATE_KEY = Projection(
         "dp_shard_degree",
         # offload moves a share of the optimizer state to the host
         "optimizer_offload",
+        # (the least activations read it)
+        "activation_offload",
     ),
     ignores=frozenset(
         {
@@ -201,6 +206,8 @@ FLOOR_KEY = Projection(
         "tp_comm_overlap",
         # the optimizer step's host share (read so a floor never comes from a dearer step)
         "optimizer_offload",
+        # the offloaded blocks' copies (read likewise)
+        "activation_offload",
     ),
     ignores=frozenset(
         {

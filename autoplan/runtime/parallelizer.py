@@ -88,6 +88,7 @@ from passes import (
     torchao_float8,
     uses_ddp,
 )
+from passes.offload import apply_activation_offload
 from passes.progress import RankFailures
 from passes.runtime import ON_NAN_CHOICES, OnNaN, OptimizerFactory
 from passes.split import StageModule
@@ -411,6 +412,9 @@ def _shard_stages(
             apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
         own = plan.stages[stage.stage_idx]
         apply_recompute(stage, own.recompute, plan.decisions.recompute, own.recompute_units)
+        # the first blocks recompute does not cover, their saved activations on the host (CUDA:
+        # the plan's host-link rule refuses it on a CPU worker before any pass runs)
+        apply_activation_offload(stage, own.activation_offload, plan.decisions.recompute, device)
         # after recompute, before data parallelism (torchtitan's order)
         apply_compile(
             stage, plan.stage_compiled(stage.stage_idx), plan.decisions.compiled_unit_kinds

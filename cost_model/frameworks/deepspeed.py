@@ -172,6 +172,10 @@ DEEPSPEED = FrameworkProfile(
     # offload_config.py DeepSpeedZeroOffloadOptimizerConfig)
     optimizer_offload_zero_stages=(1, 2, 3),
     optimizer_offload_partial_zero_stages=(3,),
+    activation_offload_why="deepspeed's one activation offload, activation_checkpointing."
+    "cpu_checkpointing, moves the inputs its recompute checkpoints (with partition_activations; "
+    "deepspeed/runtime/activation_checkpointing/config.py), not the saved activations of a "
+    "block that is not recomputed",
     # bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states (DEEPSPEED_WORDS)
     master_and_states=(("fp32", "fp32", 0), ("bf16", "bf16", 1)),
     sources=(

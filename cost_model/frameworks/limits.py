@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from cost_model.messages import shown
-from cost_model.partial_recompute import block_method_count
+from cost_model.partial_recompute import block_method_count, stage_blocks
 from cost_model.precision import FP8_RECIPE_NAMES, PLAIN_DTYPES, fp8_recipe, precision_policy
 from cost_model.schedules import V_SCHEDULES, ScheduleName, runs_in_gpipe_order
 from cost_model.stage_splits import StageSplitError
@@ -65,6 +65,7 @@ LimitKey = Literal[
     "tp-overlap-compile",
     "partial-recompute",
     "etp",
+    "activation-offload",
 ]
 # The search-space field an axis limit restricts (`autoplan.planner.space.SearchSpace`).
 SearchAxis = Literal[
@@ -549,6 +550,78 @@ def _compile_refusals(stack: FrameworkProfile, plan: PlanLike) -> Iterator[Refus
         )
 
 
+def activation_offload_refusals(
+    stack: FrameworkProfile, plan: PlanLike, num_units: int
+) -> Iterator[Refusal]:
+    """A stage's ``activation_offload`` on a stack without activation offload
+    (`FrameworkProfile.activation_offload`), or breaking Megatron-Core's checks
+    (``activation_offload_rules`` "megatron-core": TransformerConfig.__post_init__ refuses
+    cpu_offloading with pipeline parallelism, with recompute, and for N >= num_layers)."""
+    counts = [int(getattr(stage, "activation_offload", 0) or 0) for stage in plan.stages]
+    total = sum(counts)
+    if total == 0:
+        return
+    value = f"activation_offload [{', '.join(map(str, counts))}]"
+    field = "stages[*].activation_offload"
+    limit: LimitKey = "activation-offload"
+    fix = "leave stages[*].activation_offload out"
+    if stack.activation_offload is None:
+        rule = stack.activation_offload_why or f"{stack.name} does not offload activations"
+        yield Refusal(
+            value=value,
+            rule=rule,
+            fix=f"{fix}, or price the plan for autoplan or megatron-lm",
+            limit=limit,
+            field=field,
+        )
+        return
+    if stack.activation_offload_rules != "megatron-core":
+        return
+    name = stack.name
+    if plan.pp_degree > 1:
+        yield Refusal(
+            value=f"{value} with pp {plan.pp_degree}",
+            rule=f"{name} offloads activations without pipeline parallelism only "
+            "(TransformerConfig: no support for pipeline parallelism with CPU offloading)",
+            fix=f"set pp 1, or {fix}",
+            limit=limit,
+            field=field,
+        )
+    modes = sorted({stage.recompute for stage in plan.stages} - {"none"})
+    if modes:
+        yield Refusal(
+            value=f"{value} with recompute {' and '.join(modes)}",
+            rule=f"{name}'s CPU offloading does not work with activation recompute "
+            "(TransformerConfig)",
+            fix=f"set recompute none on every stage, or {fix}",
+            limit=limit,
+            field=field,
+        )
+    blocks = sum(
+        stage_blocks(stage.first_unit, stage.last_unit, num_units) for stage in plan.stages
+    )
+    if total >= blocks:
+        yield Refusal(
+            value=f"{value} of the model's {blocks} layers",
+            rule=f"{name} offloads fewer layers than the model has (--cpu-offloading-num-"
+            "layers below num_layers, TransformerConfig: the last layer's backward starts at "
+            "once)",
+            fix=f"offload at most {blocks - 1}, or {fix}",
+            limit=limit,
+            field=field,
+        )
+
+
+def activation_offload_twin_allowed(stack: FrameworkProfile, strategy: Strategy) -> bool:
+    """Whether the search may offer ``strategy`` with its blocks' activations on the host
+    (`Strategy.activation_offload`): the stack offloads activations, and under Megatron-Core's
+    rules without pipeline parallelism (its recompute and last-layer rules are the twin's own:
+    it offloads blocks under 'none' only, never the model's last)."""
+    if stack.activation_offload is None:
+        return False
+    return stack.activation_offload_rules != "megatron-core" or strategy.pp_degree == 1
+
+
 def optimizer_offload_refusal(stack: FrameworkProfile, strategy: Strategy) -> Refusal | None:
     """Why ``stack`` cannot run ``strategy``'s optimizer offload
     (`FrameworkProfile.optimizer_offload_zero_stages`), or None: no offload at all (in its own
@@ -573,6 +646,10 @@ def optimizer_offload_refusal(stack: FrameworkProfile, strategy: Strategy) -> Re
         if partial:
             rule += f" (a share below 1 at ZeRO {' or '.join(map(str, partial))} only)"
         fix = f"set optimizer_offload: 1, or {fix}"
+    elif strategy.fp8_all_gather and stack.optimizer_offload_fp8_gather_why:
+        value += " with fp8_all_gather"
+        rule = f"{name} {stack.optimizer_offload_fp8_gather_why}"
+        fix = f"set fp8_all_gather: false, or {fix}"
     else:
         return None
     return Refusal(
@@ -808,6 +885,7 @@ def plan_refusals(
             yield why
     yield from _compile_refusals(stack, plan)
     yield from partial_refusals(stack, plan, model.num_units)
+    yield from activation_offload_refusals(stack, plan, model.num_units)
     overlap = stack.tp_comm_overlap
     # a stage that turns compile off runs its blocks eager, without the overlap pass
     eager_stage = any(getattr(stage, "compile", None) is False for stage in plan.stages)

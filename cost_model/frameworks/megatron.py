@@ -282,6 +282,17 @@ MEGATRON_LM = FrameworkProfile(
     # which asserts the distributed optimizer, OptimizerConfig.__post_init__)
     optimizer_offload_zero_stages=(1,),
     optimizer_offload_partial_zero_stages=(1,),
+    # validate_args (megatron/training/arguments.py L1884-1892 at d98e8a6) asserts
+    # --fp8-param-gather beside --optimizer-cpu-offload only with --fp8-recipe delayed
+    optimizer_offload_fp8_gather_why="offloads the optimizer beside fp8 all-gathered weights "
+    "(--fp8-param-gather) only with --fp8-recipe delayed, which no autoplan fp8 recipe is "
+    "(megatron/training/arguments.py validate_args L1884-1892)",
+    # --cpu-offloading-num-layers N (arguments.py sets cpu_offloading with it): Transformer
+    # Engine's get_cpu_offload_context over the first N layers (transformer_block.py), copies
+    # on their own streams; TransformerConfig refuses it with pipeline parallelism, with
+    # recompute, and for N >= num_layers (transformer_config.py __post_init__)
+    activation_offload="overlapped",
+    activation_offload_rules="megatron-core",
     sources=(
         "NVIDIA/Megatron-LM megatron/core/tensor_parallel/random.py (CheckpointFunction)",
         "NVIDIA/Megatron-LM megatron/core/parallel_state.py (expert rank generator)",

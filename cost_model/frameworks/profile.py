@@ -258,6 +258,18 @@ class FrameworkProfile:
     # its own words where it states them (`Capabilities.explained` "optimizer_offload").
     optimizer_offload_zero_stages: tuple[int, ...] = ()
     optimizer_offload_partial_zero_stages: tuple[int, ...] = ()
+    # Why its offloaded optimizer cannot run beside weights all-gathered in fp8
+    # (`Strategy.fp8_all_gather`), in its words; "": it can.
+    optimizer_offload_fp8_gather_why: str = ""
+    # How the stack offloads a block's saved activations (`StagePlan.activation_offload`,
+    # `cost_model.parts.offload.offloaded_unit_cost`): "overlapped" (copies on their own
+    # streams), "blocking" (on the compute stream); ``None``: it does not, refused
+    # (`limits.activation_offload_refusals`) with ``activation_offload_why`` where stated. Its
+    # limits: ``activation_offload_rules`` "megatron-core", Megatron-Core's TransformerConfig
+    # checks (no pipeline parallelism, no recompute, fewer layers than the model's).
+    activation_offload: Literal["overlapped", "blocking"] | None = None
+    activation_offload_why: str = ""
+    activation_offload_rules: Literal["megatron-core"] | None = None
     # The training dtypes the stack runs (``None``: fp32, bf16 and fp16), and the fp8 recipes
     # (`cost_model.precision`; none unless stated).
     dtypes: tuple[str, ...] | None = None

@@ -123,4 +123,7 @@ TORCHTITAN = FrameworkProfile(
         "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py",
         "pytorch/torchtitan torchtitan/components/loss.py",
     ),
+    activation_offload_why="torchtitan recomputes activations (activation_checkpoint) and "
+    "offloads FSDP2's parameters (training.enable_cpu_offload), but has no option that keeps a "
+    "block's saved activations on the host (torchtitan/config/job_config.py)",
 )

@@ -1,5 +1,7 @@
-"""Optimizer offload priced (`Plan.optimizer_offload`, `cost_model.offload`): the share ``f`` of
-the parameters a device updates whose optimizer step, master weights and moments are on the host.
+"""Offload priced (`cost_model.offload`): optimizer offload (`Plan.optimizer_offload`, the share
+``f`` of the parameters a device updates whose optimizer step, master weights and moments are on
+the host) and activation offload (`StagePlan.activation_offload`, blocks whose saved activations
+are on the host: `offloaded_unit_cost`, after the optimizer's part below).
 
 Per step, for the ``f * n`` offloaded parameters of a device's ``n`` updated ones:
 - their gradients go to the host over the host link (device to host) at the reduction dtype's
@@ -20,23 +22,30 @@ datasheet rates: a lower bound.
 
 Memory: ``f`` of the device's optimizer bytes (master copy and moments) move to the host; the
 host holds ``f * n`` x (fp32 master + two fp32 moments + the fp32 gradient buffer), and a plan
-whose share of the host's DRAM (`cost_model.offload.HOST_MEMORY_PER_DEVICE_BYTES`) does not hold
-it is refused (`host_memory_problem`).
+whose share of its node's host DRAM (`Cluster.host_memory_bytes` over the node's devices) does
+not hold it, with the activations offloaded beside it, is refused (`host_memory_problem`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
 from cost_model.offload import (
     HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S,
-    HOST_MEMORY_PER_DEVICE_BYTES,
     host_link_problem,
+    host_memory_per_device_bytes,
 )
 from cost_model.strategy import Strategy
+from cost_model.unit_cost import UnitCost
 from cost_model.units import format_bytes
+
+# How a stack moves an offloaded block's saved activations (`FrameworkProfile.activation_offload`):
+# "overlapped" on copy streams beside the compute, "blocking" on the compute stream.
+OffloadOverlap = Literal["overlapped", "blocking"]
 
 # Adam's step traffic per parameter with everything in fp32 (`parts.optimizer.adam_traffic_bytes`
 # of an fp32 policy: 2g + 2w + 4s = 8 + 8 + 16).
@@ -93,13 +102,91 @@ def offload_cost(updated_params: float, strategy: Strategy, cluster: Cluster) ->
     )
 
 
-def host_memory_problem(host_bytes: float) -> str | None:
-    """Why the offloaded state does not fit the device's share of host memory, or None."""
-    if host_bytes <= HOST_MEMORY_PER_DEVICE_BYTES:
+def host_memory_problem(
+    host_bytes: float, cluster: Cluster, *, what: str = "optimizer_offload puts"
+) -> str | None:
+    """Why ``host_bytes`` offloaded per device do not fit the device's share of its node's host
+    memory (`Cluster.host_memory_bytes` over ``devices_per_node``), or None; a cluster that
+    states no host memory has none to offload to."""
+    if host_bytes <= 0:
+        return None
+    per_node = cluster.host_memory_bytes
+    if per_node <= 0:
+        return (
+            f"{what} {format_bytes(host_bytes)} on the host per device, but cluster "
+            f"{cluster.name!r} states no host memory; set host_memory_bytes in its file (cluster "
+            "override host_memory=2TB for a DGX H100 node), or offload nothing"
+        )
+    share = host_memory_per_device_bytes(per_node, cluster.devices_per_node)
+    if host_bytes <= share:
         return None
     return (
-        f"optimizer_offload puts {format_bytes(host_bytes)} of optimizer state on the host per "
-        f"device, over its share of host memory ({format_bytes(HOST_MEMORY_PER_DEVICE_BYTES)}: "
-        "1 TB for 8 devices); lower optimizer_offload, or shard the optimizer over more ranks "
-        "(a higher ZeRO stage or dp)"
+        f"{what} {format_bytes(host_bytes)} on the host per device, over its share of host "
+        f"memory ({format_bytes(share)}: {format_bytes(per_node)} a node for "
+        f"{cluster.devices_per_node} devices); offload less (lower optimizer_offload or "
+        "stages[*].activation_offload), or shard over more ranks (a higher ZeRO stage or dp)"
+    )
+
+
+# ------------------------------------------------------------------------ activation offload
+
+
+def activation_host_link_bytes_per_s(cluster: Cluster, num_offloaded: int) -> float:
+    """The device's host link for activation offload; raises InputError naming the value, the
+    rule and the fix where the device has none (`cost_model.offload.host_link_problem`)."""
+    device = cluster.device
+    link = device.host_link_bandwidth_bytes_per_s
+    problem = host_link_problem(
+        float(num_offloaded),
+        device.name,
+        device.kind,
+        link,
+        value=f"activation_offload of {num_offloaded} block(s)",
+        moves="saved activations",
+        fix="stages[*].activation_offload: 0",
+    )
+    if problem is not None:
+        raise InputError(problem)
+    return link
+
+
+def offloaded_unit_cost(
+    cost: UnitCost, link_bytes_per_s: float, overlap: OffloadOverlap
+) -> UnitCost:
+    """``cost`` (a block under recompute 'none') with its saved activations on the host.
+
+    Per micro-batch its ``activation_bytes`` go out after its forward saves them and come back
+    before its backward, each way over the host link at its datasheet rate (a lower bound).
+    - "overlapped" (Megatron-Core's ``--cpu-offloading``: Transformer Engine's
+      ``AsyncDoubleBufferGroupOffloadHandler``, transformer_engine/pytorch/cpu_offload.py): the
+      copy out of block i runs on a device-to-host stream during block i+1's forward, the copy
+      back on a host-to-device stream during block i+1's backward ("completely hidden behind
+      computation if computation time of a layer is longer than host-device communication
+      time", its docstring). Blocks of a Transformer are alike, so block i+1's forward is
+      priced as this block's: only ``max(0, copy - forward_s)`` (and the backward's alike)
+      shows. The device holds two blocks' saved activations while they move (the one copied
+      and the one computed: "at most two activation groups in GPU memory").
+    - "blocking" (torch's ``save_on_cpu``, autoplan's runtime: each saved tensor copied as it
+      is packed and back as the backward unpacks it, on the compute stream): the whole copy
+      shows, each way; the device holds the block's own activations while its backward runs.
+    The bytes held through the step leave the device (``activation_bytes`` 0); those held
+    while they move join the block's backward working set (``working_bytes``, which the rank
+    counts once, for its largest block: `cost_model.rank_memory.rank_memory`).
+    """
+    copy_s = cost.activation_bytes / link_bytes_per_s
+    if overlap == "overlapped":
+        out_s = max(0.0, copy_s - cost.forward_s)
+        back_s = max(0.0, copy_s - cost.backward_s)
+        in_flight = 2.0
+    else:
+        out_s = back_s = copy_s
+        in_flight = 1.0
+    return dataclasses.replace(
+        cost,
+        forward_s=cost.forward_s + out_s,
+        backward_s=cost.backward_s + back_s,
+        activation_bytes=0.0,
+        working_bytes=cost.working_bytes + in_flight * cost.activation_bytes,
+        host_link_s=cost.host_link_s + out_s + back_s,
+        host_activation_bytes=cost.activation_bytes,
     )
