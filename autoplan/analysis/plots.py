@@ -358,7 +358,8 @@ def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.3g}"
+    """Three significant digits, without an exponent: 0.149, 17.3, 1,203."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _schedule_title(timeline: Timeline, scale: float, unit: str) -> str:
@@ -386,6 +387,8 @@ def _peers(timeline: Timeline, rank: int) -> list[int]:
     (a ring under interleaving: rank 0 follows the last one), top to bottom."""
     peers = {s.src_rank for s in timeline.sends if s.dst_rank == rank}
     peers |= {s.dst_rank for s in timeline.sends if s.src_rank == rank}
+    if timeline.pp_degree <= 2:  # the one peer is before and after: keep rank order
+        return sorted({rank, *peers})
     before = [r for r in peers if r == (rank - 1) % timeline.pp_degree]
     after = [r for r in peers if r == (rank + 1) % timeline.pp_degree and r not in before]
     return [*before, rank, *after]
