@@ -28,6 +28,9 @@ from autoplan.export import ExportError, export_plan
 from autoplan.export.deepspeed_rules import DeepSpeedRun, check_deepspeed_config
 from autoplan.export.megatron_rules import check_megatron_args
 from autoplan.export.torchtitan_rules import TitanSettings, check_torchtitan_settings
+from cost_model.frameworks import framework_profile
+from cost_model.frameworks.limits import optimizer_offload_refusal
+from cost_model.strategy import Strategy
 
 LLAMA8B = "llama3-8b"  # 32 blocks (34 pipeline units), 32 heads, 8 kv heads
 
@@ -66,8 +69,10 @@ def _one_line(error: pytest.ExceptionInfo[ExportError], *fragments: str) -> str:
 
 
 # what a node's shell could hold for the line's variables
-_VALUES = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "JOB_ID": "4242",
-           "NODE_RANK": "1", "HOSTFILE": "hostfile", "NNODES": "2", "NPROC_PER_NODE": "8"}  # fmt: skip
+_VALUES = {
+    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "JOB_ID": "4242", "NODE_RANK": "1",
+    "HOSTFILE": "hostfile", "NNODES": "2", "NPROC_PER_NODE": "8",
+}  # fmt: skip
 
 
 def _expanded(command: tuple[str, ...]) -> list[str]:
@@ -245,13 +250,20 @@ def test_the_heads_rule_is_megatron_cores_own() -> None:
 
 
 def test_megatron_refuses_an_offloaded_optimizer_beside_fp8_gather() -> None:
-    """validate_args L1884-1892 on a plan its profile accepts: the offload and fp8 all-gather
-    need --fp8-recipe delayed, which no autoplan recipe is."""
+    """validate_args L1884-1892: the offload beside fp8 all-gather needs --fp8-recipe delayed,
+    which no autoplan recipe is; the megatron-lm profile states it, so the search, validate and
+    export refuse it alike (the mirrored rule is the export's second check)."""
     plan = _plan(pp_degree=1, dp_degree=8, dtype="fp8", fp8_all_gather=True,
                  optimizer_offload=0.5)  # fmt: skip
     with pytest.raises(ExportError) as error:
         export_plan(plan, "megatron-lm", model=LLAMA8B)
-    _one_line(error, "--fp8-recipe tensorwise", "L1884-1892", "optimizer_offload 0")
+    _one_line(error, "optimizer_offload = 0.5", "fp8 all-gathered weights", "L1884-1892",
+              "set fp8_all_gather: false")  # fmt: skip
+    refusal = optimizer_offload_refusal(framework_profile("megatron-lm"), Strategy.of(plan))
+    assert refusal is not None and refusal.limit == "optimizer-offload"
+    without = dataclasses.replace(plan, fp8_all_gather=False)
+    assert "--optimizer-cpu-offload" in export_plan(without, "megatron-lm", model=LLAMA8B).files[
+        "megatron_args.txt"]  # fmt: skip
 
 
 def test_megatron_refuses_megatron_fsdp_with_pipeline_parallelism() -> None:

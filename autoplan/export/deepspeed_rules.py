@@ -64,7 +64,7 @@ def check_deepspeed_config(run: DeepSpeedRun) -> None:
 
 def _problem(key: str, value: object, rule: str, where: str, fix: str) -> ExportProblem:
     return ExportProblem(
-        field=f"deepspeed {key}",
+        field=key,
         value=str(value),
         option=f"DeepSpeed {rule} ({_DS}/{where})",
         fix=fix,

@@ -111,7 +111,7 @@ def check_megatron_args(
 
 def _problem(flag: str, value: object, rule: str, where: str, fix: str) -> ExportProblem:
     return ExportProblem(
-        field=f"megatron-lm {flag}",
+        field=flag,
         value=str(value),
         option=f"Megatron-LM {rule} ({where})",
         fix=fix,
@@ -315,7 +315,8 @@ def _max_connections(a: MegatronArgs) -> ExportProblem | None:
         return _problem(
             "env CUDA_DEVICE_MAX_CONNECTIONS",
             connections or "unset",
-            f"asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp {a.tp} / cp {a.cp} (before Blackwell)",
+            f"asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp {a.tp} / cp {a.cp} on GPUs before "
+            "Blackwell",
             f"{_ARGS} L1453-1481",
             "launch with env CUDA_DEVICE_MAX_CONNECTIONS=1",
         )
@@ -375,16 +376,21 @@ def _cpu_offload(a: MegatronArgs) -> ExportProblem | None:
         not a.has("--fp8-param-gather") or recipe == "delayed"
     ):
         return None
+    if not a.has("--use-precision-aware-optimizer"):
+        value, fix = "without --use-precision-aware-optimizer", "add it"
+    else:
+        value = f"with --fp8-param-gather and --fp8-recipe {recipe}"
+        fix = (
+            "set fp8_all_gather false or optimizer_offload 0 (autoplan's fp8 recipes are "
+            "tensorwise and mxfp8, not delayed)"
+        )
     return _problem(
         "--optimizer-cpu-offload",
-        f"with --fp8-param-gather and --fp8-recipe {recipe}"
-        if a.has("--use-precision-aware-optimizer")
-        else "without --use-precision-aware-optimizer",
+        value,
         "offloads the optimizer only with --use-precision-aware-optimizer, and beside "
         "--fp8-param-gather only with --fp8-recipe delayed",
         f"{_ARGS} L1884-1892",
-        "set fp8_all_gather false or optimizer_offload 0 (autoplan's fp8 recipes are tensorwise "
-        "and mxfp8, not delayed)",
+        fix,
     )
 
 

@@ -67,7 +67,7 @@ def check_torchtitan_settings(s: TitanSettings) -> None:
 
 def _problem(setting: str, value: object, rule: str, where: str, fix: str) -> ExportProblem:
     return ExportProblem(
-        field=f"torchtitan {setting}",
+        field=setting,
         value=str(value),
         option=f"torchtitan {rule} ({_TT}/{where})",
         fix=fix,
