@@ -7,7 +7,9 @@ in bench/limits.py, not here."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
+import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -19,6 +21,7 @@ import autoplan.analysis.whatif as whatif_module
 import autoplan.cli.progress as progress_module
 import cost_model.schedule_memory as schedule_memory
 import cost_model.schedules as schedules
+from autoplan._format import WIDTH
 from autoplan.analysis.whatif import MAX_SEARCHES, WhatIfInputError, whatif
 from autoplan.cli import cli
 from autoplan.planner import partition
@@ -310,18 +313,63 @@ def test_the_search_reports_every_phase() -> None:
     assert visits[-1].best_step_time_s is not None and visits[-1].visited <= visits[-1].total
 
 
-def test_plan_prints_a_status_line_when_piped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(progress_module, "STATUS_EVERY_S", 0.01)
-    result = CliRunner().invoke(
-        cli,
-        ["plan", "--model", MODEL, "--cluster", "dgx-a100-80g:nodes=2", "--global-batch", "64"],
-    )
+def test_plan_prints_a_line_a_phase_when_piped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (no delay before the first line: this small search takes well under its 2 CPU seconds)
+    monkeypatch.setattr(progress_module, "FIRST_LINE_S", 0.0)
+    args = ["plan", "--model", MODEL, "--cluster", "dgx-a100-80g:nodes=2", "--global-batch", "64"]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    status = [line for line in result.stderr.splitlines() if line.startswith("plan: ")]
-    assert status, result.stderr
-    assert all(line.endswith(" s)") for line in status), status
-    assert any("tracing" in line or "searching" in line for line in status), status
+    status = result.stderr.splitlines()
+    assert all(re.fullmatch(r"plan: .+ \(\d+ s\)", line) for line in status), status
+    assert all(len(line) <= WIDTH for line in status), status
+    # one line a phase, in the search's order: tracing, enumerating, first guesses, the visit
+    phases = ["tracing", "candidates enumerated", "first guesses", "candidates visited"]
+    firsts = [next(i for i, line in enumerate(status) if p in line) for p in phases]
+    assert firsts == sorted(firsts), status
     assert "plan: " not in result.stdout  # the result alone on stdout
+    # --json: stdout is the JSON alone and stderr stays quiet, unless --progress
+    quiet = CliRunner().invoke(cli, [*args, "--top", "1", "--json"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+    assert json.loads(quiet.stdout)["plans"]
+    shown = CliRunner().invoke(cli, [*args, "--top", "1", "--json", "--progress"])
+    assert shown.exit_code == 0 and "plan: tracing" in shown.stderr, shown.stderr
+    assert json.loads(shown.stdout)["plans"] == json.loads(quiet.stdout)["plans"]
+    # --no-progress: quiet without --json too
+    off = CliRunner().invoke(cli, [*args, "--top", "1", "--no-progress"])
+    assert off.exit_code == 0 and off.stderr == "" and "best plans" in off.stdout, off.stderr
+
+
+def test_piped_progress_waits_for_work_then_reports_phases_and_percentages(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piped: nothing before the delay's CPU seconds of work, then the phase in hand, each new
+    phase and each further `PERCENT_STEP` percent, cut to `WIDTH` columns (``COLUMNS`` when
+    set); nothing on stdout."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    status = progress_module.Status(prefix="demo", piped=True, delay_s=float("inf"))
+    status.update("tracing")
+    status.update("pricing")
+    assert capsys.readouterr().err == ""  # a quick command says nothing
+    status.delay_s = 0.0  # (as if the work had taken its CPU seconds)
+    status.update("counting", 0, 8, phase="count")
+    for done in range(1, 9):
+        status.update(f"counting {done}", done, 8, phase="count")
+    status.update("x" * 200)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert [line.rsplit(" (", 1)[0] for line in lines[:5]] == [
+        "demo: counting",
+        "demo: counting 2",  # 25%
+        "demo: counting 4",  # 50%
+        "demo: counting 6",  # 75%
+        "demo: counting 8",  # 100%
+    ], lines
+    assert len(lines) == 6 and len(lines[5]) == WIDTH, lines
+    assert re.fullmatch(r"demo: x+\.\.\. \(\d+ s\)", lines[5]), lines
+    monkeypatch.setenv("COLUMNS", "80")
+    status.update("y" * 200)
+    assert len(capsys.readouterr().err.rstrip("\n")) == 80
 
 
 # ------------------------------------------------------------------------------ what-if
