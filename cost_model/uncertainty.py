@@ -59,6 +59,8 @@ def plan_features(plan: PlanLike, framework: str) -> tuple[str, ...]:
     strategy = Strategy.of(plan)
     if any(getattr(stage, "compile", None) for stage in plan.stages):
         strategy = dataclasses.replace(strategy, compile=True)
+    if any(getattr(stage, "activation_offload", 0) for stage in plan.stages):
+        strategy = dataclasses.replace(strategy, activation_offload=True)
     return strategy_features(strategy, [s.recompute for s in plan.stages], framework)
 
 
@@ -68,7 +70,7 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
     recompute mode it uses (and each with the schedule: a pair the cost model prices jointly
     through the schedule's memory), its ZeRO level (and HSDP), torch.compile, tensor, sequence,
     context and expert parallelism (and TP communication overlap, expert tensor parallelism),
-    optimizer offload, its precision and its training stack."""
+    optimizer and activation offload, its precision and its training stack."""
     schedule = "no pipeline" if strategy.pp_degree == 1 else strategy.schedule
     features = [f"schedule {schedule}"]
     for mode in sorted(set(modes)):
@@ -105,6 +107,10 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         # GB200 70B, offloads activations and is unscored): a plan with it is unvalidated
         # there, and its range says so
         features.append("optimizer offload")
+    if strategy.activation_offload:
+        # the one published run that offloads activations (Megatron-Bridge's GB200 70B) is
+        # unscored: a plan with it is unvalidated there, and its range says so
+        features.append("activation offload")
     features.append(f"dtype {strategy.dtype}")
     name = framework_profile(framework).name.partition(":")[0]
     features.append(f"stack {VALIDATED_THROUGH.get(name, name)}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import autoplan
 from autoplan.contract.errors import PlanError
@@ -587,3 +588,72 @@ def test_the_search_offloads_activations_only_where_memory_binds() -> None:
         _deep_search(189, link=0.0)
     loose = _deep_search(200)
     assert [(s.recompute, s.activation_offload) for s in loose.stages] == [("full", 0)]
+
+
+def test_an_activation_offloading_plan_s_range_says_no_scored_run_validates_it() -> None:
+    from cost_model.uncertainty import plan_features, step_interval
+
+    plain = _plan(framework="autoplan", zero=0)
+    features = plan_features(_offloaded(plain, 2), "autoplan")
+    assert "activation offload" in features
+    assert "activation offload" not in plan_features(plain, "autoplan")
+    wide, narrow = step_interval(features), step_interval(plan_features(plain, "autoplan"))
+    assert ("activation offload", 0) in wide.unvalidated
+    assert wide.high > narrow.high
+
+
+def _split_gpt(recompute_units: int) -> tuple[Any, Plan]:
+    """The numerics GPT (2 blocks) as one stage, its first ``recompute_units`` blocks
+    checkpointed."""
+    from autoplan.tracing import trace
+    from passes import apply_recompute, split_stages
+    from tests.numerics import build_model
+
+    plan = make_plan(recompute="full")
+    (stage,) = split_stages(trace(build_model("gpt")), plan).stages
+    apply_recompute(stage, "full", plan.decisions.recompute, recompute_units)
+    return stage, plan
+
+
+def test_the_offload_pass_runs_on_cuda_only() -> None:
+    """Reached only past the plan's host-link rule; on a CPU device it says why itself."""
+    from passes.offload import apply_activation_offload
+
+    stage, plan = _split_gpt(1)
+    assert apply_activation_offload(stage, 0, plan.decisions.recompute, torch.device("cpu")) == 0
+    with pytest.raises(RuntimeError, match="a CPU worker already is; it runs on CUDA devices"):
+        apply_activation_offload(stage, 1, plan.decisions.recompute, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="save_on_cpu moves CUDA tensors to host")
+def test_offloaded_blocks_keep_the_gradients_on_cuda() -> None:
+    """The block recompute does not cover runs under save_on_cpu: the same loss and gradients
+    as without it (the copies are exact)."""
+    import copy
+
+    from passes.offload import OffloadWrapper, apply_activation_offload
+    from tests.numerics import VOCAB, loss_fn
+
+    stage, plan = _split_gpt(1)
+    stage.module.to("cuda")
+    reference = copy.deepcopy(stage.module)
+    wrapped = apply_activation_offload(stage, 1, plan.decisions.recompute, torch.device("cuda"))
+    assert wrapped == 1
+    assert sum(isinstance(stage.unit_module(u), OffloadWrapper) for u in stage.units) == 1
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, VOCAB, (2, 16), generator=generator).cuda()
+    targets = torch.randint(0, VOCAB, (2, 16), generator=generator).cuda()
+    losses = []
+    for module in (reference, stage.module):
+        loss = loss_fn(module(inputs), targets)
+        loss.backward()
+        losses.append(loss.detach())
+    # (the forward is the same kernels on the same inputs; the embedding's CUDA backward
+    # accumulates with atomics, in any order: float32 rounding apart)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    grads = [
+        [p.grad for p in module.parameters()]  # (same order: the wrapper adds no parameter)
+        for module in (reference, stage.module)
+    ]
+    for ref, got in zip(*grads, strict=True):
+        torch.testing.assert_close(ref, got, rtol=1e-5, atol=1e-7)
