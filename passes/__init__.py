@@ -17,7 +17,7 @@ Imports only autoplan's plan, graph and error types (never the search or the cos
 
 from __future__ import annotations
 
-from passes._log import is_rank0, log_rank0
+from passes._log import announce_rank0, is_rank0, log_rank0
 from passes.async_tp import async_tp_refusal, enable_async_tp
 from passes.compile import apply_compile, is_compiled
 from passes.context_parallel import (
@@ -92,6 +92,7 @@ __all__ = [
     "TiedGradientSync",
     "TiedParameter",
     "UnitModule",
+    "announce_rank0",
     "apply_compile",
     "apply_context_parallel",
     "apply_data_parallel",

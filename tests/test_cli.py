@@ -5,6 +5,7 @@ script)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,12 @@ def _assert_user_error(result: object, fragment: str) -> None:
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)  # type: ignore[attr-defined]
     stderr: str = result.stderr  # type: ignore[attr-defined]
     assert "Traceback" not in stderr
-    lines = stderr.strip().splitlines()
+    # (a progress line, "estimate: tracing ... (2 s)", may come first on a loaded machine)
+    lines = [
+        line
+        for line in stderr.strip().splitlines()
+        if not re.fullmatch(r"[\w-]+: .+ \(\d+ s\)", line)
+    ]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("autoplan: error: ")
     assert fragment in lines[0], lines[0]

@@ -81,11 +81,12 @@ def _check_outcome(args: tuple[str, ...], code: int, out: str, err: str) -> None
     assert "Traceback" not in out + err, (args, err)
     assert code in (0, 2), (args, code, err)
     if code == 2:
-        # what-if progress lines (stdout is not a terminal) may come before the error's line
+        # progress lines ("plan: tracing ... (2 s)": stderr is not a terminal) may come before
+        # the error's line
         lines = [
             line
             for line in err.strip().splitlines()
-            if not re.fullmatch(r"what-if: \d+/\d+ searches done", line)
+            if not re.fullmatch(r"[\w-]+: .+ \(\d+ s\)", line)
         ]
         assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), (args, err)
         if "--json" in args:

@@ -331,13 +331,20 @@ def test_a_rank_failing_mid_step_takes_the_job_down(tmp_path: Path) -> None:
 
 
 def search_worker(rank: int, world_size: int) -> dict[str, Any]:
+    import contextlib
+    import io
+
     from autoplan.runtime.parallelizer import parallelize
 
-    dist_model = parallelize(
-        build_model("gpt"), loss_fn=loss_fn, optimizer=optimizer_factory(), global_batch_size=4
-    )
+    # this process configures no logging, as a user's script may not: the plan's line still
+    # comes out on stderr (rank 0's)
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        dist_model = parallelize(
+            build_model("gpt"), loss_fn=loss_fn, optimizer=optimizer_factory(), global_batch_size=4
+        )
     losses = [float(dist_model.train_step(*batch(4, s))) for s in range(2)]
-    return {"plan": dist_model.plan.to_data(), "losses": losses}
+    said = [line for line in stderr.getvalue().splitlines() if line.startswith("autoplan: ")]
+    return {"plan": dist_model.plan.to_data(), "losses": losses, "said": said}
 
 
 def test_without_a_plan_every_rank_runs_the_plan_rank0_chose(tmp_path: Path) -> None:
@@ -346,6 +353,14 @@ def test_without_a_plan_every_rank_runs_the_plan_rank0_chose(tmp_path: Path) -> 
     assert plans[0] == plans[1]
     plan = Plan.from_data(plans[0])
     assert plan.num_devices == 2 and plan.global_batch_size == 4
+    # rank 0 says which plan it searched, in one line: its shape and its predicted step
+    (said,) = results[0]["said"]
+    assert results[1]["said"] == []
+    searched = r"autoplan: plan searched on rank 0 in \d+\.\d s "
+    proof = r"\((proven the fastest|a faster one may exist by up to \d+\.\d%)\)"
+    assert re.fullmatch(searched + proof + r": .+; predicted step .+", said), said
+    shape = f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
+    assert shape in said and plan.zero_text in said and plan.schedule in said, said
     assert results[0]["losses"] == results[1]["losses"]
     ref = reference("gpt", 4, steps=2)
     torch.testing.assert_close(
@@ -354,6 +369,37 @@ def test_without_a_plan_every_rank_runs_the_plan_rank0_chose(tmp_path: Path) -> 
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_the_plan_line_shows_without_logging_configured_and_obeys_logging_when_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from passes import announce_rank0
+
+    logger = logging.getLogger("autoplan.runtime.parallelizer")
+    with monkeypatch.context() as unconfigured:
+        # no handler on the logger's chain (pytest's own taken off), the root at warnings: the
+        # line goes to stderr all the same, where Python would print a warning
+        unconfigured.setattr(logging.root, "handlers", [])
+        announce_rank0(logger, "autoplan: %s", "plan x")
+        assert capsys.readouterr().err == "autoplan: plan x\n"
+        logger.setLevel(logging.ERROR)  # silenced on purpose: nothing
+        try:
+            announce_rank0(logger, "autoplan: %s", "plan y")
+        finally:
+            logger.setLevel(logging.NOTSET)
+        assert capsys.readouterr().err == ""
+    # configured (pytest's handlers): the record at INFO, through them, not to stderr
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        announce_rank0(logger, "autoplan: %s", "plan z")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "autoplan: plan z")
+    ]
+    assert capsys.readouterr().err == ""
 
 
 # ----------------------------------------------------------------------------- mixed precision

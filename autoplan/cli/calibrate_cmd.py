@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import click
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autoplan._format import fmt_bandwidth, fmt_flops, fmt_time
 from autoplan.calibration._workers import DEFAULT_STALL_S
 from autoplan.calibration.machine import calibrate
 from autoplan.cli.common import console, emit_json, json_option
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 
 
 @click.command("calibrate")
@@ -45,6 +45,7 @@ from autoplan.cli.common import console, emit_json, json_option
     help="Seconds without progress after which a measurement job counts as hung "
     "(a loaded machine is slower, and is waited for).",
 )
+@progress_option
 @json_option
 def calibrate_cmd(
     output: str | None,
@@ -52,23 +53,20 @@ def calibrate_cmd(
     quick: bool,
     training: bool,
     stall_timeout: float,
+    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Measure matmul FLOP/s, memory bandwidth, collectives and training-step overheads; write
     a cluster YAML."""
     out = console()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=out,
-        transient=True,
-        disable=as_json or not out.is_terminal,  # a pipe gets no bar (nor its blank line)
-    ) as bar:
-        task = bar.add_task("calibrating", total=1.0)
+    # progress on stderr (`autoplan.cli.progress`), from the start: the measurements take
+    # seconds, most of them in worker processes (which this process's CPU time does not count)
+    with status_reporter(
+        "calibrate", enabled=progress_enabled(progress, as_json), delay_s=0.0
+    ) as status:
 
         def report(what: str, fraction: float) -> None:
-            bar.update(task, description=what, completed=fraction)
+            status.update(f"measuring {what}", round(100 * fraction), 100)
 
         cluster, path, measured = calibrate(
             output,
@@ -78,7 +76,6 @@ def calibrate_cmd(
             progress=report,
             stall_s=stall_timeout,
         )
-        bar.update(task, completed=1.0)
     if as_json:
         data = cluster.to_data()
         data["path"] = str(path)

@@ -31,10 +31,12 @@ from autoplan.cli.common import (
     tp_comm_overlap_option,
     trace_spec,
 )
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
+from cost_model.messages import shown as shown_value
 
 
 @click.command("estimate")
@@ -147,6 +149,7 @@ from cost_model.hardware import load_cluster
     "(Megatron-LM --optimizer-offload-fraction; DeepSpeed offload_optimizer).",
 )
 @framework_option
+@progress_option
 @json_option
 def estimate_cmd(
     model_spec: str,
@@ -175,6 +178,7 @@ def estimate_cmd(
     compile: bool,
     optimizer_offload: float,
     framework: str,
+    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Predict step time, tokens/s, MFU and per-stage memory of a plan with an even split."""
@@ -188,7 +192,10 @@ def estimate_cmd(
     target = load_cluster(cluster_spec)
     if dp is None:
         dp = default_dp(target, tp, pp, cp)  # fail before the (slower) model trace
-    profile = trace_spec(model_spec).profile
+    # progress on stderr (`autoplan.cli.progress`): torch's import and a trace take seconds
+    with status_reporter("estimate", enabled=progress_enabled(progress, as_json)) as status:
+        status.update(f"tracing {shown_value(model_spec, quoted=False)}")
+        profile = trace_spec(model_spec).profile
     if schedule is None:
         schedule = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
     plan = manual_plan(

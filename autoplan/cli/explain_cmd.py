@@ -7,7 +7,6 @@ when they cannot be resolved the command says what to pass (one line, exit 2).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import click
@@ -33,10 +32,12 @@ from autoplan.cli.common import (
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.cli.whatif_cmd import check_picture_path
 from autoplan.contract.plan import Plan
 from cost_model.frameworks import FRAMEWORKS
 from cost_model.hardware import load_cluster
+from cost_model.messages import shown
 
 
 @click.command("explain")
@@ -90,6 +91,7 @@ from cost_model.hardware import load_cluster
     help=f"Training stack to price the plan for ({', '.join(FRAMEWORKS)}) [the plan's].",
 )
 @memory_headroom_option
+@progress_option
 @json_option
 def explain_cmd(
     plan_path: str,
@@ -102,6 +104,7 @@ def explain_cmd(
     budget: float,
     framework: str | None,
     memory_headroom: float | None,
+    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Explain a plan: where its step time goes and what the alternatives would cost."""
@@ -118,11 +121,13 @@ def explain_cmd(
     plan.validate(None, target)  # fail before the (slower) model trace
     if timeline_path is not None:
         check_picture_path(timeline_path, "--timeline")
-    profile = trace_spec(model_spec).profile
-
     out = console()
-    # A spinner with the search's progress, except when stdout must stay pure JSON.
-    with contextlib.nullcontext() if as_json else out.status("explaining the plan") as status:
+    timeline: dict[str, Any] | None = None
+    # progress on stderr: a bar on a terminal, else a line a phase (`autoplan.cli.progress`)
+    with status_reporter("explain", enabled=progress_enabled(progress, as_json)) as status:
+        status.update(f"tracing {shown(model_spec, quoted=False)}")
+        profile = trace_spec(model_spec).profile
+        status.update("pricing the plan")
         result = explain(
             plan,
             profile,
@@ -131,24 +136,24 @@ def explain_cmd(
             alternatives=not no_alternatives,
             time_limit_s=time_limit,
             budget_s=budget if budget > 0 else None,
-            progress=None if status is None else status.update,
+            progress=status.update,
             framework=framework,
             memory_headroom=memory_headroom,
         )
-    timeline: dict[str, Any] | None = None
-    if timeline_path is not None:
-        # matplotlib takes about a second to import: only when a picture is asked for.
-        from autoplan.analysis.plots import save_figure, timeline_figure
+        if timeline_path is not None:
+            status.update(f"drawing the timeline to {shown(timeline_path, quoted=False)}")
+            # matplotlib takes about a second to import: only when a picture is asked for.
+            from autoplan.analysis.plots import save_figure, timeline_figure
 
-        simulated = timeline_of(result.estimate, plan)
-        save_figure(timeline_figure(simulated), timeline_path, what="--timeline")
-        timeline = {
-            "path": timeline_path,
-            "schedule": simulated.schedule,
-            "pp_degree": simulated.pp_degree,
-            "pipeline_time_s": simulated.pipeline_time_s,
-            "step_time_s": simulated.step_time_s,
-        }
+            simulated = timeline_of(result.estimate, plan)
+            save_figure(timeline_figure(simulated), timeline_path, what="--timeline")
+            timeline = {
+                "path": timeline_path,
+                "schedule": simulated.schedule,
+                "pp_degree": simulated.pp_degree,
+                "pipeline_time_s": simulated.pipeline_time_s,
+                "step_time_s": simulated.step_time_s,
+            }
     if as_json:
         data = result.to_data()
         data["resolved"] = notes

@@ -24,10 +24,12 @@ import click
 
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import Plan
 from autoplan.export import FRAMEWORKS, check_devices, export_plan
 from autoplan.export.writing import ExportWrite, write_export
 from cost_model.hardware import load_cluster
+from cost_model.messages import shown
 
 
 @click.command("export")
@@ -71,6 +73,7 @@ from cost_model.hardware import load_cluster
     help="With -o: replace files in the folder that autoplan export did not write (or that "
     "were edited since); symbolic links are refused even so.",
 )
+@progress_option
 @json_option
 def export_cmd(
     plan_path: str,
@@ -81,6 +84,7 @@ def export_cmd(
     allow_over_memory: bool,
     allow_cross_node_tp: bool,
     force: bool,
+    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Write what launches a plan on Megatron-LM, torchtitan or DeepSpeed."""
@@ -93,12 +97,16 @@ def export_cmd(
     if model_spec is None:
         model_spec, _ = plan_model_spec(plan, plan_path)
     check_devices(plan, target)  # whole nodes of the cluster: fail before the (slower) trace
+    # progress on stderr (`autoplan.cli.progress`): torch's import and a trace take seconds
+    with status_reporter("export", enabled=progress_enabled(progress, as_json)) as status:
+        status.update(f"tracing {shown(model_spec, quoted=False)}")
+        graph = trace_spec(model_spec)
     result = export_plan(
         plan,
         framework,
         model=model_spec,
         cluster=target,
-        graph=trace_spec(model_spec),
+        graph=graph,
         allow_over_memory=allow_over_memory,
         allow_cross_node_tp=allow_cross_node_tp,
     )

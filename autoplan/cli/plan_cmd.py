@@ -34,7 +34,12 @@ from autoplan.cli.common import (
     trace_spec,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
-from autoplan.cli.progress import search_status, status_reporter
+from autoplan.cli.progress import (
+    progress_enabled,
+    progress_option,
+    search_status,
+    status_reporter,
+)
 from autoplan.contract.plan import Plan
 from autoplan.planner.search import SearchProgress, SearchStats, search_plans
 from cost_model.hardware import load_cluster
@@ -72,6 +77,7 @@ from cost_model.messages import shown
 )
 @search_options()
 @framework_option
+@progress_option
 @json_option
 def plan_cmd(
     model_spec: str,
@@ -80,6 +86,7 @@ def plan_cmd(
     output: str | None,
     top_k: int,
     framework: str,
+    progress: bool | None,
     as_json: bool,
     time_limit: float,
     **options: Any,
@@ -90,8 +97,8 @@ def plan_cmd(
     if output is not None:
         check_output_path(output, "-o/--output")
     out = console()
-    # progress on stderr: a bar on a terminal, else a status line every few seconds
-    with status_reporter("plan", enabled=not as_json) as status:
+    # progress on stderr: a bar on a terminal, else a line a phase (`autoplan.cli.progress`)
+    with status_reporter("plan", enabled=progress_enabled(progress, as_json)) as status:
         status.update(f"tracing {shown(model_spec, quoted=False)}")
         profile = trace_spec(model_spec).profile
         status.update(f"searching plans for {profile.name} on {target.name}")
@@ -104,6 +111,7 @@ def plan_cmd(
                 search_status(step.phase, step.visited, step.total, step.best_step_time_s),
                 completed=step.visited,
                 total=step.total or None,
+                phase=step.phase,
             )
             elapsed = time.monotonic() - status.started
             if unbounded and not hinted and step.phase == "visit" and elapsed > UNBOUNDED_HINT_S:

@@ -16,6 +16,8 @@ from rich.table import Table
 
 from autoplan._format import compact_table, fmt_count
 from autoplan.cli.common import console, emit_json, json_option
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
+from cost_model.messages import shown
 
 if TYPE_CHECKING:
     from autoplan.contract.graph import ModelGraph, MoELayerProfile
@@ -52,18 +54,27 @@ _MIB = 2.0**20
     is_flag=True,
     help="One row per unit (by default a run of identical blocks is one row).",
 )
+@progress_option
 @json_option
 def trace(
-    model_spec: str, batch_size: int, seq_len: int | None, show_all: bool, as_json: bool
+    model_spec: str,
+    batch_size: int,
+    seq_len: int | None,
+    show_all: bool,
+    progress: bool | None,
+    as_json: bool,
 ) -> None:
     """Trace a model on the meta device and show its pipeline units (identical blocks as one
     row, figures per unit; --all lists every unit)."""
-    # Imported here: torch takes seconds to import, and other commands do not need it.
-    from autoplan.models.spec import build_model
-    from autoplan.tracing import trace as trace_model
+    # progress on stderr (`autoplan.cli.progress`): torch's import and a first trace take seconds
+    with status_reporter("trace", enabled=progress_enabled(progress, as_json)) as status:
+        status.update(f"tracing {shown(model_spec, quoted=False)}")
+        # Imported here: torch takes seconds to import, and other commands do not need it.
+        from autoplan.models.spec import build_model
+        from autoplan.tracing import trace as trace_model
 
-    model = build_model(model_spec)
-    graph = trace_model(model, batch_size=batch_size, seq_len=seq_len, name=model_spec)
+        model = build_model(model_spec)
+        graph = trace_model(model, batch_size=batch_size, seq_len=seq_len, name=model_spec)
     data = trace_data(graph)
     if as_json:
         emit_json(data)

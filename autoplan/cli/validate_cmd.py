@@ -29,10 +29,12 @@ from autoplan.cli.common import (
     precision_options,
     trace_spec,
 )
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.errors import PlanError
 from autoplan.contract.plan import Plan
 from autoplan.export.checks import MemoryCheck, check_memory
 from cost_model.hardware import load_cluster
+from cost_model.messages import shown
 from cost_model.precision import precision_text
 from cost_model.results import MemoryCapacityError
 
@@ -67,6 +69,7 @@ from cost_model.results import MemoryCapacityError
     help="The job saves checkpoints: refuse plans whose state cannot be saved (ZeRO-1 on DDP).",
 )
 @precision_options
+@progress_option
 @json_option
 def validate(
     plan_path: str,
@@ -79,6 +82,7 @@ def validate(
     master_dtype: str | None,
     grad_reduce_dtype: str | None,
     optimizer_state_dtype: str | None,
+    progress: bool | None,
     as_json: bool,
 ) -> None:
     """Check a plan file against a cluster and its model (memory included)."""
@@ -108,7 +112,12 @@ def validate(
             model_spec, _ = plan_model_spec(plan, plan_path)
         except ExplainInputError as error:
             memory_note = f"memory not checked ({error})"
-    profile = trace_spec(model_spec).profile if model_spec else None
+    profile = None
+    if model_spec:
+        # progress on stderr (`autoplan.cli.progress`): torch's import and a trace take seconds
+        with status_reporter("validate", enabled=progress_enabled(progress, as_json)) as status:
+            status.update(f"tracing {shown(model_spec, quoted=False)}")
+            profile = trace_spec(model_spec).profile
     plan.validate(profile, target, allow_cross_node_tp=allow_cross_node_tp)
     peak = None
     memory: MemoryCheck | None = None

@@ -8,7 +8,6 @@ that say why.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from autoplan.cli.common import (
     search_options,
     trace_spec,
 )
-from autoplan.cli.progress import status_reporter
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import Plan
 from cost_model.errors import SchemaError
 from cost_model.messages import shown as shown_value
@@ -125,6 +124,7 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
 )
 @search_options(with_dp=False)
 @framework_option
+@progress_option
 @json_option
 def whatif_cmd(
     model_spec: str,
@@ -140,6 +140,7 @@ def whatif_cmd(
     time_limit: float,
     total_budget: float,
     framework: str,
+    progress: bool | None,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -161,25 +162,21 @@ def whatif_cmd(
 
     out = console()
     cap = total_budget or None  # (0: no cap)
-    # progress on stderr: a bar on a terminal, else a line per finished search and a status
-    # line every few seconds
-    with status_reporter("what-if", enabled=not as_json) as status:
+    # progress on stderr: a bar on a terminal, else a line a search (`autoplan.cli.progress`)
+    with status_reporter("what-if", enabled=progress_enabled(progress, as_json)) as status:
         status.update(f"tracing {shown_value(model_spec, quoted=False)}")
         profile = trace_spec(model_spec).profile
-        plain = not sys.stderr.isatty() and not as_json
-        shown: set[int] = set()
 
         def report(step: WhatIfProgress) -> None:
+            left = step.completed < step.total
             status.update(
-                f"{step.completed}/{step.total} searches done; planning {step.cluster} x "
-                f"{step.num_devices} devices"
-                + (f" (total budget {cap:g} s)" if cap is not None else ""),
+                f"{step.completed}/{step.total} searches done"
+                + (f"; planning {step.cluster} x {step.num_devices} devices" if left else "")
+                + (f" (total budget {cap:g} s)" if cap is not None and left else ""),
                 completed=step.completed,
                 total=step.total,
+                phase=f"search {step.completed}",
             )
-            if plain and step.completed not in shown:
-                shown.add(step.completed)
-                click.echo(f"what-if: {step.completed}/{step.total} searches done", err=True)
 
         result = whatif(
             profile,

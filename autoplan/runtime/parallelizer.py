@@ -43,10 +43,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from autoplan._format import fmt_time_range
 from autoplan.contract.errors import InputError, PlanError
 from autoplan.contract.graph import ModelGraph
 from autoplan.contract.plan import Plan, runtime_refusal
-from autoplan.planner.search import search_plans
+from autoplan.planner.search import SearchResult, search_plans
 from autoplan.runtime import rank_failures
 from autoplan.tracing import trace
 from cost_model.degrees import is_whole
@@ -65,6 +66,7 @@ from passes import (
     ReplicatedGradientSum,
     SplitModel,
     TensorParallelResult,
+    announce_rank0,
     apply_compile,
     apply_context_parallel,
     apply_data_parallel,
@@ -78,7 +80,6 @@ from passes import (
     enable_async_tp,
     find_grouped_experts,
     has_meta_tensors,
-    log_rank0,
     materialize,
     meta_buffer_values,
     norm_parameter_names,
@@ -242,7 +243,8 @@ def _parallelize(
     plan, graph = chosen.plan, chosen.graph
     if plan.tp_comm_overlap and (why := async_tp_refusal(device, dist.get_backend())) is not None:
         raise PlanError(why)  # alike on every rank, before anything is built
-    log_rank0(logger, logging.INFO, "plan: %s", _describe(plan))
+    # one line on rank 0, shown where logging is not configured too (`passes.announce_rank0`)
+    announce_rank0(logger, "autoplan: %s", _chosen_line(chosen))
 
     mesh = build_mesh(plan, device.type)
     if plan.tp_comm_overlap:
@@ -305,6 +307,8 @@ class _ChosenPlan:
     graph: ModelGraph  # traced at the plan's micro-batch size where the front end needs it
     predicted: Estimate  # the plan's estimate on the job's cluster
     search_time_s: float | None  # None: the plan was given
+    # the search's unproven gap (`SearchStats.optimality_gap`; 0: proven; None: given)
+    optimality_gap: float | None
     fp8: Fp8Selection | None  # the linears an fp8 plan converts (None: not an fp8 plan)
 
 
@@ -339,6 +343,7 @@ def _choose_plan(
             graph=graph,
             predicted=checked.predicted,
             search_time_s=None,
+            optimality_gap=None,
             fp8=checked.fp8,
         )
     return _search_for_job(
@@ -365,7 +370,8 @@ def _search_for_job(
     # an exported graph's limits (fp32, no sequence or context parallelism) and a model
     # without RoPE tables (no context parallelism): the search keeps to them itself
     # (`runtime_refusal`)
-    plan = _searched_plan(graph, cluster, global_batch_size, constraints)
+    searched = _searched_plan(graph, cluster, global_batch_size, constraints)
+    plan = searched.plan
     if graph.front_end == "export" and plan.micro_batch_size != graph.batch_size:
         graph = _trace(model, plan)  # an exported graph's shapes are fixed: re-trace
     # same plan, same verdict on every rank
@@ -375,6 +381,7 @@ def _search_for_job(
         graph=graph,
         predicted=checked.predicted,
         search_time_s=time.perf_counter() - started,
+        optimality_gap=searched.optimality_gap,
         fp8=checked.fp8,
     )
 
@@ -766,13 +773,21 @@ def _check_tensor_parallel(plan: Plan, model: nn.Module, graph: ModelGraph) -> N
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _SearchedPlan:
+    """The plan rank 0 searched, as every rank received it, and the search's unproven gap."""
+
+    plan: Plan
+    optimality_gap: float  # `SearchStats.optimality_gap` (0: proven the fastest)
+
+
 def _searched_plan(
     graph: ModelGraph,
     cluster: Cluster,
     global_batch_size: int | None,
     constraints: Mapping[str, Any],
-) -> Plan:
-    """Rank 0 searches; every rank gets its plan (or its error) by broadcast."""
+) -> _SearchedPlan:
+    """Rank 0 searches; every rank gets its plan and gap (or its error) by broadcast."""
     if global_batch_size is None:
         raise PlanError(
             "parallelize() got no plan and no global_batch_size to search one for; pass "
@@ -782,14 +797,16 @@ def _searched_plan(
     if dist.get_rank() == 0:
         try:
             found = _search(graph, cluster, global_batch_size, constraints)
-            payload[0] = ("plan", found.to_data())
+            payload[0] = ("plan", found.plans[0].to_data(), found.stats.optimality_gap)
         except Exception as error:
-            payload[0] = ("error", f"{type(error).__name__}: {error}")
+            payload[0] = ("error", f"{type(error).__name__}: {error}", None)
     dist.broadcast_object_list(payload, src=0)
-    kind, body = payload[0]
+    kind, body, gap = payload[0]
     if kind == "error":
         raise PlanError(f"plan search on rank 0 failed: {body}")
-    return Plan.from_data(body, source="searched plan")
+    return _SearchedPlan(
+        plan=Plan.from_data(body, source="searched plan"), optimality_gap=float(gap)
+    )
 
 
 def _search(
@@ -797,10 +814,24 @@ def _search(
     cluster: Cluster,
     global_batch_size: int,
     constraints: Mapping[str, Any],
-) -> Plan:
-    return search_plans(
-        graph.profile, cluster, global_batch=global_batch_size, **constraints
-    ).plans[0]
+) -> SearchResult:
+    return search_plans(graph.profile, cluster, global_batch=global_batch_size, **constraints)
+
+
+def _chosen_line(chosen: _ChosenPlan) -> str:
+    """The plan this job runs, in one line: searched (in how long, proven or with its gap) or
+    given, its shape and its predicted step on the job's cluster."""
+    if chosen.search_time_s is None or chosen.optimality_gap is None:
+        how = "running the plan given"
+    else:
+        gap = chosen.optimality_gap
+        proof = "proven the fastest" if gap == 0 else f"a faster one may exist by up to {gap:.1%}"
+        how = f"plan searched on rank 0 in {chosen.search_time_s:.1f} s ({proof})"
+    predicted = chosen.predicted
+    return (
+        f"{how}: {_describe(chosen.plan)}; predicted step "
+        f"{fmt_time_range(predicted.step_time_s, predicted.step_time_range_s)}"
+    )
 
 
 def _ep_where(plan: Plan) -> str:
@@ -812,12 +843,17 @@ def _describe(plan: Plan) -> str:
         f"[{s.first_unit}..{s.last_unit}{'' if s.recompute == 'none' else ' ' + s.recompute}]"
         for s in plan.stages
     )
+    if len(plan.stages) > 8:  # (the line stays readable: the plan file lists them all)
+        sizes = [s.num_units for s in plan.stages]
+        modes = "+".join(sorted({s.recompute for s in plan.stages}))
+        stages = f"{len(sizes)} of {min(sizes)}-{max(sizes)} units, recompute {modes}"
     return (
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
         + (f" x cp {plan.cp_degree}" if plan.cp_degree > 1 else "")
         + (f", ep {plan.ep_degree} {_ep_where(plan)}" if plan.ep_degree > 1 else "")
         + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
-        f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
+        f"{plan.num_micro_batches} micro-batch{'es' if plan.num_micro_batches > 1 else ''} of "
+        f"{plan.micro_batch_size}, "
         f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
         f"{plan.dtype}, stages {stages}"
     )
