@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 
 from autoplan.cli.common import console, emit_json, json_option
+from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 
 
 def _row(name: str) -> dict[str, Any]:
@@ -39,14 +40,22 @@ def _row(name: str) -> dict[str, Any]:
 
 
 @click.command("models")
+@progress_option
 @json_option
-def models_cmd(as_json: bool) -> None:
+def models_cmd(progress: bool | None, as_json: bool) -> None:
     """List the model presets and their sizes. Pass a name to --model, with overrides as
     NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:..., llama:... and
     moe:... (ffn shows a MoE's experts as experts x top-k x expert size)."""
-    from autoplan.models import list_presets  # imports torch, as in _row
+    # progress on stderr (`autoplan.cli.progress`): torch's import and the presets take seconds
+    with status_reporter("models", enabled=progress_enabled(progress, as_json)) as status:
+        status.update("importing the model zoo")
+        from autoplan.models import list_presets  # imports torch, as in _row
 
-    rows = [_row(name) for name in list_presets()]
+        names = list_presets()
+        rows: list[dict[str, Any]] = []
+        for done, name in enumerate(names):
+            status.update(f"building {name} on meta", done, len(names), phase="build")
+            rows.append(_row(name))
     if as_json:
         emit_json(rows)
         return
