@@ -203,6 +203,9 @@ MEGATRON_REJECTS = {
     "selective method": ({"--recompute-granularity": "selective",
                           "--recompute-method": "uniform"}, _WORLD, _ENV,
                          ("= uniform", "L1425-1428", "leave out --recompute-method")),
+    "full recompute settings": ({"--recompute-granularity": "full"}, _WORLD, _ENV,
+                                ("full (method unset, layers unset)",
+                                 "TransformerConfig.__post_init__ L1901-1931")),
     "one half dtype": ({"--fp16": True}, _WORLD, _ENV, ("with --bf16", "L1195-1207")),
     "head width": ({"--hidden-size": "66"}, _WORLD, _ENV,
                    ("--hidden-size 66", "L1331-1332", "--kv-channels")),
@@ -247,6 +250,14 @@ def test_the_heads_rule_is_megatron_cores_own() -> None:
     with pytest.raises(ValueError, match="multiple of tensor_model_parallel_size"):
         config.TransformerConfig(num_layers=2, hidden_size=60, num_attention_heads=6,
                                  tensor_model_parallel_size=4)  # fmt: skip
+
+
+def test_the_recompute_rule_is_megatron_cores_own() -> None:
+    """megatron-core's TransformerConfig refuses full recompute without a method, as mirrored."""
+    config = pytest.importorskip("megatron.core.transformer.transformer_config")
+    with pytest.raises(ValueError, match='recompute_method must be "block" or "uniform"'):
+        config.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
+                                 recompute_granularity="full")  # fmt: skip
 
 
 def test_megatron_refuses_an_offloaded_optimizer_beside_fp8_gather() -> None:

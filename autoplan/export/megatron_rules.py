@@ -242,6 +242,28 @@ def _selective_method(a: MegatronArgs) -> ExportProblem | None:
     )
 
 
+def _recompute_settings(a: MegatronArgs) -> ExportProblem | None:
+    # megatron-core TransformerConfig.__post_init__ (megatron/core/transformer/
+    # transformer_config.py L1901-1931): full granularity needs --recompute-method block or
+    # uniform and --recompute-num-layers; selective takes no --recompute-num-layers
+    granularity = a.value("--recompute-granularity")
+    method, layers = a.value("--recompute-method"), a.value("--recompute-num-layers")
+    if granularity is None or (
+        (granularity == "full" and method in ("block", "uniform") and layers is not None)
+        or (granularity == "selective" and layers is None)
+    ):
+        return None
+    return _problem(
+        "--recompute-granularity",
+        f"{granularity} (method {method or 'unset'}, layers {layers or 'unset'})",
+        "needs --recompute-method block or uniform and --recompute-num-layers under full "
+        "granularity, and no --recompute-num-layers under selective",
+        "megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__ "
+        "L1901-1931",
+        "write the method and the layer count with full recompute only",
+    )
+
+
 def _one_half_dtype(a: MegatronArgs) -> ExportProblem | None:
     # validate_args L1195-1207: --fp16 and --bf16 exclude each other
     if not (a.has("--fp16") and a.has("--bf16")):
@@ -403,6 +425,7 @@ RULES: tuple[Callable[[MegatronArgs], ExportProblem | None], ...] = (
     _interleaved_groups,
     _tp_comm_overlap,
     _selective_method,
+    _recompute_settings,
     _one_half_dtype,
     _head_width,
     _heads_over_tp,
