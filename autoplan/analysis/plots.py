@@ -234,7 +234,7 @@ MIN_BAR_PX = 12.0
 _BIN_PX = 12.0  # the overview's bin width: a few actions, so a bin shows shares, not one bar
 _ZOOM_BAR_PX = 44.0  # the zoom's window holds actions of about this median width
 _LABEL_CHAR_PX = 5.5  # a digit of the 6-point bar labels at SAVE_DPI (6 pt = 10 px)
-_STUB_LABEL_PX = 24.0  # a "to 7" label's width at 5 points, with a gap to the next
+_STUB_LABEL_PX = 28.0  # a "to 7" label's width at 6 points, with a gap to the next
 _ACTION_KINDS: tuple[EventKind, ...] = ("forward", "backward", "weight")
 _ROW = 0.8  # a bar's height, in rows; the gap between rows carries the sends
 SEND_COLOURS: dict[SendKind, str] = {"activation": "#000000", "gradient": "#D55E00"}
@@ -506,7 +506,7 @@ def _draw_sends(
                     xy=(x0, tip),
                     xytext=(1, 0),
                     textcoords="offset points",
-                    fontsize=5,
+                    fontsize=6,
                     va="center",
                     color=SEND_COLOURS[send.kind],
                     annotation_clip=True,
