@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import textwrap
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from rich import box
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 
 from cost_model.units import format_bytes
@@ -124,7 +130,7 @@ def fmt_gib(value: float) -> str:
     return f"{value / 2**30:.3g}"
 
 
-def _short_bytes(value: float) -> str:
+def short_bytes(value: float) -> str:
     """Bytes with a one-letter binary suffix: "71.4G", "512M" (G = GiB, M = MiB)."""
     for scale, suffix in ((2**40, "T"), (2**30, "G"), (2**20, "M"), (2**10, "K")):
         if value >= scale:
@@ -136,11 +142,11 @@ def fmt_memory_cell(peak_bytes: float, reserve_bytes: float, capacity_bytes: flo
     """A table cell for a device's peak: "71.4G+5.57G/80G" (predicted tensors + reserve and
     allocator margin / capacity; `fmt_memory` spells the same figures out)."""
     if capacity_bytes <= 0:
-        return _short_bytes(peak_bytes)
+        return short_bytes(peak_bytes)
     if reserve_bytes <= 0:
-        return f"{_short_bytes(peak_bytes)}/{_short_bytes(capacity_bytes)}"
-    predicted = _short_bytes(peak_bytes - reserve_bytes)
-    return f"{predicted}+{_short_bytes(reserve_bytes)}/{_short_bytes(capacity_bytes)}"
+        return f"{short_bytes(peak_bytes)}/{short_bytes(capacity_bytes)}"
+    predicted = short_bytes(peak_bytes - reserve_bytes)
+    return f"{predicted}+{short_bytes(reserve_bytes)}/{short_bytes(capacity_bytes)}"
 
 
 MEMORY_CELL_CAPTION = (
@@ -189,3 +195,202 @@ def collapse_runs(rows: Sequence[tuple[int, Sequence[str]]]) -> list[tuple[str, 
         else:
             runs.append((index, index, list(cells)))
     return [(str(a) if a == b else f"{a}-{b}", cells) for a, b, cells in runs]
+
+
+# ---- tables that fit the console ------------------------------------------------------------
+# A table is declared as its columns (header, meaning, how the narrow layout treats it) and its
+# rows; `fitted_table` leaves out the columns marked droppable, highest `drop` first, until the
+# table's natural width fits the console, and says in its caption which it left out (``--wide``
+# shows every column, `print_fitted` then widens the console for it instead of cutting cells).
+# The meanings make each command's ``--help`` glossary (`columns_help`), so no column goes
+# unexplained and the glossary cannot drift from the tables.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Column:
+    """One table column: ``header``, what it holds (``meaning``, for ``--help``), ``drop``
+    (0: always shown; n > 0: the narrow layout leaves it out, larger n first) and ``fold``
+    (free text that wraps inside its cell instead of widening the table)."""
+
+    header: str
+    meaning: str
+    justify: Literal["left", "right"] = "right"
+    drop: int = 0
+    fold: bool = False
+
+
+class Row(NamedTuple):
+    """A table row: one cell per column (dropped columns' cells are dropped with them), a rich
+    style for the whole row, and whether a rule separates it from the rows above."""
+
+    cells: Sequence[str]
+    style: str | None = None
+    section: bool = False
+
+
+class FittedTable(Table):
+    """A rich `Table` that knows the columns it needs whole (`natural_width`): no cell cut,
+    its folding columns wrapped at their longest word."""
+
+    natural_width: int = 0
+
+
+def _natural_width(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], *, folded: bool = True
+) -> int:
+    # the table measured on a console wide enough that nothing wraps, a folding column's cells
+    # as their longest word (the narrowest it can wrap to) when ``folded``, else whole
+    table = compact_table()
+    for column in columns:
+        table.add_column(column.header, justify=column.justify, no_wrap=True)
+    for cells in rows:
+        table.add_row(
+            *(
+                max(cell.split() or [""], key=len) if column.fold and folded else cell
+                for column, cell in zip(columns, cells, strict=True)
+            )
+        )
+    measuring = Console(file=io.StringIO(), width=10_000, color_system=None)
+    return Measurement.get(measuring, measuring.options, table).maximum
+
+
+def fitted_table(
+    title: str | None,
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    *,
+    width: int = WIDTH,
+    wide: bool = False,
+    caption: str | None = None,
+) -> FittedTable:
+    """A `compact_table` of ``columns`` and ``rows`` whose width is at most ``width`` (unless
+    ``wide``, or its always-shown columns alone are wider): droppable columns are left out,
+    highest ``drop`` first (the rightmost of equals first), until the table fits with its
+    folding columns unwrapped (or none is left to drop), and the caption names them."""
+    keep = list(range(len(columns)))
+    droppable = sorted(
+        (i for i, c in enumerate(columns) if c.drop > 0), key=lambda i: (columns[i].drop, i)
+    )
+
+    def natural(indices: Sequence[int], *, folded: bool = True) -> int:
+        cells = [[row.cells[i] for i in indices] for row in rows]
+        return _natural_width([columns[i] for i in indices], cells, folded=folded)
+
+    # columns are left out until the folding columns' text fits unwrapped, if it can
+    while not wide and droppable and natural(keep, folded=False) > width:
+        keep.remove(droppable.pop())
+    needed = natural(keep)
+    left_out = [c.header for i, c in enumerate(columns) if i not in keep]
+    note = f"not shown at {width} columns: {', '.join(left_out)} (--wide shows them)"
+    text = "; ".join(part for part in (caption, note if left_out else None) if part) or None
+    table = FittedTable(
+        title=title,
+        caption=text,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+        show_edge=False,
+        title_justify="left",
+        caption_justify="left",
+        title_style="bold",
+        caption_style="dim",
+    )
+    table.natural_width = needed
+    for i in keep:
+        column = columns[i]
+        if column.fold:
+            table.add_column(column.header, justify=column.justify, overflow="fold", ratio=1)
+        else:
+            table.add_column(column.header, justify=column.justify, no_wrap=True)
+    for row in rows:
+        if row.section:
+            table.add_section()
+        table.add_row(*(row.cells[i] for i in keep), style=row.style)
+    return table
+
+
+def print_fitted(out: Console, *tables: RenderableType) -> None:
+    """Print ``tables`` whole: on a console narrower than one (a ``--wide`` table), the console
+    is widened for it rather than cutting its cells with an ellipsis."""
+    for table in tables:
+        needed = table.natural_width if isinstance(table, FittedTable) else 0
+        if needed <= out.width:
+            out.print(table)
+            continue
+        saved = out.width
+        out.width = needed
+        try:
+            out.print(table)
+        finally:
+            out.width = saved
+
+
+def columns_help(tables: Sequence[tuple[str, Sequence[Column]]], width: int = 78) -> str:
+    """The ``--help`` epilog that explains every column of a command's tables: a paragraph per
+    table ("per pipeline rank:") with a line per column ("  PP comm: host time ..."), wrapped
+    to ``width`` and marked so that click keeps its lines (``\\b``)."""
+    paragraphs = []
+    for name, columns in tables:
+        lines = ["\b", f"Columns of {name}:"]
+        for column in columns:
+            narrow = " [left out when the terminal is too narrow]" if column.drop else ""
+            lines += textwrap.wrap(
+                f"{column.header}: {column.meaning}{narrow}",
+                width=width - 2,
+                initial_indent="  ",
+                subsequent_indent="      ",
+                break_on_hyphens=False,
+            )
+        paragraphs.append("\n".join(lines))
+    note = "--wide shows every column, whatever the terminal's width."
+    return "\n\n".join([*paragraphs, note])
+
+
+def wrap_words(text: str, width: int = WIDTH, *, indent: str = "") -> str:
+    """``text`` wrapped at word boundaries to ``width`` columns (later lines indented by
+    ``indent``); a word longer than the line (a path, a model spec) stays whole."""
+    return "\n".join(
+        textwrap.wrap(
+            text,
+            width=width,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    )
+
+
+def wrap_phrases(phrases: Sequence[str], width: int = WIDTH, *, indent: str = "  ") -> str:
+    """Phrases joined by ", " and wrapped only between them, so that none is split across
+    lines ("schedule interleaved-1f1b, 8 micro-batches of 1, ..."); a phrase longer than a
+    line is wrapped at its words."""
+    lines: list[str] = []
+    current = ""
+    for index, phrase in enumerate(phrases):
+        piece = phrase + ("," if index < len(phrases) - 1 else "")
+        candidate = f"{current} {piece}" if current else piece
+        if not current or len(candidate) <= width:
+            current = candidate
+            continue
+        lines.append(current)
+        current = indent + piece
+    if current:
+        lines.append(current)
+    return "\n".join(
+        wrap_words(line, width, indent=indent) if len(line) > width else line for line in lines
+    )
+
+
+def comment_lines(text: str, width: int = WIDTH, *, prefix: str = "# ") -> str:
+    """A comment of any length as lines of at most ``width`` columns, each starting with
+    ``prefix`` (the export's notes: "# note: ..."); words longer than a line stay whole."""
+    return "\n".join(
+        textwrap.wrap(
+            text,
+            width=width,
+            initial_indent=prefix,
+            subsequent_indent=prefix + "  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    )

@@ -37,12 +37,12 @@ GLOBAL_BATCH = 16
 
 
 def main(num_processes: int = NUM_PROCESSES) -> None:
-    console = cli_console()  # the CLI's: 100 columns when not a terminal
+    console = cli_console()  # the CLI's: COLUMNS, the terminal's, or 100 when piped
     OUT.mkdir(exist_ok=True)
 
     console.rule("1. Trace a small GPT on the meta device")
     graph = autoplan.trace(small_gpt(), name="small-gpt")
-    console.print(trace_table(trace_data(graph)))
+    console.print(trace_table(trace_data(graph), width=console.width))
 
     console.rule(f"2. Search a plan for {num_processes} processes on this machine")
     cluster = autoplan.Cluster.local(num_devices=num_processes)
@@ -59,7 +59,7 @@ def main(num_processes: int = NUM_PROCESSES) -> None:
     )
     # CPU training runs in fp32; the search gets the same constraint as parallelize's.
     plans = autoplan.search(graph, cluster, global_batch=GLOBAL_BATCH, top_k=3, dtype="fp32")
-    console.print(ranked_table(tuple(plans)))
+    console.print(ranked_table(tuple(plans), width=console.width))
     plan_path = OUT / "plan.yaml"
     plans[0].to_yaml(plan_path)
     console.print(f"saved the best plan to {plan_path}")
@@ -97,7 +97,7 @@ def main(num_processes: int = NUM_PROCESSES) -> None:
         # same plan on any machine), with its proven gap
         budget_s=5.0,
     )
-    console.print(whatif_table(result))
+    console.print(whatif_table(result, width=console.width))
     note = scaling_note(result)
     if note:
         console.print("scaling efficiency above 100%:" + note)

@@ -50,10 +50,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import autoplan
+from autoplan._format import wrap_phrases
+from autoplan.cli.common import console as cli_console
 from autoplan.data import Batches, load_corpus
 from autoplan.models import gpt
 from autoplan.runtime.checkpoint import CheckpointSaveError
@@ -104,7 +105,7 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
         ),
     )
     rank0 = dist.get_rank() == 0
-    console = Console()
+    console = cli_console()  # the CLI's: COLUMNS, the terminal's, or 100 when piped
     if rank0:
         plan = trainer.plan
         group = (
@@ -112,14 +113,17 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
             if config.get("replica_groups")
             else ""
         )
-        console.print(
-            f"[bold]plan[/bold] for {dist.get_world_size()} processes{group}: "
-            f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}, "
-            f"schedule {plan.schedule}, "
-            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}, "
-            f"ZeRO-{plan.zero_stage}, recompute "
-            f"{'/'.join(sorted({s.recompute for s in plan.stages}))}, {plan.dtype}"
-        )
+        # wrapped between its phrases only, never inside one ("8 micro-batches of 1")
+        phrases = [
+            f"plan for {dist.get_world_size()} processes{group}: "
+            f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}",
+            f"schedule {plan.schedule}",
+            f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}",
+            f"ZeRO-{plan.zero_stage}",
+            f"recompute {'/'.join(sorted({s.recompute for s in plan.stages}))}",
+            plan.dtype,
+        ]
+        console.print(wrap_phrases(phrases, console.width), markup=False, highlight=False)
         console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
         console.print(trainer.setup.describe(), soft_wrap=True, highlight=False)
     first_step, losses = trainer.step, []

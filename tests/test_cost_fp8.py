@@ -323,7 +323,12 @@ def test_plan_output_names_the_dtype_and_what_stays_in_which_precision() -> None
     )
     table = ranked_table(plans)
     headers = [column.header for column in table.columns]
-    assert "dtype" in headers and "range" not in headers
+    assert "dtype" in headers and "range" in headers  # 100 columns hold both
+    # at 80 the narrow layout leaves the range out (the caption says so), never the dtype
+    narrow = ranked_table(plans, width=80)
+    assert "dtype" in [c.header for c in narrow.columns]
+    assert "range" not in [c.header for c in narrow.columns]
+    assert "not shown at 80 columns: " in str(narrow.caption)
     assert list(table.columns[headers.index("dtype")].cells) == ["fp8", "bf16"]
     # one dtype, no recipe: no column
     assert "dtype" not in [c.header for c in ranked_table(plans[1:]).columns]

@@ -182,7 +182,8 @@ def test_validate_checks_memory_as_parallelize_does(tmp_path: Path) -> None:
     # the model comes from the plan file's model.name: memory is checked without --model
     fits = run_cli("validate", str(out), "--cluster", "dgx-a100-80g")
     assert fits.returncode == 0, fits.stderr
-    assert "; peak memory " in fits.stdout and "GiB of 80.0 GiB" in fits.stdout
+    # the verdict's line, then the memory check's
+    assert "\n  peak memory " in fits.stdout and "GiB of 80.0 GiB" in fits.stdout
     # 2049 MiB devices: the 2 GiB framework reserve leaves 1 MiB, too little for the plan
     small = "dgx-a100-80g:memory=2049MiB"
     _one_line_error(

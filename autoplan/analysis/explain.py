@@ -442,16 +442,35 @@ def _search_alternatives(
     except (NoFeasiblePlanError, ConstraintError) as error:
         notes.append(f"the search finds no plan to compare with: {infeasible_reason(error)}")
         return []
+    # the search ranks one plan more than it compares, so that the plan itself (when among
+    # them) leaves ``top_k`` to compare with
     out: list[Alternative] = []
+    own: int | None = None
+    compared: list[int] = []
     for rank, candidate in enumerate(ranked, start=1):
         if _same_plan(plan, candidate):
-            notes.append(f"this plan is the search's rank {rank} of {len(ranked)} shown")
-            continue
-        if len(out) < top_k:
+            own = rank
+        elif len(out) < top_k:
             out.append(_compare(f"search rank {rank}", plan, candidate, result))
-    if not any(_same_plan(plan, c) for c in ranked):
-        notes.append(f"this plan is not among the search's top {len(ranked)}")
+            compared.append(rank)
+    listed = _ranks_text(compared)
+    if own is not None:
+        notes.append(f"this plan is the search's rank {own}; 'why not' compares it with {listed}")
+    else:
+        notes.append(
+            f"this plan is not among the search's best {len(ranked)}; 'why not' compares it "
+            f"with {listed}"
+        )
     return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """How the compared ranks read: "search rank 2", "search ranks 2, 3 and 4"."""
+    if not ranks:
+        return "no other plan"
+    if len(ranks) == 1:
+        return f"search rank {ranks[0]}"
+    return f"search ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 def _constrained(

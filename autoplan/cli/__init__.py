@@ -1,13 +1,16 @@
 """The ``autoplan`` command line.
 
 Every command takes ``--json`` for machine-readable output on stdout. A user mistake (bad flag,
-file, model or cluster spec, impossible plan) prints one line ``autoplan: error: ...`` on
-stderr and exits 2, never a traceback. One module per command; each is registered below.
+file, model or cluster spec, impossible plan) prints one message ``autoplan: error: ...`` on
+stderr and exits 2, never a traceback: one line when stderr is a file or a pipe (for scripts and
+logs), wrapped at word boundaries to the terminal's width when it is a terminal. One module per
+command; each is registered below.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -15,6 +18,7 @@ from typing import NoReturn
 import click
 
 from autoplan import __version__
+from autoplan._format import WIDTH, wrap_words
 from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
 from autoplan.cli.estimate_cmd import estimate_cmd
@@ -89,5 +93,14 @@ def _fail(message: str, kind: str, args: Sequence[str], code: int) -> NoReturn:
         line = f"{line[:700]} ...[{cut:,} characters cut]... {line[700 + cut :]}"
     if "--json" in args:
         click.echo(json.dumps({"error": line, "kind": kind}))
-    click.echo(f"autoplan: error: {line}", err=True)
+    width = shutil.get_terminal_size((WIDTH, 24)).columns if sys.stderr.isatty() else None
+    click.echo(error_text(line, width), err=True)
     sys.exit(code)
+
+
+def error_text(line: str, width: int | None) -> str:
+    """``autoplan: error: LINE``: one line for scripts and logs (``width`` None: stderr is
+    not a terminal), else wrapped at word boundaries to ``width`` columns for a person, later
+    lines indented (the message stays one message either way)."""
+    text = f"autoplan: error: {line}"
+    return text if width is None else wrap_words(text, max(width, 40), indent="  ")

@@ -7,8 +7,18 @@ import click
 import yaml
 from rich.table import Table
 
-from autoplan._format import compact_table, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_time
-from autoplan.cli.common import console, emit_json, json_option
+from autoplan._format import (
+    Row,
+    columns_help,
+    fitted_table,
+    fmt_bandwidth,
+    fmt_bytes,
+    fmt_flops,
+    fmt_time,
+    print_fitted,
+)
+from autoplan.cli.columns import CLUSTER_COLUMNS, CLUSTER_TABLE
+from autoplan.cli.common import console, emit_json, json_option, wide_option
 from cost_model.hardware import Cluster, load_cluster, preset_names
 
 
@@ -42,9 +52,10 @@ def cluster_show(spec: str, as_yaml: bool, as_json: bool) -> None:
     console().print(cluster_table(described))
 
 
-@cluster.command("list")
+@cluster.command("list", epilog=columns_help([CLUSTER_TABLE]))
+@wide_option
 @json_option
-def cluster_list(as_json: bool) -> None:
+def cluster_list(wide: bool, as_json: bool) -> None:
     """List the cluster presets (pass a NAME to --cluster, or NAME:key=value,... to override)."""
     presets = [Cluster.preset(name) for name in preset_names()]
     if as_json:
@@ -62,17 +73,20 @@ def cluster_list(as_json: bool) -> None:
             ]
         )
         return
-    table = compact_table("cluster presets (one node each; --num-devices or nodes=N scales them)")
-    for column in ("name", "per node", "device memory", "description"):
-        table.add_column(column, ratio=1 if column == "description" else None)
-    for c in presets:
-        table.add_row(
-            c.name,
-            f"{c.devices_per_node} x {c.device.name}",
-            fmt_bytes(c.device.memory_bytes),
-            c.description,
+    rows = [
+        Row(
+            [
+                c.name,
+                f"{c.devices_per_node} x {c.device.name}",
+                fmt_bytes(c.device.memory_bytes),
+                c.description,
+            ]
         )
-    console().print(table)
+        for c in presets
+    ]
+    out = console()
+    title = "cluster presets (one node each; --num-devices or nodes=N scales them)"
+    print_fitted(out, fitted_table(title, CLUSTER_COLUMNS, rows, width=out.width, wide=wide))
 
 
 def cluster_table(c: Cluster) -> Table:

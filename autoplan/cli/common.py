@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,10 +36,28 @@ def _finite(value: object) -> object:
     return value
 
 
+def console_width() -> int | None:
+    """The columns output is laid out for: ``COLUMNS`` when set (a whole number >= 20), else
+    the terminal's (None: rich asks it), else `WIDTH` when stdout is piped or redirected."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) >= 20:
+        return int(columns)
+    return None if sys.stdout.isatty() else WIDTH
+
+
 def console() -> Console:
-    """A rich console for tables and progress bars on stdout (`WIDTH` columns when not a
-    terminal: the tables are laid out to fit it)."""
-    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else WIDTH)
+    """A rich console for tables and messages on stdout, `console_width` columns wide: the
+    tables fit it (`autoplan._format.fitted_table`) and long messages wrap at its words."""
+    return Console(highlight=False, soft_wrap=False, width=console_width())
+
+
+# --wide: every column of the tables, whatever the console's width
+wide_option = click.option(
+    "--wide",
+    is_flag=True,
+    help="Show every table column, however wide (by default a table wider than the terminal "
+    "leaves out some columns, and its caption names them).",
+)
 
 
 def load_model(spec: str) -> Any:
@@ -248,8 +267,8 @@ def _tp_overlap_text(framework: str) -> str:
 
 def policy_lines(plan: Any) -> list[str]:
     """The lines `plan`, `estimate` and `explain` print under a plan's tables: its precision,
-    what it compiles and how its stack overlaps TP communication (each only where it says
-    something)."""
+    what it compiles, how its stack overlaps TP communication and why its ZeRO level runs as
+    another (each only where it says something)."""
     from autoplan._format import fmt_compile
     from cost_model.precision import precision_text
 
@@ -261,7 +280,22 @@ def policy_lines(plan: Any) -> list[str]:
         lines.append(f"[bold]compile:[/] {compiled}")
     if plan.tp_comm_overlap:
         lines.append(f"[bold]TP communication:[/] {_tp_overlap_text(plan.framework)}")
+    if (zero := zero_note(plan)) is not None:
+        lines.append(f"[bold]ZeRO:[/] {zero}")
     return lines
+
+
+def zero_note(plan: Any) -> str | None:
+    """Why a plan's ZeRO level runs as another (`Plan.zero_text` says "ZeRO-1 (runs as
+    ZeRO-2)"), or None when it runs as named."""
+    if "runs as" not in plan.zero_text:
+        return None
+    return (
+        f"ZeRO-{plan.zero_stage} runs as ZeRO-{plan.decisions.zero_stage} on autoplan's "
+        "runtime: outside plain DDP (fp32, no tensor or pipeline parallelism) the data-parallel "
+        "wrapper is FSDP2, which shards the gradients with the optimizer state, and the plan "
+        "is priced as it runs"
+    )
 
 
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:

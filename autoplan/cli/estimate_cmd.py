@@ -6,16 +6,21 @@ import click
 from rich.table import Table
 
 from autoplan._format import (
+    WIDTH,
+    Row,
     collapse_runs,
-    compact_table,
+    columns_help,
+    fitted_table,
     fmt_bytes,
     fmt_headroom,
     fmt_memory,
     fmt_recompute,
     fmt_time,
     fmt_time_range,
+    print_fitted,
 )
 from autoplan.api import default_dp, estimate, manual_plan
+from autoplan.cli.columns import STAGE_COLUMNS, STAGE_TABLE
 from autoplan.cli.common import (
     compile_option,
     console,
@@ -30,16 +35,17 @@ from autoplan.cli.common import (
     range_level,
     tp_comm_overlap_option,
     trace_spec,
+    wide_option,
 )
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
-from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Recompute, Schedule
+from autoplan.contract.plan import RECOMPUTE_MODES, DTypeName, Plan, Recompute, Schedule
 from cost_model.estimate import Estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK
 from cost_model.hardware import load_cluster
 from cost_model.messages import shown as shown_value
 
 
-@click.command("estimate")
+@click.command("estimate", epilog=columns_help([STAGE_TABLE]))
 @click.option(
     "--model",
     "model_spec",
@@ -149,6 +155,7 @@ from cost_model.messages import shown as shown_value
     "(Megatron-LM --optimizer-offload-fraction; DeepSpeed offload_optimizer).",
 )
 @framework_option
+@wide_option
 @progress_option
 @json_option
 def estimate_cmd(
@@ -178,6 +185,7 @@ def estimate_cmd(
     compile: bool,
     optimizer_offload: float,
     framework: str,
+    wide: bool,
     progress: bool | None,
     as_json: bool,
 ) -> None:
@@ -244,7 +252,7 @@ def estimate_cmd(
         + (", compiled" if plan.compile else "")
         + (f", priced for {plan.framework}" if plan.framework != DEFAULT_FRAMEWORK else "")
     )
-    out.print(stage_table(result))
+    print_fitted(out, stage_table(result, plan, width=out.width, wide=wide))
     out.print(summary_line(result))
     for line in policy_lines(plan):
         out.print(line)
@@ -283,33 +291,28 @@ def summary_line(result: Estimate) -> str:
     )
 
 
-def stage_table(result: Estimate) -> Table:
+def stage_table(
+    result: Estimate, plan: Plan | None = None, *, width: int = WIDTH, wide: bool = False
+) -> Table:
     """One row per pipeline rank (a rank's stages summed; ranks whose cells agree share a row):
-    seconds within one step and bytes per device."""
+    seconds within one step and bytes per device, fitted to ``width`` (`fitted_table`). A
+    communication column is shown where the plan has that parallelism (``plan``'s cp and ep
+    degrees, more than one pipeline rank) or the estimate prices some."""
     stages = {s.stage_idx: s for s in result.stages}
     interleaved = any(len(r.stages) > 1 for r in result.ranks)
-    # the host's share of the busy time, where a stack's host work shows at all
-    host = any(s.host_s > 0 for s in result.stages)
-    table = compact_table(
-        "per pipeline rank (times per step, memory per device)",
-        caption="state: weights + grads + optimizer; activations: held at the peak"
-        + ("; units (stages): pipeline units over the rank's model chunks" if interleaved else ""),
-    )
-    columns = (
-        "rank",
-        "units",
-        "recompute",
-        "compute",
-        "TP comm",
-        "PP comm",
-        "DP comm",
-        *(("host",) if host else ()),
-        "bubble",
-        "state",
-        "activations",
-    )
-    for name in columns:
-        table.add_column(name, justify="left" if name in ("units", "recompute") else "right")
+    shown = {
+        "TP comm": any(s.tp_comm_s > 0 for s in result.stages),
+        "CP comm": (plan is not None and plan.cp_degree > 1)
+        or any(s.cp_comm_s > 0 for s in result.stages),
+        "EP comm": (plan is not None and plan.ep_degree > 1)
+        or any(s.ep_comm_s > 0 for s in result.stages),
+        "PP comm": len(result.ranks) > 1,
+        "bubble": len(result.ranks) > 1 or any(r.bubble_s > 0 for r in result.ranks),
+        "DP comm": any(s.dp_comm_s > 0 for s in result.stages),
+        # the host's share where a stack's host work shows at all
+        "host": any(s.host_s > 0 for s in result.stages),
+    }
+    columns = [c for c in STAGE_COLUMNS if shown.get(c.header, True)]
     rows: list[tuple[int, list[str]]] = []
     for rank in result.ranks:
         held = [stages[i] for i in rank.stages]
@@ -320,23 +323,34 @@ def stage_table(result: Estimate) -> Table:
             first, last = held[0].first_unit, held[-1].last_unit
             unit_cell = str(first) if first == last else f"{first}-{last}"
         memory = rank.memory
-        rows.append(
-            (
-                rank.pp_rank,
-                [
-                    unit_cell,
-                    fmt_recompute(s.recompute for s in held),
-                    fmt_time(sum(s.compute_s for s in held)),
-                    fmt_time(sum(s.tp_comm_s for s in held)),
-                    fmt_time(sum(s.pp_comm_s for s in held)),
-                    fmt_time(sum(s.dp_comm_s for s in held)),
-                    *((fmt_time(sum(s.host_s for s in held)),) if host else ()),
-                    fmt_time(rank.bubble_s),
-                    fmt_bytes(memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes),
-                    fmt_bytes(memory.activation_bytes),
-                ],
-            )
+        cells = {
+            "units": unit_cell,
+            "recompute": fmt_recompute(s.recompute for s in held),
+            "compute": fmt_time(sum(s.compute_s for s in held)),
+            "TP comm": fmt_time(sum(s.tp_comm_s for s in held)),
+            "CP comm": fmt_time(sum(s.cp_comm_s for s in held)),
+            "EP comm": fmt_time(sum(s.ep_comm_s for s in held)),
+            "PP comm": fmt_time(sum(s.pp_comm_s for s in held)),
+            "DP comm": fmt_time(sum(s.dp_comm_s for s in held)),
+            "host": fmt_time(sum(s.host_s for s in held)),
+            "bubble": fmt_time(rank.bubble_s),
+            "state": fmt_bytes(memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes),
+            "activations": fmt_bytes(memory.activation_bytes),
+        }
+        rows.append((rank.pp_rank, [cells[c.header] for c in columns[1:]]))
+    return fitted_table(
+        "per pipeline rank (times per step, memory per device)",
+        columns,
+        [Row([label, *cells]) for label, cells in collapse_runs(rows)],
+        width=width,
+        wide=wide,
+        caption="state: weights + grads + optimizer; activations: held at the peak"
+        + (
+            "; PP comm: the host's time posting sends and receives (their link time is the "
+            "receiver's bubble)"
+            if shown["PP comm"]
+            else ""
         )
-    for label, cells in collapse_runs(rows):
-        table.add_row(label, *cells)
-    return table
+        + ("; CP comm: the ring exchanges not hidden under attention" if shown["CP comm"] else "")
+        + ("; units (stages): pipeline units over the rank's model chunks" if interleaved else ""),
+    )

@@ -13,7 +13,16 @@ import click
 from rich.padding import Padding
 from rich.table import Table
 
-from autoplan._format import collapse_runs, compact_table, fmt_gib, fmt_time
+from autoplan._format import (
+    WIDTH,
+    Row,
+    collapse_runs,
+    columns_help,
+    fitted_table,
+    fmt_gib,
+    fmt_time,
+    print_fitted,
+)
 from autoplan.analysis.explain import (
     Explanation,
     describe_plan,
@@ -22,6 +31,7 @@ from autoplan.analysis.explain import (
     plan_model_spec,
 )
 from autoplan.analysis.timeline import timeline_of
+from autoplan.cli.columns import MEMORY_COLUMNS, MEMORY_TABLE, STAGE_TABLE
 from autoplan.cli.common import (
     console,
     emit_json,
@@ -30,6 +40,7 @@ from autoplan.cli.common import (
     memory_headroom_option,
     policy_lines,
     trace_spec,
+    wide_option,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
@@ -40,7 +51,7 @@ from cost_model.hardware import load_cluster
 from cost_model.messages import shown
 
 
-@click.command("explain")
+@click.command("explain", epilog=columns_help([STAGE_TABLE, MEMORY_TABLE]))
 @click.argument("plan_path", metavar="PLAN.yaml")
 @click.option(
     "--cluster",
@@ -91,6 +102,7 @@ from cost_model.messages import shown
     help=f"Training stack to price the plan for ({', '.join(FRAMEWORKS)}) [the plan's].",
 )
 @memory_headroom_option
+@wide_option
 @progress_option
 @json_option
 def explain_cmd(
@@ -104,6 +116,7 @@ def explain_cmd(
     budget: float,
     framework: str | None,
     memory_headroom: float | None,
+    wide: bool,
     progress: bool | None,
     as_json: bool,
 ) -> None:
@@ -160,7 +173,7 @@ def explain_cmd(
         data["timeline"] = timeline
         emit_json(data)
         return
-    _print(out, result, notes, plan)
+    _print(out, result, notes, plan, wide)
     if timeline is not None:
         out.print(
             f"wrote {timeline_path}: one step of {fmt_time(timeline['step_time_s'])} (the "
@@ -168,15 +181,15 @@ def explain_cmd(
         )
 
 
-def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
+def _print(out: Any, result: Explanation, notes: list[str], plan: Plan, wide: bool) -> None:
     for note in notes:
         out.print(f"[dim]using {note}[/]")
     out.print(
         f"[bold]{result.model}[/] on {result.cluster} ({result.num_devices} devices): "
         f"{describe_plan(result.plan)}, {plan.dtype}"
     )
-    out.print(stage_table(result.estimate))
-    out.print(memory_table(result))
+    print_fitted(out, stage_table(result.estimate, plan, width=out.width, wide=wide))
+    print_fitted(out, memory_table(result, width=out.width, wide=wide))
     out.print(summary_line(result.estimate))
     for line in policy_lines(plan):
         out.print(line)
@@ -191,32 +204,10 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan) -> None:
             out.print(Padding(alternative.line, (0, 0, 0, 2)))
 
 
-def memory_table(result: Explanation) -> Table:
+def memory_table(result: Explanation, *, width: int = WIDTH, wide: bool = False) -> Table:
     """Each pipeline rank's peak memory per device against the capacity, in GiB (ranks whose
-    cells agree share a row)."""
+    cells agree share a row), fitted to ``width``."""
     e = result.estimate
-    table = compact_table(
-        "memory per device at the peak (GiB)",
-        caption="activations: held micro-batches; working: one backward's working set, p2p and "
-        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin; "
-        f"fits: total at most {fmt_gib(e.usable_memory_bytes)} (the capacity less the "
-        f"{e.memory_headroom:.0%} memory headroom and the peak's 80% range)",
-    )
-    for name in (
-        "rank",
-        "weights",
-        "grads",
-        "optimizer",
-        "activations",
-        "working",
-        "loss",
-        "reserve",
-        "total",
-        "capacity",
-        "used",
-        "fits",
-    ):
-        table.add_column(name, justify="right")
     rows = [
         (
             m.pp_rank,
@@ -236,6 +227,15 @@ def memory_table(result: Explanation) -> Table:
         )
         for m in result.memory
     ]
-    for label, cells in collapse_runs(rows):
-        table.add_row(label, *cells)
-    return table
+    return fitted_table(
+        "memory per device at the peak (GiB)",
+        MEMORY_COLUMNS,
+        [Row([label, *cells]) for label, cells in collapse_runs(rows)],
+        width=width,
+        wide=wide,
+        caption="activations: held micro-batches; working: one backward's working set, p2p and "
+        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin; "
+        f"capacity {fmt_gib(e.memory_capacity_bytes)}; fits: total at most "
+        f"{fmt_gib(e.usable_memory_bytes)} (the capacity less the {e.memory_headroom:.0%} memory "
+        "headroom and the peak's 80% range)",
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import click
 
+from autoplan._format import comment_lines
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
 from autoplan.cli.common import console, emit_json, json_option, trace_spec
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
@@ -136,11 +137,13 @@ def export_cmd(
         return
     out = console()
     if result.stack_note is not None:
-        out.print(f"# note: {result.stack_note}", style="bold", markup=False, soft_wrap=True)
+        out.print(
+            comment_lines(f"note: {result.stack_note}", out.width), style="bold", markup=False
+        )
     if cluster_note:
-        out.print(f"# using {cluster_note}", style="dim", markup=False, soft_wrap=True)
+        out.print(comment_lines(f"using {cluster_note}", out.width), style="dim", markup=False)
     if memory is not None and memory.fits:
-        out.print(f"# checked: {memory}", style="dim", markup=False, soft_wrap=True)
+        out.print(comment_lines(f"checked: {memory}", out.width), style="dim", markup=False)
     if wrote is not None:
         for path in wrote.paths:
             verb = "unchanged" if path in wrote.unchanged else "wrote"
@@ -151,7 +154,9 @@ def export_cmd(
             out.print(text.rstrip("\n"), markup=False, soft_wrap=True, highlight=False)
     out.print("# launch (the same line on every node):", style="bold", markup=False)
     for variable in result.variables:
-        out.print(f"#   set {variable}", style="bold", markup=False, soft_wrap=True)
+        out.print(
+            comment_lines(f"set {variable}", out.width, prefix="#   "), style="bold", markup=False
+        )
     out.print(result.command_line, markup=False, soft_wrap=True)
     for note in result.notes:
-        out.print(f"# note: {note}", style="dim", markup=False, soft_wrap=True)
+        out.print(comment_lines(f"note: {note}", out.width), style="dim", markup=False)

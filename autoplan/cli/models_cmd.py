@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.table import Table
 
-from autoplan.cli.common import console, emit_json, json_option
+from autoplan._format import Row, columns_help, fitted_table, print_fitted
+from autoplan.cli.columns import MODEL_COLUMNS, MODEL_TABLE
+from autoplan.cli.common import console, emit_json, json_option, wide_option
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 
 
@@ -39,10 +40,11 @@ def _row(name: str) -> dict[str, Any]:
     return row
 
 
-@click.command("models")
+@click.command("models", epilog=columns_help([MODEL_TABLE]))
 @progress_option
+@wide_option
 @json_option
-def models_cmd(progress: bool | None, as_json: bool) -> None:
+def models_cmd(progress: bool | None, wide: bool, as_json: bool) -> None:
     """List the model presets and their sizes. Pass a name to --model, with overrides as
     NAME:key=value,... (e.g. llama3-8b:seq_len=4096), or use the builders gpt:..., llama:... and
     moe:... (ffn shows a MoE's experts as experts x top-k x expert size)."""
@@ -52,29 +54,38 @@ def models_cmd(progress: bool | None, as_json: bool) -> None:
         from autoplan.models import list_presets  # imports torch, as in _row
 
         names = list_presets()
-        rows: list[dict[str, Any]] = []
+        presets: list[dict[str, Any]] = []
         for done, name in enumerate(names):
             status.update(f"building {name} on meta", done, len(names), phase="build")
-            rows.append(_row(name))
+            presets.append(_row(name))
     if as_json:
-        emit_json(rows)
+        emit_json(presets)
         return
-    table = Table(title="model presets (--model NAME[:key=value,...])")
-    for column in ("name", "params", "layers", "hidden", "heads (kv)", "ffn", "seq", "vocab"):
-        table.add_column(column, justify="left" if column == "name" else "right")
-    for r in rows:
-        table.add_row(
-            r["name"],
-            f"{r['num_params'] / 1e9:,.2f} B",
-            str(r["num_layers"]),
-            str(r["hidden_size"]),
-            f"{r['num_heads']} ({r['num_kv_heads']})",
-            (
-                f"{r['num_experts']}x{r['top_k']}x{r['moe_ffn_hidden_size']}"
-                if r["family"] == "moe"
-                else str(r["ffn_hidden_size"])
-            ),
-            str(r["seq_len"]),
-            str(r["vocab_size"]),
+    rows = [
+        Row(
+            [
+                r["name"],
+                f"{r['num_params'] / 1e9:,.2f} B",
+                str(r["num_layers"]),
+                str(r["hidden_size"]),
+                f"{r['num_heads']} ({r['num_kv_heads']})",
+                (
+                    f"{r['num_experts']}x{r['top_k']}x{r['moe_ffn_hidden_size']}"
+                    if r["family"] == "moe"
+                    else str(r["ffn_hidden_size"])
+                ),
+                str(r["seq_len"]),
+                str(r["vocab_size"]),
+            ]
         )
-    console().print(table)
+        for r in presets
+    ]
+    out = console()
+    table = fitted_table(
+        "model presets (--model NAME[:key=value,...])",
+        MODEL_COLUMNS,
+        rows,
+        width=out.width,
+        wide=wide,
+    )
+    print_fitted(out, table)

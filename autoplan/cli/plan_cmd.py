@@ -11,16 +11,21 @@ import click
 from rich.table import Table
 
 from autoplan._format import (
-    MEMORY_CELL_CAPTION,
-    compact_table,
+    WIDTH,
+    Row,
+    columns_help,
+    fitted_table,
     fmt_memory_cell,
     fmt_range_percent,
     fmt_recompute,
     fmt_schedule,
     fmt_time,
+    print_fitted,
+    short_bytes,
 )
 from autoplan.analysis.coverage import coverage
 from autoplan.api import estimate
+from autoplan.cli.columns import RANKED_COLUMNS, RANKED_TABLE, STAGE_TABLE
 from autoplan.cli.common import (
     budget_s,
     check_output_path,
@@ -32,6 +37,7 @@ from autoplan.cli.common import (
     search_constraints,
     search_options,
     trace_spec,
+    wide_option,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.progress import (
@@ -46,7 +52,7 @@ from cost_model.hardware import load_cluster
 from cost_model.messages import shown
 
 
-@click.command("plan")
+@click.command("plan", epilog=columns_help([RANKED_TABLE, STAGE_TABLE]))
 @click.option(
     "--model",
     "model_spec",
@@ -77,6 +83,7 @@ from cost_model.messages import shown
 )
 @search_options()
 @framework_option
+@wide_option
 @progress_option
 @json_option
 def plan_cmd(
@@ -86,6 +93,7 @@ def plan_cmd(
     output: str | None,
     top_k: int,
     framework: str,
+    wide: bool,
     progress: bool | None,
     as_json: bool,
     time_limit: float,
@@ -158,9 +166,9 @@ def plan_cmd(
             "reference seconds: this machine ran it far slower than the reference, so another "
             "run may answer differently; raise --budget or ask when the machine is idle[/]"
         )
-    out.print(ranked_table(result.plans))
+    print_fitted(out, ranked_table(result.plans, width=out.width, wide=wide))
     detail = estimate(profile, target, best)
-    out.print(stage_table(detail))
+    print_fitted(out, stage_table(detail, best, width=out.width, wide=wide))
     out.print(summary_line(detail))
     for line in policy_lines(best):
         out.print(line)
@@ -198,71 +206,60 @@ def _exit_if_interrupted(stats: SearchStats) -> None:
         raise click.exceptions.Exit(130)
 
 
-def ranked_table(plans: tuple[Plan, ...]) -> Table:
+def ranked_table(plans: tuple[Plan, ...], *, width: int = WIDTH, wide: bool = False) -> Table:
     """The ranked plans, one line each, with their rank layouts (outermost axis first) when
-    they differ (the chosen plan's split is in its stage table)."""
+    they differ (the chosen plan's split is in its stage table), fitted to ``width``."""
     headroom = plans[0].estimate.memory_headroom if plans[0].estimate else 0.0
-    table = compact_table(
-        "best plans (rank 1 is chosen)",
-        caption="range: the step's 80% range around it; "
-        + MEMORY_CELL_CAPTION
-        + f"; each plan keeps {headroom:.0%} of the device free beyond the peak's 80% range "
-        "(memory headroom)",
-    )
-    # The rank layout only when the plans differ in it: then it may be all that tells two apart.
-    layouts = len({plan.rank_layout for plan in plans}) > 1
-    # cp and ep columns only when a plan uses them
-    cp = any(plan.cp_degree > 1 for plan in plans)
-    ep = any(plan.ep_degree > 1 for plan in plans)
-    # the dtype when the plans differ in it or train with an fp8 recipe (its name says which)
-    dtypes = len({plan.dtype for plan in plans}) > 1 or any("fp8" in plan.dtype for plan in plans)
-    narrow = layouts or dtypes
-    for name in (
-        "#",
-        "tp",
-        "pp",
-        "dp",
-        *(("cp",) if cp else ()),
-        *(("ep",) if ep else ()),
-        "mb x n",
-        "schedule",
-        "v",
-        "ZeRO",
-        "SP",
-        "recompute",
-        *(("layout",) if layouts else ()),
-        *(("dtype",) if dtypes else ()),
-        "step",
-        # the step's 80% range, where the width allows (the chosen plan's is printed below)
-        *(() if narrow else ("range",)),
-        "MFU",
-        "memory",
-    ):
-        left = name in ("schedule", "recompute", "layout", "dtype")
-        table.add_column(name, justify="left" if left else "right")
+    shown = {
+        "cp": any(plan.cp_degree > 1 for plan in plans),
+        "ep": any(plan.ep_degree > 1 for plan in plans),
+        # the rank layout only when the plans differ in it: then it may be all that tells two
+        # apart
+        "layout": len({plan.rank_layout for plan in plans}) > 1,
+        # the dtype when the plans differ in it or train with an fp8 recipe (its name says which)
+        "dtype": len({plan.dtype for plan in plans}) > 1 or any("fp8" in p.dtype for p in plans),
+    }
+    columns = [c for c in RANKED_COLUMNS if shown.get(c.header, True)]
+    # the plans share the device: its capacity is said once, in the caption
+    capacity_bytes = plans[0].estimate.memory_capacity_bytes if plans[0].estimate else 0.0
+    capacity = f"/{short_bytes(capacity_bytes)}" if capacity_bytes > 0 else ""
+    rows = []
     for rank, plan in enumerate(plans, start=1):
         e = plan.estimate
         assert e is not None
-        table.add_row(
-            str(rank),
-            str(plan.tp_degree),
-            str(plan.pp_degree),
-            str(plan.dp_degree),
-            *((str(plan.cp_degree),) if cp else ()),
-            *((str(plan.ep_degree),) if ep else ()),
-            f"{plan.micro_batch_size} x {plan.num_micro_batches}",
-            fmt_schedule(plan.schedule),
-            str(plan.virtual_stages),
+        cells = {
+            "#": str(rank),
+            "tp": str(plan.tp_degree),
+            "pp": str(plan.pp_degree),
+            "dp": str(plan.dp_degree),
+            "cp": str(plan.cp_degree),
+            "ep": str(plan.ep_degree),
+            "mb x n": f"{plan.micro_batch_size} x {plan.num_micro_batches}",
+            "schedule": fmt_schedule(plan.schedule),
+            "v": str(plan.virtual_stages),
             # under HSDP, the shard group's size too (`Plan.dp_shard_degree`)
-            str(plan.zero_stage)
+            "ZeRO": str(plan.zero_stage)
             + ("" if plan.dp_shard_degree is None else f" HSDP {plan.dp_shard_degree}"),
-            "yes" if plan.sequence_parallel else "no",
-            fmt_recompute(s.recompute for s in plan.stages),
-            *(("/".join(plan.rank_layout),) if layouts else ()),
-            *((plan.dtype,) if dtypes else ()),
-            fmt_time(e.step_time_s),
-            *(() if narrow else (fmt_range_percent(e.step_time_s, e.step_time_range_s),)),
-            f"{e.mfu:.1%}",
-            fmt_memory_cell(e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes),
-        )
-    return table
+            "SP": "yes" if plan.sequence_parallel else "no",
+            "recompute": fmt_recompute(s.recompute for s in plan.stages),
+            "layout": "/".join(plan.rank_layout),
+            "dtype": plan.dtype,
+            "step": fmt_time(e.step_time_s),
+            "range": fmt_range_percent(e.step_time_s, e.step_time_range_s),
+            "MFU": f"{e.mfu:.1%}",
+            "memory": fmt_memory_cell(
+                e.peak_memory_bytes, e.memory_reserve_bytes, e.memory_capacity_bytes
+            ).removesuffix(capacity),
+        }
+        rows.append(Row([cells[c.header] for c in columns]))
+    return fitted_table(
+        "best plans (rank 1 is chosen)",
+        columns,
+        rows,
+        width=width,
+        wide=wide,
+        caption="range: the step's 80% range around it; memory per device: predicted + reserve "
+        f"and allocator margin{f' of {capacity[1:]}' if capacity else ''} (G = GiB, M = MiB)"
+        + f"; each plan keeps {headroom:.0%} of the device free beyond the peak's 80% range "
+        "(memory headroom)",
+    )

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from autoplan._format import compact_table, fmt_count
-from autoplan.cli.common import console, emit_json, json_option
+from autoplan._format import WIDTH, Row, columns_help, fitted_table, fmt_count, print_fitted
+from autoplan.cli.columns import TRACE_COLUMNS, TRACE_TABLE
+from autoplan.cli.common import console, emit_json, json_option, wide_option
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from cost_model.messages import shown
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 _MIB = 2.0**20
 
 
-@click.command("trace")
+@click.command("trace", epilog=columns_help([TRACE_TABLE]))
 @click.option(
     "--model",
     "model_spec",
@@ -54,6 +55,7 @@ _MIB = 2.0**20
     is_flag=True,
     help="One row per unit (by default a run of identical blocks is one row).",
 )
+@wide_option
 @progress_option
 @json_option
 def trace(
@@ -61,6 +63,7 @@ def trace(
     batch_size: int,
     seq_len: int | None,
     show_all: bool,
+    wide: bool,
     progress: bool | None,
     as_json: bool,
 ) -> None:
@@ -84,10 +87,9 @@ def trace(
         f"{data['model']}: {data['num_units']} pipeline units, batch {data['batch_size']} x "
         f"seq {data['seq_len']}, torch.{data['front_end']}, "
         f"fingerprint {data['fingerprint']}",
-        markup=False,
-        soft_wrap=True,  # one line: it names the model spec, which can be long
+        markup=False,  # wrapped at words; a model spec longer than a line is folded
     )
-    out.print(trace_table(data, collapse=not show_all))
+    print_fitted(out, trace_table(data, collapse=not show_all, width=out.width, wide=wide))
     out.print(LEGEND, markup=False)
     for line in moe_lines(data):
         out.print(line, markup=False)  # wrapped at the console's width, as the legend
@@ -217,15 +219,12 @@ def _runs(units: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return runs
 
 
-def trace_table(data: dict[str, Any], *, collapse: bool = True) -> Table:
-    table = compact_table()
-    table.add_column("#", justify="right")
-    table.add_column("unit", overflow="fold", ratio=1)
-    table.add_column("kind")
-    table.add_column("params", justify="right")
-    table.add_column("fwd GFLOP", justify="right")
-    table.add_column("saved act MiB", justify="right")
-    table.add_column("cut MiB", justify="right")
+def trace_table(
+    data: dict[str, Any], *, collapse: bool = True, width: int = WIDTH, wide: bool = False
+) -> Table:
+    """A row per pipeline unit (a run of identical blocks as one with ``collapse``) and the
+    totals, fitted to ``width``."""
+    rows: list[Row] = []
     groups = _runs(data["units"]) if collapse else [[u] for u in data["units"]]
     for group in groups:
         unit, end = group[0], group[-1]
@@ -233,18 +232,21 @@ def trace_table(data: dict[str, Any], *, collapse: bool = True) -> Table:
         if len(group) > 1:
             index = f"{unit['index']}-{end['index']}"
             name = f"{unit['name']} .. {end['name']} (x{len(group)})"
-        table.add_row(
-            index,
-            name,
-            unit["kind"],
-            fmt_count(unit["num_params"]),
-            _number(unit["forward_flops"] / 1e9),
-            _number(unit["saved_activation_bytes"] / _MIB),
-            _number(unit["cut_bytes"] / _MIB),
+        rows.append(
+            Row(
+                [
+                    index,
+                    name,
+                    unit["kind"],
+                    fmt_count(unit["num_params"]),
+                    _number(unit["forward_flops"] / 1e9),
+                    _number(unit["saved_activation_bytes"] / _MIB),
+                    _number(unit["cut_bytes"] / _MIB),
+                ]
+            )
         )
     totals = data["totals"]
-    table.add_section()
-    table.add_row(
+    total = [
         "",
         "total",
         "",
@@ -252,9 +254,9 @@ def trace_table(data: dict[str, Any], *, collapse: bool = True) -> Table:
         _number(totals["forward_flops"] / 1e9),
         _number(totals["saved_activation_bytes"] / _MIB),
         "",
-        style="bold",
-    )
-    return table
+    ]
+    rows.append(Row(total, style="bold", section=True))
+    return fitted_table(None, TRACE_COLUMNS, rows, width=width, wide=wide)
 
 
 def _number(value: float) -> str:

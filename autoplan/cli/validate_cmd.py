@@ -185,11 +185,13 @@ def validate(
             f"{plan_path}: valid for {against}: "
             f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}"
             + (f" cp={plan.cp_degree}" if plan.cp_degree > 1 else "")
-            + (f" ep={plan.ep_degree}" if plan.ep_degree > 1 else "")
-            + f"; {memory_note}",
+            + (f" ep={plan.ep_degree}" if plan.ep_degree > 1 else ""),
             markup=False,
-            soft_wrap=True,  # the verdict stays one line, for scripts that grep it
+            # the verdict stays one line, for scripts that grep it: it is only wider than the
+            # console when the plan's path or the model spec is
+            soft_wrap=True,
         )
+        out.print(f"  {memory_note}", markup=False)  # wrapped at the console's words
         if cluster_note:
             out.print(f"using {cluster_note}", style="dim", markup=False)
         precision = precision_text(

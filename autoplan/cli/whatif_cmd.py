@@ -16,11 +16,15 @@ from rich.console import Group
 from rich.table import Table
 
 from autoplan._format import (
-    compact_table,
+    WIDTH,
+    Row,
+    columns_help,
+    fitted_table,
     fmt_bytes,
     fmt_range_percent,
     fmt_recompute,
     fmt_time,
+    print_fitted,
 )
 from autoplan.analysis.whatif import (
     DEFAULT_TOTAL_BUDGET_S,
@@ -35,6 +39,7 @@ from autoplan.analysis.whatif import (
     whatif,
 )
 from autoplan.analysis.whatif_results import PROVEN_FOR_SUPERLINEAR
+from autoplan.cli.columns import COST_COLUMNS, COST_TABLE, WHATIF_COLUMNS, WHATIF_TABLE
 from autoplan.cli.common import (
     budget_s,
     console,
@@ -45,6 +50,7 @@ from autoplan.cli.common import (
     search_constraints,
     search_options,
     trace_spec,
+    wide_option,
 )
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import Plan
@@ -55,7 +61,7 @@ from cost_model.schema import check_writable
 PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-@click.command("whatif")
+@click.command("whatif", epilog=columns_help([WHATIF_TABLE, COST_TABLE]))
 @click.option(
     "--model",
     "model_spec",
@@ -124,6 +130,7 @@ PICTURE_SUFFIXES = (".png", ".pdf", ".svg")
 )
 @search_options(with_dp=False)
 @framework_option
+@wide_option
 @progress_option
 @json_option
 def whatif_cmd(
@@ -140,6 +147,7 @@ def whatif_cmd(
     time_limit: float,
     total_budget: float,
     framework: str,
+    wide: bool,
     progress: bool | None,
     as_json: bool,
     **options: Any,
@@ -163,7 +171,10 @@ def whatif_cmd(
     out = console()
     cap = total_budget or None  # (0: no cap)
     # progress on stderr: a bar on a terminal, else a line a search (`autoplan.cli.progress`)
-    with status_reporter("what-if", enabled=progress_enabled(progress, as_json)) as status:
+    # (its searches run in worker processes: the delay before the first line counts wall time)
+    with status_reporter(
+        "what-if", enabled=progress_enabled(progress, as_json), in_workers=True
+    ) as status:
         status.update(f"tracing {shown_value(model_spec, quoted=False)}")
         profile = trace_spec(model_spec).profile
 
@@ -237,7 +248,9 @@ def whatif_cmd(
     if overrides:
         header += ", with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
     out.print(header)
-    out.print(whatif_table(result, currency=currency))
+    print_fitted(
+        out, *whatif_table(result, currency=currency, width=out.width, wide=wide).renderables
+    )
     out.print(
         f"{len(result.rows) - result.not_run} searches in {result.total_time_s:.1f} s; scaling "
         "efficiency = "
@@ -397,94 +410,77 @@ def scaling_note(result: WhatIfResult) -> str:
     return "".join(f"\n{note}" for note in notes)
 
 
-def whatif_table(result: WhatIfResult, *, currency: str = "USD") -> Group:
+def whatif_table(
+    result: WhatIfResult, *, currency: str = "USD", width: int = WIDTH, wide: bool = False
+) -> Group:
     """A table per cluster type, a row per device count: the best plan, its speed, memory,
     scaling and the search's unproven gap; with ``tokens``, a table of the time and cost to
-    train."""
+    train; each fitted to ``width``."""
     tables: list[Table] = []
     clusters = list(dict.fromkeys(row.cluster for row in result.rows))
     headroom = f"{float(dict(result.constraints).get('memory_headroom', 0.1)):.0%}"
     for index, cluster in enumerate(clusters):
         rows = [row for row in result.rows if row.cluster == cluster]
-        table = compact_table(
-            # a size below a node is priced on part of one: the largest row's is the node's
-            f"best plan per size: {cluster} ({max(r.devices_per_node for r in rows)} devices "
-            "per node, "
-            f"{fmt_bytes(rows[0].memory_capacity_bytes)} each)",
-            caption=(
-                "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and expert "
-                "parallel, when used), mb = micro-batch size x count, Z = ZeRO level; memory: "
-                "the peak device's predicted tensors, framework "
-                "reserve and allocator margin, as a share of its capacity (the rest is free; plans "
-                f"keep {headroom} of it free beyond the peak's 80% range); range: the step's "
-                "80% range "
-                "around it; gap: a plan up to this much "
-                "faster may exist (the search's budget ended before it proved otherwise)"
-            )
-            if index == len(clusters) - 1
-            else None,
-        )
-        for name in (
-            "devices",
-            "plan",
-            "step",
-            "range",
-            "tokens/s",
-            "MFU",
-            "memory",
-            "scaling",
-            "gap",
-        ):
-            if name == "plan":
-                table.add_column(name, justify="left", overflow="fold", ratio=1)
-            else:
-                table.add_column(name, justify="right", no_wrap=True)
+        cells: list[Row] = []
         for row in rows:
-            cells = [f"{row.num_devices:,}", _plan_cell(row)]
+            head = [f"{row.num_devices:,}", _plan_cell(row)]
             if row.plan is None:
-                table.add_row(*cells, *["-"] * 7, style="dim")
+                cells.append(Row([*head, *["-"] * 7], style="dim"))
                 continue
             assert row.step_time_s is not None and row.tokens_per_s is not None
             assert row.mfu is not None and row.peak_memory_bytes is not None
-            table.add_row(
-                *cells,
-                fmt_time(row.step_time_s),
-                fmt_range_percent(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
-                f"{row.tokens_per_s:,.0f}",
-                f"{row.mfu:.1%}",
-                f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
-                _efficiency_cell(result, row),
-                f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
+            cells.append(
+                Row(
+                    [
+                        *head,
+                        fmt_time(row.step_time_s),
+                        fmt_range_percent(row.step_time_s, row.step_time_range_s or (0.0, 0.0)),
+                        f"{row.tokens_per_s:,.0f}",
+                        f"{row.mfu:.1%}",
+                        f"{row.peak_memory_bytes / row.memory_capacity_bytes:.0%}",
+                        _efficiency_cell(result, row),
+                        f"{row.optimality_gap:.1%}" if row.optimality_gap > 0 else "0",
+                    ]
+                )
             )
-        tables.append(table)
+        tables.append(
+            fitted_table(
+                # a size below a node is priced on part of one: the largest row's is the node's
+                f"best plan per size: {cluster} ({max(r.devices_per_node for r in rows)} "
+                f"devices per node, {fmt_bytes(rows[0].memory_capacity_bytes)} each)",
+                WHATIF_COLUMNS,
+                cells,
+                width=width,
+                wide=wide,
+                caption=(
+                    "plan: t/p/d = tensor/pipeline/data-parallel degrees (c/e: context and "
+                    "expert parallel, when used), mb = micro-batch size x count, Z = ZeRO level; "
+                    "memory: the peak device's predicted tensors, framework reserve and "
+                    "allocator margin, as a share of its capacity (the rest is free; plans "
+                    f"keep {headroom} of it free beyond the peak's 80% range); range: the "
+                    "step's 80% range around it; gap: a plan up to this much faster may exist "
+                    "(the search's budget ended before it proved otherwise)"
+                )
+                if index == len(clusters) - 1
+                else None,
+            )
+        )
     if result.tokens is not None:
-        tables.append(_cost_table(result, currency))
+        tables.append(_cost_table(result, currency, width=width, wide=wide))
     parts: list[Table | str] = []
     for table in tables:
         parts += [table, ""] if table is not tables[-1] else [table]
     return Group(*parts)
 
 
-def _cost_table(result: WhatIfResult, currency: str) -> Table:
+def _cost_table(result: WhatIfResult, currency: str, *, width: int, wide: bool) -> Table:
     assert result.tokens is not None
-    table = compact_table(
-        f"to train on {result.tokens:.3g} tokens",
-        caption=(
-            f"price: {currency} per device-hour (a type without one has no cost); per 1M tokens: "
-            "the cost of a million tokens at the row's throughput"
-        )
-        if result.priced
-        else None,
-    )
-    columns = ["cluster", "devices", "days", "device-hours"]
-    if result.priced:
-        columns += ["price", f"cost ({currency})", "per 1M tokens"]
-    for name in columns:
-        table.add_column(name, justify="left" if name == "cluster" else "right")
+    columns = list(COST_COLUMNS if result.priced else COST_COLUMNS[:4])
+    rows: list[Row] = []
     for row in result.rows:
         cells = [row.cluster, f"{row.num_devices:,}"]
         if row.training is None:
-            table.add_row(*cells, *["-"] * (len(columns) - 2), style="dim")
+            rows.append(Row([*cells, *["-"] * (len(columns) - 2)], style="dim"))
             continue
         cells += [_amount(row.training.days), _amount(row.training.device_hours)]
         if result.priced:
@@ -496,5 +492,18 @@ def _cost_table(result: WhatIfResult, currency: str) -> Table:
                 _amount(cost) if cost is not None else "-",
                 f"{per_million:.3g}" if per_million is not None else "-",
             ]
-        table.add_row(*cells)
-    return table
+        rows.append(Row(cells))
+    return fitted_table(
+        f"to train on {result.tokens:.3g} tokens",
+        columns,
+        rows,
+        width=width,
+        wide=wide,
+        caption=(
+            f"price and cost: {currency} per device-hour and {currency} (a type without a "
+            "price has no cost); per 1M tokens: the cost of a million tokens at the row's "
+            "throughput"
+        )
+        if result.priced
+        else None,
+    )
