@@ -59,10 +59,10 @@ def calibrate_cmd(
     """Measure matmul FLOP/s, memory bandwidth, collectives and training-step overheads; write
     a cluster YAML."""
     out = console()
-    # progress on stderr (`autoplan.cli.progress`), from the start: the measurements take
-    # seconds, most of them in worker processes (which this process's CPU time does not count)
+    # progress on stderr (`autoplan.cli.progress`): the measurements take seconds, in worker
+    # processes
     with status_reporter(
-        "calibrate", enabled=progress_enabled(progress, as_json), delay_s=0.0
+        "calibrate", enabled=progress_enabled(progress, as_json), in_workers=True
     ) as status:
 
         def report(what: str, fraction: float) -> None:

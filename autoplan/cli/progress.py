@@ -8,8 +8,9 @@ lines, each flushed, ``PREFIX: TEXT (N s)`` with the seconds since the command s
 - none until the command has done `FIRST_LINE_S` seconds of work (a quick command prints none,
   and its error stays the only line on stderr: git's delayed progress waits 2 s the same way);
   the work is counted in CPU seconds of this process, so a loaded machine, which stretches wall
-  time but not this, does not make a quick command chatty; a command whose work runs in other
-  processes (``calibrate``) starts at once (``delay_s=0``);
+  time but not this, does not make a quick command chatty; a command whose work runs in worker
+  processes (``whatif``'s searches, ``calibrate``'s measurements: ``in_workers``) counts wall
+  seconds instead;
 - then a line for the phase in hand, and one at once for each phase after it (``Status.update``'s
   ``phase``: tracing, enumerating, seeding, visiting, ...);
 - within a phase that counts (``total`` given), a line each time it passes another
@@ -26,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -82,7 +83,10 @@ class Status:
     completed: int = 0
     total: int | None = None
     started: float = field(default_factory=time.monotonic)
-    started_cpu: float = field(default_factory=time.process_time)
+    # the clock of the delay before the first line: this process's CPU time, or wall time for
+    # a command whose work runs in worker processes
+    work_clock: Callable[[], float] = time.process_time
+    started_work: float = field(default_factory=time.process_time)
     delay_s: float = FIRST_LINE_S
     piped: bool = False  # print plain lines on stderr (`status_reporter` sets it)
     _printed_phase: str | None = None
@@ -129,7 +133,7 @@ class Status:
 
     def _print_if_due(self) -> None:
         # (called with the lock held)
-        if self._printed_phase is None and time.process_time() - self.started_cpu < self.delay_s:
+        if self._printed_phase is None and self.work_clock() - self.started_work < self.delay_s:
             return
         now = time.monotonic()
         percent = (
@@ -148,11 +152,13 @@ class Status:
 
 @contextmanager
 def status_reporter(
-    prefix: str, *, enabled: bool = True, delay_s: float | None = None
+    prefix: str, *, enabled: bool = True, in_workers: bool = False
 ) -> Iterator[Status]:
-    """A `Status` shown on stderr while the block runs (see the module docstring); ``delay_s``:
-    CPU seconds before the first piped line (None: `FIRST_LINE_S`)."""
-    status = Status(prefix=prefix, delay_s=FIRST_LINE_S if delay_s is None else delay_s)
+    """A `Status` shown on stderr while the block runs (see the module docstring); with
+    ``in_workers`` the delay before the first piped line counts wall seconds (the work runs in
+    other processes, whose CPU time this one does not see)."""
+    clock = time.monotonic if in_workers else time.process_time
+    status = Status(prefix=prefix, work_clock=clock, started_work=clock(), delay_s=FIRST_LINE_S)
     if not enabled:
         yield status
         return
