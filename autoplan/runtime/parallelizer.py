@@ -851,6 +851,7 @@ def _describe(plan: Plan) -> str:
         f"dp {plan.dp_degree} x tp {plan.tp_degree} x pp {plan.pp_degree}"
         + (f" x cp {plan.cp_degree}" if plan.cp_degree > 1 else "")
         + (f", ep {plan.ep_degree} {_ep_where(plan)}" if plan.ep_degree > 1 else "")
+        + (f", experts split over etp {plan.etp_degree}" if plan.etp_degree > 1 else "")
         + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
         f"{plan.num_micro_batches} micro-batch{'es' if plan.num_micro_batches > 1 else ''} of "
         f"{plan.micro_batch_size}, "
