@@ -304,14 +304,17 @@ def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
     p = timeline.pp_degree
     rank = _last_rank(timeline)
     rows = _peers(timeline, rank)
-    overview_in, zoom_in = 0.6 + 0.28 * p, 0.7 + 0.5 * len(rows)
+    # a row 0.28 in high, less past 32 ranks (at most 9 in in all), labelled every few ranks
+    # when lower than a label
+    row_in = min(0.28, 9.0 / p)
+    overview_in, zoom_in = 0.6 + row_in * p, 0.7 + 0.5 * len(rows)
     figure = Figure(figsize=(_FIGURE_WIDTH_IN, 1.1 + overview_in + zoom_in), layout="constrained")
     overview, zoom = figure.subplots(2, 1, height_ratios=[overview_in, zoom_in])
     scale, unit = _time_unit(timeline.step_time_s)
     num_bins = max(1, round(_AXES_WIDTH_PX / _BIN_PX))
     edges = np.linspace(0.0, timeline.step_time_s, num_bins + 1)
     kinds = _draw_shares(overview, timeline, edges, scale)
-    _rank_axis(overview, list(range(p)))
+    _rank_axis(overview, list(range(p)), every=math.ceil(0.2 / row_in))
     overview.set_xlim(0, timeline.step_time_s * scale)
     overview.set_xlabel(f"time within one training step ({unit})")
     bin_s = timeline.step_time_s / num_bins
@@ -394,10 +397,11 @@ def _peers(timeline: Timeline, rank: int) -> list[int]:
     return [*before, rank, *after]
 
 
-def _rank_axis(ax: Axes, rows: list[int]) -> None:
-    """Rows top to bottom: ``rows[0]`` at y = len(rows) - 1."""
+def _rank_axis(ax: Axes, rows: list[int], *, every: int = 1) -> None:
+    """Rows top to bottom: ``rows[0]`` at y = len(rows) - 1; a label on every ``every``-th."""
     n = len(rows)
-    ax.set_yticks(range(n), [f"pp rank {rows[n - 1 - y]}" for y in range(n)])
+    ticks = [y for y in range(n) if (n - 1 - y) % every == 0]
+    ax.set_yticks(ticks, [f"pp rank {rows[n - 1 - y]}" for y in ticks])
     ax.set_ylim(-0.6, n - 0.4)
     ax.tick_params(axis="y", length=0)
 
