@@ -25,12 +25,23 @@ def announce_rank0(logger: logging.Logger, msg: str, *args: object) -> None:
     """``logger.info(msg, *args)`` on global rank 0 only, shown on stderr even where the program
     configured no logging: Python then prints only warnings, through `logging.lastResort`, so
     the record goes to that handler itself. Where logging is configured (a handler on the
-    logger's chain), or its level set above warnings, that configuration decides, as for any
-    record."""
+    logger's chain, or a level set on it or on the root), that configuration decides, as for
+    any record."""
     if not is_rank0():
         return
     last_resort = logging.lastResort
-    if logger.hasHandlers() or last_resort is None or logger.getEffectiveLevel() > logging.WARNING:
+    if _configured(logger) or last_resort is None:
         logger.info(msg, *args)
         return
     last_resort.handle(logger.makeRecord(logger.name, logging.INFO, "", 0, msg, args, None))
+
+
+def _configured(logger: logging.Logger) -> bool:
+    """Whether the program configured the logging of ``logger``'s records: a handler on its
+    chain, a level set on it or an ancestor, or the root's level changed from warnings."""
+    node: logging.Logger | None = logger
+    while node is not None and node is not logging.root:
+        if node.level != logging.NOTSET:
+            return True
+        node = node.parent if node.propagate else None
+    return logger.hasHandlers() or logging.root.level != logging.WARNING

@@ -387,12 +387,13 @@ def test_the_plan_line_shows_without_logging_configured_and_obeys_logging_when_i
         unconfigured.setattr(logging.root, "handlers", [])
         announce_rank0(logger, "autoplan: %s", "plan x")
         assert capsys.readouterr().err == "autoplan: plan x\n"
-        logger.setLevel(logging.ERROR)  # silenced on purpose: nothing
-        try:
-            announce_rank0(logger, "autoplan: %s", "plan y")
-        finally:
-            logger.setLevel(logging.NOTSET)
-        assert capsys.readouterr().err == ""
+        for level in (logging.WARNING, logging.ERROR):  # silenced on purpose: nothing
+            logger.setLevel(level)
+            try:
+                announce_rank0(logger, "autoplan: %s", "plan y")
+            finally:
+                logger.setLevel(logging.NOTSET)
+            assert capsys.readouterr().err == ""
     # configured (pytest's handlers): the record at INFO, through them, not to stderr
     with caplog.at_level(logging.INFO, logger=logger.name):
         announce_rank0(logger, "autoplan: %s", "plan z")

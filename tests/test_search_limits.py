@@ -346,6 +346,7 @@ def test_piped_progress_waits_for_work_then_reports_phases_and_percentages(
     phase and each further `PERCENT_STEP` percent, cut to `WIDTH` columns (``COLUMNS`` when
     set); nothing on stdout."""
     monkeypatch.delenv("COLUMNS", raising=False)
+    progress_module.Status(prefix="idle", piped=True, delay_s=0.0).tick()  # nothing to say yet
     status = progress_module.Status(prefix="demo", piped=True, delay_s=float("inf"))
     status.update("tracing")
     status.update("pricing")

@@ -33,6 +33,7 @@ import functools
 import importlib
 import itertools
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -189,6 +190,8 @@ def _runtime_worker(
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         torch.manual_seed(0)
         model = _reference_model()
+        # (the plan is calibrate's own: parallelize's one-line announcement of it is noise here)
+        logging.getLogger("autoplan.runtime.parallelizer").setLevel(logging.WARNING)
         trainer = parallelize(
             model,
             plan=Plan.from_data(data),

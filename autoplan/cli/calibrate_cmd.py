@@ -64,6 +64,7 @@ def calibrate_cmd(
     with status_reporter(
         "calibrate", enabled=progress_enabled(progress, as_json), in_workers=True
     ) as status:
+        status.update("starting the measurements")
 
         def report(what: str, fraction: float) -> None:
             status.update(f"measuring {what}", round(100 * fraction), 100)

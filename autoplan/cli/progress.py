@@ -132,8 +132,10 @@ class Status:
             self._print_if_due()
 
     def _print_if_due(self) -> None:
-        # (called with the lock held)
-        if self._printed_phase is None and self.work_clock() - self.started_work < self.delay_s:
+        # (called with the lock held; nothing to say before the first update)
+        if not self.text or (
+            self._printed_phase is None and self.work_clock() - self.started_work < self.delay_s
+        ):
             return
         now = time.monotonic()
         percent = (
