@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 
 from autoplan.api import manual_plan
@@ -46,7 +48,11 @@ from cost_model.calibration import Calibration
 from cost_model.estimate import Estimate, estimate
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS, framework_profile
 from cost_model.hardware import Cluster, preset_names
-from cost_model.precision import fp8_recipe
+from cost_model.precision import (
+    DEFAULT_MASTER_DTYPE,
+    DEFAULT_OPTIMIZER_STATE_DTYPE,
+    fp8_recipe,
+)
 from cost_model.strategy import folded_ep_factors
 from cost_model.uncertainty import (
     MIN_ROWS,
@@ -531,6 +537,13 @@ def build_case(
     plan_args["tp_comm_overlap"] = tp_overlap(
         merged, framework, compiled=bool(plan_args.get("compile"))
     )
+    # the plan's dp_shard_degree: the run sharded its weights within groups and replicated them
+    # across (`hsdp_shard`)
+    plan_args["dp_shard"] = hsdp_shard(merged, devices_per_node=per_node, dp=dp)
+    # the plan's stages[*].activation_offload: the run kept the saved activations of that many
+    # blocks on the host (Megatron-LM's --cpu-offloading-num-layers, which Megatron-Core allows
+    # only without pipeline parallelism: one stage; `predict` sets it)
+    plan_args["activation_offload"] = int(merged.get("activation_offload_layers") or 0)
     return Case(
         run_id=run_id,
         source=row["source"],
@@ -567,6 +580,20 @@ def tp_overlap(config: dict[str, Any], framework: str, *, compiled: bool) -> boo
     stack = framework_profile(framework)
     needs_compile = stack.tp_comm_overlap is not None and stack.tp_comm_overlap.needs_compile
     return bool(config.get("async_tp")) and (compiled or not needs_compile)
+
+
+def hsdp_shard(config: dict[str, Any], *, devices_per_node: int, dp: int) -> int | None:
+    """A row's HSDP shard group (`Plan.dp_shard_degree`; None: sharded over all of dp): its
+    ``dp_shard`` where the source states the size, else one node's devices where it states
+    ``sharding: hsdp`` (PyTorch FSDP's ShardingStrategy.HYBRID_SHARD: "shard within a node,
+    replicate across nodes", torch/distributed/fsdp/api.py, the group FSDP builds when given
+    none, as fms-fsdp's runs do)."""
+    stated = config.get("dp_shard")
+    if stated is None and config.get("sharding") == "hsdp":
+        stated = devices_per_node
+    if stated is None or int(stated) >= dp:
+        return None
+    return int(stated)
 
 
 # The config keys that say a row's precision (the rest of its config is its layout).
@@ -718,10 +745,16 @@ def predict(case: Case, cluster: Cluster | None = None) -> Result:
     profile = profile_for(case.dims)
     args = dict(case.plan_args)
     fp8_all_gather = bool(args.pop("fp8_all_gather", False))
+    activation_offload = int(args.pop("activation_offload", 0))
     plan: Plan = manual_plan(profile, cluster, **args)
     if fp8_all_gather:
         # a Plan field manual_plan does not take: the plan with it, validated again
         plan = dataclasses.replace(plan, fp8_all_gather=True, estimate=None)
+    if activation_offload:
+        # a stage field manual_plan does not take (`Case.plan_args`' activation_offload)
+        (stage,) = plan.stages
+        stages = (dataclasses.replace(stage, activation_offload=activation_offload),)
+        plan = dataclasses.replace(plan, stages=stages, estimate=None)
     est = estimate(profile, cluster, plan)
     return Result(
         case=case, estimate=est, step_time_s=est.step_time_s, num_params=profile.num_params
@@ -935,6 +968,7 @@ def _config(case: Case) -> str:
         + f" mb{a['micro_batch']} v{a['virtual_stages']} "
         f"{a['recompute'][:4]}{' sp' if a['sequence_parallel'] else ''}"
         + (" ov" if a.get("tp_comm_overlap") else "")
+        + (f" hs{a['dp_shard']}" if a.get("dp_shard") else "")
         + f" z{a['zero']}"
         + (f" {a['dtype']}" if is_fp8(case) else "")
     )
@@ -1313,28 +1347,36 @@ class HeldOutSource:
     results: list[Result]
 
 
+def held_out_values(source_id: str, cases: dict[str, Case]) -> dict[str, float]:
+    """The constants whose fit rows include ``source_id``'s, re-fitted on their other rows (one
+    left without rows takes Calibration's default), by key; ``cases`` by run id holds every
+    fit row."""
+    defaults = Calibration()
+    values: dict[str, float] = {}
+    for constant in FITTED:
+        own = [cases[i].source_id == source_id for i in constant.rows]
+        if not any(own):
+            continue
+        others = [cases[i] for i, mine in zip(constant.rows, own, strict=True) if not mine]
+        if others:
+            values[constant.key] = fit_constant(constant, others, values)
+        else:
+            values[constant.key] = float(getattr(defaults, constant.name))
+    return values
+
+
 def leave_one_source_out(
     rows: list[dict[str, Any]], assumptions: dict[str, Any], results: list[Result]
 ) -> list[HeldOutSource]:
     """For each source: re-fit the constants whose fit rows include it on their other rows
     (a constant left without rows takes Calibration's default), then score every scored row
     of the source (its fit rows too) with those values."""
-    defaults = Calibration()
-    by_id = {r.case.run_id: r for r in results}
+    cases = {r.case.run_id: r.case for r in results}
     row_of = {row["id"]: row for row in rows}
     scored = [r for r in results if r.case.status in ("fit", "held_out")]
     out = []
     for source_id in sorted({r.case.source_id for r in scored}):
-        values: dict[str, float] = {}
-        for constant in FITTED:
-            own = [by_id[i].case.source_id == source_id for i in constant.rows]
-            if not any(own):
-                continue
-            others = [by_id[i].case for i, mine in zip(constant.rows, own, strict=True) if not mine]
-            if others:
-                values[constant.key] = fit_constant(constant, others, values)
-            else:
-                values[constant.key] = float(getattr(defaults, constant.name))
+        values = held_out_values(source_id, cases)
         refitted = [c for c in FITTED if c.key in values]
         mine = []
         for r in scored:
@@ -1486,6 +1528,348 @@ def coverage_report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------- techniques (issue 43, item 8)
+
+# The training techniques of issue 43, in its order, each by the name the roll-up prints.
+TECHNIQUES = (
+    "torch.compile",
+    "TP comm overlap",
+    "precision policy",
+    "partial recompute",
+    "HSDP",
+    "expert TP",
+    "offload",
+)
+# A precision policy's fields at their defaults (`autoplan.Plan`: fp32 master weights and
+# AdamW moments, gradients reduced in the dtype's default): a row stating one of them otherwise
+# uses a policy.
+_POLICY_DEFAULTS = {
+    "master_dtype": DEFAULT_MASTER_DTYPE,
+    "grad_reduce_dtype": None,
+    "optimizer_state_dtype": DEFAULT_OPTIMIZER_STATE_DTYPE,
+}
+
+
+def stated_techniques(row: dict[str, Any], assumptions: dict[str, Any]) -> frozenset[str]:
+    """The techniques of `TECHNIQUES` the row's source states its run used: its config, its
+    assumptions entry (which completes the config from the source) and its family (a family's
+    precision policy)."""
+    extra = assumptions["rows"].get(row["id"]) or {}
+    family = _family(row["id"], assumptions["families"])
+    fam = assumptions["families"][family] if family is not None else {}
+    merged = {**{k: v for k, v in row["config"].items() if v is not None}, **extra}
+    policy = {k: merged.get(k, fam.get(k, default)) for k, default in _POLICY_DEFAULTS.items()}
+    found = {
+        "torch.compile": bool(merged.get("torch_compile")),
+        "TP comm overlap": bool(merged.get("tp_comm_overlap") or merged.get("async_tp")),
+        "precision policy": policy != _POLICY_DEFAULTS,
+        # every k-th block checkpointed (k > 1, or k not stated: `per_layer_ac`), or a count
+        "partial recompute": bool(
+            merged.get("per_layer_ac")
+            or (merged.get("checkpoint_every_k_blocks") or 1) > 1
+            or merged.get("recompute_units") is not None
+        ),
+        "HSDP": merged.get("sharding") == "hsdp" or bool(merged.get("dp_shard")),
+        "expert TP": row_etp(row) > 1,
+        "offload": bool(merged.get("activation_offload_layers") or merged.get("optimizer_offload")),
+    }
+    return frozenset(name for name, used in found.items() if used)
+
+
+def plan_techniques(case: Case) -> frozenset[str]:
+    """The techniques of `TECHNIQUES` the row's plan states (`Case.plan_args`)."""
+    a = case.plan_args
+    found = {
+        "torch.compile": bool(a.get("compile")),
+        "TP comm overlap": bool(a.get("tp_comm_overlap")),
+        "precision policy": any(a.get(k, d) != d for k, d in _POLICY_DEFAULTS.items()),
+        "partial recompute": a.get("recompute_units") is not None,
+        "HSDP": a.get("dp_shard") is not None,
+        "expert TP": int(a.get("etp") or 1) > 1,
+        "offload": bool(a.get("optimizer_offload") or a.get("activation_offload")),
+    }
+    return frozenset(name for name, used in found.items() if used)
+
+
+def without_technique(case: Case, technique: str) -> Case:
+    """``case`` priced without ``technique`` (the "before" of the roll-up): eager, TP
+    collectives exposed, the default precision policy, every block recomputed, ZeRO over all
+    of dp, experts whole, nothing offloaded. Without compile, an overlap that needs it (torch's
+    async TP: `TpCommOverlap.needs_compile`) goes too, as the stack cannot run it eager."""
+    args = dict(case.plan_args)
+    if technique == "torch.compile":
+        args["compile"] = False
+        overlap = framework_profile(str(args["framework"])).tp_comm_overlap
+        if overlap is not None and overlap.needs_compile:
+            args["tp_comm_overlap"] = False
+    elif technique == "TP comm overlap":
+        args["tp_comm_overlap"] = False
+    elif technique == "precision policy":
+        for key in POLICY_KEYS:
+            args.pop(key, None)
+    elif technique == "partial recompute":
+        args.pop("recompute_units", None)
+    elif technique == "HSDP":
+        args["dp_shard"] = None
+    elif technique == "expert TP":
+        args["etp"] = 1
+    elif technique == "offload":
+        args["optimizer_offload"] = 0.0
+        args["activation_offload"] = 0
+    else:
+        raise ValueError(f"unknown technique {technique!r}; known: {', '.join(TECHNIQUES)}")
+    return dataclasses.replace(case, plan_args=args)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TechniqueRow:
+    """One published row that uses ``technique`` (its source says so), priced with the
+    technique in its plan ("after") and without it ("before"): each |error| of the step time,
+    and of the peak memory where the source prints one. Scored rows are priced with the
+    constants re-fitted without their source (leave-one-source-out), and with the shipped ones
+    (``*_in_sample``); unscored rows with the shipped ones; skipped rows not at all (``reason``
+    says why)."""
+
+    technique: str
+    run_id: str
+    source_id: str
+    status: str  # fit | held_out | unscored | skip
+    reason: str
+    in_plan: bool  # the row's plan states the technique (False: the mapping drops it)
+    after: float | None = None
+    before: float | None = None
+    memory_after: float | None = None
+    memory_before: float | None = None
+    after_in_sample: float | None = None
+    before_in_sample: float | None = None
+
+    @property
+    def scored(self) -> bool:
+        return self.status in ("fit", "held_out")
+
+
+def _memory_error(r: Result) -> float | None:
+    published = r.case.published_memory_bytes
+    return None if not published else allocator_peak_bytes(r) / published - 1.0
+
+
+def technique_rows(
+    rows: list[dict[str, Any]], assumptions: dict[str, Any], prefixes: tuple[str, ...] = ()
+) -> list[TechniqueRow]:
+    """Every published row (of those whose id starts with one of ``prefixes``, if any) that
+    uses one of `TECHNIQUES`, once per technique it uses, priced after and before
+    (`TechniqueRow`). ``rows`` are all the rows (the constants' fit rows among them). Needs
+    `FITTED` set."""
+    built = {row["id"]: build_case(row, assumptions) for row in rows}
+    cases = {i: c for i, c in built.items() if isinstance(c, Case)}
+    values_of: dict[str, dict[str, float]] = {}
+    out: list[TechniqueRow] = []
+    for row in rows:
+        if prefixes and not row["id"].startswith(prefixes):
+            continue
+        stated = stated_techniques(row, assumptions)
+        case = built[row["id"]]
+        if not stated:
+            continue
+        if isinstance(case, Skipped):
+            out.extend(
+                TechniqueRow(
+                    technique=t,
+                    run_id=case.run_id,
+                    source_id="",
+                    status="skip",
+                    reason=case.reason,
+                    in_plan=False,
+                )
+                for t in sorted(stated, key=TECHNIQUES.index)
+            )
+            continue
+        scored = case.status in ("fit", "held_out")
+        if scored and case.source_id not in values_of:
+            values_of[case.source_id] = held_out_values(case.source_id, cases)
+        values = values_of[case.source_id] if scored else {}
+        shipped = case
+        if values:
+            rebuilt = build_case(row, assumptions, values)
+            assert isinstance(rebuilt, Case)
+            case = rebuilt
+        in_plan = plan_techniques(case)
+        techniques = sorted(stated, key=TECHNIQUES.index)
+        # at the shipped constants: the same as below where the source refits none
+        in_sample = {t: _with_and_without(shipped, t, in_plan) for t in techniques if values}
+        with profile_constants(values):
+            after = predict(case)
+            for t in techniques:
+                before = predict(without_technique(case, t)) if t in in_plan else after
+                out.append(
+                    TechniqueRow(
+                        technique=t,
+                        run_id=case.run_id,
+                        source_id=case.source_id,
+                        status=case.status,
+                        reason=case.note,
+                        in_plan=t in in_plan,
+                        after=after.error,
+                        before=before.error,
+                        memory_after=_memory_error(after),
+                        memory_before=_memory_error(before),
+                        after_in_sample=in_sample[t][0] if values else after.error,
+                        before_in_sample=in_sample[t][1] if values else before.error,
+                    )
+                )
+    return out
+
+
+def _with_and_without(case: Case, technique: str, in_plan: frozenset[str]) -> tuple[float, float]:
+    """``case``'s errors with and without ``technique``, at the shipped constants."""
+    after = predict(case).error
+    before = predict(without_technique(case, technique)).error if technique in in_plan else after
+    return after, before
+
+
+def _med_max(errors: list[float]) -> str:
+    if not errors:
+        return "-"
+    return f"{statistics.median(errors):.1%} / {max(errors):.1%}"
+
+
+def technique_summary(found: list[TechniqueRow], technique: str) -> dict[str, Any]:
+    """One technique's figures: its rows, how many are scored, unscored, skipped and dropped by
+    the row-to-plan mapping, and median / max |error| after and before, scored (leave-one-
+    source-out) and unscored (shipped constants) apart, step time and peak memory."""
+    mine = [r for r in found if r.technique == technique]
+    priced = [r for r in mine if r.status != "skip"]
+    scored = [r for r in priced if r.scored]
+    unscored = [r for r in priced if not r.scored]
+
+    def errors(chosen: list[TechniqueRow], field: str) -> list[float]:
+        return [abs(v) for r in chosen if (v := getattr(r, field)) is not None]
+
+    reasons: dict[str, int] = {}
+    for r in mine:
+        if not r.scored:
+            key = f"{r.status}: {r.reason or '-'}"
+            reasons[key] = reasons.get(key, 0) + 1
+    return {
+        "technique": technique,
+        "rows": len(mine),
+        "scored": len(scored),
+        "unscored": len(unscored),
+        "skipped": len(mine) - len(priced),
+        "dropped_by_mapping": sorted(r.run_id for r in priced if not r.in_plan),
+        **{
+            f"{group}_{field}": _figures(errors(chosen, field))
+            for group, chosen in (("scored", scored), ("unscored", unscored))
+            for field in (
+                "after",
+                "before",
+                "after_in_sample",
+                "before_in_sample",
+                "memory_after",
+                "memory_before",
+            )
+        },
+        "not_scored_reasons": reasons,
+        # the scored rows by source: (rows, median |error| after, before; in-sample after, before)
+        "scored_by_source": {
+            source: [
+                len(group),
+                *(
+                    statistics.median(errors(group, field))
+                    for field in ("after", "before", "after_in_sample", "before_in_sample")
+                ),
+            ]
+            for source in sorted({r.source_id for r in scored})
+            if (group := [r for r in scored if r.source_id == source])
+        },
+    }
+
+
+def _figures(errors: list[float]) -> dict[str, float | int | None]:
+    return {
+        "rows": len(errors),
+        "median": statistics.median(errors) if errors else None,
+        "max": max(errors) if errors else None,
+    }
+
+
+def _cell(figures: dict[str, Any]) -> str:
+    if not figures["rows"]:
+        return "-"
+    return f"{figures['median']:.1%} / {figures['max']:.1%}"
+
+
+def technique_table(summaries: list[dict[str, Any]]) -> Table:
+    """The roll-up as a table: per technique, its rows and the median / max |error| with the
+    technique stated (after) and priced without it (before)."""
+    table = Table(
+        title="Issue 43's techniques on the published rows that use them: median / max |error| "
+        "with the technique in the plan (after) and priced without it (before); scored rows "
+        "leave-one-source-out (step) and with the shipped constants (in-sample), unscored rows "
+        "with the shipped constants",
+        title_justify="left",
+    )
+    for name in (
+        "technique",
+        "rows",
+        "scored",
+        "step after",
+        "step before",
+        "in-sample after",
+        "in-sample before",
+        "memory after",
+        "memory before",
+        "unscored",
+        "unscored after",
+        "unscored before",
+        "skipped",
+    ):
+        table.add_column(name, justify="left" if name == "technique" else "right")
+    for s in summaries:
+        memory_rows = s["scored_memory_after"]["rows"]
+        table.add_row(
+            s["technique"],
+            str(s["rows"]),
+            str(s["scored"]),
+            _cell(s["scored_after"]),
+            _cell(s["scored_before"]),
+            _cell(s["scored_after_in_sample"]),
+            _cell(s["scored_before_in_sample"]),
+            _cell(s["scored_memory_after"]) + (f" ({memory_rows})" if memory_rows else ""),
+            _cell(s["scored_memory_before"]),
+            str(s["unscored"]),
+            _cell(s["unscored_after"]),
+            _cell(s["unscored_before"]),
+            str(s["skipped"]),
+        )
+    return table
+
+
+def technique_report(summaries: list[dict[str, Any]]) -> None:
+    """Print the roll-up table, then each technique's rows that are not scored with why, and
+    any row whose plan drops a technique its source states."""
+    console = Console(width=200)
+    console.print(technique_table(summaries))
+    for s in summaries:
+        if not s["rows"]:
+            console.print(f"{s['technique']}: no published row (of those chosen) uses it")
+            continue
+        for source, (n, after, before, after_in, before_in) in s["scored_by_source"].items():
+            console.print(
+                f"{s['technique']}: {n} scored row(s) of {source}: median |error| after "
+                f"{after:.1%}, before {before:.1%} (in-sample {after_in:.1%}, {before_in:.1%})",
+                highlight=False,
+            )
+        for reason, n in sorted(s["not_scored_reasons"].items(), key=lambda kv: -kv[1]):
+            console.print(f"{s['technique']}: {n} row(s) {reason}", highlight=False)
+        if s["dropped_by_mapping"]:
+            console.print(
+                f"{s['technique']}: the plan of {', '.join(s['dropped_by_mapping'])} does not "
+                "state it",
+                highlight=False,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -1502,10 +1886,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scored", action="store_true", help="predict only the scored rows (fit, held out)"
     )
+    parser.add_argument(
+        "--techniques",
+        action="store_true",
+        help="issue 43's roll-up: each technique's rows priced with it and without it",
+    )
     args = parser.parse_args(argv)
     rows, assumptions = load()
     global FITTED
     FITTED = fitted_constants(assumptions)
+    if args.techniques:
+        found = technique_rows(rows, assumptions, tuple(p for p in args.only.split(",") if p))
+        summaries = [technique_summary(found, t) for t in TECHNIQUES]
+        if args.json:
+            rows_json = [dataclasses.asdict(r) for r in found]
+            print(json.dumps({"techniques": summaries, "rows": rows_json}, indent=2))
+        else:
+            technique_report(summaries)
+        return 0
     prefixes = tuple(p for p in args.only.split(",") if p)
     cases: list[Case] = []
     skipped: list[Skipped] = []

@@ -79,16 +79,16 @@ def strategy_features(strategy: Strategy, modes: Iterable[str], framework: str) 
         features.append(f"{schedule} {recompute}")
     features.append(f"ZeRO-{strategy.zero_stage}" if strategy.zero_stage else "no ZeRO")
     if strategy.hsdp:
-        # no scored published run shards within groups yet (the fms-fsdp HSDP rows are
-        # unscored): a plan with it is unvalidated there, and its range says so
+        # four scored published runs shard within groups (fms-fsdp's HSDP rows), fewer than
+        # MIN_ROWS: a plan with it is unvalidated there, and its range says so
         features.append("HSDP")
     if strategy.compile:
-        # no scored published run compiles yet (torchtitan's and fms-fsdp's compiled rows are
-        # unscored): a compiled plan is unvalidated there, and its range says so
+        # the compiled published runs (torchtitan's and fms-fsdp's, scored since issue 43)
+        # size a compiled plan's range
         features.append("torch.compile")
     if strategy.tp_comm_overlap:
-        # no scored published run states its TP overlap as a plan's yet (every row that
-        # overlaps is unscored: its achieved fraction is assumed, `cost_model.tp_overlap`)
+        # the published runs that overlap their TP communication (scored since issue 43; the
+        # achieved fraction is assumed, `cost_model.tp_overlap`, and these rows check it)
         features.append("TP communication overlap")
     if strategy.tp_degree > 1:
         features.append("tensor parallel")

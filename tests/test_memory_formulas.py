@@ -282,12 +282,19 @@ def test_torchtitan_published_peaks() -> None:
     every GEMM output but every second one (torchtitan parallelize.py, _custom_policy) where
     autoplan's prices its own runtime's (every GEMM output backward reads): at Llama-3 8B
     about 3 sbh of a layer's 18.5 (16% of the layer's activations) more; the total peak
-    (weights, FSDP buffers, the loss's fp32 logits) is within 5% all the same, so it is left."""
+    (weights, FSDP buffers, the loss's fp32 logits) is within 5% all the same, so it is left.
+    Their compiled siblings (scored since issue 43) are priced as eager (docs/cost-model.md,
+    torch.compile: the partitioner saves less than eager), so high: within 12% above (7.8% and
+    10.1% today)."""
     rows = {k: v for k, v in _bench_rows().items() if k.startswith("torchtitan")}
-    assert len(rows) == 2
+    assert len(rows) == 4
     for run_id, result in rows.items():
         predicted = validate_published.allocator_peak_bytes(result) / GIB
-        assert predicted == pytest.approx(_printed_gib(run_id), rel=0.05), run_id
+        printed = _printed_gib(run_id)
+        if run_id.endswith("-compile"):
+            assert printed <= predicted <= 1.12 * printed, run_id
+        else:
+            assert predicted == pytest.approx(printed, rel=0.05), run_id
 
 
 # ----------------------------------------------------- Megatron-Core's --recompute-modules
