@@ -6,7 +6,8 @@ torchao's float8 linears, as `select_fp8_linears` chose them) -> `apply_tensor_p
 (DTensor styles, torchao's float8 ones for tensor-wise fp8 linears; under sequence parallelism
 MoE layers route their sequence shard, `sequence_parallel_moe`) ->
 `apply_context_parallel` (load-balanced sequence sharding, ring attention; cp > 1) ->
-`apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1) ->
+`apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1;
+each expert split over the TP group under etp > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
 ZeRO, dense weights over dp x cp, experts over edp x cp) -> `materialize` (meta model to real
 shards) -> `build_pipeline` (``PipelineStage`` and torch's schedules) -> `DistributedModel` (the
@@ -35,6 +36,7 @@ from passes.data_parallel import DataParallelResult, apply_data_parallel, uses_d
 from passes.expert_parallel import (
     ExpertParallelExperts,
     ExpertParallelResult,
+    ExpertTensorParallel,
     apply_expert_parallel,
     check_expert_parallel,
     find_grouped_experts,
@@ -78,6 +80,7 @@ __all__ = [
     "DistributedModel",
     "ExpertParallelExperts",
     "ExpertParallelResult",
+    "ExpertTensorParallel",
     "Fp8Result",
     "Fp8ScalePrecompute",
     "Fp8Selection",

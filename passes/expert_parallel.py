@@ -22,6 +22,31 @@ Guarantees:
 - bad input (``num_experts % ep != 0``, no MoE layer with ep > 1, a non-1-D mesh) raises
   `PlanError` before any collective.
 
+Expert tensor parallelism (`ExpertTensorParallel`, `Plan.etp_degree`; Megatron-Core's
+``--expert-tensor-parallel-size``, its TEGroupedMLP / SequentialMLP with expert TP): each
+local expert is split further over the etp ranks, ``w_gate``/``w_up`` by rows of F
+(column-parallel: each rank computes F / etp of the hidden activations) and ``w_down`` by
+columns of F (row-parallel: each rank's output is a partial sum), as DTensors ``Shard(1)`` and
+``Shard(2)`` over the etp dim of the (ep, etp) mesh. After the ep dispatch (Megatron's order,
+megatron/core/transformer/moe/token_dispatcher.py ``MoEAlltoAllTokenDispatcher``: all-to-all
+over ep, then the expert-TP group), either
+
+- the etp ranks hold different tokens (sequence parallelism: each TP rank routes its own
+  sequence shard): the rows each received are gathered over etp, every rank runs its slice on
+  all of them, and the partial outputs are summed back to the rank that owns each row (an
+  all-gather and a reduce-scatter of uneven sizes, as two ``all_to_all_single_autograd``: the
+  backward of each is the other), or
+- they hold the same tokens (no sequence parallelism): every rank runs its slice on its rows
+  and the partial outputs are all-reduced (DTensor ``Partial`` to ``Replicate``, whose
+  backward passes the replicated gradient through, Megatron's
+  ``reduce_from_tensor_model_parallel_region``), and so are the partial gradients of the rows
+  in backward (``to_local(grad_placements=[Partial()])`` of a replicated DTensor, Megatron's
+  ``copy_to_tensor_model_parallel_region``).
+
+Either way an expert's weight gradient on an etp rank already holds every token of its TP
+group: the etp ranks' expert gradients are never summed over tp (the router's and shared
+expert's still are under sequence parallelism, `passes.moe_sequence_parallel`).
+
 Composition with data parallelism (Megatron-LM's expert-data-parallel groups,
 megatron/core/parallel_state.py: ``_EXPERT_MODEL`` splits the experts over a group,
 ``_EXPERT_DATA`` replicates each expert over the ranks holding the same experts). Expert
@@ -57,13 +82,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoplan.contract.errors import PlanError
 
 __all__ = [
     "ExpertParallelExperts",
     "ExpertParallelResult",
+    "ExpertTensorParallel",
     "all_reduce_gradients",
     "apply_expert_parallel",
     "check_expert_parallel",
@@ -74,6 +100,22 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+# the dim of F in each weight: gate and up (E, F, H) split by rows, down (E, H, F) by columns
+_FFN_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class ExpertTensorParallel:
+    """How each local expert is split over the etp ranks (module doc)."""
+
+    mesh: DeviceMesh  # the 1-D etp mesh (autoplan's runtime: the TP group)
+    # the experts' weights' mesh: 2-D (ep, etp), or (etp,) at ep = 1, from one root mesh
+    weights: DeviceMesh
+    own_tokens: bool  # the etp ranks route different tokens (sequence parallelism)
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.size()
 
 
 def check_expert_parallel(num_experts: int, ep_degree: int) -> None:
@@ -114,6 +156,37 @@ def _grouped_swiglu(
     return torch.cat(outputs, dim=0)  # (N, H)
 
 
+def _gathered_swiglu(
+    x: Tensor,
+    counts: list[int],
+    weights: tuple[Tensor, Tensor, Tensor],
+    group: dist.ProcessGroup,
+    etp: int,
+) -> Tensor:
+    """The etp ranks' rows (each its own ``x`` (M, H), grouped by local expert) through this
+    rank's slices of the experts, each rank's rows returned summed over the slices (module
+    doc: an uneven all-gather and reduce-scatter over the etp ``group``)."""
+    local_e = len(counts)
+    mine = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    # counts_all[s, l]: etp rank s's rows for local expert l (a functional all-gather)
+    counts_all = funcol.wait_tensor(  # type: ignore[no-untyped-call]
+        funcol.all_gather_tensor(mine, 0, group)
+    ).view(etp, local_e)
+    rows = counts_all.sum(1).tolist()  # every etp rank's row count
+    # all-gather of uneven blocks: every rank sends its rows to each etp rank
+    x_all = all_to_all_single_autograd(x.repeat(etp, 1), rows, [x.size(0)] * etp, group)
+    # arrival order is (source s, expert l); the experts want (l, s)
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(local_e, device=x.device).repeat(etp), counts_all.flatten().to(x.device)
+    )  # (sum rows,)
+    order = torch.argsort(expert_of_row, stable=True)
+    partial = _grouped_swiglu(x_all.index_select(0, order), counts_all.sum(0).tolist(), *weights)
+    partial = partial.index_select(0, torch.argsort(order))  # (sum rows, H), arrival order
+    # reduce-scatter of uneven blocks: each source's rows back to it, one partial per slice
+    back = all_to_all_single_autograd(partial, [x.size(0)] * etp, rows, group)  # (etp M, H)
+    return back.view(etp, x.size(0), x.size(1)).sum(0)  # (M, H)
+
+
 def _weight(experts: nn.Module, name: str) -> Tensor:
     weight = getattr(experts, name)
     assert isinstance(weight, Tensor), f"{name} of {type(experts).__name__} is not a tensor"
@@ -127,26 +200,43 @@ class ExpertParallelExperts(nn.Module):
     (E,)) -> (N, H)``, rows grouped by global expert id; ``num_experts`` is the global E.
     """
 
-    w_gate: DTensor  # (E / ep, F, H) local, Shard(0) over the ep mesh
-    w_up: DTensor  # (E / ep, F, H)
-    w_down: DTensor  # (E / ep, H, F)
+    w_gate: DTensor  # (E / ep, F / etp, H) local, Shard(0) over ep (and Shard(1) over etp)
+    w_up: DTensor  # (E / ep, F / etp, H)
+    w_down: DTensor  # (E / ep, H, F / etp), Shard(2) over etp
 
-    def __init__(self, full: nn.Module, ep_mesh: DeviceMesh) -> None:
+    def __init__(
+        self, full: nn.Module, ep_mesh: DeviceMesh | None, etp: ExpertTensorParallel | None = None
+    ) -> None:
+        """``ep_mesh`` None: ep = 1 (expert tensor parallelism alone, ``etp`` given)."""
         super().__init__()
-        ep_degree, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        assert ep_mesh is not None or etp is not None, "neither expert nor expert-TP parallel"
+        ep_degree = 1 if ep_mesh is None else ep_mesh.size()
+        ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
         self.num_experts: int = _weight(full, "w_gate").size(0)
         self.num_local_experts = self.num_experts // ep_degree
         self.ep_degree, self.ep_rank = ep_degree, ep_rank
-        self.group = ep_mesh.get_group()
+        self.group = None if ep_mesh is None else ep_mesh.get_group()
+        self.etp = etp
         first = ep_rank * self.num_local_experts
         for name in _EXPERT_WEIGHTS:
             weight = _weight(full, name)
-            local = weight.detach()[first : first + self.num_local_experts].clone()
-            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            local = weight.detach()[first : first + self.num_local_experts]
+            mesh, placements = ep_mesh, [Shard(0)]
+            if etp is not None:
+                dim, rank = _FFN_DIM[name], etp.mesh.get_local_rank()
+                width = local.size(dim) // etp.degree
+                local = local.narrow(dim, rank * width, width)
+                mesh = etp.weights
+                placements = [Shard(0), Shard(dim)] if mesh.ndim == 2 else [Shard(dim)]
+            assert mesh is not None
+            dtensor = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(dtensor, requires_grad=weight.requires_grad))
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        ep, local_e = self.ep_degree, self.num_local_experts
+        if self.ep_degree == 1:  # expert tensor parallelism alone: no dispatch
+            return self._local_experts(x, num_tokens_per_expert.to(torch.int64).tolist())
+        ep, local_e, group = self.ep_degree, self.num_local_experts, self.group
+        assert group is not None
         counts = num_tokens_per_expert.to(torch.int64)
         # counts_out[j, l]: my tokens for expert l of ep rank j; counts_in[i, l]: rank i's tokens
         # for my expert l (one small all-to-all; the splits must be known on the host).
@@ -155,33 +245,49 @@ class ExpertParallelExperts(nn.Module):
         # keeps collective outputs (passes/recompute.py), and a re-run in-place exchange left
         # the buffer it fills unfilled (garbage split sizes under recompute "selective").
         counts_in = funcol.wait_tensor(  # type: ignore[no-untyped-call]
-            funcol.all_to_all_single(counts_out.flatten(), None, None, self.group)
+            funcol.all_to_all_single(counts_out.flatten(), None, None, group)
         ).view(ep, local_e)
         send_splits = counts_out.sum(1).tolist()
         recv_splits = counts_in.sum(1).tolist()
         # Dispatch: rows for ep rank j are contiguous (rows are sorted by global expert id).
-        x_in = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)  # (M, H)
+        x_in = all_to_all_single_autograd(x, recv_splits, send_splits, group)  # (M, H)
         # Arrival order is (source rank i, local expert l); the experts want (l, i).
         expert_of_row = torch.repeat_interleave(
             torch.arange(local_e, device=x.device).repeat(ep), counts_in.flatten().to(x.device)
         )  # (M,)
         order = torch.argsort(expert_of_row, stable=True)
-        y_local = _grouped_swiglu(
-            x_in.index_select(0, order),
-            counts_in.sum(0).tolist(),
-            self.w_gate.to_local(),
-            self.w_up.to_local(),
-            self.w_down.to_local(),
+        y_local = self._local_experts(
+            x_in.index_select(0, order), counts_in.sum(0).tolist()
         )  # (M, H), grouped by local expert
         y_in = y_local.index_select(0, torch.argsort(order))  # (M, H), arrival order
         # Combine: the reverse all-to-all brings every row back to the rank it came from.
-        y: Tensor = all_to_all_single_autograd(y_in, send_splits, recv_splits, self.group)
+        y: Tensor = all_to_all_single_autograd(y_in, send_splits, recv_splits, group)
         return y  # (N, H)
+
+    def _local_experts(self, x: Tensor, counts: list[int]) -> Tensor:
+        """This rank's experts on ``x`` (M, H), rows grouped by local expert (``counts[l]``
+        rows for expert l); under expert tensor parallelism the module doc's two ways."""
+        weights = (self.w_gate.to_local(), self.w_up.to_local(), self.w_down.to_local())
+        etp = self.etp
+        if etp is None:
+            return _grouped_swiglu(x, counts, *weights)
+        if not etp.own_tokens:
+            # Megatron's f and g around a column- then row-parallel pair: the input's gradient
+            # is each slice's partial sum, all-reduced in backward; the output likewise forward
+            same = DTensor.from_local(x, etp.mesh, [Replicate()], run_check=False)
+            partial = _grouped_swiglu(
+                same.to_local(grad_placements=[Partial()]), counts, *weights
+            )  # (M, H): this rank's F slice's share of the sum
+            reduced = DTensor.from_local(partial, etp.mesh, [Partial()], run_check=False)
+            out: Tensor = reduced.redistribute(etp.mesh, [Replicate()]).to_local()
+            return out
+        return _gathered_swiglu(x, counts, weights, etp.mesh.get_group(), etp.degree)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, local experts {self.ep_rank * self.num_local_experts}"
             f"..{(self.ep_rank + 1) * self.num_local_experts - 1} of ep {self.ep_degree}"
+            + ("" if self.etp is None else f", each split over etp {self.etp.degree}")
         )
 
 
@@ -207,18 +313,25 @@ def _as_mesh(ep: DeviceMesh | dist.ProcessGroup, device_type: str) -> DeviceMesh
 
 
 def apply_expert_parallel(
-    module: nn.Module, ep: DeviceMesh | dist.ProcessGroup, *, device_type: str = "cpu"
+    module: nn.Module,
+    ep: DeviceMesh | dist.ProcessGroup | None,
+    *,
+    etp: ExpertTensorParallel | None = None,
+    device_type: str = "cpu",
 ) -> ExpertParallelResult:
     """Shard every MoE layer's experts of ``module`` over ``ep`` (the 1-D ep sub-mesh or its
-    group) in place. Run it before data parallelism wraps the model; afterwards reduce
-    gradients with `reduce_gradients` (or give the expert weights to FSDP over the edp mesh,
-    as torchtitan does). A no-op on a 1-rank group, but the checks still run."""
+    group; None: ep = 1) in place, each split over ``etp`` too when given (module doc). Run it
+    before data parallelism wraps the model; afterwards reduce gradients with
+    `reduce_gradients` (or give the expert weights to FSDP over the edp mesh, as torchtitan
+    does). A no-op on a 1-rank group without ``etp``, but the checks still run."""
     if isinstance(ep, DeviceMesh):
         if ep.ndim != 1:
             raise PlanError(f"expert parallelism needs a 1-D ep mesh, got {ep.ndim} dims")
         ep_degree = ep.size()
     else:
-        ep_degree = dist.get_world_size(ep)
+        ep_degree = 1 if ep is None else dist.get_world_size(ep)
+    if etp is not None and etp.degree == 1:
+        etp = None
     done = [path for path, sub in module.named_modules() if isinstance(sub, ExpertParallelExperts)]
     if done:
         raise PlanError(
@@ -232,6 +345,15 @@ def apply_expert_parallel(
             "no routed experts (a module with num_experts and w_gate/w_up/w_down parameters, "
             "as the zoo's GroupedExperts): a MoE plan for a dense model; use ep_degree 1"
         )
+    if etp is not None:
+        for path, experts in found:
+            width = _weight(experts, "w_gate").size(1)
+            if width % etp.degree:
+                raise PlanError(
+                    f"{path}: etp_degree {etp.degree} does not divide the experts' ffn hidden "
+                    f"size {width}; each etp rank holds F / etp of every expert's columns: use "
+                    "an etp_degree that divides it"
+                )
     for path, experts in found:
         num_experts = _weight(experts, "w_gate").size(0)
         if num_experts != experts.num_experts:
@@ -239,18 +361,23 @@ def apply_expert_parallel(
                 f"{path}: num_experts {experts.num_experts} but w_gate holds {num_experts} experts"
             )
         check_expert_parallel(num_experts, ep_degree)
-    if ep_degree == 1:
+    if ep_degree == 1 and etp is None:
         return ExpertParallelResult(ep_degree=1, ep_rank=0, expert_modules=(), expert_parameters=())
-    mesh = _as_mesh(ep, device_type)
+    mesh = None if ep is None or ep_degree == 1 else _as_mesh(ep, device_type)
     for path, experts in found:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
-        setattr(parent, attr, ExpertParallelExperts(experts, mesh))
+        setattr(parent, attr, ExpertParallelExperts(experts, mesh, etp))
     names = tuple(f"{path}.{name}" for path, _ in found for name in _EXPERT_WEIGHTS)
-    logger.debug("expert parallel %d: %d expert modules", ep_degree, len(found))
+    logger.debug(
+        "expert parallel %d, etp %d: %d expert modules",
+        ep_degree,
+        1 if etp is None else etp.degree,
+        len(found),
+    )
     return ExpertParallelResult(
         ep_degree=ep_degree,
-        ep_rank=mesh.get_local_rank(),
+        ep_rank=0 if mesh is None else mesh.get_local_rank(),
         expert_modules=tuple(path for path, _ in found),
         expert_parameters=names,
     )

@@ -20,6 +20,11 @@ of the dp x cp x tp block of one pipeline rank, Megatron-Core's MoE parallel fol
 not split; a second mesh over the same world, of shape (pp, edp, ep) and built from the plan's
 groups (``expert_mesh``), gives the ``ep`` and ``edp`` sub-meshes instead (both from one root
 mesh, as FSDP2 needs for the experts' DTensors).
+Under expert tensor parallelism (``etp_degree > 1``, which autoplan's runtime runs at etp = tp:
+the ``etp`` group is the TP group, `Plan.etp_group_ranks`) the routed experts' weights are
+DTensors over the 2-D (ep, etp) mesh (`ParallelMesh.expert_weights`): the root mesh's
+(``ep``, ``tp``) axes, or its ``tp`` axis at ep = 1; folded, the expert mesh gains an inner
+``etp`` axis, (pp, edp, ep, etp), Megatron-Core's etp-ep-edp-pp order.
 The ranks of every group are exactly the plan's
 (`Plan.group_ranks` and the ep helpers; checked before returning); every sub-group, flattened
 ones included, has the default group's timeout (``new_group`` would give gloo's 30 minutes: a
@@ -45,7 +50,7 @@ __all__ = ["MeshGroup", "ParallelMesh", "build_mesh", "mesh_dims"]
 
 # Sub-meshes beyond the plan's axes: the two pieces of dp under expert parallelism and the
 # flattened data-parallel groups of the dense and the expert weights (module docstring).
-MeshGroup = Literal["ep", "edp", "dp_cp", "edp_cp", "dp_replicate", "dp_shard"]
+MeshGroup = Literal["ep", "edp", "etp", "dp_cp", "edp_cp", "dp_replicate", "dp_shard"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -60,10 +65,12 @@ class ParallelMesh:
     cp_rank: int = 0
     cp_degree: int = 1
     ep_degree: int = 1
+    etp_degree: int = 1
     # flattened sub-meshes by name (``dp`` under ep, ``dp_cp``, ``edp_cp``), kept here: torch
     # deprecates slicing them back out of the root mesh
     flattened: Mapping[str, DeviceMesh] = field(default_factory=dict)
-    # under ep_folding: the (pp, edp, ep) mesh of the folded expert groups (module doc)
+    # under ep_folding: the (pp, edp, ep) mesh of the folded expert groups, (pp, edp, ep,
+    # etp) under expert tensor parallelism (module doc)
     expert_mesh: DeviceMesh | None = None
 
     def sub(self, axis: MeshAxis | MeshGroup) -> DeviceMesh:
@@ -72,9 +79,22 @@ class ParallelMesh:
         group (``dp_cp``, ``edp_cp``)."""
         if axis in self.flattened:
             return self.flattened[axis]
-        if self.expert_mesh is not None and axis in ("ep", "edp"):
+        if self.expert_mesh is not None and axis in ("ep", "edp", "etp"):
             return self.expert_mesh[axis]
+        if axis == "etp":
+            return self.mesh["tp"]  # etp = tp (`Capabilities.etp_is_tp`)
         return self.mesh[axis]
+
+    @property
+    def expert_weights(self) -> DeviceMesh:
+        """The mesh the routed experts' weights are DTensors over: ``ep`` (experts whole), or
+        under expert tensor parallelism the 2-D (ep, etp) mesh, or ``etp`` alone at ep = 1
+        (module doc); always a slice of the root mesh the experts' data parallelism uses."""
+        if self.etp_degree == 1:
+            return self.sub("ep")
+        if self.expert_mesh is not None:
+            return self.expert_mesh["ep", "etp"]
+        return self.mesh["ep", "tp"] if self.ep_degree > 1 else self.mesh["tp"]
 
     @property
     def dense_dp(self) -> DeviceMesh:
@@ -150,8 +170,14 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
     groups = {**{name: mesh[name] for name in names}, **flattened}
     expert_mesh = None
     if plan.ep_folding and plan.ep_degree > 1:
-        expert_mesh = _folded_expert_mesh(plan, device_type, options)
+        expert_mesh = (
+            _folded_expert_tp_mesh(plan, device_type, options)
+            if plan.etp_degree > 1
+            else _folded_expert_mesh(plan, device_type, options)
+        )
         groups["ep"], groups["edp"] = expert_mesh["ep"], expert_mesh["edp"]
+        if plan.etp_degree > 1:
+            groups["etp"] = expert_mesh["etp"]
     rank = dist.get_rank()
     for sub in groups.values():
         _check_timeout(sub.get_group(), device_type)
@@ -166,7 +192,7 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
             f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
         )
         # ep: the order gives experts; dp_shard: the order gives the shards
-        if name in plan.rank_layout or name in ("dp", "ep", "dp_shard", "dp_replicate"):
+        if name in plan.rank_layout or name in ("dp", "ep", "etp", "dp_shard", "dp_replicate"):
             assert got == want, f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
             assert sub.get_local_rank() == want.index(rank), (name, coords)
     return ParallelMesh(
@@ -178,6 +204,7 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         cp_rank=coords.get("cp", 0),
         cp_degree=plan.cp_degree,
         ep_degree=plan.ep_degree,
+        etp_degree=plan.etp_degree,
         flattened=flattened,
         expert_mesh=expert_mesh,
     )
@@ -211,6 +238,33 @@ def _folded_expert_mesh(plan: Plan, device_type: str, options: Any) -> DeviceMes
     )
 
 
+def _folded_expert_tp_mesh(plan: Plan, device_type: str, options: Any) -> DeviceMesh:
+    """The (pp, edp, ep, etp) mesh of folded expert parallelism with expert tensor
+    parallelism: entry [p, g, i, e] is the rank at place e of its expert-TP group, i of its ep
+    group and g of its expert-data group (`Plan.etp_group_ranks`, `Plan.ep_group_ranks`,
+    `Plan.expert_data_group_ranks`), on pipeline rank p. A collective (it creates the groups)."""
+    ep, etp = plan.ep_degree, plan.etp_degree
+    num_groups = plan.num_devices // (plan.pp_degree * ep * etp)
+    table = torch.full((plan.pp_degree, num_groups, ep, etp), -1, dtype=torch.int64)
+    pp_stride = plan.axis_stride("pp")
+    for rank in range(plan.num_devices):
+        place = (
+            (rank // pp_stride) % plan.pp_degree,
+            plan.expert_data_group_ranks(rank).index(rank),
+            plan.ep_group_ranks(rank).index(rank),
+            plan.etp_group_ranks(rank).index(rank),
+        )
+        assert int(table[place]) == -1, (place, rank)
+        table[place] = rank
+    names = ("pp", "edp", "ep", "etp")
+    return DeviceMesh(
+        device_type,
+        table,
+        mesh_dim_names=names,
+        backend_override=None if options is None else ((None, options),) * len(names),
+    )
+
+
 def _flatten_groups(plan: Plan, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """Flattened sub-meshes to create: name -> the mesh dims they span, in mesh order."""
     groups: dict[str, tuple[str, ...]] = {}
@@ -233,6 +287,8 @@ def _plan_group(plan: Plan, name: str, rank: int) -> tuple[int, ...]:
         return plan.group_ranks(name, rank)  # type: ignore[arg-type]
     if name == "ep":
         return plan.ep_group_ranks(rank)
+    if name == "etp":
+        return plan.etp_group_ranks(rank)
     if name == "dp_shard":
         return plan.shard_group_ranks(rank)
     if name == "dp_replicate":

@@ -183,7 +183,7 @@ def test_unit_costs_and_memory_with_etp() -> None:
 # ------------------------------------------------------------------------------ stacks
 
 
-@pytest.mark.parametrize("stack", ["autoplan", "torchtitan", "deepspeed"])
+@pytest.mark.parametrize("stack", ["torchtitan", "deepspeed"])
 def test_stacks_without_etp_refuse_it_in_their_words(stack: str) -> None:
     strategy = Strategy(
         dp_degree=4,
@@ -202,6 +202,27 @@ def test_stacks_without_etp_refuse_it_in_their_words(stack: str) -> None:
     assert profile.capabilities.explained["etp"].why in text
     megatron = framework_profile("megatron-lm")
     assert not [r for r in outer_refusals(megatron, strategy, model) if r.limit == "etp"]
+
+
+def test_autoplan_s_runtime_splits_experts_over_the_whole_tp_group_only() -> None:
+    """autoplan's runtime runs etp = tp (its etp group is the tp mesh axis) and refuses an
+    etp between 1 and tp in its words; Megatron-LM runs any etp dividing tp."""
+    own, megatron, model = (
+        framework_profile("autoplan"),
+        framework_profile("megatron-lm"),
+        _moe_profile(),
+    )
+    common: dict[str, Any] = dict(dp_degree=2, ep_degree=2, ep_folding=True, sequence_parallel=True)
+
+    def etp_refusals(stack: Any, tp: int, etp: int) -> list[str]:
+        strategy = Strategy(**common, tp_degree=tp, etp_degree=etp)
+        return [str(r) for r in outer_refusals(stack, strategy, model) if r.limit == "etp"]
+
+    assert etp_refusals(own, 2, 2) == etp_refusals(own, 4, 4) == etp_refusals(own, 4, 1) == []
+    (text,) = etp_refusals(own, 4, 2)
+    assert text.startswith("etp_degree 2 with tp_degree 4: ") and "\n" not in text
+    assert own.capabilities.explained["etp"].why in text and "tp_degree or 1" in text
+    assert etp_refusals(megatron, 4, 2) == []
 
 
 def test_megatron_layout_agrees_with_ep_inside_dp_when_etp_is_tp() -> None:
@@ -239,9 +260,9 @@ def test_megatron_export_states_etp() -> None:
 
 
 def test_search_offers_etp_where_the_stack_runs_it() -> None:
-    """Megatron-LM's space tries etp 1 and tp (the two layouts stacks use); autoplan's runtime
-    and a dense model only 1; a constraint is taken where it divides tp, and refused in one
-    line for a stack without expert tensor parallelism."""
+    """Megatron-LM's and autoplan's spaces try etp 1 and tp (the two layouts stacks use, the
+    only ones autoplan's runtime runs); a dense model only 1; a constraint is taken where it
+    divides tp, and refused in one line for a stack without expert tensor parallelism."""
     profile = _moe_profile()
     cluster = round_cluster(num_nodes=1, devices_per_node=8)
     megatron = _space_for(profile, cluster, 16, "megatron-lm", {})
@@ -252,9 +273,9 @@ def test_search_offers_etp_where_the_stack_runs_it() -> None:
     dense = gpt_profile(num_layers=2, s=1024, h=1024, a=8, e=2)
     assert etp_choices(megatron, dense, 4) == [1]
     own = _space_for(profile, cluster, 16, "autoplan", {})
-    assert not own.expert_tensor_parallel and etp_choices(own, profile, 4) == [1]
-    with pytest.raises(ConstraintError, match=r"^etp=2: autoplan does not split routed experts"):
-        _space_for(profile, cluster, 16, "autoplan", {"etp": 2})
+    assert own.expert_tensor_parallel and etp_choices(own, profile, 4) == [1, 4]
+    with pytest.raises(ConstraintError, match=r"^etp=2: torchtitan does not split routed experts"):
+        _space_for(profile, cluster, 16, "torchtitan", {"etp": 2})
     # every member the enumeration yields is a valid strategy; etp > 1 only at etp = tp, and
     # its ep groups fold over the tp / etp groups
     found = {
@@ -302,15 +323,17 @@ def test_published_rows_are_expressible_with_megatron_s_default_etp() -> None:
         validate_published.check_expressible(qwen, folded=True, expert_tp=True)
 
 
-def test_parallelize_s_check_refuses_etp_in_one_line() -> None:
+def test_parallelize_s_check_takes_etp_tp_and_refuses_others_in_one_line() -> None:
     """`parallelize` asks `runtime_refusal` of every plan on every rank before building
-    anything: autoplan's runtime keeps experts whole, so an etp plan (priced for Megatron-LM)
-    is refused in its words."""
+    anything: autoplan's runtime splits experts over the whole TP group, so an etp = tp plan
+    (priced for Megatron-LM) runs and an etp between 1 and tp is refused in its words."""
     from autoplan.contract.plan import runtime_refusal
 
-    plan = _cp_ep_plan(etp_degree=2, ep_degree=2, framework="megatron-lm", pp_degree=1, num_units=4)
-    why = runtime_refusal(plan, _moe_profile())
-    assert why is not None and why.startswith("etp_degree 2: autoplan does not split routed")
+    common: dict[str, Any] = dict(ep_degree=2, framework="megatron-lm", pp_degree=1, num_units=4)
+    assert runtime_refusal(_cp_ep_plan(etp_degree=2, **common), _moe_profile()) is None
+    wide = _cp_ep_plan(etp_degree=2, tp_degree=4, **common)
+    why = runtime_refusal(wide, _moe_profile())
+    assert why is not None and why.startswith("etp_degree 2 with tp_degree 4: autoplan splits")
     assert "passes/expert_parallel.py" in why and "\n" not in why
     assert runtime_refusal(_cp_ep_plan(pp_degree=1, num_units=4), _moe_profile()) is None
 
@@ -319,7 +342,8 @@ def test_cli_estimate_states_etp_and_refuses_bad_input_in_one_line() -> None:
     """`autoplan estimate --etp` (Mixtral 8x7B, tp 2 x ep 8 inside dp 8): Megatron-LM refuses
     ep inside dp with the experts whole (its ep groups would take TP ranks), and runs it at etp =
     tp, where its expert rank generator builds the same groups; the plan carries etp. etp not
-    dividing tp, or a stack without it, is one line on stderr without a traceback."""
+    dividing tp, or a stack without it, is one line on stderr without a traceback; autoplan's
+    runtime takes etp = tp."""
     from tests.conftest import run_cli
 
     args = (
@@ -332,9 +356,12 @@ def test_cli_estimate_states_etp_and_refuses_bad_input_in_one_line() -> None:
     split = run_cli(*args, "--etp", "2", *megatron)
     assert split.returncode == 0, split.stderr
     assert json.loads(split.stdout)["plan"]["etp_degree"] == 2
+    own = run_cli(*args, "--etp", "2", "--json")
+    assert own.returncode == 0, own.stderr
+    assert json.loads(own.stdout)["plan"]["etp_degree"] == 2
     for extra, words in (
         (("--etp", "3", *megatron), "etp_degree = 3 does not divide tp_degree = 2"),
-        (("--etp", "2"), "etp_degree 2: autoplan does not split routed experts"),
+        (("--etp", "2", "--framework", "torchtitan"), "etp_degree 2: torchtitan"),
     ):
         refused = run_cli(*args, *extra)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr
@@ -370,3 +397,26 @@ def test_its_range_says_no_scored_run_validates_it() -> None:
     wide, narrow = step_interval(features), step_interval(plan_features(whole, "megatron-lm"))
     assert ("expert tensor parallel", 0) in wide.unvalidated
     assert wide.high > narrow.high and wide.low < narrow.low
+
+
+# ------------------------------------------------------------------------------ runtime
+
+
+@pytest.mark.slow
+def test_tp2_etp2_ep2_sp_moe_trains_as_one_process(tmp_path: Path) -> None:
+    """autoplan's runtime at tp 2, etp 2, ep 2 inside dp 2 with sequence parallelism (4 ranks;
+    ZeRO-3): each TP rank routes its own half of the sequence to its ep pair, the pair's
+    received rows are gathered over the TP group, every rank runs its half of each local
+    expert's width on them, and the partial outputs are reduce-scattered back
+    (passes/expert_parallel.py). Loss and every gradient (the experts' gathered from their
+    (ep, etp) DTensors) match one process over 3 AdamW steps, load-balancing loss included."""
+    from tests.dist_utils import run_distributed
+    from tests.numerics import assert_matches, train_worker
+    from tests.test_parallelize_cp_ep import _micro_batch_reference, _plan
+
+    plan = _plan("moe", 4, tp=2, ep=2, etp=2, zero=3, global_batch=4, sequence_parallel=True)
+    assert (plan.etp_degree, plan.ep_group_ranks(1), plan.etp_group_ranks(1)) == (2, (1, 3), (0, 1))
+    results = run_distributed(
+        train_worker, "moe", plan.to_data(), world_size=plan.num_devices, tmp_path=tmp_path
+    )
+    assert_matches(results, _micro_batch_reference("moe", plan))

@@ -560,31 +560,40 @@ class Plan:
         """Global ranks of the expert-parallel group that contains ``rank``: ``ep_degree``
         consecutive data-parallel ranks (same pp, cp and tp coordinates), which split the experts
         among them and exchange tokens by all-to-all. With ``ep_folding``: ``ep_degree``
-        consecutive ranks of the dp x cp x tp block (`_block_index`)."""
+        consecutive ranks of the dp x cp x tp block (`_block_index`), counted in etp-sized
+        steps under expert tensor parallelism (the ranks at this rank's place in consecutive
+        expert-TP groups: Megatron-Core's expert rank generator, etp innermost, then ep)."""
         if self.ep_folding:
             pp, index = self._block_index(rank)
-            first = index - index % self.ep_degree
-            return tuple(self._block_rank(pp, first + i) for i in range(self.ep_degree))
+            etp, group = self.etp_degree, index // self.etp_degree
+            first = (group - group % self.ep_degree) * etp + index % etp
+            return tuple(self._block_rank(pp, first + i * etp) for i in range(self.ep_degree))
         stride = self.axis_stride("dp")
         d = (rank // stride) % self.dp_degree
         base = rank - (d % self.ep_degree) * stride
         return tuple(base + i * stride for i in range(self.ep_degree))
+
+    def etp_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
+        """Global ranks of the expert-tensor-parallel group that contains ``rank``: the
+        ``etp_degree`` consecutive ranks of its TP group that split each of their routed experts
+        (Megatron-Core's expert rank generator puts etp innermost); ``rank`` alone at etp 1."""
+        stride = self.axis_stride("tp")
+        t = (rank // stride) % self.tp_degree
+        base = rank - (t % self.etp_degree) * stride
+        return tuple(base + i * stride for i in range(self.etp_degree))
 
     def expert_data_group_ranks(self, rank: int = 0) -> tuple[int, ...]:
         """Global ranks that hold the same experts as ``rank`` (same pp and tp coordinates, the
         same position in their expert-parallel group, any cp coordinate): the group over which
         expert gradients reduce, ``dp_degree x cp_degree / ep_degree`` ranks. With
         ``ep_folding``: the ranks of the dp x cp x tp block at the same position in their ep group,
-        ``dp x cp x tp / ep`` of them."""
+        ``dp x cp x tp / ep`` of them (``/ etp``: the same place in their expert-TP group too)."""
         if self.ep_folding:
             pp, index = self._block_index(rank)
             block = self.dp_degree * self.cp_degree * self.tp_degree
-            return tuple(
-                sorted(
-                    self._block_rank(pp, i)
-                    for i in range(index % self.ep_degree, block, self.ep_degree)
-                )
-            )
+            etp, span = self.etp_degree, self.ep_degree * self.etp_degree
+            start = (index // etp) % self.ep_degree * etp + index % etp
+            return tuple(sorted(self._block_rank(pp, i) for i in range(start, block, span)))
         dp_stride, cp_stride = self.axis_stride("dp"), self.axis_stride("cp")
         d = (rank // dp_stride) % self.dp_degree
         c = (rank // cp_stride) % self.cp_degree

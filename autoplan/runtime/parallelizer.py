@@ -18,7 +18,8 @@ Guarantees:
   torchrun world: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes) and broadcasts it: every rank runs the
   same plan;
 - the passes run in order, each checking its own result: split into stages and units ->
-  tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1) -> activation
+  tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1, or etp > 1:
+  each routed expert split over the TP group, `passes.ExpertTensorParallel`) -> activation
   recompute -> data parallel -> materialise -> pipeline; a plan with ``tp_comm_overlap`` runs
   torch's async TP (`passes.async_tp`, CUDA and NCCL only: refused elsewhere on every rank
   before anything is built);
@@ -60,6 +61,7 @@ from cost_model.results import Estimate
 from passes import (
     ContextParallelResult,
     DistributedModel,
+    ExpertTensorParallel,
     Fp8ScalePrecompute,
     Fp8Selection,
     ParallelMesh,
@@ -415,8 +417,13 @@ def _shard_stages(
             context = apply_context_parallel(
                 stage.module, mesh.sub("cp"), seq_len=graph.profile.seq_len
             )
-        if plan.ep_degree > 1 and find_grouped_experts(stage.module):
-            apply_expert_parallel(stage.module, mesh.sub("ep"), device_type=device.type)
+        if (plan.ep_degree > 1 or plan.etp_degree > 1) and find_grouped_experts(stage.module):
+            apply_expert_parallel(
+                stage.module,
+                mesh.sub("ep") if plan.ep_degree > 1 else None,
+                etp=_expert_tensor_parallel(plan, mesh),
+                device_type=device.type,
+            )
         own = plan.stages[stage.stage_idx]
         apply_recompute(stage, own.recompute, plan.decisions.recompute, own.recompute_units)
         # the first blocks recompute does not cover, their saved activations on the host (CUDA:
@@ -437,6 +444,16 @@ def _shard_stages(
             position_buffers=(),
         )
     return context, tp_results
+
+
+def _expert_tensor_parallel(plan: Plan, mesh: ParallelMesh) -> ExpertTensorParallel | None:
+    """How the routed experts split over the etp ranks (the TP group: `Capabilities.etp_is_tp`),
+    None at etp 1. Under sequence parallelism each TP rank routes its own tokens."""
+    if plan.etp_degree == 1:
+        return None
+    return ExpertTensorParallel(
+        mesh=mesh.sub("etp"), weights=mesh.expert_weights, own_tokens=plan.sequence_parallel
+    )
 
 
 def _wrap_data_parallel(
@@ -468,12 +485,13 @@ def _wrap_data_parallel(
 def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
     """The parameters of MoE layers on sequence shards whose gradients sum over tp: router
     and shared expert, and the routed experts unless a folded ep group reduces them over the
-    tp ranks already (`Plan.expert_data_group_ranks` spans tp then)."""
-    folded = plan.ep_folding and plan.ep_degree > 1
+    tp ranks already (`Plan.expert_data_group_ranks` spans tp then) or they are split over the
+    TP group (etp = tp: each rank's slice saw every token of the group)."""
+    apart = (plan.ep_folding and plan.ep_degree > 1) or plan.etp_degree > 1
     return tuple(
         name
         for layer in result.moe_layers
-        for name in layer.replicated_parameters + (() if folded else layer.expert_parameters)
+        for name in layer.replicated_parameters + (() if apart else layer.expert_parameters)
     )
 
 

@@ -23,11 +23,13 @@ AUTOPLAN = FrameworkProfile(
         expert_wrapper_limits=True,
         # passes/mesh.py builds HSDP's 2-D mesh from dp ranks only
         hsdp_context_parallel=False,
+        # passes/expert_parallel.py splits each routed expert over the tp mesh axis (etp = tp)
+        etp_is_tp=True,
         explained={
             "etp": Explanation(
-                why="its expert-parallel pass (passes/expert_parallel.py) keeps every routed "
-                "expert whole on its rank: it does not shard experts over TP ranks",
-                fix="set etp_degree 1 (leave it out), or price it for megatron-lm "
+                why="its expert-parallel pass (passes/expert_parallel.py) splits each routed "
+                "expert over the tp mesh axis, the whole TP group",
+                fix="set etp_degree to tp_degree or 1, or price it for megatron-lm "
                 "(--expert-tensor-parallel-size)",
             ),
             "dtype:mxfp8": Explanation(
@@ -69,5 +71,8 @@ AUTOPLAN = FrameworkProfile(
     # torch.autograd.graph.save_on_cpu around a stage's offloaded blocks (passes/offload.py;
     # CUDA only: a CPU worker is its own host, refused by the host-link rule)
     activation_offload="blocking",
+    # each routed expert split over the TP group: gate and up by columns, down by rows
+    # (passes/expert_parallel.py; etp = tp only, `Capabilities.etp_is_tp`)
+    expert_tensor_parallel=True,
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

@@ -481,6 +481,19 @@ def _combination_refusals(
             limit="etp",
             field="etp_degree",
         )
+    elif strategy.etp_degree not in (1, tp) and caps.etp_is_tp:
+        etp_rule, etp_fix = _own_words(
+            caps.explained.get("etp"),
+            f"{name} splits a routed expert over the whole TP group or not at all",
+            f"set etp_degree {tp} or 1",
+        )
+        yield Refusal(
+            value=f"etp_degree {strategy.etp_degree} with tp_degree {tp}",
+            rule=etp_rule,
+            fix=etp_fix,
+            limit="etp",
+            field="etp_degree",
+        )
     yield from _expert_group_refusals(stack, strategy)
     if pp > 1:
         yield from _pipeline_refusals(stack, strategy)

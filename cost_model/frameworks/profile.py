@@ -141,6 +141,10 @@ class Capabilities:
     # with selective recompute around separately wrapped experts under FSDP2 (autoplan's
     # runtime).
     expert_wrapper_limits: bool = False
+    # Its expert tensor parallelism splits a routed expert over the whole TP group only
+    # (etp = tp, or 1; autoplan's runtime: the etp group is its tp mesh axis); its words for
+    # why are `explained` "etp".
+    etp_is_tp: bool = False
     # Each limit in the stack's own terms, citing its code (`Explanation`): what `autoplan
     # export` says of a plan that breaks it. Keyed by `LimitKey`, or ``limit:value`` where
     # one value needs its own words (``schedule:gpipe``).
