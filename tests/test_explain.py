@@ -27,6 +27,7 @@ from autoplan.analysis.plots import (
     save_figure,
     time_shares,
     timeline_figure,
+    timeline_view,
 )
 from autoplan.analysis.timeline import EVENT_KINDS, Timeline, simulate_timeline, timeline_of
 from autoplan.api import manual_plan
@@ -318,6 +319,9 @@ def test_a_long_step_is_drawn_as_shares_and_a_zoom() -> None:
         "pp rank 1",
     ]
     low, high = zoom.get_xlim()
+    view = timeline_view(timeline)
+    assert view.aggregated and view.zoom_rank == 2 and view.zoom_rows == (1, 2, 3)  # top to bottom
+    assert view.window_s == pytest.approx((low, high))
     assert bar_width_px(timeline) * timeline.step_time_s / (high - low) >= MIN_BAR_PX * 3
     _assert_tiles(zoom, 2, (low, high))
     in_window = [
@@ -510,6 +514,7 @@ def test_cli_json_resolves_the_plan_files_model_and_cluster(
     assert timeline["path"] == str(picture) and timeline["pp_degree"] == 4
     assert timeline["pipeline_time_s"] == pytest.approx(data["estimate"]["pipeline_time_s"])
     assert timeline["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"])
+    assert timeline["aggregated"] is False and timeline["zoom_rank"] is None  # 32 wide bars
     assert picture.read_bytes()[:8] == PNG_SIGNATURE
 
 

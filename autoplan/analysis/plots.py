@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,19 @@ from autoplan.analysis.timeline import EVENT_KINDS, EventKind, SendKind, Timelin
 from autoplan.analysis.whatif import WhatIfResult
 from cost_model.files import atomic_output
 
-__all__ = ["KIND_COLOURS", "KIND_LABELS", "save_figure", "timeline_figure", "whatif_figure"]
+__all__ = [
+    "KIND_COLOURS",
+    "KIND_LABELS",
+    "MIN_BAR_PX",
+    "SEND_COLOURS",
+    "TimelineView",
+    "bar_width_px",
+    "save_figure",
+    "time_shares",
+    "timeline_figure",
+    "timeline_view",
+    "whatif_figure",
+]
 
 # Colour-blind-safe palette (Okabe and Ito 2008), one colour per kind of span.
 KIND_COLOURS: dict[EventKind, str] = {
@@ -271,16 +284,57 @@ def time_shares(timeline: Timeline, edges_s: Sequence[float] | np.ndarray) -> np
     return out
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimelineView:
+    """How `timeline_figure` draws a timeline: a bar per action when the median bar
+    (``bar_px`` wide over the whole step) is at least `MIN_BAR_PX` wide; else (``aggregated``)
+    each rank's time shares in bins of ``bin_s`` over a zoom on ``zoom_rank`` (the rank that
+    finishes the step last) between its peers (``zoom_rows``, top to bottom), over
+    ``window_s``."""
+
+    bar_px: float
+    aggregated: bool
+    bin_s: float = 0.0
+    zoom_rank: int | None = None
+    zoom_rows: tuple[int, ...] = ()
+    window_s: tuple[float, float] | None = None
+
+
+def timeline_view(timeline: Timeline) -> TimelineView:
+    """The view `timeline_figure` draws ``timeline`` in (`TimelineView`)."""
+    bar_px = bar_width_px(timeline)
+    if bar_px >= MIN_BAR_PX:
+        return TimelineView(bar_px=bar_px, aggregated=False)
+    rank = _last_rank(timeline)
+    # the zoom: a window of about _AXES_WIDTH_PX / _ZOOM_BAR_PX actions around the rank's
+    # first backward (the end of its warm-up and the start of its steady state)
+    width_s = timeline.step_time_s * bar_px / _ZOOM_BAR_PX
+    first_backward = min(
+        (e.start_s for e in timeline.rank_events(rank) if e.kind == "backward"), default=0.0
+    )
+    start = min(max(0.0, first_backward - width_s / 2), timeline.step_time_s - width_s)
+    return TimelineView(
+        bar_px=bar_px,
+        aggregated=True,
+        bin_s=timeline.step_time_s / max(1, round(_AXES_WIDTH_PX / _BIN_PX)),
+        zoom_rank=rank,
+        zoom_rows=tuple(_peers(timeline, rank)),
+        window_s=(start, start + width_s),
+    )
+
+
 def timeline_figure(timeline: Timeline, *, title: str | None = None) -> Figure:
     """One step of the schedule: a row per pipeline rank, rank 0 on top.
 
     Bars a micro-batch's action wide when they are at least `MIN_BAR_PX` wide (median), with
     every send between ranks as an arrow in the gap between their rows. Narrower, an overview
     (each rank's share of time per kind in bins `_BIN_PX` wide) over a zoom on the rank that
-    ends the step and its peers, in a window of actions `_ZOOM_BAR_PX` wide."""
-    if bar_width_px(timeline) >= MIN_BAR_PX:
+    ends the step and its peers, in a window of actions `_ZOOM_BAR_PX` wide
+    (`timeline_view` says which)."""
+    view = timeline_view(timeline)
+    if not view.aggregated:
         return _detailed_figure(timeline, title)
-    return _aggregated_figure(timeline, title)
+    return _aggregated_figure(timeline, view, title)
 
 
 def _detailed_figure(timeline: Timeline, title: str | None) -> Figure:
@@ -300,10 +354,10 @@ def _detailed_figure(timeline: Timeline, title: str | None) -> Figure:
     return figure
 
 
-def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
+def _aggregated_figure(timeline: Timeline, view: TimelineView, title: str | None) -> Figure:
+    assert view.window_s is not None and view.zoom_rank is not None
     p = timeline.pp_degree
-    rank = _last_rank(timeline)
-    rows = _peers(timeline, rank)
+    rank, rows, window = view.zoom_rank, list(view.zoom_rows), view.window_s
     # a row 0.28 in high, less past 32 ranks (at most 9 in in all), labelled every few ranks
     # when lower than a label
     row_in = min(0.28, 9.0 / p)
@@ -311,27 +365,17 @@ def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
     figure = Figure(figsize=(_FIGURE_WIDTH_IN, 1.1 + overview_in + zoom_in), layout="constrained")
     overview, zoom = figure.subplots(2, 1, height_ratios=[overview_in, zoom_in])
     scale, unit = _time_unit(timeline.step_time_s)
-    num_bins = max(1, round(_AXES_WIDTH_PX / _BIN_PX))
-    edges = np.linspace(0.0, timeline.step_time_s, num_bins + 1)
+    edges = np.linspace(0.0, timeline.step_time_s, round(timeline.step_time_s / view.bin_s) + 1)
     kinds = _draw_shares(overview, timeline, edges, scale)
     _rank_axis(overview, list(range(p)), every=math.ceil(0.2 / row_in))
     overview.set_xlim(0, timeline.step_time_s * scale)
     overview.set_xlabel(f"time within one training step ({unit})")
-    bin_s = timeline.step_time_s / num_bins
     overview.set_title(
         (title or _schedule_title(timeline, scale, unit))
-        + f"\neach row: the rank's share of time per kind in bins of {_fmt(bin_s * scale)} "
-        f"{unit} (bars {bar_width_px(timeline):.1g} px wide would be a barcode)",
+        + f"\neach row: the rank's share of time per kind in bins of {_fmt(view.bin_s * scale)} "
+        f"{unit} (bars {view.bar_px:.1g} px wide would be a barcode)",
         fontsize=10,
     )
-    # the zoom: a window of about _AXES_WIDTH_PX / _ZOOM_BAR_PX actions around the rank's
-    # first backward (the end of its warm-up and the start of its steady state)
-    width_s = timeline.step_time_s * bar_width_px(timeline) / _ZOOM_BAR_PX
-    first_backward = min(
-        (e.start_s for e in timeline.rank_events(rank) if e.kind == "backward"), default=0.0
-    )
-    start = min(max(0.0, first_backward - width_s / 2), timeline.step_time_s - width_s)
-    window = (start, start + width_s)
     kinds += [k for k in _draw_bars(zoom, timeline, rows, window, scale) if k not in kinds]
     sends = _draw_sends(zoom, timeline, rows, window, scale, of_rank=rank)
     _rank_axis(zoom, rows)
@@ -344,11 +388,10 @@ def _aggregated_figure(timeline: Timeline, title: str | None) -> Figure:
         f"{label}, arrows: the messages it sends and receives",
         fontsize=10,
     )
-    y = p - 1 - rank
     overview.add_patch(
         Rectangle(
-            (window[0] * scale, y - 0.5),
-            width_s * scale,
+            (window[0] * scale, p - 1 - rank - 0.5),
+            (window[1] - window[0]) * scale,
             1.0,
             fill=False,
             edgecolor="black",

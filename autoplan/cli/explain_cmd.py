@@ -156,16 +156,21 @@ def explain_cmd(
         if timeline_path is not None:
             status.update(f"drawing the timeline to {shown(timeline_path, quoted=False)}")
             # matplotlib takes about a second to import: only when a picture is asked for.
-            from autoplan.analysis.plots import save_figure, timeline_figure
+            from autoplan.analysis.plots import save_figure, timeline_figure, timeline_view
 
             simulated = timeline_of(result.estimate, plan)
             save_figure(timeline_figure(simulated), timeline_path, what="--timeline")
+            view = timeline_view(simulated)
             timeline = {
                 "path": timeline_path,
                 "schedule": simulated.schedule,
                 "pp_degree": simulated.pp_degree,
                 "pipeline_time_s": simulated.pipeline_time_s,
                 "step_time_s": simulated.step_time_s,
+                # bars narrower than MIN_BAR_PX: each rank's time shares, and a zoom
+                "aggregated": view.aggregated,
+                "zoom_rank": view.zoom_rank,
+                "zoom_window_s": list(view.window_s) if view.window_s else None,
             }
     if as_json:
         data = result.to_data()
@@ -177,7 +182,7 @@ def explain_cmd(
     if timeline is not None:
         out.print(
             f"wrote {timeline_path}: one step of {fmt_time(timeline['step_time_s'])} (the "
-            "estimate's own simulation of the schedule)"
+            "estimate's own simulation of the schedule)" + _zoom_note(timeline)
         )
 
 
@@ -238,4 +243,15 @@ def memory_table(result: Explanation, *, width: int = WIDTH, wide: bool = False)
         f"capacity {fmt_gib(e.memory_capacity_bytes)}; fits: total at most "
         f"{fmt_gib(e.usable_memory_bytes)} (the capacity less the {e.memory_headroom:.0%} memory "
         "headroom and the peak's 80% range)",
+    )
+
+
+def _zoom_note(timeline: dict[str, Any]) -> str:
+    """How an aggregated timeline is drawn: "" for a bar per action."""
+    if not timeline["aggregated"]:
+        return ""
+    start, end = timeline["zoom_window_s"]
+    return (
+        "; too many actions for a bar each: each rank's time shares, and a zoom on pp rank "
+        f"{timeline['zoom_rank']} over {fmt_time(start)}-{fmt_time(end)}"
     )

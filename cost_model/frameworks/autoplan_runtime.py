@@ -68,11 +68,11 @@ AUTOPLAN = FrameworkProfile(
     # torch's async TP under torch.compile (passes/async_tp.py; CUDA only, refused on CPU by
     # parallelize)
     tp_comm_overlap=TORCH_ASYNC_TP,
-    # each routed expert split over the TP group: gate and up by columns, down by rows
-    # (passes/expert_parallel.py; etp = tp only, `Capabilities.etp_is_tp`)
-    expert_tensor_parallel=True,
     # torch.autograd.graph.save_on_cpu around a stage's offloaded blocks (passes/offload.py;
     # CUDA only: a CPU worker is its own host, refused by the host-link rule)
     activation_offload="blocking",
+    # each routed expert split over the TP group: gate and up by columns, down by rows
+    # (passes/expert_parallel.py; etp = tp only, `Capabilities.etp_is_tp`)
+    expert_tensor_parallel=True,
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )
