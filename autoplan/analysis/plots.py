@@ -46,6 +46,7 @@ __all__ = [
     "KIND_COLOURS",
     "KIND_LABELS",
     "MIN_BAR_PX",
+    "SAVE_DPI",
     "SEND_COLOURS",
     "TimelineView",
     "bar_width_px",
@@ -55,6 +56,10 @@ __all__ = [
     "timeline_view",
     "whatif_figure",
 ]
+
+# Pictures are written at this resolution (`save_figure`'s default); the timeline judges
+# its bars' widths in these pixels.
+SAVE_DPI = 120
 
 # Colour-blind-safe palette (Okabe and Ito 2008), one colour per kind of span.
 KIND_COLOURS: dict[EventKind, str] = {
@@ -73,7 +78,7 @@ KIND_LABELS: dict[EventKind, str] = {
 }
 
 
-def save_figure(figure: Figure, path: str | Path, *, dpi: int = 120, what: str = "") -> Path:
+def save_figure(figure: Figure, path: str | Path, *, dpi: int = SAVE_DPI, what: str = "") -> Path:
     """Write ``figure`` with the Agg renderer (PNG, or what the suffix names); return the path.
 
     Written atomically (`cost_model.files.atomic_output`): on a failure (disk full, ...) the
@@ -235,9 +240,7 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 
 # ------------------------------------------------------------------------------ timeline
 
-# Pictures are written at this resolution (`save_figure`'s default): widths are judged in its
-# pixels. The time axis spans about the figure's width less the rank labels and margins.
-SAVE_DPI = 120
+# The time axis spans about the figure's width less the rank labels and margins.
 _FIGURE_WIDTH_IN = 13.0
 _AXES_WIDTH_PX = 11.6 * SAVE_DPI
 # Below this median width a bar per action reads as a barcode (seen on gpt3-175b's plans: at
