@@ -101,6 +101,7 @@ def manual_plan(
     compile: bool = False,
     dp_shard: int | None = None,
     optimizer_offload: float = 0.0,
+    activation_offload: int = 0,
 ) -> Plan:
     """A plan with the given degrees and ``pp * v`` stages cut as the framework's stack cuts
     them when no cut is stated (`FrameworkProfile.pipeline_split`: Megatron-LM's even layers,
@@ -123,6 +124,9 @@ def manual_plan(
     sharded within groups of that many consecutive dp ranks and replicated across them
     (`Plan.dp_shard_degree`; None: over all of dp). ``optimizer_offload``: the share (0 to 1)
     of the optimizer step kept and run on the host (`Plan.optimizer_offload`).
+    ``activation_offload``: N, each stage's first N blocks its recompute does not cover keep
+    their saved activations on the host (`StagePlan.activation_offload`; Megatron-LM's one
+    ``--cpu-offloading-num-layers``).
     """
     profile = profile_of(model_or_graph)
     cluster = as_cluster(cluster)
@@ -180,7 +184,9 @@ def manual_plan(
         ep_folding=ep_folding,
         etp_degree=etp,
         virtual_stages=virtual_stages,
-        stages=even_stages(profile.num_units, pp * virtual_stages, recompute),
+        stages=_offloaded(
+            even_stages(profile.num_units, pp * virtual_stages, recompute), activation_offload
+        ),
         micro_batch_size=micro_batch,
         num_micro_batches=global_batch // per_step,
         global_batch_size=global_batch,
@@ -203,10 +209,17 @@ def manual_plan(
     plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp, stack=False)
     stages = framework_stages(profile, framework, pp * virtual_stages, recompute)
     if stages is not None:
-        plan = dataclasses.replace(plan, stages=stages)
+        plan = dataclasses.replace(plan, stages=_offloaded(stages, activation_offload))
     if stages is not None or plan.framework != DEFAULT_FRAMEWORK:
         plan.validate(profile, cluster, allow_cross_node_tp=allow_cross_node_tp)
     return plan.with_estimate(plan_estimate(_estimate(profile, cluster, plan), cluster))
+
+
+def _offloaded(stages: tuple[StagePlan, ...], count: int) -> tuple[StagePlan, ...]:
+    """``stages`` with ``activation_offload`` ``count`` each (unchanged at 0)."""
+    if not count:
+        return stages
+    return tuple(dataclasses.replace(stage, activation_offload=count) for stage in stages)
 
 
 def framework_stages(

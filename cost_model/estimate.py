@@ -456,6 +456,8 @@ class CostModel:
                     own = dataclasses.replace(strategy, compile=compiled)
                     offloaded[compiled] = self.offloaded_costs(own)
                 units.append(offloaded[compiled][u] if host else by_mode[(mode, compiled)][u])
+            if any(self.stage_offloaded(s, modes)):
+                units = _in_flight_beside_kept(units, by_mode[("none", compiled)], s)
             stage_units.append(tuple(units))
         boundaries = [
             self.boundary(units[-1], strategy, idx) for idx, units in enumerate(stage_units)
@@ -645,6 +647,29 @@ def stage_recompute_units(stage: StageLike) -> int | None:
     ``stages[i].recompute_units``; None, or a stage without the field: all)."""
     count = getattr(stage, "recompute_units", None)
     return None if count is None else int(count)
+
+
+def _in_flight_beside_kept(
+    units: list[UnitCost], plain: tuple[UnitCost, ...], stage: StageLike
+) -> list[UnitCost]:
+    """A stage's units with each offloaded block's in-flight bytes (its working set beyond the
+    plain block's, `offloaded_unit_cost`) less the stage's kept activations of one micro-batch
+    (those of its blocks and other units left on the device), at most all of them.
+
+    The offloaded blocks are the stage's first: while one is copied back for its backward (or
+    out, beside the next block's forward), the micro-batch's later blocks have freed their
+    activations (or not made them yet), so the rank holds ``(h - 1) kept + max(kept, in
+    flight)`` then, against ``h kept`` at its backward's start (h micro-batches held). The rank's
+    peak, ``h kept + max working``, is that maximum with the in-flight bytes beyond ``kept``. The
+    search's candidate keeps them whole (a bound: `autoplan.planner.candidates`)."""
+    kept = sum(u.activation_bytes for u in units)
+    out = []
+    for index, unit in zip(s_range(stage), units, strict=True):
+        extra = unit.working_bytes - plain[index].working_bytes
+        if unit.host_activation_bytes > 0 and extra > 0:
+            unit = dataclasses.replace(unit, working_bytes=unit.working_bytes - min(extra, kept))
+        out.append(unit)
+    return out
 
 
 def stage_activation_offload(stage: StageLike) -> int:

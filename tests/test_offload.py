@@ -302,6 +302,13 @@ def test_cli_estimate_prices_it_and_refuses_bad_input_in_one_line() -> None:
     assert unstated.returncode != 0 and "Traceback" not in unstated.stderr
     assert "states no host link" in unstated.stderr
     assert len(unstated.stderr.strip().splitlines()) == 1, unstated.stderr
+    # activation offload: the first of the two blocks (Megatron-LM keeps the last)
+    moved = run_cli(*_CLI, "--cluster", "dgx-h100-80g", "--activation-offload", "1", "--json")
+    assert moved.returncode == 0, moved.stderr
+    offloaded = json.loads(moved.stdout)
+    assert offloaded["plan"]["stages"][0]["activation_offload"] == 1
+    assert offloaded["peak_memory_bytes"] < before["peak_memory_bytes"]
+    assert offloaded["step_time_s"] >= before["step_time_s"]
 
 
 # ------------------------------------------------------------------------------- exports
@@ -389,17 +396,30 @@ def test_torchtitan_refuses_the_export_in_its_words(llama8b: Any) -> None:
 # ------------------------------------------------------------------------------- runtime
 
 
+def refused_plans_worker(rank: int, world_size: int, plans: list[Any]) -> list[dict[str, Any]]:
+    """`refused_plan_worker` of each of ``plans`` in turn, on the same ranks."""
+    return [refused_plan_worker(rank, world_size, plan) for plan in plans]
+
+
 @pytest.mark.slow
 def test_parallelize_refuses_it_on_cpu_on_every_rank(tmp_path: Path) -> None:
-    """A CPU worker is its own host: every rank refuses the plan in one line naming the value,
-    the rule and the fix, before anything is built (nothing hangs)."""
-    plan = make_plan(dp=2, zero=1, optimizer_offload=0.5)
-    results = run_distributed(refused_plan_worker, plan.to_data(), world_size=2, tmp_path=tmp_path)
-    for result in results:
-        message = result["message"]
-        assert message.startswith("optimizer_offload = 0.5 on device"), message
-        assert "a CPU worker is its own host" in message and "\n" not in message
-        assert result["meta"]
+    """A CPU worker is its own host: every rank refuses an optimizer-offload plan and an
+    activation-offload plan in one line naming the value, the rule and the fix, before anything
+    is built (nothing hangs)."""
+    optimizer = make_plan(dp=2, zero=1, optimizer_offload=0.5)
+    stages = tuple(dataclasses.replace(s, activation_offload=1) for s in make_plan(dp=2).stages)
+    activations = dataclasses.replace(make_plan(dp=2), stages=stages)
+    plans = [optimizer.to_data(), activations.to_data()]
+    results = run_distributed(refused_plans_worker, plans, world_size=2, tmp_path=tmp_path)
+    for first, second in results:
+        for result, start in (
+            (first, "optimizer_offload = 0.5"),
+            (second, "activation_offload [1]"),
+        ):
+            message = result["message"]
+            assert message.startswith(f"{start} on device"), message
+            assert "a CPU worker is its own host" in message and "\n" not in message
+            assert result["meta"]
 
 
 # ------------------------------------------------------------------- activation offload
@@ -450,9 +470,10 @@ def test_the_estimate_trades_step_time_for_the_offloaded_blocks_memory(
     framework: str, count: int, in_flight: int
 ) -> None:
     """One stage of 4 blocks, 2 micro-batches (1F1B holds 1 at the peak): the peak falls by
-    the offloaded blocks' A less the blocks the stack holds while they move, with the
-    allocator's overhead on top; autoplan's step grows by both copies of each block per
-    micro-batch."""
+    the offloaded blocks' A, less what the blocks in flight (one for save_on_cpu, two for
+    Transformer Engine's copy streams) hold beyond the activations the stage keeps (the later
+    blocks' and the embedding's and head's E: freed by then), with the allocator's overhead on
+    top; autoplan's pipeline grows by both copies of each block per micro-batch."""
     profile = gpt_profile()
     cluster = _linked(round_cluster(), link=1e9)
     plan = autoplan.manual_plan(
@@ -460,9 +481,12 @@ def test_the_estimate_trades_step_time_for_the_offloaded_blocks_memory(
     )
     offloaded = _offloaded(plan, count)
     before, after = estimate(profile, cluster, plan), estimate(profile, cluster, offloaded)
-    block = CostModel(profile, cluster, framework).unit_costs(Strategy.of(plan), "none")[1]
+    plain = CostModel(profile, cluster, framework).unit_costs(Strategy.of(plan), "none")
+    block = plain[1]
+    a = block.activation_bytes
+    kept = (4 - count) * a + sum(u.activation_bytes for u in plain if u.kind != "block")
     overhead = 1 + cluster.calibration.allocator_overhead_fraction
-    freed = (count - in_flight) * block.activation_bytes * overhead
+    freed = (count * a - max(0.0, in_flight * a - kept)) * overhead
     assert before.peak_memory_bytes - after.peak_memory_bytes == pytest.approx(freed)
     assert after.step_time_s > before.step_time_s
     if framework == "autoplan":

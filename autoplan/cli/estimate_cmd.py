@@ -154,6 +154,14 @@ from cost_model.messages import shown as shown_value
     help="Share of the optimizer step (master weights, moments, Adam) kept and run on the host "
     "(Megatron-LM --optimizer-offload-fraction; DeepSpeed offload_optimizer).",
 )
+@click.option(
+    "--activation-offload",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Blocks of each stage (the first its recompute does not cover) whose saved "
+    "activations wait on the host (Megatron-LM --cpu-offloading-num-layers; torch save_on_cpu).",
+)
 @framework_option
 @wide_option
 @progress_option
@@ -184,6 +192,7 @@ def estimate_cmd(
     optimizer_state_dtype: str | None,
     compile: bool,
     optimizer_offload: float,
+    activation_offload: int,
     framework: str,
     wide: bool,
     progress: bool | None,
@@ -228,6 +237,7 @@ def estimate_cmd(
         framework=framework,
         compile=compile,
         optimizer_offload=optimizer_offload,
+        activation_offload=activation_offload,
         **policy,  # type: ignore[arg-type]
     )
     result = estimate(
@@ -260,6 +270,11 @@ def estimate_cmd(
         out.print(
             f"[bold]optimizer offload:[/] {plan.optimizer_offload:g} of the optimizer step on the "
             "host (gradients out and weights back over the host link each step)"
+        )
+    if activation_offload:
+        out.print(
+            f"[bold]activation offload:[/] {activation_offload} block(s) a stage keep their saved "
+            "activations on the host (out after the forward, back before the backward)"
         )
     if not result.fits:
         out.print(f"[bold red]does not fit:[/] {result.memory_report()}")

@@ -196,7 +196,8 @@ class Enumeration:
         choice (`activation_offload_twin_allowed`); else None. Only where 'none' is the first
         of ``modes``: the candidate's memory constants come from its first mode's costs
         (`costed_candidate`), which then hold the offloaded blocks' in-flight buffers."""
-        if not (self._space.activation_offload and self._host_link) or modes[:1] != ("none",):
+        first_none = tuple(modes[:1]) == ("none",)
+        if not (self._space.activation_offload and self._host_link and first_none):
             return None
         if not activation_offload_twin_allowed(self._stack, strategy):
             return None
