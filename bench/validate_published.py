@@ -1727,12 +1727,6 @@ def _with_and_without(case: Case, technique: str, in_plan: frozenset[str]) -> tu
     return after, before
 
 
-def _med_max(errors: list[float]) -> str:
-    if not errors:
-        return "-"
-    return f"{statistics.median(errors):.1%} / {max(errors):.1%}"
-
-
 def technique_summary(found: list[TechniqueRow], technique: str) -> dict[str, Any]:
     """One technique's figures: its rows, how many are scored, unscored, skipped and dropped by
     the row-to-plan mapping, and median / max |error| after and before, scored (leave-one-
