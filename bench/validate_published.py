@@ -10,6 +10,7 @@ for the framework that ran it, whose profile cuts the pipeline stages as that st
     python bench/validate_published.py            # every row, then median / max |error|
     python bench/validate_published.py --json     # machine-readable
     python bench/validate_published.py --fit      # re-fit each fitted constant on its rows
+    python bench/validate_published.py --techniques  # issue 43's techniques, with and without
 
 Error = predicted throughput / published throughput - 1 (= published step / predicted step - 1).
 Rows that trained in fp8 are priced with the plan dtype of their recipe (`plan_dtype`;
@@ -19,7 +20,9 @@ configuration (`fp8_pairs`). Each device type's rows (the bench's GPU names, `gp
 reported apart, scored and unscored, with the shipped presets no predicted row runs on
 (`device_rows`, `presets_without_rows`; issue 42). The report ends with the published rows that
 contradict a sibling in their own table by a rule any cost model obeys (`source_contradictions`),
-found from the published numbers alone.
+found from the published numbers alone. ``--techniques`` rolls up the rows that use each of
+issue 43's techniques (compile, TP overlap, precision policy, partial recompute, HSDP, expert
+TP, offload), each priced with and without it (`technique_rows`).
 """
 
 from __future__ import annotations
