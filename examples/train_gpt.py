@@ -125,6 +125,7 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
         ]
         console.print(wrap_phrases(phrases, console.width), markup=False, highlight=False)
         console.print(f"corpus: {len(corpus.tokens):,} characters of CPython's documentation")
+        # one line, as validate's verdict: it names the checkpoint's path, which logs grep
         console.print(trainer.setup.describe(), soft_wrap=True, highlight=False)
     first_step, losses = trainer.step, []
     start = time.perf_counter()
@@ -157,7 +158,8 @@ def train(config: dict[str, Any], on_step: Callable[[int, float], None] | None =
         )
         timing = trainer.step_timing()
         if timing is not None:
-            console.print(timing.line(), soft_wrap=True, highlight=False, markup=False)
+            # wrapped at words: past the range it adds what to do
+            console.print(timing.line(), highlight=False, markup=False)
     if trainer.replicas is not None:
         # Replica groups hold the same weights at the same step: each prints their digest.
         digest = _weights_digest(trainer.model)

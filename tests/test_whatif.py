@@ -646,6 +646,7 @@ def test_cli_prices_per_type_in_the_cost_table() -> None:
     assert result.returncode == 0, result.stderr
     assert "priced per type in USD" in result.stdout
     header = next(line for line in result.stdout.splitlines() if "per 1M tokens" in line)
-    assert "price" in header and "cost (USD)" in header
+    assert "price" in header and "cost" in header
+    assert "price and cost: USD per device-hour and USD" in " ".join(result.stdout.split())
     rows = [line for line in result.stdout.splitlines() if line.startswith("dgx-")]
     assert [row.split()[4] for row in rows[-2:]] == ["1.5", "4"]
