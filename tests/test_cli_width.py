@@ -34,6 +34,7 @@ from autoplan._format import (
     fmt_memory_cell,
     fmt_recompute,
     print_fitted,
+    short_bytes,
     wrap_phrases,
 )
 from autoplan.cli import cli, error_text
@@ -316,3 +317,33 @@ def test_cells_are_compact_and_runs_collapse() -> None:
     assert fmt_recompute(["none", "full"]) == "full+none"
     rows = [(0, ["a"]), (1, ["b"]), (2, ["b"]), (3, ["b"]), (4, ["a"]), (6, ["a"])]
     assert collapse_runs(rows) == [("0", ["a"]), ("1-3", ["b"]), ("4", ["a"]), ("6", ["a"])]
+
+
+def cell_of(predicted_bytes: float, reserve_bytes: float) -> str:
+    return f"{short_bytes(predicted_bytes)}+{short_bytes(reserve_bytes)}"
+
+
+@pytest.mark.parametrize("width", [80, WIDTH])
+def test_the_ranked_table_with_its_layout_column_keeps_every_cell_whole(width: int) -> None:
+    # issue 44: with the layout column the memory cell was cut ("73.6G+5.68G/8…")
+    import autoplan
+    from autoplan.cli.plan_cmd import ranked_table
+
+    graph = autoplan.trace(autoplan.models.gpt(2, 64, 4, 32, 128))
+    plans = tuple(
+        autoplan.manual_plan(graph, "dgx-a100-80g", pp=2, global_batch=64, rank_layout=layout)
+        for layout in (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+    )
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    print_fitted(console, ranked_table(plans, width=width))
+    text = console.export_text()
+    _check_fits(text, width)
+    for plan in plans:
+        e = plan.estimate
+        assert e is not None
+        # predicted + reserve, the capacity (shared) said in the caption
+        predicted = e.peak_memory_bytes - e.memory_reserve_bytes
+        assert re.search(rf"\s{re.escape(cell_of(predicted, e.memory_reserve_bytes))}\n", text)
+    assert "margin of 80G" in " ".join(text.split())
+    headers = _headers(text)
+    assert "memory" in headers and ("layout" in headers) == (width == WIDTH)
