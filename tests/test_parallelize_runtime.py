@@ -330,7 +330,7 @@ def test_a_rank_failing_mid_step_takes_the_job_down(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- no plan
 
 
-def search_worker(rank: int, world_size: int) -> dict[str, Any]:
+def search_worker(rank: int, world_size: int, plan_path: str) -> dict[str, Any]:
     import contextlib
     import io
 
@@ -342,20 +342,34 @@ def search_worker(rank: int, world_size: int) -> dict[str, Any]:
         dist_model = parallelize(
             build_model("gpt"), loss_fn=loss_fn, optimizer=optimizer_factory(), global_batch_size=4
         )
-    losses = [float(dist_model.train_step(*batch(4, s))) for s in range(2)]
+        losses = [float(dist_model.train_step(*batch(4, s))) for s in range(2)]
+        # the plan saved, then loaded by path on every rank
+        if rank == 0:
+            dist_model.plan.to_yaml(plan_path)
+        dist.barrier()
+        loaded = parallelize(build_model("gpt"), plan=plan_path, loss_fn=loss_fn)
     said = [line for line in stderr.getvalue().splitlines() if line.startswith("autoplan: ")]
-    return {"plan": dist_model.plan.to_data(), "losses": losses, "said": said}
+    return {
+        "plan": dist_model.plan.to_data(),
+        "loaded": loaded.plan.to_data(),
+        "losses": losses,
+        "said": said,
+    }
 
 
 def test_without_a_plan_every_rank_runs_the_plan_rank0_chose(tmp_path: Path) -> None:
-    results = run_distributed(search_worker, world_size=2, tmp_path=tmp_path)
+    plan_path = str(tmp_path / "searched.yaml")
+    results = run_distributed(search_worker, plan_path, world_size=2, tmp_path=tmp_path)
     plans = [r["plan"] for r in results]
-    assert plans[0] == plans[1]
+    assert plans[0] == plans[1] == results[0]["loaded"] == results[1]["loaded"]
     plan = Plan.from_data(plans[0])
     assert plan.num_devices == 2 and plan.global_batch_size == 4
-    # rank 0 says which plan it searched, in one line: its shape and its predicted step
-    (said,) = results[0]["said"]
+    # rank 0 says which plan it searched, then which it loaded, a line each: its shape and its
+    # predicted step
+    said, loaded = results[0]["said"]
     assert results[1]["said"] == []
+    assert loaded.startswith(f"autoplan: running the plan loaded from {plan_path}: "), loaded
+    assert loaded.split(": ", 2)[2].split(";")[0] == said.split("): ", 1)[1].split(";")[0]
     searched = r"autoplan: plan searched on rank 0 in \d+\.\d s "
     proof = r"\((proven the fastest|a faster one may exist by up to \d+\.\d%)\)"
     assert re.fullmatch(searched + proof + r": .+; predicted step .+", said), said
@@ -401,6 +415,15 @@ def test_the_plan_line_shows_without_logging_configured_and_obeys_logging_when_i
         (logging.INFO, "autoplan: plan z")
     ]
     assert capsys.readouterr().err == ""
+
+
+def test_a_plan_path_that_does_not_load_fails_before_any_process_group() -> None:
+    from autoplan.runtime.parallelizer import parallelize
+
+    before = dist.is_initialized()
+    with pytest.raises(PlanError, match=re.escape("plan file '/no/such/plan.yaml' does not")):
+        parallelize(build_model("gpt"), plan="/no/such/plan.yaml", loss_fn=loss_fn)
+    assert dist.is_initialized() == before  # (no process group created)
 
 
 # ----------------------------------------------------------------------------- mixed precision

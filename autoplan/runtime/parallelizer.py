@@ -113,7 +113,7 @@ DEFAULT_TIMEOUT_S = 300.0
 def parallelize(
     model: nn.Module,
     cluster: Cluster | str | None = None,
-    plan: Plan | None = None,
+    plan: Plan | str | os.PathLike[str] | None = None,
     *,
     loss_fn: LossFn,
     optimizer: OptimizerFactory = DEFAULT_OPTIMIZER,
@@ -126,7 +126,9 @@ def parallelize(
     on_nan: OnNaN = "stop",
     memory_headroom: float | None = None,
 ) -> DistributedModel:
-    """Build this rank's part of ``model`` for ``plan`` (searched when None); see the module doc.
+    """Build this rank's part of ``model`` for ``plan`` (a `Plan`, or a plan file's path that
+    every rank loads; searched when None); see the module doc. Rank 0 logs the plan in one line
+    (`passes.announce_rank0`: shown where the program configured no logging too).
 
     ``global_batch_size`` is needed only to search a plan, and ``search_constraints`` (keywords
     of ``autoplan.search``, e.g. ``{"pp": 1}``) narrow that search; on CPU it defaults to fp32
@@ -148,7 +150,11 @@ def parallelize(
     crashed raises `CrashedRankError` naming it.
     """
     failures: RankFailures | None = None
+    plan_path: str | None = None
     try:
+        if isinstance(plan, (str, os.PathLike)):
+            plan_path = os.fspath(plan)
+            plan = Plan.from_yaml(plan_path)  # a bad file: one line, alike on every rank
         _check_arguments(model, plan, loss_fn, optimizer, global_batch_size, on_nan)
         if memory_headroom is not None:
             check_memory_headroom(memory_headroom)  # on every rank, before any process group
@@ -170,6 +176,7 @@ def parallelize(
             check_memory=check_memory,
             on_nan=on_nan,
             memory_headroom=memory_headroom,
+            plan_path=plan_path,
             job=_Job(
                 world_size=world_size,
                 local_world=local_world,
@@ -228,6 +235,7 @@ def _parallelize(
     check_memory: bool,
     on_nan: OnNaN,
     memory_headroom: float | None,
+    plan_path: str | None,
     job: _Job,
 ) -> DistributedModel:
     device = job.device
@@ -246,7 +254,7 @@ def _parallelize(
     if plan.tp_comm_overlap and (why := async_tp_refusal(device, dist.get_backend())) is not None:
         raise PlanError(why)  # alike on every rank, before anything is built
     # one line on rank 0, shown where logging is not configured too (`passes.announce_rank0`)
-    announce_rank0(logger, "autoplan: %s", _chosen_line(chosen))
+    announce_rank0(logger, "autoplan: %s", _chosen_line(chosen, plan_path))
 
     mesh = build_mesh(plan, device.type)
     if plan.tp_comm_overlap:
@@ -508,7 +516,7 @@ def _check_arguments(
         raise PlanError(f"model must be an nn.Module, got {type(model).__name__}")
     if plan is not None and not isinstance(plan, Plan):
         raise PlanError(
-            f"plan must be a Plan (e.g. Plan.from_yaml(path)) or None, got {type(plan).__name__}"
+            f"plan must be a Plan, a plan file's path or None, got {type(plan).__name__}"
         )
     if not callable(loss_fn):
         raise PlanError(
@@ -836,10 +844,12 @@ def _search(
     return search_plans(graph.profile, cluster, global_batch=global_batch_size, **constraints)
 
 
-def _chosen_line(chosen: _ChosenPlan) -> str:
-    """The plan this job runs, in one line: searched (in how long, proven or with its gap) or
-    given, its shape and its predicted step on the job's cluster."""
-    if chosen.search_time_s is None or chosen.optimality_gap is None:
+def _chosen_line(chosen: _ChosenPlan, plan_path: str | None) -> str:
+    """The plan this job runs, in one line: searched (in how long, proven or with its gap),
+    loaded from ``plan_path`` or given, its shape and its predicted step on the job's cluster."""
+    if plan_path is not None:
+        how = f"running the plan loaded from {shown(plan_path, quoted=False)}"
+    elif chosen.search_time_s is None or chosen.optimality_gap is None:
         how = "running the plan given"
     else:
         gap = chosen.optimality_gap
