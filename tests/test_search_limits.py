@@ -12,6 +12,7 @@ import random
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -313,7 +314,9 @@ def test_the_search_reports_every_phase() -> None:
     assert visits[-1].best_step_time_s is not None and visits[-1].visited <= visits[-1].total
 
 
-def test_plan_prints_a_line_a_phase_when_piped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_and_explain_print_a_line_a_phase_when_piped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # (no delay before the first line: this small search takes well under its 2 CPU seconds)
     monkeypatch.setattr(progress_module, "FIRST_LINE_S", 0.0)
     args = ["plan", "--model", MODEL, "--cluster", "dgx-a100-80g:nodes=2", "--global-batch", "64"]
@@ -335,8 +338,17 @@ def test_plan_prints_a_line_a_phase_when_piped(monkeypatch: pytest.MonkeyPatch) 
     assert shown.exit_code == 0 and "plan: tracing" in shown.stderr, shown.stderr
     assert json.loads(shown.stdout)["plans"] == json.loads(quiet.stdout)["plans"]
     # --no-progress: quiet without --json too
-    off = CliRunner().invoke(cli, [*args, "--top", "1", "--no-progress"])
+    path = tmp_path / "plan.yaml"
+    off = CliRunner().invoke(cli, [*args, "--top", "1", "--no-progress", "-o", str(path)])
     assert off.exit_code == 0 and off.stderr == "" and "best plans" in off.stdout, off.stderr
+    # explain: its phases, its comparison search's among them
+    explained = CliRunner().invoke(cli, ["explain", str(path), "--budget", "1"])
+    assert explained.exit_code == 0, explained.output
+    status = explained.stderr.splitlines()
+    assert all(re.fullmatch(r"explain: .+ \(\d+ s\)", line) for line in status), status
+    phases = ["tracing", "pricing the plan", "comparison: enumerating", "pure data parallelism"]
+    firsts = [next(i for i, line in enumerate(status) if p in line) for p in phases]
+    assert firsts == sorted(firsts), status
 
 
 def test_piped_progress_waits_for_work_then_reports_phases_and_percentages(

@@ -44,7 +44,7 @@ from autoplan.analysis.coverage import Coverage, coverage
 from autoplan.analysis.whatif import cluster_type, infeasible_reason
 from autoplan.contract.errors import InputError, ModelSpecError, NoFeasiblePlanError
 from autoplan.contract.plan import MESH_AXES, Plan
-from autoplan.planner.search import search_plans
+from autoplan.planner.search import SearchProgress, search_plans
 from autoplan.planner.space import ConstraintError
 from cost_model.errors import ClusterError
 from cost_model.estimate import Estimate
@@ -425,8 +425,9 @@ def _search_alternatives(
     notes: list[str],
     progress: Callable[[str], None] | None,
 ) -> list[Alternative]:
+    what = f"searching the top {top_k} plans for comparison"
     if progress is not None:
-        progress(f"searching the top {top_k} plans for comparison")
+        progress(what)
     try:
         ranked = search_plans(
             profile,
@@ -438,6 +439,7 @@ def _search_alternatives(
             time_limit_s=limits.time_limit_s,
             budget_s=limits.budget_s,
             memory_headroom=limits.memory_headroom,
+            progress=None if progress is None else _search_phases(progress, what),
         ).plans
     except (NoFeasiblePlanError, ConstraintError) as error:
         notes.append(f"the search finds no plan to compare with: {infeasible_reason(error)}")
@@ -511,6 +513,26 @@ def _missing(name: str, shape: str, reason: str) -> Alternative:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# What each phase of a search (`SearchProgress.phase`) does, for the progress text.
+_SEARCH_PHASES = {
+    "enumerate": "enumerating candidates",
+    "seed": "first guesses",
+    "visit": "visiting candidates",
+}
+
+
+def _search_phases(progress: Callable[[str], None], what: str) -> Callable[[SearchProgress], None]:
+    """A search's progress as ``progress(text)`` once a phase: ``WHAT: visiting candidates``."""
+    phases: list[str] = []
+
+    def report(step: SearchProgress) -> None:
+        if not phases or phases[-1] != step.phase:
+            phases.append(step.phase)
+            progress(f"{what}: {_SEARCH_PHASES[step.phase]}")
+
+    return report
 
 
 def _hand_made(
