@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -262,11 +262,13 @@ def fitted_table(
     width: int = WIDTH,
     wide: bool = False,
     caption: str | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> FittedTable:
     """A `compact_table` of ``columns`` and ``rows`` whose width is at most ``width`` (unless
     ``wide``, or its always-shown columns alone are wider): droppable columns are left out,
     highest ``drop`` first (the rightmost of equals first), until the table fits with its
-    folding columns unwrapped (or none is left to drop), and the caption names them."""
+    folding columns unwrapped (or none is left to drop), and the caption names them.
+    ``notes`` (header -> "PP comm: ...") join the caption for the columns shown."""
     keep = list(range(len(columns)))
     droppable = sorted(
         (i for i, c in enumerate(columns) if c.drop > 0), key=lambda i: (columns[i].drop, i)
@@ -282,7 +284,10 @@ def fitted_table(
     needed = natural(keep)
     left_out = [c.header for i, c in enumerate(columns) if i not in keep]
     note = f"not shown at {width} columns: {', '.join(left_out)} (--wide shows them)"
-    text = "; ".join(part for part in (caption, note if left_out else None) if part) or None
+    kept = {columns[i].header for i in keep}
+    said = [text for header, text in (notes or {}).items() if header in kept]
+    parts = (caption, *said, note if left_out else None)
+    text = "; ".join(part for part in parts if part) or None
     table = FittedTable(
         title=title,
         caption=text,

@@ -231,6 +231,10 @@ def test_fitted_table_leaves_out_droppable_columns_in_order() -> None:
     table = fitted_table(None, columns, rows, width=45)
     assert [c.header for c in table.columns] == ["name", "a", "c"]
     assert table.caption == "not shown at 45 columns: b (--wide shows them)"
+    # a column's note is said only while the column is shown
+    notes = {"b": "b: bee", "a": "a: ay", "z": "z: not a column here"}
+    table = fitted_table(None, columns, rows, width=45, notes=notes)
+    assert table.caption == "a: ay; not shown at 45 columns: b (--wide shows them)"
     table = fitted_table(None, columns, rows, width=30, caption="x: y")
     assert [c.header for c in table.columns] == ["name", "a"]
     assert table.caption == "x: y; not shown at 30 columns: b, c (--wide shows them)"

@@ -285,17 +285,18 @@ def policy_lines(plan: Any) -> list[str]:
     return lines
 
 
+# Why "ZeRO-1 (runs as ZeRO-2)" (`Plan.zero_text`; `cost_model.strategy.decide`)
+ZERO_RUNS_AS = (
+    "ZeRO-1 runs as ZeRO-2 on autoplan's runtime: outside plain DDP (fp32, no tensor or "
+    "pipeline parallelism) the data-parallel wrapper is FSDP2, which shards the gradients with "
+    "the optimizer state, and the plan is priced as it runs"
+)
+
+
 def zero_note(plan: Any) -> str | None:
     """Why a plan's ZeRO level runs as another (`Plan.zero_text` says "ZeRO-1 (runs as
     ZeRO-2)"), or None when it runs as named."""
-    if "runs as" not in plan.zero_text:
-        return None
-    return (
-        f"ZeRO-{plan.zero_stage} runs as ZeRO-{plan.decisions.zero_stage} on autoplan's "
-        "runtime: outside plain DDP (fp32, no tensor or pipeline parallelism) the data-parallel "
-        "wrapper is FSDP2, which shards the gradients with the optimizer state, and the plan "
-        "is priced as it runs"
-    )
+    return ZERO_RUNS_AS if "runs as" in plan.zero_text else None
 
 
 def search_options(*, with_dp: bool = True) -> Callable[[F], F]:

@@ -360,12 +360,11 @@ def stage_table(
         width=width,
         wide=wide,
         caption="state: weights + grads + optimizer; activations: held at the peak"
-        + (
-            "; PP comm: the host's time posting sends and receives (their link time is the "
-            "receiver's bubble)"
-            if shown["PP comm"]
-            else ""
-        )
-        + ("; CP comm: the ring exchanges not hidden under attention" if shown["CP comm"] else "")
         + ("; units (stages): pipeline units over the rank's model chunks" if interleaved else ""),
+        # said of the columns shown
+        notes={
+            "PP comm": "PP comm: the host's time posting sends and receives (their link time "
+            "is the receiver's bubble)",
+            "CP comm": "CP comm: the ring exchanges not hidden under attention",
+        },
     )

@@ -33,6 +33,7 @@ from autoplan.analysis.explain import (
 from autoplan.analysis.timeline import timeline_of
 from autoplan.cli.columns import MEMORY_COLUMNS, MEMORY_TABLE, STAGE_TABLE
 from autoplan.cli.common import (
+    ZERO_RUNS_AS,
     console,
     emit_json,
     finite_seconds,
@@ -41,6 +42,7 @@ from autoplan.cli.common import (
     policy_lines,
     trace_spec,
     wide_option,
+    zero_note,
 )
 from autoplan.cli.estimate_cmd import stage_table, summary_line
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
@@ -207,6 +209,10 @@ def _print(out: Any, result: Explanation, notes: list[str], plan: Plan, wide: bo
         out.print("[bold]why not ...[/]")
         for alternative in result.alternatives:
             out.print(Padding(alternative.line, (0, 0, 0, 2)))
+        # an alternative's "ZeRO-1 (runs as ZeRO-2)", explained where the plan's was not
+        said = zero_note(plan) is not None
+        if not said and any("(runs as ZeRO-" in a.line for a in result.alternatives):
+            out.print(f"[bold]ZeRO:[/] {ZERO_RUNS_AS}")
 
 
 def memory_table(result: Explanation, *, width: int = WIDTH, wide: bool = False) -> Table:
@@ -238,11 +244,16 @@ def memory_table(result: Explanation, *, width: int = WIDTH, wide: bool = False)
         [Row([label, *cells]) for label, cells in collapse_runs(rows)],
         width=width,
         wide=wide,
-        caption="activations: held micro-batches; working: one backward's working set, p2p and "
-        "DP buffers; loss: fp32 log-probabilities; reserve: framework reserve + allocator margin; "
-        f"capacity {fmt_gib(e.memory_capacity_bytes)}; fits: total at most "
-        f"{fmt_gib(e.usable_memory_bytes)} (the capacity less the {e.memory_headroom:.0%} memory "
-        "headroom and the peak's 80% range)",
+        caption="activations: held micro-batches",
+        # said of the columns shown (the capacity, when left out, still)
+        notes={
+            "working": "working: one backward's working set, p2p and DP buffers",
+            "loss": "loss: fp32 log-probabilities",
+            "reserve": "reserve: framework reserve + allocator margin",
+            "fits": f"capacity {fmt_gib(e.memory_capacity_bytes)}; fits: total at most "
+            f"{fmt_gib(e.usable_memory_bytes)} (the capacity less the {e.memory_headroom:.0%} "
+            "memory headroom and the peak's 80% range)",
+        },
     )
 
 
