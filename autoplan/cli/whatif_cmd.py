@@ -421,6 +421,7 @@ def whatif_table(
     headroom = f"{float(dict(result.constraints).get('memory_headroom', 0.1)):.0%}"
     for index, cluster in enumerate(clusters):
         rows = [row for row in result.rows if row.cluster == cluster]
+        last = index == len(clusters) - 1
         cells: list[Row] = []
         for row in rows:
             head = [f"{row.num_devices:,}", _plan_cell(row)]
@@ -457,11 +458,17 @@ def whatif_table(
                     "expert parallel, when used), mb = micro-batch size x count, Z = ZeRO level; "
                     "memory: the peak device's predicted tensors, framework reserve and "
                     "allocator margin, as a share of its capacity (the rest is free; plans "
-                    f"keep {headroom} of it free beyond the peak's 80% range); range: the "
-                    "step's 80% range around it; gap: a plan up to this much faster may exist "
-                    "(the search's budget ended before it proved otherwise)"
+                    f"keep {headroom} of it free beyond the peak's 80% range)"
                 )
-                if index == len(clusters) - 1
+                if last
+                else None,
+                # said of the columns shown, under the last table
+                notes={
+                    "range": "range: the step's 80% range around it",
+                    "gap": "gap: a plan up to this much faster may exist (the search's budget "
+                    "ended before it proved otherwise)",
+                }
+                if last
                 else None,
             )
         )
