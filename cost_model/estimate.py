@@ -634,6 +634,7 @@ def _stage_estimate(
         cp_comm_s=m * sum(u.cp_forward_s + u.cp_backward_s for u in units),
         ep_comm_s=m * sum(u.ep_forward_s + u.ep_backward_s for u in units),
         host_s=m * sum(u.host_s for u in units),
+        offload_s=m * sum(u.host_link_s for u in units),
     )
 
 

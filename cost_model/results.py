@@ -91,6 +91,9 @@ class StageEstimate:
     ep_comm_s: float = 0.0
     # m x the host's share of forward + backward: its wrappers' time, the device's wait for it
     host_s: float = 0.0
+    # m x activation offload's host-link copies that compute does not hide (forward + backward;
+    # `cost_model.parts.offload.offloaded_unit_cost`)
+    offload_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -681,3 +681,22 @@ def test_offloaded_blocks_keep_the_gradients_on_cuda() -> None:
     ]
     for ref, got in zip(*grads, strict=True):
         torch.testing.assert_close(ref, got, rtol=1e-5, atol=1e-7)
+
+
+def test_explain_names_the_offload_copies() -> None:
+    """The copies nothing hides are their own share of the critical path (not ZeRO-3's)."""
+    from autoplan.analysis.explain import critical_path
+
+    profile, cluster = gpt_profile(), _linked(round_cluster(), link=1e9)
+    plain = autoplan.manual_plan(
+        profile, cluster, dp=8, global_batch=16, dtype="bf16", framework="autoplan"
+    )
+    plan = _offloaded(plain, 2)
+    result = estimate(profile, cluster, plan)
+    path = critical_path(result)
+    block = CostModel(profile, cluster, "autoplan").unit_costs(Strategy.of(plan), "none")[1]
+    copies = plan.num_micro_batches * 2 * 2 * block.activation_bytes / 1e9
+    assert sum(s.offload_s for s in result.stages) == pytest.approx(copies)
+    assert path.offload_s == pytest.approx(copies) and path.zero3_exposed_s == 0
+    assert "activation offload copies" in path.summary()
+    assert critical_path(estimate(profile, cluster, plain)).offload_s == 0

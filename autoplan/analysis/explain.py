@@ -97,11 +97,17 @@ class CriticalPath:
     cp_comm_s: float = 0.0  # of busy: context parallel's ring exchanges not hidden
     ep_comm_s: float = 0.0  # of busy: expert parallel's all-to-alls
     host_s: float = 0.0  # of busy: the host's wrappers and the device's waits for the host
+    offload_s: float = 0.0  # of busy: activation offload's host-link copies not hidden
 
     @property
     def communication_s(self) -> float:
         return (
-            self.tp_comm_s + self.pp_comm_s + self.zero3_exposed_s + self.cp_comm_s + self.ep_comm_s
+            self.tp_comm_s
+            + self.pp_comm_s
+            + self.zero3_exposed_s
+            + self.cp_comm_s
+            + self.ep_comm_s
+            + self.offload_s
         )
 
     def summary(self) -> str:
@@ -121,6 +127,7 @@ class CriticalPath:
                 ("CP ring", self.cp_comm_s),
                 ("EP all-to-all", self.ep_comm_s),
                 ("exposed ZeRO-3 gathers", self.zero3_exposed_s),
+                ("activation offload copies", self.offload_s),
                 ("host", self.host_s),
             )
             if seconds > 0
@@ -315,9 +322,10 @@ def critical_path(result: Estimate) -> CriticalPath:
     cp = sum(s.cp_comm_s for s in stages)
     ep = sum(s.ep_comm_s for s in stages)
     host = sum(s.host_s for s in stages)
+    offload = sum(s.offload_s for s in stages)
     # forward_s/backward_s = compute + TP + CP ring + EP all-to-all + exposed ZeRO-3 + host
-    # (cost_model.estimate.unit_costs)
-    zero3 = bottleneck.busy_s - compute - tp - pp - cp - ep - host
+    # + activation offload's copies (cost_model.estimate.unit_costs)
+    zero3 = bottleneck.busy_s - compute - tp - pp - cp - ep - host - offload
     bubble = result.pipeline_time_s - bottleneck.busy_s
     # What the ranks' tails add after the pipeline's last action (each tail starts when its
     # own rank is done, so a rank that finishes early hides some of its tail).
@@ -330,7 +338,7 @@ def critical_path(result: Estimate) -> CriticalPath:
     tail_rank = max(result.ranks, key=lambda r: (r.tail_s, -r.pp_rank))
     shares = {
         "compute": compute,
-        "communication": tp + pp + cp + ep + zero3,
+        "communication": tp + pp + cp + ep + zero3 + offload,
         "the pipeline bubble": bubble,
         "the tail after the flush": tail,
         "the host": host,
@@ -347,6 +355,7 @@ def critical_path(result: Estimate) -> CriticalPath:
         cp_comm_s=cp,
         ep_comm_s=ep,
         host_s=host,
+        offload_s=offload,
         bubble_s=bubble,
         tail_s=tail,
         tail_rank=tail_rank.pp_rank,
