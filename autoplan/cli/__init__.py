@@ -10,7 +10,6 @@ command; each is registered below.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -18,9 +17,10 @@ from typing import NoReturn
 import click
 
 from autoplan import __version__
-from autoplan._format import WIDTH, wrap_words
+from autoplan._format import wrap_words
 from autoplan.cli.calibrate_cmd import calibrate_cmd
 from autoplan.cli.cluster_cmd import cluster
+from autoplan.cli.common import stderr_width
 from autoplan.cli.estimate_cmd import estimate_cmd
 from autoplan.cli.explain_cmd import explain_cmd
 from autoplan.cli.export_cmd import export_cmd
@@ -93,8 +93,7 @@ def _fail(message: str, kind: str, args: Sequence[str], code: int) -> NoReturn:
         line = f"{line[:700]} ...[{cut:,} characters cut]... {line[700 + cut :]}"
     if "--json" in args:
         click.echo(json.dumps({"error": line, "kind": kind}))
-    width = shutil.get_terminal_size((WIDTH, 24)).columns if sys.stderr.isatty() else None
-    click.echo(error_text(line, width), err=True)
+    click.echo(error_text(line, stderr_width()), err=True)
     sys.exit(code)
 
 

@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from autoplan._format import WIDTH
+from autoplan._format import WIDTH, wrap_words
 from cost_model.frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 from cost_model.schema import check_writable, shown
 
@@ -49,6 +50,19 @@ def console() -> Console:
     """A rich console for tables and messages on stdout, `console_width` columns wide: the
     tables fit it (`autoplan._format.fitted_table`) and long messages wrap at its words."""
     return Console(highlight=False, soft_wrap=False, width=console_width())
+
+
+def stderr_width() -> int | None:
+    """The columns a message on stderr wraps to: the terminal's (or ``COLUMNS``) when stderr
+    is a terminal, None when it is a file or a pipe (one line, for scripts and logs)."""
+    return shutil.get_terminal_size((WIDTH, 24)).columns if sys.stderr.isatty() else None
+
+
+def echo_err(text: str) -> None:
+    """``text`` on stderr: one line piped, wrapped at word boundaries on a terminal (later
+    lines indented)."""
+    width = stderr_width()
+    click.echo(text if width is None else wrap_words(text, max(width, 40), indent="  "), err=True)
 
 
 # --wide: every column of the tables, whatever the console's width

@@ -24,7 +24,7 @@ import click
 
 from autoplan._format import comment_lines
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
-from autoplan.cli.common import console, emit_json, json_option, trace_spec
+from autoplan.cli.common import console, echo_err, emit_json, json_option, trace_spec
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
 from autoplan.contract.plan import Plan
 from autoplan.export import FRAMEWORKS, check_devices, export_plan
@@ -113,7 +113,7 @@ def export_cmd(
     )
     memory = result.memory
     if memory is not None and not memory.fits:
-        click.echo(f"WARNING (--allow-over-memory): {memory.problem}", err=True)
+        echo_err(f"WARNING (--allow-over-memory): {memory.problem}")
     wrote: ExportWrite | None = None
     if output_dir is not None:
         wrote = write_export(output_dir, result.files, force=force)

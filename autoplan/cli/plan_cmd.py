@@ -30,6 +30,7 @@ from autoplan.cli.common import (
     budget_s,
     check_output_path,
     console,
+    echo_err,
     emit_json,
     framework_option,
     json_option,
@@ -124,7 +125,7 @@ def plan_cmd(
             elapsed = time.monotonic() - status.started
             if unbounded and not hinted and step.phase == "visit" and elapsed > UNBOUNDED_HINT_S:
                 hinted = True
-                click.echo(unbounded_hint(step, elapsed), err=True)
+                echo_err(unbounded_hint(step, elapsed))
 
         result = search_plans(
             profile,
@@ -177,10 +178,9 @@ def plan_cmd(
     if output is not None:
         out.print(f"wrote {output}")
     if stats.interrupted:
-        click.echo(
+        echo_err(
             f"autoplan: interrupted: the plans above are the best found so far (a faster one "
-            f"may exist by up to {stats.optimality_gap:.2%})",
-            err=True,
+            f"may exist by up to {stats.optimality_gap:.2%})"
         )
     _exit_if_interrupted(stats)
 

@@ -22,6 +22,7 @@ from autoplan._format import fmt_headroom
 from autoplan.analysis.explain import ExplainInputError, plan_cluster, plan_model_spec
 from autoplan.cli.common import (
     console,
+    echo_err,
     emit_json,
     json_option,
     memory_headroom_option,
@@ -152,7 +153,7 @@ def validate(
         peak = memory.peak_memory_bytes
         if not memory.fits:
             memory_note = f"WARNING (--allow-over-memory): {memory.problem}"
-            click.echo(memory_note, err=True)
+            echo_err(memory_note)
         else:
             gib = 2.0**30
             memory_note = (
