@@ -586,12 +586,15 @@ def test_megatron_export_and_megatron_core_take_activation_offload(llama8b: Any)
         export_plan(dataclasses.replace(plan, framework="torchtitan", zero_stage=3), "torchtitan")
 
 
-def _deep_search(memory_mib: int, link: float = HOST_LINK, **constraints: Any) -> Plan:
+def _deep_search(
+    memory_mib: int, link: float = HOST_LINK, host_memory: float = HOST_MEMORY, **constraints: Any
+) -> Plan:
     """A 96-block GPT with short wide-enough sequences, on 8 devices of ``memory_mib`` MiB
     for autoplan's runtime (dp 8, no headroom): deep enough that its blocks' activations on
     the host (all but the last one's, which stays) hold less than recomputing every block
     (96 inputs and a block's working set)."""
     cluster = _linked(round_cluster(memory_bytes=memory_mib * 2**20), link)
+    cluster = dataclasses.replace(cluster, host_memory_bytes=int(host_memory))
     profile = gpt_profile(num_layers=96, s=256, h=256, a=4, vocab=256)
     plan: Plan = autoplan.search(
         profile, cluster, global_batch=8, framework="autoplan", tp=1, pp=1, dp=8,
@@ -603,13 +606,18 @@ def _deep_search(memory_mib: int, link: float = HOST_LINK, **constraints: Any) -
 def test_the_search_offloads_activations_only_where_memory_binds() -> None:
     """At 189 MiB no plan fits with its activations on the device, even recomputing every
     block, and one fits with 95 of its 96 blocks' on the host (the twin never offloads the
-    model's last block); at 200 MiB full recompute fits and nothing is offloaded."""
+    model's last block), unless the host link or the host's memory is missing; at 200 MiB full
+    recompute fits and nothing is offloaded."""
     tight = _deep_search(189)
     assert [(s.recompute, s.activation_offload) for s in tight.stages] == [("none", 95)]
     with pytest.raises(autoplan.NoFeasiblePlanError):
         _deep_search(189, activation_offload=False)
     with pytest.raises(autoplan.NoFeasiblePlanError):
         _deep_search(189, link=0.0)
+    # 95 blocks' activations (about 320 MiB a device) over a 1 MiB share of the host's memory:
+    # no twin, rather than a plan the host-memory check refuses
+    with pytest.raises(autoplan.NoFeasiblePlanError):
+        _deep_search(189, host_memory=8 * 2**20)
     loose = _deep_search(200)
     assert [(s.recompute, s.activation_offload) for s in loose.stages] == [("full", 0)]
 

@@ -32,6 +32,8 @@ from cost_model.frameworks.limits import (
     optimizer_offload_refusal,
 )
 from cost_model.hardware import Cluster
+from cost_model.offload import host_memory_per_device_bytes
+from cost_model.parts.offload import twin_host_bytes
 from cost_model.strategy import Strategy
 
 __all__ = ["Enumeration", "ShapeEntry"]
@@ -79,6 +81,10 @@ class Enumeration:
         # optimizer offload needs a host link to price and run it (`cost_model.offload`)
         device = cluster.device
         self._host_link = device.kind == "gpu" and device.host_link_bandwidth_bytes_per_s > 0
+        # and host memory to offload to: a device's share of its node's
+        self._host_share = host_memory_per_device_bytes(
+            cluster.host_memory_bytes, cluster.devices_per_node
+        )
         self.infeasible: list[Strategy] = []  # members the memory bound proves cannot fit
         # the stack's rule -> the first plan it refused so, and how many
         self._refusals: dict[str, tuple[Refusal, int]] = {}
@@ -187,7 +193,12 @@ class Enumeration:
             if optimizer is not None and activations is not None
             else None
         )
-        return tuple(twin for twin in (optimizer, activations, both) if twin is not None)
+        # (no twin whose offload the host's memory cannot hold: the plan would be refused)
+        return tuple(
+            twin
+            for twin in (optimizer, activations, both)
+            if twin is not None and twin_host_bytes(self._profile, twin) <= self._host_share
+        )
 
     def activation_twin(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> Strategy | None:
         """``strategy`` with every block under recompute 'none' but the model's last keeping

@@ -34,6 +34,7 @@ from typing import Literal
 
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
+from cost_model.memory import RECOMPUTABLE_KINDS, activation_bytes
 from cost_model.offload import (
     HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S,
     host_link_problem,
@@ -42,6 +43,7 @@ from cost_model.offload import (
 from cost_model.strategy import Strategy
 from cost_model.unit_cost import UnitCost
 from cost_model.units import format_bytes
+from cost_model.workload import ModelProfile
 
 # How a stack moves an offloaded block's saved activations (`FrameworkProfile.activation_offload`):
 # "overlapped" on copy streams beside the compute, "blocking" on the compute stream.
@@ -126,6 +128,33 @@ def host_memory_problem(
         f"{cluster.devices_per_node} devices); offload less (lower optimizer_offload or "
         "stages[*].activation_offload), or shard over more ranks (a higher ZeRO stage or dp)"
     )
+
+
+def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """At least what a plan read back from ``strategy`` puts on one device's host, as
+    `autoplan.Plan`'s host-memory check counts it: its optimizer share (the model's parameters
+    over tp x pp, over the shard group from ZeRO-1 on, 16 bytes each) and, for the search's
+    activation twin (`Strategy.activation_offload`), every block's saved activations under
+    recompute 'none' for as many micro-batches as a rank holds (all of them under GPipe, else at
+    most the pipeline's stages). The search offers no twin this puts over the device's share."""
+    host = 0.0
+    if strategy.optimizer_offload > 0:
+        params: float = sum(unit.num_params for unit in profile.units)
+        params /= strategy.tp_degree * strategy.pp_degree
+        if strategy.runtime_zero_stage >= 1:
+            params /= strategy.shard_degree
+        host += strategy.optimizer_offload * params * HOST_BYTES_PER_PARAM
+    if strategy.activation_offload:
+        m = strategy.num_micro_batches
+        held = m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
+        traced = profile.traced_dtype_bytes
+        saved = sum(
+            activation_bytes(unit, strategy, "none", traced) / strategy.cp_degree
+            for unit in profile.units
+            if unit.kind in RECOMPUTABLE_KINDS
+        )
+        host += held * saved
+    return host
 
 
 # ------------------------------------------------------------------------ activation offload
