@@ -106,7 +106,7 @@ def test_validate_accepts_and_reports(tmp_path: Path) -> None:
     path = _write_plan(tmp_path)
     result = run_cli("validate", str(path), "--cluster", "dgx-a100-80g")
     assert result.returncode == 0, result.stderr
-    assert "valid for dgx-a100-80g (8 devices)" in result.stdout
+    assert "valid for dgx-a100-80g (8 devices)" in " ".join(result.stdout.split())
     data = json.loads(run_cli("validate", str(path), "--cluster", "dgx-a100-80g", "--json").stdout)
     assert data["valid"] is True
 

@@ -154,6 +154,8 @@ QUICK = [
         "--cluster",
         "dgx-a100-80g:nodes=16",
     ],
+    # its verdict names the plan's path and the model spec, wrapped at words
+    ["validate", "{plan}", "--model", GPT],
 ]
 CASES = [
     *(
@@ -181,7 +183,7 @@ def test_command_output_fits_and_explains_its_columns(
         # in tests/test_export.py); every comment line of the command's own fits
         output = "\n".join(line for line in output.splitlines() if line.startswith("#"))
     _check_fits(output, width)
-    if args[:2] != ["cluster", "show"] and args[0] != "export":  # a table without headers
+    if args[:2] != ["cluster", "show"] and args[0] not in ("export", "validate"):  # no table
         _check_columns_explained(args, output)
     if args == ESTIMATE_CP:
         assert "CP comm" in _headers(output)

@@ -187,10 +187,7 @@ def validate(
             f"dp={plan.dp_degree} tp={plan.tp_degree} pp={plan.pp_degree}"
             + (f" cp={plan.cp_degree}" if plan.cp_degree > 1 else "")
             + (f" ep={plan.ep_degree}" if plan.ep_degree > 1 else ""),
-            markup=False,
-            # the verdict stays one line, for scripts that grep it: it is only wider than the
-            # console when the plan's path or the model spec is
-            soft_wrap=True,
+            markup=False,  # wrapped at the console's words (scripts read --json)
         )
         out.print(f"  {memory_note}", markup=False)  # wrapped at the console's words
         if cluster_note:
