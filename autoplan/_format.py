@@ -338,7 +338,7 @@ def columns_help(tables: Sequence[tuple[str, Sequence[Column]]], width: int = 78
     for name, columns in tables:
         lines = ["\b", f"Columns of {name}:"]
         for column in columns:
-            narrow = " [left out when the terminal is too narrow]" if column.drop else ""
+            narrow = " [left out when narrow]" if column.drop else ""
             lines += textwrap.wrap(
                 f"{column.header}: {column.meaning}{narrow}",
                 width=width - 2,

@@ -27,7 +27,8 @@ STAGE_COLUMNS = (
     ),
     Column(
         header="TP comm",
-        meaning="tensor-parallel collectives of the step not hidden under the GEMMs",
+        meaning="tensor-parallel collectives of the step (with --tp-comm-overlap, the part the "
+        "GEMMs leave exposed)",
         drop=1,
     ),
     Column(
