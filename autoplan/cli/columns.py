@@ -58,6 +58,12 @@ STAGE_COLUMNS = (
         drop=2,
     ),
     Column(
+        header="offload",
+        meaning="activation offload's copies over the host link that compute does not hide "
+        "(shown with --activation-offload)",
+        drop=2,
+    ),
+    Column(
         header="bubble",
         meaning="the rank's idle time in the pipeline schedule (shown with pipeline ranks)",
     ),

@@ -326,6 +326,7 @@ def stage_table(
         "DP comm": any(s.dp_comm_s > 0 for s in result.stages),
         # the host's share where a stack's host work shows at all
         "host": any(s.host_s > 0 for s in result.stages),
+        "offload": any(s.offload_s > 0 for s in result.stages),
     }
     columns = [c for c in STAGE_COLUMNS if shown.get(c.header, True)]
     rows: list[tuple[int, list[str]]] = []
@@ -348,6 +349,7 @@ def stage_table(
             "PP comm": fmt_time(sum(s.pp_comm_s for s in held)),
             "DP comm": fmt_time(sum(s.dp_comm_s for s in held)),
             "host": fmt_time(sum(s.host_s for s in held)),
+            "offload": fmt_time(sum(s.offload_s for s in held)),
             "bubble": fmt_time(rank.bubble_s),
             "state": fmt_bytes(memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes),
             "activations": fmt_bytes(memory.activation_bytes),
