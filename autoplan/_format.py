@@ -108,10 +108,13 @@ WIDTH = 100
 _RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 
 
-def compact_table(title: str | None = None, *, caption: str | None = None) -> Table:
+def compact_table(
+    title: str | None = None, *, caption: str | None = None, cls: type[Table] = Table
+) -> Table:
     """A table with a rule under its header and two spaces between columns (no outer border),
-    so a dozen numeric columns fit `WIDTH`; a caption under it says what terse headers mean."""
-    return Table(
+    so a dozen numeric columns fit `WIDTH`; a caption under it says what terse headers mean.
+    ``cls``: a subclass of rich's `Table` to build (`FittedTable`)."""
+    return cls(
         title=title,
         caption=caption,
         box=box.SIMPLE_HEAD,
@@ -281,26 +284,11 @@ def fitted_table(
     # columns are left out until the folding columns' text fits unwrapped, if it can
     while not wide and droppable and natural(keep, folded=False) > width:
         keep.remove(droppable.pop())
-    needed = natural(keep)
-    left_out = [c.header for i, c in enumerate(columns) if i not in keep]
-    note = f"not shown at {width} columns: {', '.join(left_out)} (--wide shows them)"
-    kept = {columns[i].header for i in keep}
-    said = [text for header, text in (notes or {}).items() if header in kept]
-    parts = (caption, *said, note if left_out else None)
-    text = "; ".join(part for part in parts if part) or None
-    table = FittedTable(
-        title=title,
-        caption=text,
-        box=box.SIMPLE_HEAD,
-        collapse_padding=True,
-        pad_edge=False,
-        show_edge=False,
-        title_justify="left",
-        caption_justify="left",
-        title_style="bold",
-        caption_style="dim",
-    )
-    table.natural_width = needed
+    shown = [columns[i] for i in keep]
+    text = _caption(caption, notes or {}, shown, [c for c in columns if c not in shown], width)
+    table = compact_table(title, caption=text, cls=FittedTable)
+    assert isinstance(table, FittedTable)
+    table.natural_width = natural(keep)
     for i in keep:
         column = columns[i]
         if column.fold:
@@ -312,6 +300,21 @@ def fitted_table(
             table.add_section()
         table.add_row(*(row.cells[i] for i in keep), style=row.style)
     return table
+
+
+def _caption(
+    caption: str | None,
+    notes: Mapping[str, str],
+    shown: Sequence[Column],
+    left_out: Sequence[Column],
+    width: int,
+) -> str | None:
+    """The caption, the notes of the columns shown and which columns were left out."""
+    headers = {column.header for column in shown}
+    said = [text for header, text in notes.items() if header in headers]
+    names = ", ".join(column.header for column in left_out)
+    note = f"not shown at {width} columns: {names} (--wide shows them)" if left_out else None
+    return "; ".join(part for part in (caption, *said, note) if part) or None
 
 
 def print_fitted(out: Console, *tables: RenderableType) -> None:
