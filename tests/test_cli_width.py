@@ -118,7 +118,7 @@ ESTIMATE_CP = [
     *("estimate", "--model", "llama3-8b:seq_len=131072,num_layers=4"),
     *("--cluster", "dgx-h100-80g:nodes=32", "--global-batch", "64", "--tp", "8", "--cp", "32"),
 ]
-# the commands whose searches take seconds: at 100 columns piped and 80 on a terminal
+# the commands whose searches take seconds
 SEARCHING = [
     ["explain", "{plan}", "--model", GPT, "--budget", "1"],
     [
@@ -134,7 +134,6 @@ SEARCHING = [
         *("--tokens", "3e11", "--price-per-device-hour", "2.5", "--currency", "EUR"),
     ],
 ]
-# the others: at both widths, piped and on a terminal
 QUICK = [
     ESTIMATE,
     ESTIMATE_CP,
@@ -157,18 +156,12 @@ QUICK = [
     # its verdict names the plan's path and the model spec, wrapped at words
     ["validate", "{plan}", "--model", GPT],
 ]
+# every command at both widths, piped and on a terminal
 CASES = [
-    *(
-        pytest.param(args, width, terminal, id=f"{' '.join(args[:3])}-{width}-{mode}")
-        for args in SEARCHING
-        for width, terminal, mode in ((WIDTH, False, "piped"), (80, True, "terminal"))
-    ),
-    *(
-        pytest.param(args, width, terminal, id=f"{' '.join(args[:3])}-{width}-{mode}")
-        for args in QUICK
-        for width in (80, WIDTH)
-        for terminal, mode in ((False, "piped"), (True, "terminal"))
-    ),
+    pytest.param(args, width, terminal, id=f"{' '.join(args[:3])}-{width}-{mode}")
+    for args in (*SEARCHING, *QUICK)
+    for width in (80, WIDTH)
+    for terminal, mode in ((False, "piped"), (True, "terminal"))
 ]
 
 
@@ -189,14 +182,20 @@ def test_command_output_fits_and_explains_its_columns(
         assert "CP comm" in _headers(output)
 
 
-def test_the_plan_table_at_80_columns_keeps_memory_whole(plan_file: Path) -> None:
+@pytest.mark.parametrize(
+    ("width", "terminal"),
+    [(80, True), (80, False), (WIDTH, True)],
+    ids=["80-terminal", "80-piped", "100-terminal"],
+)
+def test_plan_fits_and_keeps_its_memory_cells_whole(width: int, terminal: bool) -> None:
     # issue 44: the memory cell was cut ("73.6G+5.68G/8…") when the layout column appeared
+    # (the module's plan runs at 100 columns piped)
     args = [
         *("plan", "--model", "llama3-70b:num_layers=8", "--cluster", "dgx-a100-80g:nodes=8"),
         *("--global-batch", "512", "--budget", "0.5", "--top", "5"),
     ]
-    output = _run(args, 80, terminal=True)
-    _check_fits(output, 80)
+    output = _run(args, width, terminal=terminal)
+    _check_fits(output, width)
     memory = re.findall(r"\d[\d.]*[GM]\+\d[\d.]*[GM]\s*$", output, re.MULTILINE)
     assert len(memory) == 5, output  # one whole cell a plan
     assert "memory per device: predicted + reserve and allocator margin of 80G" in " ".join(
