@@ -35,6 +35,15 @@ def _no_local_calibration(
     monkeypatch.setenv("AUTOPLAN_LOCAL_CLUSTER", str(missing))
 
 
+@pytest.fixture(autouse=True)
+def _piped_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests read the CLI's output as piped, 100 columns wide (`autoplan._format.WIDTH`),
+    whatever the shell that runs them exports (``COLUMNS``, rich's ``TTY_COMPATIBLE``); a test
+    of other widths sets them itself."""
+    for name in ("COLUMNS", "TTY_COMPATIBLE", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @dataclass(frozen=True)
 class PipelineReference:
     """The example run without a fault under a fixed 2-process pipeline plan."""

@@ -79,6 +79,10 @@ def _run(
         world_size=plan.num_devices,
         tmp_path=tmp_path,
         timeout_s=TIMEOUT_S,
+        # inductor's own cache for the test's ranks: a compile killed halfway (an interrupted
+        # run) leaves a truncated kernel library in the shared /tmp/torchinductor_$USER that
+        # a later run would load and fail on ("file too short")
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
     )
     expected = reference(model, plan.global_batch_size, model=build_model(model, num_blocks=BLOCKS))
     assert_matches([r["records"] for r in results], expected)

@@ -159,15 +159,17 @@ def test_first_incumbent_is_no_slower_than_any_manual_plan() -> None:
         )
         assert plan.estimate is not None
         if plan.estimate.peak_memory_bytes <= plan.estimate.memory_usable_bytes:  # (fits)
-            manual.append((plan.estimate.step_time_s, plan))
-    fastest_s, fastest = min(manual, key=lambda entry: entry[0])
+            manual.append((plan.estimate.step_time_s, plan.estimate.step_time_high_s, plan))
+    fastest_s, _, fastest = min(manual, key=lambda entry: entry[0])
     assert fastest.ep_degree > 1 and fastest.pp_degree == 1  # the case the test is about
     result = search_plans(profile, cluster, global_batch=64, **UNTIMED)
     best = result.plans[0]
     assert best.estimate is not None
     assert best.estimate.step_time_s <= fastest_s * (1 + 1e-6)
-    seed = result.stats.seed_step_time_s
-    assert seed is not None and seed <= fastest_s * (1 + 1e-6), (seed, fastest_s)
+    # the first incumbent is held by the search's objective (the default: the upper end of the
+    # step's 80% range), so it is weighed against the manual plans' upper ends
+    seed, best_high = result.stats.seed_step_time_s, min(entry[1] for entry in manual)
+    assert seed is not None and seed <= best_high * (1 + 1e-6), (seed, best_high)
 
 
 def test_a_stack_that_folds_gets_folded_plans() -> None:

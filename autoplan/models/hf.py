@@ -15,9 +15,11 @@ installed (the ``hf`` extra).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -92,9 +94,26 @@ def read_config(spec: str, file: Path) -> dict[str, Any]:
     return data
 
 
+@contextlib.contextmanager
+def _quiet_optional_imports() -> Iterator[None]:
+    """transformers imports torchao where it is installed (its quantizer): torchao logs each
+    native library its wheel cannot load here and torch's pytree warns of the enums torchao
+    registers, lines on a user's stderr about code a meta build never runs. Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _transformers(spec: str) -> ModuleType:
     try:
-        return importlib.import_module("transformers")
+        with _quiet_optional_imports():
+            return importlib.import_module("transformers")
     except ImportError:
         raise ModelSpecError(
             f"model spec {shown(spec)} needs Hugging Face transformers, which is not installed; "
@@ -166,7 +185,7 @@ def build_causal_lm(
         config = config_class.from_dict(dict(data))
         if seq_len is not None:
             config.seq_len = seq_len
-        with torch.device("meta"):
+        with torch.device("meta"), _quiet_optional_imports():
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception as e:  # whatever transformers raises on a config it refuses
         raise ModelSpecError(

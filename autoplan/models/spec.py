@@ -152,8 +152,9 @@ def parse_model_spec(spec: str) -> ModelSpec:
     if name not in BUILDERS and name not in presets:
         raise ModelSpecError(
             f"unknown model {shown(name)}; {_did_you_mean(name, presets)}valid presets: "
-            f"{', '.join(presets)} (`autoplan models` describes them); builders: "
-            f"{', '.join(BUILDERS)} (e.g. {_EXAMPLE}); or hf:PATH, a Hugging Face config.json"
+            f"{', '.join(presets)} (`autoplan models` describes them); builders with their "
+            f"sizes: {', '.join(f'{b}:...' for b in BUILDERS)}; or hf:PATH, a Hugging Face "
+            "config.json"
         )
     kinds = {f.name: str(f.type) for f in dataclasses.fields(_config_class(name))}
     keys = valid_keys(name)

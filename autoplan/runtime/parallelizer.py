@@ -848,7 +848,8 @@ def _chosen_line(chosen: _ChosenPlan, plan_path: str | None) -> str:
     """The plan this job runs, in one line: searched (in how long, proven or with its gap),
     loaded from ``plan_path`` or given, its shape and its predicted step on the job's cluster."""
     if plan_path is not None:
-        how = f"running the plan loaded from {shown(plan_path, quoted=False)}"
+        # whole up to Linux's PATH_MAX: a log names the file the user can open
+        how = f"running the plan loaded from {shown(plan_path, 4096, quoted=False)}"
     elif chosen.search_time_s is None or chosen.optimality_gap is None:
         how = "running the plan given"
     else:
