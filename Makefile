@@ -45,15 +45,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Three pytest-xdist workers on the two cores: the multi-process tests (marked slow, each
-# starts several processes of its own) one after another on one of them (tests/conftest.py
-# groups them), the single-process tests on the other two. The multi-process tests leave about a
-# quarter of the cores idle (process starts, rendezvous, waits), which the others fill: 8.0 to
-# 10.3 min where running the two kinds one after the other took 10.1 to 10.3 (idle, here). On
-# an idle machine the multi-process tests alone took 5.2 min on one worker, the others 2.9 min
-# on two (2026-11-26).
+# Three pytest-xdist workers on the two cores, each taking the next test as it finishes one
+# (`--dist load`): the multi-process tests leave part of the cores idle (process starts,
+# rendezvous, waits), which the others fill. They used to run one after another on one worker
+# (`--dist loadgroup`), but pytest 9.2 ignores the group pytest-xdist 3.8 writes into a test's
+# id, so since then they have been spread like the rest: 742 s of pytest here, the three
+# workers' busy times within 3% of each other (2026-11-29). Session fixtures that cost seconds
+# are computed once for all workers (tests/conftest.py: pipeline_reference).
 pytest: $(BIN)/.installed-extras
-	$(BIN)/pytest -q -n 3 --dist loadgroup
+	$(BIN)/pytest -q -n 3 --dist load --durations=15
 
 test: lint typecheck pytest
 

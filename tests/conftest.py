@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -15,15 +16,6 @@ from pathlib import Path
 import pytest
 
 AUTOPLAN_SCRIPT = Path(sys.executable).parent / "autoplan"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The multi-process tests (marked slow) run one after another on one pytest-xdist worker
-    (``--dist loadgroup``): each starts several processes of its own, and two at once would
-    contend for the cores while the other workers run the single-process tests."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("multi-process"))
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +47,35 @@ class PipelineReference:
 
 
 @pytest.fixture(scope="session")
-def pipeline_reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineReference:
-    """Shared by the restart and Ray tests, which compare their runs with it bit for bit."""
+def pipeline_reference(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> PipelineReference:
+    """Shared by the restart, Ray, example and resume tests, which compare their runs with it
+    bit for bit. Under pytest-xdist the workers share one run (~20 s): the first to need it
+    runs it under a file lock in the session's base folder, the others read its losses."""
+    from filelock import FileLock
+
     from tests.jobs import fixed_plan, run_uninterrupted
 
-    tmp = tmp_path_factory.mktemp("pipeline-reference")
-    plan = fixed_plan(tmp, 2)
     steps, every = 24, 4
-    losses = run_uninterrupted(tmp, 2, steps=steps, every=every, extra=("--plan", str(plan)))
-    return PipelineReference(plan=plan, steps=steps, every=every, losses=losses)
+    if worker_id == "master":  # not under xdist
+        tmp = tmp_path_factory.mktemp("pipeline-reference")
+        plan = fixed_plan(tmp, 2)
+        losses = run_uninterrupted(tmp, 2, steps=steps, every=every, extra=("--plan", str(plan)))
+        return PipelineReference(plan=plan, steps=steps, every=every, losses=losses)
+    # the session's folder, parent of every worker's (unique to this run of pytest)
+    shared = tmp_path_factory.getbasetemp().parent / "pipeline-reference"
+    record = shared / "losses.json"
+    with FileLock(str(shared) + ".lock"):
+        if not record.exists():
+            shared.mkdir()
+            plan = fixed_plan(shared, 2)
+            losses = run_uninterrupted(
+                shared, 2, steps=steps, every=every, extra=("--plan", str(plan))
+            )
+            record.write_text(json.dumps({str(step): loss for step, loss in losses.items()}))
+    losses = {int(step): loss for step, loss in json.loads(record.read_text()).items()}
+    return PipelineReference(plan=shared / "plan.yaml", steps=steps, every=every, losses=losses)
 
 
 def run_cli(

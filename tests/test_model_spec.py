@@ -49,7 +49,7 @@ def test_extra_overrides_merge_or_conflict() -> None:
     ("spec", "fragments"),
     [
         ("", ["empty model spec", "gpt3-175b"]),
-        ("gpt4", ["unknown model 'gpt4'", "llama3-405b", "builders: gpt, llama"]),
+        ("gpt4", ["unknown model 'gpt4'", "llama3-405b", "builders with their sizes: gpt:..."]),
         ("llama3-8b:foo=1", ["unknown key 'foo'", "valid keys:", "seq_len", "num_kv_heads"]),
         ("gpt2-small:num_layers", ["cannot read 'num_layers'", "key=value"]),
         ("gpt2-small:num_layers=abc", ["num_layers=abc", "a whole number"]),

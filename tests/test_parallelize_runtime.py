@@ -77,10 +77,9 @@ META_CASES = {
     "dp2-zero3": ("gpt", {"dp": 2, "zero": 3}),
     "tp2": ("gpt", {"tp": 2}),
     "dp2-ddp": ("gpt", {"dp": 2, "zero": 0}),
-    "hf-llama-tp2": ("hf-llama", {"tp": 2}),
-    "hf-llama-pp2": ("hf-llama", {"pp": 2}),
     "hf-gpt2-pp2": ("hf-gpt2", {"pp": 2}),
     "hf-gpt2-dp2-zero3": ("hf-gpt2", {"dp": 2, "zero": 3}),
+    # Llama's TP shards and pipeline stages in one job (tp 2 and pp 2 alone cost ~10 s each)
     "hf-llama-tp2xpp2": ("hf-llama", {"tp": 2, "pp": 2}),
     # context parallelism: each cp rank materialises its own rows of the RoPE tables
     "llama-cp2": ("llama", {"cp_degree": 2, "rank_layout": ("pp", "dp", "cp", "tp")}),
@@ -89,7 +88,7 @@ META_CASES = {
     "moe-ep2-ddp": ("moe-noaux", {"dp": 2, "ep_degree": 2, "num_units": 5}),
     "moe-ep2-zero3": ("moe-noaux", {"dp": 2, "ep_degree": 2, "zero": 3, "num_units": 5}),
 }
-_SLOW_META = {"hf-llama-pp2", "hf-gpt2-pp2", "hf-gpt2-dp2-zero3", "hf-llama-tp2xpp2"}
+_SLOW_META = {"hf-gpt2-pp2", "hf-gpt2-dp2-zero3", "hf-llama-tp2xpp2"}
 
 
 @pytest.mark.parametrize(
