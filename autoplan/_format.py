@@ -389,6 +389,24 @@ def wrap_phrases(phrases: Sequence[str], width: int = WIDTH, *, indent: str = " 
     )
 
 
+def shell_lines(words: Sequence[str], width: int = WIDTH, *, indent: str = "    ") -> str:
+    """A shell command of already quoted ``words`` as lines of at most ``width`` columns, each
+    but the last ending in `` \\`` (the shell joins them back); a word longer than a line
+    stays whole on its own line. Pasted into a shell it runs as the one-line command does."""
+    lines: list[str] = []
+    line = ""
+    for word in words:
+        candidate = f"{line} {word}" if line else word
+        # room for the " \" that ends every line but the last
+        if line and len(candidate) + 2 > width:
+            lines.append(line + " \\")
+            line = indent + word
+        else:
+            line = candidate
+    lines.append(line)
+    return "\n".join(lines)
+
+
 def comment_lines(text: str, width: int = WIDTH, *, prefix: str = "# ") -> str:
     """A comment of any length as lines of at most ``width`` columns, each starting with
     ``prefix`` (the export's notes: "# note: ..."); words longer than a line stay whole."""

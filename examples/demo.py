@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import autoplan
+from autoplan._format import shell_lines
 from autoplan.analysis.plots import save_figure, timeline_figure, whatif_figure
 from autoplan.analysis.timeline import timeline_of
 from autoplan.cli.common import console as cli_console
@@ -79,8 +80,9 @@ def main(num_processes: int = NUM_PROCESSES) -> None:
         "--global-batch",
         str(GLOBAL_BATCH),
     ]
-    # one line whatever the width, so it can be copied
-    console.print(shlex.join(command), soft_wrap=True, markup=False)
+    # wrapped with the shell's continuations: it still pastes as one command
+    words = [shlex.quote(word) for word in command]
+    console.print(shell_lines(words, console.width), soft_wrap=True, markup=False)
     subprocess.run(command, check=True)
 
     console.rule("4. What if: GPT-3 175B on 64 to 1024 A100s (DGX A100 nodes), 300B tokens")

@@ -172,9 +172,13 @@ def test_command_output_fits_and_explains_its_columns(
     args = [a.replace("{plan}", str(plan_file)) for a in args]
     output = _run(args, width, terminal)
     if args[0] == "export":
-        # the launch line stays one line, to copy (and the exporter's own lines are checked
-        # in tests/test_export.py); every comment line of the command's own fits
-        output = "\n".join(line for line in output.splitlines() if line.startswith("#"))
+        # the command's own lines: its comments and the launch line (wrapped with the shell's
+        # continuations); the exported files' lines are checked in tests/test_export.py
+        lines = output.splitlines()
+        launch = next(i for i, line in enumerate(lines) if line.startswith("# launch"))
+        output = "\n".join(
+            line for i, line in enumerate(lines) if line.startswith("#") or i > launch
+        )
     _check_fits(output, width)
     if args[:2] != ["cluster", "show"] and args[0] not in ("export", "validate"):  # no table
         _check_columns_explained(args, output)
@@ -352,3 +356,22 @@ def test_the_ranked_table_with_its_layout_column_keeps_every_cell_whole(width: i
     assert "margin of 80G" in " ".join(text.split())
     headers = _headers(text)
     assert "memory" in headers and ("layout" in headers) == (width == WIDTH)
+
+
+@pytest.mark.parametrize("width", [60, 80, 100])
+def test_a_launch_line_wraps_as_the_shell_joins_it_back(width: int) -> None:
+    """The exported launch line at any width: each line fits (a word longer than a line stays
+    whole), every line but the last ends in the shell's continuation, and the shell's words of
+    the joined lines are the command's."""
+    import shlex
+
+    from autoplan._format import shell_lines
+
+    command = ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", "--nnodes=4", "--nproc-per-node=8"]
+    command += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"]
+    command += ["pretrain_gpt.py", "--data-path", "/a/very/long/path/" + "x" * 90, "--bf16"]
+    text = shell_lines(command, width)
+    lines = text.splitlines()
+    assert len(lines) > 1 and all(line.endswith(" \\") for line in lines[:-1])
+    assert all(len(line) <= width for line in lines if "x" * 90 not in line), lines
+    assert shlex.split(text.replace("\\\n", " ")) == command

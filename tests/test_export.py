@@ -648,7 +648,7 @@ def test_cli_writes_the_files(llama8b: Any, tmp_path: Path) -> None:
     assert (
         "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d "
         "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$JOB_ID pretrain_gpt.py"
-    ) in result.stdout
+    ) in result.stdout.replace(" \\\n    ", " ")  # printed with the shell's continuations
     # each variable of the line is said above it, with what to set
     assert "#   set MASTER_ADDR: hostname or IP address of the first node" in result.stdout
     assert "#   set JOB_ID: one id for this job" in result.stdout
@@ -1031,7 +1031,8 @@ def test_cli_refuses_what_validate_refuses(llama8b: Any, tmp_path: Path) -> None
                          recompute="full").to_yaml(four)  # fmt: skip
     shown = run_cli("export", str(four), "--to", "megatron-lm")
     assert shown.returncode == 0, shown.stderr
-    assert "torchrun --nnodes=1 --nproc-per-node=4 --standalone pretrain_gpt.py" in shown.stdout
+    joined = shown.stdout.replace(" \\\n    ", " ")  # the launch line's continuations
+    assert "torchrun --nnodes=1 --nproc-per-node=4 --standalone pretrain_gpt.py" in joined
     _one_line_error(
         run_cli("export", str(four), "--to", "megatron-lm", "--cluster", "dgx-a100-80g"),
         "the plan runs on 4 devices, but cluster 'dgx-a100-80g' has 8",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import click
 
-from autoplan._format import comment_lines
+from autoplan._format import comment_lines, shell_lines
 from autoplan.analysis.explain import plan_cluster, plan_model_spec
 from autoplan.cli.common import console, echo_err, emit_json, json_option, trace_spec
 from autoplan.cli.progress import progress_enabled, progress_option, status_reporter
@@ -157,6 +157,7 @@ def export_cmd(
         out.print(
             comment_lines(f"set {variable}", out.width, prefix="#   "), style="bold", markup=False
         )
-    out.print(result.command_line, markup=False, soft_wrap=True)
+    # wrapped with the shell's line continuations: it still pastes as one command
+    out.print(shell_lines(result.command_line_words, out.width), markup=False, soft_wrap=True)
     for note in result.notes:
         out.print(comment_lines(f"note: {note}", out.width), style="dim", markup=False)

@@ -175,8 +175,13 @@ class Export:
     memory: MemoryCheck | None = None
 
     @property
+    def command_line_words(self) -> tuple[str, ...]:
+        """The command's words quoted as the shell reads them back."""
+        return tuple(_quote(part) for part in self.command)
+
+    @property
     def command_line(self) -> str:
-        return " ".join(_quote(part) for part in self.command)
+        return " ".join(self.command_line_words)
 
 
 def _quote(part: str) -> str:
