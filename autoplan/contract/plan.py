@@ -90,7 +90,7 @@ from cost_model.partial_recompute import (
     unit_modes,
 )
 from cost_model.parts.fp8 import fp8_shape_problem
-from cost_model.parts.offload import HOST_BYTES_PER_PARAM, host_memory_problem
+from cost_model.parts.offload import host_memory_problem, optimizer_host_bytes
 from cost_model.precision import (
     DEFAULT_FP8_EXCLUDE,
     DEFAULT_MASTER_DTYPE,
@@ -725,13 +725,7 @@ class Plan:
         of them under GPipe, else at most the pipeline's stages: an upper bound), summed over
         the stages (every stage on one rank: an upper bound)."""
         strategy = Strategy.of(self)
-        host = 0.0
-        if self.optimizer_offload > 0.0:
-            params: float = sum(unit.num_params for unit in profile.units)
-            params /= self.tp_degree * self.pp_degree
-            if strategy.runtime_zero_stage >= 1:
-                params /= strategy.shard_degree
-            host += self.optimizer_offload * params * HOST_BYTES_PER_PARAM
+        host = optimizer_host_bytes(profile, strategy)
         m = self.num_micro_batches
         held = m if self.schedule == "gpipe" else min(m, len(self.stages))
         traced = profile.traced_dtype_bytes

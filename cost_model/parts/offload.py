@@ -130,6 +130,19 @@ def host_memory_problem(
     )
 
 
+def optimizer_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """A device's offloaded optimizer state in host memory: its share of the model's parameters
+    (over tp x pp, and over the shard group from ZeRO-1 on; routed experts taken as dense, an
+    upper bound) at `HOST_BYTES_PER_PARAM` each, times the offloaded share."""
+    if strategy.optimizer_offload <= 0:
+        return 0.0
+    params: float = sum(unit.num_params for unit in profile.units)
+    params /= strategy.tp_degree * strategy.pp_degree
+    if strategy.runtime_zero_stage >= 1:
+        params /= strategy.shard_degree
+    return strategy.optimizer_offload * params * HOST_BYTES_PER_PARAM
+
+
 def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     """At least what a plan read back from ``strategy`` puts on one device's host, as
     `autoplan.Plan`'s host-memory check counts it: its optimizer share (the model's parameters
@@ -137,13 +150,7 @@ def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     activation twin (`Strategy.activation_offload`), every block's saved activations under
     recompute 'none' for as many micro-batches as a rank holds (all of them under GPipe, else at
     most the pipeline's stages). The search offers no twin this puts over the device's share."""
-    host = 0.0
-    if strategy.optimizer_offload > 0:
-        params: float = sum(unit.num_params for unit in profile.units)
-        params /= strategy.tp_degree * strategy.pp_degree
-        if strategy.runtime_zero_stage >= 1:
-            params /= strategy.shard_degree
-        host += strategy.optimizer_offload * params * HOST_BYTES_PER_PARAM
+    host = optimizer_host_bytes(profile, strategy)
     if strategy.activation_offload:
         m = strategy.num_micro_batches
         held = m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
