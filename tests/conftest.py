@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
+import pickle
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from filelock import FileLock
 
+T = TypeVar("T")
 AUTOPLAN_SCRIPT = Path(sys.executable).parent / "autoplan"
 
 
@@ -51,31 +55,38 @@ def pipeline_reference(
     tmp_path_factory: pytest.TempPathFactory, worker_id: str
 ) -> PipelineReference:
     """Shared by the restart, Ray, example and resume tests, which compare their runs with it
-    bit for bit. Under pytest-xdist the workers share one run (~20 s): the first to need it
-    runs it under a file lock in the session's base folder, the others read its losses."""
-    from filelock import FileLock
-
+    bit for bit: one run (~20 s) for every pytest-xdist worker."""
     from tests.jobs import fixed_plan, run_uninterrupted
 
-    steps, every = 24, 4
-    if worker_id == "master":  # not under xdist
-        tmp = tmp_path_factory.mktemp("pipeline-reference")
-        plan = fixed_plan(tmp, 2)
-        losses = run_uninterrupted(tmp, 2, steps=steps, every=every, extra=("--plan", str(plan)))
+    def run(folder: Path) -> PipelineReference:
+        plan = fixed_plan(folder, 2)
+        steps, every = 24, 4
+        losses = run_uninterrupted(folder, 2, steps=steps, every=every, extra=("--plan", str(plan)))
         return PipelineReference(plan=plan, steps=steps, every=every, losses=losses)
-    # the session's folder, parent of every worker's (unique to this run of pytest)
-    shared = tmp_path_factory.getbasetemp().parent / "pipeline-reference"
-    record = shared / "losses.json"
-    with FileLock(str(shared) + ".lock"):
+
+    return shared_by_workers(tmp_path_factory, worker_id, "pipeline-reference", run)
+
+
+def shared_by_workers(
+    tmp_path_factory: pytest.TempPathFactory,
+    worker_id: str,
+    name: str,
+    compute: Callable[[Path], T],
+) -> T:
+    """``compute(folder)`` once for every pytest-xdist worker of this run (the first to ask
+    computes it under a file lock, the others unpickle it): a module fixture that costs
+    seconds, which each worker running one of its tests would otherwise compute again.
+    ``folder`` is the run's own, shared by the workers; nothing in it may be written later."""
+    if worker_id == "master":  # not under xdist
+        return compute(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / name
+    record = folder.with_suffix(".pickle")
+    with FileLock(str(folder) + ".lock"):
         if not record.exists():
-            shared.mkdir()
-            plan = fixed_plan(shared, 2)
-            losses = run_uninterrupted(
-                shared, 2, steps=steps, every=every, extra=("--plan", str(plan))
-            )
-            record.write_text(json.dumps({str(step): loss for step, loss in losses.items()}))
-    losses = {int(step): loss for step, loss in json.loads(record.read_text()).items()}
-    return PipelineReference(plan=shared / "plan.yaml", steps=steps, every=every, losses=losses)
+            folder.mkdir()
+            record.write_bytes(pickle.dumps(compute(folder)))
+    value: T = pickle.loads(record.read_bytes())
+    return value
 
 
 def run_cli(

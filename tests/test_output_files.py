@@ -28,7 +28,7 @@ import pytest
 from autoplan.export.writing import MANIFEST, write_export
 from cost_model.files import OutputFileError, atomic_output, atomic_write_text, is_temporary
 from cost_model.messages import shown
-from tests.conftest import run_cli
+from tests.conftest import run_cli, shared_by_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_ARGS = ("--model", "gpt2-small", "--cluster", "dgx-a100-80g", "--global-batch", "8")
@@ -106,12 +106,16 @@ def _leftovers(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plan made by the real command line (the file every CLI test here starts from)."""
-    folder = tmp_path_factory.mktemp("planned")
-    result = _autoplan("plan", *PLAN_ARGS, "--budget", "1", "-o", "plan.yaml", cwd=folder)
-    assert result.returncode == 0, result.stderr
-    path = folder / "plan.yaml"
+def plan_file(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A plan made by the real command line (the file every CLI test here starts from, and
+    none writes): made once for every worker that runs one of them (~15 s)."""
+
+    def make(folder: Path) -> Path:
+        result = _autoplan("plan", *PLAN_ARGS, "--budget", "1", "-o", "plan.yaml", cwd=folder)
+        assert result.returncode == 0, result.stderr
+        return folder / "plan.yaml"
+
+    path = shared_by_workers(tmp_path_factory, worker_id, "planned", make)
     assert path.read_text().startswith("# autoplan plan")
     return path
 

@@ -36,7 +36,7 @@ from autoplan.planner.search import search_plans
 from cost_model.errors import ClusterError
 from cost_model.hardware import Cluster
 from cost_model.workload import ModelProfile
-from tests.conftest import run_cli
+from tests.conftest import run_cli, shared_by_workers
 
 # ~110M parameters: 16 bytes each of weights, grads and Adam state do not fit one device with
 # 4 GiB (2 GiB of it reserved by the preset's calibration, 10% kept free beyond the upper end of
@@ -58,17 +58,23 @@ def profile() -> ModelProfile:
 
 
 @pytest.fixture(scope="module")
-def sweep(profile: ModelProfile) -> WhatIfResult:
-    return whatif(
-        profile,
-        ["dgx-a100-80g", "dgx-h100-80g"],
-        num_devices=[8, 1, 2, 16],  # unsorted on purpose
-        global_batch=16,
-        tokens=2e9,
-        price_per_device_hour=2.5,
-        cluster_overrides=SMALL_MEMORY,
-        budget_s=None,  # compared with a search below: no wall clock in the comparison
-    )
+def sweep(
+    profile: ModelProfile, tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> WhatIfResult:
+    def run(_: Path) -> WhatIfResult:
+        return whatif(
+            profile,
+            ["dgx-a100-80g", "dgx-h100-80g"],
+            num_devices=[8, 1, 2, 16],  # unsorted on purpose
+            global_batch=16,
+            tokens=2e9,
+            price_per_device_hour=2.5,
+            cluster_overrides=SMALL_MEMORY,
+            budget_s=None,  # compared with a search below: no wall clock in the comparison
+        )
+
+    # ~25 s: one sweep for every worker that runs a test of this module
+    return shared_by_workers(tmp_path_factory, worker_id, "whatif-sweep", run)
 
 
 def test_rows_are_the_planners_best_plans_in_order(
