@@ -90,7 +90,11 @@ from cost_model.partial_recompute import (
     unit_modes,
 )
 from cost_model.parts.fp8 import fp8_shape_problem
-from cost_model.parts.offload import host_memory_problem, optimizer_host_bytes
+from cost_model.parts.offload import (
+    activation_link_problem,
+    host_memory_problem,
+    optimizer_host_bytes,
+)
 from cost_model.precision import (
     DEFAULT_FP8_EXCLUDE,
     DEFAULT_MASTER_DTYPE,
@@ -699,14 +703,8 @@ class Plan:
         if offload_problem is not None:
             raise PlanError(offload_problem)
         offloaded = [stage.activation_offload for stage in self.stages]
-        offload_problem = host_link_problem(
-            float(sum(offloaded)),
-            device.name,
-            device.kind,
-            link,
-            value=f"activation_offload {offloaded}",
-            moves="saved activations",
-            fix="stages[*].activation_offload: 0",
+        offload_problem = activation_link_problem(
+            cluster, sum(offloaded), f"activation_offload {offloaded}"
         )
         if offload_problem is not None:
             raise PlanError(offload_problem)

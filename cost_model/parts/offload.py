@@ -167,23 +167,29 @@ def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
 # ------------------------------------------------------------------------ activation offload
 
 
-def activation_host_link_bytes_per_s(cluster: Cluster, num_offloaded: int) -> float:
-    """The device's host link for activation offload; raises InputError naming the value, the
-    rule and the fix where the device has none (`cost_model.offload.host_link_problem`)."""
+def activation_link_problem(cluster: Cluster, num_offloaded: int, value: str) -> str | None:
+    """Why the cluster's device cannot offload ``num_offloaded`` blocks' saved activations
+    (no host link figure, a CPU worker), naming ``value`` and the fix; None if it can."""
     device = cluster.device
-    link = device.host_link_bandwidth_bytes_per_s
-    problem = host_link_problem(
+    return host_link_problem(
         float(num_offloaded),
         device.name,
         device.kind,
-        link,
-        value=f"activation_offload of {num_offloaded} block(s)",
+        device.host_link_bandwidth_bytes_per_s,
+        value=value,
         moves="saved activations",
         fix="stages[*].activation_offload: 0",
     )
+
+
+def activation_host_link_bytes_per_s(cluster: Cluster, num_offloaded: int) -> float:
+    """The device's host link for activation offload; raises InputError naming the value, the
+    rule and the fix where the device has none (`activation_link_problem`)."""
+    value = f"activation_offload of {num_offloaded} block(s)"
+    problem = activation_link_problem(cluster, num_offloaded, value)
     if problem is not None:
         raise InputError(problem)
-    return link
+    return cluster.device.host_link_bandwidth_bytes_per_s
 
 
 def offloaded_unit_cost(
