@@ -22,6 +22,17 @@ T = TypeVar("T")
 AUTOPLAN_SCRIPT = Path(sys.executable).parent / "autoplan"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest-xdist worker computes on one thread, as the jobs the tests start do
+    (`tests.jobs`, `tests.dist_utils`): the workers outnumber the machine's cores already, so
+    torch's default of a thread per core only adds threads contending for them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
 @pytest.fixture(autouse=True)
 def _no_local_calibration(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
