@@ -181,7 +181,7 @@ def _units(
     mode: Recompute,
     count: int | None,
     pick: Callable[[ModeCosts], Sequence[float]],
-) -> list[float]:
+) -> Sequence[float]:
     """Each unit's value of table ``pick`` in units ``start..end-1`` under its own mode (the
     stage's, or 'none' for its recomputable units past the first ``count``, as
     `cost_model.partial_recompute.unit_modes` prices them), in order: summed in the order the
@@ -189,7 +189,7 @@ def _units(
     point = _split_point(problem, start, end, count) if mode != "none" else end
     table = pick(problem.modes[mode])
     if point == end:
-        return list(table[start:end])
+        return table[start:end]
     rest = pick(problem.modes["none"])
     recomputable = problem.recomputable
     return [
