@@ -25,8 +25,18 @@ the stacks; `cost_model.parts.offload` prices them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from cost_model.degrees import MAX_COUNT, is_whole
 from cost_model.schema import shown
+
+# How a stack orders an offloaded optimizer step's three parts (`FrameworkProfile.
+# optimizer_offload_overlap`, priced by `cost_model.parts.offload.OffloadCost.step_s`):
+# "pipelined", the gradients out, the host's step and the weights back overlapped with each
+# other and the device's step (Megatron-Core's overlap_cpu_optimizer_d2h_h2d, ZeRO-Offload);
+# "blocking", the gradients out, then the host's step beside the device's, then the weights
+# back (autoplan's runtime, passes/optimizer_offload.py).
+OptimizerOffloadOverlap = Literal["pipelined", "blocking"]
 
 # The host's DRAM bandwidth per device, used for every GPU cluster (the cluster format states
 # the host's memory, `Cluster.host_memory_bytes`, not its bandwidth): a DGX A100's host, 2 AMD

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from cost_model.errors import InputError
 from cost_model.hardware import Cluster
 from cost_model.memory import RECOMPUTABLE_KINDS, StaticBytes, local_num_params, static_bytes
+from cost_model.offload import OptimizerOffloadOverlap
 from cost_model.parts.compute import ComputeTimes, loss_cost, recompute_s
 from cost_model.parts.context_parallel import RingAttentionCost, ring_attention_cost
 from cost_model.parts.core_sharing import stretched
@@ -270,6 +271,7 @@ def _unit_parts(
         groups.edp,
         forward_compute_s,
         backward_compute_s + rerun_s,
+        model.stack.optimizer_offload_overlap,
     )
     tied = tied_grad_sync(profile, index, strategy, cluster, pair)
     replicated_s = (
@@ -277,7 +279,7 @@ def _unit_parts(
         if model.shared_expert_whole(strategy)
         else 0.0
     )
-    optimizer = optimizer_cost(n_local, weights, cluster)
+    optimizer = optimizer_cost(n_local, weights, cluster, model.stack.optimizer_offload_overlap)
     host = host_cost(unit, n_local + experts.local_params, strategy, cal)
     memory = _dense_bytes(model, unit, strategy, mode, n_local, fp8_local, compute)
     return _UnitParts(
@@ -375,9 +377,11 @@ def _routed_weights(
     edp_groups: tuple[GroupPlacement, ...],
     forward_window_s: float,
     backward_window_s: float,
+    overlap: OptimizerOffloadOverlap = "pipelined",
 ) -> _RoutedWeights:
     """The routed experts' weights of ``unit``: E / ep per device, data parallel over
-    dp x cp / ep (none for a dense unit)."""
+    dp x cp / ep (none for a dense unit); their optimizer's offloaded share ordered as
+    ``overlap`` says (`OffloadCost.step_s`)."""
     expert_dp: DataParallelCost | None = None
     expert_optimizer_s = 0.0
     expert_state = static_bytes(0.0, strategy.dtype, 0, 1)
@@ -391,7 +395,7 @@ def _routed_weights(
             forward_window_s=forward_window_s,
             backward_window_s=backward_window_s,
         )
-        expert_optimizer_s = optimizer_cost(experts.local_params, view, cluster).step_s
+        expert_optimizer_s = optimizer_cost(experts.local_params, view, cluster, overlap).step_s
         expert_state = static_bytes(
             experts.local_params,
             strategy.dtype,

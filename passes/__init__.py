@@ -11,7 +11,8 @@ each expert split over the TP group under etp > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
 ZeRO, dense weights over dp x cp, experts over edp x cp) -> `materialize` (meta model to real
 shards) -> `build_pipeline` (``PipelineStage`` and torch's schedules) -> `DistributedModel` (the
-runtime). `build_mesh` creates the one device mesh.
+runtime; its optimizers step a plan's ``optimizer_offload`` share on the host,
+`OffloadedOptimizer`). `build_mesh` creates the one device mesh.
 
 Imports only autoplan's plan, graph and error types (never the search or the cost model).
 """
@@ -59,6 +60,7 @@ from passes.materialize import (
 )
 from passes.mesh import ParallelMesh, build_mesh
 from passes.moe_sequence_parallel import ReplicatedGradientSum, sequence_parallel_moe
+from passes.optimizer_offload import OffloadedOptimizer, offloaded_params, offloading_factory
 from passes.pipeline import Pipeline, build_pipeline
 from passes.recompute import apply_recompute, selective_policy
 from passes.runtime import DistributedModel, TiedGradientSync
@@ -84,6 +86,7 @@ __all__ = [
     "Fp8Result",
     "Fp8ScalePrecompute",
     "Fp8Selection",
+    "OffloadedOptimizer",
     "ParallelMesh",
     "Pipeline",
     "ReplicatedGradientSum",
@@ -120,6 +123,8 @@ __all__ = [
     "materialize",
     "meta_buffer_values",
     "norm_parameter_names",
+    "offloaded_params",
+    "offloading_factory",
     "original_fqn",
     "reduce_gradients",
     "retarget_devices",

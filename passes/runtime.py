@@ -53,6 +53,7 @@ from passes._log import log_rank0
 from passes.context_parallel import ContextParallelResult
 from passes.fp8 import checkpoint_tensor
 from passes.mesh import ParallelMesh
+from passes.optimizer_offload import offloading_factory
 from passes.pipeline import Pipeline
 from passes.progress import (
     CrashedRankError,
@@ -341,6 +342,8 @@ class DistributedModel:
         self, factory: OptimizerFactory, wrapped: nn.Module
     ) -> torch.optim.Optimizer:
         params = [p for p in wrapped.parameters() if p.requires_grad]
+        # the plan's share of each optimizer's step on the host (passes/optimizer_offload.py)
+        factory = offloading_factory(factory, self.plan.optimizer_offload, self.device)
         if self.plan.zero_stage == 1 and isinstance(wrapped, nn.parallel.DistributedDataParallel):
             # ZeRO-1: each data-parallel rank keeps the optimizer state of its share of params.
             return ZeroRedundancyOptimizer(

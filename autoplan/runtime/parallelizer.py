@@ -22,7 +22,8 @@ Guarantees:
   each routed expert split over the TP group, `passes.ExpertTensorParallel`) -> activation
   recompute -> data parallel -> materialise -> pipeline; a plan with ``tp_comm_overlap`` runs
   torch's async TP (`passes.async_tp`, CUDA and NCCL only: refused elsewhere on every rank
-  before anything is built);
+  before anything is built); a plan with ``optimizer_offload`` steps that share of each
+  optimizer on host copies (`passes.optimizer_offload`, wrapped around ``optimizer``);
 - a meta model is materialised shard by shard (`passes.materialize`): no rank ever holds it
   whole; a real model's weights are used as they are.
 """
@@ -884,6 +885,8 @@ def _describe(plan: Plan) -> str:
         + f" (layout {'/'.join(plan.rank_layout)}), schedule {plan.schedule}, "
         f"{plan.num_micro_batches} micro-batch{'es' if plan.num_micro_batches > 1 else ''} of "
         f"{plan.micro_batch_size}, "
-        f"{plan.zero_text}, SP {'on' if plan.sequence_parallel else 'off'}, "
+        f"{plan.zero_text}"
+        + (f", optimizer offload {plan.optimizer_offload:g}" if plan.optimizer_offload else "")
+        + f", SP {'on' if plan.sequence_parallel else 'off'}, "
         f"{plan.dtype}, stages {stages}"
     )

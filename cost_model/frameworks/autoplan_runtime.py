@@ -45,13 +45,6 @@ AUTOPLAN = FrameworkProfile(
                 fix="set optimizer_state_dtype equal to master_dtype, or price it for "
                 "megatron-lm (--use-precision-aware-optimizer) or deepspeed",
             ),
-            "optimizer_offload": Explanation(
-                why="its data parallelism is FSDP2, whose one offload (CPUOffloadPolicy) keeps "
-                "the parameters and gradients on the host too and steps there: a parameter "
-                "offload autoplan does not price, so it does not run it",
-                fix="set optimizer_offload: 0 (leave it out), or price it for megatron-lm "
-                "(--optimizer-cpu-offload) or deepspeed (offload_optimizer)",
-            ),
         },
     ),
     # torchao's float8 training (`passes.fp8`): tensor-wise and row-wise dynamic scaling
@@ -68,6 +61,19 @@ AUTOPLAN = FrameworkProfile(
     # torch's async TP under torch.compile (passes/async_tp.py; CUDA only, refused on CPU by
     # parallelize)
     tp_comm_overlap=TORCH_ASYNC_TP,
+    # passes/optimizer_offload.py: each optimizer's first parameters up to the share, whole,
+    # stepped by the user's optimizer on host copies (Megatron-Core's split), under every
+    # data-parallel wrapper (DDP, ZeroRedundancyOptimizer's partition, FSDP2's local shards);
+    # its step copies the gradients out and waits, steps the host beside the device, and
+    # copies the weights back on the compute stream (OffloadedOptimizer.step): "blocking"
+    optimizer_offload_zero_stages=(0, 1, 2, 3),
+    optimizer_offload_partial_zero_stages=(0, 1, 2, 3),
+    optimizer_offload_overlap="blocking",
+    # torchao's fp8 all-gather makes the weights a tensor subclass (passes/fp8.py) whose
+    # local shards the offloaded optimizer does not copy to the host
+    optimizer_offload_fp8_gather_why="offloads the optimizer by copying plain local shards "
+    "to the host, and under fp8_all_gather the weights are torchao's fp8 all-gather wrapper "
+    "(passes/fp8.py)",
     # torch.autograd.graph.save_on_cpu around a stage's offloaded blocks (passes/offload.py;
     # CUDA only: a CPU worker is its own host, refused by the host-link rule)
     activation_offload="blocking",

@@ -24,6 +24,7 @@ from cost_model.frameworks.limits import (
 )
 from cost_model.hardware import Cluster
 from cost_model.memory import RecomputeModule, SelectiveScope, StackActivations
+from cost_model.offload import OptimizerOffloadOverlap
 from cost_model.schedules import ScheduleName
 from cost_model.stage_splits import PipelineSplit, even_stage_starts, own_stage_starts
 from cost_model.strategy import Axis, PlanLike, RecomputeMode, Strategy
@@ -262,6 +263,9 @@ class FrameworkProfile:
     # its own words where it states them (`Capabilities.explained` "optimizer_offload").
     optimizer_offload_zero_stages: tuple[int, ...] = ()
     optimizer_offload_partial_zero_stages: tuple[int, ...] = ()
+    # How it orders the offloaded share's copies and host step with the device's step
+    # (`cost_model.offload.OptimizerOffloadOverlap`, `cost_model.parts.offload.OffloadCost`).
+    optimizer_offload_overlap: OptimizerOffloadOverlap = "pipelined"
     # Why its offloaded optimizer cannot run beside weights all-gathered in fp8
     # (`Strategy.fp8_all_gather`), in its words; "": it can.
     optimizer_offload_fp8_gather_why: str = ""

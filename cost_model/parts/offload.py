@@ -13,12 +13,18 @@ Per step, for the ``f * n`` offloaded parameters of a device's ``n`` updated one
   vectorised, memory-bound loop: Ren et al., ATC'21, section 5.1);
 - the updated weights come back (host to device) at the master dtype's width (the hybrid
   optimizer's post-step hook copies the host's fp32 parameter into the device's).
-The link is full duplex and the stacks pipeline the three per parameter (Megatron-Core with
-``overlap_cpu_optimizer_d2h_h2d``, which `autoplan export` turns on; ZeRO-Offload copies the
-gradients during the backward), while the device steps its own ``(1 - f) * n`` (the hybrid
-optimizer launches the device's step before the host's): the step takes the longest of the
-device's step, the two copies and the host's step. The link and the host's DRAM at their
-datasheet rates: a lower bound.
+How the three combine with the device's step over its own ``(1 - f) * n`` is the stack's
+(`FrameworkProfile.optimizer_offload_overlap`, `OffloadCost.step_s`):
+- "pipelined": the link is full duplex and the stacks pipeline the three per parameter
+  (Megatron-Core with ``overlap_cpu_optimizer_d2h_h2d``, which `autoplan export` turns on;
+  ZeRO-Offload copies the gradients during the backward), while the device steps its own share
+  (the hybrid optimizer launches the device's step before the host's): the step takes the
+  longest of the device's step, the two copies and the host's step;
+- "blocking" (autoplan's runtime, passes/optimizer_offload.py ``OffloadedOptimizer.step``):
+  every offloaded gradient is copied out and waited for, then the device's step (launched
+  first, on the GPU) runs beside the host's, then the weights are copied back on the compute
+  stream before the next forward: out + max(device, host) + back.
+The link and the host's DRAM at their datasheet rates: a lower bound.
 
 Memory: ``f`` of the device's optimizer bytes (master copy and moments) move to the host; the
 host holds ``f * n`` x (fp32 master + two fp32 moments + the fp32 gradient buffer), and a plan
@@ -37,6 +43,7 @@ from cost_model.hardware import Cluster
 from cost_model.memory import RECOMPUTABLE_KINDS, activation_bytes
 from cost_model.offload import (
     HOST_MEMORY_BANDWIDTH_PER_DEVICE_BYTES_PER_S,
+    OptimizerOffloadOverlap,
     host_link_problem,
     host_memory_per_device_bytes,
 )
@@ -69,6 +76,13 @@ class OffloadCost:
     def critical_s(self) -> float:
         """The offloaded share's time, its three parts pipelined (the longest of them)."""
         return max(self.device_to_host_s, self.host_step_s, self.host_to_device_s)
+
+    def step_s(self, device_step_s: float, overlap: OptimizerOffloadOverlap) -> float:
+        """The optimizer step with the device's own share taking ``device_step_s``, as a stack
+        that orders the offloaded share's parts as ``overlap`` says (module doc)."""
+        if overlap == "pipelined":
+            return max(device_step_s, self.critical_s)
+        return self.device_to_host_s + max(device_step_s, self.host_step_s) + self.host_to_device_s
 
 
 NO_OFFLOAD = OffloadCost(device_to_host_s=0.0, host_step_s=0.0, host_to_device_s=0.0, host_bytes=0)

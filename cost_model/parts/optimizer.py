@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model.hardware import Cluster
+from cost_model.offload import OptimizerOffloadOverlap
 from cost_model.parts.offload import NO_OFFLOAD, OffloadCost, offload_cost
 from cost_model.precision import PrecisionPolicy, precision_policy
 from cost_model.strategy import Strategy
@@ -39,11 +40,17 @@ class OptimizerCost:
     offload: OffloadCost = NO_OFFLOAD
 
 
-def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) -> OptimizerCost:
+def optimizer_cost(
+    local_params: float,
+    strategy: Strategy,
+    cluster: Cluster,
+    overlap: OptimizerOffloadOverlap = "pipelined",
+) -> OptimizerCost:
     """Adam over the parameters of a unit this device updates: its ``local_params`` (before
     data-parallel sharding), divided over the data-parallel ranks from ZeRO-1 on; one kernel's
     launch overhead when there are any. Under ``strategy.optimizer_offload`` the device steps
-    the rest while the host steps its share (`parts.offload`): the longer of the two."""
+    the rest while the host steps its share (`parts.offload`), the two copies ordered as the
+    stack orders them (``overlap``, `OffloadCost.step_s`)."""
     cal = cluster.calibration
     bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cal.memory_efficiency
     # (ZeRO shards the step over dp, or under HSDP over a shard group)
@@ -54,4 +61,4 @@ def optimizer_cost(local_params: float, strategy: Strategy, cluster: Cluster) ->
     step_s = updated * (1.0 - strategy.optimizer_offload) * traffic / bandwidth
     if updated > 0:
         step_s += cal.kernel_overhead_s
-    return OptimizerCost(step_s=max(step_s, offload.critical_s), offload=offload)
+    return OptimizerCost(step_s=offload.step_s(step_s, overlap), offload=offload)
