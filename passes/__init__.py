@@ -7,7 +7,7 @@ torchao's float8 linears, as `select_fp8_linears` chose them) -> `apply_tensor_p
 MoE layers route their sequence shard, `sequence_parallel_moe`) ->
 `apply_context_parallel` (load-balanced sequence sharding, ring attention; cp > 1) ->
 `apply_expert_parallel` (experts sharded over ep, all-to-all dispatch and combine; ep > 1;
-each expert split over the TP group under etp > 1) ->
+each expert split over etp ranks of the TP group under etp > 1) ->
 `apply_recompute` (activation checkpointing) -> `apply_data_parallel` (FSDP2 / replicate / DDP +
 ZeRO, dense weights over dp x cp, experts over edp x cp) -> `materialize` (meta model to real
 shards) -> `build_pipeline` (``PipelineStage`` and torch's schedules) -> `DistributedModel` (the

@@ -48,7 +48,9 @@ dp x cp, not by the edp x cp that FSDP averages over (Megatron-LM's
 expert parallelism (``ep_folding``) is the same with its own groups: the experts' data-parallel
 mesh is the dp x cp x tp / ep ranks at one ep position, so the hook divides by ep / tp, and
 with no dense replicas (dp x cp = 1, no wrapper) `ExpertGradientReduce` sums the experts over
-those ranks if there are several.
+those ranks if there are several. Expert tensor parallelism below tp (1 < etp < tp) is the same
+again on the expert mesh (`ParallelMesh.experts_apart`): the expert-data group is the
+dp x cp x tp / (ep x etp) ranks at one ep and etp place, the hook divides by ep x etp / tp.
 torchtitan uses ``set_gradient_divide_factor`` instead, whose ``PREMUL_SUM`` gloo lacks, and
 whose sum-only fallback divides twice on a one-rank mesh (torch 2.13). DDP reduces every
 parameter over one group: under expert parallelism it is told to ignore the expert weights
@@ -144,7 +146,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
         # no dense replicas (dp x cp = 1); a folded ep group over tp ranks may still leave
         # several ranks holding the same experts, each with its own tokens' share
         expert_dp = mesh.expert_dp
-        experts = _expert_modules(stage.module) if mesh.ep_degree > 1 else []
+        experts = _expert_modules(stage.module) if mesh.experts_apart else []
         return DataParallelResult(
             stage_idx=stage.stage_idx,
             kind="none",
@@ -177,7 +179,7 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
         if mesh.cp_degree > 1:
             # DDP broadcasts rank 0's buffers when built: each cp rank's RoPE rows are its own
             ignored += [name for name, _ in stage.module.named_buffers()]
-        if mesh.ep_degree > 1:
+        if mesh.experts_apart:
             experts = _expert_modules(stage.module)
             ignored += [
                 f"{path}.{name}" for path, sub in experts for name, _ in sub.named_parameters()
@@ -213,10 +215,10 @@ def apply_data_parallel(stage: StageModule, mesh: ParallelMesh, plan: Plan) -> D
     _to_master_dtype(stage.module, torch_dtype(plan.precision.master))
     shared_ids = _shared_param_ids(stage.module)
     groups = 0
-    if mesh.ep_degree > 1:
+    if mesh.experts_apart:
         # FSDP2 averages over the expert_dp ranks; the experts' gradient wants the sum over
         # them divided by dp x cp (module doc): divide the average by dp x cp / expert_dp (ep,
-        # or ep / tp when a folded ep group spans tp ranks)
+        # or ep x etp / tp when the expert-data group spans tp ranks: folded, or etp < tp)
         divisor = mesh.dense_dp.size() / mesh.expert_dp.size()
         for _, expert_module in _expert_modules(stage.module):
             _wrap(expert_module, mesh.expert_dp, zero, mp)

@@ -43,9 +43,26 @@ over ep, then the expert-TP group), either
   in backward (``to_local(grad_placements=[Partial()])`` of a replicated DTensor, Megatron's
   ``copy_to_tensor_model_parallel_region``).
 
-Either way an expert's weight gradient on an etp rank already holds every token of its TP
-group: the etp ranks' expert gradients are never summed over tp (the router's and shared
-expert's still are under sequence parallelism, `passes.moe_sequence_parallel`).
+At etp = tp an expert's weight gradient on an etp rank therefore already holds every token of
+its TP group: the etp ranks' expert gradients are never summed over tp (the router's and
+shared expert's still are under sequence parallelism, `passes.moe_sequence_parallel`).
+
+Below tp (1 < etp < tp; Megatron-Core folds the expert layer's parallelism over the dense
+layers' ranks, etp x ep x edp = tp x cp x dp per pipeline stage, in its etp-ep-edp-pp order,
+megatron/core/parallel_state.py ``initialize_model_parallel``'s expert rank generator) the
+etp group is not the TP mesh axis but ``etp`` consecutive ranks of one TP group
+(`Plan.etp_group_ranks`), and the expert layer runs on a mesh of its own over the stage's
+ranks, (edp, ep, etp) (`passes.mesh`, ``ParallelMesh.expert_weights``). Nothing above changes:
+with sequence parallelism each TP rank routes its own tokens, the ep dispatch runs among the
+ranks at one etp place, and the etp group gathers its rows; only the TP group's other
+tp / etp expert-TP groups hold the same slices of the same experts on other tokens. They are in
+the expert-data group (`Plan.expert_data_group_ranks` of the folded layout,
+``ParallelMesh.expert_dp``), so the rule below holds unchanged: sum over it, divide by
+dp x cp. Without sequence parallelism those groups would be exact copies, whose sum over the
+expert-data group double counts: autoplan's runtime refuses that case (Megatron-LM too
+requires sequence parallelism for MoE with tp > 1, megatron/training/arguments.py
+``validate_args``), and ep > 1 inside dp below tp (not Megatron-Core's groups), in one line
+(`cost_model.frameworks.limits`).
 
 Composition with data parallelism (Megatron-LM's expert-data-parallel groups,
 megatron/core/parallel_state.py: ``_EXPERT_MODEL`` splits the experts over a group,
@@ -108,7 +125,7 @@ _FFN_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
 class ExpertTensorParallel:
     """How each local expert is split over the etp ranks (module doc)."""
 
-    mesh: DeviceMesh  # the 1-D etp mesh (autoplan's runtime: the TP group)
+    mesh: DeviceMesh  # the 1-D etp mesh (the TP group at etp = tp; below tp a slice of it)
     # the experts' weights' mesh: 2-D (ep, etp), or (etp,) at ep = 1, from one root mesh
     weights: DeviceMesh
     own_tokens: bool  # the etp ranks route different tokens (sequence parallelism)

@@ -20,11 +20,18 @@ of the dp x cp x tp block of one pipeline rank, Megatron-Core's MoE parallel fol
 not split; a second mesh over the same world, of shape (pp, edp, ep) and built from the plan's
 groups (``expert_mesh``), gives the ``ep`` and ``edp`` sub-meshes instead (both from one root
 mesh, as FSDP2 needs for the experts' DTensors).
-Under expert tensor parallelism (``etp_degree > 1``, which autoplan's runtime runs at etp = tp:
-the ``etp`` group is the TP group, `Plan.etp_group_ranks`) the routed experts' weights are
-DTensors over the 2-D (ep, etp) mesh (`ParallelMesh.expert_weights`): the root mesh's
-(``ep``, ``tp``) axes, or its ``tp`` axis at ep = 1; folded, the expert mesh gains an inner
-``etp`` axis, (pp, edp, ep, etp), Megatron-Core's etp-ep-edp-pp order.
+Under expert tensor parallelism (``etp_degree > 1``: the ``etp`` group is ``etp_degree``
+consecutive ranks of the TP group, `Plan.etp_group_ranks`) the routed experts' weights are
+DTensors over the 2-D (ep, etp) mesh (`ParallelMesh.expert_weights`). At etp = tp these are the
+root mesh's (``ep``, ``tp``) axes, or its ``tp`` axis at ep = 1; folded, or at 1 < etp < tp,
+the expert mesh gains an inner ``etp`` axis, (pp, edp, ep, etp), Megatron-Core's etp-ep-edp-pp
+order over each pipeline rank's dp x cp x tp block (etp x ep x edp = tp x cp x dp). Below tp
+the expert layer is its own mesh over the stage's ranks: ``edp`` holds the ranks at one ep
+and etp place, the other expert-TP groups of each TP group among them (each routes its own
+tokens under sequence parallelism), so the experts' gradients reduce over it
+(`Plan.expert_data_group_ranks` of the folded layout; at ep = 1 the folded and the unfolded
+ep groups coincide, and autoplan's runtime refuses ep > 1 inside dp below tp,
+`cost_model.frameworks.limits`).
 The ranks of every group are exactly the plan's
 (`Plan.group_ranks` and the ep helpers; checked before returning); every sub-group, flattened
 ones included, has the default group's timeout (``new_group`` would give gloo's 30 minutes: a
@@ -35,7 +42,7 @@ this rank's coordinates come with it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -70,7 +77,7 @@ class ParallelMesh:
     # deprecates slicing them back out of the root mesh
     flattened: Mapping[str, DeviceMesh] = field(default_factory=dict)
     # under ep_folding: the (pp, edp, ep) mesh of the folded expert groups, (pp, edp, ep,
-    # etp) under expert tensor parallelism (module doc)
+    # etp) under expert tensor parallelism; also at 1 < etp < tp (module doc)
     expert_mesh: DeviceMesh | None = None
 
     def sub(self, axis: MeshAxis | MeshGroup) -> DeviceMesh:
@@ -82,7 +89,7 @@ class ParallelMesh:
         if self.expert_mesh is not None and axis in ("ep", "edp", "etp"):
             return self.expert_mesh[axis]
         if axis == "etp":
-            return self.mesh["tp"]  # etp = tp (`Capabilities.etp_is_tp`)
+            return self.mesh["tp"]  # etp = tp (below tp the expert mesh has its etp axis)
         return self.mesh[axis]
 
     @property
@@ -93,8 +100,15 @@ class ParallelMesh:
         if self.etp_degree == 1:
             return self.sub("ep")
         if self.expert_mesh is not None:
-            return self.expert_mesh["ep", "etp"]
+            return self.expert_mesh["ep", "etp"] if self.ep_degree > 1 else self.expert_mesh["etp"]
         return self.mesh["ep", "tp"] if self.ep_degree > 1 else self.mesh["tp"]
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the routed experts have a data-parallel mesh of their own (`expert_dp`),
+        which data parallelism wraps them over apart from the dense weights: under expert
+        parallelism, or on the expert mesh of 1 < etp < tp (module doc)."""
+        return self.ep_degree > 1 or self.expert_mesh is not None
 
     @property
     def dense_dp(self) -> DeviceMesh:
@@ -116,10 +130,11 @@ class ParallelMesh:
     def expert_dp(self) -> DeviceMesh:
         """The data-parallel mesh of the routed experts under expert parallelism: edp x cp
         ranks, those holding the same experts (`Plan.expert_data_group_ranks`)."""
+        if self.expert_mesh is not None:
+            # folded, or 1 < etp < tp: the block's ranks at one ep (and etp) place
+            return self.sub("edp")
         if self.ep_degree == 1:
             return self.dense_dp
-        if self.expert_mesh is not None:
-            return self.sub("edp")  # folded: the whole block's ranks at one ep position
         return self.sub("edp_cp" if self.cp_degree > 1 else "edp")
 
     @property
@@ -169,11 +184,12 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
     }
     groups = {**{name: mesh[name] for name in names}, **flattened}
     expert_mesh = None
-    if plan.ep_folding and plan.ep_degree > 1:
+    experts = _expert_layout(plan)  # whose ep helpers give the expert mesh's groups
+    if experts is not None:
         expert_mesh = (
-            _folded_expert_tp_mesh(plan, device_type, options)
+            _folded_expert_tp_mesh(experts, device_type, options)
             if plan.etp_degree > 1
-            else _folded_expert_mesh(plan, device_type, options)
+            else _folded_expert_mesh(experts, device_type, options)
         )
         groups["ep"], groups["edp"] = expert_mesh["ep"], expert_mesh["edp"]
         if plan.etp_degree > 1:
@@ -186,7 +202,8 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
     }
     for name, sub in groups.items():
         got = tuple(int(r) for r in sub.mesh.flatten().tolist())
-        want = _plan_group(plan, name, rank)
+        expert_group = experts is not None and name in ("ep", "edp", "etp")
+        want = _plan_group(experts if experts is not None and expert_group else plan, name, rank)
         # Internal invariant: init_device_mesh lays ranks out row-major like the plan's groups.
         assert sorted(got) == sorted(want), (
             f"{name} group of rank {rank}: mesh has {got}, plan says {want}"
@@ -208,6 +225,19 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         flattened=flattened,
         expert_mesh=expert_mesh,
     )
+
+
+def _expert_layout(plan: Plan) -> Plan | None:
+    """The plan whose expert groups the second (pp, edp, ep[, etp]) mesh is built from, or
+    None where the root mesh has them: a folded plan itself; at 1 < etp < tp with ep = 1 the
+    folded spelling of the same plan (the same ep and etp groups; its expert-data groups hold
+    the other expert-TP groups of each TP group too, Megatron-Core's generator, which the
+    cost model prices: ``Strategy.expert_dp_degree``)."""
+    if plan.ep_folding and plan.ep_degree > 1:
+        return plan
+    if 1 < plan.etp_degree < plan.tp_degree and plan.ep_degree == 1:
+        return replace(plan, ep_folding=True)
+    return None
 
 
 def _folded_expert_mesh(plan: Plan, device_type: str, options: Any) -> DeviceMesh:

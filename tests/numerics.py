@@ -62,12 +62,13 @@ def build_model(name: str, *, device: str = "cpu", num_blocks: int = NUM_BLOCKS)
         return llama(
             num_blocks, HIDDEN, HEADS, SEQ, VOCAB, num_kv_heads=2, ffn_hidden_size=64, device=device
         )
-    if name in ("moe", "moe-noaux"):
+    if name in ("moe", "moe-noaux", "moe-mha"):
         from autoplan.models import moe
 
         # 1 dense layer then 2 MoE layers (4 experts, top-2, a shared expert), GQA attention;
         # "moe-noaux" without the load-balancing loss (it is a per-rank statistic: under
-        # context parallelism no single-process run computes the same one).
+        # context parallelism no single-process run computes the same one); "moe-mha" with a
+        # key/value head per query head (tp 4 divides them).
         return moe(
             num_blocks + 1,
             HIDDEN,
@@ -77,7 +78,7 @@ def build_model(name: str, *, device: str = "cpu", num_blocks: int = NUM_BLOCKS)
             num_experts=4,
             top_k=2,
             moe_ffn_hidden_size=24,
-            num_kv_heads=2,
+            num_kv_heads=HEADS if name == "moe-mha" else 2,
             ffn_hidden_size=64,
             num_shared_experts=1,
             num_dense_layers=1,

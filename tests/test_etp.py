@@ -204,25 +204,40 @@ def test_stacks_without_etp_refuse_it_in_their_words(stack: str) -> None:
     assert not [r for r in outer_refusals(megatron, strategy, model) if r.limit == "etp"]
 
 
-def test_autoplan_s_runtime_splits_experts_over_the_whole_tp_group_only() -> None:
-    """autoplan's runtime runs etp = tp (its etp group is the tp mesh axis) and refuses an
-    etp between 1 and tp in its words; Megatron-LM runs any etp dividing tp."""
+def test_autoplan_s_runtime_splits_experts_below_tp_with_sp_and_folded_groups() -> None:
+    """autoplan's runtime runs any etp dividing tp; below tp only where each TP rank routes its
+    own tokens (sequence parallelism) and the ep groups are Megatron-Core's (folded, or ep 1),
+    and it refuses the rest in its words, one line naming the fix; Megatron-LM runs them (its
+    own rules refuse tp > 1 without sequence parallelism on a MoE model)."""
     own, megatron, model = (
         framework_profile("autoplan"),
         framework_profile("megatron-lm"),
         _moe_profile(),
     )
-    common: dict[str, Any] = dict(dp_degree=2, ep_degree=2, ep_folding=True, sequence_parallel=True)
 
-    def etp_refusals(stack: Any, tp: int, etp: int) -> list[str]:
-        strategy = Strategy(**common, tp_degree=tp, etp_degree=etp)
+    def etp_refusals(stack: Any, **degrees: Any) -> list[str]:
+        fields: dict[str, Any] = dict(
+            dp_degree=2, ep_degree=2, ep_folding=True, sequence_parallel=True
+        )
+        fields.update(degrees)
+        strategy = Strategy(**fields)
         return [str(r) for r in outer_refusals(stack, strategy, model) if r.limit == "etp"]
 
-    assert etp_refusals(own, 2, 2) == etp_refusals(own, 4, 4) == etp_refusals(own, 4, 1) == []
-    (text,) = etp_refusals(own, 4, 2)
-    assert text.startswith("etp_degree 2 with tp_degree 4: ") and "\n" not in text
-    assert own.capabilities.explained["etp"].why in text and "tp_degree or 1" in text
-    assert etp_refusals(megatron, 4, 2) == []
+    for tp, etp in ((2, 2), (4, 4), (4, 1), (4, 2), (8, 2)):
+        assert etp_refusals(own, tp_degree=tp, etp_degree=etp) == [], (tp, etp)
+    assert etp_refusals(own, tp_degree=4, etp_degree=2, ep_degree=1, ep_folding=False) == []
+    (no_sp,) = etp_refusals(
+        own, tp_degree=4, etp_degree=2, ep_degree=1, ep_folding=False, sequence_parallel=False
+    )
+    assert no_sp.startswith("etp_degree 2 with tp_degree 4 without sequence parallelism: ")
+    assert no_sp.endswith("; set sequence_parallel: true, or etp_degree 4 or 1")
+    (inside,) = etp_refusals(own, tp_degree=4, etp_degree=2, ep_folding=False)
+    assert inside.startswith("etp_degree 2 with tp_degree 4 and ep_degree 2 inside dp: ")
+    assert inside.endswith("; set ep_folding: true, or etp_degree 4 or 1")
+    for text in (no_sp, inside):
+        assert own.capabilities.explained["etp"].why in text and "\n" not in text
+        assert "megatron/training/arguments.py" in text
+    assert etp_refusals(megatron, tp_degree=4, etp_degree=2) == []
 
 
 def test_megatron_layout_agrees_with_ep_inside_dp_when_etp_is_tp() -> None:
@@ -260,31 +275,33 @@ def test_megatron_export_states_etp() -> None:
 
 
 def test_search_offers_etp_where_the_stack_runs_it() -> None:
-    """Megatron-LM's and autoplan's spaces try etp 1 and tp (the two layouts stacks use, the
-    only ones autoplan's runtime runs); a dense model only 1; a constraint is taken where it
-    divides tp, and refused in one line for a stack without expert tensor parallelism."""
+    """Megatron-LM's and autoplan's spaces try every etp dividing tp (experts whole, split as
+    the dense TP splits them, or over part of each TP group); a dense model only 1; a
+    constraint is taken where it divides tp, and refused in one line for a stack without
+    expert tensor parallelism."""
     profile = _moe_profile()
     cluster = round_cluster(num_nodes=1, devices_per_node=8)
     megatron = _space_for(profile, cluster, 16, "megatron-lm", {})
     assert megatron.expert_tensor_parallel
-    assert etp_choices(megatron, profile, 4) == [1, 4]
+    assert etp_choices(megatron, profile, 4) == [1, 2, 4]
     assert etp_choices(megatron, profile, 1) == [1]
     assert etp_choices(replace(megatron, etp=(1, 2, 3)), profile, 4) == [1, 2]
     dense = gpt_profile(num_layers=2, s=1024, h=1024, a=8, e=2)
     assert etp_choices(megatron, dense, 4) == [1]
     own = _space_for(profile, cluster, 16, "autoplan", {})
-    assert own.expert_tensor_parallel and etp_choices(own, profile, 4) == [1, 4]
+    assert own.expert_tensor_parallel and etp_choices(own, profile, 8) == [1, 2, 4, 8]
     with pytest.raises(ConstraintError, match=r"^etp=2: torchtitan does not split routed experts"):
         _space_for(profile, cluster, 16, "torchtitan", {"etp": 2})
-    # every member the enumeration yields is a valid strategy; etp > 1 only at etp = tp, and
-    # its ep groups fold over the tp / etp groups
+    # every member the enumeration yields is a valid strategy; below tp its ep groups fold
+    # over the tp / etp groups (ep 1 is the same layout either way)
     found = {
         (s.tp_degree, s.etp_degree, s.ep_degree, s.ep_folding)
         for s in strategies(megatron, profile, cluster, 16)
     }
     assert {t for t, e, _, _ in found if e > 1} == {2, 4, 8}
-    assert all(e in (1, t) for t, e, _, _ in found)
-    assert (2, 2, 4, True) in found and (2, 1, 4, True) in found
+    assert {(t, e) for t, e, _, _ in found if 1 < e < t} == {(4, 2), (8, 2), (8, 4)}
+    assert all(f or ep == 1 for t, e, ep, f in found if 1 < e < t)
+    assert (2, 2, 4, True) in found and (2, 1, 4, True) in found and (4, 2, 4, True) in found
 
 
 def test_search_for_megatron_returns_an_etp_plan_that_exports() -> None:
@@ -299,6 +316,23 @@ def test_search_for_megatron_returns_an_etp_plan_that_exports() -> None:
     assert (plan.tp_degree, plan.etp_degree, plan.ep_degree) == (2, 2, 4)
     assert Plan.from_data(plan.to_data()) == plan
     assert plan.to_data()["etp_degree"] == 2
+
+
+def test_search_for_autoplan_returns_an_etp_below_tp_plan_it_runs() -> None:
+    """Constrained to tp 4 and etp 2, autoplan's search returns a plan its runtime runs:
+    sequence parallelism on (the members without it are refused), ep 4 folded over dp 2 x the
+    two expert-TP groups of each TP group."""
+    from autoplan.contract.plan import runtime_refusal
+
+    profile = _moe_profile()
+    cluster = round_cluster(num_nodes=1, devices_per_node=8)
+    result = search_plans(
+        profile, cluster, global_batch=16, framework="autoplan", tp=4, etp=2, ep=4
+    )
+    (plan,) = result.plans
+    assert (plan.tp_degree, plan.etp_degree, plan.sequence_parallel) == (4, 2, True)
+    assert (plan.ep_degree, plan.ep_folding) == (4, True)
+    assert runtime_refusal(plan, profile) is None
 
 
 # ------------------------------------------------------------------------------ bench
@@ -323,17 +357,26 @@ def test_published_rows_are_expressible_with_megatron_s_default_etp() -> None:
         validate_published.check_expressible(qwen, folded=True, expert_tp=True)
 
 
-def test_parallelize_s_check_takes_etp_tp_and_refuses_others_in_one_line() -> None:
+def test_parallelize_s_check_takes_etp_below_tp_and_refuses_it_without_sp() -> None:
     """`parallelize` asks `runtime_refusal` of every plan on every rank before building
-    anything: autoplan's runtime splits experts over the whole TP group, so an etp = tp plan
-    (priced for Megatron-LM) runs and an etp between 1 and tp is refused in its words."""
+    anything: an etp = tp plan and an etp between 1 and tp with sequence parallelism and folded
+    ep groups (priced for Megatron-LM) run; without sequence parallelism autoplan refuses the
+    latter in its words, one line."""
     from autoplan.contract.plan import runtime_refusal
 
     common: dict[str, Any] = dict(ep_degree=2, framework="megatron-lm", pp_degree=1, num_units=4)
     assert runtime_refusal(_cp_ep_plan(etp_degree=2, **common), _moe_profile()) is None
     wide = _cp_ep_plan(etp_degree=2, tp_degree=4, **common)
-    why = runtime_refusal(wide, _moe_profile())
-    assert why is not None and why.startswith("etp_degree 2 with tp_degree 4: autoplan splits")
+    assert runtime_refusal(wide, _moe_profile()) is None
+    plain = _cp_ep_plan(
+        etp_degree=2, tp_degree=4, ep_folding=False, sequence_parallel=False, cp_degree=1,
+        **{**common, "ep_degree": 1},
+    )  # fmt: skip
+    why = runtime_refusal(plain, _moe_profile())
+    assert why is not None and why.startswith(
+        "etp_degree 2 with tp_degree 4 without sequence parallelism: autoplan splits an expert "
+        "over part of a TP group only with sequence parallelism"
+    )
     assert "passes/expert_parallel.py" in why and "\n" not in why
     assert runtime_refusal(_cp_ep_plan(pp_degree=1, num_units=4), _moe_profile()) is None
 
@@ -403,20 +446,41 @@ def test_its_range_says_no_scored_run_validates_it() -> None:
 
 
 @pytest.mark.slow
-def test_tp2_etp2_ep2_sp_moe_trains_as_one_process(tmp_path: Path) -> None:
-    """autoplan's runtime at tp 2, etp 2, ep 2 inside dp 2 with sequence parallelism (4 ranks;
-    ZeRO-3): each TP rank routes its own half of the sequence to its ep pair, the pair's
-    received rows are gathered over the TP group, every rank runs its half of each local
-    expert's width on them, and the partial outputs are reduce-scattered back
-    (passes/expert_parallel.py). Loss and every gradient (the experts' gathered from their
-    (ep, etp) DTensors) match one process over 3 AdamW steps, load-balancing loss included."""
+@pytest.mark.parametrize(
+    ("model", "degrees", "groups"),
+    [
+        # etp = tp: ep 2 inside dp 2, ZeRO-3; rank 1's ep pair (1, 3), etp group its TP group
+        ("moe", {"tp": 2, "ep": 2, "zero": 3}, ((1, 3), (0, 1), (1,))),
+        # etp < tp, ep 1 (no dense replicas): rank 1's etp group (0, 1), and its expert-data
+        # group (1, 3), the TP group's other expert-TP group at the same place
+        ("moe-mha", {"tp": 4}, ((1,), (0, 1), (1, 3))),
+    ],
+    ids=["tp2-etp2-ep2-zero3", "tp4-etp2-edp2"],
+)
+def test_etp_sp_moe_trains_as_one_process(
+    tmp_path: Path, model: str, degrees: dict[str, int], groups: tuple[tuple[int, ...], ...]
+) -> None:
+    """autoplan's runtime at etp 2 with sequence parallelism on 4 ranks: each TP rank routes
+    its own part of the sequence to its ep group, the rows received are gathered over the etp
+    group, every rank runs its half of each local expert's width on them, and the partial
+    outputs are reduce-scattered back (passes/expert_parallel.py). At etp = tp = 2 (ep 2 inside
+    dp 2, ZeRO-3) the etp group is the TP group; at tp 4 it is half of it, on the expert
+    layer's own (edp, ep, etp) mesh, and the expert weights' gradients are summed over the
+    expert-data group, the other half of the TP group, which saw the other tokens. Loss and
+    every gradient (the experts' gathered from their DTensors) match one process over 3 AdamW
+    steps, load-balancing loss included."""
     from tests.dist_utils import run_distributed
     from tests.numerics import assert_matches, train_worker
     from tests.test_parallelize_cp_ep import _micro_batch_reference, _plan
 
-    plan = _plan("moe", 4, tp=2, ep=2, etp=2, zero=3, global_batch=4, sequence_parallel=True)
-    assert (plan.etp_degree, plan.ep_group_ranks(1), plan.etp_group_ranks(1)) == (2, (1, 3), (0, 1))
+    plan = _plan(model, 4, etp=2, global_batch=4, sequence_parallel=True, **degrees)
+    experts = replace(plan, ep_folding=True) if plan.ep_degree == 1 else plan
+    assert (
+        experts.ep_group_ranks(1),
+        experts.etp_group_ranks(1),
+        experts.expert_data_group_ranks(1),
+    ) == groups
     results = run_distributed(
-        train_worker, "moe", plan.to_data(), world_size=plan.num_devices, tmp_path=tmp_path
+        train_worker, model, plan.to_data(), world_size=plan.num_devices, tmp_path=tmp_path
     )
-    assert_matches(results, _micro_batch_reference("moe", plan))
+    assert_matches(results, _micro_batch_reference(model, plan))

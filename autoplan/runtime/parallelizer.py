@@ -19,7 +19,7 @@ Guarantees:
   same plan;
 - the passes run in order, each checking its own result: split into stages and units ->
   tensor parallel -> context parallel (cp > 1) -> expert parallel (ep > 1, or etp > 1:
-  each routed expert split over the TP group, `passes.ExpertTensorParallel`) -> activation
+  each expert split over etp ranks of a TP group, `passes.ExpertTensorParallel`) -> activation
   recompute -> data parallel -> materialise -> pipeline; a plan with ``tp_comm_overlap`` runs
   torch's async TP (`passes.async_tp`, CUDA and NCCL only: refused elsewhere on every rank
   before anything is built); a plan with ``optimizer_offload`` steps that share of each
@@ -456,8 +456,9 @@ def _shard_stages(
 
 
 def _expert_tensor_parallel(plan: Plan, mesh: ParallelMesh) -> ExpertTensorParallel | None:
-    """How the routed experts split over the etp ranks (the TP group: `Capabilities.etp_is_tp`),
-    None at etp 1. Under sequence parallelism each TP rank routes its own tokens."""
+    """How the routed experts split over the etp ranks (the TP group at etp = tp; below tp the
+    expert mesh's etp axis, `ParallelMesh.sub`), None at etp 1. Under sequence parallelism
+    each TP rank routes its own tokens."""
     if plan.etp_degree == 1:
         return None
     return ExpertTensorParallel(
@@ -494,8 +495,9 @@ def _wrap_data_parallel(
 def _tp_summed_parameters(result: TensorParallelResult, plan: Plan) -> tuple[str, ...]:
     """The parameters of MoE layers on sequence shards whose gradients sum over tp: router
     and shared expert, and the routed experts unless a folded ep group reduces them over the
-    tp ranks already (`Plan.expert_data_group_ranks` spans tp then) or they are split over the
-    TP group (etp = tp: each rank's slice saw every token of the group)."""
+    tp ranks already (`Plan.expert_data_group_ranks` spans tp then) or they are split over etp
+    ranks (at etp = tp each rank's slice saw every token of the group; below tp the expert-data
+    group holds the other expert-TP groups of the TP group, `ParallelMesh.expert_dp`)."""
     apart = (plan.ep_folding and plan.ep_degree > 1) or plan.etp_degree > 1
     return tuple(
         name

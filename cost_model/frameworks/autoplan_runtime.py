@@ -23,14 +23,18 @@ AUTOPLAN = FrameworkProfile(
         expert_wrapper_limits=True,
         # passes/mesh.py builds HSDP's 2-D mesh from dp ranks only
         hsdp_context_parallel=False,
-        # passes/expert_parallel.py splits each routed expert over the tp mesh axis (etp = tp)
-        etp_is_tp=True,
+        # passes/expert_parallel.py splits each routed expert over etp ranks of the TP group;
+        # below tp on the expert layer's own mesh (passes/mesh.py), where each TP rank routes
+        # its own tokens
+        etp_below_tp_needs_sp_folding=True,
         explained={
             "etp": Explanation(
-                why="its expert-parallel pass (passes/expert_parallel.py) splits each routed "
-                "expert over the tp mesh axis, the whole TP group",
-                fix="set etp_degree to tp_degree or 1, or price it for megatron-lm "
-                "(--expert-tensor-parallel-size)",
+                why="its expert-parallel pass (passes/expert_parallel.py) runs 1 < etp < tp on "
+                "the expert layer's own (edp, ep, etp) mesh of Megatron-Core's groups "
+                "(passes/mesh.py), where every TP rank routes its own tokens, as Megatron-LM "
+                "requires of MoE with tp > 1 (megatron/training/arguments.py, validate_args)",
+                fix="set sequence_parallel: true and ep_folding: true, or etp_degree to "
+                "tp_degree or 1",
             ),
             "dtype:mxfp8": Explanation(
                 why="its fp8 is torchao's float8 training, whose MXFP8 linears run on Blackwell "
@@ -77,8 +81,9 @@ AUTOPLAN = FrameworkProfile(
     # torch.autograd.graph.save_on_cpu around a stage's offloaded blocks (passes/offload.py;
     # CUDA only: a CPU worker is its own host, refused by the host-link rule)
     activation_offload="blocking",
-    # each routed expert split over the TP group: gate and up by columns, down by rows
-    # (passes/expert_parallel.py; etp = tp only, `Capabilities.etp_is_tp`)
+    # each routed expert split over etp ranks of the TP group: gate and up by columns, down by
+    # rows (passes/expert_parallel.py; below tp with sequence parallelism and folded ep groups,
+    # `Capabilities.etp_below_tp_needs_sp_folding`)
     expert_tensor_parallel=True,
     sources=("autoplan passes/ and cost_model/calibration.py (the defaults)",),
 )

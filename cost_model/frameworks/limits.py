@@ -481,19 +481,8 @@ def _combination_refusals(
             limit="etp",
             field="etp_degree",
         )
-    elif strategy.etp_degree not in (1, tp) and caps.etp_is_tp:
-        etp_rule, etp_fix = _own_words(
-            caps.explained.get("etp"),
-            f"{name} splits a routed expert over the whole TP group or not at all",
-            f"set etp_degree {tp} or 1",
-        )
-        yield Refusal(
-            value=f"etp_degree {strategy.etp_degree} with tp_degree {tp}",
-            rule=etp_rule,
-            fix=etp_fix,
-            limit="etp",
-            field="etp_degree",
-        )
+    elif 1 < strategy.etp_degree < tp and caps.etp_below_tp_needs_sp_folding:
+        yield from _etp_below_tp_refusals(stack, strategy)
     yield from _expert_group_refusals(stack, strategy)
     if pp > 1:
         yield from _pipeline_refusals(stack, strategy)
@@ -978,6 +967,34 @@ def _stage_cut_refusal(
         fix=f"use its cut {cuts_text(own)} (leave the stages to it)",
         limit="stage-cuts",
         field="stages",
+    )
+
+
+def _etp_below_tp_refusals(stack: FrameworkProfile, strategy: Strategy) -> Iterator[Refusal]:
+    """Why ``stack`` (`Capabilities.etp_below_tp_needs_sp_folding`) cannot split experts over
+    part of the TP group in ``strategy``: without sequence parallelism, or with ep > 1 inside
+    dp; nothing when it can."""
+    etp, tp, ep = strategy.etp_degree, strategy.tp_degree, strategy.ep_degree
+    rule, _ = _own_words(
+        stack.capabilities.explained.get("etp"),
+        f"{stack.name} splits an expert over part of a TP group only with sequence "
+        "parallelism and folded expert-parallel groups (or ep 1)",
+        "",
+    )
+    if not strategy.sequence_parallel:
+        value, field = "without sequence parallelism", "sequence_parallel"
+        fix = f"set sequence_parallel: true, or etp_degree {tp} or 1"
+    elif ep > 1 and not strategy.ep_folding:
+        value, field = f"and ep_degree {ep} inside dp", "ep_folding"
+        fix = f"set ep_folding: true, or etp_degree {tp} or 1"
+    else:
+        return
+    yield Refusal(
+        value=f"etp_degree {etp} with tp_degree {tp} {value}",
+        rule=rule,
+        fix=fix,
+        limit="etp",
+        field=field,
     )
 
 

@@ -142,10 +142,11 @@ class Capabilities:
     # with selective recompute around separately wrapped experts under FSDP2 (autoplan's
     # runtime).
     expert_wrapper_limits: bool = False
-    # Its expert tensor parallelism splits a routed expert over the whole TP group only
-    # (etp = tp, or 1; autoplan's runtime: the etp group is its tp mesh axis); its words for
-    # why are `explained` "etp".
-    etp_is_tp: bool = False
+    # Its expert tensor parallelism below tp (1 < etp < tp) needs every TP rank to route its
+    # own tokens (sequence parallelism) and Megatron-Core's expert groups (ep folded over the
+    # expert-TP groups, or ep 1): autoplan's runtime builds the expert layer's own (edp, ep,
+    # etp) mesh in that order then (passes/mesh.py); its words for why are `explained` "etp".
+    etp_below_tp_needs_sp_folding: bool = False
     # Each limit in the stack's own terms, citing its code (`Explanation`): what `autoplan
     # export` says of a plan that breaks it. Keyed by `LimitKey`, or ``limit:value`` where
     # one value needs its own words (``schedule:gpipe``).
