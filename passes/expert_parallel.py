@@ -59,10 +59,10 @@ tp / etp expert-TP groups hold the same slices of the same experts on other toke
 the expert-data group (`Plan.expert_data_group_ranks` of the folded layout,
 ``ParallelMesh.expert_dp``), so the rule below holds unchanged: sum over it, divide by
 dp x cp. Without sequence parallelism those groups would be exact copies, whose sum over the
-expert-data group double counts: autoplan's runtime refuses that case (Megatron-LM too
-requires sequence parallelism for MoE with tp > 1, megatron/training/arguments.py
-``validate_args``), and ep > 1 inside dp below tp (not Megatron-Core's groups), in one line
-(`cost_model.frameworks.limits`).
+expert-data group double counts: autoplan's runtime refuses that case in one line (Megatron-LM
+too requires sequence parallelism for MoE with tp > 1, megatron/training/arguments.py
+``validate_args``), as it refuses ep > 1 inside dp below tp, whose groups are not
+Megatron-Core's (`cost_model.frameworks.limits`).
 
 Composition with data parallelism (Megatron-LM's expert-data-parallel groups,
 megatron/core/parallel_state.py: ``_EXPERT_MODEL`` splits the experts over a group,
