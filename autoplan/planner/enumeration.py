@@ -33,7 +33,7 @@ from cost_model.frameworks.limits import (
 )
 from cost_model.hardware import Cluster
 from cost_model.offload import host_memory_per_device_bytes
-from cost_model.parts.offload import twin_host_bytes
+from cost_model.parts.offload import activation_twin_host_bytes, optimizer_host_bytes
 from cost_model.strategy import Strategy
 
 __all__ = ["Enumeration", "ShapeEntry"]
@@ -193,11 +193,16 @@ class Enumeration:
             if optimizer is not None and activations is not None
             else None
         )
-        # (no twin whose offload the host's memory cannot hold: the plan would be refused)
+        # (no twin whose offload the host's memory cannot hold: the plan would be refused;
+        # `twin_host_bytes`, its activations' part summed once for the two twins that have it)
+        saved = activation_twin_host_bytes(self._profile, activations) if activations else 0.0
         return tuple(
             twin
             for twin in (optimizer, activations, both)
-            if twin is not None and twin_host_bytes(self._profile, twin) <= self._host_share
+            if twin is not None
+            and optimizer_host_bytes(self._profile, twin)
+            + (saved if twin.activation_offload else 0.0)
+            <= self._host_share
         )
 
     def activation_twin(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> Strategy | None:

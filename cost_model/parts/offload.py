@@ -164,18 +164,24 @@ def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
     activation twin (`Strategy.activation_offload`), every block's saved activations under
     recompute 'none' for as many micro-batches as a rank holds (all of them under GPipe, else at
     most the pipeline's stages). The search offers no twin this puts over the device's share."""
-    host = optimizer_host_bytes(profile, strategy)
-    if strategy.activation_offload:
-        m = strategy.num_micro_batches
-        held = m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
-        traced = profile.traced_dtype_bytes
-        saved = sum(
-            activation_bytes(unit, strategy, "none", traced) / strategy.cp_degree
-            for unit in profile.units
-            if unit.kind in RECOMPUTABLE_KINDS
-        )
-        host += held * saved
-    return host
+    return optimizer_host_bytes(profile, strategy) + activation_twin_host_bytes(profile, strategy)
+
+
+def activation_twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """The activations' part of `twin_host_bytes` (0 unless ``strategy.activation_offload``;
+    the optimizer's share does not change it, so a twin offloading both has its activation
+    twin's)."""
+    if not strategy.activation_offload:
+        return 0.0
+    m = strategy.num_micro_batches
+    held = m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
+    traced = profile.traced_dtype_bytes
+    saved = sum(
+        activation_bytes(unit, strategy, "none", traced) / strategy.cp_degree
+        for unit in profile.units
+        if unit.kind in RECOMPUTABLE_KINDS
+    )
+    return held * saved
 
 
 # ------------------------------------------------------------------------ activation offload
