@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from autoplan.planner import bounds
 from autoplan.planner.bounds import SHARE_GRID, pipeline_factor, share_range
 from autoplan.planner.work import Work
 from cost_model.schedules import ScheduleSpec, StageTimes, pipeline_lower_bound_s, simulate
@@ -21,12 +22,16 @@ SPECS = (
 )
 
 
+@pytest.mark.parametrize("method", ["all paths", "kelley"])
 @pytest.mark.parametrize(("schedule", "p", "v", "m"), SPECS)
-def test_bound_holds_for_random_uneven_stage_times(schedule: str, p: int, v: int, m: int) -> None:
+def test_bound_holds_for_random_uneven_stage_times(
+    schedule: str, p: int, v: int, m: int, method: str
+) -> None:
     spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
     forward = share_range([0.25, 0.4])
     weight = share_range([0.3, 0.6])
-    factor = pipeline_factor(spec, forward, weight)
+    solve = bounds._all_paths if method == "all paths" else bounds._kelley
+    factor, _ = solve(spec, forward, weight)
     rng = random.Random(f"{schedule}{p}{v}{m}")
     least = float("inf")
     for _ in range(200):
@@ -62,6 +67,24 @@ def test_interleaving_bound_sees_part_of_the_bubble() -> None:
     factor = pipeline_factor(spec, share_range([1 / 3]), (0, 0))
     even = (8 + 3 / 2) / 4  # (m + (p - 1) / v) per unit of work per rank
     assert 8 / 4 < factor <= even
+
+
+@pytest.mark.parametrize(("schedule", "p", "v", "m"), [*SPECS, ("interleaved-1f1b", 8, 4, 24)])
+def test_the_exact_factor_is_at_least_kelleys(schedule: str, p: int, v: int, m: int) -> None:
+    """Every path at once against Kelley's subset of them. On interleaved 1F1B p 8, v 4, m 24
+    Kelley's rounds stall at the busiest rank's share (degenerate LP solutions) where the
+    exact factor sees 4.9% of fill and drain beyond it."""
+    spec = ScheduleSpec(schedule=schedule, pp_degree=p, virtual_stages=v, num_micro_batches=m)
+    forward, weight = share_range([1 / 3]), share_range([0.5])
+    exact, _ = bounds._all_paths(spec, forward, weight)
+    kelley, _ = bounds._kelley(spec, forward, weight)
+    assert exact >= kelley * (1 - 1e-6)
+    if (p, v, m) == (8, 4, 24):
+        assert kelley == pytest.approx(m / p, rel=1e-6)
+        assert exact >= m / p * 1.04
+    # the searched factor is the exact one where the schedule is small enough
+    assert spec.num_actions <= bounds.ALL_PATHS_MAX_ACTIONS
+    assert pipeline_factor(spec, forward, weight) == exact
 
 
 def test_share_range_rounds_outward() -> None:
