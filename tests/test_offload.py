@@ -712,3 +712,51 @@ def test_explain_names_the_offload_copies() -> None:
     assert path.offload_s == pytest.approx(copies) and path.zero3_exposed_s == 0
     assert "activation offload copies" in path.summary()
     assert critical_path(estimate(profile, cluster, plain)).offload_s == 0
+
+
+def test_the_blocks_saved_bytes_read_only_the_fields_the_search_caches_them_by() -> None:
+    """`blocks_saved_bytes` (the search caches it by `BLOCKS_SAVED_FIELDS` for every member of
+    a shape, `Enumeration.offload_twins`) is unchanged by the fields it does not name, changed
+    by each it names, and times the held micro-batches is `activation_twin_host_bytes`."""
+    from cost_model.parts.offload import (
+        BLOCKS_SAVED_FIELDS,
+        activation_twin_host_bytes,
+        blocks_saved_bytes,
+        twin_held_micro_batches,
+    )
+    from cost_model.strategy import Strategy
+    from tests.cost_profiles import gpt_profile
+
+    profile = gpt_profile(num_layers=4, s=256, h=512, a=8, vocab=4096)
+    base = Strategy(tp_degree=2, sequence_parallel=True, micro_batch_size=2, dtype="bf16")
+    saved = blocks_saved_bytes(profile, base)
+    assert saved > 0
+    others = (
+        {"pp_degree": 2, "num_micro_batches": 8},
+        {
+            "pp_degree": 2,
+            "virtual_stages": 2,
+            "schedule": "interleaved-1f1b",
+            "num_micro_batches": 4,
+        },
+        {"zero_stage": 3, "dp_degree": 4},
+        {"optimizer_offload": 1.0},
+    )
+    for fields in others:
+        assert blocks_saved_bytes(profile, dataclasses.replace(base, **fields)) == saved, fields
+    named = {
+        "tp_degree": 4,
+        "sequence_parallel": False,
+        "micro_batch_size": 4,
+        "dtype": "fp32",
+        "cp_degree": 2,
+    }
+    assert set(named) == set(BLOCKS_SAVED_FIELDS)
+    for name, value in named.items():
+        layout = {"rank_layout": ("pp", "dp", "cp", "tp")} if name == "cp_degree" else {}
+        changed = dataclasses.replace(base, **{name: value}, **layout)
+        assert blocks_saved_bytes(profile, changed) != saved, name
+    twin = dataclasses.replace(
+        base, activation_offload=True, pp_degree=2, num_micro_batches=8, schedule="1f1b"
+    )
+    assert activation_twin_host_bytes(profile, twin) == twin_held_micro_batches(twin) * saved

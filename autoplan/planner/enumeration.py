@@ -33,7 +33,12 @@ from cost_model.frameworks.limits import (
 )
 from cost_model.hardware import Cluster
 from cost_model.offload import host_memory_per_device_bytes
-from cost_model.parts.offload import activation_twin_host_bytes, optimizer_host_bytes
+from cost_model.parts.offload import (
+    BLOCKS_SAVED_FIELDS,
+    blocks_saved_bytes,
+    optimizer_host_bytes,
+    twin_held_micro_batches,
+)
 from cost_model.strategy import Strategy
 
 __all__ = ["Enumeration", "ShapeEntry"]
@@ -85,6 +90,8 @@ class Enumeration:
         self._host_share = host_memory_per_device_bytes(
             cluster.host_memory_bytes, cluster.devices_per_node
         )
+        # one micro-batch's block activations, by `BLOCKS_SAVED_FIELDS` (`offload_twins`)
+        self._blocks_saved: dict[tuple[object, ...], float] = {}
         self.infeasible: list[Strategy] = []  # members the memory bound proves cannot fit
         # the stack's rule -> the first plan it refused so, and how many
         self._refusals: dict[str, tuple[Refusal, int]] = {}
@@ -195,7 +202,7 @@ class Enumeration:
         )
         # (no twin whose offload the host's memory cannot hold: the plan would be refused;
         # `twin_host_bytes`, its activations' part summed once for the two twins that have it)
-        saved = activation_twin_host_bytes(self._profile, activations) if activations else 0.0
+        saved = self._activation_twin_bytes(activations) if activations else 0.0
         return tuple(
             twin
             for twin in (optimizer, activations, both)
@@ -204,6 +211,15 @@ class Enumeration:
             + (saved if twin.activation_offload else 0.0)
             <= self._host_share
         )
+
+    def _activation_twin_bytes(self, twin: Strategy) -> float:
+        """`cost_model.parts.offload.activation_twin_host_bytes` of ``twin``, its blocks' bytes
+        computed once per combination of the fields they read (members of a shape share it)."""
+        key = tuple(getattr(twin, name) for name in BLOCKS_SAVED_FIELDS)
+        saved = self._blocks_saved.get(key)
+        if saved is None:
+            saved = self._blocks_saved[key] = blocks_saved_bytes(self._profile, twin)
+        return twin_held_micro_batches(twin) * saved
 
     def activation_twin(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> Strategy | None:
         """``strategy`` with every block under recompute 'none' but the model's last keeping

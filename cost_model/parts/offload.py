@@ -173,15 +173,29 @@ def activation_twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> flo
     twin's)."""
     if not strategy.activation_offload:
         return 0.0
+    return twin_held_micro_batches(strategy) * blocks_saved_bytes(profile, strategy)
+
+
+def twin_held_micro_batches(strategy: Strategy) -> int:
+    """How many micro-batches' saved activations a rank holds, at most, for
+    `activation_twin_host_bytes`: all of them under GPipe, else at most the pipeline's stages."""
     m = strategy.num_micro_batches
-    held = m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
+    return m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
+
+
+def blocks_saved_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+    """One micro-batch's saved activations of every block under recompute 'none' on one
+    device. Reads only `BLOCKS_SAVED_FIELDS` of ``strategy`` (a caller may cache by them)."""
     traced = profile.traced_dtype_bytes
-    saved = sum(
+    return sum(
         activation_bytes(unit, strategy, "none", traced) / strategy.cp_degree
         for unit in profile.units
         if unit.kind in RECOMPUTABLE_KINDS
     )
-    return held * saved
+
+
+# the strategy fields `blocks_saved_bytes` reads (`cost_model.memory.activation_bytes`)
+BLOCKS_SAVED_FIELDS = ("tp_degree", "sequence_parallel", "micro_batch_size", "dtype", "cp_degree")
 
 
 # ------------------------------------------------------------------------ activation offload
