@@ -38,6 +38,7 @@ from cost_model.parts.offload import (
     blocks_saved_bytes,
     optimizer_host_bytes,
     twin_held_micro_batches,
+    units_params_of,
 )
 from cost_model.strategy import Strategy
 
@@ -92,6 +93,7 @@ class Enumeration:
         )
         # one micro-batch's block activations, by `BLOCKS_SAVED_FIELDS` (`offload_twins`)
         self._blocks_saved: dict[tuple[object, ...], float] = {}
+        self._units_params = units_params_of(self._profile)
         self.infeasible: list[Strategy] = []  # members the memory bound proves cannot fit
         # the stack's rule -> the first plan it refused so, and how many
         self._refusals: dict[str, tuple[Refusal, int]] = {}
@@ -207,7 +209,7 @@ class Enumeration:
             twin
             for twin in (optimizer, activations, both)
             if twin is not None
-            and optimizer_host_bytes(self._profile, twin)
+            and optimizer_host_bytes(self._profile, twin, self._units_params)
             + (saved if twin.activation_offload else 0.0)
             <= self._host_share
         )

@@ -144,17 +144,25 @@ def host_memory_problem(
     )
 
 
-def optimizer_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
+def optimizer_host_bytes(
+    profile: ModelProfile, strategy: Strategy, units_params: int | None = None
+) -> float:
     """A device's offloaded optimizer state in host memory: its share of the model's parameters
     (over tp x pp, and over the shard group from ZeRO-1 on; routed experts taken as dense, an
-    upper bound) at `HOST_BYTES_PER_PARAM` each, times the offloaded share."""
+    upper bound) at `HOST_BYTES_PER_PARAM` each, times the offloaded share. ``units_params``:
+    `units_params_of` the profile, if the caller has it."""
     if strategy.optimizer_offload <= 0:
         return 0.0
-    params: float = sum(unit.num_params for unit in profile.units)
+    params: float = units_params if units_params is not None else units_params_of(profile)
     params /= strategy.tp_degree * strategy.pp_degree
     if strategy.runtime_zero_stage >= 1:
         params /= strategy.shard_degree
     return strategy.optimizer_offload * params * HOST_BYTES_PER_PARAM
+
+
+def units_params_of(profile: ModelProfile) -> int:
+    """Every unit's parameters, shared ones counted in each unit that holds them."""
+    return sum(unit.num_params for unit in profile.units)
 
 
 def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
