@@ -417,8 +417,9 @@ def test_the_lp_bound_is_below_the_optimum(seed: int) -> None:
     # a bound, not a constant: at least every rank's own work (its full order) or close to it
     assert bound > 0.5 * expected.step_time_s, (bound, expected.step_time_s)
     tight = replace(problem, memory_capacity_bytes=problem.memory_capacity_bytes * 0.5)
-    if brute_force(tight) is not None:
-        assert lp_bound(tight) <= brute_force(tight).step_time_s * (1 + 1e-9)  # type: ignore[union-attr]
+    tight_optimum = brute_force(tight)
+    if tight_optimum is not None:
+        assert lp_bound(tight) <= tight_optimum.step_time_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(48))
