@@ -275,28 +275,30 @@ def test_megatron_export_states_etp() -> None:
 
 
 def test_search_offers_etp_where_the_stack_runs_it() -> None:
-    """Megatron-LM's and autoplan's spaces try every etp dividing tp (experts whole, split as
-    the dense TP splits them, or over part of each TP group); a dense model only 1; a
-    constraint is taken where it divides tp, and refused in one line for a stack without
-    expert tensor parallelism."""
+    """Megatron-LM's and autoplan's spaces try etp 1 and tp (experts whole, or split as the
+    dense TP splits them), and the degrees between when a constraint asks for them; a dense
+    model only 1; a constraint is taken where it divides tp, and refused in one line for a
+    stack without expert tensor parallelism."""
     profile = _moe_profile()
     cluster = round_cluster(num_nodes=1, devices_per_node=8)
     megatron = _space_for(profile, cluster, 16, "megatron-lm", {})
     assert megatron.expert_tensor_parallel
-    assert etp_choices(megatron, profile, 4) == [1, 2, 4]
+    assert etp_choices(megatron, profile, 4) == [1, 4]
     assert etp_choices(megatron, profile, 1) == [1]
     assert etp_choices(replace(megatron, etp=(1, 2, 3)), profile, 4) == [1, 2]
     dense = gpt_profile(num_layers=2, s=1024, h=1024, a=8, e=2)
     assert etp_choices(megatron, dense, 4) == [1]
     own = _space_for(profile, cluster, 16, "autoplan", {})
-    assert own.expert_tensor_parallel and etp_choices(own, profile, 8) == [1, 2, 4, 8]
+    assert own.expert_tensor_parallel and etp_choices(own, profile, 8) == [1, 8]
+    assert etp_choices(replace(own, etp=(1, 2, 4, 8)), profile, 8) == [1, 2, 4, 8]
     with pytest.raises(ConstraintError, match=r"^etp=2: torchtitan does not split routed experts"):
         _space_for(profile, cluster, 16, "torchtitan", {"etp": 2})
     # every member the enumeration yields is a valid strategy; below tp its ep groups fold
     # over the tp / etp groups (ep 1 is the same layout either way)
+    every_etp = replace(megatron, etp=(1, 2, 4, 8))
     found = {
         (s.tp_degree, s.etp_degree, s.ep_degree, s.ep_folding)
-        for s in strategies(megatron, profile, cluster, 16)
+        for s in strategies(every_etp, profile, cluster, 16)
     }
     assert {t for t, e, _, _ in found if e > 1} == {2, 4, 8}
     assert {(t, e) for t, e, _, _ in found if 1 < e < t} == {(4, 2), (8, 2), (8, 4)}
