@@ -36,6 +36,11 @@ Guarantees (`OffloadedOptimizer`):
   them): torch.distributed.checkpoint saves the host states under the model's names, as
   DTensors where the parameters are, and loads them back in place, bit for bit.
 
+Not torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py): it offloads every
+parameter above a size, on one CUDA or XPU device (it asserts so), with no share and no
+DTensor shards; nor FSDP2's ``CPUOffloadPolicy``, which keeps the parameters and gradients on
+the host too (another technique, priced otherwise).
+
 On a CPU worker the device is the host: the copies are CPU-to-CPU, but the code path (separate
 host tensors, a separate optimizer, the copies each way) is the one a GPU runs; pinning, the
 non-blocking copies and the event are CUDA's only.

@@ -722,7 +722,7 @@ def test_the_blocks_saved_bytes_read_only_the_fields_the_search_caches_them_by()
         BLOCKS_SAVED_FIELDS,
         activation_twin_host_bytes,
         blocks_saved_bytes,
-        twin_held_micro_batches,
+        host_held_micro_batches,
     )
     from cost_model.strategy import Strategy
     from tests.cost_profiles import gpt_profile
@@ -759,4 +759,4 @@ def test_the_blocks_saved_bytes_read_only_the_fields_the_search_caches_them_by()
     twin = dataclasses.replace(
         base, activation_offload=True, pp_degree=2, num_micro_batches=8, schedule="1f1b"
     )
-    assert activation_twin_host_bytes(profile, twin) == twin_held_micro_batches(twin) * saved
+    assert activation_twin_host_bytes(profile, twin) == host_held_micro_batches(twin) * saved

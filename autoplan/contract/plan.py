@@ -92,6 +92,7 @@ from cost_model.partial_recompute import (
 from cost_model.parts.fp8 import fp8_shape_problem
 from cost_model.parts.offload import (
     activation_link_problem,
+    host_held_micro_batches,
     host_memory_problem,
     optimizer_host_bytes,
 )
@@ -724,8 +725,7 @@ class Plan:
         the stages (every stage on one rank: an upper bound)."""
         strategy = Strategy.of(self)
         host = optimizer_host_bytes(profile, strategy)
-        m = self.num_micro_batches
-        held = m if self.schedule == "gpipe" else min(m, len(self.stages))
+        held = host_held_micro_batches(strategy)
         traced = profile.traced_dtype_bytes
         for stage in self.stages:
             if not stage.activation_offload:

@@ -36,8 +36,8 @@ from cost_model.offload import host_memory_per_device_bytes
 from cost_model.parts.offload import (
     BLOCKS_SAVED_FIELDS,
     blocks_saved_bytes,
+    host_held_micro_batches,
     optimizer_host_bytes,
-    twin_held_micro_batches,
     units_params_of,
 )
 from cost_model.strategy import Strategy
@@ -203,7 +203,8 @@ class Enumeration:
             else None
         )
         # (no twin whose offload the host's memory cannot hold: the plan would be refused;
-        # `twin_host_bytes`, its activations' part summed once for the two twins that have it)
+        # `optimizer_host_bytes` + `activation_twin_host_bytes`, the latter summed once for the
+        # two twins that have it)
         saved = self._activation_twin_bytes(activations) if activations else 0.0
         return tuple(
             twin
@@ -221,7 +222,7 @@ class Enumeration:
         saved = self._blocks_saved.get(key)
         if saved is None:
             saved = self._blocks_saved[key] = blocks_saved_bytes(self._profile, twin)
-        return twin_held_micro_batches(twin) * saved
+        return host_held_micro_batches(twin) * saved
 
     def activation_twin(self, strategy: Strategy, modes: tuple[Recompute, ...]) -> Strategy | None:
         """``strategy`` with every block under recompute 'none' but the model's last keeping

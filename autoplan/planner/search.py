@@ -344,7 +344,7 @@ def _space_for(
         folding = {"folded": (True,), "dp": (False,)}.get(layout or "", (False, True))
         space = replace(space, ep_folding=folding)
     if stack.expert_tensor_parallel:
-        # every etp dividing tp tried (`space.etp_choices`)
+        # etp 1 and tp tried, the degrees between when asked for (`space.etp_choices`)
         space = replace(space, expert_tensor_parallel=True)
     elif space.etp is not None and max(space.etp) > 1:
         raise ConstraintError(

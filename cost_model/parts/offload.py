@@ -165,28 +165,20 @@ def units_params_of(profile: ModelProfile) -> int:
     return sum(unit.num_params for unit in profile.units)
 
 
-def twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
-    """At least what a plan read back from ``strategy`` puts on one device's host, as
-    `autoplan.Plan`'s host-memory check counts it: its optimizer share (the model's parameters
-    over tp x pp, over the shard group from ZeRO-1 on, 16 bytes each) and, for the search's
-    activation twin (`Strategy.activation_offload`), every block's saved activations under
-    recompute 'none' for as many micro-batches as a rank holds (all of them under GPipe, else at
-    most the pipeline's stages). The search offers no twin this puts over the device's share."""
-    return optimizer_host_bytes(profile, strategy) + activation_twin_host_bytes(profile, strategy)
-
-
 def activation_twin_host_bytes(profile: ModelProfile, strategy: Strategy) -> float:
-    """The activations' part of `twin_host_bytes` (0 unless ``strategy.activation_offload``;
-    the optimizer's share does not change it, so a twin offloading both has its activation
-    twin's)."""
+    """At least what the search's activation twin (`Strategy.activation_offload`) puts on one
+    device's host, as `autoplan.Plan`'s host-memory check counts a plan read back from it:
+    every block's saved activations under recompute 'none' for `host_held_micro_batches`
+    (0 unless ``strategy.activation_offload``; the optimizer's share, `optimizer_host_bytes`,
+    adds to it). The search offers no twin this puts over the device's share."""
     if not strategy.activation_offload:
         return 0.0
-    return twin_held_micro_batches(strategy) * blocks_saved_bytes(profile, strategy)
+    return host_held_micro_batches(strategy) * blocks_saved_bytes(profile, strategy)
 
 
-def twin_held_micro_batches(strategy: Strategy) -> int:
-    """How many micro-batches' saved activations a rank holds, at most, for
-    `activation_twin_host_bytes`: all of them under GPipe, else at most the pipeline's stages."""
+def host_held_micro_batches(strategy: Strategy) -> int:
+    """How many micro-batches' offloaded activations a rank holds at most: all of them under
+    GPipe, else at most the pipeline's stages (an upper bound)."""
     m = strategy.num_micro_batches
     return m if strategy.schedule == "gpipe" else min(m, strategy.num_stages)
 
